@@ -1,0 +1,76 @@
+"""Shared test fixtures.
+
+Real tokenizers and data come from the `shared/` folder that sits beside a checkout of this repository
+(or the path in LOGITLESS_SHARED); tests that need it skip cleanly when it is absent.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _shared_dir() -> Path | None:
+    for cand in (os.environ.get("LOGITLESS_SHARED"), REPO_ROOT / "shared", REPO_ROOT.parent / "shared"):
+        if cand and Path(cand, "tokenizers").is_dir():
+            return Path(cand)
+    return None
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    d = _shared_dir()
+    if d is None:
+        pytest.skip("shared/ data folder (tokenizers, datasets) not found beside the repository")
+    return d
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer(shared_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(shared_dir / "tokenizers" / "qwen2.5"))
+
+
+@pytest.fixture(scope="session")
+def gpt2_tokenizer(shared_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(shared_dir / "tokenizers" / "gpt2"))
+
+
+def tiny_qwen2(vocab_size: int = 151_665, hidden: int = 64, layers: int = 2, tie: bool = True, seed: int = 0):
+    """A random-init 2-layer Qwen2 causal LM of real vocabulary size (fp32, eval mode)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+    )
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+@pytest.fixture
+def tiny_qwen2_model():
+    return tiny_qwen2()
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

@@ -1,0 +1,336 @@
+"""Typed dataclass configs from an optional YAML file plus `section.key=value` overrides.
+
+The schema is a dataclass whose fields are dataclass *sections* (nested to any depth) and plain fields:
+
+    @dataclass
+    class Optim:
+        lr: float = 1e-5
+        betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+
+    @dataclass
+    class Config:
+        optim: Optim = field(default_factory=Optim)
+        seed: int = 0
+
+    cfg = load_config(Config, "run.yaml", ["optim.lr=1e-4", "seed=3"])
+
+Values of overrides are parsed with `yaml.safe_load` (`x=null`, `xs=[a,b]`, `flag=true`). Unknown keys and
+values of the wrong type are refused with a `ConfigError` that names the key, the expected type and the
+nearest valid key. Supported field types: int, float (int accepted; strings such as "1e-4" accepted), bool,
+str, Any, Optional/unions, Literal, list[...], tuple[..., ...], dict[str, ...] and nested dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
+
+import yaml
+
+T = TypeVar("T")
+_MISSING = object()
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not match the config schema."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Schema helpers
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    """Resolved type hints of a dataclass's fields (handles `from __future__ import annotations`)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _is_union(tp: Any) -> bool:
+    return typing.get_origin(tp) in (Union, types.UnionType)
+
+
+def _section_type(tp: Any) -> type | None:
+    """The dataclass type of a section field (also through Optional[Section]), else None."""
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return tp
+    if _is_union(tp):
+        arms = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(arms) == 1:
+            return _section_type(arms[0])
+    return None
+
+
+def _type_name(tp: Any) -> str:
+    if tp is Any:
+        return "any"
+    if tp is type(None):
+        return "null"
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return f"section {tp.__name__}"
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if _is_union(tp):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin in (list, tuple, dict):
+        return f"{origin.__name__}[{', '.join(_type_name(a) if a is not Ellipsis else '...' for a in typing.get_args(tp))}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def valid_keys(cls: type, prefix: str = "") -> list[str]:
+    """All dotted keys of a config schema: sections and leaves, e.g. ['optim', 'optim.lr', 'seed']."""
+    keys: list[str] = []
+    for name, tp in _hints(cls).items():
+        key = f"{prefix}{name}"
+        keys.append(key)
+        sub = _section_type(tp)
+        if sub is not None:
+            keys.extend(valid_keys(sub, key + "."))
+    return keys
+
+
+def _unknown_key(key: str, root: type, where: str, bad: str | None = None) -> ConfigError:
+    """Error for unknown `key`; `bad` is its first unknown dotted prefix (default: the key itself)."""
+    bad = bad or key
+    candidates = valid_keys(root)
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    parent = bad.rpartition(".")[0]
+    siblings = [k for k in candidates if k.rpartition(".")[0] == parent]
+    detail = f"{where}, no key '{bad}'" if bad != key else where
+    return ConfigError(
+        f"unknown config key '{key}' ({detail}){hint} Valid keys "
+        f"{'of ' + repr(parent) if parent else 'at top level'}: {', '.join(siblings)}"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Value checking
+
+
+def _check(value: Any, tp: Any, key: str, root: type) -> Any:
+    """Return `value` converted to `tp` (int -> float, list -> tuple, dict -> dataclass) or raise ConfigError."""
+    if tp is Any:
+        return value
+    if tp is type(None):
+        if value is None:
+            return None
+        raise _type_error(key, tp, value)
+    origin = typing.get_origin(tp)
+    if _is_union(tp):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        section = _section_type(tp)
+        if section is not None and isinstance(value, dict):  # Optional[Section]: report errors inside it
+            return _build(section, value, key + ".", root)
+        for arm in args:
+            if arm is type(None):
+                continue
+            try:
+                return _check(value, arm, key, root)
+            except ConfigError:
+                pass
+        raise _type_error(key, tp, value)
+    if origin is Literal:
+        for allowed in typing.get_args(tp):
+            if value == allowed and type(value) is type(allowed):
+                return value
+        raise _type_error(key, tp, value)
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise _type_error(key, tp, value)
+        return _build(tp, value, key + ".", root)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _type_error(key, tp, value)
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _type_error(key, tp, value)
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+            try:
+                return float(value.strip())
+            except ValueError:
+                pass
+        raise _type_error(key, tp, value)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _type_error(key, tp, value)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise _type_error(key, tp, value)
+        args = typing.get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(f"config key '{key}' expects {_type_name(tp)} ({len(args)} items), got {value!r}")
+            return tuple(_check(v, a, f"{key}[{i}]", root) for i, (v, a) in enumerate(zip(value, args)))
+        item = args[0] if args else Any
+        out = [_check(v, item, f"{key}[{i}]", root) for i, v in enumerate(value)]
+        return tuple(out) if origin is tuple else out
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise _type_error(key, tp, value)
+        kt, vt = typing.get_args(tp) or (Any, Any)
+        return {_check(k, kt, f"{key} (key)", root): _check(v, vt, f"{key}.{k}", root) for k, v in value.items()}
+    if tp is Path and isinstance(value, str):
+        return Path(value)
+    if isinstance(tp, type):
+        if isinstance(value, tp):
+            return value
+        raise _type_error(key, tp, value)
+    raise ConfigError(f"config key '{key}' has an unsupported annotation {tp!r} in the schema")
+
+
+def _type_error(key: str, tp: Any, value: Any) -> ConfigError:
+    return ConfigError(
+        f"config key '{key}' expects {_type_name(tp)}, got {type(value).__name__} {value!r}"
+        + (" (quote it to pass a string)" if tp is str or (_is_union(tp) and str in typing.get_args(tp)) else "")
+    )
+
+
+def _build(cls: type[T], data: dict[str, Any], prefix: str, root: type) -> T:
+    """Construct dataclass `cls` from a nested dict, checking every key and value."""
+    hints = _hints(cls)
+    for k in data:
+        if k not in hints:
+            raise _unknown_key(f"{prefix}{k}", root, "in config")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        if f.name in data:
+            kwargs[f.name] = _check(data[f.name], hints[f.name], key, root)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"missing required config key '{key}' ({_type_name(hints[f.name])})")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:  # a __post_init__ validation of the section
+        raise ConfigError(f"invalid config section '{prefix.rstrip('.') or cls.__name__}': {e}") from e
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public API
+
+
+def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+    """Build config `cls` from a nested dict (as read from YAML), refusing unknown keys and wrong types."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"a config must be a mapping of sections, got {type(data).__name__} {data!r}")
+    return _build(cls, data, "", cls)
+
+
+def _leaf_type(cls: type, parts: list[str], key: str) -> Any:
+    """The annotation at dotted path `parts` of the schema (dict fields may be indexed further)."""
+    tp: Any = cls
+    for i, part in enumerate(parts):
+        section = _section_type(tp)
+        if section is not None:
+            hints = _hints(section)
+            if part not in hints:
+                raise _unknown_key(key, cls, "in override", bad=".".join(parts[: i + 1]))
+            tp = hints[part]
+        elif typing.get_origin(tp) is dict or tp is dict:
+            tp = (typing.get_args(tp) or (Any, Any))[1]
+        elif tp is Any:
+            return Any
+        else:
+            raise ConfigError(
+                f"config key '{'.'.join(parts[:i])}' is a value of type {_type_name(tp)}, not a section; "
+                f"cannot set '{key}'"
+            )
+    return tp
+
+
+def apply_overrides(cls: type, data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Merge `section.key=value` overrides into a nested dict (in place; also returned)."""
+    for item in overrides:
+        if not isinstance(item, str) or "=" not in item:
+            raise ConfigError(f"config override {item!r} must look like 'section.key=value'")
+        key, _, raw = item.partition("=")
+        key = key.strip()
+        parts = key.split(".")
+        if not key or any(not p for p in parts):
+            raise ConfigError(f"config override {item!r} has an empty key; use 'section.key=value'")
+        tp = _leaf_type(cls, parts, key)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config override '{key}': cannot parse value {raw!r} as YAML: {e}") from e
+        if _section_type(tp) is None:
+            try:
+                value = _check(value, tp, key, cls)
+            except ConfigError:
+                # `name=007` or `name=true` for a str field: keep the text as written.
+                if not isinstance(value, str) and (tp is str or (_is_union(tp) and str in typing.get_args(tp))):
+                    value = raw.strip()
+                else:
+                    raise
+        node = data
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif dataclasses.is_dataclass(child):
+                child = node[part] = to_dict(child)
+            elif not isinstance(child, dict):
+                raise ConfigError(f"config key '{part}' holds {child!r}; cannot set '{key}' inside it")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> T:
+    """Config `cls` from defaults, then the YAML file at `path` (optional), then `section.key=value` overrides."""
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise TypeError(f"load_config needs a dataclass type, got {cls!r}")
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{p}' does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from e
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file '{p}' must hold a mapping of sections, got {type(loaded).__name__}")
+        data = loaded
+    apply_overrides(cls, data, list(overrides))
+    return from_dict(cls, data)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict of a config (tuples become lists), suitable for YAML/JSON."""
+
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, Path):
+            return str(v)
+        return v
+
+    if not (dataclasses.is_dataclass(cfg) and not isinstance(cfg, type)):
+        raise TypeError(f"to_dict needs a dataclass instance, got {type(cfg).__name__}")
+    return plain(cfg)
+
+
+def to_yaml(cfg: Any) -> str:
+    """YAML text of a config; `load_config(type(cfg), <file with this text>)` gives back an equal config."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)

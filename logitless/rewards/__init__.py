@@ -1,0 +1,31 @@
+"""Reward functions `(prompts, completions, **row_fields) -> list[float | None]` and batch scoring."""
+
+from logitless.rewards.builtin import (
+    REWARDS,
+    extract_numeric_answer,
+    format_tags,
+    get_reward_fn,
+    length_target,
+    math_verify,
+    numeric_answer,
+    parse_number,
+    register_reward,
+    reward_name,
+)
+from logitless.rewards.scoring import RewardFunctionError, RewardScores, score_completions
+
+__all__ = [
+    "REWARDS",
+    "RewardFunctionError",
+    "RewardScores",
+    "extract_numeric_answer",
+    "format_tags",
+    "get_reward_fn",
+    "length_target",
+    "math_verify",
+    "numeric_answer",
+    "parse_number",
+    "register_reward",
+    "reward_name",
+    "score_completions",
+]

@@ -1,0 +1,248 @@
+"""Built-in reward functions and the reward registry.
+
+A reward function computes one score per completion:
+
+    fn(prompts: list[str], completions: list[str], **row_fields: list[Any]) -> list[float | None]
+
+`row_fields` are the dataset row fields as lists aligned with `completions` (e.g. `answer=[...]`); `None`
+means "not applicable to this sample" (as in TRL). Options of a built-in are keyword-only parameters with
+defaults (`get_reward_fn("format_tags", tags=["reason", "answer"])` binds them).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib
+import inspect
+import re
+import threading
+from decimal import Decimal, InvalidOperation
+from typing import Any, Callable, Literal, Sequence
+
+RewardFn = Callable[..., list]
+REWARDS: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator registering a reward function under `name`."""
+
+    def deco(fn: RewardFn) -> RewardFn:
+        REWARDS[name] = fn
+        return fn
+
+    return deco
+
+
+def _answers(fn_name: str, n: int, row_fields: dict[str, list[Any]]) -> list[Any]:
+    if "answer" not in row_fields:
+        raise ValueError(
+            f"reward '{fn_name}' needs an 'answer' row field; got row fields {sorted(row_fields)}. "
+            "Map your dataset's answer column with answer_field=... / field_map={'answer': ...}"
+        )
+    answers = row_fields["answer"]
+    if len(answers) != n:
+        raise ValueError(f"reward '{fn_name}': {len(answers)} answers for {n} completions")
+    return answers
+
+
+# ----------------------------------------------------------------------------------------------------------
+# numeric_answer
+
+_NUM = r"(?<![\w.])-?\$?\s?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?<![\w.])-?\.\d+"
+_NUM_RE = re.compile(_NUM)
+_HASH_RE = re.compile(r"####\s*(" + _NUM + ")")
+_BOXED_RE = re.compile(r"\\boxed\s*\{((?:[^{}]|\{[^{}]*\})*)\}")
+
+
+def parse_number(text: Any) -> Decimal | None:
+    """The number written in `text` ("1,234", "$18", "\\$18", "18.", "-3.50", "50%", "1\\,000"), or None if it is
+    not a single number."""
+    s = re.sub(r"\\text\{([^{}]*)\}", r"\1", str(text).strip())
+    for junk in ("\\,", "\\!", "\\%", "\\", "%", ",", "$", " "):  # LaTeX spacing/escapes, units, separators
+        s = s.replace(junk, "")
+    s = s.rstrip(".") if s.count(".") == 1 and s.endswith(".") else s
+    if not re.fullmatch(r"[-+]?(\d+(\.\d*)?|\.\d+)", s):
+        return None
+    try:
+        return Decimal(s)
+    except InvalidOperation:
+        return None
+
+
+def extract_numeric_answer(completion: str) -> Decimal | None:
+    """The final numeric answer of a completion: after the last '####', else the last \\boxed{...}, else the
+    last number in the text; None when there is none."""
+    hashes = _HASH_RE.findall(completion)
+    if hashes:
+        return parse_number(hashes[-1])
+    boxed = _BOXED_RE.findall(completion)
+    if boxed:
+        return parse_number(boxed[-1])
+    numbers = _NUM_RE.findall(completion)
+    return parse_number(numbers[-1]) if numbers else None
+
+
+@register_reward("numeric_answer")
+def numeric_answer(prompts: list[str], completions: list[str], **row_fields: list[Any]) -> list[float | None]:
+    """1.0 when the completion's final number (see `extract_numeric_answer`) equals the row's `answer`
+    numerically ("18.00" == "18"), else 0.0; None for rows whose answer is None."""
+    answers = _answers("numeric_answer", len(completions), row_fields)
+    out: list[float | None] = []
+    for completion, answer in zip(completions, answers):
+        if answer is None:
+            out.append(None)
+            continue
+        gold = parse_number(answer)
+        if gold is None:
+            raise ValueError(f"reward 'numeric_answer': the row answer {answer!r} is not a number; use math_verify")
+        pred = extract_numeric_answer(completion)
+        out.append(1.0 if pred is not None and pred == gold else 0.0)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# math_verify
+
+
+@register_reward("math_verify")
+def math_verify(
+    prompts: list[str], completions: list[str], *, timeout_seconds: int | None = 5, **row_fields: list[Any]
+) -> list[float | None]:
+    """1.0 when the math-verify library judges the completion's answer equivalent to the row's `answer`
+    (parsed as LaTeX or an expression; "\\frac{1}{2}" == "0.5"), else 0.0; None when the gold answer is None
+    or cannot be parsed. Timeouts use signals, so they are disabled outside the main thread."""
+    from math_verify import parse, verify
+
+    answers = _answers("math_verify", len(completions), row_fields)
+    timeout = timeout_seconds if threading.current_thread() is threading.main_thread() else None
+    out: list[float | None] = []
+    for completion, answer in zip(completions, answers):
+        if answer is None:
+            out.append(None)
+            continue
+        gold = parse(str(answer), parsing_timeout=timeout)
+        if not gold and not str(answer).lstrip().startswith("$"):
+            gold = parse(f"${answer}$", parsing_timeout=timeout)
+        if not gold:
+            out.append(None)
+            continue
+        pred = parse(completion, parsing_timeout=timeout)
+        out.append(1.0 if pred and verify(gold, pred, timeout_seconds=timeout) else 0.0)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# format_tags
+
+
+@functools.lru_cache(maxsize=64)
+def _tags_pattern(tags: tuple[str, ...], strict: bool) -> re.Pattern:
+    body = r"\s*".join(rf"<{re.escape(t)}>(?:(?!<{re.escape(t)}>).)*?</{re.escape(t)}>" for t in tags)
+    return re.compile(rf"^\s*{body}\s*$" if strict else body, re.DOTALL)
+
+
+@register_reward("format_tags")
+def format_tags(
+    prompts: list[str],
+    completions: list[str],
+    *,
+    tags: Sequence[str] = ("think", "answer"),
+    strict: bool = True,
+    **row_fields: list[Any],
+) -> list[float | None]:
+    """1.0 when the completion has the blocks `<tag>...</tag>` of `tags` in order, else 0.0.
+
+    strict=True: the completion is exactly those blocks (whitespace between them allowed);
+    strict=False: the blocks appear in order somewhere in the completion.
+    """
+    if isinstance(tags, str) or not tags or not all(isinstance(t, str) and t for t in tags):
+        raise ValueError(f"format_tags: tags must be a non-empty list of tag names, got {tags!r}")
+    pattern = _tags_pattern(tuple(tags), strict)
+    match = pattern.match if strict else pattern.search
+    return [1.0 if match(c) else 0.0 for c in completions]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# length_target
+
+
+@register_reward("length_target")
+def length_target(
+    prompts: list[str],
+    completions: list[str],
+    *,
+    target: int = 256,
+    unit: Literal["chars", "words"] = "chars",
+    only_longer: bool = False,
+    **row_fields: list[Any],
+) -> list[float | None]:
+    """Penalty `-min(1, |L - target| / target)` for completion length L (in `unit`); with only_longer=True
+    only lengths above the target are penalized: `-min(1, max(L - target, 0) / target)`. 0 is best."""
+    if not isinstance(target, int) or target <= 0:
+        raise ValueError(f"length_target: target must be a positive int, got {target!r}")
+    if unit not in ("chars", "words"):
+        raise ValueError(f"length_target: unit must be 'chars' or 'words', got {unit!r}")
+    out: list[float | None] = []
+    for c in completions:
+        length = len(c) if unit == "chars" else len(c.split())
+        excess = max(length - target, 0) if only_longer else abs(length - target)
+        out.append(-min(1.0, excess / target))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Lookup
+
+
+def reward_name(fn: Any) -> str:
+    """A readable name of a reward function (its registered name, __name__ or repr)."""
+    for name, registered in REWARDS.items():
+        if fn is registered:
+            return name
+    return getattr(fn, "__name__", None) or repr(fn)
+
+
+def get_reward_fn(spec: str | RewardFn, **options: Any) -> RewardFn:
+    """A reward function from a built-in name ("numeric_answer"), a "module:function" path or a callable;
+    `options` bind its keyword-only parameters (e.g. `tags=[...]` of format_tags)."""
+    if callable(spec):
+        fn = spec
+    elif not isinstance(spec, str):
+        raise TypeError(f"reward spec must be a name, 'module:function' or a callable, got {type(spec).__name__}")
+    elif ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise ValueError(
+                f"reward '{spec}': cannot import module '{module_name}' ({e}); is it on PYTHONPATH / installed?"
+            ) from e
+        if not hasattr(module, attr):
+            public = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
+            close = difflib.get_close_matches(attr, public, n=1)
+            hint = f"; did you mean '{module_name}:{close[0]}'?" if close else ""
+            raise ValueError(f"reward '{spec}': module '{module_name}' has no attribute '{attr}'{hint}")
+        fn = getattr(module, attr)
+        if not callable(fn):
+            raise TypeError(f"reward '{spec}' is a {type(fn).__name__}, not a callable function")
+    elif spec in REWARDS:
+        fn = REWARDS[spec]
+    else:
+        close = difflib.get_close_matches(spec, list(REWARDS), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ValueError(
+            f"unknown reward {spec!r}{hint} Built-ins: {sorted(REWARDS)}; for your own function use 'module:function'"
+        )
+    if not options:
+        return fn
+    params = inspect.signature(fn).parameters
+    allowed = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY]
+    for opt in options:
+        if opt not in allowed:
+            raise ValueError(
+                f"reward '{reward_name(fn)}' has no option '{opt}'; its options (keyword-only parameters) are {allowed}"
+            )
+    bound = functools.partial(fn, **options)
+    functools.update_wrapper(bound, fn)
+    return bound

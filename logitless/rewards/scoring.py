@@ -1,0 +1,143 @@
+"""Run several reward functions over a batch of completions and check what they return."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
+
+import torch
+
+from logitless.rewards.builtin import RewardFn, get_reward_fn, reward_name
+
+
+class RewardFunctionError(ValueError):
+    """A reward function raised, or returned something other than one finite number/None per completion."""
+
+
+@dataclass
+class RewardScores:
+    rewards: torch.Tensor  # [B, R] float32, reward of function r for sample b; NaN where it returned None
+    total: torch.Tensor  # [B] float32, sum over r of weights[r] * rewards[:, r], skipping NaN (0 if all NaN)
+    names: list[str]  # [R] function names
+    num_none: list[int]  # [R] samples each function returned None for
+    num_errors: list[int]  # [R] samples each function raised on (scored `penalty`; on_error="penalty" only)
+
+
+def _row_fields(rows: Sequence[Any]) -> dict[str, list[Any]]:
+    """Row fields as lists aligned with the rows (None where a row lacks a field)."""
+    dicts = [r if isinstance(r, dict) else r.fields for r in rows]
+    keys: list[str] = []
+    for d in dicts:
+        keys.extend(k for k in d if k not in keys)
+    reserved = {"prompts", "completions"} & set(keys)
+    if reserved:
+        raise ValueError(f"row fields may not be named {sorted(reserved)} (reserved reward arguments); rename them")
+    return {k: [d.get(k) for d in dicts] for k in keys}
+
+
+def _short(text: str, n: int = 200) -> str:
+    return repr(text if len(text) <= n else text[:n] + "...")
+
+
+def _check_values(name: str, values: Any, expected: int) -> list[float]:
+    try:
+        n = len(values)
+    except TypeError:
+        raise RewardFunctionError(
+            f"reward function '{name}' returned {type(values).__name__}, expected a list of {expected} floats/None"
+        ) from None
+    if n != expected:
+        raise RewardFunctionError(
+            f"reward function '{name}' returned {n} values for {expected} completions (expected length {expected})"
+        )
+    out = []
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(math.nan)
+            continue
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
+        if isinstance(v, (str, bytes)) or not hasattr(v, "__float__"):
+            raise RewardFunctionError(
+                f"reward function '{name}' returned {type(v).__name__} {v!r:.100} for sample {i}; expected a float or None"
+            )
+        f = float(v)
+        if math.isnan(f):
+            raise RewardFunctionError(
+                f"reward function '{name}' returned NaN for sample {i}; return None for 'not applicable' instead"
+            )
+        if math.isinf(f):
+            raise RewardFunctionError(f"reward function '{name}' returned {f} for sample {i}; rewards must be finite")
+        out.append(f)
+    return out
+
+
+def score_completions(
+    fns: Sequence[RewardFn | str],
+    weights: Sequence[float] | None,
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    rows: Sequence[Any],
+    on_error: Literal["raise", "penalty"] = "raise",
+    penalty: float = 0.0,
+) -> RewardScores:
+    """Rewards [B, R] of R reward functions on B completions, and their weighted total [B].
+
+    `rows[b]` is the PromptRow (or fields dict) of sample b; its fields are passed as keyword lists. A function
+    that raises is re-run sample by sample to find the failing sample: with on_error="raise" a
+    RewardFunctionError names the function, the sample index and its text; with on_error="penalty" the
+    failing samples score `penalty` and are counted in `num_errors`. A wrong-length result, a non-number or
+    NaN always raises (those are bugs of the function, not of a sample).
+    """
+    if on_error not in ("raise", "penalty"):
+        raise ValueError(f"on_error must be 'raise' or 'penalty', got {on_error!r}")
+    if not (len(prompts) == len(completions) == len(rows)):
+        raise ValueError(
+            f"score_completions needs one prompt and one row per completion; got {len(prompts)} prompts, "
+            f"{len(completions)} completions, {len(rows)} rows"
+        )
+    if len(fns) == 0:
+        raise ValueError("score_completions needs at least one reward function")
+    fns = [get_reward_fn(f) if isinstance(f, str) else f for f in fns]
+    weights = [1.0] * len(fns) if weights is None else list(weights)
+    if len(weights) != len(fns):
+        raise ValueError(f"got {len(weights)} reward weights for {len(fns)} reward functions; give one per function")
+    prompts, completions = list(prompts), list(completions)
+    fields = _row_fields(rows)
+    names = [reward_name(f) for f in fns]
+    B = len(completions)
+    columns, num_none, num_errors = [], [], []
+    for fn, name in zip(fns, names):
+        errors = 0
+        try:
+            values = _check_values(name, fn(prompts, completions, **fields), B)
+        except RewardFunctionError:
+            raise
+        except Exception as batch_error:
+            values = []
+            for i in range(B):
+                try:
+                    one = fn(prompts[i : i + 1], completions[i : i + 1], **{k: v[i : i + 1] for k, v in fields.items()})
+                except Exception as e:
+                    if on_error == "raise":
+                        raise RewardFunctionError(
+                            f"reward function '{name}' raised {type(e).__name__}: {e} on sample {i} "
+                            f"(completion {_short(completions[i])})"
+                        ) from e
+                    errors += 1
+                    values.append(float(penalty))
+                    continue
+                values.extend(_check_values(name, one, 1))
+            if errors == 0:  # every sample passes alone: the batch call itself is broken
+                raise RewardFunctionError(
+                    f"reward function '{name}' raised {type(batch_error).__name__}: {batch_error} on the batch of "
+                    f"{B} completions, but not on any single sample"
+                ) from batch_error
+        columns.append(values)
+        num_none.append(sum(math.isnan(v) for v in values))
+        num_errors.append(errors)
+    rewards = torch.tensor(columns, dtype=torch.float32).T.reshape(B, len(fns))  # [B, R]
+    w = torch.tensor(weights, dtype=torch.float32)  # [R]
+    total = torch.nansum(rewards * w, dim=1)  # [B]
+    return RewardScores(rewards=rewards, total=total, names=names, num_none=num_none, num_errors=num_errors)

@@ -1,0 +1,241 @@
+"""CUDA backend of the fused token-logprob op: cuBLAS GEMMs on logits tiles + Triton row passes.
+
+Equivalent to (the logits are a GEMM in the inputs' dtype, the softmax math is fp32)::
+
+    z = (hidden @ weight.T + bias) / temperature                        # [N, V], never allocated whole
+    logp = torch.log_softmax(z.float(), -1).gather(-1, targets[:, None]).squeeze(-1)   # [N]
+    entropy = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)               # [N]
+
+The logits only ever exist as one bounded tile (`TILE_BYTES`, or `ROW_CHUNK_BYTES` for the frozen-head
+forward), written by cuBLAS and consumed in place by the kernels of `triton_kernels`:
+
+* no grad / trainable head, forward: column tiles [N, vb] (vb vocabulary columns, all rows); each tile is
+  folded into a per-row online log-sum-exp (1 GEMM). Saved for backward: lse and entropy ([N] fp32).
+* trainable head, backward: the same column tiles are recomputed (same GEMM shapes, so the same bits), turned
+  in place into the upstream-weighted logits gradient, then grad_W[tile] = Dᵀ·h (one GEMM reducing over all
+  N, no cross-tile accumulation) and grad_h += D·W[tile] (fp32 accumulator [N, H]): 4 GEMMs in all.
+* frozen head (only `hidden` needs grad), forward: row chunks [C, V]; the kernel computes lse/logp/entropy and
+  overwrites the chunk with d logp / d logit = (onehot - p) / T, and A = that · W is formed right away (2 GEMMs
+  in all). Backward scales A in place by the upstream g_logp (A becomes grad_h). A gradient reaching the
+  entropy output is handled by one column-tiled recompute pass (2 more GEMMs, only when it is used).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+
+    from logitless.ops import triton_kernels as _k
+except ImportError:  # pragma: no cover - triton is optional
+    triton = None
+    _k = None
+
+# Bytes of the logits tile (trainable head / no grad): vb = TILE_BYTES // (N * itemsize) columns.
+TILE_BYTES = 512 << 20
+# Bytes of a frozen-head forward row chunk [C, V]: C = ROW_CHUNK_BYTES // (V * itemsize) rows.
+ROW_CHUNK_BYTES = 128 << 20
+# Frozen head: form A = (onehot - p)/T · W in the forward (2 GEMMs). False: recompute in backward (3 GEMMs).
+PRECOMPUTE_FROZEN_GRAD = True
+
+_STATS_BLOCK = 2048
+_GRAD_BLOCK = 2048
+_ROWS_BLOCK = 4096
+_addmm_out_dtype_ok: bool | None = None
+
+
+def triton_available(device: torch.device) -> bool:
+    """True when the Triton kernels can run on `device` (a CUDA device with Triton installed)."""
+    device = torch.device(device)
+    return _k is not None and device.type == "cuda" and torch.cuda.is_available()
+
+
+def triton_token_logprobs(
+    hidden: torch.Tensor,  # [N, H]
+    weight: torch.Tensor,  # [V, H]
+    targets: torch.Tensor,  # [N] int
+    bias: torch.Tensor | None,  # [V]
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logp [N] fp32, entropy [N] fp32 or None), autograd-connected to hidden, weight and bias.
+
+    Inputs are assumed validated (see `logitless.ops.token_logprobs`).
+    """
+    targets = targets.to(torch.int32) if weight.shape[0] < 2**31 else targets.long()
+    needs_grad = torch.is_grad_enabled() and (
+        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    if not needs_grad:  # old/ref logprobs: forward only, nothing saved
+        with torch.no_grad():
+            lse, logp, ent = _forward_tiles(hidden, weight, bias, targets, 1.0 / float(temperature), with_entropy)
+        return logp, ent
+    return _TritonTokenLogprobs.apply(hidden, weight, bias, targets, float(temperature), with_entropy)
+
+
+class _TritonTokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, with_entropy):
+        ctx.set_materialize_grads(False)
+        inv_t = 1.0 / temperature
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_db = bias is not None and ctx.needs_input_grad[2]
+        ctx.inv_t, ctx.with_entropy = inv_t, with_entropy
+        ctx.frozen = need_dx and not need_dw and not need_db and PRECOMPUTE_FROZEN_GRAD
+        hidden, weight = hidden.contiguous(), weight.contiguous()
+        if ctx.frozen:
+            lse, logp, ent, grad_logp_h = _forward_rows_frozen(hidden, weight, bias, targets, inv_t, with_entropy)
+        else:
+            lse, logp, ent = _forward_tiles(hidden, weight, bias, targets, inv_t, with_entropy)
+            grad_logp_h = None
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent, grad_logp_h)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, bias, targets, lse, ent, grad_logp_h = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_db = bias is not None and ctx.needs_input_grad[2]
+        if not ctx.with_entropy:
+            g_ent = None
+        n = hidden.shape[0]
+        if n == 0 or (g_lp is None and g_ent is None):
+            zeros = [torch.zeros_like(t) if (t is not None and need) else None
+                     for t, need in ((hidden, need_dx), (weight, need_dw), (bias, need_db))]
+            return (*zeros, None, None, None)
+        g_lp = None if g_lp is None else g_lp.float().contiguous()
+        g_ent = None if g_ent is None else g_ent.float().contiguous()
+        if ctx.frozen:
+            dx = None
+            if g_lp is not None:  # A becomes grad_h in place; a second backward trips autograd's version check
+                dx = grad_logp_h.mul_(g_lp[:, None])
+            if g_ent is not None:
+                acc, _, _ = _backward_tiles(hidden, weight, bias, targets, ctx.inv_t, lse, ent, None, g_ent,
+                                            need_dx=True, need_dw=False, need_db=False)
+                dx = acc.to(hidden.dtype) if dx is None else (acc + dx.float()).to(hidden.dtype)
+            if dx is None:
+                dx = torch.zeros_like(hidden)
+            return dx, None, None, None, None, None
+        acc, dw, db = _backward_tiles(hidden, weight, bias, targets, ctx.inv_t, lse, ent, g_lp, g_ent,
+                                      need_dx=need_dx, need_dw=need_dw, need_db=need_db)
+        dx = acc.to(hidden.dtype) if acc is not None else None
+        return dx, dw, db, None, None, None
+
+
+def _tile_cols(n: int, v: int, itemsize: int) -> int:
+    """Vocabulary columns per [N, vb] tile: TILE_BYTES // (N * itemsize), a multiple of 128, in [128, V]."""
+    cols = TILE_BYTES // (max(n, 1) * itemsize)
+    cols = max(128, cols - cols % 128)
+    return min(v, cols)
+
+
+def _forward_tiles(hidden, weight, bias, targets, inv_t, with_entropy):
+    """Column-tiled forward: returns (lse [N], logp [N], entropy [N] or None), all fp32."""
+    n, v = hidden.shape[0], weight.shape[0]
+    dev = hidden.device
+    m = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
+    s = torch.zeros(n, dtype=torch.float32, device=dev)
+    t = torch.zeros(n, dtype=torch.float32, device=dev)
+    zt = torch.zeros(n, dtype=torch.float32, device=dev)
+    if n > 0:
+        cols = _tile_cols(n, v, hidden.element_size())
+        buf = torch.empty(n * cols, dtype=hidden.dtype, device=dev)
+        bias_arg = bias if bias is not None else m
+        for v0 in range(0, v, cols):
+            vb = min(cols, v - v0)
+            tile = buf[: n * vb].view(n, vb)  # [N, vb]
+            torch.mm(hidden, weight[v0 : v0 + vb].t(), out=tile)
+            _k.tile_stats_kernel[(n,)](
+                tile, vb, bias_arg, targets, m, s, t, zt, v0, vb, inv_t,
+                HAS_BIAS=bias is not None, WITH_ENT=with_entropy, BLOCK_V=_STATS_BLOCK, num_warps=8,
+            )
+        del buf
+    lse = m + torch.log(s)
+    logp = zt - lse
+    ent = (lse - t / s) if with_entropy else None
+    return lse, logp, ent
+
+
+def _forward_rows_frozen(hidden, weight, bias, targets, inv_t, with_entropy):
+    """Row-chunked forward that also forms A = d logp / d hidden = ((onehot - p) / T) · W, [N, H] in hidden's dtype."""
+    n, v = hidden.shape[0], weight.shape[0]
+    dev = hidden.device
+    lse = torch.empty(n, dtype=torch.float32, device=dev)
+    logp = torch.empty(n, dtype=torch.float32, device=dev)
+    ent = torch.empty(n, dtype=torch.float32, device=dev) if with_entropy else None
+    grad_h = torch.empty_like(hidden)  # [N, H]
+    if n > 0:
+        rows = max(1, min(n, ROW_CHUNK_BYTES // (v * hidden.element_size())))
+        if rows >= 64:
+            rows -= rows % 64
+        buf = torch.empty(rows * v, dtype=hidden.dtype, device=dev)
+        bias_arg = bias if bias is not None else lse
+        for r0 in range(0, n, rows):
+            c = min(rows, n - r0)
+            chunk = buf[: c * v].view(c, v)  # [C, V]
+            torch.mm(hidden[r0 : r0 + c], weight.t(), out=chunk)
+            _k.rows_kernel[(c,)](
+                chunk, v, bias_arg, targets[r0 : r0 + c], logp[r0 : r0 + c], lse[r0 : r0 + c],
+                ent[r0 : r0 + c] if with_entropy else lse, v, inv_t,
+                HAS_BIAS=bias is not None, WITH_ENT=with_entropy, WRITE_GRAD=True, BLOCK_V=_ROWS_BLOCK,
+                num_warps=8,
+            )
+            torch.mm(chunk, weight, out=grad_h[r0 : r0 + c])
+        del buf
+    return lse, logp, ent, grad_h
+
+
+def _backward_tiles(hidden, weight, bias, targets, inv_t, lse, ent, g_lp, g_ent, *, need_dx, need_dw, need_db):
+    """Recompute each column tile, turn it into the logits gradient, and contract it.
+
+    Returns (grad_h fp32 [N, H] or None, grad_W [V, H] or None, grad_b [V] or None).
+    """
+    n, v = hidden.shape[0], weight.shape[0]
+    dev = hidden.device
+    acc = torch.zeros(hidden.shape, dtype=torch.float32, device=dev) if need_dx else None
+    dw = torch.empty_like(weight) if need_dw else None
+    db = torch.empty(v, dtype=torch.float32, device=dev) if need_db else None
+    cols = _tile_cols(n, v, hidden.element_size())
+    buf = torch.empty(n * cols, dtype=hidden.dtype, device=dev)
+    dummy = lse
+    for v0 in range(0, v, cols):
+        vb = min(cols, v - v0)
+        tile = buf[: n * vb].view(n, vb)  # [N, vb]
+        torch.mm(hidden, weight[v0 : v0 + vb].t(), out=tile)
+        grid = (n, triton.cdiv(vb, _GRAD_BLOCK))
+        _k.grad_tile_kernel[grid](
+            tile, vb, bias if bias is not None else dummy, targets, lse, ent if ent is not None else dummy,
+            g_lp if g_lp is not None else dummy, g_ent if g_ent is not None else dummy, v0, vb, inv_t,
+            HAS_BIAS=bias is not None, HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None,
+            BLOCK_V=_GRAD_BLOCK, num_warps=4,
+        )
+        if need_dw:
+            torch.mm(tile.t(), hidden, out=dw[v0 : v0 + vb])
+        if need_db:
+            torch.sum(tile, dim=0, dtype=torch.float32, out=db[v0 : v0 + vb])
+        if need_dx:
+            _acc_mm(acc, tile, weight[v0 : v0 + vb])
+    del buf
+    if db is not None:
+        db = db.to(bias.dtype)
+    return acc, dw, db
+
+
+def _acc_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b with fp32 accumulation, for half-precision a, b (cuBLAS beta=1 when supported)."""
+    global _addmm_out_dtype_ok
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+        return
+    if a.is_cuda:
+        if _addmm_out_dtype_ok is not False:
+            try:
+                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+                _addmm_out_dtype_ok = True
+                return
+            except (RuntimeError, TypeError, NotImplementedError):
+                _addmm_out_dtype_ok = False
+        acc.add_(torch.mm(a, b, out_dtype=torch.float32))
+        return
+    acc.addmm_(a.float(), b.float())  # CPU (interpreter tests)

@@ -77,7 +77,8 @@ def _type_name(tp: Any) -> str:
     if _is_union(tp):
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
     if origin in (list, tuple, dict):
-        return f"{origin.__name__}[{', '.join(_type_name(a) if a is not Ellipsis else '...' for a in typing.get_args(tp))}]"
+        args = ", ".join("..." if a is Ellipsis else _type_name(a) for a in typing.get_args(tp))
+        return f"{origin.__name__}[{args}]"
     return getattr(tp, "__name__", str(tp))
 
 

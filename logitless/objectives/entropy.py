@@ -27,7 +27,7 @@ def entropy_quantile_threshold(
     masks = mask if isinstance(mask, (list, tuple)) else [mask]
     if len(ents) != len(masks):
         raise ValueError(f"entropy and mask lists differ in length ({len(ents)} vs {len(masks)}).")
-    vals = torch.cat([e.detach().float()[m.bool()] for e, m in zip(ents, masks)])
+    vals = torch.cat([e.detach().to(torch.promote_types(e.dtype, torch.float32))[m.bool()] for e, m in zip(ents, masks)])
     if vals.numel() == 0:
         return torch.tensor(float("inf"), device=vals.device)
     v = vals.sort().values

@@ -141,6 +141,8 @@ def policy_loss(
     """GRPO-family loss of one micro-batch (formulas in docs/objectives.md); equivalent to TRL's
     `GRPOTrainer._compute_loss` with the normalizer taken over the whole step."""
     o = options
+    if not isinstance(o, ObjectiveOptions):
+        raise TypeError(f"options must be an ObjectiveOptions, got {type(o).__name__}.")
     coef_h = o.entropy_coef if entropy_coef is None else float(entropy_coef)
     tensors = {"old_logp": old_logp, "ref_logp": ref_logp, "sampler_logp": sampler_logp, "entropy": entropy}
     _check_inputs(logp, mask, advantages, o, normalizer, tensors, truncated, coef_h)

@@ -1,0 +1,122 @@
+"""Per-token completion logprobs of a causal LM through the fused op, and completion-position gather/scatter."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from logitless.models.lm_head import final_hidden_states, lm_head_of
+try:  # TEMP until the fused op lands
+    from logitless.ops import token_logprobs
+except ImportError:
+    from logitless.ops.reference import token_logprobs_reference as token_logprobs
+
+
+def _check_mask(mask: Tensor, shape: tuple[int, ...], name: str, of: str) -> Tensor:
+    if not isinstance(mask, Tensor) or mask.dim() != 2 or tuple(mask.shape) != tuple(shape[:2]):
+        got = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+        raise ValueError(f"{name} must be a [B, L] tensor matching the first two dims {tuple(shape[:2])} of {of}, got {got}")
+    if mask.is_floating_point() or mask.is_complex():
+        raise ValueError(f"{name} must be bool or integer (0/1), got dtype {mask.dtype}")
+    return mask.bool()
+
+
+def gather_positions(x: Tensor, mask: Tensor) -> Tensor:  # x [B, L, ...], mask [B, L] -> [N, ...]
+    """The rows of `x` where `mask` is set, in row-major order: equivalent to `x[mask.bool()]`."""
+    return x[_check_mask(mask, tuple(x.shape), "mask", "x")]
+
+
+def scatter_positions(values: Tensor, mask: Tensor, fill: float = 0.0) -> Tensor:  # [N, ...] -> [B, L, ...]
+    """Inverse of `gather_positions`: `out = full([B, L, ...], fill); out[mask] = values` (differentiable)."""
+    if not isinstance(mask, Tensor) or mask.dim() != 2:
+        raise ValueError(f"mask must be a [B, L] tensor, got {getattr(mask, 'shape', type(mask).__name__)}")
+    m = _check_mask(mask, tuple(mask.shape), "mask", "mask")
+    n = int(m.sum())
+    if values.dim() < 1 or values.shape[0] != n:
+        raise ValueError(
+            f"values has {values.shape[0] if values.dim() else 'no'} rows but mask has {n} set positions; "
+            "pass the output of gather_positions with the same mask"
+        )
+    out = values.new_full((*m.shape, *values.shape[1:]), fill)
+    return out.index_put((m,), values)
+
+
+def completion_logprobs(
+    model: nn.Module,
+    prompt_ids: Tensor,  # [B, P] left-padded
+    prompt_mask: Tensor,  # [B, P]
+    completion_ids: Tensor,  # [B, T] right-padded
+    completion_mask: Tensor,  # [B, T] 1 up to and including EOS
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:  # logp [B, T] fp32 (0 at padding), entropy [B, T] fp32 or None
+    """Log-probability (and entropy) of each completion token under `model` at `temperature`.
+
+    Equivalent to (but never materializing the [B, L, V] logits):
+
+        ids, mask = cat([prompt_ids, completion_ids], 1), cat([prompt_mask, completion_mask], 1)
+        logits = model(ids, mask, position_ids=cumsum(mask) - 1).logits.float()   # [B, P+T, V]
+        logp_all = log_softmax(logits[:, P-1 : P+T-1] / temperature, -1)          # [B, T, V]
+        logp = logp_all.gather(-1, completion_ids[..., None])[..., 0] * completion_mask
+
+    The hidden state that predicts completion token 0 is the last real prompt token (position P-1 for the
+    usual left-padded prompts; right-padded prompts work too). Only the N = completion_mask.sum() completion
+    positions go through one call of the fused op. Runs under the caller's grad mode (wrap in
+    `torch.no_grad()` for the old/reference policy).
+    """
+    if not isinstance(prompt_ids, Tensor) or prompt_ids.dim() != 2 or prompt_ids.shape[1] < 1:
+        raise ValueError(f"prompt_ids must be a [B, P] tensor with P >= 1, got {getattr(prompt_ids, 'shape', None)}")
+    if not isinstance(completion_ids, Tensor) or completion_ids.dim() != 2:
+        raise ValueError(f"completion_ids must be a [B, T] tensor, got {getattr(completion_ids, 'shape', None)}")
+    if completion_ids.shape[0] != prompt_ids.shape[0]:
+        raise ValueError(
+            f"prompt_ids has B={prompt_ids.shape[0]} rows but completion_ids has {completion_ids.shape[0]}"
+        )
+    pmask = _check_mask(prompt_mask, tuple(prompt_ids.shape), "prompt_mask", "prompt_ids")
+    cmask = _check_mask(completion_mask, tuple(completion_ids.shape), "completion_mask", "completion_ids")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    (B, P), T = prompt_ids.shape, completion_ids.shape[1]
+    device = prompt_ids.device
+
+    # Hidden state that predicts completion token t: position P+t-1 for t >= 1, the last real prompt token for t = 0.
+    last_prompt = (torch.arange(P, device=device) * pmask).amax(1)  # [B]
+    has_prompt = pmask.any(1)  # [B]
+    holes = (cmask[:, 1:] & ~cmask[:, :-1]).any(1) if T > 1 else torch.zeros_like(has_prompt)  # [B]
+    bad = (cmask.any(1) & ~has_prompt) | holes
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"row {row}: every row with completion tokens needs at least one prompt token (prompt_mask), and "
+            "completion_mask must be right-padded (1s then 0s); got "
+            f"prompt_mask={pmask[row].int().tolist()} completion_mask={cmask[row].int().tolist()}"
+        )
+
+    head = lm_head_of(model)
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)  # [B, L]
+    attention_mask = torch.cat([pmask, cmask], 1).long()  # [B, L]
+    hidden = final_hidden_states(model, input_ids, attention_mask)  # [B, L, H]
+    L, H = hidden.shape[1], hidden.shape[2]
+
+    src = (P - 1 + torch.arange(T, device=device)).expand(B, T).clone()  # [B, T]
+    src[:, 0] = last_prompt
+    flat = (torch.arange(B, device=device)[:, None] * L + src)[cmask]  # [N]
+    h = hidden.reshape(B * L, H).index_select(0, flat)  # [N, H]
+    if h.dtype != head.weight.dtype:
+        h = h.to(head.weight.dtype)
+    targets = completion_ids[cmask]  # [N]
+    logp, entropy = token_logprobs(
+        h,
+        head.weight,
+        targets,
+        bias=head.bias,
+        temperature=temperature / head.logit_multiplier,
+        with_entropy=with_entropy,
+    )
+    logp = scatter_positions(logp.float(), cmask)
+    if entropy is not None:
+        entropy = scatter_positions(entropy.float(), cmask)
+    return logp, entropy

@@ -1,0 +1,174 @@
+"""Backend "hf": batched transformers `generate` (KV cache, left padding, optional static cache + torch.compile)
+that also returns the sampler's per-token logprobs without storing [B, steps, V] scores."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterator, Sequence
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from .engine import (
+    build_batch,
+    context_window,
+    encode_prompts,
+    generation_mode,
+    left_pad,
+    model_device,
+    resolve_special_tokens,
+    seeded,
+    sync,
+    unwrap_model,
+    warn_greedy_duplicates,
+)
+from .types import Prompt, RolloutBatch, SamplingOptions
+
+
+class LogprobRecorder(LogitsProcessor):
+    """First processor of the list: sees the raw fp32 logits of every step and records
+    log_softmax(raw / T)[token] of the token sampled at the previous step (which now ends `input_ids`).
+
+    Keeps only the previous step's raw scores (a reference, [B, V]) and their logsumexp ([B]); the last
+    step's token is gathered by `finish` from the returned sequences. Equivalent to:
+        logp[:, t] = torch.log_softmax(scores_t / T, -1).gather(-1, tokens[:, t:t+1])
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self._prev: torch.Tensor | None = None  # [B, V] raw scores of the previous step
+        self._prev_lse: torch.Tensor | None = None  # [B]
+        self.steps: list[torch.Tensor] = []  # each [B] fp32
+
+    def _gather(self, tokens: torch.Tensor) -> torch.Tensor:
+        picked = self._prev.gather(1, tokens[:, None]).squeeze(1).float()
+        return picked / self.temperature - self._prev_lse
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self._prev is not None:
+            self.steps.append(self._gather(input_ids[:, -1]))
+        self._prev = scores
+        self._prev_lse = torch.logsumexp(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, completion_ids: torch.Tensor) -> torch.Tensor:
+        """[B, S] logprobs aligned with the S generated tokens; releases the stored scores."""
+        if self._prev is not None and len(self.steps) < completion_ids.shape[1]:
+            self.steps.append(self._gather(completion_ids[:, len(self.steps)]))
+        self._prev = self._prev_lse = None
+        if len(self.steps) != completion_ids.shape[1]:
+            raise RuntimeError(
+                f"LogprobRecorder saw {len(self.steps)} steps for {completion_ids.shape[1]} generated tokens"
+            )
+        out = torch.stack(self.steps, 1) if self.steps else completion_ids.new_zeros(completion_ids.shape, dtype=torch.float32)
+        self.steps = []
+        return out
+
+
+def sampling_processors(options: SamplingOptions) -> list[LogitsProcessor]:
+    """transformers' own processors in generate's order: repetition penalty, temperature, top-k, top-p, min-p."""
+    procs: list[LogitsProcessor] = []
+    if options.repetition_penalty != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(options.repetition_penalty))
+    if options.temperature > 0:
+        if options.temperature != 1.0:
+            procs.append(TemperatureLogitsWarper(options.temperature))
+        if options.top_k > 0:
+            procs.append(TopKLogitsWarper(options.top_k))
+        if options.top_p < 1.0:
+            procs.append(TopPLogitsWarper(options.top_p))
+        if options.min_p > 0.0:
+            procs.append(MinPLogitsWarper(options.min_p))
+    return procs
+
+
+@contextlib.contextmanager
+def _blank_generation_config(model: Any) -> Iterator[None]:
+    """`generate` fills unset fields from `model.generation_config`; a blank one makes ours authoritative
+    (e.g. eos_token_id=None really means no EOS)."""
+    base = unwrap_model(model)
+    saved = getattr(base, "generation_config", None)
+    base.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        base.generation_config = saved
+
+
+class HFEngine:
+    """Sampling with transformers `generate`.
+
+    static_cache: preallocated KV cache; on CUDA `generate` then compiles the decode step (CUDA graphs) unless
+        compile=False. The compiled graph is reused by later calls of the same shapes.
+    Prompts are tokenized once per prompt and the ids expanded G times (generate has no shared-prefix prefill).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, *, static_cache: bool = False, compile: bool | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.static_cache = static_cache
+        self.compile = static_cache if compile is None else compile
+        if self.compile and not static_cache:
+            raise ValueError("HFEngine(compile=True) needs static_cache=True (transformers compiles only static caches)")
+
+    def generate(self, prompts: Sequence[Prompt], options: SamplingOptions) -> RolloutBatch:
+        t0 = time.perf_counter()
+        options.validate()
+        warn_greedy_duplicates(options)
+        pad_id, eos_ids = resolve_special_tokens(self.model, self.tokenizer, options)
+        device = model_device(self.model)
+        enc = encode_prompts(self.tokenizer, prompts, options, context_window(self.model))
+        ids, mask = left_pad(enc, pad_id, device)  # [n, P]
+        recorder = LogprobRecorder(options.logp_temperature)
+        processors = LogitsProcessorList([recorder, *sampling_processors(options)])
+        cfg = GenerationConfig(
+            do_sample=options.temperature > 0,
+            temperature=1.0,  # the processors above do the sampling transforms
+            top_k=0,
+            top_p=1.0,
+            repetition_penalty=1.0,
+            max_new_tokens=options.max_new_tokens,
+            pad_token_id=pad_id,
+            eos_token_id=None if options.ignore_eos else eos_ids,
+            stop_strings=list(options.stop) or None,
+            use_cache=True,
+            cache_implementation="static" if self.static_cache else None,
+            disable_compile=not self.compile,
+        )
+        extra = {"tokenizer": self.tokenizer} if options.stop else {}
+        with generation_mode(self.model), seeded(options.seed, device), _blank_generation_config(self.model):
+            sync(device)
+            tg = time.perf_counter()
+            G = options.num_generations  # rows i*G+g; tokenized once, expanded here (greedy allows no
+            # num_return_sequences > 1 in transformers, and this is the same expansion it would do)
+            out = self.model.generate(
+                input_ids=ids.repeat_interleave(G, 0),
+                attention_mask=mask.repeat_interleave(G, 0), generation_config=cfg, logits_processor=processors, **extra
+            )
+            completion = out[:, ids.shape[1] :]  # [B, S]
+            logp = recorder.finish(completion)
+            sync(device)
+            gen_s = time.perf_counter() - tg
+            del out
+        B, S = completion.shape
+        return build_batch(
+            tokenizer=self.tokenizer,
+            options=options,
+            prompt_ids=ids,
+            prompt_mask=mask,
+            raw_ids=completion,
+            raw_logp=logp,
+            raw_len=torch.full((B,), S, dtype=torch.long),
+            pad_id=pad_id,
+            eos_ids=eos_ids,
+            t_start=t0,
+            generate_seconds=gen_s,
+        )

@@ -1,0 +1,204 @@
+"""CPU tests of the Triton backend (logitless.ops.triton_op) under TRITON_INTERPRET=1 on tiny shapes.
+
+Triton decides at kernel-definition time whether to interpret, so the cases run in ONE subprocess with
+TRITON_INTERPRET=1 set before triton is imported (this pytest process, and GPU tests in it, stay unaffected).
+The subprocess returns relative errors vs a float64 dense oracle; each test below asserts on one case.
+
+Tile sizes are shrunk so that the tiny shapes still cross several ragged column tiles / row chunks.
+Note: the interpreter rounds fp32 -> bf16 by truncation (a GPU rounds to nearest), so exact-precision
+claims are checked in fp32 here and bf16 only loosely; the GPU test checks bf16 against dense torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run_cases() -> dict:
+    """Executed inside the TRITON_INTERPRET=1 subprocess; returns {case: {metric: value}}."""
+    import numpy as np
+    import torch
+    from triton.runtime import interpreter as _interp
+
+    # Triton 3.6's interpreter converts 1-element arrays with int(), which NumPy >= 2.4 refuses
+    # (`for i in range(0, n, BLOCK)` over a runtime int fails); make __index__ take the element.
+    _orig = _interp._patch_lang_tensor
+
+    def _patched(tensor, scope):
+        _orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    _interp._patch_lang_tensor = _patched
+
+    from logitless.ops import triton_op
+    from logitless.ops.reference import token_logprobs_reference
+
+    def rel(a, b):
+        a, b = a.double(), b.double()
+        return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+    def run(fn, h, w, b, tg, temp, ent, need, g_lp, g_ent):
+        h = h.detach().clone().requires_grad_(need[0])
+        w = w.detach().clone().requires_grad_(need[1])
+        b = None if b is None else b.detach().clone().requires_grad_(need[2])
+        lp, e = fn(h, w, tg, b, temp, ent)
+        loss = 0
+        if g_lp is not None:
+            loss = loss + (lp.double() * g_lp).sum()
+        if g_ent is not None:
+            loss = loss + (e.double() * g_ent).sum()
+        loss.backward()
+        return dict(logp=lp, ent=e, dh=h.grad, dw=w.grad, db=None if b is None else b.grad)
+
+    def ours(h, w, tg, b, temp, ent):
+        return triton_op.triton_token_logprobs(h, w, tg, b, temp, ent)
+
+    def dense(h, w, tg, b, temp, ent):
+        return token_logprobs_reference(h, w, tg, bias=b, temperature=temp, with_entropy=ent)
+
+    def case(n, h_, v, *, dtype=torch.float32, bias=True, temp=0.7, ent=True, need=(True, True, True),
+             use_lp=True, use_ent=True, tile_cols=128, chunk_rows=8, seed=0, targets_dtype=torch.int64):
+        triton_op.TILE_BYTES = tile_cols * max(n, 1) * torch.tensor([], dtype=dtype).element_size()
+        triton_op.ROW_CHUNK_BYTES = chunk_rows * v * torch.tensor([], dtype=dtype).element_size()
+        g = torch.Generator().manual_seed(seed)
+        hid = torch.randn(n, h_, generator=g).to(dtype)
+        w = (torch.randn(v, h_, generator=g) * 2 / h_**0.5).to(dtype)
+        b = (torch.randn(v, generator=g) * 0.5).to(dtype) if bias else None
+        tg = torch.randint(0, v, (n,), generator=g)
+        if n >= 3:  # targets on the first column, the last column and a tile edge
+            tg[0], tg[1], tg[2] = 0, v - 1, min(tile_cols, v - 1)
+        tg = tg.to(targets_dtype)
+        g_lp = torch.randn(n, generator=g, dtype=torch.float64) if use_lp else None
+        g_ent = torch.randn(n, generator=g, dtype=torch.float64) if (ent and use_ent) else None
+        up = lambda t: None if t is None else t.double()  # noqa: E731
+        ref = run(dense, up(hid), up(w), up(b), tg.long(), temp, ent, need, g_lp, g_ent)
+        got = run(ours, hid, w, b, tg, temp, ent, need, g_lp, g_ent)
+        out = {}
+        if dtype != torch.float32:
+            low = run(dense, hid, w, b, tg.long(), temp, ent, need, g_lp, g_ent)
+        for k, r in ref.items():
+            if r is None:
+                out[k + "_is_none"] = got[k] is None
+                continue
+            if got[k] is None:
+                out[k] = float("inf")
+                continue
+            out[k] = rel(got[k], r) if n else 0.0
+            out[k + "_shape_ok"] = tuple(got[k].shape) == tuple(r.shape)
+            out[k + "_finite"] = bool(torch.isfinite(got[k]).all())
+            if dtype != torch.float32:
+                out[k + "_dense"] = rel(low[k], r)
+        out["logp_dtype_fp32"] = got["logp"].dtype == torch.float32
+        return out
+
+    res = {
+        "fp32_trainable_entropy_bias_temp": case(37, 16, 301),
+        "fp32_frozen_entropy_grad": case(37, 16, 301, need=(True, False, False)),
+        "fp32_frozen_entropy_unused": case(37, 16, 301, need=(True, False, False), use_ent=False, bias=False),
+        "fp32_frozen_entropy_only": case(21, 16, 301, need=(True, False, False), use_lp=False, temp=1.0),
+        "fp32_bias_trainable_weight_frozen": case(29, 16, 257, need=(True, False, True), ent=False),
+        "fp32_weight_only_int32_targets": case(29, 16, 300, need=(False, True, False), bias=False,
+                                              targets_dtype=torch.int32, tile_cols=256),
+        "fp32_one_tile": case(17, 8, 100, tile_cols=4096, chunk_rows=4096, need=(True, False, False)),
+        "bf16_trainable_entropy": case(48, 32, 517, dtype=torch.bfloat16, seed=1),
+        "bf16_frozen_entropy": case(48, 32, 517, dtype=torch.bfloat16, need=(True, False, False), seed=2),
+        "empty_trainable": case(0, 16, 301),
+        "empty_frozen": case(0, 16, 301, need=(True, False, False)),
+    }
+
+    # no grad: nothing saved, no graph, same values as with grad
+    torch.manual_seed(3)
+    h, w, tg = torch.randn(23, 16), torch.randn(260, 16) / 4, torch.randint(0, 260, (23,))
+    triton_op.TILE_BYTES = 128 * 23 * 4
+    with torch.no_grad():
+        lp, e = triton_op.triton_token_logprobs(h.requires_grad_(), w, tg, None, 1.3, True)
+    rl, re = token_logprobs_reference(h.detach().double(), w.double(), tg, temperature=1.3, with_entropy=True)
+    res["no_grad"] = dict(logp=rel(lp, rl), ent=rel(e, re), no_graph=lp.grad_fn is None and e.grad_fn is None)
+    lp2, e2 = triton_op.triton_token_logprobs(h.detach(), w, tg, None, 1.3, False)
+    res["no_input_requires_grad"] = dict(logp=rel(lp2, rl), no_graph=lp2.grad_fn is None, ent_none=e2 is None)
+
+    # frozen path scales its saved partial gradient in place: a second backward must fail loudly
+    h2 = torch.randn(9, 16).requires_grad_()
+    lp3, _ = triton_op.triton_token_logprobs(h2, w, tg[:9], None, 1.0, False)
+    lp3.sum().backward(retain_graph=True)
+    try:
+        lp3.sum().backward()
+        res["frozen_double_backward"] = dict(raised=False)
+    except RuntimeError as exc:
+        res["frozen_double_backward"] = dict(raised="modified by an inplace operation" in str(exc))
+    return res
+
+
+@pytest.fixture(scope="module")
+def cases() -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"interpreter subprocess failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+FP32 = [
+    "fp32_trainable_entropy_bias_temp",
+    "fp32_frozen_entropy_grad",
+    "fp32_frozen_entropy_unused",
+    "fp32_frozen_entropy_only",
+    "fp32_bias_trainable_weight_frozen",
+    "fp32_weight_only_int32_targets",
+    "fp32_one_tile",
+]
+
+
+@pytest.mark.parametrize("name", FP32)
+def test_fp32_matches_fp64_oracle(cases, name):
+    c = cases[name]
+    errs = {k: v for k, v in c.items() if k in ("logp", "ent", "dh", "dw", "db")}
+    assert errs, c
+    for k, v in errs.items():
+        assert v < 2e-5, f"{name}: {k} relative error {v:.3g}"
+        assert c[k + "_shape_ok"] and c[k + "_finite"], (name, k, c)
+    for k, v in c.items():
+        if k.endswith("_is_none"):
+            assert v, f"{name}: {k[:-8]} should get no gradient"
+    assert c["logp_dtype_fp32"]
+
+
+@pytest.mark.parametrize("name", ["bf16_trainable_entropy", "bf16_frozen_entropy"])
+def test_bf16_close_to_dense_bf16(cases, name):
+    # loose: the interpreter truncates fp32 -> bf16 where a GPU rounds (see module docstring)
+    c = cases[name]
+    for k in ("logp", "ent", "dh", "dw", "db"):
+        if k in c:
+            assert c[k + "_finite"], (name, k)
+            assert c[k] < 3 * c[k + "_dense"] + 2e-3, f"{name}: {k} err {c[k]:.3g} vs dense bf16 {c[k + '_dense']:.3g}"
+
+
+@pytest.mark.parametrize("name", ["empty_trainable", "empty_frozen"])
+def test_empty_batch(cases, name):
+    c = cases[name]
+    assert c["logp_shape_ok"] and c["ent_shape_ok"] and c["dh_shape_ok"]
+    assert c.get("dw_shape_ok", c.get("dw_is_none"))
+
+
+def test_no_grad_paths(cases):
+    a, b = cases["no_grad"], cases["no_input_requires_grad"]
+    assert a["logp"] < 2e-5 and a["ent"] < 2e-5 and a["no_graph"]
+    assert b["logp"] < 2e-5 and b["no_graph"] and b["ent_none"]
+
+
+def test_frozen_double_backward_fails_loudly(cases):
+    assert cases["frozen_double_backward"]["raised"]
+
+
+if __name__ == "__main__":
+    print(json.dumps(_run_cases()))

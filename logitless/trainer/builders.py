@@ -9,7 +9,9 @@ import torch
 
 from logitless.data import PromptRow, load_hf_prompts, load_jsonl_prompts, load_task
 from logitless.rewards import get_reward_fn
-from logitless.trainer.config import DataConfig, OptimConfig, RewardConfig
+from logitless.rollout import SamplingOptions
+from logitless.rollout.engine import context_window, encode_prompts
+from logitless.trainer.config import DataConfig, OptimConfig, RewardConfig, RolloutConfig
 
 
 def load_rows(cfg: DataConfig, split: str | None = None, *, eval: bool = False) -> list[PromptRow]:
@@ -80,3 +82,39 @@ def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
 
 def make_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, cfg: OptimConfig) -> Any:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))
+
+
+def sampling_options(
+    cfg: RolloutConfig,
+    *,
+    seed: int | None,
+    num_generations: int | None = None,
+    temperature: float | None = None,
+    max_new_tokens: int | None = None,
+) -> SamplingOptions:
+    """`logitless.rollout.SamplingOptions` of the rollout section (TRL names mapped to the engine's)."""
+    options = SamplingOptions(
+        num_generations=cfg.num_generations if num_generations is None else num_generations,
+        temperature=cfg.temperature if temperature is None else temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        min_p=cfg.min_p,
+        repetition_penalty=cfg.repetition_penalty,
+        max_new_tokens=cfg.max_completion_length if max_new_tokens is None else max_new_tokens,
+        stop=list(cfg.stop),
+        seed=seed,
+        max_prompt_length=cfg.max_prompt_length,
+    )
+    options.validate()
+    return options
+
+
+def check_prompt_lengths(rows: list[PromptRow], tokenizer: Any, model: Any, options: SamplingOptions, what: str) -> None:
+    """Refuse, before any training, a prompt that does not fit the prompt limit or the context window."""
+    try:
+        encode_prompts(tokenizer, [r.prompt for r in rows], options, context_window(model))
+    except ValueError as e:
+        raise ValueError(
+            f"{what}: {e}. (prompts[i] is row i of the dataset; raise rollout.max_prompt_length, lower "
+            "rollout.max_completion_length, or filter the data)"
+        ) from e

@@ -212,7 +212,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     )
 
 
-def _load_model_weights(model: torch.nn.Module, folder: Path) -> None:
+def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
     from safetensors.torch import load_file
 
     files = sorted(folder.glob("*.safetensors"))
@@ -250,7 +250,7 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load weights, optimizer, scheduler and RNG from checkpoint `path` in place; return the trainer state."""
     path = resolve_checkpoint(path)
-    _load_model_weights(model, path / "model")
+    load_model_weights(model, path / "model")
     opt = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
     if optimizer is not None and opt["optimizer"] is not None:
         optimizer.load_state_dict(opt["optimizer"])

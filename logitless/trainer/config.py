@@ -12,29 +12,28 @@ Names follow TRL's `GRPOConfig` / `ModelConfig` wherever the concept is the same
 | model.name_or_path                   | ModelConfig.model_name_or_path            | "" = embedded SmolLM2 GGUF                |
 | model.dtype                          | ModelConfig.dtype                         |                                           |
 | model.lora                           | ModelConfig.use_peft                      |                                           |
-| model.lora_r / lora_alpha / lora_dropout / lora_target_modules | ModelConfig.lora_*  |                                           |
+| model.lora_r / lora_alpha / ...      | ModelConfig.lora_r / lora_alpha / ...     | also lora_dropout, lora_target_modules    |
 | model.gradient_checkpointing         | gradient_checkpointing                    |                                           |
 | rollout.num_generations              | num_generations                           | G samples per prompt                      |
 | rollout.max_prompt_length            | max_prompt_length                         | longer prompts are an error, not cut      |
 | rollout.max_completion_length        | max_completion_length                     |                                           |
 | rollout.temperature / top_p / top_k  | temperature / top_p / top_k               |                                           |
-| objective.loss_type                  | loss_type                                 |                                           |
-| objective.beta                       | beta                                      | KL coefficient (0 = no reference model)   |
-| objective.epsilon / epsilon_high     | epsilon / epsilon_high                    |                                           |
-| objective.num_iterations             | num_iterations                            | μ optimizer passes over each rollout      |
-| objective.scale_rewards              | scale_rewards                             |                                           |
+| objective.*                          | loss_type, beta, epsilon_high, delta, ... | `logitless.objectives.ObjectiveOptions`    |
+| objective.epsilon_low                | epsilon                                   | lower clip 1 - epsilon_low                |
+| advantage.scale                      | scale_rewards                             | `logitless.objectives.AdvantageOptions`    |
 | reward.reward_funcs / reward_weights | reward_funcs / reward_weights             |                                           |
 | optim.learning_rate                  | learning_rate                             |                                           |
-| optim.weight_decay, adam_beta1/2, adam_epsilon, max_grad_norm | same              |                                           |
+| optim.weight_decay, adam_*, ...      | weight_decay, adam_beta1/2, adam_epsilon  | and max_grad_norm                         |
 | optim.lr_scheduler_type              | lr_scheduler_type                         | "constant" or "cosine"                    |
 | optim.warmup_steps / warmup_ratio    | warmup_steps / warmup_ratio               |                                           |
 | train.max_steps                      | max_steps                                 | one step = one rollout batch              |
+| train.num_iterations                 | num_iterations                            | μ optimizer steps per rollout batch       |
 | train.prompts_per_step               | generation_batch_size / num_generations   |                                           |
 | train.micro_batch_size               | per_device_train_batch_size               | completions per forward/backward          |
 | train.seed / train.output_dir        | seed / output_dir                         |                                           |
 | logging.logging_steps                | logging_steps                             |                                           |
-| logging.log_completions / num_completions_to_print | same                        |                                           |
-| checkpoint.save_steps / save_total_limit | save_steps / save_total_limit         |                                           |
+| logging.log_completions / ...        | log_completions, num_completions_to_print |                                           |
+| checkpoint.save_steps / ..._limit    | save_steps / save_total_limit             |                                           |
 """
 
 from __future__ import annotations
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from logitless.configlib import ConfigError, load_config, to_dict, to_yaml
+from logitless.objectives import AdvantageOptions, ObjectiveOptions
 
 __all__ = [
     "CheckpointConfig",
@@ -52,7 +52,6 @@ __all__ = [
     "EvalConfig",
     "LoggingConfig",
     "ModelConfig",
-    "ObjectiveConfig",
     "OptimConfig",
     "RewardConfig",
     "RolloutConfig",
@@ -127,14 +126,16 @@ class RewardConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: str = "hf"
+    backend: str = "hf"  # logitless.rollout.make_engine backend: "hf" or "continuous"
     num_generations: int = 8  # G
-    max_prompt_length: int = 256
+    max_prompt_length: int | None = 512  # None: context window - max_completion_length
     max_completion_length: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
-    batch_size: int | None = None  # prompts per generate call (None: all at once)
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)  # stop strings (kept at the end of the completion)
 
     def __post_init__(self):
         _positive(
@@ -144,24 +145,7 @@ class RolloutConfig:
             max_completion_length=self.max_completion_length,
             temperature=self.temperature,
             top_p=self.top_p,
-            batch_size=self.batch_size,
         )
-
-
-@dataclass
-class ObjectiveConfig:
-    loss_type: str = "dapo"
-    beta: float = 0.0
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    num_iterations: int = 1  # μ
-    scale_rewards: str = "group"
-    options: dict[str, Any] = field(default_factory=dict)  # further ObjectiveOptions / AdvantageOptions fields
-
-    def __post_init__(self):
-        _positive("objective", num_iterations=self.num_iterations, epsilon=self.epsilon)
-        if self.beta < 0:
-            raise ValueError(f"objective.beta must be >= 0, got {self.beta!r}")
 
 
 @dataclass
@@ -190,6 +174,7 @@ class TrainConfig:
     max_steps: int = 40
     prompts_per_step: int = 8
     micro_batch_size: int = 16  # completions per forward/backward (sorted by length)
+    num_iterations: int = 1  # μ: optimizer steps on each rollout batch (old logprobs are computed when > 1)
     seed: int = 0
     output_dir: str = "runs/demo"
     num_threads: int | None = None  # torch.set_num_threads on CPU (None: leave torch's default)
@@ -200,6 +185,7 @@ class TrainConfig:
             max_steps=self.max_steps,
             prompts_per_step=self.prompts_per_step,
             micro_batch_size=self.micro_batch_size,
+            num_iterations=self.num_iterations,
             num_threads=self.num_threads,
         )
 
@@ -248,7 +234,8 @@ class TrainerConfig:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    objective: ObjectiveOptions = field(default_factory=ObjectiveOptions)  # the objective's own options
+    advantage: AdvantageOptions = field(default_factory=AdvantageOptions)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -11,11 +11,13 @@ PANELS = [
     ("reward", ["reward/mean"]),
     ("accuracy", ["accuracy"]),
     ("completion length", ["completion/length_mean", "completion/length_max"]),
-    ("KL / entropy", ["kl", "entropy"]),
-    ("clip fraction", ["clip_fraction", "clip_fraction/low", "clip_fraction/high"]),
+    ("KL", ["kl"]),
+    ("entropy", ["entropy"]),
+    ("clip fraction", ["clip/fraction", "clip/low", "clip/high"]),
     ("grad norm", ["grad_norm"]),
     ("learning rate", ["learning_rate"]),
-    ("tokens/s", ["tokens_per_s"]),
+    ("rollout tokens/s", ["tokens_per_s"]),
+    ("seconds per stage", ["time/generate", "time/score", "time/train"]),
 ]
 
 

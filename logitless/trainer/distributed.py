@@ -1,0 +1,40 @@
+"""The trainer's only collectives: sums/min/max of counts and metrics across ranks (identity on one process).
+
+Under torchrun with FSDP2 every rank runs the same loop on its own prompts; the step normalizer and the
+metrics are all-reduced here, so the math modules stay free of collectives.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from logitless.objectives import Stat, pack_metrics, unpack_metrics
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def is_main_process() -> bool:
+    return not is_distributed() or dist.get_rank() == 0
+
+
+def all_reduce_sum(value: float, device: torch.device) -> float:
+    """Σ over ranks of a per-rank count (e.g. this rank's share of the loss normalizer)."""
+    if not is_distributed():
+        return float(value)
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return float(t.item())
+
+
+def all_reduce_metrics(metrics: dict[str, Stat]) -> dict[str, Stat]:
+    """Merge every rank's Stats exactly (SUM of sums/counts, MIN of mins, MAX of maxes)."""
+    if not is_distributed():
+        return metrics
+    names, sum_count, mins, maxs = pack_metrics(metrics)
+    dist.all_reduce(sum_count, op=dist.ReduceOp.SUM)
+    dist.all_reduce(mins, op=dist.ReduceOp.MIN)
+    dist.all_reduce(maxs, op=dist.ReduceOp.MAX)
+    return unpack_metrics(names, sum_count, mins, maxs)

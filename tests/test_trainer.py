@@ -1,0 +1,207 @@
+"""End-to-end training on CPU with a tiny random model: outputs, exact resume, signals, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from logitless.rewards import RewardFunctionError
+from logitless.trainer import checkpoint as ckpt
+from logitless.trainer.config import load_train_config
+from logitless.trainer.loop import train
+from tests.conftest import tiny_qwen2
+
+VOCAB = 50_257  # GPT-2 tokenizer
+TIMING = ("time/", "tokens_per_s", "train_tokens_per_s", "memory/")
+
+REWARDS_MODULE = '''
+def digits(prompts, completions, **fields):
+    """Share of characters that are digits: varies between samples, so advantages are non-zero."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) + 0.01 * len(c) for c in completions]
+
+CALLS = [0]
+
+def raising(prompts, completions, **fields):
+    """Raises on the batch call and on the first one-sample call (sample 0) that follows it."""
+    CALLS[0] += 1
+    if CALLS[0] <= 2:
+        raise KeyError("boom")
+    return [0.0] * len(completions)
+
+def wrong_length(prompts, completions, **fields):
+    return [0.0] * (len(completions) - 1)
+
+def nan(prompts, completions, **fields):
+    return [float("nan")] * len(completions)
+'''
+
+
+@pytest.fixture
+def rewards_module(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent(REWARDS_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)
+    return "my_rewards"
+
+
+@pytest.fixture
+def tok(gpt2_tokenizer):
+    gpt2_tokenizer.pad_token = gpt2_tokenizer.eos_token
+    gpt2_tokenizer.padding_side = "left"
+    return gpt2_tokenizer
+
+
+def _cfg(run_dir, *overrides):
+    base = [
+        f"train.output_dir={run_dir}",
+        "train.max_steps=4",
+        "train.prompts_per_step=2",
+        "train.micro_batch_size=3",  # 8 rows -> micro-batches of 3, 3, 2
+        "rollout.num_generations=4",
+        "rollout.max_completion_length=6",
+        "data.options={difficulty: 1, n: 40, chat: false}",
+        "reward.reward_funcs=[numeric_answer, my_rewards:digits]",
+        "optim.learning_rate=0.05",
+        "model.lora_r=4",
+        "model.lora_alpha=8",
+        "logging.tensorboard=false",
+        "logging.progress=false",
+        "logging.log_completions=false",
+        "logging.plot=false",
+        "checkpoint.save_steps=2",
+        "checkpoint.save_total_limit=null",
+    ]
+    return load_train_config(None, base + list(overrides))
+
+
+def _train(cfg, tok, **kw):
+    return train(cfg, model=tiny_qwen2(vocab_size=VOCAB, hidden=32, layers=1), tokenizer=tok, **kw)
+
+
+def _untimed(records):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in records]
+
+
+def _lora(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(ckpt.resolve_checkpoint(path) / "model" / "adapter_model.safetensors"))
+
+
+def test_end_to_end_outputs(tmp_path, tok, rewards_module):
+    cfg = _cfg(tmp_path / "run", "train.max_steps=2", "logging.plot=true", "train.num_iterations=2", "objective.beta=0.1")
+    result = _train(cfg, tok)
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and result.step == 2 and result.interrupted is None
+    r = records[-1]
+    for key in ("reward/mean", "reward/std", "reward/numeric_answer/mean", "reward/digits/mean", "accuracy",
+                "advantage", "kl", "clip/fraction", "entropy", "completion/length_mean", "completion/length_max",
+                "completion/truncated", "tokens_per_s", "time/generate", "time/score", "time/train",
+                "memory/peak_gb", "grad_norm", "learning_rate", "ratio"):
+        assert key in r and r[key] is not None, key
+    assert r["grad_norm"] > 0 and r["kl"] >= 0
+    assert (run / "curves.png").stat().st_size > 1000 and (run / "config.yaml").is_file()
+    assert ckpt.read_latest(run / "checkpoints").name == "step-000002"
+    lora_b = [v for k, v in _lora(run).items() if "lora_B" in k]
+    assert lora_b and any(v.abs().max() > 0 for v in lora_b)  # LoRA B starts at zero: training moved it
+
+
+def test_resume_after_sigterm_reproduces_uninterrupted_run(tmp_path, tok, rewards_module):
+    full = _train(_cfg(tmp_path / "full"), tok)
+    assert full.step == 4
+
+    def hook(event, step):  # a real SIGTERM to this process after the rollout of step 3
+        if event == "after_rollout" and step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    cut = _train(_cfg(tmp_path / "cut"), tok, hook=hook)
+    assert cut.interrupted == signal.SIGTERM and cut.exit_code == 143
+    assert cut.step == 2 and ckpt.read_latest(tmp_path / "cut" / "checkpoints").name == "step-000002"
+    resumed = _train(_cfg(tmp_path / "cut"), tok, resume=tmp_path / "cut")
+    assert resumed.step == 4
+    assert _untimed(cut.records + resumed.records) == _untimed(full.records)
+    a, b = _lora(tmp_path / "full"), _lora(tmp_path / "cut")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    lines = (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4]
+
+
+def test_sigint_during_update_finishes_step_then_checkpoints(tmp_path, tok, rewards_module):
+    def hook(event, step):
+        if event == "after_update" and step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    result = _train(_cfg(tmp_path / "run", "checkpoint.save_steps=0"), tok, hook=hook)
+    assert result.interrupted == signal.SIGINT and result.exit_code == 130 and result.step == 1
+    assert ckpt.read_latest(tmp_path / "run" / "checkpoints").name == "step-000001"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+
+
+@pytest.mark.parametrize(
+    "fn, match",
+    [
+        ("raising", r"reward function 'raising' raised KeyError: 'boom' on sample 0 \(completion "),
+        ("wrong_length", r"'wrong_length' returned 7 values for 8 completions"),
+        ("nan", r"'nan' returned NaN for sample 0"),
+    ],
+)
+def test_bad_reward_function_stops_with_its_name(tmp_path, tok, rewards_module, fn, match):
+    cfg = _cfg(tmp_path / "run", "train.max_steps=1", f"reward.reward_funcs=[numeric_answer, my_rewards:{fn}]")
+    with pytest.raises(RewardFunctionError, match=match):
+        _train(cfg, tok)
+
+
+def test_raising_reward_scored_with_penalty_when_asked(tmp_path, tok, rewards_module):
+    cfg = _cfg(
+        tmp_path / "run", "train.max_steps=1", "reward.reward_funcs=[numeric_answer, my_rewards:raising]",
+        "reward.on_error=penalty", "reward.error_penalty=-1.0",
+    )
+    result = _train(cfg, tok)
+    r = result.records[0]
+    assert r["reward/raising/errors"] == 1  # only sample 0 raises when scored alone
+    assert r["reward/raising/mean"] == pytest.approx(-1.0 / 8)
+
+
+def test_prompt_longer_than_context_window(tmp_path, tok, rewards_module):
+    long = "What is " + "1 + " * 300 + "1?"
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "What is 1 + 1?", "answer": "2"}) + "\n"
+                                      + json.dumps({"prompt": long, "answer": "301"}) + "\n")
+    cfg = _cfg(tmp_path / "run", "data.task=jsonl", f"data.options={{path: '{tmp_path / 'p.jsonl'}', chat: false}}",
+               "rollout.max_prompt_length=null")
+    with pytest.raises(ValueError, match=r"data.task='jsonl': prompts\[1\] has \d+ tokens, over the limit of 506"):
+        _train(cfg, tok)  # tiny model: 512 positions - 6 completion tokens
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [("", "has no rows"), (json.dumps({"question": "hi", "answer": "1"}) + "\n", "row 0 has no field 'prompt'")],
+)
+def test_empty_dataset_or_missing_field(tmp_path, tok, content, match):
+    (tmp_path / "p.jsonl").write_text(content)
+    cfg = _cfg(tmp_path / "run", "data.task=jsonl", f"data.options={{path: '{tmp_path / 'p.jsonl'}'}}")
+    with pytest.raises(ValueError, match=match):
+        train(cfg, model=None, tokenizer=tok)  # data errors come before the model is loaded
+
+
+def test_all_completions_empty(tmp_path, tok, rewards_module):
+    model = tiny_qwen2(vocab_size=VOCAB, hidden=32, layers=1)
+    eos = tok.eos_token_id
+
+    def force_eos(module, args, out):  # the sampler always picks EOS first
+        out = out.clone()
+        out[..., eos] += 1e4
+        return out
+
+    model.lm_head.register_forward_hook(force_eos)
+    with pytest.warns(UserWarning, match="every completion is empty"):
+        with pytest.raises(ValueError, match="every completion of the last 3 steps is empty"):
+            train(_cfg(tmp_path / "run", "train.max_steps=5"), model=model, tokenizer=tok)
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["completion/empty"] for r in records] == [1.0, 1.0]  # the third step stops the run

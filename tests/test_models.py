@@ -6,6 +6,7 @@ float64, log-softmaxed and gathered at the completion positions.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -84,6 +85,20 @@ def peaked(model):
     return model
 
 
+@contextlib.contextmanager
+def lm_head_never_called(model):
+    """Fail if anything runs the lm_head module (i.e. computes [*, V] logits) inside the block."""
+
+    def boom(module, args):
+        raise AssertionError("lm_head was called: logits were computed")
+
+    handle = model.get_output_embeddings().register_forward_pre_hook(boom)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 @pytest.fixture(scope="module")
 def qwen_tied():
     return peaked(tiny_qwen2(tie=True, seed=0))
@@ -149,7 +164,8 @@ def test_completion_logprobs_matches_dense_qwen2(which, qwen_tokenizer, qwen_tie
     with torch.no_grad():
         for temperature, with_entropy in ((1.0, False), (0.7, True)):
             ref_logp, ref_ent = dense_completion_logprobs(model, *batch, temperature=temperature)
-            logp, ent = completion_logprobs(model, *batch, temperature=temperature, with_entropy=with_entropy)
+            with lm_head_never_called(model):
+                logp, ent = completion_logprobs(model, *batch, temperature=temperature, with_entropy=with_entropy)
             assert logp.dtype == torch.float32 and logp.shape == batch[2].shape
             torch.testing.assert_close(logp.double(), ref_logp, rtol=0, atol=2e-5)
             assert torch.all(logp[~cmask] == 0)
@@ -402,3 +418,44 @@ def test_lora_gradients_match_dense(checkpointing, qwen_tokenizer, qwen_untied):
     for n, p in lora.items():
         assert p.grad is not None and p.grad.abs().max() > 0, n
         torch.testing.assert_close(ours[n], p.grad, rtol=1e-3, atol=1e-5, msg=n)
+
+
+# ----------------------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_completion_logprobs_and_lora_grads(dtype):
+    """On CUDA (Triton backend): values vs an fp64 head over the same hidden states, LoRA grads vs dense."""
+    dev = torch.device("cuda")
+    model = _lora(peaked(tiny_qwen2(tie=False, seed=2)), ["q_proj", "v_proj"]).to(dev, dtype).train()
+    vocab = model.config.vocab_size
+    batch = [x.to(dev) for x in _random_batch(vocab, seed=4)]
+    logp, ent = completion_logprobs(model, *batch, temperature=0.7, with_entropy=True)
+
+    # the same hidden states through a float64 head: checks the plumbing and the op, not bf16 body numerics
+    p_ids, p_mask, c_ids, c_mask = batch
+    P, T = p_ids.shape[1], c_ids.shape[1]
+    with torch.no_grad():
+        h = final_hidden_states(model, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1))
+        w = lm_head_of(model).weight
+        lp = torch.log_softmax(F.linear(h[:, P - 1 : P + T - 1].double(), w.double()) / 0.7, -1)
+    m = c_mask.bool()
+    ref_logp = lp.gather(-1, c_ids[..., None])[..., 0]
+    ref_ent = -(lp.exp() * lp).sum(-1)
+    torch.testing.assert_close(logp[m].double(), ref_logp[m], rtol=0, atol=2e-3)
+    torch.testing.assert_close(ent[m].double(), ref_ent[m], rtol=2e-4, atol=2e-3)
+    assert torch.all(logp[~m] == 0)
+
+    if dtype != torch.float32:
+        return
+    lora = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    weights = torch.randn(c_ids.shape, device=dev, dtype=torch.float64, generator=torch.Generator(dev).manual_seed(5))
+    (-(logp.double() * weights).sum() - 0.1 * ent.double().sum()).backward()
+    ours = {n: p.grad.clone() for n, p in lora.items()}
+    model.zero_grad(set_to_none=True)
+    ref_logp, ref_ent = dense_completion_logprobs(model, *batch, temperature=0.7)
+    (-(ref_logp * weights).sum() - 0.1 * ref_ent.sum()).backward()
+    for n, p in lora.items():
+        assert p.grad.abs().max() > 0, n
+        torch.testing.assert_close(ours[n], p.grad, rtol=2e-3, atol=1e-4, msg=n)

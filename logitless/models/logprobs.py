@@ -8,10 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from logitless.models.lm_head import final_hidden_states, lm_head_of
-try:  # TEMP until the fused op lands
-    from logitless.ops import token_logprobs
-except ImportError:
-    from logitless.ops.reference import token_logprobs_reference as token_logprobs
+from logitless.ops import token_logprobs
 
 
 def _check_mask(mask: Tensor, shape: tuple[int, ...], name: str, of: str) -> Tensor:

@@ -21,6 +21,7 @@ from logitless.objectives import (
     unpack_metrics,
     update_entropy_coef,
 )
+from logitless.objectives.metrics import stats_of
 
 F64 = torch.float64
 
@@ -199,6 +200,33 @@ def test_entropy_bonus_value_and_gradient(lt):
     out0 = policy_loss(logp, mask, adv, opts, loss_normalizer(opts, [mask]), old_logp=old, entropy=ent,
                        entropy_coef=0.0)
     torch.testing.assert_close(out0.loss, base)
+
+
+@pytest.mark.parametrize("q", [1e-3, 0.2, 0.5, 0.999])
+def test_entropy_quantile_threshold_matches_torch_quantile(q):
+    g = torch.Generator().manual_seed(1)
+    ents = [torch.rand(3, 7, generator=g, dtype=F64), torch.rand(2, 4, generator=g, dtype=F64)]
+    masks = [torch.rand(3, 7, generator=g) > 0.4, torch.rand(2, 4, generator=g) > 0.4]
+    expected = torch.quantile(torch.cat([e[m] for e, m in zip(ents, masks)]), 1 - q)
+    torch.testing.assert_close(entropy_quantile_threshold(ents, masks, q), expected)
+    one = torch.zeros(1, 3, dtype=torch.bool)
+    one[0, 1] = True
+    torch.testing.assert_close(entropy_quantile_threshold(ents[0][:1, :3], one, q), ents[0][0, 1])
+    assert math.isinf(float(entropy_quantile_threshold(ents[0], torch.zeros(3, 7), q)))
+
+
+def test_stats_of_equals_stat_of():
+    g = torch.Generator().manual_seed(2)
+    v = torch.randn(4, 5, generator=g)
+    w = torch.rand(4, 5, generator=g) > 0.5
+    items = {"a": (v, w), "b": (v > 0, w), "c": (v[:, :1], torch.ones(4, 1, dtype=torch.bool)), "d": (v[0], None),
+             "e": (v, torch.zeros_like(w)), "f": (v[:0], None), "g": (torch.zeros((), dtype=torch.bool), w)}
+    batched = stats_of(items)
+    assert list(batched) == list(items)
+    for name, (x, m) in items.items():
+        ref = Stat.of(x, m)
+        for f in ("total", "count", "min", "max"):
+            torch.testing.assert_close(getattr(batched[name], f), getattr(ref, f), msg=f"{name}.{f}")
 
 
 def test_adaptive_entropy_coef():

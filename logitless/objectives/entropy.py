@@ -27,14 +27,19 @@ def entropy_quantile_threshold(
     masks = mask if isinstance(mask, (list, tuple)) else [mask]
     if len(ents) != len(masks):
         raise ValueError(f"entropy and mask lists differ in length ({len(ents)} vs {len(masks)}).")
-    vals = torch.cat([e.detach().to(torch.promote_types(e.dtype, torch.float32))[m.bool()] for e, m in zip(ents, masks)])
+    dtype = torch.promote_types(ents[0].dtype, torch.float32)
+    # invalid positions sort last as +inf; indices stay tensors, so this never synchronizes with the device
+    vals = torch.cat([torch.where(m.bool(), e.detach().to(dtype), torch.inf).flatten() for e, m in zip(ents, masks)])
     if vals.numel() == 0:
-        return torch.tensor(float("inf"), device=vals.device)
+        return torch.tensor(float("inf"), dtype=dtype, device=vals.device)
     v = vals.sort().values
-    pos = (1.0 - top_quantile) * (v.numel() - 1)
-    lo = int(pos)
-    hi = min(lo + 1, v.numel() - 1)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+    n = sum(m.bool().sum() for m in masks)  # [] number of valid tokens
+    pos = (1.0 - top_quantile) * (n - 1).clamp(min=0).to(dtype)
+    lo = pos.floor().long()
+    hi = torch.minimum(lo + 1, (n - 1).clamp(min=0))
+    v_lo, v_hi = v.index_select(0, lo.view(1))[0], v.index_select(0, hi.view(1))[0]
+    thr = v_lo + (v_hi - v_lo) * (pos - lo.to(dtype))
+    return torch.where(n > 0, thr, torch.inf)
 
 
 class EntropyCoef(NamedTuple):

@@ -19,7 +19,7 @@ import torch
 
 from logitless.objectives.entropy import entropy_quantile_threshold
 from logitless.objectives.kl import kl_estimate
-from logitless.objectives.metrics import Stat
+from logitless.objectives.metrics import Stat, stats_of
 from logitless.objectives.options import PPO_CLIP_LOSS_TYPES, ObjectiveOptions
 
 Tensor = torch.Tensor
@@ -148,16 +148,16 @@ def policy_loss(
     _check_inputs(logp, mask, advantages, o, normalizer, tensors, truncated, coef_h)
     dtype = torch.promote_types(logp.dtype, torch.float32)
     lt, level, L = o.loss_type, o.importance_sampling_level, o.max_log_ratio
-    metrics: dict[str, Stat] = {}
+    stats: dict[str, tuple[Tensor, Tensor | None]] = {}  # name -> (values, where), reduced at the end
 
     valid0 = mask.bool()  # [B, T]
     valid = valid0
     if o.mask_truncated_completions:
         valid = valid0 & ~truncated.bool().view(-1, 1)
-        metrics["masked/truncated"] = Stat.of(~valid, valid0)
+        stats["masked/truncated"] = (~valid, valid0)
     m = valid.to(dtype)  # [B, T]
     lengths = m.sum(-1, keepdim=True)  # [B, 1]
-    metrics["completion_length"] = Stat.of(valid0.sum(-1).to(dtype))
+    stats["completion_length"] = (valid0.sum(-1).to(dtype), None)
     lp = _clean(logp, valid, dtype)  # [B, T]
     old = lp.detach() if old_logp is None else _clean(old_logp, valid, dtype)
     adv = advantages.detach().to(dtype).view(-1, 1)  # [B, 1]
@@ -170,7 +170,7 @@ def policy_loss(
         seq = ((log_ratio * m).sum(-1, keepdim=True) / lengths.clamp(min=1.0)).clamp(-L, L)  # [B, 1]
         log_w = seq if level == "sequence" else lp - lp.detach() + seq.detach()  # [B, 1] or [B, T]
     coef_1 = torch.exp(log_w)
-    metrics["ratio"] = Stat.of(coef_1, valid)
+    stats["ratio"] = (coef_1, valid)
 
     # Rollout-engine IS weight ρ = π_old / π_sampler (detached).
     rho = None
@@ -178,7 +178,7 @@ def policy_loss(
         with torch.no_grad():
             samp = _clean(sampler_logp, valid, dtype)
             d = old.detach() - samp  # [B, T], 0 outside the mask
-            metrics["is/logp_diff"] = Stat.of(d.abs(), valid)
+            stats["is/logp_diff"] = (d.abs(), valid)
             if o.sampler_is_mode.startswith("token"):
                 log_rho = d.clamp(-L, L)  # [B, T]
             else:
@@ -197,8 +197,8 @@ def policy_loss(
                 if hi is not None:
                     keep &= rho <= hi
                 rho = torch.where(keep, rho, 0.0)
-                metrics["is/masked"] = Stat.of(~keep, valid)
-            metrics["is/ratio"] = Stat.of(rho, valid if rho.shape[1] > 1 else lengths > 0)
+                stats["is/masked"] = (~keep, valid)
+            stats["is/ratio"] = (rho, valid if rho.shape[1] > 1 else lengths > 0)
 
     # Policy term per loss type.
     zero = torch.zeros((), dtype=torch.bool, device=lp.device)
@@ -211,7 +211,7 @@ def policy_loss(
         clip_low, clip_high = (coef_1 < lo_b) & (adv < 0), (coef_1 > hi_b) & (adv > 0)
         if o.dual_clip is not None:
             bound = -o.dual_clip * adv  # [B, 1]
-            metrics["clip/dual"] = Stat.of((adv < 0) & (pg > bound), valid)
+            stats["clip/dual"] = ((adv < 0) & (pg > bound), valid)
             pg = torch.where(adv < 0, torch.minimum(pg, bound), pg)
     elif lt == "cispo":
         pg = -coef_1.clamp(max=o.epsilon_high).detach() * adv * lp
@@ -231,9 +231,9 @@ def policy_loss(
             lam = torch.where(nonneg, o.vespo_lambda_pos, o.vespo_lambda_neg).clamp(min=1e-4)
             phi = torch.exp(lam + k * log_w_seq - lam * torch.exp(log_w_seq)).nan_to_num(0.0, 0.0, 0.0)
         pg = -phi * adv * lp
-    metrics["clip/low"] = Stat.of(clip_low, valid)
-    metrics["clip/high"] = Stat.of(clip_high, valid)
-    metrics["clip/fraction"] = Stat.of(clip_low | clip_high, valid)
+    stats["clip/low"] = (clip_low, valid)
+    stats["clip/high"] = (clip_high, valid)
+    stats["clip/fraction"] = (clip_low | clip_high, valid)
 
     # Masks on the policy term (not on the KL term, as TRL).
     if o.off_policy_mask_threshold is not None:
@@ -241,7 +241,7 @@ def policy_loss(
             behaviour = _clean(sampler_logp, valid, dtype) if sampler_logp is not None else old.detach()
             seq_kl = ((behaviour - lp.detach()) * m).sum(-1, keepdim=True) / lengths.clamp(min=1.0)  # [B, 1]
             keep_seq = (adv >= 0) | (seq_kl <= o.off_policy_mask_threshold)
-        metrics["masked/off_policy"] = Stat.of(~keep_seq, valid)
+        stats["masked/off_policy"] = (~keep_seq, valid)
         pg = pg * keep_seq
     if o.top_entropy_quantile < 1.0:
         with torch.no_grad():
@@ -250,7 +250,7 @@ def policy_loss(
             if thr is None:
                 thr = entropy_quantile_threshold(ent, valid, o.top_entropy_quantile)
             keep_tok = ent >= torch.as_tensor(thr, dtype=dtype, device=ent.device)
-        metrics["masked/entropy"] = Stat.of(~keep_tok, valid)
+        stats["masked/entropy"] = (~keep_tok, valid)
         pg = pg * keep_tok
     if rho is not None and lt != "vespo":  # vespo folds ρ into φ
         pg = pg * rho
@@ -265,10 +265,10 @@ def policy_loss(
         else:
             with torch.no_grad():
                 kl = kl_estimate(lp.detach(), ref, o.kl_estimator, L)
-        metrics["kl"] = Stat.of(kl, valid)
+        stats["kl"] = (kl, valid)
     if entropy is not None:
         ent_g = _clean(entropy, valid, dtype)
-        metrics["entropy"] = Stat.of(ent_g, valid)
+        stats["entropy"] = (ent_g, valid)
         if coef_h != 0.0:
             per_token = per_token - coef_h * ent_g
 
@@ -281,4 +281,4 @@ def policy_loss(
         denom = normalizer.detach().to(device=total.device, dtype=dtype).reshape(()).clamp(min=1.0)
     else:
         denom = max(float(normalizer), 1.0)
-    return ObjectiveOutput(loss=total / denom, metrics=metrics)
+    return ObjectiveOutput(loss=total / denom, metrics=stats_of(stats))

@@ -114,8 +114,9 @@ def test_zero_variance_groups_are_exactly_zero_and_counted():
         assert float(out.metrics["zero_variance_groups"].count) == 3
 
 
-@pytest.mark.parametrize("opts", [AdvantageOptions(), AdvantageOptions(scale="batch"),
-                                  AdvantageOptions(estimator="rloo"), AdvantageOptions(multi_reward="normalize_then_sum")])
+@pytest.mark.parametrize("opts", [
+    AdvantageOptions(), AdvantageOptions(scale="batch"), AdvantageOptions(estimator="rloo"),
+    AdvantageOptions(multi_reward="normalize_then_sum")])
 def test_groups_of_one_and_single_scorable(opts):
     out = compute_advantages(torch.tensor([[1.0], [3.0], [float("nan")]]), 1, opts)
     assert torch.equal(out.advantages, torch.zeros(3))

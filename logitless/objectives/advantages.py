@@ -61,7 +61,8 @@ def compute_advantages(rewards: Tensor, group_size: int, options: AdvantageOptio
     if not isinstance(o, AdvantageOptions):
         raise TypeError(f"options must be an AdvantageOptions, got {type(o).__name__}.")
     if not isinstance(rewards, Tensor) or rewards.dim() not in (1, 2) or rewards.shape[0] == 0:
-        raise ValueError(f"rewards must be a non-empty [B, R] (or [B]) tensor, got {getattr(rewards, 'shape', type(rewards))}.")
+        got = getattr(rewards, "shape", type(rewards))
+        raise ValueError(f"rewards must be a non-empty [B, R] (or [B]) tensor, got {got}.")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be a positive int (samples per prompt), got {group_size!r}.")
     r = (rewards if rewards.dim() == 2 else rewards.view(-1, 1)).to(torch.float64)  # [B, R]

@@ -51,7 +51,8 @@ def loss_normalizer(options: ObjectiveOptions, masks: list[Tensor], truncated: l
     if isinstance(masks, Tensor):
         masks = [masks]
     if truncated is not None and len(truncated) != len(masks):
-        raise ValueError(f"truncated has {len(truncated)} entries but masks has {len(masks)}; pass one per micro-batch.")
+        raise ValueError(f"truncated has {len(truncated)} entries but masks has {len(masks)}; pass one per "
+                         "micro-batch.")
     if options.mask_truncated_completions and truncated is None and options.normalizer_kind == "tokens":
         raise ValueError("options.mask_truncated_completions=True: pass truncated= (one [B] bool tensor per "
                          "micro-batch) so truncated rows are left out of the token count, as in policy_loss.")
@@ -86,8 +87,8 @@ def _check_inputs(logp, mask, advantages, options, normalizer, tensors: dict, tr
     if not isinstance(mask, Tensor) or tuple(mask.shape) != shape:
         raise ValueError(f"mask must have the shape of logp {list(shape)}, got {list(getattr(mask, 'shape', []))}.")
     if not isinstance(advantages, Tensor) or tuple(advantages.shape) != shape[:1]:
-        raise ValueError(f"advantages must have shape [B] = [{shape[0]}] (one value per sequence), got "
-                         f"{list(getattr(advantages, 'shape', [])) if isinstance(advantages, Tensor) else type(advantages)}.")
+        got = list(advantages.shape) if isinstance(advantages, Tensor) else type(advantages).__name__
+        raise ValueError(f"advantages must have shape [B] = [{shape[0]}] (one value per sequence), got {got}.")
     for name, t in tensors.items():
         if t is not None and (not isinstance(t, Tensor) or tuple(t.shape) != shape):
             raise ValueError(f"{name} must have the shape of logp {list(shape)}, got "

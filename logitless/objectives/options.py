@@ -126,7 +126,8 @@ class ObjectiveOptions:
         if self.delta is not None:
             if lt not in PPO_CLIP_LOSS_TYPES:
                 raise ValueError(f"delta={self.delta} only applies to the clipped-ratio loss types "
-                                 f"{PPO_CLIP_LOSS_TYPES}; loss_type={lt!r} has no unclipped ratio term. Set delta=None.")
+                                 f"{PPO_CLIP_LOSS_TYPES}; loss_type={lt!r} has no unclipped ratio term. "
+                                 "Set delta=None.")
             _number("delta", self.delta)
             if self.delta <= 1.0 + self.epsilon_high:
                 raise ValueError(

@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+from logitless.models import completion_logprobs
 from logitless.rollout import SamplingOptions, generation_mode, make_engine
 from logitless.rollout.types import RolloutBatch
 
@@ -60,8 +61,17 @@ def check_layout(b: RolloutBatch, n: int, G: int, pad_id: int) -> None:
     assert len(b.completions) == B and b.timing.num_tokens == int(m.sum())
 
 
-def test_seeded_reproducible_and_logprobs_match_dense(peaked_model, tok):
-    eng = make_engine("hf", peaked_model, tok)
+FAST = ["hf", "static"]
+
+
+def engine(backend, model, tok):
+    # check_every=4 exercises the static loop's host-side stop/finished checks within short completions
+    return make_engine(backend, model, tok, **({"check_every": 4} if backend == "static" else {}))
+
+
+@pytest.mark.parametrize("backend", FAST)
+def test_seeded_reproducible_and_logprobs_match_dense(peaked_model, tok, backend):
+    eng = engine(backend, peaked_model, tok)
     opts = SamplingOptions(num_generations=3, temperature=0.7, top_k=40, top_p=0.95, min_p=0.01,
                            repetition_penalty=1.2, max_new_tokens=7, seed=123)
     a = eng.generate(PROMPTS, opts)
@@ -78,22 +88,21 @@ def test_seeded_reproducible_and_logprobs_match_dense(peaked_model, tok):
     assert a.sampler_logp[a.completion_mask.bool()].min() < -0.5
 
 
-def test_logprobs_match_fused_completion_logprobs(peaked_model, tok):
-    models = pytest.importorskip("logitless.models")
-    if not hasattr(models, "completion_logprobs"):
-        pytest.skip("logitless.models.completion_logprobs not available")
-    eng = make_engine("hf", peaked_model, tok)
+@pytest.mark.parametrize("backend", FAST)
+def test_logprobs_match_fused_completion_logprobs(peaked_model, tok, backend):
+    eng = engine(backend, peaked_model, tok)
     for T in (1.0, 0.6):
         b = eng.generate(PROMPTS, SamplingOptions(num_generations=2, temperature=T, max_new_tokens=6, seed=7))
         with torch.no_grad():
-            lp, _ = models.completion_logprobs(
+            lp, _ = completion_logprobs(
                 peaked_model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, temperature=T
             )
         torch.testing.assert_close(b.sampler_logp, lp.float(), atol=1e-4, rtol=0)
 
 
-def test_top_k_one_equals_greedy(peaked_model, tok):
-    eng = make_engine("hf", peaked_model, tok)
+@pytest.mark.parametrize("backend", FAST)
+def test_top_k_one_equals_greedy(peaked_model, tok, backend):
+    eng = engine(backend, peaked_model, tok)
     greedy = eng.generate(PROMPTS, SamplingOptions(num_generations=1, temperature=0.0, max_new_tokens=6))
     topk1 = eng.generate(PROMPTS, SamplingOptions(num_generations=1, temperature=1.0, top_k=1, max_new_tokens=6, seed=3))
     assert torch.equal(greedy.completion_ids, topk1.completion_ids)
@@ -101,8 +110,9 @@ def test_top_k_one_equals_greedy(peaked_model, tok):
     torch.testing.assert_close(greedy.sampler_logp.double(), dense_logprobs(peaked_model, greedy, 1.0), atol=1e-4, rtol=0)
 
 
-def test_eos_one_token_completion_and_truncation(peaked_model, tok):
-    eng = make_engine("hf", peaked_model, tok)
+@pytest.mark.parametrize("backend", FAST)
+def test_eos_one_token_completion_and_truncation(peaked_model, tok, backend):
+    eng = engine(backend, peaked_model, tok)
     base = SamplingOptions(num_generations=1, temperature=0.0, max_new_tokens=5, eos_token_ids=[tok.pad_token_id])
     free = eng.generate(PROMPTS, base)
     assert free.truncated.all() and not free.finished.any() and (free.completion_mask.sum(1) == 5).all()
@@ -135,8 +145,9 @@ def _boundary_stop(tok, ids: list[int]) -> tuple[str, int] | None:
     return None
 
 
-def test_stop_string_across_token_boundary(peaked_model, tok):
-    eng = make_engine("hf", peaked_model, tok)
+@pytest.mark.parametrize("backend", FAST)
+def test_stop_string_across_token_boundary(peaked_model, tok, backend):
+    eng = engine(backend, peaked_model, tok)
     opts = SamplingOptions(num_generations=2, temperature=1.0, max_new_tokens=10, seed=5, ignore_eos=True)
     free = eng.generate(PROMPTS, opts)
     found = None
@@ -158,7 +169,8 @@ def test_stop_string_across_token_boundary(peaked_model, tok):
             assert int(cut.completion_mask[r].sum()) == 10 and bool(cut.truncated[r])
 
 
-def test_generation_mode_restores_training_state(peaked_model, tok):
+@pytest.mark.parametrize("backend", FAST)
+def test_generation_mode_restores_training_state(peaked_model, tok, backend):
     m = tiny_qwen2(seed=2)
     m.train()
     m.gradient_checkpointing_enable()
@@ -168,7 +180,7 @@ def test_generation_mode_restores_training_state(peaked_model, tok):
         lambda mod, args: seen.append((mod.training, torch.is_grad_enabled(), mod.model.gradient_checkpointing))
     )
     try:
-        make_engine("hf", m, tok).generate(["hi"], SamplingOptions(num_generations=2, max_new_tokens=3, seed=0))
+        engine(backend, m, tok).generate(["hi"], SamplingOptions(num_generations=2, max_new_tokens=3, seed=0))
     finally:
         h.remove()
     assert seen and all(s == (False, False, False) for s in seen)

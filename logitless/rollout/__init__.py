@@ -1,5 +1,5 @@
 """Rollout engines: G samples per prompt with the sampler's per-token logprobs (see `types.py` for which
-distribution those are). `make_engine("hf" | "continuous", model, tokenizer)` returns a `RolloutEngine`."""
+distribution those are). `make_engine("hf" | "static" | "continuous", model, tokenizer)` returns a `RolloutEngine`."""
 
 from __future__ import annotations
 

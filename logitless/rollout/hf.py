@@ -132,8 +132,8 @@ class HFEngine:
         cfg = GenerationConfig(
             do_sample=options.temperature > 0,
             temperature=1.0,  # the processors above do the sampling transforms
-            top_k=0,
-            top_p=1.0,
+            top_k=0 if options.temperature > 0 else None,
+            top_p=1.0 if options.temperature > 0 else None,
             repetition_penalty=1.0,
             max_new_tokens=options.max_new_tokens,
             pad_token_id=pad_id,

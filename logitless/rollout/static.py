@@ -1,0 +1,187 @@
+"""Backend "static": our own decode loop over the transformers model with a static KV cache.
+
+- Prefill once per prompt (n rows, not n*G), then copy the prompt's KV G times into a [B, heads, L, d] static cache.
+- Each decode step is the model's forward on [B, 1] tokens; on CUDA it is compiled with CUDA graphs
+  (`get_compiled_call`, mode "reduce-overhead"), so a step costs one graph replay instead of ~1000 launches.
+- Sampling runs on the GPU without host syncs: the same transformers processors as backend "hf" (repetition
+  penalty, temperature, top-k, top-p, min-p), then exponential-race sampling (argmax p / Exp(1), exact
+  categorical sampling); finished rows emit the pad id. Stop strings are checked on the host every
+  `check_every` steps, which is also when the loop exits early once every row is done.
+- The recorded logprob is log_softmax(raw_logits / T)[token], as documented in `types.py`.
+
+The cache lives only for one `generate` call; its length is rounded up to `cache_multiple` tokens so that
+calls with different prompt lengths reuse the compiled graph.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import torch
+from transformers import DynamicCache, StaticCache
+from transformers.generation.configuration_utils import CompileConfig
+
+from .engine import (
+    build_batch,
+    context_window,
+    encode_prompts,
+    generation_mode,
+    left_pad,
+    model_device,
+    resolve_special_tokens,
+    seeded,
+    sync,
+    unwrap_model,
+    warn_greedy_duplicates,
+)
+from .hf import sampling_processors
+from .types import Prompt, RolloutBatch, SamplingOptions
+
+
+def sample_step(
+    logits: torch.Tensor,  # [B, V] fp32 raw logits
+    history: torch.Tensor,  # [B, L] prompt + generated ids so far (for repetition penalty)
+    processors: list,
+    logp_temperature: float,
+    greedy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token [B], logp [B]); logp = log_softmax(logits / T)[token]. Equivalent to transformers' sampling
+    with the same processors (a different but exact way to draw from the same categorical)."""
+    scaled = logits / logp_temperature if logp_temperature != 1.0 else logits
+    lse = torch.logsumexp(scaled, dim=-1)  # [B]
+    scores = logits
+    for proc in processors:
+        scores = proc(history, scores)
+    if greedy:
+        token = scores.argmax(-1)
+    else:
+        probs = torch.softmax(scores, dim=-1)
+        token = (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+    logp = scaled.gather(1, token[:, None]).squeeze(1) - lse
+    return token, logp
+
+
+class StaticEngine:
+    """Fast sampler with a static KV cache and a CUDA-graph-compiled decode step.
+
+    compile: compile the decode step (default: on CUDA only). check_every: host-side stop-string /
+    all-finished checks every that many steps. cache_multiple: round the cache length up to this.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        compile: bool | None = None,
+        check_every: int = 32,
+        cache_multiple: int = 128,
+    ):
+        if check_every < 1 or cache_multiple < 1:
+            raise ValueError(f"StaticEngine: check_every={check_every} and cache_multiple={cache_multiple} must be >= 1")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.compile = compile
+        self.check_every = check_every
+        self.cache_multiple = cache_multiple
+
+    def _forward(self, device: torch.device):
+        base = unwrap_model(self.model)
+        use_compile = device.type == "cuda" if self.compile is None else self.compile
+        if use_compile:
+            return base.get_compiled_call(CompileConfig(fullgraph=False, mode="reduce-overhead", dynamic=False))
+        return base.__call__
+
+    def generate(self, prompts: Sequence[Prompt], options: SamplingOptions) -> RolloutBatch:
+        t0 = time.perf_counter()
+        options.validate()
+        warn_greedy_duplicates(options)
+        pad_id, eos_ids = resolve_special_tokens(self.model, self.tokenizer, options)
+        device = model_device(self.model)
+        ctx = context_window(self.model)
+        enc = encode_prompts(self.tokenizer, prompts, options, ctx)
+        ids, mask = left_pad(enc, pad_id, device)  # [n, P]
+        G, (n, P), S = options.num_generations, ids.shape, options.max_new_tokens
+        B = n * G
+        L = -(-(P + S) // self.cache_multiple) * self.cache_multiple
+        if ctx is not None:
+            L = max(min(L, ctx), P + S)
+        processors = sampling_processors(options)
+        greedy = options.temperature == 0
+        base = unwrap_model(self.model)
+        with generation_mode(self.model), seeded(options.seed, device):
+            sync(device)
+            tg = time.perf_counter()
+            # prefill the n distinct prompts
+            pos = (mask.cumsum(1) - 1).clamp(min=0)
+            pre_cache = DynamicCache(config=base.config)
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=pre_cache,
+                             use_cache=True, logits_to_keep=1)
+            first_logits = out.logits[:, -1].float().repeat_interleave(G, 0)  # [B, V]
+            del out
+            cache = StaticCache(config=base.config, max_cache_len=L)
+            for layer, src in zip(cache.layers, pre_cache.layers):
+                k = src.keys.repeat_interleave(G, 0)
+                v = src.values.repeat_interleave(G, 0)
+                layer.lazy_initialization(k, v)
+                layer.keys[:, :, :P].copy_(k)
+                layer.values[:, :, :P].copy_(v)
+                layer.cumulative_length.fill_(P)
+            del pre_cache, k, v
+            full_mask = torch.zeros((B, L), dtype=torch.long, device=device)
+            full_mask[:, :P] = mask.repeat_interleave(G, 0)
+            full_mask[:, P : P + S] = 1  # future slots are hidden by causality (query offset = cache length)
+            history = torch.full((B, P + S), pad_id, dtype=torch.long, device=device)
+            history[:, :P] = ids.repeat_interleave(G, 0)
+            logps = torch.zeros((B, S), dtype=torch.float32, device=device)
+            next_pos = mask.sum(1).repeat_interleave(G, 0)[:, None]  # [B, 1] position of the next token
+            done = torch.zeros(B, dtype=torch.bool, device=device)
+            eos_t = torch.tensor(eos_ids if not options.ignore_eos else [], dtype=torch.long, device=device)
+            forward = self._forward(device)
+            logits, steps = first_logits, 0
+            for t in range(S):
+                token, logp = sample_step(logits, history[:, : P + t], processors, options.logp_temperature, greedy)
+                token = torch.where(done, pad_id, token)
+                history[:, P + t] = token
+                logps[:, t] = logp
+                if eos_t.numel():
+                    done = done | torch.isin(token, eos_t)
+                steps = t + 1
+                if t + 1 == S:
+                    break
+                if (t + 1) % self.check_every == 0 and self._all_done(done, history, P, steps, options):
+                    break
+                logits = forward(input_ids=token[:, None], attention_mask=full_mask, position_ids=next_pos,
+                                 past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+                next_pos = next_pos + 1
+            sync(device)
+            gen_s = time.perf_counter() - tg
+            completion = history[:, P : P + steps].cpu()
+            logps = logps[:, :steps].cpu()
+            del cache, full_mask, history, logits, first_logits
+        return build_batch(
+            tokenizer=self.tokenizer,
+            options=options,
+            prompt_ids=ids,
+            prompt_mask=mask,
+            raw_ids=completion,
+            raw_logp=logps,
+            raw_len=torch.full((B,), steps, dtype=torch.long),
+            pad_id=pad_id,
+            eos_ids=eos_ids,
+            t_start=t0,
+            generate_seconds=gen_s,
+        )
+
+    def _all_done(self, done: torch.Tensor, history: torch.Tensor, P: int, steps: int, options: SamplingOptions) -> bool:
+        """Host check (one sync): mark rows whose text contains a stop string as done; True if all rows are."""
+        if options.stop:
+            pending = (~done).nonzero().flatten().tolist()
+            if pending:
+                rows = history[pending, P : P + steps].tolist()
+                texts = self.tokenizer.batch_decode(rows, skip_special_tokens=False)
+                hit = [b for b, text in zip(pending, texts) if any(s in text for s in options.stop)]
+                if hit:
+                    done[hit] = True
+        return bool(done.all())

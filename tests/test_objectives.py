@@ -46,8 +46,7 @@ def _opts(**kw):
 
 def _run(opts, logp, mask, adv, **kw):
     x = logp.clone().requires_grad_()
-    out = policy_loss(x, mask, adv, opts, loss_normalizer(opts, [mask], kw.get("truncated") and [kw["truncated"]]),
-                      **kw)
+    out = policy_loss(x, mask, adv, opts, loss_normalizer(opts, [mask]), **kw)
     out.loss.backward()
     return out, x.grad
 
@@ -418,3 +417,35 @@ def test_bad_inputs():
         policy_loss(logp, mask, adv, {"loss_type": "dapo"}, n)
     with pytest.raises(ValueError, match="pass truncated="):
         loss_normalizer(_opts(mask_truncated_completions=True), [mask])
+
+
+def test_old_ref_sampler_inputs_are_constants():
+    logp, old, ref, samp, ent, adv, mask = _batch()
+    inputs = {"old_logp": old, "ref_logp": ref, "sampler_logp": samp}
+    leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
+    out, grad = _run(_opts(beta=0.1, sampler_is_mode="token_truncate", off_policy_mask_threshold=0.1), logp, mask, adv,
+                     **leaves)
+    assert grad.abs().sum() > 0
+    assert all(v.grad is None for v in leaves.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lt", LOSS_TYPES)
+def test_cuda_matches_cpu_without_device_syncs(lt):
+    logp, old, ref, samp, ent, adv, mask = _batch()
+    opts = _all_options(lt)
+    cpu, g_cpu = _run(opts, logp, mask, adv, old_logp=old, ref_logp=ref, sampler_logp=samp, entropy=ent)
+    dev = {k: v.float().cuda() for k, v in dict(old_logp=old, ref_logp=ref, sampler_logp=samp, entropy=ent).items()}
+    x = logp.float().cuda().requires_grad_()
+    norm = loss_normalizer(opts, [mask])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # policy_loss and backward must not synchronize with the device
+    try:
+        out = policy_loss(x, mask.float().cuda(), adv.float().cuda(), opts, norm, **dev)
+        out.loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(out.loss.double().cpu(), cpu.loss, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(x.grad.double().cpu(), g_cpu, rtol=1e-4, atol=1e-6)
+    for name, s in cpu.metrics.items():
+        torch.testing.assert_close(out.metrics[name].total.cpu(), s.total, rtol=1e-4, atol=1e-5, msg=name)

@@ -160,7 +160,7 @@ def policy_loss(
     lengths = m.sum(-1, keepdim=True)  # [B, 1]
     stats["completion_length"] = (valid0.sum(-1).to(dtype), None)
     lp = _clean(logp, valid, dtype)  # [B, T]
-    old = lp.detach() if old_logp is None else _clean(old_logp, valid, dtype)
+    old = lp.detach() if old_logp is None else _clean(old_logp.detach(), valid, dtype)
     adv = advantages.detach().to(dtype).view(-1, 1)  # [B, 1]
 
     # Importance ratio π_θ / π_old at the chosen level.
@@ -177,7 +177,7 @@ def policy_loss(
     rho = None
     if o.sampler_is_mode is not None:
         with torch.no_grad():
-            samp = _clean(sampler_logp, valid, dtype)
+            samp = _clean(sampler_logp.detach(), valid, dtype)
             d = old.detach() - samp  # [B, T], 0 outside the mask
             stats["is/logp_diff"] = (d.abs(), valid)
             if o.sampler_is_mode.startswith("token"):
@@ -239,7 +239,7 @@ def policy_loss(
     # Masks on the policy term (not on the KL term, as TRL).
     if o.off_policy_mask_threshold is not None:
         with torch.no_grad():
-            behaviour = _clean(sampler_logp, valid, dtype) if sampler_logp is not None else old.detach()
+            behaviour = _clean(sampler_logp.detach(), valid, dtype) if sampler_logp is not None else old
             seq_kl = ((behaviour - lp.detach()) * m).sum(-1, keepdim=True) / lengths.clamp(min=1.0)  # [B, 1]
             keep_seq = (adv >= 0) | (seq_kl <= o.off_policy_mask_threshold)
         stats["masked/off_policy"] = (~keep_seq, valid)
@@ -250,7 +250,7 @@ def policy_loss(
             thr = entropy_threshold
             if thr is None:
                 thr = entropy_quantile_threshold(ent, valid, o.top_entropy_quantile)
-            keep_tok = ent >= torch.as_tensor(thr, dtype=dtype, device=ent.device)
+            keep_tok = ent >= (thr if isinstance(thr, Tensor) else float(thr))
         stats["masked/entropy"] = (~keep_tok, valid)
         pg = pg * keep_tok
     if rho is not None and lt != "vespo":  # vespo folds ρ into φ
@@ -258,7 +258,7 @@ def policy_loss(
 
     per_token = pg
     if ref_logp is not None:
-        ref = _clean(ref_logp, valid, dtype)
+        ref = _clean(ref_logp.detach(), valid, dtype)
         if o.beta != 0.0:
             kl = kl_estimate(lp, ref, o.kl_estimator, L)
             kl_term = kl * coef_1 if o.use_bias_correction_kl else kl  # unclipped ratio, before delta

@@ -118,3 +118,26 @@ def test_matches_liger_ppo_loss_fn(lt, level, kl, delta, is_mode, on_policy):
 def test_combination_count():
     # Guard against the filter silently dropping the grid.
     assert len(list(_combos())) > 200
+
+
+@pytest.mark.parametrize("lt,extra", [
+    ("sapo", dict(sapo_temperature_pos=0.7, sapo_temperature_neg=1.6)),
+    ("vespo", dict(vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=4.0, vespo_lambda_neg=1.2)),
+])
+def test_matches_liger_non_default_parameters(lt, extra):
+    logp, old, ref, noise, adv, mask = _inputs(seed=5)
+    opts = ObjectiveOptions(loss_type=lt, beta=0.04, **extra)
+    x_ours = logp.clone().requires_grad_()
+    out = policy_loss(x_ours, mask, adv, opts, loss_normalizer(opts, [mask]), old_logp=old, ref_logp=ref)
+    out.loss.backward()
+    x_ref = logp.clone().requires_grad_()
+    ref_loss, _ = ppo_loss_fn(per_token_logps=x_ref, attention_mask=mask, advantages=adv, full_attention_mask=mask,
+                              ref_per_token_logps=ref, old_per_token_logps=old, beta=0.04, loss_type=lt,
+                              num_items_in_batch=mask.sum(), **extra)
+    ref_loss.backward()
+    torch.testing.assert_close(out.loss, ref_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x_ours.grad, x_ref.grad, rtol=1e-5, atol=1e-7)
+    # and the parameters matter
+    base = policy_loss(logp, mask, adv, ObjectiveOptions(loss_type=lt, beta=0.04), loss_normalizer(opts, [mask]),
+                       old_logp=old, ref_logp=ref).loss
+    assert abs(float(base - out.loss.detach())) > 1e-4

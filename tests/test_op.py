@@ -28,29 +28,32 @@ def _inputs(dtype, n=N, h=H, v=V, seed=0):
     return hidden, weight, bias, targets, g_lp, g_ent
 
 
-def _run(fn, hidden, weight, bias, targets, g_lp, g_ent, *, dtype, train_weight, use_bias, **kw):
-    """Forward + backward with upstream grads on both outputs; returns [logp, entropy, grads...] in fp64."""
+def _run(fn, hidden, weight, bias, targets, g_lp, g_ent, *, dtype, train_weight, use_bias, with_entropy, **kw):
+    """Forward + backward with upstream grads on both outputs; returns [logp, (entropy), grads...] in fp64."""
     h = hidden.to(dtype).requires_grad_()
     w = weight.to(dtype).requires_grad_(train_weight)
     b = bias.to(dtype).requires_grad_(train_weight) if use_bias else None
-    logp, ent = fn(h, w, targets, bias=b, temperature=TEMP, with_entropy=True, **kw)
+    logp, ent = fn(h, w, targets, bias=b, temperature=TEMP, with_entropy=with_entropy, **kw)
     wrt = [h] + ([w] + ([b] if use_bias else []) if train_weight else [])
-    loss = (logp * g_lp.to(logp.dtype)).sum() + (ent * g_ent.to(ent.dtype)).sum()
+    loss = (logp * g_lp.to(logp.dtype)).sum()
+    if with_entropy:
+        loss = loss + (ent * g_ent.to(ent.dtype)).sum()
     grads = torch.autograd.grad(loss, wrt)
-    return [x.detach().double() for x in (logp, ent, *grads)]
+    return [x.detach().double() for x in (logp, *([ent] if with_entropy else []), *grads)]
 
 
+@pytest.mark.parametrize("with_entropy", [True, False], ids=["entropy", "logp_only"])
 @pytest.mark.parametrize("train_weight", [True, False], ids=["trainable_head", "frozen_head"])
 @pytest.mark.parametrize("use_bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_matches_fp64_truth_no_worse_than_naive(dtype, use_bias, train_weight):
+def test_matches_fp64_truth_no_worse_than_naive(dtype, use_bias, train_weight, with_entropy):
     hidden, weight, bias, targets, g_lp, g_ent = _inputs(dtype)
-    common = dict(train_weight=train_weight, use_bias=use_bias)
+    common = dict(train_weight=train_weight, use_bias=use_bias, with_entropy=with_entropy)
     # Ground truth: the dense oracle in fp64 on the very same (already rounded) inputs.
     truth = _run(token_logprobs_reference, hidden, weight, bias, targets, g_lp, g_ent, dtype=torch.float64, **common)
     naive = _run(token_logprobs_reference, hidden, weight, bias, targets, g_lp, g_ent, dtype=dtype, **common)
     op = _run(token_logprobs, hidden, weight, bias, targets, g_lp, g_ent, dtype=dtype, chunk_size=CHUNK, **common)
-    names = ["logp", "entropy", "grad_hidden"]
+    names = ["logp"] + (["entropy"] if with_entropy else []) + ["grad_hidden"]
     if train_weight:
         names += ["grad_weight"] + (["grad_bias"] if use_bias else [])
     assert len(names) == len(truth) == len(op)
@@ -80,15 +83,33 @@ def test_entropy_only_and_logp_only_upstream_grads():
                 torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def test_frozen_head_strategies_agree(monkeypatch):
+    """Frozen head, logp only: grad_hidden formed in the forward equals the recompute-in-backward one."""
+    hidden, weight, bias, targets, g_lp, _ = _inputs(torch.float64)
+    grads = []
+    for precompute in (True, False):
+        monkeypatch.setattr(chunked, "PRECOMPUTE_FROZEN_GRAD", precompute)
+        h = hidden.clone().requires_grad_()
+        logp, _ = token_logprobs(h, weight, targets, bias=bias, temperature=TEMP, chunk_size=CHUNK)
+        (logp * g_lp).sum().backward()
+        grads.append(h.grad)
+    dense = _run(token_logprobs_reference, hidden, weight, bias, targets, g_lp, None, dtype=torch.float64,
+                 train_weight=False, use_bias=True, with_entropy=False)[1]
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(grads[0], dense, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("with_entropy", [True, False], ids=["entropy", "logp_only"])
 @pytest.mark.parametrize("train_weight", [True, False], ids=["trainable_head", "frozen_head"])
-def test_gradcheck_fp64(train_weight):
+def test_gradcheck_fp64(train_weight, with_entropy):
     hidden, weight, bias, targets, _, _ = _inputs(torch.float64, n=5, h=4, v=13, seed=1)
     h = hidden.clone().requires_grad_()
     w = weight.clone().requires_grad_(train_weight)
     b = bias.clone().requires_grad_(train_weight)
 
     def f(h, w, b):
-        return token_logprobs(h, w, targets, bias=b, temperature=0.8, with_entropy=True, chunk_size=2)
+        logp, ent = token_logprobs(h, w, targets, bias=b, temperature=0.8, with_entropy=with_entropy, chunk_size=2)
+        return (logp, ent) if with_entropy else logp
 
     assert torch.autograd.gradcheck(f, (h, w, b))
 

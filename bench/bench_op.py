@@ -7,7 +7,7 @@ between runs, outside the timed region):
   logp = op(hidden, weight, targets) -> GRPO token-level clipped surrogate (eps=0.2, DAPO normalization:
   sum over tokens / number of tokens, old logp and per-sequence advantages given) -> loss.backward().
   With "+ent", entropy is also computed and `- 0.01 * mean(entropy)` is added to the loss (both outputs
-  receive gradients).
+  receive gradients); with "+entm" entropy is computed as a metric only (detached, no gradient).
 * "forward" modes: logp (and entropy) under torch.no_grad() (old/ref log-probs).
 * op variants: "dense" = TRL-style `F.linear` -> fp32 log_softmax -> gather (logitless.ops.reference);
   "chunked" / "triton" = `logitless.ops.token_logprobs(backend=...)`; "liger" = `LigerFusedLinearGRPOLoss`
@@ -44,6 +44,7 @@ DEV = os.environ.get("BENCH_DEVICE", "cuda")  # "cpu" only to smoke-test this sc
 EPS = 0.2
 ENT_COEF = 0.01
 MODES = ("trainable", "frozen", "forward", "trainable+ent", "frozen+ent", "forward+ent")
+# "+entm" modes (entropy computed as a metric, no gradient) are also accepted by --modes
 GEMMS = {"trainable": 3, "frozen": 2, "forward": 1}
 
 
@@ -84,7 +85,8 @@ def make_step(variant, mode, inp):
     """A closure running one timed step of `variant` in `mode`, or raise if not applicable."""
     hid, w, b, tg = inp["hidden"], inp["weight"], inp["bias"], inp["targets"]
     T = inp["temperature"]
-    ent = mode.endswith("+ent")
+    ent = "+ent" in mode  # "+ent": entropy in the loss (gets a gradient); "+entm": entropy as a metric only
+    ent_grad = mode.endswith("+ent")
     base = mode.split("+")[0]
     if base != "forward":
         hid.requires_grad_(True)
@@ -127,6 +129,9 @@ def make_step(variant, mode, inp):
 
     def step():
         logp, e = op(grad=True)
+        if e is not None and not ent_grad:
+            e = e.detach().mean()  # metric: no gradient reaches the entropy output
+            e = None
         grpo_loss(logp, inp["old_logp"], inp["adv"], e).backward()
     return step
 
@@ -206,16 +211,14 @@ REST = [
 ]
 
 
-def run_grid(shapes, variants, modes, args, rows, info):
+def run_grid(shapes, variants, modes, args, rows, info, save=lambda: None):
     for n, h, v, seq, temp, bias in shapes:
         inp = make_inputs(n, h, v, seq, temp, bias)
         for mode in modes:
             for variant in variants:
                 if variant == "chunked" and n not in (32768, 64) and not args.all_chunked:
                     continue
-                reps = args.reps
-                if variant == "liger" and n > 32768:
-                    reps = args.liger_big_reps
+                reps = args.liger_reps if variant == "liger" else args.reps
                 rec = dict(info, N=n, H=h, V=v, seq=seq, temperature=temp, bias=bias, dtype="bfloat16",
                            variant=variant, mode=mode)
                 try:
@@ -232,6 +235,7 @@ def run_grid(shapes, variants, modes, args, rows, info):
                 clear_grads(inp)
                 _empty_cache()
                 rows.append(rec)
+                save()  # partial results survive a timeout
                 print(_fmt(rec), flush=True)
         del inp
         _empty_cache()
@@ -282,7 +286,7 @@ def main():
     ap.add_argument("--variants", default="dense,chunked,liger,triton")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--liger-big-reps", type=int, default=5)
+    ap.add_argument("--liger-reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--all-chunked", action="store_true")
     ap.add_argument("--check", action="store_true", help="fp64 accuracy check before timing")
@@ -307,7 +311,8 @@ def main():
     rows = []
     result["rows"] = rows
     try:
-        run_grid(shapes, args.variants.split(","), args.modes.split(","), args, rows, info)
+        save = lambda: (out / f"{args.tag}.json").write_text(json.dumps(result, indent=1))  # noqa: E731
+        run_grid(shapes, args.variants.split(","), args.modes.split(","), args, rows, info, save)
     finally:
         (out / f"{args.tag}.json").write_text(json.dumps(result, indent=1))
         md = markdown(rows) if rows else ""

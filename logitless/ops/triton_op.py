@@ -16,8 +16,9 @@ forward), written by cuBLAS and consumed in place by the kernels of `triton_kern
   N, no cross-tile accumulation) and grad_h += D·W[tile] (fp32 accumulator [N, H]): 4 GEMMs in all.
 * frozen head (only `hidden` needs grad), forward: row chunks [C, V]; the kernel computes lse/logp/entropy and
   overwrites the chunk with d logp / d logit = (onehot - p) / T, and A = that · W is formed right away (2 GEMMs
-  in all). Backward scales A in place by the upstream g_logp (A becomes grad_h). A gradient reaching the
-  entropy output is handled by one column-tiled recompute pass (2 more GEMMs, only when it is used).
+  in all). Backward scales A in place by the upstream g_logp (A becomes grad_h). When the entropy output
+  also receives a gradient (an entropy bonus; not when entropy is only a metric), backward instead does one
+  column-tiled recompute pass with both upstream terms (2 more GEMMs; A is then unused).
 """
 
 from __future__ import annotations
@@ -106,17 +107,11 @@ class _TritonTokenLogprobs(torch.autograd.Function):
             return (*zeros, None, None, None)
         g_lp = None if g_lp is None else g_lp.float().contiguous()
         g_ent = None if g_ent is None else g_ent.float().contiguous()
-        if ctx.frozen:
-            dx = None
-            if g_lp is not None:  # A becomes grad_h in place; a second backward trips autograd's version check
-                dx = grad_logp_h.mul_(g_lp[:, None])
-            if g_ent is not None:
-                acc, _, _ = _backward_tiles(hidden, weight, bias, targets, ctx.inv_t, lse, ent, None, g_ent,
-                                            need_dx=True, need_dw=False, need_db=False)
-                dx = acc.to(hidden.dtype) if dx is None else (acc + dx.float()).to(hidden.dtype)
-            if dx is None:
-                dx = torch.zeros_like(hidden)
-            return dx, None, None, None, None, None
+        if ctx.frozen and g_ent is None:
+            # A becomes grad_h in place (no copy); a second backward trips autograd's version check
+            return grad_logp_h.mul_(g_lp[:, None]), None, None, None, None, None
+        # trainable head, or a frozen head whose entropy output got a gradient: one column-tiled recompute
+        # pass with both upstream terms (more accurate than adding a rounded A to the entropy part)
         acc, dw, db = _backward_tiles(hidden, weight, bias, targets, ctx.inv_t, lse, ent, g_lp, g_ent,
                                       need_dx=need_dx, need_dw=need_dw, need_db=need_db)
         dx = acc.to(hidden.dtype) if acc is not None else None

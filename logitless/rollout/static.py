@@ -90,8 +90,8 @@ class StaticEngine:
         base = unwrap_model(self.model)
         use_compile = device.type == "cuda" if self.compile is None else self.compile
         if use_compile:
-            return base.get_compiled_call(CompileConfig(fullgraph=False, mode="reduce-overhead", dynamic=False))
-        return base.__call__
+            return base.get_compiled_call(CompileConfig(fullgraph=False, mode="reduce-overhead", dynamic=False)), True
+        return base.__call__, False
 
     def generate(self, prompts: Sequence[Prompt], options: SamplingOptions) -> RolloutBatch:
         t0 = time.perf_counter()
@@ -138,7 +138,7 @@ class StaticEngine:
             next_pos = mask.sum(1).repeat_interleave(G, 0)[:, None]  # [B, 1] position of the next token
             done = torch.zeros(B, dtype=torch.bool, device=device)
             eos_t = torch.tensor(eos_ids if not options.ignore_eos else [], dtype=torch.long, device=device)
-            forward = self._forward(device)
+            forward, compiled = self._forward(device)
             logits, steps = first_logits, 0
             for t in range(S):
                 token, logp = sample_step(logits, history[:, : P + t], processors, options.logp_temperature, greedy)
@@ -152,6 +152,8 @@ class StaticEngine:
                     break
                 if (t + 1) % self.check_every == 0 and self._all_done(done, history, P, steps, options):
                     break
+                if compiled:
+                    torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs were consumed
                 logits = forward(input_ids=token[:, None], attention_mask=full_mask, position_ids=next_pos,
                                  past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
                 next_pos = next_pos + 1

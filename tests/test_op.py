@@ -10,7 +10,7 @@ import torch
 import logitless
 import logitless.ops.chunked as chunked
 from logitless.ops import token_logprobs, token_logprobs_reference
-from logitless.ops.chunked import CHUNK_ELEMENTS, default_chunk_size
+from logitless.ops.chunked import CHUNK_ELEMENTS, CHUNK_ELEMENTS_CUDA, default_chunk_size
 
 N, H, V = 37, 23, 1009  # odd shapes: V is not a multiple of the chunk, N not a multiple of CHUNK
 CHUNK = 8
@@ -116,9 +116,10 @@ def test_gradcheck_fp64(train_weight, with_entropy):
 
 def test_default_chunk_size_is_bounded_and_independent_of_n():
     for v in (1009, 32_000, 151_665, 50_000_000):
-        c = default_chunk_size(v)
-        assert 1 <= c <= 4096 and (c * v <= CHUNK_ELEMENTS or c == 1)
-    assert default_chunk_size(151_665) == 96
+        for device, budget in (("cpu", CHUNK_ELEMENTS), ("cuda", CHUNK_ELEMENTS_CUDA)):
+            c = default_chunk_size(v, device)
+            assert 1 <= c <= 4096 and (c * v <= budget or c == 1)
+    assert default_chunk_size(151_665) == 96 and default_chunk_size(151_665, "cuda") == 880
 
 
 def test_empty_batch():

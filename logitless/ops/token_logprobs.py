@@ -41,9 +41,10 @@ def token_logprobs(
 
     Memory: the "chunked" backend processes `chunk_size` rows at a time; each [chunk_size, V] fp32 tile is
     `4 * chunk_size * V` bytes and about 3 tiles are live at once. The default `chunk_size` is
-    `2**24 // V` rows (multiple of 16, at most 4096), i.e. ~64 MiB per tile (V=151,665 -> 96 rows),
-    independent of N. A trainable head adds an fp32 [V, H] grad accumulator; a frozen head saves an
-    fp32 [N, H] partial grad of `hidden` (the same order as `hidden` itself).
+    `2**24 // V` rows on CPU (~64 MiB per tile; V=151,665 -> 96 rows) and `2**27 // V` on CUDA (~512 MiB;
+    V=151,665 -> 880 rows), a multiple of 16 and at most 4096, independent of N. A trainable head adds an
+    fp32 [V, H] grad accumulator; a frozen head without entropy saves an fp32 [N, H] partial grad of `hidden`
+    (the same order as `hidden` itself).
 
     Backends: "auto" (Triton kernel on CUDA when available, else "chunked"), "chunked" (pure PyTorch, any
     device), "triton" (CUDA only; ignores `chunk_size`), "reference" (dense oracle, allocates [N, V]).
@@ -60,7 +61,7 @@ def token_logprobs(
         if triton_fn is not None:
             return triton_fn(hidden, weight, targets, bias, temperature, with_entropy)
 
-    chunk = default_chunk_size(weight.shape[0]) if chunk_size is None else int(chunk_size)
+    chunk = default_chunk_size(weight.shape[0], hidden.device) if chunk_size is None else int(chunk_size)
     targets = targets.long()
     needs_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)

@@ -437,11 +437,12 @@ def test_cuda_matches_cpu_without_device_syncs(lt):
     cpu, g_cpu = _run(opts, logp, mask, adv, old_logp=old, ref_logp=ref, sampler_logp=samp, entropy=ent)
     dev = {k: v.float().cuda() for k, v in dict(old_logp=old, ref_logp=ref, sampler_logp=samp, entropy=ent).items()}
     x = logp.float().cuda().requires_grad_()
+    mask_d, adv_d = mask.float().cuda(), adv.float().cuda()
     norm = loss_normalizer(opts, [mask])
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # policy_loss and backward must not synchronize with the device
     try:
-        out = policy_loss(x, mask.float().cuda(), adv.float().cuda(), opts, norm, **dev)
+        out = policy_loss(x, mask_d, adv_d, opts, norm, **dev)
         out.loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -260,6 +260,16 @@ def test_loss_normalizer_counts(lt, kind):
     assert loss_normalizer(o, masks) == expected
 
 
+def test_tensor_normalizer_equals_float():
+    logp, old, _, _, _, adv, mask = _batch()
+    o = _opts(loss_type="dapo")
+    n = loss_normalizer(o, mask)  # a single mask is accepted too
+    a = policy_loss(logp, mask, adv, o, n, old_logp=old).loss
+    b = policy_loss(logp, mask, adv, o, torch.tensor([n]), old_logp=old).loss
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(a * n, policy_loss(logp, mask, adv, o, 1.0, old_logp=old).loss)
+
+
 def test_metrics_merge_pack_summarize():
     v = torch.tensor([[1.0, 5.0, -2.0], [3.0, 0.0, 7.0]])
     m = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)

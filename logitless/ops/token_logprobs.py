@@ -128,21 +128,29 @@ def _validate(hidden, weight, targets, bias, temperature, with_entropy, chunk_si
             f"expected weight [V, {h}] (pass the lm_head weight, not its transpose)"
         )
     if targets.shape[0] != n:
-        raise ValueError(f"targets shape {tuple(targets.shape)} must be [N] = [{n}] to match hidden {tuple(hidden.shape)}")
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} must be [N] = [{n}] to match hidden {tuple(hidden.shape)}"
+        )
     if v == 0:
         raise ValueError(f"weight must have at least one vocabulary row, got shape {tuple(weight.shape)}")
     for name, t in (("weight", weight), ("targets", targets)):
         if t.device != hidden.device:
-            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}; move all inputs to one device")
+            raise ValueError(
+                f"{name} is on {t.device} but hidden is on {hidden.device}; move all inputs to one device"
+            )
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
             raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
         if tuple(bias.shape) != (v,):
-            raise ValueError(f"bias shape {tuple(bias.shape)} must be [V] = [{v}] to match weight {tuple(weight.shape)}")
+            raise ValueError(
+                f"bias shape {tuple(bias.shape)} must be [V] = [{v}] to match weight {tuple(weight.shape)}"
+            )
         if bias.dtype != weight.dtype:
             raise TypeError(f"bias dtype {bias.dtype} must match weight dtype {weight.dtype}")
         if bias.device != hidden.device:
-            raise ValueError(f"bias is on {bias.device} but hidden is on {hidden.device}; move all inputs to one device")
+            raise ValueError(
+                f"bias is on {bias.device} but hidden is on {hidden.device}; move all inputs to one device"
+            )
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"temperature must be a positive float, got {temperature!r} ({type(temperature).__name__})")
     if not math.isfinite(temperature) or temperature <= 0:

@@ -255,3 +255,27 @@ def test_tokenizer_without_pad_or_chat_template(gpt2_tokenizer):
     assert (b.prompt_ids[b.prompt_mask == 0] == eos).all() and (b.prompt_mask == 0).any()
     with pytest.raises(ValueError, match="chat_template"):
         eng.generate([[{"role": "user", "content": "hi"}]], SamplingOptions())
+
+
+def test_gqa_decode_attention_equals_sdpa():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from logitless.rollout.attention import gqa_decode_attention
+
+    torch.manual_seed(0)
+    B, H, kv, L, d = 3, 6, 2, 9, 8
+    mod = torch.nn.Module()
+    mod.num_key_value_groups, mod.is_causal = H // kv, True
+    q = torch.randn(B, H, 1, d, dtype=torch.float64)
+    k, v = torch.randn(B, kv, L, d, dtype=torch.float64), torch.randn(B, kv, L, d, dtype=torch.float64)
+    mask = torch.ones(B, 1, 1, L, dtype=torch.bool)
+    mask[0, ..., :3] = False  # left padding
+    mask[2, ..., 7:] = False  # unwritten cache slots
+    ref, _ = sdpa_attention_forward(mod, q, k, v, mask, scaling=0.3)
+    out, _ = gqa_decode_attention(mod, q, k, v, mask, scaling=0.3)
+    assert out.shape == (B, 1, H, d)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    # multi-token queries fall back to sdpa
+    q2 = torch.randn(B, H, 4, d, dtype=torch.float64)
+    m2 = torch.ones(B, 1, 4, L, dtype=torch.bool)
+    torch.testing.assert_close(gqa_decode_attention(mod, q2, k, v, m2)[0], sdpa_attention_forward(mod, q2, k, v, m2)[0])

@@ -17,6 +17,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from .attention import gqa_decode
 from .engine import (
     build_batch,
     context_window,
@@ -108,11 +109,21 @@ class HFEngine:
 
     static_cache: preallocated KV cache; on CUDA `generate` then compiles the decode step (CUDA graphs) unless
         compile=False. The compiled graph is reused by later calls of the same shapes.
+    fast_gqa: decode attention without expanding the KV cache to all query heads (`attention.py`).
     Prompts are tokenized once per prompt and the ids expanded G times (generate has no shared-prefix prefill).
     """
 
-    def __init__(self, model: Any, tokenizer: Any, *, static_cache: bool = False, compile: bool | None = None):
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        static_cache: bool = False,
+        compile: bool | None = None,
+        fast_gqa: bool = True,
+    ):
         self.model = model
+        self.fast_gqa = fast_gqa
         self.tokenizer = tokenizer
         self.static_cache = static_cache
         self.compile = static_cache if compile is None else compile
@@ -144,7 +155,8 @@ class HFEngine:
             disable_compile=not self.compile,
         )
         extra = {"tokenizer": self.tokenizer} if options.stop else {}
-        with generation_mode(self.model), seeded(options.seed, device), _blank_generation_config(self.model):
+        gqa = gqa_decode(unwrap_model(self.model).config) if self.fast_gqa else contextlib.nullcontext()
+        with generation_mode(self.model), seeded(options.seed, device), _blank_generation_config(self.model), gqa:
             sync(device)
             tg = time.perf_counter()
             G = options.num_generations  # rows i*G+g; tokenized once, expanded here (greedy allows no

@@ -3,6 +3,8 @@
 - Prefill once per prompt (n rows, not n*G), then copy the prompt's KV G times into a [B, heads, L, d] static cache.
 - Each decode step is the model's forward on [B, 1] tokens; on CUDA it is compiled with CUDA graphs
   (`get_compiled_call`, mode "reduce-overhead"), so a step costs one graph replay instead of ~1000 launches.
+  With "sdpa" attention, decode attention runs without expanding the KV cache to all query heads
+  (`attention.gqa_decode_attention`).
 - Sampling runs on the GPU without host syncs: the same transformers processors as backend "hf" (repetition
   penalty, temperature, top-k, top-p, min-p), then exponential-race sampling (argmax p / Exp(1), exact
   categorical sampling); finished rows emit the pad id. Stop strings are checked on the host every
@@ -35,6 +37,7 @@ from .engine import (
     unwrap_model,
     warn_greedy_duplicates,
 )
+from .attention import gqa_decode
 from .hf import sampling_processors
 from .types import Prompt, RolloutBatch, SamplingOptions
 
@@ -110,7 +113,7 @@ class StaticEngine:
         processors = sampling_processors(options)
         greedy = options.temperature == 0
         base = unwrap_model(self.model)
-        with generation_mode(self.model), seeded(options.seed, device):
+        with generation_mode(self.model), seeded(options.seed, device), gqa_decode(base.config):
             sync(device)
             tg = time.perf_counter()
             # prefill the n distinct prompts

@@ -205,3 +205,18 @@ def test_all_completions_empty(tmp_path, tok, rewards_module):
             train(_cfg(tmp_path / "run", "train.max_steps=5"), model=model, tokenizer=tok)
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["completion/empty"] for r in records] == [1.0, 1.0]  # the third step stops the run
+
+
+def test_objective_options_reach_the_loss(tmp_path, tok, rewards_module):
+    cfg = _cfg(
+        tmp_path / "run", "train.max_steps=2", "train.num_iterations=2", "objective.top_entropy_quantile=0.5",
+        "objective.use_adaptive_entropy=true", "objective.entropy_target=100.0", "objective.entropy_coef_delta=0.01",
+        "objective.sampler_is_mode=token_truncate", "objective.sampler_is_clip_max=2.0",
+    )
+    records = _train(cfg, tok).records
+    # adaptive entropy bonus: entropy (~ln V) is below the target of 100, so the coefficient grows by
+    # delta after every optimizer step (2 per step with num_iterations=2)
+    assert [r["entropy_coef"] for r in records] == pytest.approx([0.02, 0.04])
+    # one top-entropy threshold over the step: about half of the tokens are masked
+    assert all(0.3 < r["masked/entropy"] < 0.7 for r in records)
+    assert all("is/ratio" in r for r in records)

@@ -34,7 +34,17 @@ import torch
 
 from logitless.data import PromptRow, PromptSampler
 from logitless.models import completion_logprobs
-from logitless.objectives import Stat, compute_advantages, loss_normalizer, merge_metrics, policy_loss, summarize
+from logitless.objectives import (
+    EntropyCoef,
+    Stat,
+    compute_advantages,
+    entropy_quantile_threshold,
+    loss_normalizer,
+    merge_metrics,
+    policy_loss,
+    summarize,
+    update_entropy_coef,
+)
 from logitless.rewards import score_completions
 from logitless.rollout import make_engine
 from logitless.trainer import checkpoint as ckpt
@@ -122,6 +132,11 @@ def train(
         cfg.advantage, reward_weights=tuple(cfg.reward.reward_weights) if cfg.reward.reward_weights else None
     )
     obj_options = cfg.objective
+    if obj_options.max_completion_length not in (None, cfg.rollout.max_completion_length):
+        raise ValueError(
+            f"objective.max_completion_length={obj_options.max_completion_length} (the dr_grpo normalizer) differs "
+            f"from rollout.max_completion_length={cfg.rollout.max_completion_length}; set both to the same value"
+        )
 
     # ---- data and rewards (first: their errors need no model), model, sampler engine, optimizer
     rows: list[PromptRow] = load_rows(cfg.data)
@@ -144,7 +159,7 @@ def train(
 
     run_dir = Path(cfg.train.output_dir)
     ckpt_root = run_dir / "checkpoints"
-    start = 0
+    start, state = 0, {}
     if resume is not None:
         state = ckpt.load_checkpoint(resume, model=model, optimizer=optimizer, scheduler=scheduler)
         start = int(state["step"])
@@ -160,10 +175,14 @@ def train(
     def save(step: int) -> None:
         result.checkpoint = ckpt.save_checkpoint(
             ckpt_root, step, model=model, optimizer=optimizer, scheduler=scheduler,
-            trainer_state={"sampler": sampler.state_dict()}, keep=cfg.checkpoint.save_total_limit,
+            trainer_state={"sampler": sampler.state_dict(), "entropy_coef": list(entropy_coef)},
+            keep=cfg.checkpoint.save_total_limit,
         )
 
     empty_steps = 0
+    top_entropy = obj_options.top_entropy_quantile < 1.0
+    entropy_grad = obj_options.entropy_coef > 0 or obj_options.use_adaptive_entropy
+    entropy_coef = EntropyCoef(*state.get("entropy_coef", (obj_options.entropy_coef, obj_options.entropy_coef)))
     try:
         with StopRequest() as stop:
             for step in range(start + 1, cfg.train.max_steps + 1):
@@ -212,9 +231,7 @@ def train(
                             "first. Check the tokenizer's EOS token and chat template (model.name_or_path), "
                             "rollout.stop and rollout.max_completion_length"
                         )
-                if n_tokens == 0:  # nothing to train on (no EOS token recorded either)
-                    pass
-                else:
+                if n_tokens > 0:  # (0 only if the engine returned no token at all, not even EOS)
                     temp = options.logp_temperature
                     normalizer = all_reduce_sum(
                         loss_normalizer(obj_options, [m.completion_mask for m in micro], [m.truncated for m in micro]),
@@ -222,17 +239,25 @@ def train(
                     )
                     old_logp: list[torch.Tensor | None] = [None] * len(micro)
                     ref_logp: list[torch.Tensor | None] = [None] * len(micro)
+                    old_entropy: list[torch.Tensor] = []
                     with torch.no_grad():
                         for i, m in enumerate(micro):
                             args = (m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask)
-                            if mu > 1:
-                                old_logp[i] = completion_logprobs(model, *args, temperature=temp)[0]
+                            if mu > 1 or top_entropy:
+                                old_logp[i], ent = completion_logprobs(model, *args, temperature=temp, with_entropy=top_entropy)
+                                old_logp[i] = old_logp[i] if mu > 1 else None
+                                old_entropy += [ent] if top_entropy else []
                             if reference is not None:
                                 with reference.use(model) as ref_model:
                                     ref_logp[i] = completion_logprobs(ref_model, *args, temperature=temp)[0]
+                    threshold = None  # top-entropy mask: one threshold over the whole step's tokens
+                    if top_entropy:
+                        threshold = entropy_quantile_threshold(
+                            old_entropy, [m.completion_mask for m in micro], obj_options.top_entropy_quantile
+                        )
                     model.train()
                     for _ in range(mu):
-                        step_loss = 0.0
+                        step_loss, parts = 0.0, []
                         for i, m in enumerate(micro):
                             logp, entropy = completion_logprobs(
                                 model, m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask,
@@ -241,18 +266,22 @@ def train(
                             out = policy_loss(
                                 logp, m.completion_mask, m.advantages, obj_options, normalizer,
                                 old_logp=old_logp[i], ref_logp=ref_logp[i], sampler_logp=m.sampler_logp,
-                                entropy=entropy if obj_options.entropy_coef > 0 else entropy.detach(),
-                                truncated=m.truncated,
+                                entropy=entropy if entropy_grad else entropy.detach(), truncated=m.truncated,
+                                entropy_coef=entropy_coef.effective, entropy_threshold=threshold,
                             )
                             out.loss.backward()
                             step_loss += float(out.loss.detach())
-                            obj_metrics.append(out.metrics)
+                            parts.append(out.metrics)
                         max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else math.inf
                         grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
                         optimizer.step()
                         scheduler.step()
                         optimizer.zero_grad(set_to_none=True)
                         losses.append(step_loss)
+                        merged = all_reduce_metrics(merge_metrics(parts))
+                        obj_metrics.append(merged)
+                        if obj_options.use_adaptive_entropy:
+                            entropy_coef = update_entropy_coef(entropy_coef.coef, float(merged["entropy"].mean), obj_options)
                 hook("after_update", step)
                 t_train = time.perf_counter()
 
@@ -263,12 +292,13 @@ def train(
                 record.update({f"reward/{n}/none": c for n, c in zip(scores.names, scores.num_none) if c})
                 adv_summary = summarize(adv.metrics)
                 record.update({k: v for k, v in adv_summary.items() if k.startswith(("advantage", "zero_var", "unscorable"))})
-                obj_summary = summarize(all_reduce_metrics(merge_metrics(obj_metrics))) if obj_metrics else {}
+                obj_summary = summarize(merge_metrics(obj_metrics)) if obj_metrics else {}
                 record.update({k: v for k, v in obj_summary.items() if not k.startswith("completion_length")})
                 record.update({
                     "loss": sum(losses) / len(losses) if losses else math.nan,
                     "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
                     "learning_rate": optimizer.param_groups[0]["lr"],
+                    "entropy_coef": entropy_coef.effective,
                     "completion/length_mean": float(lengths.mean()),
                     "completion/length_max": float(lengths.max()),
                     "completion/truncated": float(rollout.truncated.float().mean()),

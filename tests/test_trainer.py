@@ -37,6 +37,11 @@ def raising(prompts, completions, **fields):
 def wrong_length(prompts, completions, **fields):
     return [0.0] * (len(completions) - 1)
 
+def half_constant(prompts, completions, **fields):
+    """0 for every sample of a '+' prompt (a zero-variance group), the digits reward otherwise."""
+    d = digits(prompts, completions)
+    return [0.0 if "+" in e else x for x, e in zip(d, fields["expression"])]
+
 def nan(prompts, completions, **fields):
     return [float("nan")] * len(completions)
 '''
@@ -220,3 +225,16 @@ def test_objective_options_reach_the_loss(tmp_path, tok, rewards_module):
     # one top-entropy threshold over the step: about half of the tokens are masked
     assert all(0.3 < r["masked/entropy"] < 0.7 for r in records)
     assert all("is/ratio" in r for r in records)
+
+
+def test_skipping_zero_advantage_rows_does_not_change_training(tmp_path, tok, rewards_module):
+    over = ["train.max_steps=3", "reward.reward_funcs=[numeric_answer, my_rewards:half_constant]",
+            "reward.reward_weights=[1.0, 1.0]", "train.num_iterations=2"]
+    skip = _train(_cfg(tmp_path / "skip", *over), tok)
+    full = _train(_cfg(tmp_path / "full", *over, "train.skip_zero_advantage=false"), tok)
+    trained = [r["trained_rows"] for r in skip.records]
+    assert [r["trained_rows"] for r in full.records] == [8.0] * 3 and 0 < sum(trained) < 24, trained
+    assert [r["loss"] for r in skip.records] == pytest.approx([r["loss"] for r in full.records], rel=1e-5, abs=1e-7)
+    a, b = _lora(tmp_path / "skip"), _lora(tmp_path / "full")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)

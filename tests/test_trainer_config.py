@@ -134,3 +134,12 @@ def test_micro_batches_sorted_trimmed_and_complete():
         assert torch.equal(m.prompt_ids, pids[r][:, P - m.prompt_ids.shape[1]:])
         assert int(m.completion_mask.sum()) == int(clen[r].sum()) and int(m.prompt_mask.sum()) == int(plen[r].sum())
         assert torch.equal(m.advantages, adv[r]) and torch.equal(m.truncated, trunc[r])
+
+
+def test_micro_batches_of_a_row_subset():
+    B, P, T = 4, 3, 2
+    ones = torch.ones(B, P, dtype=torch.long), torch.ones(B, T, dtype=torch.long)
+    args = (ones[0], ones[0], ones[1], ones[1], torch.zeros(B, T), torch.zeros(B, dtype=torch.bool), torch.arange(B) * 1.0)
+    assert make_micro_batches(*args, size=2, rows=torch.tensor([], dtype=torch.long)) == []
+    mbs = make_micro_batches(*args, size=2, rows=torch.tensor([3, 1, 2]))
+    assert [m.rows.tolist() for m in mbs] == [[3, 1], [2]] and mbs[0].advantages.tolist() == [3.0, 1.0]

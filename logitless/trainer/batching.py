@@ -32,8 +32,9 @@ def make_micro_batches(
     truncated: torch.Tensor,  # [B]
     advantages: torch.Tensor,  # [B]
     size: int,
+    rows: torch.Tensor | None = None,  # [n] long, only these rows (default: all B)
 ) -> list[MicroBatch]:
-    """Split the B rows into micro-batches of at most `size` rows, longest sequences first.
+    """Split the B rows (or the given `rows`) into micro-batches of at most `size` rows, longest sequences first.
 
     Sorting by total length (prompt + completion) groups similar lengths so little padding is computed; each
     micro-batch keeps only the columns some of its rows use. Row order inside the step does not change any
@@ -41,8 +42,12 @@ def make_micro_batches(
     """
     if size < 1:
         raise ValueError(f"micro-batch size must be >= 1, got {size}")
-    lengths = prompt_mask.sum(1) + completion_mask.sum(1)  # [B]
-    order = torch.sort(lengths, descending=True, stable=True).indices  # [B]
+    if rows is None:
+        rows = torch.arange(prompt_ids.shape[0], device=prompt_ids.device)
+    if rows.numel() == 0:
+        return []
+    lengths = prompt_mask[rows].sum(1) + completion_mask[rows].sum(1)  # [n]
+    order = rows[torch.sort(lengths, descending=True, stable=True).indices]  # [n]
     out = []
     for chunk in order.split(size):
         pm, cm = prompt_mask[chunk], completion_mask[chunk]

@@ -175,6 +175,7 @@ class TrainConfig:
     prompts_per_step: int = 8
     micro_batch_size: int = 16  # completions per forward/backward (sorted by length)
     num_iterations: int = 1  # μ: optimizer steps on each rollout batch (old logprobs are computed when > 1)
+    skip_zero_advantage: bool = True  # don't run rows with advantage 0 when they add nothing (beta=0, no entropy term)
     seed: int = 0
     output_dir: str = "runs/demo"
     num_threads: int | None = None  # torch.set_num_threads on CPU (None: leave torch's default)

@@ -215,9 +215,15 @@ def train(
                 # ---- 4. old / reference logprobs (no grad) and 5. μ optimizer steps over micro-batches
                 cmask = rollout.completion_mask
                 n_tokens = int(cmask.sum())
+                # Rows with advantage 0 add exactly 0 to the loss and its gradient when there is no KL or entropy
+                # term, so they are not run (they still count in the normalizer, which is taken over all rows).
+                trained = torch.arange(cmask.shape[0], device=device)
+                if cfg.train.skip_zero_advantage and obj_options.beta == 0 and not (entropy_grad or top_entropy):
+                    trained = (adv.advantages.to(device) != 0).nonzero().view(-1)
                 micro = make_micro_batches(
                     rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, cmask,
                     rollout.sampler_logp, rollout.truncated, adv.advantages.to(device), cfg.train.micro_batch_size,
+                    rows=trained,
                 )
                 obj_metrics: list[dict[str, Stat]] = []
                 losses, grad_norms = [], []
@@ -234,7 +240,7 @@ def train(
                 if n_tokens > 0:  # (0 only if the engine returned no token at all, not even EOS)
                     temp = options.logp_temperature
                     normalizer = all_reduce_sum(
-                        loss_normalizer(obj_options, [m.completion_mask for m in micro], [m.truncated for m in micro]),
+                        loss_normalizer(obj_options, [cmask], [rollout.truncated]),
                         device,
                     )
                     old_logp: list[torch.Tensor | None] = [None] * len(micro)
@@ -272,6 +278,9 @@ def train(
                             out.loss.backward()
                             step_loss += float(out.loss.detach())
                             parts.append(out.metrics)
+                        for p in params:  # a step without trained rows still is an AdamW step with zero gradients
+                            if p.grad is None:
+                                p.grad = torch.zeros_like(p)
                         max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else math.inf
                         grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
                         optimizer.step()
@@ -310,6 +319,7 @@ def train(
                     "time/train": t_train - t_score,
                     "memory/peak_gb": peak_memory_gb(device),
                     "skipped": float(n_tokens == 0),
+                    "trained_rows": float(len(trained)) if n_tokens > 0 else 0.0,
                 })
                 result.step = step
                 if step % cfg.logging.logging_steps == 0 or step == cfg.train.max_steps:

@@ -164,6 +164,12 @@ def train(
         state = ckpt.load_checkpoint(resume, model=model, optimizer=optimizer, scheduler=scheduler)
         start = int(state["step"])
         sampler.load_state_dict(state["sampler"])
+    elif (ckpt_root / ckpt.LATEST).is_file():
+        warnings.warn(
+            f"{run_dir} already holds checkpoints of an earlier run; this run starts from step 0 and replaces them "
+            f"(use --resume {run_dir} to continue that run, or set train.output_dir)",
+            stacklevel=2,
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     logger = MetricsLogger(

@@ -238,3 +238,9 @@ def test_skipping_zero_advantage_rows_does_not_change_training(tmp_path, tok, re
     a, b = _lora(tmp_path / "skip"), _lora(tmp_path / "full")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+def test_max_minutes_stops_after_the_current_step_with_a_checkpoint(tmp_path, tok, rewards_module):
+    result = _train(_cfg(tmp_path / "run", "train.max_minutes=1e-6", "checkpoint.save_steps=0"), tok)
+    assert result.step == 1 and result.interrupted is None and result.exit_code == 0
+    assert ckpt.read_latest(tmp_path / "run" / "checkpoints").name == "step-000001"

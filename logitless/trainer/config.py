@@ -176,6 +176,7 @@ class TrainConfig:
     micro_batch_size: int = 16  # completions per forward/backward (sorted by length)
     num_iterations: int = 1  # μ: optimizer steps on each rollout batch (old logprobs are computed when > 1)
     skip_zero_advantage: bool = True  # don't run rows with advantage 0 when they add nothing (beta=0, no entropy term)
+    max_minutes: float | None = None  # also stop (with a checkpoint) after the first step past this wall time
     seed: int = 0
     output_dir: str = "runs/demo"
     num_threads: int | None = None  # torch.set_num_threads on CPU (None: leave torch's default)
@@ -188,6 +189,7 @@ class TrainConfig:
             micro_batch_size=self.micro_batch_size,
             num_iterations=self.num_iterations,
             num_threads=self.num_threads,
+            max_minutes=self.max_minutes,
         )
 
 

@@ -186,6 +186,7 @@ def train(
         )
 
     empty_steps = 0
+    t_start = time.perf_counter()
     top_entropy = obj_options.top_entropy_quantile < 1.0
     entropy_grad = obj_options.entropy_coef > 0 or obj_options.use_adaptive_entropy
     entropy_coef = EntropyCoef(*state.get("entropy_coef", (obj_options.entropy_coef, obj_options.entropy_coef)))
@@ -329,7 +330,7 @@ def train(
                 })
                 result.step = step
                 if step % cfg.logging.logging_steps == 0 or step == cfg.train.max_steps:
-                    logger.log(step, record)
+                    logger.log(step, {**record, "time/elapsed": time.perf_counter() - t_start})
                     result.records.append({"step": step, **record})
                 logger.advance(step, record)
                 if cfg.logging.log_completions and (step % cfg.logging.completions_steps == 0 or step == 1):
@@ -338,7 +339,8 @@ def train(
                         [None if math.isnan(v) else v for v in scores.total.tolist()],
                         cfg.logging.num_completions_to_print,
                     )
-                last = step == cfg.train.max_steps
+                out_of_time = cfg.train.max_minutes is not None and time.perf_counter() - t_start > 60 * cfg.train.max_minutes
+                last = step == cfg.train.max_steps or out_of_time
                 if stop.requested or (cfg.checkpoint.save_steps and step % cfg.checkpoint.save_steps == 0) or (
                     last and cfg.checkpoint.save_at_end
                 ):
@@ -349,6 +351,9 @@ def train(
                             raise
                         logger.print(f"[yellow]warning:[/] {e} Training continues.")
                 if stop.requested:
+                    break
+                if out_of_time:
+                    logger.print(f"train.max_minutes={cfg.train.max_minutes} reached after step {step}")
                     break
             result.interrupted = stop.requested
     finally:

@@ -116,6 +116,29 @@ def _run_cases() -> dict:
         "empty_frozen": case(0, 16, 301, need=(True, False, False)),
     }
 
+    # a -inf bias masks vocabulary columns (here a whole tile): same as dropping those columns
+    g = torch.Generator().manual_seed(5)
+    n, h_, v, cut = 31, 16, 301, 150
+    hid = torch.randn(n, h_, generator=g)
+    w = torch.randn(v, h_, generator=g) / 4
+    b = torch.randn(v, generator=g)
+    b[:cut] = float("-inf")
+    tg = torch.randint(cut, v, (n,), generator=g)
+    g_lp, g_ent = torch.randn(n, dtype=torch.float64, generator=g), torch.randn(n, dtype=torch.float64, generator=g)
+    masked = {}
+    for frozen in (False, True):
+        triton_op.TILE_BYTES, triton_op.ROW_CHUNK_BYTES = 128 * n * 4, 8 * v * 4
+        need = (True, not frozen, False)
+        got = run(ours, hid, w, b, tg, 0.9, True, need, g_lp, g_ent)
+        ref = run(dense, hid.double(), w[cut:].double(), b[cut:].double(), tg - cut, 0.9, True, need, g_lp, g_ent)
+        masked[f"frozen{int(frozen)}_logp"] = rel(got["logp"], ref["logp"])
+        masked[f"frozen{int(frozen)}_ent"] = rel(got["ent"], ref["ent"])
+        masked[f"frozen{int(frozen)}_dh"] = rel(got["dh"], ref["dh"])
+        if not frozen:
+            masked["dw_kept"] = rel(got["dw"][cut:], ref["dw"])
+            masked["dw_masked_zero"] = float(got["dw"][:cut].abs().max())
+    res["masked_vocab"] = masked
+
     # no grad: nothing saved, no graph, same values as with grad
     torch.manual_seed(3)
     h, w, tg = torch.randn(23, 16), torch.randn(260, 16) / 4, torch.randint(0, 260, (23,))
@@ -194,6 +217,13 @@ def test_no_grad_paths(cases):
     a, b = cases["no_grad"], cases["no_input_requires_grad"]
     assert a["logp"] < 2e-5 and a["ent"] < 2e-5 and a["no_graph"]
     assert b["logp"] < 2e-5 and b["no_graph"] and b["ent_none"]
+
+
+def test_masked_vocabulary_bias(cases):
+    c = cases["masked_vocab"]
+    assert c.pop("dw_masked_zero") == 0.0
+    for k, v in c.items():
+        assert v < 2e-5, f"masked vocabulary: {k} relative error {v:.3g}"
 
 
 def test_frozen_double_backward_fails_loudly(cases):

@@ -3,7 +3,7 @@
 All softmax math is fp32; a tile element is z = (logit + bias) * inv_t. Three kernels:
 
 * `tile_stats_kernel`: one program per row of a column tile [N, vb] (columns v0..v0+vb of the vocabulary);
-  folds the tile into a running online log-sum-exp state per row (m = max, s = Σ e^(z-m), t = Σ e^(z-m)·z)
+  folds the tile (per-lane online softmax, one reduction at the end) into a running log-sum-exp state per row (m = max, s = Σ e^(z-m), t = Σ e^(z-m)·z)
   and records the target's z when the target falls in the tile.
 * `rows_kernel`: one program per full row [V] (frozen-head forward); computes lse, logp, entropy and, with
   WRITE_GRAD, overwrites the row in place with d logp / d logit = (onehot - p) * inv_t.
@@ -18,16 +18,30 @@ import triton.language as tl
 
 
 @triton.jit
-def _online_update(m, s, t, z, WITH_ENT: tl.constexpr):
-    """Fold a block z (masked entries = -inf) into the running (max, sum-exp, sum-exp·z) of one row."""
-    m_new = tl.maximum(m, tl.max(z, 0))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block of only -inf (masked bias) stays neutral
+def _lane_update(m, s, t, z, WITH_ENT: tl.constexpr):
+    """Fold a block z (masked entries = -inf) into per-lane running (max, Σ e^(z-max), Σ e^(z-max)·z).
+
+    Elementwise per lane (no cross-warp reduction inside the loop); `_lane_finish` reduces once at the end.
+    """
+    m_new = tl.maximum(m, z)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # lanes that saw only -inf (masked bias) stay neutral
     alpha = tl.exp(m - m_safe)
     e = tl.exp(z - m_safe)
-    s = s * alpha + tl.sum(e, 0)
+    s = s * alpha + e
     if WITH_ENT:
-        t = t * alpha + tl.sum(tl.where(e > 0, e * z, 0.0), 0)
+        t = t * alpha + tl.where(e > 0, e * z, 0.0)
     return m_new, s, t
+
+
+@triton.jit
+def _lane_finish(m, s, t, WITH_ENT: tl.constexpr):
+    """Reduce per-lane (max, sum-exp, sum-exp·z) to one row's scalars."""
+    m_row = tl.max(m, 0)
+    m_safe = tl.where(m_row == float("-inf"), 0.0, m_row)
+    scale = tl.exp(m - m_safe)
+    s_row = tl.sum(s * scale, 0)
+    t_row = tl.sum(t * scale, 0)  # zeros unless WITH_ENT
+    return m_row, s_row, t_row
 
 
 @triton.jit
@@ -45,17 +59,25 @@ def tile_stats_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = z_ptr + row * ld
-    m = tl.load(m_ptr + row)
-    s = tl.load(s_ptr + row)
-    t = tl.load(t_ptr + row)
     offs = tl.arange(0, BLOCK_V)
+    mv = tl.full((BLOCK_V,), float("-inf"), tl.float32)
+    sv = tl.zeros((BLOCK_V,), tl.float32)
+    tv_ = tl.zeros((BLOCK_V,), tl.float32)
     for start in range(0, vb, BLOCK_V):
         cols = start + offs
         z = _load_z(row_ptr, bias_ptr, v0, cols, cols < vb, inv_t, float("-inf"), HAS_BIAS)
-        m, s, t = _online_update(m, s, t, z, WITH_ENT)
+        mv, sv, tv_ = _lane_update(mv, sv, tv_, z, WITH_ENT)
+    m_b, s_b, t_b = _lane_finish(mv, sv, tv_, WITH_ENT)
+    # combine this tile with the running state of the row
+    m_o = tl.load(m_ptr + row)
+    m = tl.maximum(m_o, m_b)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    a_o = tl.exp(m_o - m_safe)
+    a_b = tl.exp(m_b - m_safe)
     tl.store(m_ptr + row, m)
-    tl.store(s_ptr + row, s)
-    tl.store(t_ptr + row, t)
+    tl.store(s_ptr + row, tl.load(s_ptr + row) * a_o + s_b * a_b)
+    if WITH_ENT:
+        tl.store(t_ptr + row, tl.load(t_ptr + row) * a_o + t_b * a_b)
     tv = tl.load(tgt_ptr + row).to(tl.int64) - v0
     hit = (tv >= 0) & (tv < vb)
     tvc = tl.where(hit, tv, 0)
@@ -72,14 +94,15 @@ def rows_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = z_ptr + row * ld
-    m = tl.full((), float("-inf"), tl.float32)
-    s = tl.zeros((), tl.float32)
-    t = tl.zeros((), tl.float32)
     offs = tl.arange(0, BLOCK_V)
+    mv = tl.full((BLOCK_V,), float("-inf"), tl.float32)
+    sv = tl.zeros((BLOCK_V,), tl.float32)
+    tv_ = tl.zeros((BLOCK_V,), tl.float32)
     for start in range(0, V, BLOCK_V):
         cols = start + offs
         z = _load_z(row_ptr, bias_ptr, 0, cols, cols < V, inv_t, float("-inf"), HAS_BIAS)
-        m, s, t = _online_update(m, s, t, z, WITH_ENT)
+        mv, sv, tv_ = _lane_update(mv, sv, tv_, z, WITH_ENT)
+    m, s, t = _lane_finish(mv, sv, tv_, WITH_ENT)
     lse = m + tl.log(s)
     tv = tl.load(tgt_ptr + row).to(tl.int64)
     zt = tl.load(row_ptr + tv).to(tl.float32)
@@ -118,5 +141,5 @@ def grad_tile_kernel(
     if HAS_GENT:
         ge = tl.load(gent_ptr + row)
         ent = tl.load(ent_ptr + row)
-        d -= ge * p * (z - lse + ent)
+        d -= ge * tl.where(p > 0, p * (z - lse + ent), 0.0)  # p = 0 where z = -inf (masked bias)
     tl.store(row_ptr + cols, (d * inv_t).to(z_ptr.dtype.element_ty), mask=mask)

@@ -33,7 +33,8 @@ except ImportError:  # pragma: no cover - triton is optional
     triton = None
     _k = None
 
-# Bytes of the logits tile (trainable head / no grad): vb = TILE_BYTES // (N * itemsize) columns.
+# Bytes of the logits tile (trainable head / no grad): vb = TILE_BYTES // (N * itemsize) columns (capped at
+# the weight's size, see _tile_cols).
 TILE_BYTES = 512 << 20
 # Bytes of a frozen-head forward row chunk [C, V]: C = ROW_CHUNK_BYTES // (V * itemsize) rows.
 ROW_CHUNK_BYTES = 128 << 20
@@ -118,9 +119,14 @@ class _TritonTokenLogprobs(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-def _tile_cols(n: int, v: int, itemsize: int) -> int:
-    """Vocabulary columns per [N, vb] tile: TILE_BYTES // (N * itemsize), a multiple of 128, in [128, V]."""
-    cols = TILE_BYTES // (max(n, 1) * itemsize)
+def _tile_cols(n: int, v: int, h: int, itemsize: int) -> int:
+    """Vocabulary columns per [N, vb] tile, a multiple of 128 in [128, V].
+
+    The tile holds TILE_BYTES, but no more than the weight itself (at least 64 MiB), so that a small
+    vocabulary's extra memory stays about the size of its own weight gradient.
+    """
+    budget = min(TILE_BYTES, max(64 << 20, v * h * itemsize))
+    cols = budget // (max(n, 1) * itemsize)
     cols = max(128, cols - cols % 128)
     return min(v, cols)
 
@@ -134,7 +140,7 @@ def _forward_tiles(hidden, weight, bias, targets, inv_t, with_entropy):
     t = torch.zeros(n, dtype=torch.float32, device=dev)
     zt = torch.zeros(n, dtype=torch.float32, device=dev)
     if n > 0:
-        cols = _tile_cols(n, v, hidden.element_size())
+        cols = _tile_cols(n, v, hidden.shape[1], hidden.element_size())
         buf = torch.empty(n * cols, dtype=hidden.dtype, device=dev)
         bias_arg = bias if bias is not None else m
         for v0 in range(0, v, cols):
@@ -191,7 +197,7 @@ def _backward_tiles(hidden, weight, bias, targets, inv_t, lse, ent, g_lp, g_ent,
     acc = torch.zeros(hidden.shape, dtype=torch.float32, device=dev) if need_dx else None
     dw = torch.empty_like(weight) if need_dw else None
     db = torch.empty(v, dtype=torch.float32, device=dev) if need_db else None
-    cols = _tile_cols(n, v, hidden.element_size())
+    cols = _tile_cols(n, v, hidden.shape[1], hidden.element_size())
     buf = torch.empty(n * cols, dtype=hidden.dtype, device=dev)
     dummy = lse
     for v0 in range(0, v, cols):

@@ -307,9 +307,17 @@ def main():
     ap.add_argument("--check", action="store_true", help="fp64 accuracy check before timing")
     ap.add_argument("--sweep", action="store_true", help="tile-size sweep of the triton path at the main shape")
     ap.add_argument("--profile", action="store_true", help="per-kernel CUDA time of the triton path, main shape")
+    ap.add_argument("--merge", nargs="+", help="only print the table of these result JSONs (later files win)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--tag", default="bench_op")
     args = ap.parse_args()
+    if args.merge:
+        merged = {}
+        for f in args.merge:
+            for r in json.loads(Path(f).read_text())["rows"]:
+                merged[(r["N"], r["H"], r["V"], r["temperature"], r["bias"], r["mode"], r["variant"])] = r
+        print(markdown(list(merged.values())))
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = env_info()

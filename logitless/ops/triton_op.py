@@ -33,8 +33,8 @@ except ImportError:  # pragma: no cover - triton is optional
     triton = None
     _k = None
 
-# Bytes of the logits tile (trainable head / no grad): vb = TILE_BYTES // (N * itemsize) columns (capped at
-# the weight's size, see _tile_cols).
+# Bytes of the logits tile (trainable head / no grad): vb = TILE_BYTES // (N * itemsize) columns (capped by
+# the weight's size and 1/8 of the [N, V] logits, see _tile_cols).
 TILE_BYTES = 512 << 20
 # Bytes of a frozen-head forward row chunk [C, V]: C = ROW_CHUNK_BYTES // (V * itemsize) rows.
 ROW_CHUNK_BYTES = 128 << 20
@@ -122,10 +122,10 @@ class _TritonTokenLogprobs(torch.autograd.Function):
 def _tile_cols(n: int, v: int, h: int, itemsize: int) -> int:
     """Vocabulary columns per [N, vb] tile, a multiple of 128 in [128, V].
 
-    The tile holds TILE_BYTES, but no more than the weight itself (at least 64 MiB), so that a small
-    vocabulary's extra memory stays about the size of its own weight gradient.
+    The tile holds TILE_BYTES, but (down to 64 MiB) no more than the weight itself nor 1/8 of the whole
+    [N, V] logits, so that extra memory stays small next to the weight gradient and to dense logits.
     """
-    budget = min(TILE_BYTES, max(64 << 20, v * h * itemsize))
+    budget = min(TILE_BYTES, max(64 << 20, min(v * h * itemsize, n * v * itemsize // 8)))
     cols = budget // (max(n, 1) * itemsize)
     cols = max(128, cols - cols % 128)
     return min(v, cols)

@@ -139,6 +139,19 @@ def _run_cases() -> dict:
             masked["dw_masked_zero"] = float(got["dw"][:cut].abs().max())
     res["masked_vocab"] = masked
 
+    # strided (non-contiguous) hidden, bias and int32 targets give the same result as contiguous ones
+    g = torch.Generator().manual_seed(6)
+    n, h_, v = 19, 16, 300
+    hid_t = torch.randn(h_, n, generator=g).t()  # [N, H], non-contiguous
+    w = torch.randn(v, h_, generator=g) / 4
+    b2 = torch.randn(2 * v, generator=g)[::2]  # [V], stride 2
+    tg2 = torch.randint(0, v, (2 * n,), generator=g).to(torch.int32)[::2]  # [N], stride 2
+    g_lp, g_ent = torch.randn(n, dtype=torch.float64, generator=g), torch.randn(n, dtype=torch.float64, generator=g)
+    triton_op.TILE_BYTES = 128 * n * 4
+    got = run(ours, hid_t, w, b2, tg2, 1.1, True, (True, True, True), g_lp, g_ent)
+    ref = run(dense, hid_t.double(), w.double(), b2.double(), tg2.long(), 1.1, True, (True, True, True), g_lp, g_ent)
+    res["strided_inputs"] = {k: rel(got[k], ref[k]) for k in ref}
+
     # no grad: nothing saved, no graph, same values as with grad
     torch.manual_seed(3)
     h, w, tg = torch.randn(23, 16), torch.randn(260, 16) / 4, torch.randint(0, 260, (23,))
@@ -224,6 +237,11 @@ def test_masked_vocabulary_bias(cases):
     assert c.pop("dw_masked_zero") == 0.0
     for k, v in c.items():
         assert v < 2e-5, f"masked vocabulary: {k} relative error {v:.3g}"
+
+
+def test_strided_inputs(cases):
+    for k, v in cases["strided_inputs"].items():
+        assert v < 2e-5, f"strided inputs: {k} relative error {v:.3g}"
 
 
 def test_frozen_double_backward_fails_loudly(cases):

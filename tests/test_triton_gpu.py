@@ -115,3 +115,19 @@ def test_empty_and_no_grad():
         lp2, _ = triton_token_logprobs(h2, w, torch.arange(5, device="cuda"), None, 1.0, False)
     ref, _ = token_logprobs_reference(h2.double(), w.detach().double(), torch.arange(5, device="cuda"))
     assert lp2.grad_fn is None and torch.allclose(lp2.double(), ref, atol=0.1)
+
+
+def test_under_autocast_and_create_graph_refused():
+    from logitless.ops.triton_op import triton_token_logprobs
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    h = torch.randn(300, 256, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(5000, 256, device="cuda", generator=g) / 16).to(torch.bfloat16).requires_grad_()
+    tg = torch.randint(0, 5000, (300,), device="cuda", generator=g)
+    lp_plain, _ = triton_token_logprobs(h, w, tg, None, 1.0, False)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        lp_auto, _ = triton_token_logprobs(h, w, tg, None, 1.0, False)
+    assert torch.equal(lp_plain, lp_auto)
+    gh, = torch.autograd.grad(lp_auto.sum(), h, create_graph=True)
+    with pytest.raises(RuntimeError):
+        gh.sum().backward()  # the op is once-differentiable

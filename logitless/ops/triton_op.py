@@ -23,7 +23,10 @@ forward), written by cuBLAS and consumed in place by the kernels of `triton_kern
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch.autograd.function import once_differentiable
 
 try:
     import triton
@@ -65,15 +68,26 @@ def triton_token_logprobs(
 
     Inputs are assumed validated (see `logitless.ops.token_logprobs`).
     """
-    targets = targets.to(torch.int32) if weight.shape[0] < 2**31 else targets.long()
+    targets = targets.to(torch.int32).contiguous()  # V < 2**31; kernels index targets and bias with stride 1
+    bias = None if bias is None else bias.contiguous()
     needs_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
     if not needs_grad:  # old/ref logprobs: forward only, nothing saved
-        with torch.no_grad():
+        with torch.no_grad(), _on_device(hidden):
             lse, logp, ent = _forward_tiles(hidden, weight, bias, targets, 1.0 / float(temperature), with_entropy)
         return logp, ent
     return _TritonTokenLogprobs.apply(hidden, weight, bias, targets, float(temperature), with_entropy)
+
+
+@contextlib.contextmanager
+def _on_device(t: torch.Tensor):
+    """Launch on t's GPU (Triton uses the current device) with autocast off (GEMMs run in the inputs' dtype)."""
+    if t.is_cuda:
+        with torch.cuda.device(t.device), torch.autocast("cuda", enabled=False):
+            yield
+    else:  # CPU tensors only under TRITON_INTERPRET=1 (tests)
+        yield
 
 
 class _TritonTokenLogprobs(torch.autograd.Function):
@@ -86,17 +100,24 @@ class _TritonTokenLogprobs(torch.autograd.Function):
         ctx.inv_t, ctx.with_entropy = inv_t, with_entropy
         ctx.frozen = need_dx and not need_dw and not need_db and PRECOMPUTE_FROZEN_GRAD
         hidden, weight = hidden.contiguous(), weight.contiguous()
-        if ctx.frozen:
-            lse, logp, ent, grad_logp_h = _forward_rows_frozen(hidden, weight, bias, targets, inv_t, with_entropy)
-        else:
-            lse, logp, ent = _forward_tiles(hidden, weight, bias, targets, inv_t, with_entropy)
-            grad_logp_h = None
+        with _on_device(hidden):
+            if ctx.frozen:
+                lse, logp, ent, grad_logp_h = _forward_rows_frozen(hidden, weight, bias, targets, inv_t, with_entropy)
+            else:
+                lse, logp, ent = _forward_tiles(hidden, weight, bias, targets, inv_t, with_entropy)
+                grad_logp_h = None
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent, grad_logp_h)
         return logp, ent
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g_lp, g_ent):
         hidden, weight, bias, targets, lse, ent, grad_logp_h = ctx.saved_tensors
+        with _on_device(hidden):
+            return _TritonTokenLogprobs._backward(ctx, hidden, weight, bias, targets, lse, ent, grad_logp_h, g_lp, g_ent)
+
+    @staticmethod
+    def _backward(ctx, hidden, weight, bias, targets, lse, ent, grad_logp_h, g_lp, g_ent):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_db = bias is not None and ctx.needs_input_grad[2]
         if not ctx.with_entropy:

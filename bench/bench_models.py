@@ -121,8 +121,8 @@ def main():
                 r = measure(fn, model, grad, args.reps, args.warmup)
                 r.update(variant=name + ("+ent" if with_entropy else ""), mode="fwd+bwd" if grad else "forward")
                 rows.append(r)
-                print(f"{r['variant']:10s} {r['mode']:8s} {r['median_ms']:9.1f} ms  peak +{r['peak_extra_gib']:.2f} GiB",
-                      flush=True)
+                print(f"{r['variant']:10s} {r['mode']:8s} {r['median_ms']:9.1f} ms  "
+                      f"peak +{r['peak_extra_gib']:.2f} GiB", flush=True)
 
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -261,7 +261,14 @@ FAMILIES = {
     "phi_bias": (lambda: tf.PhiConfig(**COMMON), 1.0, True),
     "cohere_logit_scale": (lambda: tf.CohereConfig(**COMMON, logit_scale=0.25), 0.25, False),
     "granite_logits_scaling": (lambda: tf.GraniteConfig(**COMMON, logits_scaling=4.0), 0.25, False),
-    "hyperclovax_logits_scaling": (lambda: tf.AutoConfig.for_model("hyperclovax", **COMMON, logits_scaling=3.0), 3.0, False),
+    "hyperclovax_logits_scaling": (
+        lambda: tf.AutoConfig.for_model("hyperclovax", **COMMON, logits_scaling=3.0), 3.0, False
+    ),
+    "bloom_alibi": (lambda: tf.BloomConfig(vocab_size=V_SMALL, hidden_size=32, n_layer=2, n_head=4,
+                                           initializer_range=0.2), 1.0, False),
+    "opt_learned_positions": (lambda: tf.OPTConfig(vocab_size=V_SMALL, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+                                                   num_attention_heads=4, word_embed_proj_dim=32,
+                                                   init_std=0.2), 1.0, False),
     "minicpm3_hidden_scaling": (
         lambda: tf.AutoConfig.for_model(
             "minicpm3", **{**COMMON, "num_key_value_heads": 4}, q_lora_rank=16, kv_lora_rank=16,

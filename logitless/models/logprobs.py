@@ -14,7 +14,9 @@ from logitless.ops import token_logprobs
 def _check_mask(mask: Tensor, shape: tuple[int, ...], name: str, of: str) -> Tensor:
     if not isinstance(mask, Tensor) or mask.dim() != 2 or tuple(mask.shape) != tuple(shape[:2]):
         got = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
-        raise ValueError(f"{name} must be a [B, L] tensor matching the first two dims {tuple(shape[:2])} of {of}, got {got}")
+        raise ValueError(
+            f"{name} must be a [B, L] tensor matching the first two dims {tuple(shape[:2])} of {of}, got {got}"
+        )
     if mask.is_floating_point() or mask.is_complex():
         raise ValueError(f"{name} must be bool or integer (0/1), got dtype {mask.dtype}")
     return mask.bool()

@@ -11,7 +11,7 @@ forward), written by cuBLAS and consumed in place by the kernels of `triton_kern
 
 * no grad / trainable head, forward: column tiles [N, vb] (vb vocabulary columns, all rows); each tile is
   folded into a per-row online log-sum-exp (1 GEMM). Saved for backward: lse and entropy ([N] fp32).
-* trainable head, backward: the same column tiles are recomputed (same GEMM shapes, so the same bits), turned
+* trainable head, backward: the same column tiles are recomputed (same GEMM shapes as the forward), turned
   in place into the upstream-weighted logits gradient, then grad_W[tile] = Dᵀ·h (one GEMM reducing over all
   N, no cross-tile accumulation) and grad_h += D·W[tile] (fp32 accumulator [N, H]): 4 GEMMs in all.
 * frozen head (only `hidden` needs grad), forward: row chunks [C, V]; the kernel computes lse/logp/entropy and

@@ -200,7 +200,8 @@ def main():
             torch.cuda.empty_cache()
     base = next((r["tokens_per_s"] for r in meta["results"] if r.get("variant") == "plain" and "tokens_per_s" in r),
                 None)
-    print(f"\n{'variant':<12}{'tok/s':>10}{'x plain':>9}{'wall tok/s':>12}{'warmup s':>10}{'peak GiB':>10}  logp |diff| max/mean")
+    print(f"\n{'variant':<12}{'tok/s':>10}{'x plain':>9}{'wall tok/s':>12}{'warmup s':>10}{'peak GiB':>10}"
+          "  logp |diff| max/mean")
     for r in meta["results"]:
         if "tokens_per_s" not in r:
             print(f"{r['variant']:<12} {r.get('error') or r.get('skipped')}")

@@ -83,7 +83,7 @@ def test_seeded_reproducible_and_logprobs_match_dense(peaked_model, tok, backend
     assert not torch.equal(a.completion_ids, c.completion_ids)
     # the recorded distribution is log_softmax(raw / T): before repetition penalty and filters
     ref = dense_logprobs(peaked_model, a, 0.7)
-    torch.testing.assert_close(a.sampler_logp.double(), ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(a.sampler_logp.double(), ref, atol=5e-5, rtol=0)
     # and it is not the filtered one: some sampled tokens had a logp well below 0 under the full softmax
     assert a.sampler_logp[a.completion_mask.bool()].min() < -0.5
 
@@ -97,17 +97,20 @@ def test_logprobs_match_fused_completion_logprobs(peaked_model, tok, backend):
             lp, _ = completion_logprobs(
                 peaked_model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, temperature=T
             )
-        torch.testing.assert_close(b.sampler_logp, lp.float(), atol=1e-4, rtol=0)
+        torch.testing.assert_close(b.sampler_logp, lp.float(), atol=5e-5, rtol=0)
 
 
 @pytest.mark.parametrize("backend", FAST)
 def test_top_k_one_equals_greedy(peaked_model, tok, backend):
     eng = engine(backend, peaked_model, tok)
     greedy = eng.generate(PROMPTS, SamplingOptions(num_generations=1, temperature=0.0, max_new_tokens=6))
-    topk1 = eng.generate(PROMPTS, SamplingOptions(num_generations=1, temperature=1.0, top_k=1, max_new_tokens=6, seed=3))
+    topk1 = eng.generate(
+        PROMPTS, SamplingOptions(num_generations=1, temperature=1.0, top_k=1, max_new_tokens=6, seed=3)
+    )
     assert torch.equal(greedy.completion_ids, topk1.completion_ids)
     # greedy logprobs are recorded at temperature 1
-    torch.testing.assert_close(greedy.sampler_logp.double(), dense_logprobs(peaked_model, greedy, 1.0), atol=1e-4, rtol=0)
+    ref = dense_logprobs(peaked_model, greedy, 1.0)
+    torch.testing.assert_close(greedy.sampler_logp.double(), ref, atol=5e-5, rtol=0)
 
 
 @pytest.mark.parametrize("backend", FAST)
@@ -212,6 +215,7 @@ def test_continuous_backend_logprobs_and_seed(peaked_model, tok):
         ("repetition_penalty", 0.0, "repetition_penalty"),
         ("max_new_tokens", 0, "max_new_tokens"),
         ("stop", "</a>", "stop"),
+        ("stop", None, "stop"),
         ("eos_token_ids", 3, "eos_token_ids"),
         ("max_prompt_length", 0, "max_prompt_length"),
     ],

@@ -188,7 +188,9 @@ def seeded(seed: int | None, device: torch.device) -> Iterator[None]:
     if seed is None:
         yield
         return
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    devices = []
+    if device.type == "cuda":
+        devices = [device.index if device.index is not None else torch.cuda.current_device()]
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield

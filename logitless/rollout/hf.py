@@ -69,7 +69,10 @@ class LogprobRecorder(LogitsProcessor):
             raise RuntimeError(
                 f"LogprobRecorder saw {len(self.steps)} steps for {completion_ids.shape[1]} generated tokens"
             )
-        out = torch.stack(self.steps, 1) if self.steps else completion_ids.new_zeros(completion_ids.shape, dtype=torch.float32)
+        if self.steps:
+            out = torch.stack(self.steps, 1)
+        else:
+            out = completion_ids.new_zeros(completion_ids.shape, dtype=torch.float32)
         self.steps = []
         return out
 
@@ -128,7 +131,7 @@ class HFEngine:
         self.static_cache = static_cache
         self.compile = static_cache if compile is None else compile
         if self.compile and not static_cache:
-            raise ValueError("HFEngine(compile=True) needs static_cache=True (transformers compiles only static caches)")
+            raise ValueError("HFEngine(compile=True) needs static_cache=True (only static caches are compiled)")
 
     def generate(self, prompts: Sequence[Prompt], options: SamplingOptions) -> RolloutBatch:
         t0 = time.perf_counter()

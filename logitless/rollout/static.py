@@ -82,7 +82,9 @@ class StaticEngine:
         cache_multiple: int = 128,
     ):
         if check_every < 1 or cache_multiple < 1:
-            raise ValueError(f"StaticEngine: check_every={check_every} and cache_multiple={cache_multiple} must be >= 1")
+            raise ValueError(
+                f"StaticEngine: check_every={check_every} and cache_multiple={cache_multiple} must both be >= 1"
+            )
         self.model = model
         self.tokenizer = tokenizer
         self.compile = compile
@@ -179,7 +181,9 @@ class StaticEngine:
             generate_seconds=gen_s,
         )
 
-    def _all_done(self, done: torch.Tensor, history: torch.Tensor, P: int, steps: int, options: SamplingOptions) -> bool:
+    def _all_done(
+        self, done: torch.Tensor, history: torch.Tensor, P: int, steps: int, options: SamplingOptions
+    ) -> bool:
         """Host check (one sync): mark rows whose text contains a stop string as done; True if all rows are."""
         if options.stop:
             pending = (~done).nonzero().flatten().tolist()

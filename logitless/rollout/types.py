@@ -66,7 +66,7 @@ class SamplingOptions:
             raise TypeError(f"SamplingOptions.max_new_tokens must be an int, got {self.max_new_tokens!r}")
         if self.max_new_tokens < 1:
             raise bad("max_new_tokens", "use max_new_tokens >= 1")
-        if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", 'pass a list of non-empty strings, e.g. stop=["</answer>"]')
         if self.eos_token_ids is not None:
             if isinstance(self.eos_token_ids, int) or not all(

@@ -1,6 +1,7 @@
 """Triton row passes over a bf16/fp16/fp32 logits tile that a cuBLAS GEMM has just written.
 
-All softmax math is fp32; a tile element is z = (logit + bias) * inv_t. Three kernels:
+All softmax math is fp32; a tile element is z = logit * inv_t, where the GEMM that wrote the tile already added
+the bias (one rounding, exactly like `F.linear`). Three kernels:
 
 * `tile_stats_kernel`: one program per row of a column tile [N, vb] (columns v0..v0+vb of the vocabulary);
   folds the tile (per-lane online softmax, one reduction at the end) into a running log-sum-exp state per row (m = max, s = Σ e^(z-m), t = Σ e^(z-m)·z)
@@ -24,7 +25,7 @@ def _lane_update(m, s, t, z, WITH_ENT: tl.constexpr):
     Elementwise per lane (no cross-warp reduction inside the loop); `_lane_finish` reduces once at the end.
     """
     m_new = tl.maximum(m, z)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # lanes that saw only -inf (masked bias) stay neutral
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # lanes that saw only -inf (masked vocab) stay neutral
     alpha = tl.exp(m - m_safe)
     e = tl.exp(z - m_safe)
     s = s * alpha + e
@@ -45,17 +46,14 @@ def _lane_finish(m, s, t, WITH_ENT: tl.constexpr):
 
 
 @triton.jit
-def _load_z(row_ptr, bias_ptr, v0, cols, mask, inv_t, other, HAS_BIAS: tl.constexpr):
-    z = tl.load(row_ptr + cols, mask=mask, other=other).to(tl.float32)
-    if HAS_BIAS:
-        z += tl.load(bias_ptr + v0 + cols, mask=mask, other=0.0).to(tl.float32)
-    return z * inv_t
+def _load_z(row_ptr, cols, mask, inv_t, other):
+    return tl.load(row_ptr + cols, mask=mask, other=other).to(tl.float32) * inv_t
 
 
 @triton.jit
 def tile_stats_kernel(
-    z_ptr, ld, bias_ptr, tgt_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, v0, vb, inv_t,
-    HAS_BIAS: tl.constexpr, WITH_ENT: tl.constexpr, BLOCK_V: tl.constexpr,
+    z_ptr, ld, tgt_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, v0, vb, inv_t,
+    WITH_ENT: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = z_ptr + row * ld
@@ -65,7 +63,7 @@ def tile_stats_kernel(
     tv_ = tl.zeros((BLOCK_V,), tl.float32)
     for start in range(0, vb, BLOCK_V):
         cols = start + offs
-        z = _load_z(row_ptr, bias_ptr, v0, cols, cols < vb, inv_t, float("-inf"), HAS_BIAS)
+        z = _load_z(row_ptr, cols, cols < vb, inv_t, float("-inf"))
         mv, sv, tv_ = _lane_update(mv, sv, tv_, z, WITH_ENT)
     m_b, s_b, t_b = _lane_finish(mv, sv, tv_, WITH_ENT)
     # combine this tile with the running state of the row
@@ -82,15 +80,13 @@ def tile_stats_kernel(
     hit = (tv >= 0) & (tv < vb)
     tvc = tl.where(hit, tv, 0)
     zt = tl.load(row_ptr + tvc).to(tl.float32)
-    if HAS_BIAS:
-        zt += tl.load(bias_ptr + v0 + tvc).to(tl.float32)
     tl.store(zt_ptr + row, zt * inv_t, mask=hit)
 
 
 @triton.jit
 def rows_kernel(
-    z_ptr, ld, bias_ptr, tgt_ptr, logp_ptr, lse_ptr, ent_ptr, V, inv_t,
-    HAS_BIAS: tl.constexpr, WITH_ENT: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    z_ptr, ld, tgt_ptr, logp_ptr, lse_ptr, ent_ptr, V, inv_t,
+    WITH_ENT: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = z_ptr + row * ld
@@ -100,14 +96,12 @@ def rows_kernel(
     tv_ = tl.zeros((BLOCK_V,), tl.float32)
     for start in range(0, V, BLOCK_V):
         cols = start + offs
-        z = _load_z(row_ptr, bias_ptr, 0, cols, cols < V, inv_t, float("-inf"), HAS_BIAS)
+        z = _load_z(row_ptr, cols, cols < V, inv_t, float("-inf"))
         mv, sv, tv_ = _lane_update(mv, sv, tv_, z, WITH_ENT)
     m, s, t = _lane_finish(mv, sv, tv_, WITH_ENT)
     lse = m + tl.log(s)
     tv = tl.load(tgt_ptr + row).to(tl.int64)
     zt = tl.load(row_ptr + tv).to(tl.float32)
-    if HAS_BIAS:
-        zt += tl.load(bias_ptr + tv).to(tl.float32)
     tl.store(logp_ptr + row, zt * inv_t - lse)
     tl.store(lse_ptr + row, lse)
     if WITH_ENT:
@@ -116,21 +110,21 @@ def rows_kernel(
         for start in range(0, V, BLOCK_V):
             cols = start + offs
             mask = cols < V
-            z = _load_z(row_ptr, bias_ptr, 0, cols, mask, inv_t, 0.0, HAS_BIAS)
+            z = _load_z(row_ptr, cols, mask, inv_t, 0.0)
             d = (tl.where(cols == tv, 1.0, 0.0) - tl.exp(z - lse)) * inv_t
             tl.store(row_ptr + cols, d.to(z_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def grad_tile_kernel(
-    z_ptr, ld, bias_ptr, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, v0, vb, inv_t,
-    HAS_BIAS: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK_V: tl.constexpr,
+    z_ptr, ld, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, v0, vb, inv_t,
+    HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = cols < vb
     row_ptr = z_ptr + row * ld
-    z = _load_z(row_ptr, bias_ptr, v0, cols, mask, inv_t, 0.0, HAS_BIAS)
+    z = _load_z(row_ptr, cols, mask, inv_t, 0.0)
     lse = tl.load(lse_ptr + row)
     p = tl.exp(z - lse)
     d = tl.zeros((BLOCK_V,), tl.float32)
@@ -141,5 +135,5 @@ def grad_tile_kernel(
     if HAS_GENT:
         ge = tl.load(gent_ptr + row)
         ent = tl.load(ent_ptr + row)
-        d -= ge * tl.where(p > 0, p * (z - lse + ent), 0.0)  # p = 0 where z = -inf (masked bias)
+        d -= ge * tl.where(p > 0, p * (z - lse + ent), 0.0)  # p = 0 where z = -inf (masked vocab)
     tl.store(row_ptr + cols, (d * inv_t).to(z_ptr.dtype.element_ty), mask=mask)

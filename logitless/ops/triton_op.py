@@ -68,7 +68,7 @@ def triton_token_logprobs(
 
     Inputs are assumed validated (see `logitless.ops.token_logprobs`).
     """
-    targets = targets.to(torch.int32).contiguous()  # V < 2**31; kernels index targets and bias with stride 1
+    targets = targets.to(torch.int32).contiguous()  # V < 2**31; kernels index targets with stride 1
     bias = None if bias is None else bias.contiguous()
     needs_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
@@ -163,14 +163,13 @@ def _forward_tiles(hidden, weight, bias, targets, inv_t, with_entropy):
     if n > 0:
         cols = _tile_cols(n, v, hidden.shape[1], hidden.element_size())
         buf = torch.empty(n * cols, dtype=hidden.dtype, device=dev)
-        bias_arg = bias if bias is not None else m
         for v0 in range(0, v, cols):
             vb = min(cols, v - v0)
             tile = buf[: n * vb].view(n, vb)  # [N, vb]
-            torch.mm(hidden, weight[v0 : v0 + vb].t(), out=tile)
+            _logits(hidden, weight, bias, v0, vb, tile)
             _k.tile_stats_kernel[(n,)](
-                tile, vb, bias_arg, targets, m, s, t, zt, v0, vb, inv_t,
-                HAS_BIAS=bias is not None, WITH_ENT=with_entropy, BLOCK_V=_STATS_BLOCK, num_warps=8,
+                tile, vb, targets, m, s, t, zt, v0, vb, inv_t,
+                WITH_ENT=with_entropy, BLOCK_V=_STATS_BLOCK, num_warps=8,
             )
         del buf
     lse = m + torch.log(s)
@@ -192,15 +191,14 @@ def _forward_rows_frozen(hidden, weight, bias, targets, inv_t, with_entropy):
         if rows >= 64:
             rows -= rows % 64
         buf = torch.empty(rows * v, dtype=hidden.dtype, device=dev)
-        bias_arg = bias if bias is not None else lse
         for r0 in range(0, n, rows):
             c = min(rows, n - r0)
             chunk = buf[: c * v].view(c, v)  # [C, V]
-            torch.mm(hidden[r0 : r0 + c], weight.t(), out=chunk)
+            _logits(hidden[r0 : r0 + c], weight, bias, 0, v, chunk)
             _k.rows_kernel[(c,)](
-                chunk, v, bias_arg, targets[r0 : r0 + c], logp[r0 : r0 + c], lse[r0 : r0 + c],
+                chunk, v, targets[r0 : r0 + c], logp[r0 : r0 + c], lse[r0 : r0 + c],
                 ent[r0 : r0 + c] if with_entropy else lse, v, inv_t,
-                HAS_BIAS=bias is not None, WITH_ENT=with_entropy, WRITE_GRAD=True, BLOCK_V=_ROWS_BLOCK,
+                WITH_ENT=with_entropy, WRITE_GRAD=True, BLOCK_V=_ROWS_BLOCK,
                 num_warps=8,
             )
             torch.mm(chunk, weight, out=grad_h[r0 : r0 + c])
@@ -224,12 +222,12 @@ def _backward_tiles(hidden, weight, bias, targets, inv_t, lse, ent, g_lp, g_ent,
     for v0 in range(0, v, cols):
         vb = min(cols, v - v0)
         tile = buf[: n * vb].view(n, vb)  # [N, vb]
-        torch.mm(hidden, weight[v0 : v0 + vb].t(), out=tile)
+        _logits(hidden, weight, bias, v0, vb, tile)
         grid = (n, triton.cdiv(vb, _GRAD_BLOCK))
         _k.grad_tile_kernel[grid](
-            tile, vb, bias if bias is not None else dummy, targets, lse, ent if ent is not None else dummy,
+            tile, vb, targets, lse, ent if ent is not None else dummy,
             g_lp if g_lp is not None else dummy, g_ent if g_ent is not None else dummy, v0, vb, inv_t,
-            HAS_BIAS=bias is not None, HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None,
+            HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None,
             BLOCK_V=_GRAD_BLOCK, num_warps=4,
         )
         if need_dw:
@@ -242,6 +240,16 @@ def _backward_tiles(hidden, weight, bias, targets, inv_t, lse, ent, g_lp, g_ent,
     if db is not None:
         db = db.to(bias.dtype)
     return acc, dw, db
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, v0: int, vb: int,
+            out: torch.Tensor) -> None:
+    """out = hidden @ weight[v0:v0+vb].T (+ bias[v0:v0+vb]) in one GEMM, rounded once like `F.linear`."""
+    w = weight[v0 : v0 + vb].t()
+    if bias is None:
+        torch.mm(hidden, w, out=out)
+    else:
+        torch.addmm(bias[v0 : v0 + vb], hidden, w, out=out)
 
 
 def _acc_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -94,7 +94,7 @@ class RolloutTiming:
 
 @dataclass
 class RolloutBatch:
-    """B = num_prompts * G rows; row i*G + g is sample g of prompt i."""
+    """B = num_prompts * G rows; row i*G + g is sample g of prompt i. Tensors are on the CPU (`.to(device)`)."""
 
     prompt_ids: torch.Tensor  # [B, P] long, left-padded with the pad id
     prompt_mask: torch.Tensor  # [B, P] long, 1 on prompt tokens

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -118,3 +119,17 @@ def check_prompt_lengths(rows: list[PromptRow], tokenizer: Any, model: Any, opti
             f"{what}: {e}. (prompts[i] is row i of the dataset; raise rollout.max_prompt_length, lower "
             "rollout.max_completion_length, or filter the data)"
         ) from e
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run the block with `torch.set_num_threads(n)` (CPU intra-op threads), restoring the previous count."""
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

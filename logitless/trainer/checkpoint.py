@@ -148,7 +148,8 @@ def save_checkpoint(
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        model.save_pretrained(str(tmp / "model"), safe_serialization=True)
+        extra = {"save_embedding_layers": False} if is_peft_model(model) else {}  # adapters only, no vocab probe
+        model.save_pretrained(str(tmp / "model"), safe_serialization=True, **extra)
         opt = {"optimizer": optimizer.state_dict() if optimizer is not None else None}
         opt["scheduler"] = scheduler.state_dict() if scheduler is not None else None
         _write_file(tmp / "optimizer.pt", lambda f: f.write(_serialized(opt)))

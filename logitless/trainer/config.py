@@ -63,6 +63,17 @@ __all__ = [
 ]
 
 
+# The embedded demo's prompt: raw text (no chat template), one worked example, then the problem; the completion
+# stops at the end of the line (rollout.stop). SmolLM2-135M-Instruct answers ~25% of these correctly at first.
+DEMO_DATA_OPTIONS = {
+    "difficulty": 2,  # two 2-digit numbers, + or -
+    "n": 2000,
+    "chat": False,
+    "system_prompt": None,
+    "template": "12 + 30 = 42\n{expression} =",
+}
+
+
 def _positive(section: str, **values: float) -> None:
     for name, v in values.items():
         if v is not None and v <= 0:
@@ -100,7 +111,7 @@ class DataConfig:
     task: str = "arithmetic"
     split: str = "train"
     eval_split: str = "test"
-    options: dict[str, Any] = field(default_factory=lambda: {"difficulty": 2, "n": 2000})
+    options: dict[str, Any] = field(default_factory=lambda: dict(DEMO_DATA_OPTIONS))
     eval_options: dict[str, Any] = field(default_factory=dict)
     shuffle: bool = True
 
@@ -129,13 +140,16 @@ class RolloutConfig:
     backend: str = "hf"  # logitless.rollout.make_engine backend: "hf" or "continuous"
     num_generations: int = 8  # G
     max_prompt_length: int | None = 512  # None: context window - max_completion_length
-    max_completion_length: int = 16
+    max_completion_length: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    stop: list[str] = field(default_factory=list)  # stop strings (kept at the end of the completion)
+    stop: list[str] = field(default_factory=lambda: ["\n"])  # stop strings (kept at the end of the completion)
+    # CPU threads while generating (None: torch's default). Decoding is many small ops: on a busy or small CPU
+    # one thread is often much faster than several (17x measured on a loaded 2-core machine).
+    num_threads: int | None = 1
 
     def __post_init__(self):
         _positive(
@@ -145,12 +159,13 @@ class RolloutConfig:
             max_completion_length=self.max_completion_length,
             temperature=self.temperature,
             top_p=self.top_p,
+            num_threads=self.num_threads,
         )
 
 
 @dataclass
 class OptimConfig:
-    learning_rate: float = 2e-4
+    learning_rate: float = 3e-4
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.99
@@ -172,11 +187,11 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = 40
-    prompts_per_step: int = 8
-    micro_batch_size: int = 16  # completions per forward/backward (sorted by length)
+    prompts_per_step: int = 16
+    micro_batch_size: int = 32  # completions per forward/backward (sorted by length)
     num_iterations: int = 1  # μ: optimizer steps on each rollout batch (old logprobs are computed when > 1)
     skip_zero_advantage: bool = True  # don't run rows with advantage 0 when they add nothing (beta=0, no entropy term)
-    max_minutes: float | None = None  # also stop (with a checkpoint) after the first step past this wall time
+    max_minutes: float | None = 10.0  # also stop (with a checkpoint) after the first step past this wall time
     seed: int = 0
     output_dir: str = "runs/demo"
     num_threads: int | None = None  # torch.set_num_threads on CPU (None: leave torch's default)
@@ -209,7 +224,7 @@ class LoggingConfig:
 
 @dataclass
 class CheckpointConfig:
-    save_steps: int = 20  # 0 = only at the end
+    save_steps: int = 10  # 0 = only at the end
     save_at_end: bool = True
     save_total_limit: int | None = 2  # keep the newest N step checkpoints (None: all)
 

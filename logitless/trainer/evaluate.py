@@ -16,7 +16,14 @@ from logitless.data import PromptRow
 from logitless.rewards import score_completions
 from logitless.rollout import make_engine
 from logitless.trainer import checkpoint as ckpt
-from logitless.trainer.builders import accuracy_index, check_prompt_lengths, load_rows, reward_functions, sampling_options
+from logitless.trainer.builders import (
+    accuracy_index,
+    check_prompt_lengths,
+    load_rows,
+    reward_functions,
+    sampling_options,
+    torch_threads,
+)
 from logitless.trainer.config import TrainerConfig
 from logitless.trainer.modeling import load_model_and_tokenizer, prepare_for_training
 
@@ -59,7 +66,8 @@ def evaluate(model: Any, tokenizer: Any, rows: list[PromptRow], cfg: TrainerConf
     solved, rewards, samples = [], [], []
     for start in range(0, len(rows), cfg.eval.batch_size):
         chunk = rows[start : start + cfg.eval.batch_size]
-        batch = engine.generate([r.prompt for r in chunk], options)
+        with torch_threads(cfg.rollout.num_threads):
+            batch = engine.generate([r.prompt for r in chunk], options)
         per_sample = [chunk[i] for i in batch.prompt_index.tolist()]
         scores = score_completions(
             fns, cfg.reward.reward_weights, [r.prompt for r in per_sample], batch.completions, per_sample,

@@ -57,6 +57,7 @@ from logitless.trainer.builders import (
     make_scheduler,
     reward_functions,
     sampling_options,
+    torch_threads,
 )
 from logitless.trainer.config import TrainerConfig, to_yaml
 from logitless.trainer.distributed import all_reduce_metrics, all_reduce_sum
@@ -200,7 +201,8 @@ def train(
                 # ---- 1. rollout: G samples for each prompt, with the sampler's logprobs
                 batch_rows = sampler.next_batch(cfg.train.prompts_per_step)
                 options = sampling_options(cfg.rollout, seed=cfg.train.seed * 1_000_003 + step)
-                rollout = engine.generate([r.prompt for r in batch_rows], options).to(device)
+                with torch_threads(cfg.rollout.num_threads):
+                    rollout = engine.generate([r.prompt for r in batch_rows], options).to(device)
                 t_gen = time.perf_counter()
 
                 # ---- 2. rewards [B, R] and 3. group advantages [B]

@@ -4,7 +4,7 @@
     logitless eval  [CONFIG.yaml] [section.key=value ...] [--checkpoint RUN_DIR] [--output eval.json]
     logitless plot  RUN_DIR [--output curves.png]
 
-With no CONFIG the embedded defaults are used: LoRA-GRPO on SmolLM2-135M-Instruct learning two-digit arithmetic
+With no CONFIG the embedded demo config is used: LoRA-GRPO on SmolLM2-135M-Instruct learning two-digit arithmetic
 on CPU. `--resume RUN_DIR` / `--checkpoint RUN_DIR` without a CONFIG reuse the run's saved config.yaml.
 """
 
@@ -42,11 +42,14 @@ def _run_config(path: str | None) -> Path | None:
 
 
 def _load(items: list[str], run_dir: str | None):
-    from logitless.trainer.config import load_train_config
+    """The run's config.yaml (for --resume/--checkpoint) or the given CONFIG, else the embedded demo; then overrides."""
+    from logitless.trainer.config import demo_config, load_train_config
 
     config, overrides = _split_args(items)
     if config is None:
         config = _run_config(run_dir)
+    if config is None:
+        return demo_config(overrides)
     return load_train_config(config, overrides)
 
 

@@ -16,7 +16,7 @@ import yaml
 from logitless.cli import main
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer import modeling
-from logitless.trainer.config import load_train_config
+from logitless.trainer.config import demo_config, load_train_config
 from tests.conftest import tiny_qwen2
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ def test_dry_run_prints_the_resolved_config(tmp_path, capsys):
     assert main(["train", "--dry-run", "rollout.num_generations=3", "optim.learning_rate=1e-5"]) == 0
     out = capsys.readouterr().out
     (tmp_path / "printed.yaml").write_text(out)
-    expected = load_train_config(None, ["rollout.num_generations=3", "optim.learning_rate=1e-5"])
+    expected = demo_config(["rollout.num_generations=3", "optim.learning_rate=1e-5"])  # no CONFIG: the demo
     assert load_train_config(tmp_path / "printed.yaml") == expected
 
 

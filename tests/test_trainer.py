@@ -100,7 +100,8 @@ def _lora(path):
 
 
 def test_end_to_end_outputs(tmp_path, tok, rewards_module):
-    cfg = _cfg(tmp_path / "run", "train.max_steps=2", "logging.plot=true", "train.num_iterations=2", "objective.beta=0.1")
+    cfg = _cfg(tmp_path / "run", "train.max_steps=2", "logging.plot=true", "train.num_iterations=2", "objective.beta=0.1",
+               "logging.tensorboard=true", "model.gradient_checkpointing=true")
     result = _train(cfg, tok)
     run = tmp_path / "run"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -113,6 +114,7 @@ def test_end_to_end_outputs(tmp_path, tok, rewards_module):
         assert key in r and r[key] is not None, key
     assert r["grad_norm"] > 0 and r["kl"] >= 0
     assert (run / "curves.png").stat().st_size > 1000 and (run / "config.yaml").is_file()
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert ckpt.read_latest(run / "checkpoints").name == "step-000002"
     lora_b = [v for k, v in _lora(run).items() if "lora_B" in k]
     assert lora_b and any(v.abs().max() > 0 for v in lora_b)  # LoRA B starts at zero: training moved it

@@ -184,7 +184,7 @@ class TrainConfig:
     micro_batch_size: int = 16  # completions per forward/backward (sorted by length)
     num_iterations: int = 1  # μ: optimizer steps on each rollout batch (old logprobs are computed when > 1)
     skip_zero_advantage: bool = True  # don't run rows with advantage 0 when they add nothing (beta=0, no entropy term)
-    max_minutes: float | None = None  # also stop (with a checkpoint) after the first step past this wall time
+    max_minutes: float | None = None  # wall-time budget: stop (with a checkpoint) when the next step may not fit
     seed: int = 0
     output_dir: str = "runs/logitless"
     num_threads: int | None = None  # torch.set_num_threads on CPU (None: leave torch's default)
@@ -273,7 +273,12 @@ DEMO: dict[str, Any] = {
     "rollout": {"num_generations": 8, "max_completion_length": 8, "temperature": 1.0, "stop": ["\n"], "num_threads": 1},
     "objective": {"loss_type": "dapo", "beta": 0.0},
     "optim": {"learning_rate": 3e-4, "lr_scheduler_type": "constant", "warmup_steps": 0},
-    "train": {"max_steps": 40, "prompts_per_step": 16, "micro_batch_size": 32, "max_minutes": 10.0, "output_dir": "runs/demo"},
+    # One CPU thread: LoRA forward/backward and decoding are many small ops, which stall badly when a busy
+    # machine deschedules one of several OpenMP threads.
+    "train": {
+        "max_steps": 40, "prompts_per_step": 16, "micro_batch_size": 32, "max_minutes": 10.0, "num_threads": 1,
+        "output_dir": "runs/demo",
+    },
     "checkpoint": {"save_steps": 10},
     "eval": {"num_prompts": 200},
 }

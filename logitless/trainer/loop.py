@@ -341,7 +341,11 @@ def train(
                         [None if math.isnan(v) else v for v in scores.total.tolist()],
                         cfg.logging.num_completions_to_print,
                     )
-                out_of_time = cfg.train.max_minutes is not None and time.perf_counter() - t_start > 60 * cfg.train.max_minutes
+                # wall-time budget: stop when one more step of the average duration so far would not fit
+                elapsed = time.perf_counter() - t_start
+                out_of_time = cfg.train.max_minutes is not None and (
+                    elapsed + elapsed / (step - start) > 60 * cfg.train.max_minutes
+                )
                 last = step == cfg.train.max_steps or out_of_time
                 if stop.requested or (cfg.checkpoint.save_steps and step % cfg.checkpoint.save_steps == 0) or (
                     last and cfg.checkpoint.save_at_end

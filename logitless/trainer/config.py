@@ -256,7 +256,8 @@ class TrainerConfig:
 
 # The embedded CPU demo (`logitless train` without a config file): LoRA-GRPO on SmolLM2-135M-Instruct learning
 # two-digit addition/subtraction. Raw-text prompt with one worked example; the completion stops at the end of
-# the line. Measured on a loaded 2-core CPU: held-out greedy accuracy ~25% before, see README for after.
+# the line. Measured on a busy 2-core CPU: held-out greedy accuracy 14.5% -> 43.5% (200 test prompts), 40 steps
+# in 9.6 minutes of training.
 DEMO: dict[str, Any] = {
     "model": {"name_or_path": "", "lora": True, "lora_r": 16, "lora_alpha": 32, "lora_target_modules": "all-linear"},
     "data": {

@@ -246,3 +246,20 @@ def test_max_minutes_stops_after_the_current_step_with_a_checkpoint(tmp_path, to
     result = _train(_cfg(tmp_path / "run", "train.max_minutes=1e-6", "checkpoint.save_steps=0"), tok)
     assert result.step == 1 and result.interrupted is None and result.exit_code == 0
     assert ckpt.read_latest(tmp_path / "run" / "checkpoints").name == "step-000001"
+
+
+def test_full_fine_tuning_with_a_frozen_reference_copy(tmp_path, tok, rewards_module):
+    cfg = _cfg(tmp_path / "run", "train.max_steps=1", "model.lora=false", "objective.beta=0.1",
+               "optim.learning_rate=1e-3")
+    model = tiny_qwen2(vocab_size=VOCAB, hidden=32, layers=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = train(cfg, model=model, tokenizer=tok)
+    assert result.records[0]["kl"] >= 0
+    saved = ckpt.resolve_checkpoint(tmp_path / "run") / "model"
+    assert (saved / "model.safetensors").is_file() and not (saved / "adapter_model.safetensors").exists()
+    fresh = tiny_qwen2(vocab_size=VOCAB, hidden=32, layers=1)  # same init as `model` before training
+    ckpt.load_model_weights(fresh, saved)
+    after = fresh.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # trained weights were loaded
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, after[k]), k

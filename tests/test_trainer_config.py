@@ -12,7 +12,7 @@ from logitless.objectives import ObjectiveOptions
 from logitless.trainer import modeling
 from logitless.trainer.batching import make_micro_batches
 from logitless.trainer.builders import lr_factor
-from logitless.trainer.config import ModelConfig, OptimConfig, TrainerConfig, demo_config, load_train_config, to_yaml
+from logitless.trainer.config import DEMO, ModelConfig, OptimConfig, TrainerConfig, demo_config, load_train_config, to_yaml
 from tests.conftest import tiny_qwen2
 
 
@@ -21,7 +21,7 @@ def test_demo_config_is_the_defaults_plus_demo_settings():
     demo = demo_config(["rollout.num_generations=4"])
     assert demo.model.name_or_path == "" and demo.model.lora and demo.data.task == "arithmetic"
     assert demo.data.options["template"] == "12 + 30 = 42\n{expression} =" and demo.rollout.stop == ["\n"]
-    assert demo.rollout.num_generations == 4 and demo.train.max_minutes == 10.0
+    assert demo.rollout.num_generations == 4 and demo.train.max_minutes == DEMO["train"]["max_minutes"]
     assert isinstance(demo.objective, ObjectiveOptions)
     # general defaults are not the demo's
     assert TrainerConfig().rollout.stop == [] and TrainerConfig().train.max_minutes is None

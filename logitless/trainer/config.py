@@ -277,7 +277,7 @@ DEMO: dict[str, Any] = {
     # One CPU thread: LoRA forward/backward and decoding are many small ops, which stall badly when a busy
     # machine deschedules one of several OpenMP threads.
     "train": {
-        "max_steps": 40, "prompts_per_step": 16, "micro_batch_size": 32, "max_minutes": 10.0, "num_threads": 1,
+        "max_steps": 40, "prompts_per_step": 16, "micro_batch_size": 32, "max_minutes": 9.0, "num_threads": 1,
         "output_dir": "runs/demo",
     },
     "checkpoint": {"save_steps": 10},

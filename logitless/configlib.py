@@ -94,14 +94,28 @@ def valid_keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
+def _nearest_key(bad: str, siblings: list[str]) -> list[str]:
+    """The sibling whose last name is closest to `bad`'s, or whose initials it spells ('lr' -> 'learning_rate')."""
+    leaf = bad.rpartition(".")[2]
+    leaves = {k.rpartition(".")[2]: k for k in siblings}
+    close = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.5)
+    if not close:
+        close = [name for name in leaves if "_" in name and "".join(w[0] for w in name.split("_") if w) == leaf][:1]
+    return [leaves[c] for c in close]
+
+
 def _unknown_key(key: str, root: type, where: str, bad: str | None = None) -> ConfigError:
     """Error for unknown `key`; `bad` is its first unknown dotted prefix (default: the key itself)."""
     bad = bad or key
     candidates = valid_keys(root)
-    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
     parent = bad.rpartition(".")[0]
     siblings = [k for k in candidates if k.rpartition(".")[0] == parent]
+    close = _nearest_key(bad, siblings)
+    if close and close[0] + key[len(bad):] in candidates:  # 'optm.lr' -> 'optim.lr', not just 'optim'
+        close = [close[0] + key[len(bad):]]
+    if not close:
+        close = difflib.get_close_matches(key, [k for k in candidates if not key.startswith(k + ".")], n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
     detail = f"{where}, no key '{bad}'" if bad != key else where
     return ConfigError(
         f"unknown config key '{key}' ({detail}){hint} Valid keys "

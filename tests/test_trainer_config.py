@@ -147,3 +147,13 @@ def test_micro_batches_of_a_row_subset():
     assert make_micro_batches(*args, size=2, rows=torch.tensor([], dtype=torch.long)) == []
     mbs = make_micro_batches(*args, size=2, rows=torch.tensor([3, 1, 2]))
     assert [m.rows.tolist() for m in mbs] == [[3, 1], [2]] and mbs[0].advantages.tolist() == [3.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    "override,suggestion",
+    [("optim.lr=1e-4", "optim.learning_rate"), ("rollout.num_generation=4", "rollout.num_generations"),
+     ("optm.learning_rate=1e-4", "optim.learning_rate")],
+)
+def test_trainer_key_typos_name_the_real_key(override, suggestion):
+    with pytest.raises(ConfigError, match=f"did you mean '{suggestion}'"):
+        load_train_config(None, [override])

@@ -240,7 +240,7 @@ def run_grid(shapes, variants, modes, args, rows, info, save=lambda: None):
                     rec.update(measure(step, inp, args.warmup, reps))
                     flop = GEMMS[mode.split("+")[0]] * 2.0 * n * h * v
                     rec["tflops"] = flop / (rec["median_ms"] * 1e-3) / 1e12
-                except NotImplementedError as exc:
+                except NotImplementedError:
                     continue
                 except torch.OutOfMemoryError:
                     rec["error"] = "OOM"

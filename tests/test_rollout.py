@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from logitless.models import completion_logprobs
-from logitless.rollout import SamplingOptions, generation_mode, make_engine
+from logitless.rollout import SamplingOptions, make_engine
 from logitless.rollout.types import RolloutBatch
 
 from tests.conftest import tiny_qwen2

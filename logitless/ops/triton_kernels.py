@@ -4,8 +4,8 @@ All softmax math is fp32; a tile element is z = logit * inv_t, where the GEMM th
 the bias (one rounding, exactly like `F.linear`). Three kernels:
 
 * `tile_stats_kernel`: one program per row of a column tile [N, vb] (columns v0..v0+vb of the vocabulary);
-  folds the tile (per-lane online softmax, one reduction at the end) into a running log-sum-exp state per row (m = max, s = Σ e^(z-m), t = Σ e^(z-m)·z)
-  and records the target's z when the target falls in the tile.
+  folds the tile (per-lane online softmax, one reduction at the end) into a running log-sum-exp state per row
+  (m = max, s = Σ e^(z-m), t = Σ e^(z-m)·z) and records the target's z when the target falls in the tile.
 * `rows_kernel`: one program per full row [V] (frozen-head forward); computes lse, logp, entropy and, with
   WRITE_GRAD, overwrites the row in place with d logp / d logit = (onehot - p) * inv_t.
 * `grad_tile_kernel`: 2-D grid over a column tile; overwrites it in place with the upstream-weighted
@@ -51,21 +51,27 @@ def _load_z(row_ptr, cols, mask, inv_t, other):
 
 
 @triton.jit
+def _row_scan(row_ptr, n, inv_t, WITH_ENT: tl.constexpr, BLOCK_V: tl.constexpr):
+    """(max, Σ e^(z-max), Σ e^(z-max)·z) of z = row[:n] * inv_t, in BLOCK_V-wide per-lane online passes."""
+    offs = tl.arange(0, BLOCK_V)
+    mv = tl.full((BLOCK_V,), float("-inf"), tl.float32)
+    sv = tl.zeros((BLOCK_V,), tl.float32)
+    tv = tl.zeros((BLOCK_V,), tl.float32)
+    for start in range(0, n, BLOCK_V):
+        cols = start + offs
+        z = _load_z(row_ptr, cols, cols < n, inv_t, float("-inf"))
+        mv, sv, tv = _lane_update(mv, sv, tv, z, WITH_ENT)
+    return _lane_finish(mv, sv, tv, WITH_ENT)
+
+
+@triton.jit
 def tile_stats_kernel(
     z_ptr, ld, tgt_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, v0, vb, inv_t,
     WITH_ENT: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = z_ptr + row * ld
-    offs = tl.arange(0, BLOCK_V)
-    mv = tl.full((BLOCK_V,), float("-inf"), tl.float32)
-    sv = tl.zeros((BLOCK_V,), tl.float32)
-    tv_ = tl.zeros((BLOCK_V,), tl.float32)
-    for start in range(0, vb, BLOCK_V):
-        cols = start + offs
-        z = _load_z(row_ptr, cols, cols < vb, inv_t, float("-inf"))
-        mv, sv, tv_ = _lane_update(mv, sv, tv_, z, WITH_ENT)
-    m_b, s_b, t_b = _lane_finish(mv, sv, tv_, WITH_ENT)
+    m_b, s_b, t_b = _row_scan(row_ptr, vb, inv_t, WITH_ENT, BLOCK_V)
     # combine this tile with the running state of the row
     m_o = tl.load(m_ptr + row)
     m = tl.maximum(m_o, m_b)
@@ -90,15 +96,8 @@ def rows_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = z_ptr + row * ld
+    m, s, t = _row_scan(row_ptr, V, inv_t, WITH_ENT, BLOCK_V)
     offs = tl.arange(0, BLOCK_V)
-    mv = tl.full((BLOCK_V,), float("-inf"), tl.float32)
-    sv = tl.zeros((BLOCK_V,), tl.float32)
-    tv_ = tl.zeros((BLOCK_V,), tl.float32)
-    for start in range(0, V, BLOCK_V):
-        cols = start + offs
-        z = _load_z(row_ptr, cols, cols < V, inv_t, float("-inf"))
-        mv, sv, tv_ = _lane_update(mv, sv, tv_, z, WITH_ENT)
-    m, s, t = _lane_finish(mv, sv, tv_, WITH_ENT)
     lse = m + tl.log(s)
     tv = tl.load(tgt_ptr + row).to(tl.int64)
     zt = tl.load(row_ptr + tv).to(tl.float32)

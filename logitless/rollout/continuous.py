@@ -14,18 +14,7 @@ from typing import Any, Sequence
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
-from .engine import (
-    build_batch,
-    context_window,
-    encode_prompts,
-    generation_mode,
-    left_pad,
-    model_device,
-    resolve_special_tokens,
-    seeded,
-    sync,
-    warn_greedy_duplicates,
-)
+from .engine import build_batch, generation_mode, prepare_prompts, seeded, sync
 from .types import Prompt, RolloutBatch, SamplingOptions
 
 
@@ -47,8 +36,6 @@ class ContinuousEngine:
         self.cb_kwargs = cb_kwargs
 
     def generate(self, prompts: Sequence[Prompt], options: SamplingOptions) -> RolloutBatch:
-        t0 = time.perf_counter()
-        options.validate()
         for name, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0)):
             if getattr(options, name) != off:
                 raise ValueError(
@@ -56,10 +43,8 @@ class ContinuousEngine:
                     "transformers would return logprobs of the filtered distribution; use backend 'hf' or "
                     f"{name}={off!r}"
                 )
-        warn_greedy_duplicates(options)
-        pad_id, eos_ids = resolve_special_tokens(self.model, self.tokenizer, options)
-        device = model_device(self.model)
-        enc = encode_prompts(self.tokenizer, prompts, options, context_window(self.model))
+        prep = prepare_prompts(self.model, self.tokenizer, prompts, options)
+        pad_id, eos_ids, device, enc = prep.pad_id, prep.eos_ids, prep.device, prep.encoded
         G = options.num_generations
         cfg = GenerationConfig(
             do_sample=options.temperature > 0,
@@ -93,17 +78,4 @@ class ContinuousEngine:
             if len(o.logprobs) != n:
                 raise RuntimeError(f"request {o.request_id}: {len(o.logprobs)} logprobs for {n} tokens")
             raw_logp[b, :n] = torch.tensor(o.logprobs, dtype=torch.float32)
-        ids, mask = left_pad(enc, pad_id, torch.device("cpu"))
-        return build_batch(
-            tokenizer=self.tokenizer,
-            options=options,
-            prompt_ids=ids,
-            prompt_mask=mask,
-            raw_ids=raw_ids,
-            raw_logp=raw_logp,
-            raw_len=raw_len,
-            pad_id=pad_id,
-            eos_ids=eos_ids,
-            t_start=t0,
-            generate_seconds=gen_s,
-        )
+        return build_batch(self.tokenizer, prep, raw_ids, raw_logp, raw_len, gen_s)

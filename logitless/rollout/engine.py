@@ -7,6 +7,7 @@ import contextlib
 import gc
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -225,18 +226,41 @@ def _cut_text(text: str, stops: list[str]) -> str:
     return text[: min(ends)] if ends else text
 
 
+@dataclass
+class PreparedPrompts:
+    """What every backend computes before sampling: validated options, special tokens, encoded prompts."""
+
+    options: SamplingOptions
+    pad_id: int
+    eos_ids: list[int]
+    device: torch.device
+    encoded: list[list[int]]  # token ids of each distinct prompt
+    ids: torch.Tensor  # [n, P] left-padded, on `device`
+    mask: torch.Tensor  # [n, P]
+    context: int | None  # the model's context window
+    t_start: float  # perf_counter() when the rollout began
+
+
+def prepare_prompts(model: Any, tokenizer: Any, prompts: Sequence[Prompt], options: SamplingOptions) -> PreparedPrompts:
+    """Validate the options, resolve pad/EOS ids, encode each distinct prompt once and left-pad: shared by all
+    backends."""
+    t_start = time.perf_counter()
+    options.validate()
+    warn_greedy_duplicates(options)
+    pad_id, eos_ids = resolve_special_tokens(model, tokenizer, options)
+    device = model_device(model)
+    context = context_window(model)
+    encoded = encode_prompts(tokenizer, prompts, options, context)
+    ids, mask = left_pad(encoded, pad_id, device)
+    return PreparedPrompts(options, pad_id, eos_ids, device, encoded, ids, mask, context, t_start)
+
+
 def build_batch(
-    *,
     tokenizer: Any,
-    options: SamplingOptions,
-    prompt_ids: torch.Tensor,  # [n, P] left-padded
-    prompt_mask: torch.Tensor,  # [n, P]
+    prep: PreparedPrompts,
     raw_ids: torch.Tensor,  # [B, S] sampled tokens (anything after a row stopped is ignored)
     raw_logp: torch.Tensor,  # [B, S] sampler logprobs of raw_ids
     raw_len: torch.Tensor,  # [B] number of valid sampled tokens per row (<= S)
-    pad_id: int,
-    eos_ids: list[int],
-    t_start: float,
     generate_seconds: float,
 ) -> RolloutBatch:
     """Apply EOS (unless ignore_eos) and stop strings, build masks/flags/texts: one definition for all backends.
@@ -244,6 +268,8 @@ def build_batch(
     A row ends at its first EOS (kept, mask 1) or right after the token that completes the first stop string
     (kept; the text is cut right after the stop string). finished = ended by EOS or a stop string;
     truncated = produced max_new_tokens tokens without finishing."""
+    options, pad_id, eos_ids = prep.options, prep.pad_id, prep.eos_ids
+    prompt_ids, prompt_mask, t_start = prep.ids, prep.mask, prep.t_start
     G = options.num_generations
     B = raw_ids.shape[0]
     ids_cpu = raw_ids.detach().to("cpu", torch.long)

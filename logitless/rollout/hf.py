@@ -18,19 +18,7 @@ from transformers.generation.logits_process import (
 )
 
 from .attention import gqa_decode
-from .engine import (
-    build_batch,
-    context_window,
-    encode_prompts,
-    generation_mode,
-    left_pad,
-    model_device,
-    resolve_special_tokens,
-    seeded,
-    sync,
-    unwrap_model,
-    warn_greedy_duplicates,
-)
+from .engine import build_batch, generation_mode, prepare_prompts, seeded, sync, unwrap_model
 from .types import Prompt, RolloutBatch, SamplingOptions
 
 
@@ -134,13 +122,8 @@ class HFEngine:
             raise ValueError("HFEngine(compile=True) needs static_cache=True (only static caches are compiled)")
 
     def generate(self, prompts: Sequence[Prompt], options: SamplingOptions) -> RolloutBatch:
-        t0 = time.perf_counter()
-        options.validate()
-        warn_greedy_duplicates(options)
-        pad_id, eos_ids = resolve_special_tokens(self.model, self.tokenizer, options)
-        device = model_device(self.model)
-        enc = encode_prompts(self.tokenizer, prompts, options, context_window(self.model))
-        ids, mask = left_pad(enc, pad_id, device)  # [n, P]
+        prep = prepare_prompts(self.model, self.tokenizer, prompts, options)
+        pad_id, eos_ids, device, ids, mask = prep.pad_id, prep.eos_ids, prep.device, prep.ids, prep.mask  # [n, P]
         recorder = LogprobRecorder(options.logp_temperature)
         processors = LogitsProcessorList([recorder, *sampling_processors(options)])
         cfg = GenerationConfig(
@@ -174,16 +157,4 @@ class HFEngine:
             gen_s = time.perf_counter() - tg
             del out
         B, S = completion.shape
-        return build_batch(
-            tokenizer=self.tokenizer,
-            options=options,
-            prompt_ids=ids,
-            prompt_mask=mask,
-            raw_ids=completion,
-            raw_logp=logp,
-            raw_len=torch.full((B,), S, dtype=torch.long),
-            pad_id=pad_id,
-            eos_ids=eos_ids,
-            t_start=t0,
-            generate_seconds=gen_s,
-        )
+        return build_batch(self.tokenizer, prep, completion, logp, torch.full((B,), S, dtype=torch.long), gen_s)

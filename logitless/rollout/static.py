@@ -28,19 +28,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 from transformers.generation.configuration_utils import CompileConfig
 
-from .engine import (
-    build_batch,
-    context_window,
-    encode_prompts,
-    generation_mode,
-    left_pad,
-    model_device,
-    resolve_special_tokens,
-    seeded,
-    sync,
-    unwrap_model,
-    warn_greedy_duplicates,
-)
+from .engine import build_batch, generation_mode, prepare_prompts, seeded, sync, unwrap_model
 from .attention import gqa_decode
 from .hf import sampling_processors
 from .types import Prompt, RolloutBatch, SamplingOptions
@@ -104,14 +92,9 @@ class StaticEngine:
         return base.__call__, False
 
     def generate(self, prompts: Sequence[Prompt], options: SamplingOptions) -> RolloutBatch:
-        t0 = time.perf_counter()
-        options.validate()
-        warn_greedy_duplicates(options)
-        pad_id, eos_ids = resolve_special_tokens(self.model, self.tokenizer, options)
-        device = model_device(self.model)
-        ctx = context_window(self.model)
-        enc = encode_prompts(self.tokenizer, prompts, options, ctx)
-        ids, mask = left_pad(enc, pad_id, device)  # [n, P]
+        prep = prepare_prompts(self.model, self.tokenizer, prompts, options)
+        pad_id, eos_ids, device, ctx = prep.pad_id, prep.eos_ids, prep.device, prep.context
+        ids, mask = prep.ids, prep.mask  # [n, P]
         G, (n, P), S = options.num_generations, ids.shape, options.max_new_tokens
         B = n * G
         # cache length only grows across calls (like transformers' static cache), so varying prompt lengths
@@ -175,19 +158,7 @@ class StaticEngine:
             completion = history[:, P : P + steps].cpu()
             logps = logps[:, :steps].cpu()
             del cache, full_mask, history, logits, first_logits
-        return build_batch(
-            tokenizer=self.tokenizer,
-            options=options,
-            prompt_ids=ids,
-            prompt_mask=mask,
-            raw_ids=completion,
-            raw_logp=logps,
-            raw_len=torch.full((B,), steps, dtype=torch.long),
-            pad_id=pad_id,
-            eos_ids=eos_ids,
-            t_start=t0,
-            generate_seconds=gen_s,
-        )
+        return build_batch(self.tokenizer, prep, completion, logps, torch.full((B,), steps, dtype=torch.long), gen_s)
 
     def _all_done(
         self, done: torch.Tensor, history: torch.Tensor, P: int, steps: int, options: SamplingOptions

@@ -272,7 +272,8 @@ def train(
                         )
                     model.train()
                     for _ in range(mu):
-                        step_loss, parts = 0.0, []
+                        # fp64 sum on device: no host sync per micro-batch
+                        step_loss, parts = torch.zeros((), dtype=torch.float64, device=device), []
                         for i, m in enumerate(micro):
                             logp, entropy = completion_logprobs(
                                 model, m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask,
@@ -285,7 +286,7 @@ def train(
                                 entropy_coef=entropy_coef.effective, entropy_threshold=threshold,
                             )
                             out.loss.backward()
-                            step_loss += float(out.loss.detach())
+                            step_loss += out.loss.detach()
                             parts.append(out.metrics)
                         for p in params:  # a step without trained rows still is an AdamW step with zero gradients
                             if p.grad is None:
@@ -295,7 +296,7 @@ def train(
                         optimizer.step()
                         scheduler.step()
                         optimizer.zero_grad(set_to_none=True)
-                        losses.append(step_loss)
+                        losses.append(float(step_loss))
                         merged = all_reduce_metrics(merge_metrics(parts))
                         obj_metrics.append(merged)
                         if obj_options.use_adaptive_entropy:

@@ -10,7 +10,9 @@ between runs, outside the timed region):
   receive gradients); with "+entm" entropy is computed as a metric only (detached, no gradient).
 * "forward" modes: logp (and entropy) under torch.no_grad() (old/ref log-probs).
 * op variants: "dense" = the oracle `logitless.ops.reference` (F.linear -> fp32 logsumexp -> gather);
-  "dense_lsm" = the literal TRL-style F.linear -> .float() -> log_softmax -> gather;
+  "dense_lsm" = F.linear -> .float() -> log_softmax -> gather (fp32 softmax);
+  "dense_bf16" = TRL's path for a bf16 model: F.linear -> bf16 logits -> per-sequence bf16 log_softmax -> gather
+  (`selective_log_softmax`; the fastest and leanest dense variant, and the least accurate);
   "chunked" / "triton" = `logitless.ops.token_logprobs(backend=...)`; "liger" = `LigerFusedLinearGRPOLoss`
   (beta=0, no ref model, loss_type="dapo", same eps/temperature/old logp/advantages), whose fused loss
   replaces op + loss (no entropy, no forward-only mode).
@@ -65,6 +67,23 @@ def dense_lsm(hidden, weight, targets, bias, temperature, with_entropy):
     logp = lsm.gather(-1, targets.long()[:, None]).squeeze(-1)
     ent = -(lsm.exp() * lsm).sum(-1) if with_entropy else None
     return logp, ent
+
+
+def dense_bf16(hidden, weight, targets, bias, temperature, with_entropy, seq):
+    """TRL's bf16 path: F.linear -> logits in the model dtype -> per-sequence log_softmax in that dtype
+    (`selective_log_softmax`'s loop over rows) -> gather; entropy as TRL's `entropy_from_logits`."""
+    logits = torch.nn.functional.linear(hidden, weight, bias)  # [N, V] bf16
+    if temperature != 1.0:
+        logits = logits / temperature
+    rows = logits.view(-1, seq, logits.shape[-1])  # [B, T, V]
+    tg = targets.long().view(-1, seq)
+    logp, ent = [], []
+    for r, t in zip(rows, tg):
+        lsm = torch.log_softmax(r, dim=-1)  # [T, V] bf16
+        logp.append(lsm.gather(-1, t[:, None]).squeeze(-1))
+        if with_entropy:
+            ent.append(-(lsm.exp() * lsm).sum(-1))
+    return torch.cat(logp), (torch.cat(ent) if with_entropy else None)
 
 
 def grpo_loss(logp, old_logp, adv, ent=None):
@@ -133,6 +152,8 @@ def make_step(variant, mode, inp):
             return token_logprobs_reference(hid, w, tg, bias=b, temperature=T, with_entropy=ent)
         if variant == "dense_lsm":
             return dense_lsm(hid, w, tg, b, T, ent)
+        if variant == "dense_bf16":
+            return dense_bf16(hid, w, tg, b, T, ent, inp["seq"])
         return _token_logprobs(hid, w, tg, b, T, ent, variant)
 
     if base == "forward":
@@ -270,7 +291,7 @@ def markdown(rows):
         k = (r["N"], r["H"], r["V"], r["temperature"], r["bias"], r["mode"])
         if k not in keys:
             keys.append(k)
-    variants = ["dense", "dense_lsm", "chunked", "liger", "triton"]
+    variants = ["dense", "dense_lsm", "dense_bf16", "chunked", "liger", "triton"]
     out = ["| N | H | V | T | mode | " + " | ".join(f"{v} ms (GiB)" for v in variants) + " | triton / best dense time | triton / leanest dense mem |",
            "|" + "---|" * (5 + len(variants) + 2)]
     for k in keys:
@@ -286,8 +307,8 @@ def markdown(rows):
                 got[v] = r
                 cell.append(f"{r['median_ms']:.1f} ({r['peak_extra_gib']:.2f})")
         rt = rm = "–"
-        dense = [got[d] for d in ("dense", "dense_lsm") if d in got]
-        if dense and "triton" in got:  # vs the faster / leaner of the two dense variants
+        dense = [got[d] for d in ("dense", "dense_lsm", "dense_bf16") if d in got]
+        if dense and "triton" in got:  # vs the fastest / leanest dense variant
             rt = f"{got['triton']['median_ms'] / min(d['median_ms'] for d in dense):.2f}"
             rm = f"{got['triton']['peak_extra_gib'] / min(d['peak_extra_gib'] for d in dense):.3f}"
         n, h, v, t, b, mode = k
@@ -297,7 +318,7 @@ def markdown(rows):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--grid", choices=["main", "rest", "all", "none", "tiny"], default="main")
+    ap.add_argument("--grid", choices=["main", "rest", "all", "dense", "none", "tiny"], default="main")
     ap.add_argument("--variants", default="dense,chunked,liger,triton")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--reps", type=int, default=20)
@@ -334,7 +355,8 @@ def main():
     if args.profile:
         result["profile"] = profile()
         (out / f"{args.tag}.json").write_text(json.dumps(result, indent=1))
-    shapes = {"main": MAIN, "rest": REST, "all": MAIN + REST, "none": [], "tiny": TINY}[args.grid]
+    dense_fits = MAIN + [s for s in REST if s[0] <= 32768]  # "dense": every shape where dense torch fits
+    shapes = {"main": MAIN, "rest": REST, "all": MAIN + REST, "dense": dense_fits, "none": [], "tiny": TINY}[args.grid]
     rows = []
     result["rows"] = rows
     try:
@@ -366,6 +388,7 @@ def accuracy_report():
         configs = [(48, 32, 1003, 0.7, True)]
     fns = {
         "dense_bf16": lambda h, w, t, b, T, e: token_logprobs_reference(h, w, t, bias=b, temperature=T, with_entropy=e),
+        "trl_bf16": lambda h, w, t, b, T, e: dense_bf16(h, w, t, b, T, e, h.shape[0]),
         "chunked": lambda h, w, t, b, T, e: _token_logprobs(h, w, t, b, T, e, "chunked"),
         "triton": lambda h, w, t, b, T, e: _token_logprobs(h, w, t, b, T, e, "triton"),
     }
@@ -432,9 +455,10 @@ def sweep(args):
     t0, r0 = triton_op.TILE_BYTES, triton_op.ROW_CHUNK_BYTES
     for mb in (256, 512, 1024):
         triton_op.TILE_BYTES = mb << 20
-        r = measure(make_step("triton", "trainable", inp), inp, 2, 10)
-        res.append(dict(mode="trainable", tile_mib=mb, **r))
-        print("sweep", res[-1], flush=True)
+        for mode in ("trainable", "forward"):
+            r = measure(make_step("triton", mode, inp), inp, 2, 10)
+            res.append(dict(mode=mode, tile_mib=mb, **r))
+            print("sweep", res[-1], flush=True)
     triton_op.TILE_BYTES = t0
     for mb in (64, 128, 256, 512):
         triton_op.ROW_CHUNK_BYTES = mb << 20

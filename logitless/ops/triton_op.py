@@ -9,13 +9,15 @@ Equivalent to (the logits are a GEMM in the inputs' dtype, the softmax math is f
 The logits only ever exist as one bounded tile (`TILE_BYTES`, or `ROW_CHUNK_BYTES` for the frozen-head
 forward), written by cuBLAS and consumed in place by the kernels of `triton_kernels`:
 
-* no grad / trainable head, forward: column tiles [N, vb] (vb vocabulary columns, all rows); each tile is
-  folded into a per-row online log-sum-exp (1 GEMM). Saved for backward: lse and entropy ([N] fp32).
+* no grad / trainable head, forward: column tiles [N, vb] (vb vocabulary columns, all rows); each
+  (row, 2048-column block) of a tile leaves its (max, sum-exp, sum-exp·z) in a small partials array that one
+  last pass folds into lse / logp / entropy (1 GEMM). Saved for backward: lse and entropy ([N] fp32).
 * trainable head, backward: the same column tiles are recomputed (same GEMM shapes as the forward), turned
   in place into the upstream-weighted logits gradient, then grad_W[tile] = Dᵀ·h (one GEMM reducing over all
   N, no cross-tile accumulation) and grad_h += D·W[tile] (fp32 accumulator [N, H]): 4 GEMMs in all.
-* frozen head (only `hidden` needs grad), forward: row chunks [C, V]; the kernel computes lse/logp/entropy and
-  overwrites the chunk with d logp / d logit = (onehot - p) / T, and A = that · W is formed right away (2 GEMMs
+* frozen head (only `hidden` needs grad), forward: row chunks [C, V]; the same block/fold passes give
+  lse/logp/entropy, one more overwrites the chunk with d logp / d logit = (onehot - p) / T, and A = that · W
+  is formed right away (2 GEMMs
   in all). Backward scales A in place by the upstream g_logp (A becomes grad_h). When the entropy output
   also receives a gradient (an entropy bonus; not when entropy is only a metric), backward instead does one
   column-tiled recompute pass with both upstream terms (2 more GEMMs; A is then unused).
@@ -44,9 +46,7 @@ ROW_CHUNK_BYTES = 128 << 20
 # Frozen head: form A = (onehot - p)/T · W in the forward (2 GEMMs). False: recompute in backward (3 GEMMs).
 PRECOMPUTE_FROZEN_GRAD = True
 
-_STATS_BLOCK = 2048
-_GRAD_BLOCK = 2048
-_ROWS_BLOCK = 4096
+_BLOCK = 2048  # vocabulary columns per Triton program (every pass is a (row, column block) grid)
 _addmm_out_dtype_ok: bool | None = None
 
 
@@ -156,26 +156,54 @@ def _forward_tiles(hidden, weight, bias, targets, inv_t, with_entropy):
     """Column-tiled forward: returns (lse [N], logp [N], entropy [N] or None), all fp32."""
     n, v = hidden.shape[0], weight.shape[0]
     dev = hidden.device
-    m = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
-    s = torch.zeros(n, dtype=torch.float32, device=dev)
-    t = torch.zeros(n, dtype=torch.float32, device=dev)
-    zt = torch.zeros(n, dtype=torch.float32, device=dev)
-    if n > 0:
-        cols = _tile_cols(n, v, hidden.shape[1], hidden.element_size())
-        buf = torch.empty(n * cols, dtype=hidden.dtype, device=dev)
-        for v0 in range(0, v, cols):
-            vb = min(cols, v - v0)
-            tile = buf[: n * vb].view(n, vb)  # [N, vb]
-            _logits(hidden, weight, bias, v0, vb, tile)
-            _k.tile_stats_kernel[(n,)](
-                tile, vb, targets, m, s, t, zt, v0, vb, inv_t,
-                WITH_ENT=with_entropy, BLOCK_V=_STATS_BLOCK, num_warps=8,
-            )
-        del buf
-    lse = m + torch.log(s)
-    logp = zt - lse
-    ent = (lse - t / s) if with_entropy else None
+    lse = torch.empty(n, dtype=torch.float32, device=dev)
+    logp = torch.empty(n, dtype=torch.float32, device=dev)
+    ent = torch.empty(n, dtype=torch.float32, device=dev) if with_entropy else None
+    if n == 0:
+        return lse, logp, ent
+    cols = _tile_cols(n, v, hidden.shape[1], hidden.element_size())
+    tiles = [(v0, min(cols, v - v0)) for v0 in range(0, v, cols)]
+    n_parts = sum(triton.cdiv(vb, _BLOCK) for _, vb in tiles)
+    parts = torch.empty((3, n, n_parts), dtype=torch.float32, device=dev)  # per (row, block): m, Σe, Σe·z
+    zt = torch.empty(n, dtype=torch.float32, device=dev)
+    buf = torch.empty(n * cols, dtype=hidden.dtype, device=dev)
+    col0 = 0
+    for v0, vb in tiles:
+        tile = buf[: n * vb].view(n, vb)  # [N, vb]
+        _logits(hidden, weight, bias, v0, vb, tile)
+        _block_stats(tile, targets, v0, inv_t, parts, col0, zt, with_entropy)
+        col0 += triton.cdiv(vb, _BLOCK)
+    del buf
+    _combine(parts, zt, lse, logp, ent)
     return lse, logp, ent
+
+
+def _block_stats(tile, targets, v0, inv_t, parts, col0, zt, with_entropy):
+    n, vb = tile.shape
+    _k.block_stats_kernel[(n, triton.cdiv(vb, _BLOCK))](
+        tile, vb, vb, inv_t, targets, v0, parts, n, parts.shape[2], col0, zt,
+        WITH_ENT=with_entropy, BLOCK_V=_BLOCK, num_warps=4,
+    )
+
+
+def _combine(parts, zt, lse, logp, ent):
+    n, n_parts = parts.shape[1], parts.shape[2]
+    _k.combine_kernel[(n,)](
+        parts, n, n_parts, zt, lse, logp, ent if ent is not None else lse,
+        WITH_ENT=ent is not None, BLOCK_P=triton.next_power_of_2(n_parts), num_warps=4,
+    )
+
+
+def _grad_tile(tile, targets, v0, inv_t, lse, ent, g_lp, g_ent):
+    """Overwrite `tile` with d = inv_t · (g_lp · (onehot − p) − g_ent · p · (z − lse + H)); g_lp = "unit" for 1."""
+    n, vb = tile.shape
+    unit = isinstance(g_lp, str)
+    _k.grad_tile_kernel[(n, triton.cdiv(vb, _BLOCK))](
+        tile, vb, targets, lse, ent if ent is not None else lse,
+        lse if (unit or g_lp is None) else g_lp, g_ent if g_ent is not None else lse, v0, vb, inv_t,
+        HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None, UNIT_GLP=unit,
+        BLOCK_V=_BLOCK, num_warps=4,
+    )
 
 
 def _forward_rows_frozen(hidden, weight, bias, targets, inv_t, with_entropy):
@@ -190,18 +218,20 @@ def _forward_rows_frozen(hidden, weight, bias, targets, inv_t, with_entropy):
         rows = max(1, min(n, ROW_CHUNK_BYTES // (v * hidden.element_size())))
         if rows >= 64:
             rows -= rows % 64
+        n_parts = triton.cdiv(v, _BLOCK)
+        part_buf = torch.empty(3 * rows * n_parts, dtype=torch.float32, device=dev)
+        zt = torch.empty(n, dtype=torch.float32, device=dev)
         buf = torch.empty(rows * v, dtype=hidden.dtype, device=dev)
         for r0 in range(0, n, rows):
             c = min(rows, n - r0)
+            r = slice(r0, r0 + c)
             chunk = buf[: c * v].view(c, v)  # [C, V]
-            _logits(hidden[r0 : r0 + c], weight, bias, 0, v, chunk)
-            _k.rows_kernel[(c,)](
-                chunk, v, targets[r0 : r0 + c], logp[r0 : r0 + c], lse[r0 : r0 + c],
-                ent[r0 : r0 + c] if with_entropy else lse, v, inv_t,
-                WITH_ENT=with_entropy, WRITE_GRAD=True, BLOCK_V=_ROWS_BLOCK,
-                num_warps=8,
-            )
-            torch.mm(chunk, weight, out=grad_h[r0 : r0 + c])
+            parts = part_buf[: 3 * c * n_parts].view(3, c, n_parts)
+            _logits(hidden[r], weight, bias, 0, v, chunk)
+            _block_stats(chunk, targets[r], 0, inv_t, parts, 0, zt[r], with_entropy)
+            _combine(parts, zt[r], lse[r], logp[r], ent[r] if with_entropy else None)
+            _grad_tile(chunk, targets[r], 0, inv_t, lse[r], None, "unit", None)  # (onehot - p) / T
+            torch.mm(chunk, weight, out=grad_h[r])
         del buf
     return lse, logp, ent, grad_h
 
@@ -218,18 +248,11 @@ def _backward_tiles(hidden, weight, bias, targets, inv_t, lse, ent, g_lp, g_ent,
     db = torch.empty(v, dtype=torch.float32, device=dev) if need_db else None
     cols = _tile_cols(n, v, hidden.shape[1], hidden.element_size())
     buf = torch.empty(n * cols, dtype=hidden.dtype, device=dev)
-    dummy = lse
     for v0 in range(0, v, cols):
         vb = min(cols, v - v0)
         tile = buf[: n * vb].view(n, vb)  # [N, vb]
         _logits(hidden, weight, bias, v0, vb, tile)
-        grid = (n, triton.cdiv(vb, _GRAD_BLOCK))
-        _k.grad_tile_kernel[grid](
-            tile, vb, targets, lse, ent if ent is not None else dummy,
-            g_lp if g_lp is not None else dummy, g_ent if g_ent is not None else dummy, v0, vb, inv_t,
-            HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None,
-            BLOCK_V=_GRAD_BLOCK, num_warps=4,
-        )
+        _grad_tile(tile, targets, v0, inv_t, lse, ent, g_lp, g_ent)
         if need_dw:
             torch.mm(tile.t(), hidden, out=dw[v0 : v0 + vb])
         if need_db:

@@ -1,4 +1,4 @@
-"""CUDA backend of the fused token-logprob op: cuBLAS GEMMs on logits tiles + Triton row passes.
+"""CUDA backend of the fused token-logprob op: cuBLAS GEMMs on logits tiles + Triton passes over each tile.
 
 Equivalent to (the logits are a GEMM in the inputs' dtype, the softmax math is fp32)::
 

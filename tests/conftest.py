@@ -22,6 +22,16 @@ def _shared_dir() -> Path | None:
     return None
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny-shape tests: more threads only add OpenMP sync cost (10x
+    slower on a loaded 2-core runner)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def shared_dir() -> Path:
     d = _shared_dir()

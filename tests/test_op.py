@@ -17,13 +17,7 @@ CHUNK = 8
 TEMP = 0.7
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes: intra-op threads only add OpenMP sync cost (10x slower on a loaded 2-core runner)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes
 
 
 def _inputs(dtype, n=N, h=H, v=V, seed=0):

@@ -17,13 +17,7 @@ N, H, V, CHUNK = 512, 8, 301, 16  # N ≫ CHUNK, so an [N, V] tensor (154k) dwar
 _GEMMS = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.addmm_.default", "aten.matmul.default"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes: intra-op threads only add OpenMP sync cost (10x slower on a loaded 2-core runner)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes
 
 
 class _Recorder(TorchDispatchMode):

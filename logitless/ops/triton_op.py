@@ -152,27 +152,32 @@ def _tile_cols(n: int, v: int, h: int, itemsize: int) -> int:
     return min(v, cols)
 
 
+def _row_outputs(n: int, device: torch.device, with_entropy: bool):
+    """Empty fp32 (lse [N], logp [N], entropy [N] or None)."""
+    new = lambda: torch.empty(n, dtype=torch.float32, device=device)  # noqa: E731
+    return new(), new(), (new() if with_entropy else None)
+
+
 def _forward_tiles(hidden, weight, bias, targets, inv_t, with_entropy):
     """Column-tiled forward: returns (lse [N], logp [N], entropy [N] or None), all fp32."""
     n, v = hidden.shape[0], weight.shape[0]
     dev = hidden.device
-    lse = torch.empty(n, dtype=torch.float32, device=dev)
-    logp = torch.empty(n, dtype=torch.float32, device=dev)
-    ent = torch.empty(n, dtype=torch.float32, device=dev) if with_entropy else None
+    lse, logp, ent = _row_outputs(n, dev, with_entropy)
     if n == 0:
         return lse, logp, ent
     cols = _tile_cols(n, v, hidden.shape[1], hidden.element_size())
     tiles = [(v0, min(cols, v - v0)) for v0 in range(0, v, cols)]
-    n_parts = sum(triton.cdiv(vb, _BLOCK) for _, vb in tiles)
+    blocks = [triton.cdiv(vb, _BLOCK) for _, vb in tiles]  # partial columns per tile
+    n_parts = sum(blocks)
     parts = torch.empty((3, n, n_parts), dtype=torch.float32, device=dev)  # per (row, block): m, Σe, Σe·z
     zt = torch.empty(n, dtype=torch.float32, device=dev)
     buf = torch.empty(n * cols, dtype=hidden.dtype, device=dev)
     col0 = 0
-    for v0, vb in tiles:
+    for (v0, vb), nb in zip(tiles, blocks):
         tile = buf[: n * vb].view(n, vb)  # [N, vb]
         _logits(hidden, weight, bias, v0, vb, tile)
         _block_stats(tile, targets, v0, inv_t, parts, col0, zt, with_entropy)
-        col0 += triton.cdiv(vb, _BLOCK)
+        col0 += nb
     del buf
     _combine(parts, zt, lse, logp, ent)
     return lse, logp, ent
@@ -194,14 +199,13 @@ def _combine(parts, zt, lse, logp, ent):
     )
 
 
-def _grad_tile(tile, targets, v0, inv_t, lse, ent, g_lp, g_ent):
-    """Overwrite `tile` with d = inv_t · (g_lp · (onehot − p) − g_ent · p · (z − lse + H)); g_lp = "unit" for 1."""
+def _grad_tile(tile, targets, v0, inv_t, lse, ent, g_lp, g_ent, *, unit_glp=False):
+    """Overwrite `tile` with d = inv_t · (g_lp · (onehot − p) − g_ent · p · (z − lse + H)); unit_glp: g_lp ≡ 1."""
     n, vb = tile.shape
-    unit = isinstance(g_lp, str)
     _k.grad_tile_kernel[(n, triton.cdiv(vb, _BLOCK))](
         tile, vb, targets, lse, ent if ent is not None else lse,
-        lse if (unit or g_lp is None) else g_lp, g_ent if g_ent is not None else lse, v0, vb, inv_t,
-        HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None, UNIT_GLP=unit,
+        g_lp if g_lp is not None else lse, g_ent if g_ent is not None else lse, v0, vb, inv_t,
+        HAS_GLP=unit_glp or g_lp is not None, HAS_GENT=g_ent is not None, UNIT_GLP=unit_glp,
         BLOCK_V=_BLOCK, num_warps=4,
     )
 
@@ -210,9 +214,7 @@ def _forward_rows_frozen(hidden, weight, bias, targets, inv_t, with_entropy):
     """Row-chunked forward that also forms A = d logp / d hidden = ((onehot - p) / T) · W, [N, H] in hidden's dtype."""
     n, v = hidden.shape[0], weight.shape[0]
     dev = hidden.device
-    lse = torch.empty(n, dtype=torch.float32, device=dev)
-    logp = torch.empty(n, dtype=torch.float32, device=dev)
-    ent = torch.empty(n, dtype=torch.float32, device=dev) if with_entropy else None
+    lse, logp, ent = _row_outputs(n, dev, with_entropy)
     grad_h = torch.empty_like(hidden)  # [N, H]
     if n > 0:
         rows = max(1, min(n, ROW_CHUNK_BYTES // (v * hidden.element_size())))
@@ -230,7 +232,7 @@ def _forward_rows_frozen(hidden, weight, bias, targets, inv_t, with_entropy):
             _logits(hidden[r], weight, bias, 0, v, chunk)
             _block_stats(chunk, targets[r], 0, inv_t, parts, 0, zt[r], with_entropy)
             _combine(parts, zt[r], lse[r], logp[r], ent[r] if with_entropy else None)
-            _grad_tile(chunk, targets[r], 0, inv_t, lse[r], None, "unit", None)  # (onehot - p) / T
+            _grad_tile(chunk, targets[r], 0, inv_t, lse[r], None, None, None, unit_glp=True)  # (onehot - p) / T
             torch.mm(chunk, weight, out=grad_h[r])
         del buf
     return lse, logp, ent, grad_h

@@ -163,6 +163,65 @@ def _run_cases() -> dict:
     lp2, e2 = triton_op.triton_token_logprobs(h.detach(), w, tg, None, 1.3, False)
     res["no_input_requires_grad"] = dict(logp=rel(lp2, rl), no_graph=lp2.grad_fn is None, ent_none=e2 is None)
 
+    # gradient hint (trainable head): the forward forms the grads in row chunks (3 GEMMs); backward hands them
+    # over only when its upstream equals the hint, else recomputes. Counters show which path ran.
+    calls = {}
+
+    def counted(name):
+        fn = getattr(triton_op, name)
+
+        def wrapper(*a, **k):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*a, **k)
+        setattr(triton_op, name, wrapper)
+
+    for name in ("_forward_rows_hinted", "_backward_tiles", "_forward_rows_frozen", "_logits"):
+        counted(name)
+
+    def hint_case(n, h_, v, *, dtype=torch.float32, need=(True, True, True), hint="same", ent_grad=False,
+                  rows=8, max_chunks=16, seed=7, temp=0.8):
+        triton_op.TILE_BYTES = 128 * n * torch.tensor([], dtype=dtype).element_size()
+        triton_op.HINT_ROW_BYTES = rows * v * torch.tensor([], dtype=dtype).element_size()
+        triton_op.HINT_MAX_CHUNKS = max_chunks
+        g = torch.Generator().manual_seed(seed)
+        hid = torch.randn(n, h_, generator=g).to(dtype)
+        w = (torch.randn(v, h_, generator=g) * 2 / h_**0.5).to(dtype)
+        b = (torch.randn(v, generator=g) * 0.5).to(dtype)
+        tg = torch.randint(0, v, (n,), generator=g)
+        g_lp = torch.randn(n, generator=g, dtype=torch.float64)
+        g_ent = torch.randn(n, generator=g, dtype=torch.float64) if ent_grad else None
+        hint_t = g_lp.float() if hint == "same" else g_lp.float() + 1e-3 * torch.randn(n, generator=g)
+        up = lambda t: t.double()  # noqa: E731
+        ref = run(dense, up(hid), up(w), up(b), tg, temp, True, need, g_lp, g_ent)
+        calls.clear()
+        hinted = lambda h, w, tg, b, temp, ent: triton_op.triton_token_logprobs(h, w, tg, b, temp, ent, hint_t)  # noqa: E731
+        got = run(hinted, hid, w, b, tg, temp, True, need, g_lp, g_ent)
+        out = {k: (rel(got[k], r) if got[k] is not None else float("inf")) for k, r in ref.items() if r is not None}
+        out.update({f"none_{k}": got[k] is None for k, r in ref.items() if r is None})
+        out["calls"] = dict(calls)
+        if dtype != torch.float32:
+            low = run(dense, hid, w, b, tg, temp, True, need, g_lp, g_ent)
+            out.update({k + "_dense": rel(low[k], ref[k]) for k in ref if ref[k] is not None})
+        return out
+
+    res["hint_used"] = hint_case(37, 16, 301)
+    res["hint_used_max_chunks"] = hint_case(37, 16, 301, max_chunks=2)
+    res["hint_weight_and_bias_only"] = hint_case(29, 16, 257, need=(False, True, True))
+    res["hint_mismatch_recomputes"] = hint_case(37, 16, 301, hint="other")
+    res["hint_entropy_grad_recomputes"] = hint_case(37, 16, 301, ent_grad=True)
+    res["hint_frozen_ignored"] = hint_case(37, 16, 301, need=(True, False, False))
+    res["hint_bf16"] = hint_case(48, 32, 517, dtype=torch.bfloat16, rows=16)
+    # a second backward (retain_graph) recomputes: the hinted grads are handed over once
+    h3 = torch.randn(9, 16).requires_grad_()
+    w3 = (torch.randn(260, 16) / 4).requires_grad_()
+    tg3, g3 = torch.randint(0, 260, (9,)), torch.randn(9)
+    lp4, _ = triton_op.triton_token_logprobs(h3, w3, tg3, None, 1.0, False, g3)
+    calls.clear()
+    (lp4 * g3).sum().backward(retain_graph=True)
+    dw1 = w3.grad.clone()
+    (lp4 * g3).sum().backward()
+    res["hint_second_backward"] = dict(rel=rel(w3.grad, 2 * dw1), calls=dict(calls))
+
     # frozen path scales its saved partial gradient in place: a second backward must fail loudly
     h2 = torch.randn(9, 16).requires_grad_()
     lp3, _ = triton_op.triton_token_logprobs(h2, w, tg[:9], None, 1.0, False)
@@ -242,6 +301,44 @@ def test_masked_vocabulary_bias(cases):
 def test_strided_inputs(cases):
     for k, v in cases["strided_inputs"].items():
         assert v < 2e-5, f"strided inputs: {k} relative error {v:.3g}"
+
+
+@pytest.mark.parametrize("name", ["hint_used", "hint_used_max_chunks", "hint_weight_and_bias_only"])
+def test_grad_hint_forms_exact_grads_in_the_forward(cases, name):
+    c = cases[name]
+    for k in ("logp", "ent", "dh", "dw", "db"):
+        if k in c:
+            assert c[k] < 2e-5, f"{name}: {k} relative error {c[k]:.3g}"
+    assert c["calls"].get("_forward_rows_hinted") == 1 and "_backward_tiles" not in c["calls"], c["calls"]
+    n_chunks = {"hint_used": 5, "hint_used_max_chunks": 2, "hint_weight_and_bias_only": 4}[name]  # ceil(N / rows)
+    assert c["calls"]["_logits"] == n_chunks, c["calls"]
+    if name == "hint_weight_and_bias_only":
+        assert c["none_dh"]
+
+
+@pytest.mark.parametrize("name", ["hint_mismatch_recomputes", "hint_entropy_grad_recomputes"])
+def test_grad_hint_never_changes_the_result(cases, name):
+    c = cases[name]
+    for k in ("logp", "ent", "dh", "dw", "db"):
+        assert c[k] < 2e-5, f"{name}: {k} relative error {c[k]:.3g}"
+    assert c["calls"].get("_forward_rows_hinted") == 1 and c["calls"].get("_backward_tiles") == 1, c["calls"]
+
+
+def test_grad_hint_ignored_for_frozen_head(cases):
+    c = cases["hint_frozen_ignored"]
+    assert c["logp"] < 2e-5 and c["dh"] < 2e-5 and c["none_dw"] and c["none_db"]
+    assert "_forward_rows_hinted" not in c["calls"] and c["calls"].get("_forward_rows_frozen") == 1, c["calls"]
+
+
+def test_grad_hint_bf16_close_to_dense_bf16(cases):
+    c = cases["hint_bf16"]  # loose, as test_bf16_close_to_dense_bf16
+    for k in ("logp", "ent", "dh", "dw", "db"):
+        assert c[k] < 3 * c[k + "_dense"] + 2e-3, f"{k} err {c[k]:.3g} vs dense bf16 {c[k + '_dense']:.3g}"
+
+
+def test_grad_hint_second_backward_recomputes(cases):
+    c = cases["hint_second_backward"]
+    assert c["rel"] < 2e-5 and c["calls"].get("_backward_tiles") == 1, c
 
 
 def test_frozen_double_backward_fails_loudly(cases):

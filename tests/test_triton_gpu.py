@@ -131,3 +131,73 @@ def test_under_autocast_and_create_graph_refused():
     gh, = torch.autograd.grad(lp_auto.sum(), h, create_graph=True)
     with pytest.raises(RuntimeError):
         gh.sum().backward()  # the op is once-differentiable
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("need", [(True, True, True), (False, True, False)])
+def test_grad_hint_accuracy_vs_fp64(dtype, need, monkeypatch):
+    """With a matching hint the forward forms the grads (no backward recompute), as accurate as dense."""
+    from logitless.ops import triton_op
+
+    n, h_, v, temp = 1000, 512, 32003, 0.7
+    g = torch.Generator(device="cuda").manual_seed(11)
+    hid = torch.randn(n, h_, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(v, h_, device="cuda", generator=g) * 2 / h_**0.5).to(dtype)
+    b = (torch.randn(v, device="cuda", generator=g) * 0.5).to(dtype)
+    tg = torch.randint(0, v, (n,), device="cuda", generator=g)
+    g_lp = torch.randn(n, device="cuda", dtype=torch.float64, generator=g)
+    calls = []
+    monkeypatch.setattr(triton_op, "HINT_ROW_BYTES", 8 << 20)  # 8 row chunks
+    orig = triton_op._backward_tiles
+    monkeypatch.setattr(triton_op, "_backward_tiles", lambda *a, **k: calls.append(1) or orig(*a, **k))
+
+    def hinted(h, w, tg, b, temp, ent):
+        return triton_op.triton_token_logprobs(h, w, tg, b, temp, ent, g_lp.float())
+
+    up = lambda t: t.double()  # noqa: E731
+    ref = _run(_dense, up(hid), up(w), up(b), tg, temp, False, need, g_lp, None)
+    got = _run(hinted, hid, w, b, tg, temp, False, need, g_lp, None)
+    low = _run(_dense, hid, w, b, tg, temp, False, need, g_lp, None)
+    assert not calls, "a matching hint must not recompute in backward"
+    for k, r in ref.items():
+        if r is None:
+            assert got[k] is None, k
+            continue
+        err = _rel(got[k], r)
+        if dtype == torch.float32:
+            assert err < 2e-3, f"{k}: {err:.3g}"
+        else:
+            assert err <= 1.25 * _rel(low[k], r) + 1e-5, f"{k}: hinted {err:.3g} vs dense bf16 {_rel(low[k], r):.3g}"
+
+
+def test_on_policy_hint_is_taken_end_to_end(monkeypatch):
+    """Trainer path: on_policy_logp_grad -> completion_logprobs(grad_hint) -> policy_loss: the loss's real upstream
+    equals the hint bit for bit on CUDA (no recompute), and the grads match the unhinted run."""
+    from logitless.models import completion_logprobs
+    from logitless.objectives import ObjectiveOptions, loss_normalizer, on_policy_logp_grad, policy_loss
+    from logitless.ops import triton_op
+    from tests.conftest import tiny_qwen2
+
+    model = tiny_qwen2(tie=False, seed=3).cuda().train()
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    B, P, T = 6, 5, 40
+    p_ids, c_ids = torch.randint(0, vocab, (B, P), generator=g), torch.randint(0, vocab, (B, T), generator=g)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    c_mask = (torch.arange(T)[None] < lengths[:, None]).long()
+    batch = [t.cuda() for t in (p_ids, torch.ones(B, P, dtype=torch.long), c_ids, c_mask)]
+    adv = torch.randn(B, generator=g).cuda()
+    opts = ObjectiveOptions(loss_type="dapo", epsilon_high=0.28)
+    norm = loss_normalizer(opts, [batch[3]])
+    calls = []
+    orig = triton_op._backward_tiles
+    monkeypatch.setattr(triton_op, "_backward_tiles", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    grads = []
+    for hint in (on_policy_logp_grad(batch[3], adv, opts, norm), None):
+        model.zero_grad(set_to_none=True)
+        logp, ent = completion_logprobs(model, *batch, temperature=0.9, with_entropy=True, grad_hint=hint)
+        policy_loss(logp, batch[3], adv, opts, norm, entropy=ent.detach()).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        assert len(calls) == (0 if hint is not None else 1), calls
+    for n, gr in grads[1].items():
+        torch.testing.assert_close(grads[0][n], gr, rtol=1e-3, atol=1e-4 * gr.abs().max().item(), msg=n)

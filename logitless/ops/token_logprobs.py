@@ -24,6 +24,7 @@ def token_logprobs(
     with_entropy: bool = False,
     chunk_size: int | None = None,
     backend: str = "auto",
+    grad_hint: torch.Tensor | None = None,  # [N] expected d loss / d logp (a speed hint, see below)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probability of each target token (and the entropy of its distribution) without [N, V] logits.
 
@@ -48,8 +49,17 @@ def token_logprobs(
 
     Backends: "auto" (Triton kernel on CUDA when available, else "chunked"), "chunked" (pure PyTorch, any
     device), "triton" (CUDA only; ignores `chunk_size`), "reference" (dense oracle, allocates [N, V]).
+
+    `grad_hint` [N]: the gradient the loss will send to `logp`, when it is known before the forward (e.g.
+    on-policy GRPO without a KL term, see `logitless.objectives.on_policy_logp_grad`). With a trainable head
+    on the Triton backend, the forward then also forms the gradients for that upstream: 3 GEMMs in all
+    instead of 4. Backward uses them only if its upstream gradient equals the hint exactly and the entropy
+    gets no gradient; otherwise it recomputes as without a hint. So the hint changes speed, never the
+    result (beyond rounding: grad_W is then accumulated in the weight's dtype over at most 16 row chunks).
+    Other backends, a frozen head and no-grad calls ignore it.
     """
     _validate(hidden, weight, targets, bias, temperature, with_entropy, chunk_size, backend)
+    _validate_hint(grad_hint, hidden)
     temperature = float(temperature)
 
     if backend == "reference":
@@ -59,7 +69,7 @@ def token_logprobs(
     if backend in ("auto", "triton"):
         triton_fn = _triton_impl(hidden, backend)
         if triton_fn is not None:
-            return triton_fn(hidden, weight, targets, bias, temperature, with_entropy)
+            return triton_fn(hidden, weight, targets, bias, temperature, with_entropy, grad_hint)
 
     chunk = default_chunk_size(weight.shape[0], hidden.device) if chunk_size is None else int(chunk_size)
     targets = targets.long()
@@ -97,6 +107,24 @@ def _triton_impl(hidden: torch.Tensor, backend: str):
             )
         return None
     return triton_op.triton_token_logprobs
+
+
+def _validate_hint(grad_hint, hidden) -> None:
+    if grad_hint is None:
+        return
+    if not isinstance(grad_hint, torch.Tensor):
+        raise TypeError(f"grad_hint must be a torch.Tensor [N] or None, got {type(grad_hint).__name__}")
+    if tuple(grad_hint.shape) != (hidden.shape[0],):
+        raise ValueError(
+            f"grad_hint shape {tuple(grad_hint.shape)} must be [N] = [{hidden.shape[0]}] (one value per token, "
+            "in the order of targets)"
+        )
+    if not grad_hint.is_floating_point():
+        raise TypeError(f"grad_hint must be a floating tensor (d loss / d logp), got {grad_hint.dtype}")
+    if grad_hint.device != hidden.device:
+        raise ValueError(f"grad_hint is on {grad_hint.device} but hidden is on {hidden.device}; move it there")
+    if grad_hint.requires_grad:
+        raise ValueError("grad_hint must not require grad; pass grad_hint.detach()")
 
 
 def _validate(hidden, weight, targets, bias, temperature, with_entropy, chunk_size, backend) -> None:

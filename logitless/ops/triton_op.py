@@ -15,6 +15,10 @@ forward), written by cuBLAS and consumed in place by the kernels of `triton_kern
 * trainable head, backward: the same column tiles are recomputed (same GEMM shapes as the forward), turned
   in place into the upstream-weighted logits gradient, then grad_W[tile] = Dᵀ·h (one GEMM reducing over all
   N, no cross-tile accumulation) and grad_h += D·W[tile] (fp32 accumulator [N, H]): 4 GEMMs in all.
+* trainable head with a gradient hint g (the expected d loss / d logp, e.g. on-policy GRPO where it is known
+  before the forward): row chunks [C, V] as below, each turned in place into g·(onehot - p)/T, then
+  grad_h[chunk] = D·W and grad_W += Dᵀ·h[chunk] right away (3 GEMMs in all). Backward hands these over when
+  its upstream equals g exactly, else it recomputes as above (the hint never changes the result).
 * frozen head (only `hidden` needs grad), forward: row chunks [C, V]; the same block/fold passes give
   lse/logp/entropy, one more overwrites the chunk with d logp / d logit = (onehot - p) / T, and A = that · W
   is formed right away (2 GEMMs
@@ -45,8 +49,12 @@ TILE_BYTES = 512 << 20
 ROW_CHUNK_BYTES = 128 << 20
 # Frozen head: form A = (onehot - p)/T · W in the forward (2 GEMMs). False: recompute in backward (3 GEMMs).
 PRECOMPUTE_FROZEN_GRAD = True
+# Trainable head with a gradient hint: row chunks of HINT_ROW_BYTES, but never more than HINT_MAX_CHUNKS chunks
+# (grad_W is accumulated in the weight's dtype, one rounding per chunk).
+HINT_ROW_BYTES = 576 << 20
+HINT_MAX_CHUNKS = 16
 
-_BLOCK = 2048  # vocabulary columns per Triton program (every pass is a (row, column block) grid)
+_BLOCK = 4096  # vocabulary columns per Triton program (every pass is a (row, column block) grid)
 _addmm_out_dtype_ok: bool | None = None
 
 
@@ -63,6 +71,7 @@ def triton_token_logprobs(
     bias: torch.Tensor | None,  # [V]
     temperature: float,
     with_entropy: bool,
+    grad_hint: torch.Tensor | None = None,  # [N] fp32: expected d loss / d logp (trainable head only)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logp [N] fp32, entropy [N] fp32 or None), autograd-connected to hidden, weight and bias.
 
@@ -77,7 +86,9 @@ def triton_token_logprobs(
         with torch.no_grad(), _on_device(hidden):
             lse, logp, ent = _forward_tiles(hidden, weight, bias, targets, 1.0 / float(temperature), with_entropy)
         return logp, ent
-    return _TritonTokenLogprobs.apply(hidden, weight, bias, targets, float(temperature), with_entropy)
+    if grad_hint is not None:
+        grad_hint = grad_hint.to(device=hidden.device, dtype=torch.float32).contiguous()
+    return _TritonTokenLogprobs.apply(hidden, weight, bias, targets, float(temperature), with_entropy, grad_hint)
 
 
 @contextlib.contextmanager
@@ -92,16 +103,21 @@ def _on_device(t: torch.Tensor):
 
 class _TritonTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, with_entropy, grad_hint):
         ctx.set_materialize_grads(False)
         inv_t = 1.0 / temperature
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_db = bias is not None and ctx.needs_input_grad[2]
         ctx.inv_t, ctx.with_entropy = inv_t, with_entropy
         ctx.frozen = need_dx and not need_dw and not need_db and PRECOMPUTE_FROZEN_GRAD
+        ctx.hint, ctx.pre = None, None  # hinted path: the hint and the grads it gives (dx, dw, db)
         hidden, weight = hidden.contiguous(), weight.contiguous()
         with _on_device(hidden):
-            if ctx.frozen:
+            if grad_hint is not None and (need_dw or need_db) and hidden.shape[0] > 0:
+                lse, logp, ent, *pre = _forward_rows_hinted(hidden, weight, bias, targets, inv_t, with_entropy,
+                                                            grad_hint, need_dx, need_dw, need_db)
+                ctx.hint, ctx.pre, grad_logp_h = grad_hint, pre, None
+            elif ctx.frozen:
                 lse, logp, ent, grad_logp_h = _forward_rows_frozen(hidden, weight, bias, targets, inv_t, with_entropy)
             else:
                 lse, logp, ent = _forward_tiles(hidden, weight, bias, targets, inv_t, with_entropy)
@@ -126,18 +142,21 @@ class _TritonTokenLogprobs(torch.autograd.Function):
         if n == 0 or (g_lp is None and g_ent is None):
             zeros = [torch.zeros_like(t) if (t is not None and need) else None
                      for t, need in ((hidden, need_dx), (weight, need_dw), (bias, need_db))]
-            return (*zeros, None, None, None)
+            return (*zeros, None, None, None, None)
         g_lp = None if g_lp is None else g_lp.float().contiguous()
         g_ent = None if g_ent is None else g_ent.float().contiguous()
         if ctx.frozen and g_ent is None:
             # A becomes grad_h in place (no copy); a second backward trips autograd's version check
-            return grad_logp_h.mul_(g_lp[:, None]), None, None, None, None, None
+            return grad_logp_h.mul_(g_lp[:, None]), None, None, None, None, None, None
+        pre, ctx.pre = ctx.pre, None  # handed over once; a second backward recomputes
+        if pre is not None and g_ent is None and g_lp is not None and torch.equal(g_lp, ctx.hint):
+            return (*pre, None, None, None, None)
         # trainable head, or a frozen head whose entropy output got a gradient: one column-tiled recompute
         # pass with both upstream terms (more accurate than adding a rounded A to the entropy part)
         acc, dw, db = _backward_tiles(hidden, weight, bias, targets, ctx.inv_t, lse, ent, g_lp, g_ent,
                                       need_dx=need_dx, need_dw=need_dw, need_db=need_db)
         dx = acc.to(hidden.dtype) if acc is not None else None
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def _tile_cols(n: int, v: int, h: int, itemsize: int) -> int:
@@ -236,6 +255,47 @@ def _forward_rows_frozen(hidden, weight, bias, targets, inv_t, with_entropy):
             torch.mm(chunk, weight, out=grad_h[r])
         del buf
     return lse, logp, ent, grad_h
+
+
+def _forward_rows_hinted(hidden, weight, bias, targets, inv_t, with_entropy, hint, need_dx, need_dw, need_db):
+    """Row-chunked forward that also forms the gradients of sum(hint · logp) (3 GEMMs in all).
+
+    Returns (lse, logp, entropy or None, grad_h [N, H] or None, grad_W [V, H] or None, grad_b [V] or None).
+    grad_W is accumulated in the weight's dtype by cuBLAS (fp32 inside each chunk's GEMM, one rounding per
+    chunk; at most HINT_MAX_CHUNKS chunks), so it takes no memory beyond the gradient itself.
+    """
+    n, v = hidden.shape[0], weight.shape[0]
+    dev = hidden.device
+    lse, logp, ent = _row_outputs(n, dev, with_entropy)
+    dx = torch.empty_like(hidden) if need_dx else None
+    dw = torch.empty_like(weight) if need_dw else None
+    db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else None
+    rows = max(HINT_ROW_BYTES // (v * hidden.element_size()), triton.cdiv(n, HINT_MAX_CHUNKS), 1)
+    rows = min(n, rows - rows % 64 if rows >= 128 else rows)
+    n_parts = triton.cdiv(v, _BLOCK)
+    part_buf = torch.empty(3 * rows * n_parts, dtype=torch.float32, device=dev)
+    zt = torch.empty(n, dtype=torch.float32, device=dev)
+    buf = torch.empty(rows * v, dtype=hidden.dtype, device=dev)
+    for r0 in range(0, n, rows):
+        c = min(rows, n - r0)
+        r = slice(r0, r0 + c)
+        chunk = buf[: c * v].view(c, v)  # [C, V]
+        parts = part_buf[: 3 * c * n_parts].view(3, c, n_parts)
+        _logits(hidden[r], weight, bias, 0, v, chunk)
+        _block_stats(chunk, targets[r], 0, inv_t, parts, 0, zt[r], with_entropy)
+        _combine(parts, zt[r], lse[r], logp[r], ent[r] if with_entropy else None)
+        _grad_tile(chunk, targets[r], 0, inv_t, lse[r], None, hint[r], None)  # hint · (onehot - p) / T
+        if need_dx:
+            torch.mm(chunk, weight, out=dx[r])
+        if need_dw:
+            if r0 == 0:
+                torch.mm(chunk.t(), hidden[r], out=dw)
+            else:
+                dw.addmm_(chunk.t(), hidden[r])
+        if need_db:
+            db += chunk.sum(0, dtype=torch.float32)
+    del buf
+    return lse, logp, ent, dx, dw, (db.to(bias.dtype) if db is not None else None)
 
 
 def _backward_tiles(hidden, weight, bias, targets, inv_t, lse, ent, g_lp, g_ent, *, need_dx, need_dw, need_db):

@@ -51,6 +51,7 @@ def completion_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    grad_hint: Tensor | None = None,  # [B, T] expected d loss / d logp (see `token_logprobs`)
 ) -> tuple[Tensor, Tensor | None]:  # logp [B, T] fp32 (0 at padding), entropy [B, T] fp32 or None
     """Log-probability (and entropy) of each completion token under `model` at `temperature`.
 
@@ -64,7 +65,8 @@ def completion_logprobs(
     The hidden state that predicts completion token 0 is the last real prompt token (position P-1 for the
     usual left-padded prompts; right-padded prompts work too). Only the N = completion_mask.sum() completion
     positions go through one call of the fused op. Runs under the caller's grad mode (wrap in
-    `torch.no_grad()` for the old/reference policy).
+    `torch.no_grad()` for the old/reference policy). `grad_hint` (e.g. from
+    `logitless.objectives.on_policy_logp_grad`) is passed on to the fused op for its completion positions.
     """
     if not isinstance(prompt_ids, Tensor) or prompt_ids.dim() != 2 or prompt_ids.shape[1] < 1:
         raise ValueError(f"prompt_ids must be a [B, P] tensor with P >= 1, got {getattr(prompt_ids, 'shape', None)}")
@@ -80,6 +82,9 @@ def completion_logprobs(
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
     (B, P), T = prompt_ids.shape, completion_ids.shape[1]
     device = prompt_ids.device
+    if grad_hint is not None and (not isinstance(grad_hint, Tensor) or tuple(grad_hint.shape) != (B, T)):
+        raise ValueError(f"grad_hint must be a [B, T] = [{B}, {T}] tensor like completion_ids, got "
+                         f"{list(getattr(grad_hint, 'shape', [])) or type(grad_hint).__name__}")
 
     # Hidden state that predicts completion token t: position P+t-1 for t >= 1, the last real prompt token for t = 0.
     last_prompt = (torch.arange(P, device=device) * pmask).amax(1)  # [B]
@@ -114,6 +119,7 @@ def completion_logprobs(
         bias=head.bias,
         temperature=temperature / head.logit_multiplier,
         with_entropy=with_entropy,
+        grad_hint=None if grad_hint is None else grad_hint.detach()[cmask].float(),
     )
     logp = scatter_positions(logp.float(), cmask)
     if entropy is not None:

@@ -4,7 +4,7 @@ logging, I/O or collectives (the trainer all-reduces the counts and metrics thes
 from logitless.objectives.advantages import AdvantageOutput, compute_advantages
 from logitless.objectives.entropy import EntropyCoef, entropy_quantile_threshold, update_entropy_coef
 from logitless.objectives.kl import kl_estimate
-from logitless.objectives.loss import LOGP_FLOOR, ObjectiveOutput, loss_normalizer, policy_loss
+from logitless.objectives.loss import LOGP_FLOOR, ObjectiveOutput, loss_normalizer, on_policy_logp_grad, policy_loss
 from logitless.objectives.metrics import Stat, merge_metrics, pack_metrics, summarize, unpack_metrics
 from logitless.objectives.options import (
     ADVANTAGE_ESTIMATORS,
@@ -38,6 +38,7 @@ __all__ = [
     "kl_estimate",
     "loss_normalizer",
     "merge_metrics",
+    "on_policy_logp_grad",
     "pack_metrics",
     "policy_loss",
     "summarize",

@@ -283,3 +283,35 @@ def policy_loss(
     else:
         denom = max(float(normalizer), 1.0)
     return ObjectiveOutput(loss=total / denom, metrics=stats_of(stats))
+
+
+def on_policy_logp_grad(
+    mask: Tensor,  # [B, T]
+    advantages: Tensor,  # [B]
+    options: ObjectiveOptions,
+    normalizer: float | Tensor,
+    *,
+    sampler_logp: Tensor | None = None,  # [B, T]
+    truncated: Tensor | None = None,  # [B] bool
+    entropy_coef: float | None = None,
+) -> Tensor | None:  # [B, T] d loss / d logp, or None
+    """d policy_loss / d logp [B, T] for an on-policy step (old_logp=None), when it does not depend on logp.
+
+    On-policy, every ratio is exp(logp - logp.detach()) = 1 exactly, so without a KL term (beta = 0), a rollout
+    IS weight, an off-policy mask against the sampler, a top-entropy mask or an entropy bonus, the gradient
+    w.r.t. logp is the same for every logp value. It is then returned (computed by autograd through
+    `policy_loss` itself at logp = 0, so it equals the gradient of the real call bit for bit); otherwise None.
+    Fused ops can take it as a hint to form their gradients in the forward
+    (`logitless.ops.token_logprobs(grad_hint=...)`).
+    """
+    o = options
+    coef_h = o.entropy_coef if entropy_coef is None else float(entropy_coef)
+    if (o.beta != 0.0 or o.sampler_is_mode is not None or o.top_entropy_quantile < 1.0 or coef_h != 0.0
+            or (o.off_policy_mask_threshold is not None and sampler_logp is not None)):
+        return None
+    x = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device, requires_grad=True)
+    with torch.enable_grad():
+        out = policy_loss(x, mask, advantages, o, normalizer, sampler_logp=sampler_logp, truncated=truncated,
+                          entropy_coef=0.0)
+        (grad,) = torch.autograd.grad(out.loss, x)
+    return grad

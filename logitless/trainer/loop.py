@@ -41,6 +41,7 @@ from logitless.objectives import (
     entropy_quantile_threshold,
     loss_normalizer,
     merge_metrics,
+    on_policy_logp_grad,
     policy_loss,
     summarize,
     update_entropy_coef,
@@ -275,9 +276,15 @@ def train(
                         # fp64 sum on device: no host sync per micro-batch
                         step_loss, parts = torch.zeros((), dtype=torch.float64, device=device), []
                         for i, m in enumerate(micro):
+                            # on-policy without KL/IS/entropy terms: d loss / d logp is known before the forward,
+                            # so the fused op can form its gradients there (a speed hint; None otherwise)
+                            hint = None if mu > 1 else on_policy_logp_grad(
+                                m.completion_mask, m.advantages, obj_options, normalizer, sampler_logp=m.sampler_logp,
+                                truncated=m.truncated, entropy_coef=entropy_coef.effective if entropy_grad else 0.0,
+                            )
                             logp, entropy = completion_logprobs(
                                 model, m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask,
-                                temperature=temp, with_entropy=True,
+                                temperature=temp, with_entropy=True, grad_hint=hint,
                             )
                             out = policy_loss(
                                 logp, m.completion_mask, m.advantages, obj_options, normalizer,

@@ -8,6 +8,11 @@ between runs, outside the timed region):
   sum over tokens / number of tokens, old logp and per-sequence advantages given) -> loss.backward().
   With "+ent", entropy is also computed and `- 0.01 * mean(entropy)` is added to the loss (both outputs
   receive gradients); with "+entm" entropy is computed as a metric only (detached, no gradient).
+  "trainable+onp": the on-policy step of GRPO with one update per batch: the library's `policy_loss`
+  (loss_type="dapo", same eps) with old logp = logp.detach(), so every ratio is 1.
+* "triton_hint" (only in "+onp" modes) = the Triton op given `grad_hint` = `on_policy_logp_grad(...)`, the
+  loss gradient that is known before the forward on-policy (its computation is timed too): the forward
+  forms the gradients, 3 GEMMs in all instead of 4.
 * "forward" modes: logp (and entropy) under torch.no_grad() (old/ref log-probs).
 * op variants: "dense" = the oracle `logitless.ops.reference` (F.linear -> fp32 logsumexp -> gather);
   "dense_lsm" = F.linear -> .float() -> log_softmax -> gather (fp32 softmax);
@@ -51,11 +56,11 @@ MODES = ("trainable", "frozen", "forward", "trainable+ent", "frozen+ent", "forwa
 GEMMS = {"trainable": 3, "frozen": 2, "forward": 1}
 
 
-def _token_logprobs(hidden, weight, targets, bias, temperature, with_entropy, backend):
+def _token_logprobs(hidden, weight, targets, bias, temperature, with_entropy, backend, grad_hint=None):
     if backend == "triton" and DEV != "cuda":  # smoke test: the kernels under TRITON_INTERPRET=1
-        return triton_op.triton_token_logprobs(hidden, weight, targets, bias, temperature, with_entropy)
+        return triton_op.triton_token_logprobs(hidden, weight, targets, bias, temperature, with_entropy, grad_hint)
     return token_logprobs(hidden, weight, targets, bias=bias, temperature=temperature, with_entropy=with_entropy,
-                          backend=backend)
+                          backend=backend, grad_hint=grad_hint)
 
 
 def dense_lsm(hidden, weight, targets, bias, temperature, with_entropy):
@@ -130,7 +135,7 @@ def make_step(variant, mode, inp):
                 t.requires_grad_(False)
 
     if variant == "liger":
-        if ent or base == "forward":
+        if ent or base == "forward" or "+onp" in mode:
             raise NotImplementedError("liger: no entropy output, no forward-only mode")
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
@@ -147,19 +152,40 @@ def make_step(variant, mode, inp):
             out[0].backward()
         return step
 
-    def op(*, grad):
+    onp = "+onp" in mode
+    if variant == "triton_hint" and not onp:
+        raise NotImplementedError("triton_hint: only on-policy (+onp) modes know the gradient before the forward")
+
+    def op(*, grad, hint=None):
         if variant == "dense":
             return token_logprobs_reference(hid, w, tg, bias=b, temperature=T, with_entropy=ent)
         if variant == "dense_lsm":
             return dense_lsm(hid, w, tg, b, T, ent)
         if variant == "dense_bf16":
             return dense_bf16(hid, w, tg, b, T, ent, inp["seq"])
-        return _token_logprobs(hid, w, tg, b, T, ent, variant)
+        backend = "triton" if variant == "triton_hint" else variant
+        return _token_logprobs(hid, w, tg, b, T, ent, backend, hint)
 
     if base == "forward":
         def step():
             with torch.no_grad():
                 op(grad=False)
+        return step
+
+    if onp:
+        from logitless.objectives import ObjectiveOptions, on_policy_logp_grad, policy_loss
+
+        opts = ObjectiveOptions(loss_type="dapo", epsilon_low=EPS, epsilon_high=EPS)
+        seq = inp["seq"]
+        mask = torch.ones(hid.shape[0] // seq, seq, device=hid.device)
+        n_tok = float(hid.shape[0])
+
+        def step():
+            hint = None
+            if variant == "triton_hint":
+                hint = on_policy_logp_grad(mask, inp["adv_seq"], opts, n_tok).view(-1)
+            logp, _ = op(grad=True, hint=hint)
+            policy_loss(logp.view(mask.shape), mask, inp["adv_seq"], opts, n_tok).loss.backward()
         return step
 
     def step():
@@ -291,8 +317,8 @@ def markdown(rows):
         k = (r["N"], r["H"], r["V"], r["temperature"], r["bias"], r["mode"])
         if k not in keys:
             keys.append(k)
-    variants = ["dense", "dense_lsm", "dense_bf16", "chunked", "liger", "triton"]
-    out = ["| N | H | V | T | mode | " + " | ".join(f"{v} ms (GiB)" for v in variants) + " | triton / best dense time | triton / leanest dense mem |",
+    variants = ["dense", "dense_lsm", "dense_bf16", "chunked", "liger", "triton", "triton_hint"]
+    out = ["| N | H | V | T | mode | " + " | ".join(f"{v} ms (GiB)" for v in variants) + " | ours / best dense time | ours / leanest dense mem |",
            "|" + "---|" * (5 + len(variants) + 2)]
     for k in keys:
         cell, got = [], {}
@@ -308,9 +334,11 @@ def markdown(rows):
                 cell.append(f"{r['median_ms']:.1f} ({r['peak_extra_gib']:.2f})")
         rt = rm = "–"
         dense = [got[d] for d in ("dense", "dense_lsm", "dense_bf16") if d in got]
-        if dense and "triton" in got:  # vs the fastest / leanest dense variant
-            rt = f"{got['triton']['median_ms'] / min(d['median_ms'] for d in dense):.2f}"
-            rm = f"{got['triton']['peak_extra_gib'] / min(d['peak_extra_gib'] for d in dense):.3f}"
+        ours = [got[x] for x in ("triton", "triton_hint") if x in got]
+        if dense and ours:  # our fastest variant vs the fastest / leanest dense variant
+            best = min(ours, key=lambda r: r["median_ms"])
+            rt = f"{best['median_ms'] / min(d['median_ms'] for d in dense):.2f}"
+            rm = f"{best['peak_extra_gib'] / min(d['peak_extra_gib'] for d in dense):.3f}"
         n, h, v, t, b, mode = k
         out.append(f"| {n} | {h} | {v}{' +bias' if b else ''} | {t} | {mode} | " + " | ".join(cell) + f" | {rt} | {rm} |")
     return "\n".join(out)
@@ -382,7 +410,8 @@ def _grads(fn, hid, w, b, tg, temp, ent, frozen, g_lp, g_ent):
 
 
 def accuracy_report():
-    """Relative errors vs fp64 (dense on upcast inputs) of dense bf16, chunked and triton, same bf16 inputs."""
+    """Relative errors vs fp64 (dense on upcast inputs) of dense bf16, chunked and triton (also with a matching
+    grad_hint, trainable head without entropy), same bf16 inputs."""
     configs = [(4096, 2048, 151936, 1.0, False), (2000, 1536, 32003, 0.7, True)]
     if DEV != "cuda":
         configs = [(48, 32, 1003, 0.7, True)]
@@ -402,7 +431,10 @@ def accuracy_report():
             args = (inp["hidden"], inp["weight"], inp["bias"], inp["targets"], temp, ent, frozen)
             up = lambda t: None if t is None else t.double()  # noqa: E731
             ref = _grads(fns["dense_bf16"], up(args[0]), up(args[1]), up(args[2]), *args[3:], g_lp, g_ent)
-            for name, fn in fns.items():
+            hinted = lambda h, w, t, b, T, e: _token_logprobs(h, w, t, b, T, e, "triton", g_lp.float())  # noqa: E731
+            for name, fn in [*fns.items(), ("triton_hint", hinted)]:
+                if name == "triton_hint" and (frozen or ent):
+                    continue  # the hint serves a trainable head whose entropy gets no gradient
                 got = _grads(fn, *args, g_lp, g_ent)
                 rec = dict(N=n, H=h, V=v, temperature=temp, bias=bias, frozen=frozen, entropy=ent, impl=name)
                 for k, r in ref.items():

@@ -26,7 +26,7 @@ Peak extra memory = torch.cuda.max_memory_allocated() during one run minus memor
 (inputs already allocated, grads None), so it includes the produced grads. Achieved TFLOP/s counts only the
 minimal LM-head GEMMs (2·N·H·V each): 3 for trainable, 2 for frozen, 1 for forward.
 
-Usage: python bench/bench_op.py --grid main|rest|all --out DIR [--check] [--sweep]
+Usage: python bench/bench_op.py --grid main|rest|all --out DIR [--check] [--check-main] [--sweep] [--profile]
 """
 
 from __future__ import annotations
@@ -346,7 +346,7 @@ def markdown(rows):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--grid", choices=["main", "rest", "all", "dense", "none", "tiny"], default="main")
+    ap.add_argument("--grid", choices=["main", "rest", "all", "dense", "dense_rest", "none", "tiny"], default="main")
     ap.add_argument("--variants", default="dense,chunked,liger,triton")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--reps", type=int, default=20)
@@ -354,6 +354,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--all-chunked", action="store_true")
     ap.add_argument("--check", action="store_true", help="fp64 accuracy check before timing")
+    ap.add_argument("--check-main", action="store_true", help="fp64 accuracy at the main shape (trainable, logp)")
     ap.add_argument("--sweep", action="store_true", help="tile-size sweep of the triton path at the main shape")
     ap.add_argument("--profile", action="store_true", help="per-kernel CUDA time of the triton path, main shape")
     ap.add_argument("--merge", nargs="+", help="only print the table of these result JSONs (later files win)")
@@ -377,6 +378,9 @@ def main():
         result["accuracy"] = accuracy_report()
         print(f"accuracy check {time.time() - t0:.0f}s", flush=True)
         (out / f"{args.tag}.json").write_text(json.dumps(result, indent=1))
+    if args.check_main:
+        result["accuracy_main"] = accuracy_main()
+        (out / f"{args.tag}.json").write_text(json.dumps(result, indent=1))
     if args.sweep:
         result["sweep"] = sweep(args)
         (out / f"{args.tag}.json").write_text(json.dumps(result, indent=1))
@@ -384,7 +388,8 @@ def main():
         result["profile"] = profile()
         (out / f"{args.tag}.json").write_text(json.dumps(result, indent=1))
     dense_fits = MAIN + [s for s in REST if s[0] <= 32768]  # "dense": every shape where dense torch fits
-    shapes = {"main": MAIN, "rest": REST, "all": MAIN + REST, "dense": dense_fits, "none": [], "tiny": TINY}[args.grid]
+    shapes = {"main": MAIN, "rest": REST, "all": MAIN + REST, "dense": dense_fits, "dense_rest": dense_fits[1:],
+              "none": [], "tiny": TINY}[args.grid]
     rows = []
     result["rows"] = rows
     try:
@@ -447,6 +452,38 @@ def accuracy_report():
             del ref
             _empty_cache()
         del inp
+    return report
+
+
+def accuracy_main():
+    """Relative errors vs fp64 at the main shape, trainable head, logp only: the hinted path accumulates grad_W
+    over its most row chunks here. The fp64 reference is the chunked backend on upcast inputs (bounded memory)."""
+    n, h, v, seq, temp, bias = MAIN[0] if DEV == "cuda" else TINY[0]
+    inp = make_inputs(n, h, v, seq, temp, bias, seed=3)
+    g_lp = -inp["adv"].double() / n  # the on-policy GRPO upstream (DAPO normalization)
+    args = (inp["hidden"], inp["weight"], inp["bias"], inp["targets"], temp, False, False)
+    up = lambda t: None if t is None else t.double()  # noqa: E731
+    chunked = lambda h, w, t, b, T, e: _token_logprobs(h, w, t, b, T, e, "chunked")  # noqa: E731
+    ref = _grads(chunked, up(args[0]), up(args[1]), up(args[2]), *args[3:], g_lp, None)
+    fns = {
+        "dense_bf16": lambda h, w, t, b, T, e: token_logprobs_reference(h, w, t, bias=b, temperature=T, with_entropy=e),
+        "trl_bf16": lambda h, w, t, b, T, e: dense_bf16(h, w, t, b, T, e, seq),
+        "triton": lambda h, w, t, b, T, e: _token_logprobs(h, w, t, b, T, e, "triton"),
+        "triton_hint": lambda h, w, t, b, T, e: _token_logprobs(h, w, t, b, T, e, "triton", g_lp.float()),
+    }
+    report = []
+    for name, fn in fns.items():
+        got = _grads(fn, *args, g_lp, None)
+        rec = dict(N=n, H=h, V=v, temperature=temp, bias=bias, frozen=False, entropy=False, impl=name)
+        for k, r in ref.items():
+            if r is not None and got[k] is not None:
+                rec[k] = ((got[k].double() - r).norm() / r.norm()).item()
+        report.append(rec)
+        print("acc_main", json.dumps(rec), flush=True)
+        del got
+        _empty_cache()
+    del ref, inp
+    _empty_cache()
     return report
 
 

@@ -12,7 +12,8 @@ between runs, outside the timed region):
   (loss_type="dapo", same eps) with old logp = logp.detach(), so every ratio is 1.
 * "triton_hint" (only in "+onp" modes) = the Triton op given `grad_hint` = `on_policy_logp_grad(...)`, the
   loss gradient that is known before the forward on-policy (its computation is timed too): the forward
-  forms the gradients, 3 GEMMs in all instead of 4.
+  forms the gradients, 3 GEMMs in all instead of 4. "triton_hint32": the same with grad_W accumulated in fp32
+  across the row chunks (`HINT_FP32_ACCUMULATE`) instead of in bf16.
 * "forward" modes: logp (and entropy) under torch.no_grad() (old/ref log-probs).
 * op variants: "dense" = the oracle `logitless.ops.reference` (F.linear -> fp32 logsumexp -> gather);
   "dense_lsm" = F.linear -> .float() -> log_softmax -> gather (fp32 softmax);
@@ -153,7 +154,7 @@ def make_step(variant, mode, inp):
         return step
 
     onp = "+onp" in mode
-    if variant == "triton_hint" and not onp:
+    if variant.startswith("triton_hint") and not onp:
         raise NotImplementedError("triton_hint: only on-policy (+onp) modes know the gradient before the forward")
 
     def op(*, grad, hint=None):
@@ -163,8 +164,10 @@ def make_step(variant, mode, inp):
             return dense_lsm(hid, w, tg, b, T, ent)
         if variant == "dense_bf16":
             return dense_bf16(hid, w, tg, b, T, ent, inp["seq"])
-        backend = "triton" if variant == "triton_hint" else variant
-        return _token_logprobs(hid, w, tg, b, T, ent, backend, hint)
+        if variant.startswith("triton_hint"):
+            triton_op.HINT_FP32_ACCUMULATE = variant == "triton_hint32"
+            return _token_logprobs(hid, w, tg, b, T, ent, "triton", hint)
+        return _token_logprobs(hid, w, tg, b, T, ent, variant)
 
     if base == "forward":
         def step():
@@ -182,7 +185,7 @@ def make_step(variant, mode, inp):
 
         def step():
             hint = None
-            if variant == "triton_hint":
+            if variant.startswith("triton_hint"):
                 hint = on_policy_logp_grad(mask, inp["adv_seq"], opts, n_tok).view(-1)
             logp, _ = op(grad=True, hint=hint)
             policy_loss(logp.view(mask.shape), mask, inp["adv_seq"], opts, n_tok).loss.backward()
@@ -317,7 +320,7 @@ def markdown(rows):
         k = (r["N"], r["H"], r["V"], r["temperature"], r["bias"], r["mode"])
         if k not in keys:
             keys.append(k)
-    variants = ["dense", "dense_lsm", "dense_bf16", "chunked", "liger", "triton", "triton_hint"]
+    variants = ["dense", "dense_lsm", "dense_bf16", "chunked", "liger", "triton", "triton_hint", "triton_hint32"]
     out = ["| N | H | V | T | mode | " + " | ".join(f"{v} ms (GiB)" for v in variants) + " | ours / best dense time | ours / leanest dense mem |",
            "|" + "---|" * (5 + len(variants) + 2)]
     for k in keys:
@@ -334,7 +337,7 @@ def markdown(rows):
                 cell.append(f"{r['median_ms']:.1f} ({r['peak_extra_gib']:.2f})")
         rt = rm = "–"
         dense = [got[d] for d in ("dense", "dense_lsm", "dense_bf16") if d in got]
-        ours = [got[x] for x in ("triton", "triton_hint") if x in got]
+        ours = [got[x] for x in ("triton", "triton_hint", "triton_hint32") if x in got]
         if dense and ours:  # our fastest variant vs the fastest / leanest dense variant
             best = min(ours, key=lambda r: r["median_ms"])
             rt = f"{best['median_ms'] / min(d['median_ms'] for d in dense):.2f}"
@@ -471,8 +474,10 @@ def accuracy_main():
         "triton": lambda h, w, t, b, T, e: _token_logprobs(h, w, t, b, T, e, "triton"),
         "triton_hint": lambda h, w, t, b, T, e: _token_logprobs(h, w, t, b, T, e, "triton", g_lp.float()),
     }
+    fns["triton_hint32"] = fns["triton_hint"]
     report = []
     for name, fn in fns.items():
+        triton_op.HINT_FP32_ACCUMULATE = name == "triton_hint32"
         got = _grads(fn, *args, g_lp, None)
         rec = dict(N=n, H=h, V=v, temperature=temp, bias=bias, frozen=False, entropy=False, impl=name)
         for k, r in ref.items():
@@ -480,6 +485,7 @@ def accuracy_main():
                 rec[k] = ((got[k].double() - r).norm() / r.norm()).item()
         report.append(rec)
         print("acc_main", json.dumps(rec), flush=True)
+        triton_op.HINT_FP32_ACCUMULATE = False
         del got
         _empty_cache()
     del ref, inp

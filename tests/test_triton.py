@@ -179,10 +179,11 @@ def _run_cases() -> dict:
         counted(name)
 
     def hint_case(n, h_, v, *, dtype=torch.float32, need=(True, True, True), hint="same", ent_grad=False,
-                  rows=8, max_chunks=16, seed=7, temp=0.8):
+                  rows=8, max_chunks=16, seed=7, temp=0.8, acc32=False):
         triton_op.TILE_BYTES = 128 * n * torch.tensor([], dtype=dtype).element_size()
         triton_op.HINT_ROW_BYTES = rows * v * torch.tensor([], dtype=dtype).element_size()
         triton_op.HINT_MAX_CHUNKS = max_chunks
+        triton_op.HINT_FP32_ACCUMULATE = acc32
         g = torch.Generator().manual_seed(seed)
         hid = torch.randn(n, h_, generator=g).to(dtype)
         w = (torch.randn(v, h_, generator=g) * 2 / h_**0.5).to(dtype)
@@ -210,7 +211,9 @@ def _run_cases() -> dict:
     res["hint_mismatch_recomputes"] = hint_case(37, 16, 301, hint="other")
     res["hint_entropy_grad_recomputes"] = hint_case(37, 16, 301, ent_grad=True)
     res["hint_frozen_ignored"] = hint_case(37, 16, 301, need=(True, False, False))
-    res["hint_bf16"] = hint_case(48, 32, 517, dtype=torch.bfloat16, rows=16)
+    res["hint_bf16"] = hint_case(48, 32, 517, dtype=torch.bfloat16, rows=4)
+    res["hint_bf16_acc32"] = hint_case(48, 32, 517, dtype=torch.bfloat16, rows=4, acc32=True)
+    triton_op.HINT_FP32_ACCUMULATE = False
     # a second backward (retain_graph) recomputes: the hinted grads are handed over once
     h3 = torch.randn(9, 16).requires_grad_()
     w3 = (torch.randn(260, 16) / 4).requires_grad_()
@@ -334,6 +337,15 @@ def test_grad_hint_bf16_close_to_dense_bf16(cases):
     c = cases["hint_bf16"]  # loose, as test_bf16_close_to_dense_bf16
     for k in ("logp", "ent", "dh", "dw", "db"):
         assert c[k] < 3 * c[k + "_dense"] + 2e-3, f"{k} err {c[k]:.3g} vs dense bf16 {c[k + '_dense']:.3g}"
+
+
+def test_grad_hint_fp32_accumulation_is_more_accurate(cases):
+    bf16_acc, fp32_acc = cases["hint_bf16"], cases["hint_bf16_acc32"]  # 12 row chunks
+    assert fp32_acc["calls"].get("_forward_rows_hinted") == 1 and "_backward_tiles" not in fp32_acc["calls"]
+    assert fp32_acc["dw"] < bf16_acc["dw"], (fp32_acc["dw"], bf16_acc["dw"])
+    assert fp32_acc["dw"] < 3 * fp32_acc["dw_dense"] + 2e-3
+    for k in ("logp", "dh", "db"):
+        assert fp32_acc[k] == bf16_acc[k], k  # only the weight gradient's accumulation differs
 
 
 def test_grad_hint_second_backward_recomputes(cases):

@@ -133,9 +133,9 @@ def test_under_autocast_and_create_graph_refused():
         gh.sum().backward()  # the op is once-differentiable
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype,acc32", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)])
 @pytest.mark.parametrize("need", [(True, True, True), (False, True, False)])
-def test_grad_hint_accuracy_vs_fp64(dtype, need, monkeypatch):
+def test_grad_hint_accuracy_vs_fp64(dtype, acc32, need, monkeypatch):
     """With a matching hint the forward forms the grads (no backward recompute), as accurate as dense."""
     from logitless.ops import triton_op
 
@@ -148,6 +148,7 @@ def test_grad_hint_accuracy_vs_fp64(dtype, need, monkeypatch):
     g_lp = torch.randn(n, device="cuda", dtype=torch.float64, generator=g)
     calls = []
     monkeypatch.setattr(triton_op, "HINT_ROW_BYTES", 8 << 20)  # 8 row chunks
+    monkeypatch.setattr(triton_op, "HINT_FP32_ACCUMULATE", acc32)
     orig = triton_op._backward_tiles
     monkeypatch.setattr(triton_op, "_backward_tiles", lambda *a, **k: calls.append(1) or orig(*a, **k))
 

@@ -49,10 +49,12 @@ TILE_BYTES = 512 << 20
 ROW_CHUNK_BYTES = 128 << 20
 # Frozen head: form A = (onehot - p)/T · W in the forward (2 GEMMs). False: recompute in backward (3 GEMMs).
 PRECOMPUTE_FROZEN_GRAD = True
-# Trainable head with a gradient hint: row chunks of HINT_ROW_BYTES, but never more than HINT_MAX_CHUNKS chunks
-# (grad_W is accumulated in the weight's dtype, one rounding per chunk).
+# Trainable head with a gradient hint: row chunks of HINT_ROW_BYTES, but never more than HINT_MAX_CHUNKS chunks.
+# grad_W is accumulated across chunks in the weight's dtype (one rounding per chunk, no extra memory), or with
+# HINT_FP32_ACCUMULATE in an fp32 [V, H] buffer (as accurate as one GEMM, 6 bytes per weight more at the peak).
 HINT_ROW_BYTES = 576 << 20
 HINT_MAX_CHUNKS = 16
+HINT_FP32_ACCUMULATE = False
 
 _BLOCK = 4096  # vocabulary columns per Triton program (every pass is a (row, column block) grid)
 _addmm_out_dtype_ok: bool | None = None
@@ -262,13 +264,16 @@ def _forward_rows_hinted(hidden, weight, bias, targets, inv_t, with_entropy, hin
 
     Returns (lse, logp, entropy or None, grad_h [N, H] or None, grad_W [V, H] or None, grad_b [V] or None).
     grad_W is accumulated in the weight's dtype by cuBLAS (fp32 inside each chunk's GEMM, one rounding per
-    chunk; at most HINT_MAX_CHUNKS chunks), so it takes no memory beyond the gradient itself.
+    chunk; at most HINT_MAX_CHUNKS chunks), so it takes no memory beyond the gradient itself; or in fp32 with
+    HINT_FP32_ACCUMULATE.
     """
     n, v = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     lse, logp, ent = _row_outputs(n, dev, with_entropy)
     dx = torch.empty_like(hidden) if need_dx else None
-    dw = torch.empty_like(weight) if need_dw else None
+    acc32 = need_dw and HINT_FP32_ACCUMULATE and weight.dtype != torch.float32
+    dw = (torch.zeros(weight.shape, dtype=torch.float32, device=dev) if acc32 else torch.empty_like(weight)) \
+        if need_dw else None
     db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else None
     rows = max(HINT_ROW_BYTES // (v * hidden.element_size()), triton.cdiv(n, HINT_MAX_CHUNKS), 1)
     rows = min(n, rows - rows % 64 if rows >= 128 else rows)
@@ -287,7 +292,9 @@ def _forward_rows_hinted(hidden, weight, bias, targets, inv_t, with_entropy, hin
         _grad_tile(chunk, targets[r], 0, inv_t, lse[r], None, hint[r], None)  # hint · (onehot - p) / T
         if need_dx:
             torch.mm(chunk, weight, out=dx[r])
-        if need_dw:
+        if acc32:
+            _acc_mm(dw, chunk.t(), hidden[r])
+        elif need_dw:
             if r0 == 0:
                 torch.mm(chunk.t(), hidden[r], out=dw)
             else:
@@ -295,6 +302,8 @@ def _forward_rows_hinted(hidden, weight, bias, targets, inv_t, with_entropy, hin
         if need_db:
             db += chunk.sum(0, dtype=torch.float32)
     del buf
+    if acc32:
+        dw = dw.to(weight.dtype)
     return lse, logp, ent, dx, dw, (db.to(bias.dtype) if db is not None else None)
 
 

@@ -69,8 +69,6 @@ def gemm_floor(info, n, h, v, args):
                                                                   2 * t[0] + t[1] + t[2])):
         rows.append(_rec(info, "gemm", name, n, h, v, median_ms=ms))
         print(json.dumps(rows[-1]), flush=True)
-    del z, gh, gw, hid, w
-    torch.cuda.empty_cache()
     return rows
 
 
@@ -104,8 +102,6 @@ def passes(info, n, args):
                 r["gbps"] = rw * tile.numel() * 2 / (r["median_ms"] * 1e-3) / 1e9
                 rows.append(_rec(info, "passes", name, n, 0, cols, block_v=block, num_warps=warps, **r))
                 print(json.dumps(rows[-1]), flush=True)
-    del tile
-    torch.cuda.empty_cache()
     return rows
 
 
@@ -152,8 +148,8 @@ def fused(info, args):
     err = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
     for acc in (torch.float32, torch.bfloat16):
         lp, gh, gw = fused_head(hid, w, tg, g_lp, acc_rows, acc)
-        rows_out.append(_rec(info, "fused_accuracy", f"fused acc={acc}", n, h, v, rows=acc_rows, logp=err(lp, lp64.detach()),
-                             dh=err(gh, h64.grad), dw=err(gw, w64.grad)))
+        rows_out.append(_rec(info, "fused_accuracy", f"fused acc={acc}", n, h, v, rows=acc_rows,
+                             logp=err(lp, lp64.detach()), dh=err(gh, h64.grad), dw=err(gw, w64.grad)))
         print(json.dumps(rows_out[-1]), flush=True)
     hl, wl = hid.clone().requires_grad_(), w.clone().requires_grad_()
     lp, _ = T.triton_token_logprobs(hl, wl, tg, None, 1.0, False)
@@ -161,7 +157,7 @@ def fused(info, args):
     rows_out.append(_rec(info, "fused_accuracy", "triton op", n, h, v, logp=err(lp.detach(), lp64.detach()),
                          dh=err(hl.grad, h64.grad), dw=err(wl.grad, w64.grad)))
     print(json.dumps(rows_out[-1]), flush=True)
-    del h64, w64, lp64, hl, wl, hid, w
+    del h64, w64, lp64, hl, wl
     torch.cuda.empty_cache()
 
     n, h, v, seq = MAIN
@@ -179,8 +175,6 @@ def fused(info, args):
             rows_out.append(_rec(info, "fused", f"fused rows={rows} acc={acc}", n, h, v, rows=rows, **r))
             print(json.dumps(rows_out[-1]), flush=True)
     B.clear_grads(inp)
-    del inp
-    torch.cuda.empty_cache()
     return rows_out
 
 
@@ -207,8 +201,6 @@ def ops(info, args):
         rows.append(_rec(info, "ops", f"{variant} trainable on-policy", n, h, v, **r))
         print(json.dumps(rows[-1]), flush=True)
     B.clear_grads(inp)
-    del inp
-    torch.cuda.empty_cache()
     return rows
 
 
@@ -233,6 +225,7 @@ def main():
         fn = {"gemm": lambda: gemm_floor(info, n, h, v, args), "passes": lambda: passes(info, n, args),
               "fused": lambda: fused(info, args), "ops": lambda: ops(info, args)}[sec]
         result["rows"] += fn()
+        torch.cuda.empty_cache()  # the section's buffers died with its function
         (out / f"{args.tag}.json").write_text(json.dumps(result, indent=1))
     for r in result["rows"]:
         extra = f" {r['peak_extra_gib']:.2f} GiB" if "peak_extra_gib" in r else ""

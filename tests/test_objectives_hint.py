@@ -7,7 +7,14 @@ import itertools
 import pytest
 import torch
 
-from logitless.objectives import IS_LEVELS, LOSS_TYPES, ObjectiveOptions, loss_normalizer, on_policy_logp_grad, policy_loss
+from logitless.objectives import (
+    IS_LEVELS,
+    LOSS_TYPES,
+    ObjectiveOptions,
+    loss_normalizer,
+    on_policy_logp_grad,
+    policy_loss,
+)
 
 
 def _batch(seed=0, B=5, T=7):

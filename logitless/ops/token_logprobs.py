@@ -53,10 +53,11 @@ def token_logprobs(
     `grad_hint` [N]: the gradient the loss will send to `logp`, when it is known before the forward (e.g.
     on-policy GRPO without a KL term, see `logitless.objectives.on_policy_logp_grad`). With a trainable head
     on the Triton backend, the forward then also forms the gradients for that upstream: 3 GEMMs in all
-    instead of 4. Backward uses them only if its upstream gradient equals the hint exactly and the entropy
-    gets no gradient; otherwise it recomputes as without a hint. So the hint changes speed, never the
-    result (beyond rounding: grad_W is then accumulated in the weight's dtype over at most 16 row chunks).
-    Other backends, a frozen head and no-grad calls ignore it.
+    instead of 4. Backward uses them only if its upstream gradient equals the hint exactly (one device sync
+    to compare) and the entropy gets no gradient; otherwise it recomputes as without a hint. So a wrong hint
+    costs time, never correctness. What it changes is rounding: grad_W is accumulated over at most 16 row
+    chunks in the weight's dtype (`triton_op.HINT_FP32_ACCUMULATE` for fp32). Other backends, a frozen head
+    and no-grad calls ignore it.
     """
     _validate(hidden, weight, targets, bias, temperature, with_entropy, chunk_size, backend)
     _validate_hint(grad_hint, hidden)

@@ -18,7 +18,8 @@ forward), written by cuBLAS and consumed in place by the kernels of `triton_kern
 * trainable head with a gradient hint g (the expected d loss / d logp, e.g. on-policy GRPO where it is known
   before the forward): row chunks [C, V] as below, each turned in place into g·(onehot - p)/T, then
   grad_h[chunk] = D·W and grad_W += Dᵀ·h[chunk] right away (3 GEMMs in all). Backward hands these over when
-  its upstream equals g exactly, else it recomputes as above (the hint never changes the result).
+  its upstream equals g exactly (one device sync to compare), else it recomputes as above: a wrong hint costs
+  time, never correctness.
 * frozen head (only `hidden` needs grad), forward: row chunks [C, V]; the same block/fold passes give
   lse/logp/entropy, one more overwrites the chunk with d logp / d logit = (onehot - p) / T, and A = that · W
   is formed right away (2 GEMMs

@@ -236,6 +236,8 @@ def test_completion_logprobs_bad_input(qwen_tokenizer, qwen_tied):
     empty[1] = 0
     with pytest.raises(ValueError, match="row 1"):
         completion_logprobs(qwen_tied, p, empty, c, cm)
+    with pytest.raises(ValueError, match="grad_hint must be a \\[B, T\\]"):
+        completion_logprobs(qwen_tied, p, pm, c, cm, grad_hint=torch.zeros(c.shape[0], c.shape[1] + 1))
     with pytest.raises(ValueError, match="attention_mask shape"):
         final_hidden_states(qwen_tied, p, pm[:, 1:])
 

@@ -224,10 +224,15 @@ def _bad_cases():
         ("backend must be one of.*got 'cuda'", ValueError, dict(backend="cuda")),
         ("with_entropy must be a bool, got 1", TypeError, dict(with_entropy=1)),
         ("hidden must be a torch.Tensor, got list", TypeError, dict(hidden=[[0.0] * 3] * 4)),
+        ("grad_hint shape \\(3,\\) must be \\[N\\] = \\[4\\]", ValueError, dict(grad_hint=torch.zeros(3))),
+        ("grad_hint must be a floating tensor", TypeError, dict(grad_hint=torch.zeros(4, dtype=torch.long))),
+        ("grad_hint must not require grad", ValueError, dict(grad_hint=torch.zeros(4, requires_grad=True))),
+        ("grad_hint must be a torch.Tensor", TypeError, dict(grad_hint=[0.0] * 4)),
     ]
     meta = torch.device("meta")
     cases.append(("weight is on meta but hidden is on cpu", ValueError, dict(weight=w.to(meta))))
     cases.append(("bias is on meta but hidden is on cpu", ValueError, dict(bias=b.to(meta))))
+    cases.append(("grad_hint is on meta but hidden is on cpu", ValueError, dict(grad_hint=torch.zeros(4, device=meta))))
     return [(m, e, dict(dict(hidden=h, weight=w, targets=t, bias=b), **kw)) for m, e, kw in cases]
 
 
@@ -246,3 +251,19 @@ def test_bad_input_cases_are_otherwise_valid():
     logp, _ = token_logprobs(kw.pop("hidden"), kw.pop("weight"), kw.pop("targets"), **kw)
     assert logp.shape == (4,) and bool((logp < 0).all())
     assert chunked.PRECOMPUTE_FROZEN_GRAD  # the frozen-head strategy the tests above exercise by default
+
+
+def test_grad_hint_is_ignored_by_the_chunked_backend():
+    """A speed hint for the Triton backend only: on CPU the values and grads are those without it."""
+    g = torch.Generator().manual_seed(0)
+    h, w, t = torch.randn(9, 5, generator=g), torch.randn(40, 5, generator=g), torch.randint(0, 40, (9,), generator=g)
+    up = torch.randn(9, generator=g)
+    grads = []
+    for hint in (None, up, -up):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        lp, _ = token_logprobs(hh, ww, t, grad_hint=hint)
+        (lp * up).sum().backward()
+        grads.append((lp.detach(), hh.grad, ww.grad))
+    for got in grads[1:]:
+        for a, b in zip(got, grads[0]):
+            assert torch.equal(a, b)

@@ -8,10 +8,10 @@ peak extra memory of one run). Sections, each a list of rows in the output JSON:
   2, dense trainable 3, and 4 for an exact trainable op that never stores [N, V] (it must recompute z).
 * "passes": the Triton passes alone on one [N, 8192] logits tile for several (BLOCK_V, num_warps), in GB/s
   of logits read (+ written).
-* "fused": a 3-GEMM trainable head that is only possible when the upstream gradient g = dL/dlogp is known
-  before the forward (on-policy GRPO with one update per batch and no KL: the ratio is exactly 1, so
-  g = -A/N): row chunks of `rows` rows, logits GEMM -> stats -> d = g·(onehot - p) in place -> grad_h = d·W,
-  grad_W += dᵀ·h (fp32 or bf16 accumulator). Its accuracy vs fp64 is checked at N=4096.
+* "fused": the op's 3-GEMM hinted forward (`triton_op._forward_rows_hinted`), possible when the upstream
+  gradient g = dL/dlogp is known before the forward (on-policy GRPO with one update per batch and no KL: the
+  ratio is exactly 1, so g = -A/N): row chunks of `rows` rows, logits GEMM -> stats -> d = g·(onehot - p) in
+  place -> grad_h = d·W, grad_W += dᵀ·h (fp32 or bf16 accumulator). Its accuracy vs fp64 is checked at N=4096.
 * "ops": dense_bf16 (TRL's path) and the Triton op in the same process, per mode, plus both on the
   on-policy loss (old logp = logp.detach()), the fair baseline of "fused".
 
@@ -74,7 +74,6 @@ def gemm_floor(info, n, h, v, args):
 
 def passes(info, n, args):
     from logitless.ops import triton_kernels as K
-    import triton
 
     cols, v = min(8192, MAIN[2]), MAIN[2]
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -106,31 +105,18 @@ def passes(info, n, args):
 
 
 def fused_head(hidden, weight, targets, g_lp, rows, acc_dtype=torch.float32):
-    """(logp [N], grad_h [N, H], grad_W [V, H]) of sum(g_lp · logp) in 3 GEMMs per row chunk; g_lp known upfront."""
-    n, v = hidden.shape[0], weight.shape[0]
-    lse, logp, _ = T._row_outputs(n, hidden.device, False)
-    grad_h = torch.empty_like(hidden)
-    acc = torch.zeros(weight.shape, dtype=acc_dtype, device=hidden.device)
-    n_parts = triton.cdiv(v, T._BLOCK)
-    part_buf = torch.empty(3 * rows * n_parts, dtype=torch.float32, device=hidden.device)
-    zt = torch.empty(n, dtype=torch.float32, device=hidden.device)
-    buf = torch.empty(rows * v, dtype=hidden.dtype, device=hidden.device)
-    for r0 in range(0, n, rows):
-        c = min(rows, n - r0)
-        r = slice(r0, r0 + c)
-        chunk = buf[: c * v].view(c, v)
-        parts = part_buf[: 3 * c * n_parts].view(3, c, n_parts)
-        T._logits(hidden[r], weight, None, 0, v, chunk)
-        T._block_stats(chunk, targets[r], 0, 1.0, parts, 0, zt[r], False)
-        T._combine(parts, zt[r], lse[r], logp[r], None)
-        T._grad_tile(chunk, targets[r], 0, 1.0, lse[r], None, g_lp[r], None)
-        torch.mm(chunk, weight, out=grad_h[r])
-        if acc_dtype == torch.float32:
-            T._acc_mm(acc, chunk.t(), hidden[r])
-        else:
-            torch.addmm(acc, chunk.t(), hidden[r], out=acc)
-    del buf
-    return logp, grad_h, acc.to(weight.dtype)
+    """(logp [N], grad_h [N, H], grad_W [V, H]) of sum(g_lp · logp): the op's hinted forward (3 GEMMs) with
+    chunks of exactly `rows` rows and grad_W accumulated in `acc_dtype`."""
+    saved = T.HINT_ROW_BYTES, T.HINT_MAX_CHUNKS, T.HINT_FP32_ACCUMULATE
+    T.HINT_ROW_BYTES = rows * weight.shape[0] * weight.element_size()
+    T.HINT_MAX_CHUNKS = max(1, hidden.shape[0])  # no chunk-count floor on `rows`
+    T.HINT_FP32_ACCUMULATE = acc_dtype == torch.float32
+    try:
+        _, logp, _, grad_h, grad_w, _ = T._forward_rows_hinted(hidden, weight, None, targets, 1.0, False, g_lp,
+                                                               True, True, False)
+    finally:
+        T.HINT_ROW_BYTES, T.HINT_MAX_CHUNKS, T.HINT_FP32_ACCUMULATE = saved
+    return logp, grad_h, grad_w
 
 
 def fused(info, args):

@@ -232,31 +232,47 @@ def _grad_tile(tile, targets, v0, inv_t, lse, ent, g_lp, g_ent, *, unit_glp=Fals
     )
 
 
+def _chunk_rows(n: int, rows: int, at_least: int = 1) -> int:
+    """Rows per [C, V] chunk: `rows` rounded down to a multiple of 64 (when >= 64), then at least `at_least`
+    and at most n."""
+    rows = max(1, rows)
+    if rows >= 64:
+        rows -= rows % 64
+    return min(n, max(rows, at_least))
+
+
+def _row_chunks(hidden, weight, bias, targets, inv_t, rows, lse, logp, ent):
+    """Yield (rows slice r, chunk [C, V]): the logits of rows r, after writing their lse / logp / entropy.
+
+    One [rows, V] buffer serves every chunk, so a chunk is valid (and may be overwritten in place) only until
+    the next one is yielded.
+    """
+    n, v = hidden.shape[0], weight.shape[0]
+    n_parts = triton.cdiv(v, _BLOCK)
+    part_buf = torch.empty(3 * rows * n_parts, dtype=torch.float32, device=hidden.device)
+    zt = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    buf = torch.empty(rows * v, dtype=hidden.dtype, device=hidden.device)
+    for r0 in range(0, n, rows):
+        c = min(rows, n - r0)
+        r = slice(r0, r0 + c)
+        chunk = buf[: c * v].view(c, v)  # [C, V]
+        parts = part_buf[: 3 * c * n_parts].view(3, c, n_parts)
+        _logits(hidden[r], weight, bias, 0, v, chunk)
+        _block_stats(chunk, targets[r], 0, inv_t, parts, 0, zt[r], ent is not None)
+        _combine(parts, zt[r], lse[r], logp[r], ent[r] if ent is not None else None)
+        yield r, chunk
+
+
 def _forward_rows_frozen(hidden, weight, bias, targets, inv_t, with_entropy):
     """Row-chunked forward that also forms A = d logp / d hidden = ((onehot - p) / T) · W, [N, H] in hidden's dtype."""
     n, v = hidden.shape[0], weight.shape[0]
-    dev = hidden.device
-    lse, logp, ent = _row_outputs(n, dev, with_entropy)
+    lse, logp, ent = _row_outputs(n, hidden.device, with_entropy)
     grad_h = torch.empty_like(hidden)  # [N, H]
     if n > 0:
-        rows = max(1, min(n, ROW_CHUNK_BYTES // (v * hidden.element_size())))
-        if rows >= 64:
-            rows -= rows % 64
-        n_parts = triton.cdiv(v, _BLOCK)
-        part_buf = torch.empty(3 * rows * n_parts, dtype=torch.float32, device=dev)
-        zt = torch.empty(n, dtype=torch.float32, device=dev)
-        buf = torch.empty(rows * v, dtype=hidden.dtype, device=dev)
-        for r0 in range(0, n, rows):
-            c = min(rows, n - r0)
-            r = slice(r0, r0 + c)
-            chunk = buf[: c * v].view(c, v)  # [C, V]
-            parts = part_buf[: 3 * c * n_parts].view(3, c, n_parts)
-            _logits(hidden[r], weight, bias, 0, v, chunk)
-            _block_stats(chunk, targets[r], 0, inv_t, parts, 0, zt[r], with_entropy)
-            _combine(parts, zt[r], lse[r], logp[r], ent[r] if with_entropy else None)
+        rows = _chunk_rows(n, ROW_CHUNK_BYTES // (v * hidden.element_size()))
+        for r, chunk in _row_chunks(hidden, weight, bias, targets, inv_t, rows, lse, logp, ent):
             _grad_tile(chunk, targets[r], 0, inv_t, lse[r], None, None, None, unit_glp=True)  # (onehot - p) / T
             torch.mm(chunk, weight, out=grad_h[r])
-        del buf
     return lse, logp, ent, grad_h
 
 
@@ -273,36 +289,24 @@ def _forward_rows_hinted(hidden, weight, bias, targets, inv_t, with_entropy, hin
     lse, logp, ent = _row_outputs(n, dev, with_entropy)
     dx = torch.empty_like(hidden) if need_dx else None
     acc32 = need_dw and HINT_FP32_ACCUMULATE and weight.dtype != torch.float32
-    dw = (torch.zeros(weight.shape, dtype=torch.float32, device=dev) if acc32 else torch.empty_like(weight)) \
-        if need_dw else None
+    dw = None
+    if need_dw:
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if acc32 else torch.empty_like(weight)
     db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else None
-    rows = max(HINT_ROW_BYTES // (v * hidden.element_size()), triton.cdiv(n, HINT_MAX_CHUNKS), 1)
-    rows = min(n, rows - rows % 64 if rows >= 128 else rows)
-    n_parts = triton.cdiv(v, _BLOCK)
-    part_buf = torch.empty(3 * rows * n_parts, dtype=torch.float32, device=dev)
-    zt = torch.empty(n, dtype=torch.float32, device=dev)
-    buf = torch.empty(rows * v, dtype=hidden.dtype, device=dev)
-    for r0 in range(0, n, rows):
-        c = min(rows, n - r0)
-        r = slice(r0, r0 + c)
-        chunk = buf[: c * v].view(c, v)  # [C, V]
-        parts = part_buf[: 3 * c * n_parts].view(3, c, n_parts)
-        _logits(hidden[r], weight, bias, 0, v, chunk)
-        _block_stats(chunk, targets[r], 0, inv_t, parts, 0, zt[r], with_entropy)
-        _combine(parts, zt[r], lse[r], logp[r], ent[r] if with_entropy else None)
+    rows = _chunk_rows(n, HINT_ROW_BYTES // (v * hidden.element_size()), at_least=triton.cdiv(n, HINT_MAX_CHUNKS))
+    for r, chunk in _row_chunks(hidden, weight, bias, targets, inv_t, rows, lse, logp, ent):
         _grad_tile(chunk, targets[r], 0, inv_t, lse[r], None, hint[r], None)  # hint · (onehot - p) / T
         if need_dx:
             torch.mm(chunk, weight, out=dx[r])
         if acc32:
             _acc_mm(dw, chunk.t(), hidden[r])
         elif need_dw:
-            if r0 == 0:
+            if r.start == 0:
                 torch.mm(chunk.t(), hidden[r], out=dw)
             else:
                 dw.addmm_(chunk.t(), hidden[r])
         if need_db:
             db += chunk.sum(0, dtype=torch.float32)
-    del buf
     if acc32:
         dw = dw.to(weight.dtype)
     return lse, logp, ent, dx, dw, (db.to(bias.dtype) if db is not None else None)

@@ -57,10 +57,17 @@ FAMILIES = {
     "olmo2": (lambda: tf.Olmo2Config(**COMMON), None),
     "granite": (lambda: tf.GraniteConfig(**COMMON, logits_scaling=2.0), None),
     "phi": (lambda: tf.PhiConfig(**COMMON), None),
+    # chunked attention (layer 0) and full attention without RoPE (layer 1)
+    "llama4_chunked": (lambda: tf.Llama4TextConfig(**COMMON, intermediate_size_mlp=64, head_dim=8,
+                                                   attention_chunk_size=WINDOW, num_local_experts=2,
+                                                   interleave_moe_layer_step=2, no_rope_layers=[1, 0]),
+                       "attention_chunk_size"),
     "gpt2": (lambda: tf.GPT2Config(vocab_size=len(TOK), n_embd=32, n_layer=2, n_head=4, n_positions=128,
                                    initializer_range=0.2, bos_token_id=None, eos_token_id=TOK.eos_token_id), None),
 }
 BACKENDS = ("hf", "static", "continuous")
+# cells a backend refuses (transformers' paged cache has no chunked-attention layers)
+REFUSED = {("llama4_chunked", "continuous")}
 
 
 def make_model(family: str, attn: str = "eager", window: bool = True) -> torch.nn.Module:
@@ -131,6 +138,10 @@ def windowed(family: str) -> bool:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_sampler_logprobs_equal_completion_logprobs(family, backend, models, one_thread):
     model = models(family)
+    if (family, backend) in REFUSED:
+        with pytest.raises(UnsupportedModelError, match=rf"backend={backend} .*'{model.config.model_type}'.*backend=hf"):
+            make_eng(backend, model)
+        return
     a = sample(backend, model)
     b = sample(backend, model)
     assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.sampler_logp, b.sampler_logp)
@@ -164,12 +175,38 @@ def test_completion_logprobs_equal_forward_across_the_window(family, models, one
         assert (padded_forward_logprobs(full, a, TEMPERATURE) - lp.double()).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("family", ["mistral_window", "gemma2", "qwen2_sliding"])
-def test_static_sdpa_gqa_decode_with_window(family, models, one_thread):
-    """With "sdpa" the static engine's decode attention skips repeat_kv; the window lives in the mask."""
+@pytest.mark.parametrize("family", ["mistral_window", "gemma3_text", "qwen2_sliding", "llama4_chunked"])
+def test_static_sdpa_gqa_decode_with_window(family, models, one_thread, monkeypatch):
+    """With "sdpa" the static engine's decode attention skips repeat_kv (query heads as rows of their KV group:
+    2 "heads" of 2 query rows here); the window lives in the mask."""
     model = models(family, "sdpa")
+    sdpa, grouped = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(query, *args, **kwargs):
+        grouped.append(query.shape[1] == COMMON["num_key_value_heads"])
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     a = sample("static", model)
+    monkeypatch.undo()
+    assert sum(grouped) == 2 * 9  # both layers at each of the 9 decode steps
     with torch.no_grad():
         lp, _ = completion_logprobs(model, a.prompt_ids, a.prompt_mask, a.completion_ids, a.completion_mask,
                                     temperature=TEMPERATURE)
     torch.testing.assert_close(a.sampler_logp, lp.float(), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "mamba"])
+def test_recurrent_layouts_refused_naming_backend_hf(family):
+    """Linear-attention / recurrent layers have no KV cache to copy: static and continuous refuse the model when
+    the engine is built (before any sampling)."""
+    cfg = {
+        "qwen3_next": lambda: tf.Qwen3NextConfig(**COMMON, head_dim=8),
+        "mamba": lambda: tf.MambaConfig(vocab_size=len(TOK), hidden_size=32, num_hidden_layers=2),
+    }[family]()
+    with torch.device("meta"):  # shapes only: the check reads the config and the model class
+        model = tf.AutoModelForCausalLM.from_config(cfg)
+    for backend in ("static", "continuous"):
+        with pytest.raises(UnsupportedModelError, match=rf"backend={backend} .*'{family}'.*linear_attention.*backend=hf"):
+            make_eng(backend, model)
+    assert make_eng("hf", model) is not None

@@ -32,7 +32,8 @@ from transformers.generation.configuration_utils import CompileConfig
 from .engine import build_batch, generation_mode, prepare_prompts, seeded, sync, unwrap_model
 from .attention import gqa_decode
 from .hf import sampling_processors
-from .kv_cache import attention_layer_types, decode_cache, prefill_cache
+from .kv_cache import STATIC_LAYER_TYPES, decode_cache, prefill_cache
+from .layouts import check_layout
 from .types import Prompt, RolloutBatch, SamplingOptions
 
 
@@ -79,7 +80,7 @@ class StaticEngine:
             raise ValueError(
                 f"StaticEngine: check_every={check_every} and cache_multiple={cache_multiple} must both be >= 1"
             )
-        attention_layer_types(unwrap_model(model))  # refuses layouts it cannot decode exactly, naming backend "hf"
+        check_layout(unwrap_model(model), "static", STATIC_LAYER_TYPES)
         self.model = model
         self.tokenizer = tokenizer
         self.compile = compile

@@ -54,6 +54,9 @@ FAMILIES = {
                                                 layer_types=ALTERNATING), "sliding_window"),
     "cohere2": (lambda: tf.Cohere2Config(**COMMON, sliding_window=WINDOW, layer_types=ALTERNATING),
                 "sliding_window"),
+    # alternating sliding/full with attention sinks, mixture of experts
+    "gpt_oss": (lambda: tf.GptOssConfig(**COMMON, head_dim=8, sliding_window=WINDOW, num_local_experts=2,
+                                        num_experts_per_tok=1, layer_types=ALTERNATING), "sliding_window"),
     "phi3": (lambda: tf.Phi3Config(**COMMON), None),
     "phi3_window": (lambda: tf.Phi3Config(**COMMON, sliding_window=WINDOW), "sliding_window"),
     "olmo2": (lambda: tf.Olmo2Config(**COMMON), None),

@@ -1,5 +1,4 @@
-"""The static engine's KV caches: which attention layouts it decodes exactly, the prefill cache, and the static
-decode cache filled from it.
+"""The static engine's KV caches: the prefill cache, and the static decode cache filled from it.
 
 Every attention layer gets a full-length cache in absolute sequence positions, whatever its type: slot j holds
 the key/value of sequence index j (left padding included), as in a full forward. Sliding-window and chunked
@@ -50,4 +49,3 @@ def decode_cache(prefill: DynamicCache, repeats: int, max_len: int) -> Cache:
         layer.cumulative_length.fill_(P)
         layers.append(layer)
     return Cache(layers=layers)
-

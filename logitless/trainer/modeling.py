@@ -173,3 +173,34 @@ class ReferencePolicy:
         else:
             with model.disable_adapter():
                 yield model
+
+
+@torch.no_grad()
+def check_packed_attention(model) -> None:
+    """Refuse `train.packed=true` for a model whose attention does not keep packed rows apart.
+
+    Runs two short rows padded and packed (one sequence, position_ids restarting per row) and compares the
+    completion logprobs: transformers' packed-sequence masks (sdpa, eager, flex_attention) and varlen flash
+    attention give the same values; an attention path that ignores the row boundaries does not.
+    """
+    from logitless.models import completion_logprobs, lm_head_of
+
+    weight = lm_head_of(model).weight
+    device, vocab = weight.device, weight.shape[0]
+    ids = torch.randint(0, min(vocab, 1000), (2, 8), generator=torch.Generator().manual_seed(0)).to(device)
+    mask = torch.ones_like(ids)
+    was_training = model.training
+    model.eval()
+    try:
+        args = (model, ids[:, :4], mask[:, :4], ids[:, 4:], mask[:, 4:])
+        padded, packed = completion_logprobs(*args)[0], completion_logprobs(*args, packed=True)[0]
+    finally:
+        model.train(was_training)
+    tol = 1e-3 if weight.dtype == torch.float32 else 5e-2
+    if not torch.allclose(padded, packed, atol=tol, rtol=0):
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        raise ValueError(
+            f"train.packed=true: this model's attention (attn_implementation={impl!r}) mixes packed rows (logprobs "
+            f"differ by {float((padded - packed).abs().max()):.3g} from the padded forward). Set "
+            "model.attn_implementation to sdpa, flex_attention or flash_attention_2, or set train.packed=false"
+        )

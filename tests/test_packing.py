@@ -19,16 +19,17 @@ V = 300
 FAMILIES = ["qwen2", "llama", "gpt2"]
 
 
-def tiny(family: str, seed: int = 0) -> torch.nn.Module:
-    """A random-init 2-layer causal LM of the given family (fp32, eval mode)."""
+def tiny(family: str, seed: int = 0, hidden: int = 32, layers: int = 2) -> torch.nn.Module:
+    """A random-init causal LM of the given family (fp32, eval mode)."""
     torch.manual_seed(seed)
-    common = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common = dict(vocab_size=V, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=4, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if family == "qwen2":
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(num_key_value_heads=2, **common)).eval()
     if family == "llama":
         return tf.LlamaForCausalLM(tf.LlamaConfig(num_key_value_heads=2, **common)).eval()
-    cfg = tf.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=128, bos_token_id=1, eos_token_id=2)
+    cfg = tf.GPT2Config(vocab_size=V, n_embd=hidden, n_layer=layers, n_head=4, n_positions=2048, bos_token_id=1,
+                        eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # deterministic in train()
     return tf.GPT2LMHeadModel(cfg).eval()
 
 

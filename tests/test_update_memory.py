@@ -13,7 +13,13 @@ import torch
 
 from logitless.models import completion_logprobs
 from logitless.trainer import checkpoint as ckpt
-from logitless.trainer.builders import OFFLOAD_INSTALL_HINT, clip_offloaded_grads, make_optimizer, make_scheduler
+from logitless.trainer.builders import (
+    OFFLOAD_INSTALL_HINT,
+    clip_offloaded_grads,
+    make_optimizer,
+    make_scheduler,
+    sync_offloaded_params,
+)
 from logitless.trainer.config import ModelConfig, OptimConfig, load_train_config
 from logitless.trainer.modeling import (
     QLORA_INSTALL_HINT,
@@ -138,22 +144,26 @@ def test_optimizer_state_checkpoint_round_trip(tmp_path, one_thread):
 
 
 @pytest.mark.gpu
-def test_activation_offload_gpu_identical_gradients_and_lower_peak():
-    model = _lora_model("qwen2", "cuda", torch.bfloat16, hidden=256, layers=8)
+def test_activation_offload_gpu_same_gradients_and_lower_peak():
+    layers, rows, length, hidden = 8, 8, 2048, 256
+    model = _lora_model("qwen2", "cuda", torch.bfloat16, hidden=hidden, layers=layers)
     g = torch.Generator().manual_seed(9)
-    ids = torch.randint(3, 300, (8, 2048), generator=g).cuda()  # 8 rows x (1024 prompt + 1024 completion)
+    ids = torch.randint(3, 300, (rows, length), generator=g).cuda()  # 8 rows x (1024 prompt + 1024 completion)
     mask = torch.ones_like(ids)
     inputs = (ids[:, :1024], mask[:, :1024], ids[:, 1024:], mask[:, 1024:])
     peaks, grads = [], []
-    for offload in (None, ActivationOffload(model)):
+    for offload in (None, None, ActivationOffload(model)):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         grads.append(_grads(model, inputs, offload))
         peaks.append(torch.cuda.max_memory_allocated() - base)
-    for a, b in zip(*grads):
-        assert torch.equal(a, b)
-    assert peaks[1] < 0.8 * peaks[0], peaks
+    # GPU attention backward may not be bitwise deterministic: offload must stay within run-to-run noise
+    noise = max(float((a - b).abs().max()) for a, b in zip(grads[0], grads[1]))
+    for a, b in zip(grads[0], grads[2]):
+        torch.testing.assert_close(b, a, atol=max(2 * noise, 1e-6), rtol=0)
+    layer_inputs = layers * rows * length * hidden * 2  # bytes the checkpointed layers save without offload
+    assert peaks[2] < peaks[0] - layer_inputs / 2, (peaks, layer_inputs)
 
 
 @pytest.mark.gpu
@@ -185,45 +195,34 @@ def test_qlora_loads_nf4_with_an_unquantized_head_and_trains_lora(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,package", [("adamw_8bit", "bitsandbytes"), ("adamw_cpu_offload", "torchao")])
 def test_memory_optimizers_step_clip_and_resume_gpu(name, package, tmp_path):
-    """One clipped step matches torch AdamW (8-bit: loosely), and the state survives a checkpoint round trip."""
+    """A clipped step matches torch AdamW (8-bit states: within their rounding), and a resumed optimizer continues
+    exactly. adam_epsilon=1 makes the step follow the gradient's scale, so a missed clip would show."""
     pytest.importorskip(package)
     inputs = [t.cuda() for t in batch(B=4, seed=12)]
-    cfg = OptimConfig(optimizer=name, learning_rate=1e-3)
-    ref_cfg = OptimConfig(optimizer="adamw", learning_rate=1e-3)
+    cfg = OptimConfig(optimizer=name, learning_rate=1.0, adam_epsilon=1.0)
     models = [tiny("qwen2").cuda().train() for _ in range(2)]
-    opts = [make_optimizer(list(models[0].parameters()), cfg), make_optimizer(list(models[1].parameters()), ref_cfg)]
+    before = [p.detach().clone() for p in models[0].parameters()]
+    opts = [make_optimizer(list(models[0].parameters()), cfg),
+            make_optimizer(list(models[1].parameters()), OptimConfig(learning_rate=1.0, adam_epsilon=1.0))]
     for m, o in zip(models, opts):
         _grads(m, inputs, None)
         norm = float(torch.nn.utils.clip_grad_norm_(list(m.parameters()), 1e-3))
+        assert norm > 1e-2  # clipping scales the gradients down by > 10x
         clip_offloaded_grads(o, norm, 1e-3)
         o.step()
         o.zero_grad(set_to_none=True)
-    tol = dict(atol=1e-6, rtol=1e-5) if name == "adamw_cpu_offload" else dict(atol=2e-4, rtol=0.05)
+    moved = max(float((p - b).abs().max()) for p, b in zip(models[1].parameters(), before))
+    assert 1e-6 < moved < 1e-2
+    tol = dict(atol=moved * 1e-3, rtol=0) if name == "adamw_cpu_offload" else dict(atol=moved * 0.1, rtol=0)
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         torch.testing.assert_close(a, b, **tol)
     ckpt.save_checkpoint(tmp_path, 1, model=models[0], optimizer=opts[0])
-    fresh = tiny("qwen2").cuda().train()
+    fresh = tiny("qwen2", seed=1).cuda().train()  # other initial weights: the checkpoint must replace them
     opt2 = make_optimizer(list(fresh.parameters()), cfg)
     ckpt.load_checkpoint(tmp_path, model=fresh, optimizer=opt2)
+    sync_offloaded_params(opt2)  # as build_context does on --resume
     for m, o in ((models[0], opts[0]), (fresh, opt2)):
         _grads(m, inputs, None)
         o.step()
     for a, b in zip(models[0].parameters(), fresh.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
-
-
-def test_model_shape_counts_4bit_weights_by_their_own_shape():
-    """MFU counts a QLoRA weight's FLOPs from its real shape; bitsandbytes stores it packed (4 values per bf16)."""
-    from types import SimpleNamespace
-
-    from logitless.trainer.accounting import ModelShape
-
-    model = tiny("qwen2")
-    before = ModelShape.of(model)
-    proj = model.model.layers[0].mlp.up_proj
-    packed = torch.nn.Parameter(torch.zeros(proj.weight.numel() // 4, 1, dtype=torch.bfloat16), requires_grad=False)
-    packed.quant_state = SimpleNamespace(shape=proj.weight.shape)
-    proj.weight = packed
-    after = ModelShape.of(model)
-    assert after.body_params == before.body_params
-    assert after.decode_weight_bytes == before.decode_weight_bytes - proj.weight.numel() * 4 * 2 + packed.numel() * 2

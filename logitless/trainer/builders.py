@@ -97,6 +97,13 @@ def clip_offloaded_grads(optimizer: torch.optim.Optimizer, norm: float, max_norm
         host.grad.mul_(coef)
 
 
+def sync_offloaded_params(optimizer: torch.optim.Optimizer) -> None:
+    """Refresh a CPUOffloadOptimizer's host copies of the weights from the model (after a checkpoint was loaded
+    into the model: its steps update the host copies and copy them back, so stale ones would undo the load)."""
+    for device_param, host in getattr(optimizer, "param_d2h_map", {}).items():
+        host.copy_(device_param.detach())
+
+
 def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
     """Multiplier of the base learning rate before optimizer step `step` (0-based) of `total`.
 

@@ -26,6 +26,7 @@ from logitless.trainer.builders import (
     make_scheduler,
     reward_functions,
     sampling_options,
+    sync_offloaded_params,
 )
 from logitless.trainer.config import TrainerConfig, to_yaml
 from logitless.trainer.metrics import MetricsLogger
@@ -134,6 +135,7 @@ def build_context(
     start, state = 0, {}
     if resume is not None:
         state = ckpt.load_checkpoint(resume, model=model, optimizer=optimizer, scheduler=scheduler)
+        sync_offloaded_params(optimizer)  # adamw_cpu_offload keeps host copies of the weights
         start = int(state["step"])
         sampler.load_state_dict(state["sampler"])
     elif (run_dir / "checkpoints" / ckpt.LATEST).is_file():

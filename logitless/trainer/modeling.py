@@ -126,7 +126,9 @@ def load_model(cfg: ModelConfig, device: torch.device):
         if cfg.attn_implementation == VARLEN_ATTENTION:
             register_varlen_attention()
     if cfg.load_in_4bit:  # quantized while loading, straight onto the GPU (a 4-bit model cannot be moved after)
-        kwargs.update(quantization_config=nf4_config(device, dtype), device_map={"": device})
+        quantization = nf4_config(device, dtype)  # refuses CPU and a missing bitsandbytes first
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        kwargs.update(quantization_config=quantization, device_map={"": index})
         return AutoModelForCausalLM.from_pretrained(source, **kwargs)
     return AutoModelForCausalLM.from_pretrained(source, **kwargs).to(device)
 

@@ -28,6 +28,7 @@ from logitless.trainer.modeling import (
     require_cuda_package,
     trainable_parameters,
 )
+from logitless.trainer import offload as offload_module
 from logitless.trainer.offload import ActivationOffload
 from tests.test_packing import batch, tiny
 from tests.test_trainer import _cfg, _lora, _train, rewards_module, tok  # noqa: F401 (fixtures)
@@ -69,11 +70,17 @@ def test_activation_offload_needs_gradient_checkpointing():
         ModelConfig(activation_offload=True)
 
 
-def test_trainer_with_offload_packing_and_token_budget_trains_like_the_plain_run(tmp_path, tok, rewards_module):
+def test_trainer_with_offload_packing_and_token_budget_trains_like_the_plain_run(tmp_path, tok, rewards_module,
+                                                                                 monkeypatch):
     over = ["train.max_steps=2", "rollout.max_prompt_length=40", "model.gradient_checkpointing=true"]
     plain = _train(_cfg(tmp_path / "plain", *over), tok)
+    monkeypatch.setattr(offload_module, "MIN_BYTES", 0)  # the tiny model's tensors are all small: offload them all
+    fetched = []
+    real_fetch = ActivationOffload._fetch
+    monkeypatch.setattr(ActivationOffload, "_fetch", lambda self, key: fetched.append(key) or real_fetch(self, key))
     lean = _train(_cfg(tmp_path / "lean", *over, "model.activation_offload=true", "train.packed=true",
                        "train.micro_batch_tokens=60"), tok)
+    assert len(fetched) > 0  # the update's saved tensors went through the host stash
     assert [r["loss"] for r in lean.records] == pytest.approx([r["loss"] for r in plain.records], rel=1e-5, abs=1e-7)
     a, b = _lora(tmp_path / "plain"), _lora(tmp_path / "lean")
     assert any(v.abs().max() > 0 for k, v in a.items() if "lora_B" in k)
@@ -137,6 +144,24 @@ def test_optimizer_state_checkpoint_round_trip(tmp_path, one_thread):
         o.step()
     for a, b in zip(trainable_parameters(model), trainable_parameters(fresh)):
         assert torch.equal(a, b)
+
+
+def test_model_shape_counts_4bit_weights_by_their_own_shape():
+    """MFU counts a QLoRA weight's FLOPs from its real shape; bitsandbytes stores it packed (4 values per bf16)."""
+    from types import SimpleNamespace
+
+    from logitless.trainer.accounting import ModelShape
+
+    model = tiny("qwen2")
+    before = ModelShape.of(model)
+    proj = model.model.layers[0].mlp.up_proj
+    n = proj.weight.numel()
+    packed = torch.nn.Parameter(torch.zeros(n // 4, 1, dtype=torch.bfloat16), requires_grad=False)
+    packed.quant_state = SimpleNamespace(shape=proj.weight.shape)
+    proj.weight = packed
+    after = ModelShape.of(model)
+    assert after.body_params == before.body_params
+    assert after.decode_weight_bytes == before.decode_weight_bytes - n * 2 + packed.numel() * 2
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -39,8 +39,8 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     forward holds (through the unpack hook) until its backward has run.
     """
 
-    def __init__(self, model: nn.Module, min_bytes: int = MIN_BYTES):
-        self.min_bytes = min_bytes
+    def __init__(self, model: nn.Module, min_bytes: int | None = None):
+        self.min_bytes = MIN_BYTES if min_bytes is None else min_bytes
         self.params = {_storage_ptr(p) for p in model.parameters()}
         self.stash: dict[int, _Stashed] = {}
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None

@@ -13,6 +13,7 @@ from logitless.rewards import get_reward_fn
 from logitless.rollout import SamplingOptions
 from logitless.rollout.engine import context_window, encode_prompts
 from logitless.trainer.config import DataConfig, OptimConfig, RewardConfig, RolloutConfig
+from logitless.trainer.modeling import QLORA_INSTALL_HINT, require_cuda_package
 
 
 def load_rows(cfg: DataConfig, split: str | None = None, *, eval: bool = False) -> list[PromptRow]:
@@ -55,16 +56,52 @@ def accuracy_index(cfg: RewardConfig) -> int:
     return cfg.reward_funcs.index(cfg.accuracy_reward)
 
 
-def make_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
+OFFLOAD_INSTALL_HINT = "pip install 'logitless[offload]'  (torchao)"
+
+
+def make_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW of `cfg.optimizer`: torch's, bitsandbytes' 8-bit-state AdamW8bit, or torchao's CPUOffloadOptimizer
+    (fp32 states and the update on the CPU, the parameters copied back after each step)."""
     if not params:
         raise ValueError("the model has no trainable parameters (model.lora=false and everything frozen?)")
-    return torch.optim.AdamW(
-        params,
-        lr=cfg.learning_rate,
-        betas=(cfg.adam_beta1, cfg.adam_beta2),
-        eps=cfg.adam_epsilon,
+    kwargs = dict(
+        lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
         weight_decay=cfg.weight_decay,
     )
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, **kwargs)
+    device = params[0].device
+    setting = f"optim.optimizer={cfg.optimizer!r}"
+    if cfg.optimizer == "adamw_8bit":
+        require_cuda_package("bitsandbytes", setting, QLORA_INSTALL_HINT, device)
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, **kwargs)
+    require_cuda_package("torchao", setting, OFFLOAD_INSTALL_HINT, device)
+    from torchao.optim import CPUOffloadOptimizer
+
+    return CPUOffloadOptimizer(params, torch.optim.AdamW, **kwargs)
+
+
+def clip_offloaded_grads(optimizer: torch.optim.Optimizer, norm: float, max_norm: float) -> None:
+    """Apply gradient clipping to the host copies of a CPUOffloadOptimizer.
+
+    It copies each gradient to the host as soon as backward has produced it, before the step clips the device
+    gradients; scale the host copies by the same factor `clip_grad_norm_` used (a no-op without clipping).
+    """
+    coef = torch.tensor(max_norm, dtype=torch.float32) / (torch.tensor(norm, dtype=torch.float32) + 1e-6)  # as torch
+    if not hasattr(optimizer, "param_d2h_map") or not coef < 1.0:
+        return
+    optimizer.stream.synchronize()  # the backward's device-to-host gradient copies are done
+    for host in optimizer.param_d2h_map.values():
+        host.grad.mul_(coef)
+
+
+def sync_offloaded_params(optimizer: torch.optim.Optimizer) -> None:
+    """Refresh a CPUOffloadOptimizer's host copies of the weights from the model (after a checkpoint was loaded
+    into the model: its steps update the host copies and copy them back, so stale ones would undo the load)."""
+    for device_param, host in getattr(optimizer, "param_d2h_map", {}).items():
+        host.copy_(device_param.detach())
 
 
 def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:

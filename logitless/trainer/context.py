@@ -26,10 +26,17 @@ from logitless.trainer.builders import (
     make_scheduler,
     reward_functions,
     sampling_options,
+    sync_offloaded_params,
 )
 from logitless.trainer.config import TrainerConfig, to_yaml
 from logitless.trainer.metrics import MetricsLogger
-from logitless.trainer.modeling import ReferencePolicy, load_model_and_tokenizer, prepare_for_training, trainable_parameters
+from logitless.trainer.modeling import (
+    ReferencePolicy,
+    check_packed_attention,
+    load_model_and_tokenizer,
+    prepare_for_training,
+    trainable_parameters,
+)
 
 
 @dataclass
@@ -87,6 +94,14 @@ def checked_options(cfg: TrainerConfig) -> AdvantageOptions:
             f"objective.max_completion_length={max_len} (the dr_grpo normalizer) differs from "
             f"rollout.max_completion_length={cfg.rollout.max_completion_length}; set both to the same value"
         )
+    budget, r = cfg.train.micro_batch_tokens, cfg.rollout
+    if budget is not None and r.max_prompt_length is not None and budget < r.max_prompt_length + r.max_completion_length:
+        longest = r.max_prompt_length + r.max_completion_length
+        raise ValueError(
+            f"train.micro_batch_tokens={budget} is smaller than the longest row a step can hold "
+            f"(rollout.max_prompt_length + rollout.max_completion_length = {longest}); set "
+            f"train.micro_batch_tokens >= {longest}, or lower those lengths"
+        )
     weights = tuple(cfg.reward.reward_weights) if cfg.reward.reward_weights else None
     return dataclasses.replace(cfg.advantage, reward_weights=weights)
 
@@ -110,6 +125,8 @@ def build_context(
         model = prepare_for_training(model, cfg.model)
         device = next(model.parameters()).device
     check_prompt_lengths(rows, tokenizer, model, sampling_options(cfg.rollout, seed=None), f"data.task={cfg.data.task!r}")
+    if cfg.train.packed:
+        check_packed_attention(model)
     reference = ReferencePolicy(model) if cfg.objective.beta > 0 else None  # before a resume loads trained weights
     params = trainable_parameters(model)
     optimizer = make_optimizer(params, cfg.optim)
@@ -118,6 +135,7 @@ def build_context(
     start, state = 0, {}
     if resume is not None:
         state = ckpt.load_checkpoint(resume, model=model, optimizer=optimizer, scheduler=scheduler)
+        sync_offloaded_params(optimizer)  # adamw_cpu_offload keeps host copies of the weights
         start = int(state["step"])
         sampler.load_state_dict(state["sampler"])
     elif (run_dir / "checkpoints" / ckpt.LATEST).is_file():

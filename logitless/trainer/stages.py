@@ -8,6 +8,7 @@ is the one place that knows how micro-batches become optimizer steps.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -33,9 +34,10 @@ from logitless.rewards import RewardScores, score_completions
 from logitless.rollout import RolloutBatch, SamplingOptions
 from logitless.trainer.accounting import PhaseTimer, decode_ideal_seconds, update_flops
 from logitless.trainer.batching import MicroBatch, make_micro_batches
-from logitless.trainer.builders import sampling_options, torch_threads
+from logitless.trainer.builders import clip_offloaded_grads, sampling_options, torch_threads
 from logitless.trainer.context import TrainContext
 from logitless.trainer.distributed import all_reduce_metrics, all_reduce_sum
+from logitless.trainer.offload import ActivationOffload
 
 MAX_EMPTY_STEPS = 3  # consecutive steps whose completions are all empty before the run is stopped
 
@@ -131,7 +133,7 @@ def plan_update(ctx: TrainContext, ro: Rollout, scored: Scored) -> UpdatePlan:
         trained = (adv != 0).nonzero().view(-1)
     micro = make_micro_batches(
         b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, b.sampler_logp, b.truncated, adv,
-        cfg.train.micro_batch_size, rows=trained,
+        cfg.train.micro_batch_size, rows=trained, max_tokens=cfg.train.micro_batch_tokens, packed=cfg.train.packed,
     )
     n_tokens = int(b.completion_mask.sum())
     normalizer = all_reduce_sum(loss_normalizer(o, [b.completion_mask], [b.truncated]), ctx.device) if n_tokens else 0.0
@@ -141,19 +143,19 @@ def plan_update(ctx: TrainContext, ro: Rollout, scored: Scored) -> UpdatePlan:
 @torch.no_grad()
 def logprob_stage(ctx: TrainContext, plan: UpdatePlan) -> OldRef:
     """Old-policy (μ > 1, or the entropies of the top-entropy mask) and reference (β > 0) logprobs, no grad."""
-    mu, top_entropy = ctx.cfg.train.num_iterations, _entropy_terms(ctx)[0]
+    mu, top_entropy, packed = ctx.cfg.train.num_iterations, _entropy_terms(ctx)[0], ctx.cfg.train.packed
     old: list[torch.Tensor | None] = [None] * len(plan.micro)
     ref: list[torch.Tensor | None] = [None] * len(plan.micro)
     entropies = []
     for i, m in enumerate(plan.micro):
         args = (ctx.model, m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask)
         if mu > 1 or top_entropy:
-            logp, ent = completion_logprobs(*args, temperature=plan.temperature, with_entropy=top_entropy)
+            logp, ent = completion_logprobs(*args, temperature=plan.temperature, with_entropy=top_entropy, packed=packed)
             old[i] = logp if mu > 1 else None
             entropies += [ent] if top_entropy else []
         if ctx.reference is not None:
             with ctx.reference.use(ctx.model) as ref_model:
-                ref[i] = completion_logprobs(ref_model, *args[1:], temperature=plan.temperature)[0]
+                ref[i] = completion_logprobs(ref_model, *args[1:], temperature=plan.temperature, packed=packed)[0]
     threshold = None  # one threshold over the whole step's tokens
     if top_entropy:
         q = ctx.cfg.objective.top_entropy_quantile
@@ -171,10 +173,12 @@ def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i:
         m.completion_mask, m.advantages, o, plan.normalizer, sampler_logp=m.sampler_logp, truncated=m.truncated,
         entropy_coef=ctx.entropy_coef.effective if entropy_grad else 0.0,
     )
-    logp, entropy = completion_logprobs(
-        ctx.model, m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask,
-        temperature=plan.temperature, with_entropy=True, grad_hint=hint,
-    )
+    # Activation offload: the tensors this forward saves for backward wait in host memory (trainer/offload.py).
+    with ActivationOffload(ctx.model) if ctx.cfg.model.activation_offload else contextlib.nullcontext():
+        logp, entropy = completion_logprobs(
+            ctx.model, m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask,
+            temperature=plan.temperature, with_entropy=True, grad_hint=hint, packed=ctx.cfg.train.packed,
+        )
     out = policy_loss(
         logp, m.completion_mask, m.advantages, o, plan.normalizer, old_logp=oldref.old_logp[i],
         ref_logp=oldref.ref_logp[i], sampler_logp=m.sampler_logp, entropy=entropy if entropy_grad else entropy.detach(),
@@ -191,6 +195,7 @@ def optimizer_step(ctx: TrainContext) -> float:
             p.grad = torch.zeros_like(p)
     max_norm = ctx.cfg.optim.max_grad_norm if ctx.cfg.optim.max_grad_norm is not None else math.inf
     norm = float(torch.nn.utils.clip_grad_norm_(ctx.params, max_norm))
+    clip_offloaded_grads(ctx.optimizer, norm, max_norm)
     ctx.optimizer.step()
     ctx.scheduler.step()
     ctx.optimizer.zero_grad(set_to_none=True)

@@ -38,7 +38,10 @@ from logitless.objectives import (
     EntropyCoef,
     Stat,
     compute_advantages,
+    controlled_entropy,
+    entropy_bonus_normalizer,
     entropy_quantile_threshold,
+    initial_entropy_coef,
     loss_normalizer,
     merge_metrics,
     on_policy_logp_grad,
@@ -191,7 +194,7 @@ def train(
     t_start = time.perf_counter()
     top_entropy = obj_options.top_entropy_quantile < 1.0
     entropy_grad = obj_options.entropy_coef > 0 or obj_options.use_adaptive_entropy
-    entropy_coef = EntropyCoef(*state.get("entropy_coef", (obj_options.entropy_coef, obj_options.entropy_coef)))
+    entropy_coef = EntropyCoef(*state["entropy_coef"]) if "entropy_coef" in state else initial_entropy_coef(obj_options)
     try:
         with StopRequest() as stop:
             for step in range(start + 1, cfg.train.max_steps + 1):
@@ -271,6 +274,9 @@ def train(
                         threshold = entropy_quantile_threshold(
                             old_entropy, [m.completion_mask for m in micro], obj_options.top_entropy_quantile
                         )
+                    bonus_normalizer = all_reduce_sum(entropy_bonus_normalizer(  # tokens the entropy bonus acts on
+                        obj_options, [m.completion_mask for m in micro], [m.truncated for m in micro],
+                        entropies=old_entropy or None, threshold=threshold), device)
                     model.train()
                     for _ in range(mu):
                         # fp64 sum on device: no host sync per micro-batch
@@ -291,6 +297,7 @@ def train(
                                 old_logp=old_logp[i], ref_logp=ref_logp[i], sampler_logp=m.sampler_logp,
                                 entropy=entropy if entropy_grad else entropy.detach(), truncated=m.truncated,
                                 entropy_coef=entropy_coef.effective, entropy_threshold=threshold,
+                                entropy_normalizer=bonus_normalizer,
                             )
                             out.loss.backward()
                             step_loss += out.loss.detach()
@@ -307,7 +314,7 @@ def train(
                         merged = all_reduce_metrics(merge_metrics(parts))
                         obj_metrics.append(merged)
                         if obj_options.use_adaptive_entropy:
-                            entropy_coef = update_entropy_coef(entropy_coef.coef, float(merged["entropy"].mean), obj_options)
+                            entropy_coef = update_entropy_coef(entropy_coef.coef, controlled_entropy(merged), obj_options)
                 hook("after_update", step)
                 t_train = time.perf_counter()
 

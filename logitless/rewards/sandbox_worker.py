@@ -37,7 +37,7 @@ BLOCKED_EVENTS = (  # audit events refused to untrusted code (defence in depth b
     "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg", "signal.pthread_kill", "socket.__new__",
     "socket.connect", "socket.bind", "socket.getaddrinfo", "sys._current_frames", "sys._current_exceptions",
     "gc.get_objects", "gc.get_referrers", "gc.get_referents", "ctypes.dlopen", "ctypes.cdata", "os.chroot",
-    "os.setuid", "sys.addaudithook", "sys.remote_exec",
+    "os.setuid", "sys.addaudithook", "sys.remote_exec", "_thread.start_new_thread",
 )
 # Frames hold the harness's state: every way to reach one is refused (as AttributeError / ValueError, which
 # the standard library already handles where it asks for a caller's frame, e.g. collections.namedtuple).
@@ -155,8 +155,9 @@ def _audit_hook(workdir):
     return hook
 
 
-def _run_untrusted(job, report_fd, workdir):
-    """Process B: limits, clean descriptors, audit hook, then the program and each test. Never returns."""
+def _confine(job, report_fd, workdir):
+    """In the job's child: work directory, standard streams to a capped file, every other descriptor closed
+    but the report pipe (returned), resource limits, empty environment."""
     os.chdir(workdir)
     out = os.open("output.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     null = os.open(os.devnull, os.O_RDONLY)
@@ -166,7 +167,7 @@ def _run_untrusted(job, report_fd, workdir):
     report = os.dup2(report_fd, 777)  # any number: the pipe is not secret, the per-job line prefix is
     os.closerange(3, report)
     os.closerange(report + 1, 65536)
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # output over the cap: writes fail instead of killing B
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # output over the cap: writes fail instead of killing
     cpu = int(job["cpu"])
     _limit(resource.RLIMIT_CPU, cpu, cpu + 1)
     _limit(resource.RLIMIT_AS, int(job["memory_mb"]) << 20)
@@ -175,33 +176,57 @@ def _run_untrusted(job, report_fd, workdir):
     _limit(resource.RLIMIT_NPROC, 0)
     _limit(resource.RLIMIT_CORE, 0)
     os.environ.clear()
+    return report
+
+
+def _restorer():
+    """A function that undoes what a program may have left to fake a pass: monkeypatched builtins, trace and
+    profile hooks, signal handlers and timers, pending finalizers (collected now; the collector is then off)."""
+    saved, current = dict(builtins.__dict__), builtins.__dict__
+    settrace, setprofile, setitimer, sig, collect, disable = (sys.settrace, sys.setprofile, signal.setitimer,
+                                                               signal.signal, gc.collect, gc.disable)
+    timers = (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)
+    signals = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
+
+    def restore():
+        for t in timers:
+            setitimer(t, 0)
+        for s in signals:
+            try:
+                sig(s, signal.SIG_IGN if s == signal.SIGXFSZ else signal.SIG_DFL)
+            except (OSError, ValueError, RuntimeError):
+                pass
+        settrace(None)
+        setprofile(None)
+        collect()
+        disable()
+        current.clear()
+        current.update(saved)
+
+    return restore
+
+
+def _run_untrusted(job, report_fd, workdir):
+    """The job's child: confine, run the program, then each test; report each test that raised nothing."""
+    report = _confine(job, report_fd, workdir)
     secret = job.pop("secret").encode()
-    program, tests = job.pop("program"), job.pop("tests")
-    code_of = compile
     try:
-        program_code = code_of(program, "<program>", "exec")
-        test_codes = [code_of(t, f"<test {i}>", "exec") for i, t in enumerate(tests)]
+        program_code = compile(job.pop("program"), "<program>", "exec")
+        test_codes = [compile(t, f"<test {i}>", "exec") for i, t in enumerate(job.pop("tests"))]
     except BaseException:
         os._exit(0)
-    del program, tests, job
-    write, exec_, exit_, settrace, setprofile = os.write, exec, os._exit, sys.settrace, sys.setprofile
-    saved_builtins = dict(builtins.__dict__)
-    builtins_dict = builtins.__dict__
-    hook = _audit_hook(workdir)
+    write, exec_, exit_, restore = os.write, exec, os._exit, _restorer()
     for name in BLOCKED_MODULES:
         sys.modules.pop(name, None)
-    sys.addaudithook(hook)
+    sys.addaudithook(_audit_hook(workdir))
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     try:
         exec_(program_code, namespace)
     except BaseException:
         exit_(0)  # a program that raises (or calls sys.exit) passes no test
     for i, code in enumerate(test_codes):
-        builtins_dict.clear()  # undo monkeypatched builtins before each test
-        builtins_dict.update(saved_builtins)
-        settrace(None)
-        setprofile(None)
         try:
+            restore()
             exec_(code, namespace)
         except BaseException:
             continue

@@ -121,9 +121,12 @@ def math_verify(
         if answer is None:
             out.append(None)
             continue
-        gold = parse(str(answer), parsing_timeout=timeout)
-        if not gold and not str(answer).lstrip().startswith("$"):
-            gold = parse(f"${answer}$", parsing_timeout=timeout)
+        text = str(answer).strip()
+        gold = None  # a bare gold answer is read as LaTeX first ("3\\sqrt{13}", "6 - 5i", "1,-2" whole)
+        if not text.startswith("$") and "\\boxed" not in text:
+            gold = parse(f"${text}$", parsing_timeout=timeout)
+        if not gold:
+            gold = parse(text, parsing_timeout=timeout)
         if not gold:
             out.append(None)
             continue

@@ -154,6 +154,7 @@ def test_off_policy_sequence_mask():
     samp[1] = logp[1] + 0.5  # A<0, KL 0.5 > δ -> masked
     samp[0] = logp[0] + 0.5  # A>0 -> kept whatever the KL
     samp[3] = logp[3] + 0.01  # A<0, KL 0.01 <= δ -> kept
+    samp[3, 0] = math.nan  # a token the rollout engine could not score: no evidence (TRL 1.16), still kept
     delta = 0.1
     out, grad = _run(_opts(loss_type="dapo", off_policy_mask_threshold=delta), logp, mask, adv, old_logp=old,
                      sampler_logp=samp)

@@ -245,7 +245,8 @@ def policy_loss(
     if o.off_policy_mask_threshold is not None:
         with torch.no_grad():
             behaviour = _clean(sampler_logp.detach(), valid, dtype) if sampler_logp is not None else old
-            seq_kl = ((behaviour - lp.detach()) * m).sum(-1, keepdim=True) / lengths.clamp(min=1.0)  # [B, 1]
+            d_kl = torch.nan_to_num(behaviour - lp.detach(), nan=0.0)  # unscored (NaN) tokens: no evidence, TRL 1.16
+            seq_kl = (d_kl * m).sum(-1, keepdim=True) / lengths.clamp(min=1.0)  # [B, 1]
             keep_seq = (adv >= 0) | (seq_kl <= o.off_policy_mask_threshold)
         stats["masked/off_policy"] = (~keep_seq, valid)
         pg = pg * keep_seq

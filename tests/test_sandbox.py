@@ -23,10 +23,16 @@ SECRET_ENV = "LOGITLESS_TEST_PARENT_SECRET"
 GOOD = ("def add(a, b):\n    return a + b\n", ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"])
 
 
-@pytest.fixture(scope="module")
-def pool():
+@pytest.fixture(scope="module", params=[True, False], ids=["namespaces", "no_namespaces"])
+def pool(request):
+    """Each attack runs with the kernel namespaces and without them (what a kernel or container that does not
+    permit user namespaces gets): the other layers must hold on their own."""
     os.environ[SECRET_ENV] = "s3cret-value"  # in the training process's environment when the workers start
-    p = SandboxPool(SandboxOptions(timeout_seconds=1.5, memory_mb=256, output_kb=64), num_workers=2)
+    p = SandboxPool(SandboxOptions(timeout_seconds=1.5, memory_mb=256, output_kb=64), num_workers=2,
+                    namespaces=request.param)
+    p.run([GOOD])
+    if not request.param:
+        assert "net_namespace" not in p.features and "pid_namespace" not in p.features
     yield p
     p.close()
     os.environ.pop(SECRET_ENV, None)

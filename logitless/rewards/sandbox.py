@@ -73,8 +73,10 @@ class SandboxPool:
     """`num_workers` sandbox workers (default: CPU count) scoring jobs in parallel; a worker that dies is
     restarted, and its job scores 0."""
 
-    def __init__(self, options: SandboxOptions | None = None, num_workers: int | None = None) -> None:
+    def __init__(self, options: SandboxOptions | None = None, num_workers: int | None = None, *,
+                 namespaces: bool = True) -> None:
         self.options = options or SandboxOptions()
+        self.namespaces = namespaces  # False: rlimits, uid and audit hook only (what a kernel without them gets)
         n = num_workers if num_workers is not None else (os.cpu_count() or 1)
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ValueError(f"sandbox num_workers must be a positive int, got {num_workers!r}")
@@ -87,7 +89,8 @@ class SandboxPool:
 
     def _start(self) -> _Worker:
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-B", str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, "-I", "-S", "-B", str(WORKER)] + ([] if self.namespaces else ["--no-namespaces"]),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, env={}, cwd="/", close_fds=True, start_new_session=True,
         )
         hello = _receive(proc, 60.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -61,8 +62,9 @@ def test_tiny_end_to_end_run_with_code_tests(tmp_path, gpt2_tokenizer, monkeypat
     from logitless.trainer.loop import train
     from tests.conftest import tiny_qwen2
 
-    gpt2_tokenizer.pad_token = gpt2_tokenizer.eos_token
-    gpt2_tokenizer.padding_side = "left"
+    tok = copy.deepcopy(gpt2_tokenizer)  # the fixture is shared by the whole session: leave it as it is
+    tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
     (tmp_path / "len_reward.py").write_text(
         "def length(prompts, completions, **fields):\n    return [0.01 * len(c) for c in completions]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -78,7 +80,7 @@ def test_tiny_end_to_end_run_with_code_tests(tmp_path, gpt2_tokenizer, monkeypat
         "optim.learning_rate=0.05", "model.lora_r=4", "model.lora_alpha=8", "logging.tensorboard=false",
         "logging.progress=false", "logging.log_completions=false", "logging.plot=false", "checkpoint.save_steps=2",
     ])
-    result = train(cfg, model=tiny_qwen2(vocab_size=50_257, hidden=32, layers=1), tokenizer=gpt2_tokenizer)
+    result = train(cfg, model=tiny_qwen2(vocab_size=50_257, hidden=32, layers=1), tokenizer=tok)
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert result.step == 2 and len(records) == 2
     assert all(0.0 <= r["reward/code_tests/mean"] <= 1.0 for r in records)

@@ -3,7 +3,7 @@
 Run by `logitless.rewards.sandbox` as `python -I -S -B sandbox_worker.py` with an empty environment; it uses
 the standard library only. Protocol on stdin/stdout: 4-byte big-endian length + JSON.
     job    {"program": str, "tests": [str], "timeout": s, "cpu": s, "memory_mb": n, "output_kb": n, "files": n}
-    result {"passed": [test indices], "status": "ok" | "error" | "timeout" | "killed"}
+    result {"passed": [test indices], "status": "ok" | "timeout" | "killed"}
 
 The worker serves as PID 1 of its own PID namespace when permitted. Per job it forks one child in a new
 session, the only process running untrusted code; after the job it kills that process group and, as PID 1,
@@ -100,7 +100,9 @@ def _read_exact(fd, n):
 
 def _send(obj):
     data = json.dumps(obj).encode()
-    os.write(1, struct.pack(">I", len(data)) + data)
+    data = struct.pack(">I", len(data)) + data
+    while data:
+        data = data[os.write(1, data):]
 
 
 def _limit(kind, soft, hard=None):

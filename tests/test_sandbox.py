@@ -210,6 +210,10 @@ def test_code_tests_reward(monkeypatch):
 
 
 def test_options_are_validated():
+    with pytest.raises(ValueError, match="reward.reward_options.code_tests: sandbox timeout_seconds"):
+        get_reward_fn("code_tests", timeout_seconds=-1)
+    with pytest.raises(ValueError, match="code_tests.num_workers must be a positive int"):
+        get_reward_fn("code_tests", num_workers=0)
     with pytest.raises(ValueError, match="timeout_seconds"):
         SandboxOptions(timeout_seconds=0)
     with pytest.raises(ValueError, match="memory_mb=16 is too small"):

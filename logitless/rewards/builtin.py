@@ -246,6 +246,9 @@ def get_reward_fn(spec: str | RewardFn, **options: Any) -> RewardFn:
             raise ValueError(
                 f"reward '{reward_name(fn)}' has no option '{opt}'; its options (keyword-only parameters) are {allowed}"
             )
+    check = getattr(fn, "check_options", None)  # a built-in may validate its options now, not at the first batch
+    if check is not None:
+        check(**options)
     bound = functools.partial(fn, **options)
     functools.update_wrapper(bound, fn)
     return bound

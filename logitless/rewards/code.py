@@ -86,3 +86,21 @@ def code_tests(
     for i, res in zip(todo, results):
         out[i] = float(all(res.passed)) if all_or_nothing else res.fraction
     return out
+
+
+def _check_options(*, all_or_nothing: bool = False, timeout_seconds: float = 5.0, memory_mb: int = 1024,
+                   output_kb: int = 1024, num_workers: int | None = None) -> None:
+    """Refuse bad `code_tests` options when they are bound (reward.reward_options.code_tests in a config)."""
+    where = "reward.reward_options.code_tests"
+    if not isinstance(all_or_nothing, bool):
+        raise ValueError(f"{where}.all_or_nothing must be true or false, got {all_or_nothing!r}")
+    if num_workers is not None and (isinstance(num_workers, bool) or not isinstance(num_workers, int)
+                                    or num_workers <= 0):
+        raise ValueError(f"{where}.num_workers must be a positive int or null (= CPU count), got {num_workers!r}")
+    try:
+        SandboxOptions(timeout_seconds=timeout_seconds, memory_mb=memory_mb, output_kb=output_kb)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+code_tests.check_options = _check_options  # type: ignore[attr-defined]

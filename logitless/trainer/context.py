@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from logitless.data import PromptRow, PromptSampler
-from logitless.objectives import AdvantageOptions, EntropyCoef
+from logitless.objectives import AdvantageOptions, EntropyCoef, initial_entropy_coef
 from logitless.rollout import RolloutEngine, make_engine
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.accounting import ModelShape, device_peaks
@@ -150,12 +150,12 @@ def build_context(
         run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
         total_steps=cfg.train.max_steps, resume_step=start,
     )
-    coef = cfg.objective.entropy_coef
+    coef = EntropyCoef(*state["entropy_coef"]) if "entropy_coef" in state else initial_entropy_coef(cfg.objective)
     return TrainContext(
         cfg=cfg, model=model, tokenizer=tokenizer, device=device, engine=make_engine(cfg.rollout.backend, model, tokenizer),
         params=params, optimizer=optimizer, scheduler=scheduler, sampler=sampler, reward_fns=reward_fns,
         acc_col=acc_col, adv_options=adv_options,
         reference=reference,
         shape=ModelShape.of(model), peaks=device_peaks(device, cfg.logging.peak_tflops, cfg.logging.hbm_tbs),
-        run_dir=run_dir, logger=logger, start=start, entropy_coef=EntropyCoef(*state.get("entropy_coef", (coef, coef))),
+        run_dir=run_dir, logger=logger, start=start, entropy_coef=coef,
     )

@@ -22,6 +22,8 @@ from logitless.objectives import (
     AdvantageOutput,
     Stat,
     compute_advantages,
+    controlled_entropy,
+    entropy_bonus_normalizer,
     entropy_quantile_threshold,
     loss_normalizer,
     merge_metrics,
@@ -70,6 +72,7 @@ class OldRef:
     old_logp: list[torch.Tensor | None]  # per micro-batch [b, t] (μ > 1), else None
     ref_logp: list[torch.Tensor | None]  # per micro-batch [b, t] (β > 0), else None
     threshold: float | None  # top-entropy mask threshold over the step's tokens
+    bonus_normalizer: float  # tokens the entropy bonus acts on, over the step and all ranks
 
 
 @dataclass
@@ -160,7 +163,10 @@ def logprob_stage(ctx: TrainContext, plan: UpdatePlan) -> OldRef:
     if top_entropy:
         q = ctx.cfg.objective.top_entropy_quantile
         threshold = entropy_quantile_threshold(entropies, [m.completion_mask for m in plan.micro], q)
-    return OldRef(old, ref, threshold)
+    bonus_normalizer = all_reduce_sum(entropy_bonus_normalizer(
+        ctx.cfg.objective, [m.completion_mask for m in plan.micro], [m.truncated for m in plan.micro],
+        entropies=entropies or None, threshold=threshold), ctx.device)
+    return OldRef(old, ref, threshold, bonus_normalizer)
 
 
 def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i: int) -> tuple[torch.Tensor, dict[str, Stat]]:
@@ -183,6 +189,7 @@ def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i:
         logp, m.completion_mask, m.advantages, o, plan.normalizer, old_logp=oldref.old_logp[i],
         ref_logp=oldref.ref_logp[i], sampler_logp=m.sampler_logp, entropy=entropy if entropy_grad else entropy.detach(),
         truncated=m.truncated, entropy_coef=ctx.entropy_coef.effective, entropy_threshold=oldref.threshold,
+        entropy_normalizer=oldref.bonus_normalizer,
     )
     out.loss.backward()
     return out.loss.detach(), out.metrics
@@ -218,7 +225,7 @@ def update_stage(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef) -> UpdateR
         merged = all_reduce_metrics(merge_metrics(parts))
         res.metrics.append(merged)
         if ctx.cfg.objective.use_adaptive_entropy:
-            ctx.entropy_coef = update_entropy_coef(ctx.entropy_coef.coef, float(merged["entropy"].mean), ctx.cfg.objective)
+            ctx.entropy_coef = update_entropy_coef(ctx.entropy_coef.coef, controlled_entropy(merged), ctx.cfg.objective)
     return res
 
 

@@ -31,9 +31,11 @@ SHAPES = {
                                              final_logit_softcapping=None, tie_word_embeddings=False,
                                              layer_types=["sliding_attention", "full_attention"]),
 }
-# bf16 tolerance: a compiled bf16 decode step rounds differently from the trainer's full forward (inductor fuses
-# differently); on a Qwen2.5-1.5B shape that was 0.017 nats mean, 0.094 max (bench/LOG.md)
-MEAN_TOL, MAX_TOL = 0.03, 0.3
+# bf16: a compiled bf16 decode step rounds differently from the trainer's full forward (inductor fuses
+# differently), by an amount that depends on the shape (0.017 nats mean on a Qwen2.5-1.5B shape, bench/LOG.md).
+# The windowed model is held to the noise floor of the same compiled path on the same weights without a window
+# (where the window never bites), with a small margin.
+MARGIN = 1.5
 
 
 def bf16_model(shape: str, window: int) -> torch.nn.Module:
@@ -51,23 +53,28 @@ def prompts() -> list[str]:
             for n in (12, 16, 20, 24)]  # 50-130 bytes = tokens, each over the window
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_compiled_static_bf16_matches_completion_logprobs(shape):
-    model = bf16_model(shape, WINDOW)
+def sampler_error(model: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """|sampler logp - completion_logprobs| over completion tokens [n], the batch tensors, the mask."""
     eng = make_engine("static", model, TOK, compile=True)
     opts = SamplingOptions(num_generations=4, temperature=1.0, max_new_tokens=64, seed=0, ignore_eos=True)
     b = eng.generate(prompts(), opts)
-    dev = torch.device("cuda")
-    args = [x.to(dev) for x in (b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask)]
+    args = [x.cuda() for x in (b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask)]
     with torch.no_grad():
         lp = completion_logprobs(model, *args, temperature=1.0)[0].float().cpu()
     m = b.completion_mask.bool()
     assert int((b.prompt_mask.sum(1) + b.completion_mask.sum(1)).min()) > 2 * WINDOW  # the window bites
-    diff = (b.sampler_logp - lp)[m].abs()
-    assert diff.mean() < MEAN_TOL and diff.max() < MAX_TOL, (float(diff.mean()), float(diff.max()))
+    return (b.sampler_logp - lp)[m].abs(), args, lp
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_compiled_static_bf16_matches_completion_logprobs(shape):
+    floor, _, _ = sampler_error(bf16_model(shape, 10_000))  # same weights, no window: bf16 noise of the path
+    diff, args, lp = sampler_error(windowed := bf16_model(shape, WINDOW))
+    assert diff.mean() < MARGIN * floor.mean() + 0.005 and diff.max() < MARGIN * floor.max() + 0.05, (
+        float(diff.mean()), float(diff.max()), float(floor.mean()), float(floor.max()))
     # the check can fail: the same weights without the window give logprobs far outside the tolerance
-    del eng
-    unwindowed = bf16_model(shape, 10_000)
+    del windowed
     with torch.no_grad():
-        lp_full = completion_logprobs(unwindowed, *args, temperature=1.0)[0].float().cpu()
-    assert (lp_full - lp)[m].abs().mean() > 3 * MEAN_TOL
+        lp_full = completion_logprobs(bf16_model(shape, 10_000), *args, temperature=1.0)[0].float().cpu()
+    m = args[3].bool().cpu()
+    assert (lp_full - lp)[m].abs().mean() > 3 * MARGIN * floor.mean()

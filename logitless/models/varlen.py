@@ -14,6 +14,8 @@ S², not with the rows' own lengths). This attention function gives the varlen c
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -60,7 +62,11 @@ def _varlen_rows(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int, scal
     if q.is_cuda:
         from torch.nn.attention.varlen import varlen_attn
 
-        return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0), enable_gqa=gqa)
+        if gqa and "enable_gqa" not in inspect.signature(varlen_attn).parameters:  # torch < 2.13: expand K/V heads
+            rep = q.shape[1] // k.shape[1]
+            k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
+        extra = {"enable_gqa": True} if gqa else {}
+        return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0), **extra)
     out = []
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
         qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))  # [H, n, D]

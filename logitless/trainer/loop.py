@@ -62,9 +62,12 @@ from logitless.trainer.builders import (
 )
 from logitless.trainer.config import TrainerConfig, to_yaml
 from logitless.trainer.distributed import all_reduce_metrics, all_reduce_sum
-from logitless.trainer.metrics import MetricsLogger
+from logitless.trainer.metrics import MetricsLogger, RewardErrorReport
 from logitless.trainer.modeling import ReferencePolicy, load_model_and_tokenizer, prepare_for_training, trainable_parameters
 from logitless.trainer.plot import plot_run
+from logitless.trainer.preflight import check_resume, validate_config
+from logitless.trainer.rundir import claim_run_dir
+from logitless.trainer.sources import check_sources
 from logitless.trainer.signals import StopRequest
 
 Hook = Callable[[str, int], None]  # hook(event, step); events: "step_start", "after_rollout", "after_update"
@@ -118,11 +121,34 @@ def train(
     cfg: TrainerConfig,
     *,
     resume: str | Path | None = None,
+    overwrite: bool = False,
     model: torch.nn.Module | None = None,
     tokenizer: Any = None,
     hook: Hook | None = None,
 ) -> TrainResult:
-    """Run GRPO-family training as configured; `model`/`tokenizer` (optional) replace cfg.model's loading."""
+    """Run GRPO-family training as configured; `model`/`tokenizer` (optional) replace cfg.model's loading.
+
+    Before anything slow: the config is checked (`preflight`), the run folder is locked for this process and must
+    be new, or `resume`d (the run continues in the resumed run's folder), or `overwrite`n (`rundir`).
+    """
+    validate_config(cfg)
+    with claim_run_dir(cfg, resume=resume, overwrite=overwrite) as run:
+        if run.resume_from is not None:
+            check_resume(run.cfg, run.resume_from)
+        if model is None:
+            check_sources(run.cfg)
+        return _train(run.cfg, resume=run.resume_from, model=model, tokenizer=tokenizer, hook=hook)
+
+
+def _train(
+    cfg: TrainerConfig,
+    *,
+    resume: str | Path | None = None,
+    model: torch.nn.Module | None = None,
+    tokenizer: Any = None,
+    hook: Hook | None = None,
+) -> TrainResult:
+    """The training run of `train`, in its claimed run folder (cfg.train.output_dir is absolute)."""
     hook = hook or (lambda event, step: None)
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
@@ -166,12 +192,6 @@ def train(
         state = ckpt.load_checkpoint(resume, model=model, optimizer=optimizer, scheduler=scheduler)
         start = int(state["step"])
         sampler.load_state_dict(state["sampler"])
-    elif (ckpt_root / ckpt.LATEST).is_file():
-        warnings.warn(
-            f"{run_dir} already holds checkpoints of an earlier run; this run starts from step 0 and replaces them "
-            f"(use --resume {run_dir} to continue that run, or set train.output_dir)",
-            stacklevel=2,
-        )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     logger = MetricsLogger(
@@ -179,6 +199,7 @@ def train(
         total_steps=cfg.train.max_steps, resume_step=start,
     )
     result = TrainResult(run_dir=run_dir, step=start)
+    report_reward_errors = RewardErrorReport(logger.print, cfg.reward.error_penalty)
 
     def save(step: int) -> None:
         result.checkpoint = ckpt.save_checkpoint(
@@ -212,6 +233,7 @@ def train(
                     reward_fns, cfg.reward.reward_weights, [r.prompt for r in sample_rows], rollout.completions,
                     sample_rows, on_error=cfg.reward.on_error, penalty=cfg.reward.error_penalty,
                 )
+                report_reward_errors(step, scores.names, scores.num_errors, scores.error_texts, len(sample_rows))
                 adv = compute_advantages(scores.rewards, G, adv_options)
                 t_score = time.perf_counter()
                 hook("after_rollout", step)

@@ -218,6 +218,7 @@ def save_checkpoint(
     tmp = root / f"{TMP_PREFIX}{step_dirname(step)}-{os.getpid()}"
     py_rng, torch_rng = rng_state()
     state = {"step": step, "rng": py_rng, **(trainer_state or {})}
+    old = None
     try:
         tmp.mkdir()
         extra = {"save_embedding_layers": False} if is_peft_model(model) else {}  # adapters only, no vocab probe
@@ -234,7 +235,6 @@ def save_checkpoint(
         manifest = json.dumps(_manifest(tmp), indent=1).encode()
         _write_file(tmp / MANIFEST, lambda f: f.write(manifest))
         _fsync_tree(tmp)
-        old = None
         if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
             old = root / f"{OLD_PREFIX}{final.name}-{os.getpid()}"
             os.rename(final, old)
@@ -249,6 +249,11 @@ def save_checkpoint(
     except (OSError, RuntimeError, TypeError, ValueError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         (root / (LATEST + ".tmp")).unlink(missing_ok=True)
+        if old is not None and old.exists():  # a re-save: keep exactly one complete version of the step
+            if final.exists():  # the new version is complete and in place (only the pointer write failed)
+                shutil.rmtree(old, ignore_errors=True)
+            else:  # the previous version goes back where `latest` expects it
+                os.rename(old, final)
         try:
             prev = read_latest(root)
         except CheckpointError:

@@ -136,10 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except KeyboardInterrupt:
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C now must not print a traceback
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the process is ending: a second Ctrl-C must not print more
         print("interrupted (Ctrl-C); a run keeps its last complete checkpoint (continue it with --resume)",
               file=sys.stderr)
-        signal.signal(signal.SIGINT, previous)
         return 130
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

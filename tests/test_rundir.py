@@ -402,3 +402,86 @@ def test_reward_errors_are_printed_rate_limited_with_the_exception_text():
     assert "step 1: reward function 'flaky' raised on 8 of 8 samples" in shown[0]
     assert "ValueError: no number in 'abc'" in shown[0] and "reward.on_error=raise" in shown[0]
     assert "step 4" in shown[1] and "raised on 24 of 24 samples" in shown[1]
+
+
+# ---- end to end, with a tiny model
+
+
+from tests.test_cli import _config, tiny_folder  # noqa: E402,F401  (fixture)
+from tests.test_trainer import VOCAB, tok  # noqa: E402,F401  (fixture)
+
+ALWAYS_RAISES = '''
+def always(prompts, completions, **fields):
+    raise ValueError("no digits here")
+'''
+
+
+def _tiny_train(cfg, tok, **kw):
+    return loop_mod.train(cfg, model=tiny_qwen2(vocab_size=VOCAB, hidden=32, layers=1), tokenizer=tok, **kw)
+
+
+def _e2e_cfg(output_dir, *overrides):
+    return load_train_config(None, [
+        f"train.output_dir={output_dir}", "train.max_steps=2", "train.prompts_per_step=2", "rollout.num_generations=4",
+        "rollout.max_completion_length=4", "data.options={difficulty: 1, n: 20, chat: false}", "model.lora_r=4",
+        "model.lora_alpha=8", "logging.tensorboard=false", "logging.progress=false", "logging.log_completions=false",
+        "logging.plot=false", "checkpoint.save_steps=1", *overrides,
+    ])
+
+
+def test_resume_from_another_directory_writes_into_the_resumed_run(tmp_path, tok, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    _tiny_train(_e2e_cfg("runs/demo"), tok)  # a relative train.output_dir, as the demo's
+    run = tmp_path / "a" / "runs" / "demo"
+    monkeypatch.chdir(tmp_path / "b")
+    with pytest.warns(UserWarning, match="continuing in"):
+        result = _tiny_train(_e2e_cfg("runs/demo", "train.max_steps=3"), tok, resume=run)
+    assert result.run_dir == run and not (tmp_path / "b" / "runs").exists()
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
+    assert ckpt.read_latest(run / "checkpoints").name == "step-000003"
+    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["output_dir"] == str(run)  # absolute
+
+
+def test_reward_errors_under_penalty_reach_the_console(tmp_path, tok, monkeypatch, capsys):
+    (tmp_path / "raising_rewards.py").write_text(ALWAYS_RAISES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = _e2e_cfg(tmp_path / "run", "reward.reward_funcs=[numeric_answer, raising_rewards:always]",
+                   "reward.on_error=penalty", "reward.error_penalty=-1.0")
+    result = _tiny_train(cfg, tok)
+    err = capsys.readouterr().err
+    assert result.records[0]["reward/always/errors"] == 8
+    assert err.count("reward function 'always' raised on 8 of 8 samples") == 1  # step 2 is within the rate limit
+    assert "ValueError: no digits here" in err and "reward.error_penalty=-1.0" in err
+
+
+@pytest.fixture
+def restore_sigint():
+    import signal
+
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, handler)
+
+
+def test_ctrl_c_twice_during_startup_prints_one_line(tmp_path, tiny_folder, restore_sigint):
+    import signal
+
+    cfg = _config(tmp_path, tiny_folder, max_steps=50)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "logitless", "train", str(cfg)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lock = tmp_path / "run" / LOCK_FILE
+    deadline = time.monotonic() + 120
+    while not (lock.is_file() and lock.read_text().strip()) and proc.poll() is None:
+        assert time.monotonic() < deadline, "the run folder was not claimed in time"
+        time.sleep(0.05)  # polling for the claim (the model load starts right after), not synchronization
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)  # the second Ctrl-C comes while the first is being handled
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    assert len([line for line in out.splitlines() if "interrupted" in line or "stopped by signal" in line]) == 1, out

@@ -10,6 +10,7 @@ import hashlib
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -71,6 +72,14 @@ def no_model_load(monkeypatch):
 
     monkeypatch.setattr(loop_mod, "load_model_and_tokenizer", fail)
     monkeypatch.setattr(evaluate_mod, "load_model_and_tokenizer", fail)
+
+
+@pytest.fixture
+def restore_sigint():
+    """main() ignores SIGINT once it handled a Ctrl-C (the process is ending); put the test process's handler back."""
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, handler)
 
 
 def _cli(capsys, *argv) -> tuple[int, str]:
@@ -377,7 +386,7 @@ def test_offline_mode_and_empty_model_folder(tmp_path, capsys, monkeypatch, no_m
 # ---- Ctrl-C
 
 
-def test_ctrl_c_during_the_model_load_is_one_line(tmp_path, capsys, monkeypatch):
+def test_ctrl_c_during_the_model_load_is_one_line(tmp_path, capsys, monkeypatch, restore_sigint):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt  # what Python raises when Ctrl-C arrives inside from_pretrained
 
@@ -456,18 +465,7 @@ def test_reward_errors_under_penalty_reach_the_console(tmp_path, tok, monkeypatc
     assert "ValueError: no digits here" in err and "reward.error_penalty=-1.0" in err
 
 
-@pytest.fixture
-def restore_sigint():
-    import signal
-
-    handler = signal.getsignal(signal.SIGINT)
-    yield
-    signal.signal(signal.SIGINT, handler)
-
-
-def test_ctrl_c_twice_during_startup_prints_one_line(tmp_path, tiny_folder, restore_sigint):
-    import signal
-
+def test_ctrl_c_twice_during_startup_prints_one_line(tmp_path, tiny_folder):
     cfg = _config(tmp_path, tiny_folder, max_steps=50)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "logitless", "train", str(cfg)], env=env,

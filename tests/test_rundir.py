@@ -27,12 +27,13 @@ from logitless.trainer import loop as loop_mod
 from logitless.trainer.config import demo_config, load_train_config, to_yaml
 from logitless.trainer.metrics import RewardErrorReport, read_metrics
 from logitless.trainer.modeling import prepare_for_training
-from logitless.trainer.preflight import check_resume, validate_config
+from logitless.trainer.preflight import validate_config
 from logitless.trainer.rundir import LOCK_FILE, RunDirError, claim_run_dir
 from tests.conftest import tiny_qwen2
 
 REPO = Path(__file__).resolve().parents[1]
 evaluate_mod = importlib.import_module("logitless.trainer.evaluate")  # the package exports a function of that name
+context_mod = importlib.import_module("logitless.trainer.context")  # where train() loads the model
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[str, int]]:
@@ -70,7 +71,7 @@ def no_model_load(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("the model was loaded before the error")
 
-    monkeypatch.setattr(loop_mod, "load_model_and_tokenizer", fail)
+    monkeypatch.setattr(context_mod, "load_model_and_tokenizer", fail)
     monkeypatch.setattr(evaluate_mod, "load_model_and_tokenizer", fail)
 
 
@@ -170,12 +171,16 @@ def test_lock_is_exclusive_within_one_process_and_released(tmp_path):
 
 def test_resume_from_another_directory_continues_in_the_run_folder(earlier_run, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cfg = _run_cfg(Path("runs/demo"), "train.max_steps=4")  # relative, as the demo's output_dir
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
+    cfg = _run_cfg(Path("runs/demo"), "train.max_steps=4", "data.task=jsonl", "data.options={path: prompts.jsonl}",
+                   "model.name_or_path=runs/model")  # relative paths, as the demo's output_dir
     with pytest.warns(UserWarning, match=r"train.output_dir='runs/demo' .* continuing in .*earlier"):
         run = claim_run_dir(cfg, resume=earlier_run)
     with run:
         assert run.path == earlier_run.resolve() and run.cfg.train.output_dir == str(earlier_run.resolve())
         assert run.resume_from == earlier_run.resolve() / "checkpoints" / "step-000002"
+        assert run.cfg.data.options["path"] == str(tmp_path / "prompts.jsonl")  # recorded absolute
+        assert run.cfg.model.name_or_path == str(tmp_path / "runs" / "model")
     assert not (tmp_path / "runs" / "demo").exists()
 
 
@@ -390,7 +395,7 @@ def test_ctrl_c_during_the_model_load_is_one_line(tmp_path, capsys, monkeypatch,
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt  # what Python raises when Ctrl-C arrives inside from_pretrained
 
-    monkeypatch.setattr(loop_mod, "load_model_and_tokenizer", interrupted)
+    monkeypatch.setattr(context_mod, "load_model_and_tokenizer", interrupted)
     code, err = _cli(capsys, "train", f"train.output_dir={tmp_path / 'run'}")
     assert code == 130 and err.strip().splitlines() == [err.strip()] and "interrupted (Ctrl-C)" in err
     claim_run_dir(_run_cfg(tmp_path / "run")).release()  # the lock was released on the way out

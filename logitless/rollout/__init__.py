@@ -3,7 +3,8 @@ distribution those are). `make_engine("hf" | "static" | "continuous", model, tok
 
 from __future__ import annotations
 
-from .engine import BACKENDS, generation_mode, make_engine
+from .engine import generation_mode
+from .factory import BACKENDS, make_engine
 from .types import Prompt, RolloutBatch, RolloutEngine, RolloutTiming, SamplingOptions
 
 __all__ = [

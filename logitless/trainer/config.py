@@ -212,9 +212,15 @@ class LoggingConfig:
     progress: bool = True  # rich progress bar (off when not a terminal)
     tensorboard: bool = True  # when the tensorboard package is installed
     plot: bool = True  # PNG of the training curves at the end
+    # Device peaks for rollout/ceiling_fraction and train/mfu (None: the datasheet value of a known GPU).
+    peak_tflops: float | None = None  # dense bf16 TFLOP/s
+    hbm_tbs: float | None = None  # memory bandwidth, TB/s
 
     def __post_init__(self):
-        _positive("logging", logging_steps=self.logging_steps, completions_steps=self.completions_steps)
+        _positive(
+            "logging", logging_steps=self.logging_steps, completions_steps=self.completions_steps,
+            peak_tflops=self.peak_tflops, hbm_tbs=self.hbm_tbs,
+        )
 
 
 @dataclass

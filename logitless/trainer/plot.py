@@ -17,7 +17,7 @@ PANELS = [
     ("grad norm", ["grad_norm"]),
     ("learning rate", ["learning_rate"]),
     ("rollout tokens/s", ["tokens_per_s"]),
-    ("seconds per stage", ["time/generate", "time/score", "time/train"]),
+    ("seconds per stage", ["time/generate", "time/score", "time/logprobs", "time/train"]),
 ]
 
 

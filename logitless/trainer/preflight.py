@@ -131,7 +131,12 @@ def check_resume(cfg: TrainerConfig, checkpoint: Path, *, flag: str = "--resume"
 
 
 def _norm(v: Any) -> Any:
-    return sorted(v) if isinstance(v, (list, tuple)) else v
+    """Comparable form of a model key: lists unordered, an existing local path resolved."""
+    if isinstance(v, (list, tuple)):
+        return sorted(v)
+    if isinstance(v, str) and v and Path(v).expanduser().exists():
+        return str(Path(v).expanduser().resolve())
+    return v
 
 
 def check_output_file(path: str | Path, flag: str) -> None:

@@ -24,6 +24,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NoReturn
 
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.config import TrainerConfig
@@ -47,10 +48,12 @@ class RunDir:
     def release(self) -> None:
         """Give up the lock (the lock file stays: unlinking it would let two later runs lock different files)."""
         if self._fd is not None:
-            os.ftruncate(self._fd, 0)
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
+            fd, self._fd = self._fd, None
+            try:
+                os.ftruncate(fd, 0)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
 
     def __enter__(self) -> RunDir:
         return self
@@ -69,6 +72,24 @@ def run_dir_of_checkpoint(path: str | Path) -> Path:
     return path
 
 
+def _absolute_paths(cfg: TrainerConfig, run_dir: Path) -> TrainerConfig:
+    """`cfg` with train.output_dir = `run_dir` and relative local paths (model folder, data files) made absolute,
+    so that the run's config.yaml means the same from any working directory (`--resume` reuses it)."""
+
+    def absolute(value: Any) -> Any:
+        if isinstance(value, str) and value and not Path(value).is_absolute() and Path(value).expanduser().exists():
+            return str(Path(value).expanduser().resolve())
+        return value
+
+    data = dataclasses.replace(
+        cfg.data,
+        options={k: absolute(v) if k == "path" else v for k, v in cfg.data.options.items()},
+        eval_options={k: absolute(v) if k == "path" else v for k, v in cfg.data.eval_options.items()},
+    )
+    model = dataclasses.replace(cfg.model, name_or_path=absolute(cfg.model.name_or_path))
+    return dataclasses.replace(cfg, model=model, data=data, train=dataclasses.replace(cfg.train, output_dir=str(run_dir)))
+
+
 def _make_writable_dir(path: Path) -> None:
     """Create `path` (and parents); a clear error naming train.output_dir when that is impossible."""
     try:
@@ -83,24 +104,33 @@ def _make_writable_dir(path: Path) -> None:
         ) from e
 
 
+def _refuse_held(fd: int, path: Path) -> NoReturn:
+    """RunDirError naming the process that holds the lock of run folder `path` (whose lock file is open as fd)."""
+    owner = os.pread(fd, 4096, 0).decode(errors="replace")
+    os.close(fd)
+    try:
+        info = json.loads(owner)
+        who = f"process {info['pid']} on {info['host']} ({info['command']}, started {info['started']})"
+    except (ValueError, KeyError, TypeError):
+        who = "another process"
+    raise RunDirError(
+        f"train.output_dir={str(path)!r} is in use by {who}; wait for that run to finish or stop it, "
+        "or set train.output_dir=<another folder>"
+    ) from None
+
+
 def _lock(path: Path) -> int:
     """Exclusive, non-blocking lock of `path/.lock`; return its fd. Error naming the owner when it is held."""
     lock = path / LOCK_FILE
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        owner = os.pread(fd, 4096, 0).decode(errors="replace")
-        os.close(fd)
-        try:
-            info = json.loads(owner)
-            who = f"process {info['pid']} on {info['host']} ({info['command']}, started {info['started']})"
-        except (ValueError, KeyError, TypeError):
-            who = "another process"
-        raise RunDirError(
-            f"train.output_dir={str(path)!r} is in use by {who}; wait for that run to finish or stop it, "
-            "or set train.output_dir=<another folder>"
-        ) from None
+    except OSError as e:
+        if isinstance(e, BlockingIOError):
+            _refuse_held(fd, path)
+        warnings.warn(f"{lock}: this filesystem does not support locks ({e}); nothing stops a second run from "
+                      "writing into this folder", stacklevel=3)
+        return fd
     stale = os.pread(fd, 4096, 0).decode(errors="replace").strip()
     if stale:  # the holder died without releasing: the kernel already dropped its lock
         warnings.warn(f"{lock}: taking over the stale lock of a run that is no longer running ({stale})", stacklevel=3)
@@ -151,7 +181,8 @@ def claim_run_dir(cfg: TrainerConfig, *, resume: str | Path | None = None, overw
     """Lock the run folder of `cfg` (or of the resumed run) for this process and check it may be written.
 
     Returns the RunDir (a context manager releasing the lock) with the config whose train.output_dir is the
-    absolute run folder, and on resume the intact checkpoint to continue from.
+    absolute run folder (and whose local model and data paths are absolute), and on resume the intact
+    checkpoint to continue from.
     """
     if resume is not None and overwrite:
         raise RunDirError("--resume continues a run and --overwrite deletes it; give only one of them")
@@ -167,8 +198,7 @@ def claim_run_dir(cfg: TrainerConfig, *, resume: str | Path | None = None, overw
         )
     _make_writable_dir(path)
     fd = _lock(path)
-    run = RunDir(cfg=dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=str(path))), path=path,
-                 resume_from=None, _fd=fd)
+    run = RunDir(cfg=_absolute_paths(cfg, path), path=path, resume_from=None, _fd=fd)
     try:
         if resume is None:
             _check_fresh(path, overwrite)

@@ -92,9 +92,9 @@ def _hub_dataset(cfg: DataConfig, split: str, eval: bool) -> str | None:
     return None
 
 
-def check_data_source(cfg: DataConfig, *, eval: bool = False) -> None:
+def check_data_source(cfg: DataConfig, *, eval: bool = False, split: str | None = None) -> None:
     """The hub dataset of the train (or eval) split is cached or reachable (local files are checked when read)."""
-    name = _hub_dataset(cfg, cfg.eval_split if eval else cfg.split, eval)
+    name = _hub_dataset(cfg, split or (cfg.eval_split if eval else cfg.split), eval)
     if name is None or _cached(name, "README.md", None, "dataset"):
         return
     fix = ("Download it once with network access, or use a local file: data.task=jsonl data.options.path=<file.jsonl>"
@@ -107,4 +107,4 @@ def check_data_source(cfg: DataConfig, *, eval: bool = False) -> None:
 def check_sources(cfg: TrainerConfig, *, eval: bool = False) -> None:
     """Model and dataset (train split, or the eval split with `eval`) sources of `cfg`; one-line SourceError."""
     check_model_source(cfg.model)
-    check_data_source(cfg.data, eval=eval)
+    check_data_source(cfg.data, eval=eval, split=cfg.eval.split if eval else None)

@@ -1,0 +1,136 @@
+"""Everything a training run holds between steps, built once from the config (`build_context`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from logitless.data import PromptRow, PromptSampler
+from logitless.objectives import AdvantageOptions, EntropyCoef
+from logitless.rollout import RolloutEngine, make_engine
+from logitless.trainer import checkpoint as ckpt
+from logitless.trainer.accounting import ModelShape, device_peaks
+from logitless.trainer.builders import (
+    accuracy_index,
+    check_prompt_lengths,
+    load_rows,
+    make_optimizer,
+    make_scheduler,
+    reward_functions,
+    sampling_options,
+)
+from logitless.trainer.config import TrainerConfig, to_yaml
+from logitless.trainer.metrics import MetricsLogger
+from logitless.trainer.modeling import ReferencePolicy, load_model_and_tokenizer, prepare_for_training, trainable_parameters
+
+
+@dataclass
+class TrainContext:
+    """The model, its sampler engine, optimizer and data, and the state that carries across steps."""
+
+    cfg: TrainerConfig
+    model: torch.nn.Module
+    tokenizer: Any
+    device: torch.device
+    engine: RolloutEngine
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    sampler: PromptSampler
+    reward_fns: list[Callable[..., list[float | None]]]
+    acc_col: int  # column of the reward whose 1.0 means "correct"
+    adv_options: AdvantageOptions
+    reference: ReferencePolicy | None  # the KL term's policy (objective.beta > 0)
+    shape: ModelShape  # for the ceiling and MFU accounting
+    peaks: tuple[float, float]  # (dense bf16 FLOP/s, HBM bytes/s) of the device; NaN where unknown
+    run_dir: Path
+    logger: MetricsLogger
+    start: int  # last step completed before this process started (0, or the resumed checkpoint's step)
+    entropy_coef: EntropyCoef  # carried across steps (adaptive entropy control)
+    empty_steps: int = 0  # consecutive steps whose completions were all empty
+    t_start: float = field(default_factory=time.perf_counter)  # for the wall-time budget
+
+    @property
+    def ckpt_root(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def save(self, step: int) -> Path:
+        """Write an atomic checkpoint of this step (model, optimizer, schedule, data position, RNG, entropy coef)."""
+        return ckpt.save_checkpoint(
+            self.ckpt_root, step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+            trainer_state={"sampler": self.sampler.state_dict(), "entropy_coef": list(self.entropy_coef)},
+            keep=self.cfg.checkpoint.save_total_limit,
+        )
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def checked_options(cfg: TrainerConfig) -> AdvantageOptions:
+    """Cross-section checks that need no model; returns the advantage options with the reward weights."""
+    if cfg.advantage.reward_weights is not None:
+        raise ValueError("set reward weights once, in reward.reward_weights (advantage.reward_weights is filled from it)")
+    max_len = cfg.objective.max_completion_length
+    if max_len not in (None, cfg.rollout.max_completion_length):
+        raise ValueError(
+            f"objective.max_completion_length={max_len} (the dr_grpo normalizer) differs from "
+            f"rollout.max_completion_length={cfg.rollout.max_completion_length}; set both to the same value"
+        )
+    weights = tuple(cfg.reward.reward_weights) if cfg.reward.reward_weights else None
+    return dataclasses.replace(cfg.advantage, reward_weights=weights)
+
+
+def build_context(
+    cfg: TrainerConfig, *, resume: str | Path | None = None, model: torch.nn.Module | None = None, tokenizer: Any = None
+) -> TrainContext:
+    """Data and rewards first (their errors need no model), then model, engine, optimizer, and the resumed state."""
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    seed_everything(cfg.train.seed)
+    adv_options = checked_options(cfg)
+    rows: list[PromptRow] = load_rows(cfg.data)
+    sampler = PromptSampler(rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+    reward_fns, acc_col = reward_functions(cfg.reward), accuracy_index(cfg.reward)
+    if model is None:
+        model, tokenizer, device = load_model_and_tokenizer(cfg.model)
+    else:
+        if tokenizer is None:
+            raise ValueError("train(model=...) needs tokenizer= too")
+        model = prepare_for_training(model, cfg.model)
+        device = next(model.parameters()).device
+    check_prompt_lengths(rows, tokenizer, model, sampling_options(cfg.rollout, seed=None), f"data.task={cfg.data.task!r}")
+    reference = ReferencePolicy(model) if cfg.objective.beta > 0 else None  # before a resume loads trained weights
+    params = trainable_parameters(model)
+    optimizer = make_optimizer(params, cfg.optim)
+    scheduler = make_scheduler(optimizer, cfg.train.max_steps * cfg.train.num_iterations, cfg.optim)
+    run_dir = Path(cfg.train.output_dir)
+    start, state = 0, {}
+    if resume is not None:
+        state = ckpt.load_checkpoint(resume, model=model, optimizer=optimizer, scheduler=scheduler)
+        start = int(state["step"])
+        sampler.load_state_dict(state["sampler"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    logger = MetricsLogger(
+        run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
+        total_steps=cfg.train.max_steps, resume_step=start,
+    )
+    coef = cfg.objective.entropy_coef
+    return TrainContext(
+        cfg=cfg, model=model, tokenizer=tokenizer, device=device, engine=make_engine(cfg.rollout.backend, model, tokenizer),
+        params=params, optimizer=optimizer, scheduler=scheduler, sampler=sampler, reward_fns=reward_fns,
+        acc_col=acc_col, adv_options=adv_options,
+        reference=reference,
+        shape=ModelShape.of(model), peaks=device_peaks(device, cfg.logging.peak_tflops, cfg.logging.hbm_tbs),
+        run_dir=run_dir, logger=logger, start=start, entropy_coef=EntropyCoef(*state.get("entropy_coef", (coef, coef))),
+    )

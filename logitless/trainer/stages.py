@@ -1,0 +1,279 @@
+"""The stages of one GRPO step, each a function with typed inputs and outputs:
+
+    rollout_stage → score_stage → plan_update → logprob_stage → update_stage → step_record
+
+`loop.train` runs them in order; each can be called (and tested) alone on a `TrainContext`. The update stage
+is the one place that knows how micro-batches become optimizer steps.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from logitless.data import PromptRow
+from logitless.models import completion_logprobs
+from logitless.objectives import (
+    AdvantageOutput,
+    Stat,
+    compute_advantages,
+    entropy_quantile_threshold,
+    loss_normalizer,
+    merge_metrics,
+    on_policy_logp_grad,
+    policy_loss,
+    summarize,
+    update_entropy_coef,
+)
+from logitless.rewards import RewardScores, score_completions
+from logitless.rollout import RolloutBatch, SamplingOptions
+from logitless.trainer.accounting import PhaseTimer, decode_ideal_seconds, update_flops
+from logitless.trainer.batching import MicroBatch, make_micro_batches
+from logitless.trainer.builders import sampling_options, torch_threads
+from logitless.trainer.context import TrainContext
+from logitless.trainer.distributed import all_reduce_metrics, all_reduce_sum
+
+MAX_EMPTY_STEPS = 3  # consecutive steps whose completions are all empty before the run is stopped
+
+
+@dataclass
+class Rollout:
+    rows: list[PromptRow]  # the step's prompts
+    sample_rows: list[PromptRow]  # [B] the prompt row of each sample
+    batch: RolloutBatch  # B = len(rows) * G samples, on the training device
+    options: SamplingOptions
+
+
+@dataclass
+class Scored:
+    scores: RewardScores  # rewards [B, R], weighted total [B], error counts
+    adv: AdvantageOutput  # advantages [B] and their metrics
+
+
+@dataclass
+class UpdatePlan:
+    micro: list[MicroBatch]  # the rows that are trained, longest first
+    trained: torch.Tensor  # [n] long, rows run in the update (all B unless zero-advantage rows are skipped)
+    normalizer: float  # the objective's denominator over the whole step, all ranks
+    n_tokens: int  # completion tokens of the step (this rank)
+    temperature: float  # of the sampler's logprobs, which the trainer's logprobs must match
+
+
+@dataclass
+class OldRef:
+    old_logp: list[torch.Tensor | None]  # per micro-batch [b, t] (μ > 1), else None
+    ref_logp: list[torch.Tensor | None]  # per micro-batch [b, t] (β > 0), else None
+    threshold: float | None  # top-entropy mask threshold over the step's tokens
+
+
+@dataclass
+class UpdateResult:
+    losses: list[float] = field(default_factory=list)  # one per optimizer step
+    grad_norms: list[float] = field(default_factory=list)
+    metrics: list[dict[str, Stat]] = field(default_factory=list)  # objective metrics per optimizer step
+
+
+def _entropy_terms(ctx: TrainContext) -> tuple[bool, bool]:
+    """(top-entropy mask on, entropy in the gradient)."""
+    o = ctx.cfg.objective
+    return o.top_entropy_quantile < 1.0, o.entropy_coef > 0 or o.use_adaptive_entropy
+
+
+def rollout_stage(ctx: TrainContext, step: int) -> Rollout:
+    """G samples for each of the step's prompts, with the sampler's logprobs."""
+    cfg = ctx.cfg
+    rows = ctx.sampler.next_batch(cfg.train.prompts_per_step)
+    options = sampling_options(cfg.rollout, seed=cfg.train.seed * 1_000_003 + step)
+    with torch_threads(cfg.rollout.num_threads):
+        batch = ctx.engine.generate([r.prompt for r in rows], options).to(ctx.device)
+    return Rollout(rows, [rows[i] for i in batch.prompt_index.tolist()], batch, options)
+
+
+def score_stage(ctx: TrainContext, ro: Rollout) -> Scored:
+    """Rewards [B, R] of every sample and group advantages [B]."""
+    r = ctx.cfg.reward
+    scores = score_completions(
+        ctx.reward_fns, r.reward_weights, [x.prompt for x in ro.sample_rows], ro.batch.completions, ro.sample_rows,
+        on_error=r.on_error, penalty=r.error_penalty,
+    )
+    return Scored(scores, compute_advantages(scores.rewards, ctx.cfg.rollout.num_generations, ctx.adv_options))
+
+
+def check_empty(ctx: TrainContext, ro: Rollout, step: int) -> None:
+    """Warn on a step whose completions are all empty; stop the run after MAX_EMPTY_STEPS of them."""
+    if not all(not c.strip() for c in ro.batch.completions):
+        ctx.empty_steps = 0
+        return
+    ctx.empty_steps += 1
+    warnings.warn(f"step {step}: every completion is empty (the model ends at once)", stacklevel=2)
+    if ctx.empty_steps >= MAX_EMPTY_STEPS:
+        raise ValueError(
+            f"every completion of the last {MAX_EMPTY_STEPS} steps is empty: the model emits EOS first. Check the "
+            "tokenizer's EOS token and chat template (model.name_or_path), rollout.stop and "
+            "rollout.max_completion_length"
+        )
+
+
+def plan_update(ctx: TrainContext, ro: Rollout, scored: Scored) -> UpdatePlan:
+    """Micro-batches of the rows worth training, and the step's global loss normalizer."""
+    cfg, b = ctx.cfg, ro.batch
+    o = cfg.objective
+    top_entropy, entropy_grad = _entropy_terms(ctx)
+    adv = scored.adv.advantages.to(ctx.device)
+    # Rows with advantage 0 add exactly 0 to the loss and its gradient when there is no KL or entropy term, so
+    # they are not run (they still count in the normalizer, which is taken over all rows).
+    trained = torch.arange(b.completion_mask.shape[0], device=ctx.device)
+    if cfg.train.skip_zero_advantage and o.beta == 0 and not (entropy_grad or top_entropy):
+        trained = (adv != 0).nonzero().view(-1)
+    micro = make_micro_batches(
+        b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, b.sampler_logp, b.truncated, adv,
+        cfg.train.micro_batch_size, rows=trained,
+    )
+    n_tokens = int(b.completion_mask.sum())
+    normalizer = all_reduce_sum(loss_normalizer(o, [b.completion_mask], [b.truncated]), ctx.device) if n_tokens else 0.0
+    return UpdatePlan(micro, trained, normalizer, n_tokens, ro.options.logp_temperature)
+
+
+@torch.no_grad()
+def logprob_stage(ctx: TrainContext, plan: UpdatePlan) -> OldRef:
+    """Old-policy (μ > 1, or the entropies of the top-entropy mask) and reference (β > 0) logprobs, no grad."""
+    mu, top_entropy = ctx.cfg.train.num_iterations, _entropy_terms(ctx)[0]
+    old: list[torch.Tensor | None] = [None] * len(plan.micro)
+    ref: list[torch.Tensor | None] = [None] * len(plan.micro)
+    entropies = []
+    for i, m in enumerate(plan.micro):
+        args = (ctx.model, m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask)
+        if mu > 1 or top_entropy:
+            logp, ent = completion_logprobs(*args, temperature=plan.temperature, with_entropy=top_entropy)
+            old[i] = logp if mu > 1 else None
+            entropies += [ent] if top_entropy else []
+        if ctx.reference is not None:
+            with ctx.reference.use(ctx.model) as ref_model:
+                ref[i] = completion_logprobs(ref_model, *args[1:], temperature=plan.temperature)[0]
+    threshold = None  # one threshold over the whole step's tokens
+    if top_entropy:
+        q = ctx.cfg.objective.top_entropy_quantile
+        threshold = entropy_quantile_threshold(entropies, [m.completion_mask for m in plan.micro], q)
+    return OldRef(old, ref, threshold)
+
+
+def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i: int) -> tuple[torch.Tensor, dict[str, Stat]]:
+    """Loss of micro-batch i (already divided by the step's normalizer), back-propagated; (loss, metrics)."""
+    o, m = ctx.cfg.objective, plan.micro[i]
+    entropy_grad = _entropy_terms(ctx)[1]
+    # On-policy without KL/IS/entropy terms d loss / d logp is known before the forward, so the fused op can form
+    # its gradients there (a speed hint; None otherwise).
+    hint = None if ctx.cfg.train.num_iterations > 1 else on_policy_logp_grad(
+        m.completion_mask, m.advantages, o, plan.normalizer, sampler_logp=m.sampler_logp, truncated=m.truncated,
+        entropy_coef=ctx.entropy_coef.effective if entropy_grad else 0.0,
+    )
+    logp, entropy = completion_logprobs(
+        ctx.model, m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask,
+        temperature=plan.temperature, with_entropy=True, grad_hint=hint,
+    )
+    out = policy_loss(
+        logp, m.completion_mask, m.advantages, o, plan.normalizer, old_logp=oldref.old_logp[i],
+        ref_logp=oldref.ref_logp[i], sampler_logp=m.sampler_logp, entropy=entropy if entropy_grad else entropy.detach(),
+        truncated=m.truncated, entropy_coef=ctx.entropy_coef.effective, entropy_threshold=oldref.threshold,
+    )
+    out.loss.backward()
+    return out.loss.detach(), out.metrics
+
+
+def optimizer_step(ctx: TrainContext) -> float:
+    """Clip, step, schedule, zero; returns the gradient norm before clipping."""
+    for p in ctx.params:  # a step without trained rows still is an AdamW step with zero gradients
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    max_norm = ctx.cfg.optim.max_grad_norm if ctx.cfg.optim.max_grad_norm is not None else math.inf
+    norm = float(torch.nn.utils.clip_grad_norm_(ctx.params, max_norm))
+    ctx.optimizer.step()
+    ctx.scheduler.step()
+    ctx.optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def update_stage(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef) -> UpdateResult:
+    """μ optimizer steps, each over all micro-batches; adapts the entropy coefficient after each."""
+    res = UpdateResult()
+    ctx.model.train()
+    for _ in range(ctx.cfg.train.num_iterations):
+        step_loss = torch.zeros((), dtype=torch.float64, device=ctx.device)  # on device: no host sync per micro-batch
+        parts = []
+        for i in range(len(plan.micro)):
+            loss, metrics = micro_batch_backward(ctx, plan, oldref, i)
+            step_loss += loss
+            parts.append(metrics)
+        res.grad_norms.append(optimizer_step(ctx))
+        res.losses.append(float(step_loss))
+        merged = all_reduce_metrics(merge_metrics(parts))
+        res.metrics.append(merged)
+        if ctx.cfg.objective.use_adaptive_entropy:
+            ctx.entropy_coef = update_entropy_coef(ctx.entropy_coef.coef, float(merged["entropy"].mean), ctx.cfg.objective)
+    return res
+
+
+def reward_metrics(rewards: torch.Tensor, total: torch.Tensor, names: list[str], acc_col: int) -> dict[str, float]:
+    """Mean/std of each reward function [B, R] and of the weighted total [B]; accuracy = share of samples whose
+    accuracy reward is 1 (samples it could not score count as wrong)."""
+    out: dict[str, float] = {"reward/mean": float(total.mean()), "reward/std": float(total.std(unbiased=False))}
+    for k, name in enumerate(names):
+        col = rewards[:, k]
+        ok = col[~torch.isnan(col)]
+        out[f"reward/{name}/mean"] = float(ok.mean()) if ok.numel() else math.nan
+        out[f"reward/{name}/std"] = float(ok.std(unbiased=False)) if ok.numel() else math.nan
+    out["accuracy"] = float((rewards[:, acc_col] == 1.0).float().mean())
+    return out
+
+
+def efficiency_metrics(ctx: TrainContext, ro: Rollout, plan: UpdatePlan, timer: PhaseTimer) -> dict[str, float]:
+    """Rollout share of the HBM-bandwidth ceiling and update MFU (trainer/accounting.py defines both); empty
+    where the device's peaks are unknown (CPU), since a ratio to an unknown peak says nothing."""
+    if not all(math.isfinite(x) for x in ctx.peaks):
+        return {}
+    b = ro.batch
+    p_lens, t_lens = b.prompt_mask.sum(1).tolist(), b.completion_mask.sum(1).tolist()
+    ideal = decode_ideal_seconds(ctx.shape, p_lens, t_lens, ctx.peaks[1])
+    trained = plan.trained.tolist()
+    flops = update_flops(ctx.shape, [(p_lens[i], t_lens[i]) for i in trained]) * ctx.cfg.train.num_iterations
+    train_s = timer.seconds.get("train", math.nan)
+    return {
+        "rollout/ceiling_fraction": ideal / max(timer.seconds.get("generate", math.nan), 1e-9),
+        "train/mfu": flops / max(train_s, 1e-9) / ctx.peaks[0],
+        "train/tflops_per_s": flops / max(train_s, 1e-9) / 1e12,
+    }
+
+
+def step_record(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan, upd: UpdateResult, timer: PhaseTimer) -> dict[str, Any]:
+    """The step's metrics: rewards, advantages, objective, lengths, time and memory per phase, efficiency."""
+    s, b = scored.scores, ro.batch
+    lengths = b.completion_mask.sum(1).float()
+    empty = [not c.strip() for c in b.completions]
+    record: dict[str, Any] = reward_metrics(s.rewards, s.total, s.names, ctx.acc_col)
+    record.update({f"reward/{n}/errors": e for n, e in zip(s.names, s.num_errors) if e})
+    record.update({f"reward/{n}/none": c for n, c in zip(s.names, s.num_none) if c})
+    record.update({k: v for k, v in summarize(scored.adv.metrics).items() if k.startswith(("advantage", "zero_var", "unscorable"))})
+    obj = summarize(merge_metrics(upd.metrics)) if upd.metrics else {}
+    record.update({k: v for k, v in obj.items() if not k.startswith("completion_length")})
+    train_s = timer.seconds.get("logprobs", 0.0) + timer.seconds.get("train", 0.0)
+    record.update({
+        "loss": sum(upd.losses) / len(upd.losses) if upd.losses else math.nan,
+        "grad_norm": sum(upd.grad_norms) / len(upd.grad_norms) if upd.grad_norms else math.nan,
+        "learning_rate": ctx.optimizer.param_groups[0]["lr"],
+        "entropy_coef": ctx.entropy_coef.effective,
+        "completion/length_mean": float(lengths.mean()),
+        "completion/length_max": float(lengths.max()),
+        "completion/truncated": float(b.truncated.float().mean()),
+        "completion/empty": sum(empty) / len(empty),
+        "tokens_per_s": b.timing.tokens_per_s,
+        "train_tokens_per_s": plan.n_tokens * ctx.cfg.train.num_iterations / max(train_s, 1e-9),
+        **timer.metrics(),
+        **efficiency_metrics(ctx, ro, plan, timer),
+        "skipped": float(plan.n_tokens == 0),
+        "trained_rows": float(len(plan.trained)) if plan.n_tokens > 0 else 0.0,
+    })
+    return record

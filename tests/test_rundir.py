@@ -152,8 +152,8 @@ def test_a_second_writer_is_refused_naming_the_running_process(tmp_path):
             claim_run_dir(_run_cfg(run))
         assert _snapshot(run) == before
     finally:
-        holder.stdin.close()
-        holder.wait(timeout=60)
+        holder.kill()  # SIGKILL: no chance to release anything
+        holder.communicate(timeout=60)
     # the holder is gone: its lock is stale and is taken over, with a warning naming it
     with pytest.warns(UserWarning, match=rf"stale lock.*\"pid\": {holder.pid}"):
         claim_run_dir(_run_cfg(run)).release()
@@ -249,6 +249,11 @@ def test_truncated_last_metrics_line_is_dropped_with_a_warning(earlier_run, tmp_
 
     with pytest.warns(UserWarning, match="incomplete"):
         assert plot_run(earlier_run, tmp_path / "c.png").is_file()
+    from logitless.trainer.metrics import MetricsLogger
+
+    with pytest.warns(UserWarning, match="incomplete"):  # --resume from step 2 keeps steps 1-2, drops the tail
+        MetricsLogger(earlier_run, tensorboard=False, progress=False, resume_step=2).close()
+    assert [r["step"] for r in read_metrics(earlier_run)] == [1, 2]
     path.write_text('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')  # a bad line elsewhere is not guessed at
     with pytest.raises(ValueError, match=r"metrics.jsonl line 2 is not a JSON record.*fix or delete that line"):
         read_metrics(earlier_run)
@@ -332,8 +337,10 @@ def test_eval_output_folder_and_checkpoint_path_are_checked_first(earlier_run, t
 
 
 def test_a_folder_given_as_config_file(earlier_run, capsys):
+    before = _snapshot(earlier_run)
     code, err = _cli(capsys, "train", str(earlier_run))
     assert code == 2 and "is a folder, not a YAML config file" in err and f"--resume {earlier_run}" in err
+    assert _snapshot(earlier_run) == before
 
 
 def test_prompt_length_error_names_config_keys_only(gpt2_tokenizer):

@@ -286,7 +286,8 @@ def run_config(a: argparse.Namespace, system: str, T: int, model_dir: Path, step
 
 
 def find_max_T(a: argparse.Namespace, system: str, model_dir: Path, lo: int, hi: int) -> dict[str, Any]:
-    """Longest T (multiple of --resolution) whose step runs within the budget: doubling, then bisection."""
+    """Longest T whose step runs within the budget, to --resolution: from `lo` (which must fit), double `hi`
+    while it fits, then bisect. Each probe is a fresh process running --probe-steps steps."""
     probes = []
 
     def fits(T: int) -> bool:
@@ -323,6 +324,8 @@ def main() -> None:
     ap.add_argument("--probe-steps", type=int, default=1)
     ap.add_argument("--resolution", type=int, default=256)
     ap.add_argument("--max-T-cap", type=int, default=32_768)
+    ap.add_argument("--lo-T", type=int, default=1024, help="--find-max-T starts here (must fit)")
+    ap.add_argument("--hi-T", type=int, default=2048, help="--find-max-T's first probe above --lo-T")
     ap.add_argument("--set", action="append", default=[], help="extra logitless config override key=value")
     ap.add_argument("--tag", default="")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -351,7 +354,7 @@ def main() -> None:
     systems = a.systems.split(",")
     if a.find_max_T:
         for system in systems:
-            result["max_T"][system] = find_max_T(a, system, model_dir, 1024, 2048)
+            result["max_T"][system] = find_max_T(a, system, model_dir, a.lo_T, a.hi_T)
             print(f"{system}: max T = {result['max_T'][system]['max_T']}", flush=True)
     else:
         for T in (int(t) for t in a.T.split(",")):

@@ -37,7 +37,8 @@ def gqa_decode_attention(
     B, H, q, d = query.shape
     kv = key.shape[1]
     plain = q != 1 or H == kv or dropout > 0 or key.shape[-1] != value.shape[-1]
-    if plain or kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("position_bias") is not None:
+    # a sliding window or attention chunk needs nothing here: the mask carries it (sdpa ignores those kwargs too)
+    if plain or kwargs.get("softcap") or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     out = F.scaled_dot_product_attention(

@@ -429,7 +429,18 @@ def test_reward_errors_are_printed_rate_limited_with_the_exception_text():
 
 
 from tests.test_cli import _config, tiny_folder  # noqa: E402,F401  (fixture)
-from tests.test_trainer import VOCAB, tok  # noqa: E402,F401  (fixture)
+from tests.test_trainer import VOCAB  # noqa: E402
+
+
+@pytest.fixture
+def tok(gpt2_tokenizer):
+    """A left-padding copy of the session's GPT-2 tokenizer (the shared one stays as other tests expect it)."""
+    import copy
+
+    t = copy.deepcopy(gpt2_tokenizer)
+    t.pad_token = t.eos_token
+    t.padding_side = "left"
+    return t
 
 ALWAYS_RAISES = '''
 def always(prompts, completions, **fields):

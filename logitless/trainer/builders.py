@@ -129,8 +129,12 @@ def sampling_options(
     num_generations: int | None = None,
     temperature: float | None = None,
     max_new_tokens: int | None = None,
+    section: str = "rollout",
 ) -> SamplingOptions:
-    """`logitless.rollout.SamplingOptions` of the rollout section (TRL names mapped to the engine's)."""
+    """`logitless.rollout.SamplingOptions` of the rollout section (TRL names mapped to the engine's).
+
+    An invalid option is reported under its config key (`rollout.top_p`, or `eval.pass_k` for `section="eval"`).
+    """
     options = SamplingOptions(
         num_generations=cfg.num_generations if num_generations is None else num_generations,
         temperature=cfg.temperature if temperature is None else temperature,
@@ -143,7 +147,20 @@ def sampling_options(
         seed=seed,
         max_prompt_length=cfg.max_prompt_length,
     )
-    options.validate()
+    keys = {f: f"rollout.{f}" for f in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop",
+                                         "max_prompt_length", "num_generations")}
+    keys["max_new_tokens"] = "rollout.max_completion_length"
+    if section == "eval":
+        keys["num_generations"] = "eval.pass_k"
+        if max_new_tokens is not None:
+            keys["max_new_tokens"] = "eval.max_completion_length"
+    try:
+        options.validate()
+    except (ValueError, TypeError) as e:
+        message = str(e)
+        for name, key in keys.items():
+            message = message.replace(f"SamplingOptions.{name}", key)
+        raise type(e)(message) from None
     return options
 
 
@@ -153,8 +170,8 @@ def check_prompt_lengths(rows: list[PromptRow], tokenizer: Any, model: Any, opti
         encode_prompts(tokenizer, [r.prompt for r in rows], options, context_window(model))
     except ValueError as e:
         raise ValueError(
-            f"{what}: {e}. (prompts[i] is row i of the dataset; raise rollout.max_prompt_length, lower "
-            "rollout.max_completion_length, or filter the data)"
+            f"{what}: {str(e).split(': shorten it')[0]}. (prompts[i] is row i of the dataset; raise "
+            "rollout.max_prompt_length, lower rollout.max_completion_length, or filter the data)"
         ) from e
 
 

@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
+
 from logitless.configlib import ConfigError, apply_overrides, from_dict, load_config, to_dict, to_yaml
 from logitless.objectives import AdvantageOptions, ObjectiveOptions
 
@@ -335,6 +337,23 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] | tup
     return load_config(TrainerConfig, path, list(overrides))
 
 
+def _yaml_value(raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw  # apply_overrides reports it
+
+
 def demo_config(overrides: list[str] | tuple[str, ...] = ()) -> TrainerConfig:
-    """The embedded CPU demo's config (`DEMO` over the defaults), then `section.key=value` overrides."""
-    return from_dict(TrainerConfig, apply_overrides(TrainerConfig, copy.deepcopy(DEMO), list(overrides)))
+    """The embedded CPU demo's config (`DEMO` over the defaults), then `section.key=value` overrides.
+
+    An override of `data.task` to another task starts from that task's own defaults: the demo's arithmetic
+    options (difficulty, template, ...) are dropped, and only `data.options.*` given as overrides apply.
+    """
+    base = copy.deepcopy(DEMO)
+    for item in overrides:
+        key, _, raw = item.partition("=")
+        if key.strip() == "data.task" and _yaml_value(raw) != DEMO["data"]["task"]:
+            base["data"].pop("options", None)
+            base["data"].pop("eval_options", None)
+    return from_dict(TrainerConfig, apply_overrides(TrainerConfig, base, list(overrides)))

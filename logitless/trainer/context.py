@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -138,12 +137,6 @@ def build_context(
         sync_offloaded_params(optimizer)  # adamw_cpu_offload keeps host copies of the weights
         start = int(state["step"])
         sampler.load_state_dict(state["sampler"])
-    elif (run_dir / "checkpoints" / ckpt.LATEST).is_file():
-        warnings.warn(
-            f"{run_dir} already holds checkpoints of an earlier run; this run starts from step 0 and replaces them "
-            f"(use --resume {run_dir} to continue that run, or set train.output_dir)",
-            stacklevel=3,
-        )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     logger = MetricsLogger(

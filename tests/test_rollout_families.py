@@ -242,3 +242,28 @@ def test_unsupported_layouts_refused_naming_backend_hf(model_type):
         with pytest.raises(UnsupportedModelError, match=rf"backend={backend} .*'{model_type}'.*{reason}.*backend=hf"):
             make_eng(backend, model)
     assert make_eng("hf", model) is not None
+
+
+def test_varlen_attention_models_decode_through_grouped_sdpa(models, one_thread, monkeypatch):
+    """A model trained with attn_implementation="logitless_varlen" (packed micro-batches) samples through the same
+    grouped-query sdpa decode as an "sdpa" model: its unpacked batches are sdpa, so the fast path applies."""
+    from logitless.models.varlen import NAME, register
+
+    register()
+    model = models("mistral_window", "sdpa")
+    monkeypatch.setattr(model.config, "_attn_implementation", NAME)
+    sdpa, grouped = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(query, *args, **kw):
+        grouped.append(query.shape[1] == COMMON["num_key_value_heads"])
+        return sdpa(query, *args, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    opts = SamplingOptions(num_generations=2, temperature=TEMPERATURE, max_new_tokens=10, seed=5, ignore_eos=True)
+    a = make_engine("static", model, TOK, check_every=4).generate(PROMPTS, opts)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    assert sum(grouped) == 2 * 9 and model.config._attn_implementation == NAME
+    with torch.no_grad():
+        lp, _ = completion_logprobs(model, a.prompt_ids, a.prompt_mask, a.completion_ids, a.completion_mask,
+                                    temperature=TEMPERATURE)
+    torch.testing.assert_close(a.sampler_logp, lp.float(), atol=1e-4, rtol=0)

@@ -83,24 +83,8 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def checked_options(cfg: TrainerConfig) -> AdvantageOptions:
-    """Cross-section checks that need no model; returns the advantage options with the reward weights."""
-    if cfg.advantage.reward_weights is not None:
-        raise ValueError("set reward weights once, in reward.reward_weights (advantage.reward_weights is filled from it)")
-    max_len = cfg.objective.max_completion_length
-    if max_len not in (None, cfg.rollout.max_completion_length):
-        raise ValueError(
-            f"objective.max_completion_length={max_len} (the dr_grpo normalizer) differs from "
-            f"rollout.max_completion_length={cfg.rollout.max_completion_length}; set both to the same value"
-        )
-    budget, r = cfg.train.micro_batch_tokens, cfg.rollout
-    if budget is not None and r.max_prompt_length is not None and budget < r.max_prompt_length + r.max_completion_length:
-        longest = r.max_prompt_length + r.max_completion_length
-        raise ValueError(
-            f"train.micro_batch_tokens={budget} is smaller than the longest row a step can hold "
-            f"(rollout.max_prompt_length + rollout.max_completion_length = {longest}); set "
-            f"train.micro_batch_tokens >= {longest}, or lower those lengths"
-        )
+def advantage_options(cfg: TrainerConfig) -> AdvantageOptions:
+    """The advantage options with the reward weights of `reward.reward_weights` (checked by `preflight`)."""
     weights = tuple(cfg.reward.reward_weights) if cfg.reward.reward_weights else None
     return dataclasses.replace(cfg.advantage, reward_weights=weights)
 
@@ -112,7 +96,7 @@ def build_context(
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)
-    adv_options = checked_options(cfg)
+    adv_options = advantage_options(cfg)
     rows: list[PromptRow] = load_rows(cfg.data)
     sampler = PromptSampler(rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     reward_fns, acc_col = reward_functions(cfg.reward), accuracy_index(cfg.reward)

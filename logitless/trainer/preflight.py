@@ -61,6 +61,14 @@ def _check_training(cfg: TrainerConfig) -> None:
             f"objective.max_completion_length={cfg.objective.max_completion_length} (the dr_grpo normalizer) differs "
             f"from rollout.max_completion_length={cfg.rollout.max_completion_length}; set both to the same value"
         )
+    budget, r = cfg.train.micro_batch_tokens, cfg.rollout
+    if budget is not None and r.max_prompt_length is not None and budget < r.max_prompt_length + r.max_completion_length:
+        longest = r.max_prompt_length + r.max_completion_length
+        raise ValueError(
+            f"train.micro_batch_tokens={budget} is smaller than the longest row a step can hold "
+            f"(rollout.max_prompt_length + rollout.max_completion_length = {longest}); set "
+            f"train.micro_batch_tokens >= {longest}, or lower those lengths"
+        )
 
 
 def check_device(name: str) -> None:

@@ -16,6 +16,9 @@ the cache is longer than the window. Layouts this cannot reproduce are refused w
 
 from __future__ import annotations
 
+import math
+
+import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, StaticLayer
 
@@ -32,13 +35,13 @@ def prefill_cache() -> DynamicCache:
     return DynamicCache()  # without a config, every layer is a full DynamicLayer
 
 
-def decode_cache(prefill: DynamicCache, repeats: int, max_len: int) -> Cache:
-    """Static cache of `max_len` slots per layer holding `prefill`'s keys/values (for P positions) with each row
-    repeated `repeats` times, ready to decode position P. Slot j is sequence index j in every layer."""
+def decode_cache(prefill: DynamicCache, rows: torch.Tensor, max_len: int) -> Cache:
+    """Static cache of `max_len` slots per layer whose row b holds the keys/values of prefill row `rows[b]` (for
+    P positions), ready to decode position P. Slot j is sequence index j in every layer."""
     layers = []
     for src in prefill.layers:
-        k = src.keys.repeat_interleave(repeats, 0)  # [B, kv, P, d]
-        v = src.values.repeat_interleave(repeats, 0)
+        k = src.keys.index_select(0, rows)  # [B, kv, P, d]
+        v = src.values.index_select(0, rows)
         P = k.shape[2]
         if P > max_len:
             raise ValueError(f"decode_cache: the prefill holds {P} positions, more than max_len={max_len}")
@@ -49,3 +52,38 @@ def decode_cache(prefill: DynamicCache, repeats: int, max_len: int) -> Cache:
         layer.cumulative_length.fill_(P)
         layers.append(layer)
     return Cache(layers=layers)
+
+
+def kv_bytes_per_token(prefill: DynamicCache) -> int:
+    """Bytes of one row's keys and values for one position, summed over the layers of `prefill`."""
+    total = 0
+    for layer in prefill.layers:
+        for t in (layer.keys, layer.values):
+            total += t.element_size() * t.shape[1] * t.shape[3]  # [n, kv, P, d]
+    return total
+
+
+def auto_kv_budget(device: torch.device, fraction: float) -> float | None:
+    """Bytes the decode cache may use when no budget is set: `fraction` of the device memory that is free now
+    (driver-free plus what torch's allocator holds unused). None (no cap) off CUDA."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return fraction * (free + cached)
+
+
+def wave_rows(num_rows: int, row_bytes: int, budget: float | None, what: str) -> int:
+    """Rows decoded together so that rows x row_bytes fits `budget` bytes (None: all rows), spread evenly over
+    the fewest waves. Raises naming `what` (the budget's setting) and the smallest value that works."""
+    if budget is None or num_rows * row_bytes <= budget:
+        return num_rows
+    fit = int(budget // row_bytes)
+    if fit < 1:
+        need = math.ceil(row_bytes / 2**30 * 1000) / 1000
+        raise ValueError(
+            f"{what}={budget / 2**30:.4g} GiB is too small for the KV cache of one row ({row_bytes / 2**30:.4g} "
+            f"GiB: prompt + max_new_tokens positions); set {what} >= {need}, or lower max_new_tokens"
+        )
+    waves = -(-num_rows // fit)
+    return -(-num_rows // waves)

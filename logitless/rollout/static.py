@@ -24,47 +24,51 @@ torch.compile on CPU: logprobs follow an in-place weight change to 7e-6).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 from transformers.generation.configuration_utils import CompileConfig
+from transformers.generation.logits_process import TemperatureLogitsWarper
 
-from .engine import build_batch, generation_mode, prepare_prompts, seeded, sync, unwrap_model
 from .attention import gqa_decode
+from .engine import PreparedPrompts, build_batch, generation_mode, prepare_prompts, sync, unwrap_model
 from .hf import sampling_processors
-from .kv_cache import STATIC_LAYER_TYPES, decode_cache, prefill_cache
+from .kv_cache import STATIC_LAYER_TYPES, auto_kv_budget, decode_cache, kv_bytes_per_token, prefill_cache, wave_rows
 from .layouts import check_layout
+from .sampling import apply_filters, fused_sampler, row_keys, step_keys, vocab_codes
 from .types import Prompt, RolloutBatch, SamplingOptions
+from .weights import LiveWeights, WeightSource
+
+AUTO_KV_FRACTION = 0.85  # share of the free device memory the decode cache may take when max_kv_gib is unset
+SAMPLING_BUFFERS = 8  # [V] fp32 buffers per row that sampling keeps live (logits, scaled, noise, scores, ...)
 
 
-def sample_step(
-    logits: torch.Tensor,  # [B, V] fp32 raw logits
-    history: torch.Tensor,  # [B, L] prompt + generated ids so far (for repetition penalty)
-    processors: list,
-    logp_temperature: float,
-    greedy: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token [B], logp [B]); logp = log_softmax(logits / T)[token]. Equivalent to transformers' sampling
-    with the same processors (a different but exact way to draw from the same categorical)."""
-    scaled = logits / logp_temperature if logp_temperature != 1.0 else logits
-    lse = torch.logsumexp(scaled, dim=-1)  # [B]
-    scores = logits
-    for proc in processors:
-        scores = proc(history, scores)
-    if greedy:
-        token = scores.argmax(-1)
-    else:
-        probs = torch.softmax(scores, dim=-1)
-        token = (probs / torch.empty_like(probs).exponential_()).argmax(-1)
-    logp = scaled.gather(1, token[:, None]).squeeze(1) - lse
-    return token, logp
+@dataclass
+class _Call:
+    """What every wave of one `generate` call shares."""
+
+    prep: PreparedPrompts
+    options: SamplingOptions
+    cache_len: int  # L, slots per row in the decode cache
+    prefill: Any  # DynamicCache of the n distinct prompts
+    first_logits: torch.Tensor  # [n, V] fp32 logits of each prompt's first completion token
+    keys: torch.Tensor  # [B] int64 random-stream key of each row
+    codes: torch.Tensor  # [V] int64 hashed vocabulary indices
+    filters: list  # repetition penalty / top-k / top-p / min-p processors (no temperature)
+    eos: torch.Tensor  # [E] long EOS ids (empty with ignore_eos)
+    parts: dict[str, float] = field(default_factory=dict)  # seconds per part of the step (profile=True)
 
 
 class StaticEngine:
     """Fast sampler with a static KV cache and a CUDA-graph-compiled decode step.
 
-    compile: compile the decode step (default: on CUDA only). check_every: host-side stop-string /
+    compile: compile the decode step and the sampler (default: on CUDA only). check_every: host-side stop-string /
     all-finished checks every that many steps. cache_multiple: round the cache length up to this.
+    max_kv_gib: cap of the decode KV cache in GiB (rows beyond it are decoded in later waves); None: automatic,
+    AUTO_KV_FRACTION of the device memory free at the call (no cap on CPU). weights: where the decode weights come
+    from (`weights.py`; default: the model itself). profile: synchronize around each part of the decode step and
+    report its seconds in `RolloutTiming.parts` (slower; for benchmarks).
     """
 
     def __init__(
@@ -75,87 +79,160 @@ class StaticEngine:
         compile: bool | None = None,
         check_every: int = 32,
         cache_multiple: int = 128,
+        max_kv_gib: float | None = None,
+        weights: WeightSource | None = None,
+        profile: bool = False,
     ):
         if check_every < 1 or cache_multiple < 1:
             raise ValueError(
                 f"StaticEngine: check_every={check_every} and cache_multiple={cache_multiple} must both be >= 1"
             )
-        check_layout(unwrap_model(model), "static", STATIC_LAYER_TYPES)
+        if max_kv_gib is not None and not max_kv_gib > 0:
+            raise ValueError(f"rollout.max_kv_gib={max_kv_gib!r} must be > 0 (GiB), or unset for the automatic budget")
+        self.weights = weights if weights is not None else LiveWeights(model)
+        check_layout(unwrap_model(self.weights.module), "static", STATIC_LAYER_TYPES)
         self.model = model
         self.tokenizer = tokenizer
         self.compile = compile
         self.check_every = check_every
         self.cache_multiple = cache_multiple
+        self.max_kv_gib = max_kv_gib
+        self.profile = profile
         self._max_len = 0
+        self._last_parts: dict[str, float] = {}
 
-    def _forward(self, device: torch.device):
-        base = unwrap_model(self.model)
-        use_compile = device.type == "cuda" if self.compile is None else self.compile
-        if use_compile:
+    def _use_compile(self, device: torch.device) -> bool:
+        return device.type == "cuda" if self.compile is None else bool(self.compile)
+
+    def _forward(self, module: Any, device: torch.device):
+        base = unwrap_model(module)
+        if self._use_compile(device):
             return base.get_compiled_call(CompileConfig(fullgraph=False, mode="reduce-overhead", dynamic=False)), True
         return base.__call__, False
 
-    def generate(self, prompts: Sequence[Prompt], options: SamplingOptions) -> RolloutBatch:
-        prep = prepare_prompts(self.model, self.tokenizer, prompts, options)
-        pad_id, eos_ids, device, ctx = prep.pad_id, prep.eos_ids, prep.device, prep.context
-        ids, mask = prep.ids, prep.mask  # [n, P]
-        G, (n, P), S = options.num_generations, ids.shape, options.max_new_tokens
-        B = n * G
-        # cache length only grows across calls (like transformers' static cache), so varying prompt lengths
-        # compile a few graphs at most instead of one per length
+    def _cache_len(self, P: int, S: int, ctx: int | None) -> int:
+        """Slots per row: P + S rounded up to cache_multiple, and never below an earlier call's (so calls with
+        different prompt lengths reuse the compiled graph), within the context window."""
         L = max(-(-(P + S) // self.cache_multiple) * self.cache_multiple, self._max_len)
         if ctx is not None:
             L = max(min(L, ctx), P + S)
         self._max_len = L
-        processors = sampling_processors(options)
-        greedy = options.temperature == 0
-        base = unwrap_model(self.model)
-        with generation_mode(self.model), seeded(options.seed, device), gqa_decode(base.config):
+        return L
+
+    def _wave_size(self, call: _Call, B: int) -> int:
+        per_token = kv_bytes_per_token(call.prefill)
+        if self.max_kv_gib is not None:
+            return wave_rows(B, call.cache_len * per_token, self.max_kv_gib * 2**30, "rollout.max_kv_gib")
+        V = call.first_logits.shape[-1]
+        row = call.cache_len * per_token + SAMPLING_BUFFERS * 4 * V
+        budget = auto_kv_budget(call.prep.device, AUTO_KV_FRACTION)
+        return wave_rows(B, row, budget, "rollout.max_kv_gib (unset: automatic, from free device memory)")
+
+    def generate(self, prompts: Sequence[Prompt], options: SamplingOptions) -> RolloutBatch:
+        module = self.weights.module
+        prep = prepare_prompts(module, self.tokenizer, prompts, options)
+        G, (n, P), S = options.num_generations, prep.ids.shape, options.max_new_tokens
+        B, device = n * G, prep.device
+        seed = options.seed if options.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        prompt_of_row = torch.arange(n, device=device).repeat_interleave(G)  # [B]
+        filters = [p for p in sampling_processors(options) if not isinstance(p, TemperatureLogitsWarper)]
+        eos = torch.tensor(prep.eos_ids if not options.ignore_eos else [], dtype=torch.long, device=device)
+        completion = torch.full((B, S), prep.pad_id, dtype=torch.long)
+        logps = torch.zeros((B, S), dtype=torch.float32)
+        lens = torch.zeros(B, dtype=torch.long)
+        with generation_mode(module), gqa_decode(unwrap_model(module).config):
+            self.weights.sync()
             sync(device)
             tg = time.perf_counter()
-            # prefill the n distinct prompts
-            pos = (mask.cumsum(1) - 1).clamp(min=0)
-            pre_cache = prefill_cache()
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=pre_cache,
-                             use_cache=True, logits_to_keep=1)
-            first_logits = out.logits[:, -1].float().repeat_interleave(G, 0)  # [B, V]
-            del out
-            cache = decode_cache(pre_cache, G, L)
-            del pre_cache
-            full_mask = torch.zeros((B, L), dtype=torch.long, device=device)
-            full_mask[:, :P] = mask.repeat_interleave(G, 0)
-            full_mask[:, P : P + S] = 1  # future slots are hidden by causality (query offset = cache length)
-            history = torch.full((B, P + S), pad_id, dtype=torch.long, device=device)
-            history[:, :P] = ids.repeat_interleave(G, 0)
-            logps = torch.zeros((B, S), dtype=torch.float32, device=device)
-            next_pos = mask.sum(1).repeat_interleave(G, 0)[:, None]  # [B, 1] position of the next token
-            done = torch.zeros(B, dtype=torch.bool, device=device)
-            eos_t = torch.tensor(eos_ids if not options.ignore_eos else [], dtype=torch.long, device=device)
-            forward, compiled = self._forward(device)
-            logits, steps = first_logits, 0
-            for t in range(S):
-                token, logp = sample_step(logits, history[:, : P + t], processors, options.logp_temperature, greedy)
-                token = torch.where(done, pad_id, token)
-                history[:, P + t] = token
-                logps[:, t] = logp
-                if eos_t.numel():
-                    done = done | torch.isin(token, eos_t)
-                steps = t + 1
-                if t + 1 == S:
-                    break
-                if (t + 1) % self.check_every == 0 and self._all_done(done, history, P, steps, options):
-                    break
-                if compiled:
-                    torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs were consumed
-                logits = forward(input_ids=token[:, None], attention_mask=full_mask, position_ids=next_pos,
-                                 past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
-                next_pos = next_pos + 1
+            call = self._prefill(module, prep, options, P, S)
+            call.keys = row_keys(seed, prompt_of_row, torch.arange(B, device=device) % G)
+            call.codes, call.filters, call.eos = vocab_codes(call.first_logits.shape[-1], device), filters, eos
+            wave = self._wave_size(call, B)
+            for r0 in range(0, B, wave):
+                rows = torch.arange(r0, min(r0 + wave, B), device=device)
+                ids, lp, steps = self._decode_wave(module, call, rows, prompt_of_row, pad_to=wave)
+                completion[r0 : r0 + len(rows), :steps] = ids.cpu()
+                logps[r0 : r0 + len(rows), :steps] = lp.cpu()
+                lens[r0 : r0 + len(rows)] = steps
             sync(device)
             gen_s = time.perf_counter() - tg
-            completion = history[:, P : P + steps].cpu()
-            logps = logps[:, :steps].cpu()
-            del cache, full_mask, history, logits, first_logits
-        return build_batch(self.tokenizer, prep, completion, logps, torch.full((B,), steps, dtype=torch.long), gen_s)
+            del call
+        batch = build_batch(self.tokenizer, prep, completion, logps, lens, gen_s)
+        batch.timing.parts = dict(self._last_parts) if self.profile else {}
+        return batch
+
+    def _prefill(self, module: Any, prep: PreparedPrompts, options: SamplingOptions, P: int, S: int) -> _Call:
+        """Prefill the n distinct prompts once; every wave copies its rows' prompt keys/values from this."""
+        t0 = time.perf_counter()
+        pos = (prep.mask.cumsum(1) - 1).clamp(min=0)
+        pre_cache = prefill_cache()
+        out = module(input_ids=prep.ids, attention_mask=prep.mask, position_ids=pos, past_key_values=pre_cache,
+                     use_cache=True, logits_to_keep=1)
+        first = out.logits[:, -1].float()  # [n, V]
+        del out
+        L = self._cache_len(P, S, prep.context)
+        call = _Call(prep, options, L, pre_cache, first, keys=None, codes=None, filters=[], eos=None)
+        self._last_parts = {}
+        self._tick("prefill", t0, prep.device)
+        return call
+
+    def _tick(self, part: str, t0: float, device: torch.device) -> float:
+        """With profile=True: synchronize and add the seconds since t0 to `part`; returns the new start time."""
+        if not self.profile:
+            return t0
+        sync(device)
+        now = time.perf_counter()
+        self._last_parts[part] = self._last_parts.get(part, 0.0) + now - t0
+        return now
+
+    def _decode_wave(
+        self, module: Any, call: _Call, rows: torch.Tensor, prompt_of_row: torch.Tensor, pad_to: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Decode rows `rows` [w] of the call together: (tokens [w, steps], logps [w, steps], steps). On the
+        compiled path a short last wave is padded with copies of its last row so every wave has one shape."""
+        prep, options, device = call.prep, call.options, call.prep.device
+        w = len(rows)
+        if self._use_compile(device) and w < pad_to:
+            rows = torch.cat([rows, rows[-1:].expand(pad_to - w)])
+        t0 = time.perf_counter()
+        P, S, L, Bw = prep.ids.shape[1], options.max_new_tokens, call.cache_len, len(rows)
+        src = prompt_of_row[rows]  # [Bw] prompt of each row
+        cache = decode_cache(call.prefill, src, L)
+        full_mask = torch.zeros((Bw, L), dtype=torch.long, device=device)
+        full_mask[:, :P] = prep.mask[src]
+        full_mask[:, P : P + S] = 1  # future slots are hidden by causality (query offset = cache length)
+        history = torch.full((Bw, P + S), prep.pad_id, dtype=torch.long, device=device)
+        history[:, :P] = prep.ids[src]
+        out_logp = torch.zeros((Bw, S), dtype=torch.float32, device=device)
+        next_pos = prep.mask.sum(1)[src][:, None]  # [Bw, 1] position of the next token
+        done = torch.zeros(Bw, dtype=torch.bool, device=device)
+        keys = call.keys[rows]
+        forward, compiled = self._forward(module, device)
+        sampler = fused_sampler(device, self._use_compile(device))
+        logits, steps, T = call.first_logits[src], 0, options.logp_temperature
+        t0 = self._tick("prefill", t0, device)  # the copy into this wave's cache
+        for t in range(S):
+            scores = apply_filters(call.filters, history[:, : P + t], logits / T) if call.filters else None
+            token, logp = sampler(logits, scores, step_keys(keys, t), call.codes, T, options.temperature == 0)
+            token = torch.where(done, prep.pad_id, token)
+            history[:, P + t] = token
+            out_logp[:, t] = logp
+            if call.eos.numel():
+                done = done | torch.isin(token, call.eos)
+            t0 = self._tick("sample", t0, device)
+            steps = t + 1
+            if t + 1 == S:
+                break
+            if (t + 1) % self.check_every == 0 and self._all_done(done, history, P, steps, options):
+                break
+            t0 = self._tick("host_checks", t0, device)
+            if compiled:
+                torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs were consumed
+            logits = forward(input_ids=token[:, None], attention_mask=full_mask, position_ids=next_pos,
+                             past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+            next_pos = next_pos + 1
+            t0 = self._tick("forward", t0, device)
+        return history[:w, P : P + steps], out_logp[:w, :steps], steps
 
     def _all_done(
         self, done: torch.Tensor, history: torch.Tensor, P: int, steps: int, options: SamplingOptions

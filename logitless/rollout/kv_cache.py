@@ -80,7 +80,10 @@ def wave_rows(num_rows: int, row_bytes: int, budget: float | None, what: str) ->
         return num_rows
     fit = int(budget // row_bytes)
     if fit < 1:
-        need = math.ceil(row_bytes / 2**30 * 1000) / 1000
+        gib = row_bytes / 2**30
+        unit = 10.0 ** (math.floor(math.log10(gib)) - 2)  # 3 significant digits, rounded up
+        need = float(f"{math.ceil(gib / unit * (1 - 1e-12)) * unit:.3g}")
+        need = need if need * 2**30 >= row_bytes else float(f"{need + unit:.3g}")
         raise ValueError(
             f"{what}={budget / 2**30:.4g} GiB is too small for the KV cache of one row ({row_bytes / 2**30:.4g} "
             f"GiB: prompt + max_new_tokens positions); set {what} >= {need}, or lower max_new_tokens"

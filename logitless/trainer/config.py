@@ -169,6 +169,14 @@ class RolloutConfig:
     # CPU threads while generating (None: torch's default). Decoding is many small ops: on a busy or small CPU
     # one thread is often much faster than several (17x measured on a loaded 2-core machine).
     num_threads: int | None = None
+    # Backend "static" only. Cap of the decode KV cache in GiB: a rollout needing more decodes its rows in waves
+    # (same samples for the same seed). None: automatic, 85 % of the device memory free when the rollout starts
+    # (the update's transients are freed by then); no cap on CPU.
+    max_kv_gib: float | None = None
+    # Decode from a merged-LoRA inference copy of the model (plain-model decode speed; costs the LoRA-targeted
+    # layers' weights once more). None: whenever the adapters can be merged (not 4-bit, not DoRA).
+    merge_lora: bool | None = None
+    profile: bool = False  # log the seconds of each part of decoding (prefill, forward, sample); adds syncs
 
     def __post_init__(self):
         _positive(
@@ -179,7 +187,16 @@ class RolloutConfig:
             temperature=self.temperature,
             top_p=self.top_p,
             num_threads=self.num_threads,
+            max_kv_gib=self.max_kv_gib,
         )
+        static_only = {"max_kv_gib": self.max_kv_gib is not None, "merge_lora": self.merge_lora is True,
+                       "profile": self.profile}
+        for name, used in static_only.items():
+            if used and self.backend != "static":
+                raise ValueError(
+                    f"rollout.{name}={getattr(self, name)!r} needs rollout.backend=static (got {self.backend!r}): "
+                    f"set rollout.backend=static or unset rollout.{name}"
+                )
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch
 
 from logitless.data import PromptRow, PromptSampler
 from logitless.objectives import AdvantageOptions, EntropyCoef, initial_entropy_coef
-from logitless.rollout import RolloutEngine, make_engine
+from logitless.rollout import RolloutEngine
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.accounting import ModelShape, device_peaks
 from logitless.trainer.builders import (
@@ -23,6 +23,7 @@ from logitless.trainer.builders import (
     check_prompt_lengths,
     load_rows,
     make_optimizer,
+    make_rollout_engine,
     make_scheduler,
     reward_functions,
     sampling_options,
@@ -152,7 +153,7 @@ def build_context(
     )
     coef = EntropyCoef(*state["entropy_coef"]) if "entropy_coef" in state else initial_entropy_coef(cfg.objective)
     return TrainContext(
-        cfg=cfg, model=model, tokenizer=tokenizer, device=device, engine=make_engine(cfg.rollout.backend, model, tokenizer),
+        cfg=cfg, model=model, tokenizer=tokenizer, device=device, engine=make_rollout_engine(cfg.rollout, model, tokenizer),
         params=params, optimizer=optimizer, scheduler=scheduler, sampler=sampler, reward_fns=reward_fns,
         acc_col=acc_col, adv_options=adv_options,
         reference=reference,

@@ -284,6 +284,8 @@ def step_record(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan
         "tokens_per_s": b.timing.tokens_per_s,
         "train_tokens_per_s": plan.n_tokens * ctx.cfg.train.num_iterations / max(train_s, 1e-9),
         **timer.metrics(),
+        **{f"rollout/{part}_s": sec for part, sec in b.timing.parts.items()},  # rollout.profile=true
+        "rollout/weights_copy_gib": getattr(getattr(ctx.engine, "weights", None), "extra_bytes", 0) / 2**30,
         **efficiency_metrics(ctx, ro, plan, timer),
         "skipped": float(plan.n_tokens == 0),
         "trained_rows": float(len(plan.trained)) if plan.n_tokens > 0 else 0.0,

@@ -90,3 +90,11 @@ def test_weight_source_choice_and_errors():
     assert isinstance(rollout_weights(dora, None), LiveWeights)  # automatic: falls back to the PEFT model
     with pytest.raises(ValueError, match=r"DoRA.*rollout\.merge_lora=false"):
         rollout_weights(dora, True)
+
+
+def test_the_copy_does_not_inherit_a_compiled_call_of_the_training_model():
+    model = lora_model("llama")
+    base = model.get_base_model()
+    base.get_compiled_call(None)  # as a static engine on the unmerged model would have left it
+    weights = MergedLoraWeights(model)
+    assert "_compiled_call" not in weights.module.__dict__

@@ -81,6 +81,8 @@ class MergedLoraWeights:
         base = unwrap_model(peft_model)  # the transformers model with LoRA layers injected
         shared = {id(t): t for t in [*base.parameters(), *base.buffers()]}  # deepcopy shares, never copies, these
         self.module = copy.deepcopy(base, memo=shared)
+        for attr in ("_compiled_call", "_last_compile_config"):  # a compiled call would still run `base`
+            self.module.__dict__.pop(attr, None)
         self._pairs: list[tuple[Any, torch.Tensor]] = []  # (training-side LoRA layer, merged weight)
         copies = dict(lora_layers(self.module))
         for name, layer in lora_layers(base):

@@ -35,6 +35,41 @@ def prefill_cache() -> DynamicCache:
     return DynamicCache()  # without a config, every layer is a full DynamicLayer
 
 
+class BucketedLayer(StaticLayer):
+    """A static layer whose attention sees only its first `visible` slots (a python int, so each value is its own
+    compiled graph): decode attention reads the filled part of the cache, rounded up to a length bucket, instead
+    of all `max_cache_len` slots. Slots past the last written position are masked anyway, so the result is the
+    same up to the summation order."""
+
+    def __init__(self, max_cache_len: int, **kwargs):
+        super().__init__(max_cache_len, **kwargs)
+        self.visible = max_cache_len
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        if self.visible == self.max_cache_len:
+            return keys, values
+        return keys[:, :, : self.visible], values[:, :, : self.visible]
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.visible, 0
+
+
+def length_buckets(prompt_len: int, max_len: int, buckets: int, multiple: int) -> list[int]:
+    """`buckets` visible lengths between the prompt and `max_len`, each a multiple of `multiple` (the last is
+    max_len): the decode step at sequence index j attends over the smallest bucket > j."""
+    span = max_len - prompt_len
+    out = {max_len}
+    for k in range(1, buckets):
+        out.add(min(max_len, -(-(prompt_len + span * k // buckets) // multiple) * multiple))
+    return sorted(out)
+
+
+def set_visible(cache: Cache, visible: int) -> None:
+    for layer in cache.layers:
+        layer.visible = visible
+
+
 def decode_cache(prefill: DynamicCache, rows: torch.Tensor, max_len: int) -> Cache:
     """Static cache of `max_len` slots per layer whose row b holds the keys/values of prefill row `rows[b]` (for
     P positions), ready to decode position P. Slot j is sequence index j in every layer."""
@@ -45,7 +80,7 @@ def decode_cache(prefill: DynamicCache, rows: torch.Tensor, max_len: int) -> Cac
         P = k.shape[2]
         if P > max_len:
             raise ValueError(f"decode_cache: the prefill holds {P} positions, more than max_len={max_len}")
-        layer = StaticLayer(max_cache_len=max_len)
+        layer = BucketedLayer(max_cache_len=max_len)
         layer.lazy_initialization(k, v)
         layer.keys[:, :, :P].copy_(k)
         layer.values[:, :, :P].copy_(v)

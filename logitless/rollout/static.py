@@ -34,7 +34,16 @@ from transformers.generation.logits_process import TemperatureLogitsWarper
 from .attention import gqa_decode
 from .engine import PreparedPrompts, build_batch, generation_mode, prepare_prompts, sync, unwrap_model
 from .hf import sampling_processors
-from .kv_cache import STATIC_LAYER_TYPES, auto_kv_budget, decode_cache, kv_bytes_per_token, prefill_cache, wave_rows
+from .kv_cache import (
+    STATIC_LAYER_TYPES,
+    auto_kv_budget,
+    decode_cache,
+    kv_bytes_per_token,
+    length_buckets,
+    prefill_cache,
+    set_visible,
+    wave_rows,
+)
 from .layouts import check_layout
 from .sampling import apply_filters, fused_sampler, row_keys, step_keys, vocab_codes
 from .types import Prompt, RolloutBatch, SamplingOptions
@@ -68,7 +77,9 @@ class StaticEngine:
     max_kv_gib: cap of the decode KV cache in GiB (rows beyond it are decoded in later waves); None: automatic,
     AUTO_KV_FRACTION of the device memory free at the call (no cap on CPU). weights: where the decode weights come
     from (`weights.py`; default: the model itself). profile: synchronize around each part of the decode step and
-    report its seconds in `RolloutTiming.parts` (slower; for benchmarks).
+    report its seconds in `RolloutTiming.parts` (slower; for benchmarks). length_buckets: decode attention reads
+    only the filled part of the cache rounded up to one of this many lengths (`kv_cache.length_buckets`; each is
+    one more compiled graph per row count; 1 = the whole cache).
     """
 
     def __init__(
@@ -82,11 +93,15 @@ class StaticEngine:
         max_kv_gib: float | None = None,
         weights: WeightSource | None = None,
         profile: bool = False,
+        length_buckets: int = 1,
     ):
         if check_every < 1 or cache_multiple < 1:
             raise ValueError(
                 f"StaticEngine: check_every={check_every} and cache_multiple={cache_multiple} must both be >= 1"
             )
+        if not isinstance(length_buckets, int) or length_buckets < 1:
+            raise ValueError(f"rollout.length_buckets={length_buckets!r} must be an int >= 1 (1 = attend over the "
+                             "whole cache)")
         if max_kv_gib is not None and not max_kv_gib > 0:
             raise ValueError(f"rollout.max_kv_gib={max_kv_gib!r} must be > 0 (GiB), or unset for the automatic budget")
         self.weights = weights if weights is not None else LiveWeights(model)
@@ -98,6 +113,7 @@ class StaticEngine:
         self.cache_multiple = cache_multiple
         self.max_kv_gib = max_kv_gib
         self.profile = profile
+        self.length_buckets = length_buckets
         self._max_len = 0
         self._last_parts: dict[str, float] = {}
 
@@ -210,6 +226,8 @@ class StaticEngine:
         forward, compiled = self._forward(module, device)
         sampler = fused_sampler(device, self._use_compile(device))
         logits, steps, T = call.first_logits[src], 0, options.logp_temperature
+        buckets = length_buckets(P, L, self.length_buckets, self.cache_multiple)
+        visible = L
         t0 = self._tick("prefill", t0, device)  # the copy into this wave's cache
         for t in range(S):
             scores = apply_filters(call.filters, history[:, : P + t], logits / T) if call.filters else None
@@ -226,9 +244,14 @@ class StaticEngine:
             if (t + 1) % self.check_every == 0 and self._all_done(done, history, P, steps, options):
                 break
             t0 = self._tick("host_checks", t0, device)
+            want = next(b for b in buckets if b > P + t)  # this step writes slot P + t
+            if want != visible:
+                visible = want
+                set_visible(cache, visible)
             if compiled:
                 torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs were consumed
-            logits = forward(input_ids=token[:, None], attention_mask=full_mask, position_ids=next_pos,
+            mask = full_mask if visible == L else full_mask[:, :visible]
+            logits = forward(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos,
                              past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
             next_pos = next_pos + 1
             t0 = self._tick("forward", t0, device)

@@ -129,7 +129,8 @@ def make_rollout_engine(cfg: RolloutConfig, model: Any, tokenizer: Any) -> Rollo
     if cfg.backend != "static":
         return make_engine(cfg.backend, model, tokenizer)
     weights = rollout_weights(model, cfg.merge_lora)
-    return make_engine("static", model, tokenizer, weights=weights, max_kv_gib=cfg.max_kv_gib, profile=cfg.profile)
+    return make_engine("static", model, tokenizer, weights=weights, max_kv_gib=cfg.max_kv_gib, profile=cfg.profile,
+                       length_buckets=cfg.length_buckets)
 
 
 def sampling_options(

@@ -177,6 +177,9 @@ class RolloutConfig:
     # layers' weights once more). None: whenever the adapters can be merged (not 4-bit, not DoRA).
     merge_lora: bool | None = None
     profile: bool = False  # log the seconds of each part of decoding (prefill, forward, sample); adds syncs
+    # Decode attention reads only the filled part of the KV cache, rounded up to one of this many lengths
+    # (1 = the whole cache). Each length is one more compiled decode graph; 4 suits long completions.
+    length_buckets: int = 1
 
     def __post_init__(self):
         _positive(
@@ -188,9 +191,10 @@ class RolloutConfig:
             top_p=self.top_p,
             num_threads=self.num_threads,
             max_kv_gib=self.max_kv_gib,
+            length_buckets=self.length_buckets,
         )
         static_only = {"max_kv_gib": self.max_kv_gib is not None, "merge_lora": self.merge_lora is True,
-                       "profile": self.profile}
+                       "profile": self.profile, "length_buckets": self.length_buckets != 1}
         for name, used in static_only.items():
             if used and self.backend != "static":
                 raise ValueError(

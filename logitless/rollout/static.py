@@ -114,6 +114,7 @@ class StaticEngine:
         self.max_kv_gib = max_kv_gib
         self.profile = profile
         self.length_buckets = length_buckets
+        self.auto_sync = True  # sync the weights at the start of each generate (off: the caller syncs)
         self._max_len = 0
         self._last_parts: dict[str, float] = {}
 
@@ -157,7 +158,8 @@ class StaticEngine:
         logps = torch.zeros((B, S), dtype=torch.float32)
         lens = torch.zeros(B, dtype=torch.long)
         with generation_mode(module), gqa_decode(unwrap_model(module).config):
-            self.weights.sync()
+            if self.auto_sync:
+                self.weights.sync()
             sync(device)
             tg = time.perf_counter()
             call = self._prefill(module, prep, options, P, S)

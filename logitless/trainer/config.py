@@ -247,6 +247,9 @@ class TrainConfig:
     seed: int = 0
     output_dir: str = "runs/logitless"
     num_threads: int | None = None  # torch.set_num_threads on CPU (None: leave torch's default)
+    # Generate step k+1's samples while step k updates (one step off policy; trainer/async_rollout.py). Needs
+    # rollout.backend=static with a merged LoRA copy; pair it with objective.sampler_is_mode to correct the lag.
+    async_rollout: bool = False
 
     def __post_init__(self):
         _positive(

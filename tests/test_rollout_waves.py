@@ -104,3 +104,26 @@ def test_length_buckets_give_the_same_rollout(family, one_thread):
         static.set_visible = real
     assert len(seen) == 4 and seen == sorted(seen)  # every bucket was used, shortest first
     assert not torch.allclose(wrong.sampler_logp[:, 2:], whole.sampler_logp[:, 2:], atol=1e-3)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
+def test_compacting_finished_rows_gives_the_same_rollout(family, one_thread, monkeypatch):
+    """Rows that ended are dropped from the decode batch (32 -> 16 -> 8 rows here); the samples do not change."""
+    model = make_model(family)
+    eos = list(range(60, 130))  # a quarter of the vocabulary ends a row: rows end at varied steps
+    opts = SamplingOptions(num_generations=8, temperature=1.0, max_new_tokens=24, seed=3, eos_token_ids=eos,
+                           stop=["zz"])
+    plain = make_engine("static", model, TOK, check_every=2, cache_multiple=8).generate(PROMPTS, opts)
+    import logitless.rollout.static as static
+
+    sizes = []
+    real = static.select_rows
+    monkeypatch.setattr(static, "select_rows", lambda cache, rows: (sizes.append(len(rows)), real(cache, rows))[1])
+    eng = make_engine("static", model, TOK, check_every=2, cache_multiple=8, compact_finished=True)
+    compact = eng.generate(PROMPTS, opts)
+    assert sizes[:2] == [16, 8], sizes  # the check exercises compaction
+    lengths = plain.completion_mask.sum(1)
+    assert lengths.min() < 6 and lengths.max() > 12  # rows really end at different steps
+    assert torch.equal(compact.completion_ids, plain.completion_ids)
+    assert torch.equal(compact.completion_mask, plain.completion_mask) and compact.completions == plain.completions
+    torch.testing.assert_close(compact.sampler_logp, plain.sampler_logp, atol=1e-5, rtol=0)

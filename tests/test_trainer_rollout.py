@@ -10,7 +10,7 @@ from logitless.rollout.weights import MergedLoraWeights
 from tests.test_trainer import _cfg, _train, rewards_module, tok  # noqa: F401 (fixtures)
 
 STATIC = ["rollout.backend=static", "rollout.merge_lora=true", "rollout.max_kv_gib=0.00004",  # 2 rows of 16 KiB a wave
-          "rollout.profile=true", "rollout.length_buckets=3", "train.max_steps=3", "objective.sampler_is_mode=token_truncate",
+          "rollout.profile=true", "rollout.length_buckets=3", "rollout.compact_finished=true", "train.max_steps=3", "objective.sampler_is_mode=token_truncate",
           "objective.sampler_is_clip_max=2.0"]
 
 
@@ -44,7 +44,7 @@ def test_a_stale_merged_copy_is_detected(tmp_path, tok, rewards_module, monkeypa
 
 
 @pytest.mark.parametrize("setting", ["rollout.max_kv_gib=1", "rollout.merge_lora=true", "rollout.profile=true",
-                                     "rollout.length_buckets=4"])
+                                     "rollout.length_buckets=4", "rollout.compact_finished=true"])
 def test_static_only_settings_need_the_static_backend(tmp_path, setting):
     name = setting.split("=")[0]
     with pytest.raises(ValueError, match=rf"{name}=.* needs rollout\.backend=static"):

@@ -70,6 +70,20 @@ def set_visible(cache: Cache, visible: int) -> None:
         layer.visible = visible
 
 
+def select_rows(cache: Cache, rows: torch.Tensor) -> Cache:
+    """A new decode cache holding rows `rows` of `cache` (same length, filled positions and visible slots)."""
+    layers = []
+    for src in cache.layers:
+        layer = BucketedLayer(max_cache_len=src.max_cache_len)
+        layer.lazy_initialization(src.keys[rows], src.values[rows])
+        layer.keys.copy_(src.keys[rows])
+        layer.values.copy_(src.values[rows])
+        layer.cumulative_length.copy_(src.cumulative_length)
+        layer.visible = src.visible
+        layers.append(layer)
+    return Cache(layers=layers)
+
+
 def decode_cache(prefill: DynamicCache, rows: torch.Tensor, max_len: int) -> Cache:
     """Static cache of `max_len` slots per layer whose row b holds the keys/values of prefill row `rows[b]` (for
     P positions), ready to decode position P. Slot j is sequence index j in every layer."""

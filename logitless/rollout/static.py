@@ -41,6 +41,7 @@ from .kv_cache import (
     kv_bytes_per_token,
     length_buckets,
     prefill_cache,
+    select_rows,
     set_visible,
     wave_rows,
 )
@@ -51,6 +52,7 @@ from .weights import LiveWeights, WeightSource
 
 AUTO_KV_FRACTION = 0.85  # share of the free device memory the decode cache may take when max_kv_gib is unset
 SAMPLING_BUFFERS = 8  # [V] fp32 buffers per row that sampling keeps live (logits, scaled, noise, scores, ...)
+MIN_COMPACT_ROWS = 8  # compact_finished never shrinks a wave below this many rows
 
 
 @dataclass
@@ -69,6 +71,56 @@ class _Call:
     parts: dict[str, float] = field(default_factory=dict)  # seconds per part of the step (profile=True)
 
 
+@dataclass
+class _Rows:
+    """The rows a wave is decoding and their decode state; row i writes row `index[i]` of the wave's outputs."""
+
+    index: torch.Tensor  # [b] long
+    cache: Any  # static decode cache, b rows
+    mask: torch.Tensor  # [b, L] attention mask over the cache slots
+    next_pos: torch.Tensor  # [b, 1] position of the next token
+    done: torch.Tensor  # [b] bool
+    keys: torch.Tensor  # [b] random-stream keys
+    logits: torch.Tensor  # [b, V] fp32 logits of the next token
+    visible: int  # cache slots attention reads (a length bucket)
+
+    @staticmethod
+    def start(call: _Call, src: torch.Tensor, keys: torch.Tensor, L: int) -> _Rows:
+        """Rows whose prompts are `src` [b], with the prompts' keys/values copied into a fresh cache."""
+        prep, S = call.prep, call.options.max_new_tokens
+        P, device = prep.ids.shape[1], prep.device
+        mask = torch.zeros((len(src), L), dtype=torch.long, device=device)
+        mask[:, :P] = prep.mask[src]
+        mask[:, P : P + S] = 1  # future slots are hidden by causality (query offset = cache length)
+        return _Rows(torch.arange(len(src), device=device), decode_cache(call.prefill, src, L), mask,
+                     prep.mask.sum(1)[src][:, None], torch.zeros(len(src), dtype=torch.bool, device=device), keys,
+                     call.first_logits[src], L)
+
+    def show(self, visible: int) -> None:
+        if visible != self.visible:
+            self.visible = visible
+            set_visible(self.cache, visible)
+
+    def visible_mask(self) -> torch.Tensor:
+        return self.mask if self.visible == self.mask.shape[1] else self.mask[:, : self.visible]
+
+    def compacted(self, token: torch.Tensor) -> tuple[_Rows, torch.Tensor]:
+        """When at most half the rows are unfinished, the same decode over fewer rows: the unfinished ones, topped
+        up with finished ones to a power of two (>= MIN_COMPACT_ROWS), so only a few row counts get a compiled
+        graph. Returns (rows, their last tokens). Results do not change: finished rows only emit padding, and
+        every row keeps its own random stream."""
+        b = len(self.index)
+        active = int((~self.done).sum())
+        if b <= MIN_COMPACT_ROWS or active > b // 2:
+            return self, token
+        target = max(MIN_COMPACT_ROWS, 1 << max(active - 1, 0).bit_length())
+        sel = torch.argsort(self.done.to(torch.int8), stable=True)[:target]  # unfinished rows first
+        cache = select_rows(self.cache, sel)
+        picked = _Rows(self.index[sel], cache, self.mask[sel], self.next_pos[sel], self.done[sel], self.keys[sel],
+                       self.logits[sel], self.visible)
+        return picked, token[sel]
+
+
 class StaticEngine:
     """Fast sampler with a static KV cache and a CUDA-graph-compiled decode step.
 
@@ -79,7 +131,9 @@ class StaticEngine:
     from (`weights.py`; default: the model itself). profile: synchronize around each part of the decode step and
     report its seconds in `RolloutTiming.parts` (slower; for benchmarks). length_buckets: decode attention reads
     only the filled part of the cache rounded up to one of this many lengths (`kv_cache.length_buckets`; each is
-    one more compiled graph per row count; 1 = the whole cache).
+    one more compiled graph per row count; 1 = the whole cache). compact_finished: when at most half of a wave's
+    rows are unfinished at a host check, decode on with fewer rows (`_Rows.compacted`; each row count is one more
+    compiled graph).
     """
 
     def __init__(
@@ -94,6 +148,7 @@ class StaticEngine:
         weights: WeightSource | None = None,
         profile: bool = False,
         length_buckets: int = 1,
+        compact_finished: bool = False,
     ):
         if check_every < 1 or cache_multiple < 1:
             raise ValueError(
@@ -114,6 +169,7 @@ class StaticEngine:
         self.max_kv_gib = max_kv_gib
         self.profile = profile
         self.length_buckets = length_buckets
+        self.compact_finished = compact_finished
         self.auto_sync = True  # sync the weights at the start of each generate (off: the caller syncs)
         self._max_len = 0
         self._last_parts: dict[str, float] = {}
@@ -215,60 +271,51 @@ class StaticEngine:
         t0 = time.perf_counter()
         P, S, L, Bw = prep.ids.shape[1], options.max_new_tokens, call.cache_len, len(rows)
         src = prompt_of_row[rows]  # [Bw] prompt of each row
-        cache = decode_cache(call.prefill, src, L)
-        full_mask = torch.zeros((Bw, L), dtype=torch.long, device=device)
-        full_mask[:, :P] = prep.mask[src]
-        full_mask[:, P : P + S] = 1  # future slots are hidden by causality (query offset = cache length)
         history = torch.full((Bw, P + S), prep.pad_id, dtype=torch.long, device=device)
         history[:, :P] = prep.ids[src]
         out_logp = torch.zeros((Bw, S), dtype=torch.float32, device=device)
-        next_pos = prep.mask.sum(1)[src][:, None]  # [Bw, 1] position of the next token
-        done = torch.zeros(Bw, dtype=torch.bool, device=device)
-        keys = call.keys[rows]
+        live = _Rows.start(call, src, call.keys[rows], L)
         forward, compiled = self._forward(module, device)
         sampler = fused_sampler(device, self._use_compile(device))
-        logits, steps, T = call.first_logits[src], 0, options.logp_temperature
+        steps, T = 0, options.logp_temperature
         buckets = length_buckets(P, L, self.length_buckets, self.cache_multiple)
-        visible = L
         t0 = self._tick("prefill", t0, device)  # the copy into this wave's cache
         for t in range(S):
-            scores = apply_filters(call.filters, history[:, : P + t], logits / T) if call.filters else None
-            token, logp = sampler(logits, scores, step_keys(keys, t), call.codes, T, options.temperature == 0)
-            token = torch.where(done, prep.pad_id, token)
-            history[:, P + t] = token
-            out_logp[:, t] = logp
+            hist = history.index_select(0, live.index)[:, : P + t] if call.filters else None
+            scores = apply_filters(call.filters, hist, live.logits / T) if call.filters else None
+            token, logp = sampler(live.logits, scores, step_keys(live.keys, t), call.codes, T, options.temperature == 0)
+            token = torch.where(live.done, prep.pad_id, token)
+            history[live.index, P + t] = token
+            out_logp[live.index, t] = logp
             if call.eos.numel():
-                done = done | torch.isin(token, call.eos)
+                live.done = live.done | torch.isin(token, call.eos)
             t0 = self._tick("sample", t0, device)
             steps = t + 1
             if t + 1 == S:
                 break
-            if (t + 1) % self.check_every == 0 and self._all_done(done, history, P, steps, options):
-                break
+            if (t + 1) % self.check_every == 0:
+                if self._all_done(live, history, P, steps, options):
+                    break
+                if self.compact_finished:
+                    live, token = live.compacted(token)
             t0 = self._tick("host_checks", t0, device)
-            want = next(b for b in buckets if b > P + t)  # this step writes slot P + t
-            if want != visible:
-                visible = want
-                set_visible(cache, visible)
+            live.show(next(b for b in buckets if b > P + t))  # this step writes slot P + t
             if compiled:
                 torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs were consumed
-            mask = full_mask if visible == L else full_mask[:, :visible]
-            logits = forward(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos,
-                             past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
-            next_pos = next_pos + 1
+            live.logits = forward(input_ids=token[:, None], attention_mask=live.visible_mask(), position_ids=live.next_pos,
+                                  past_key_values=live.cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+            live.next_pos = live.next_pos + 1
             t0 = self._tick("forward", t0, device)
         return history[:w, P : P + steps], out_logp[:w, :steps], steps
 
-    def _all_done(
-        self, done: torch.Tensor, history: torch.Tensor, P: int, steps: int, options: SamplingOptions
-    ) -> bool:
+    def _all_done(self, live: _Rows, history: torch.Tensor, P: int, steps: int, options: SamplingOptions) -> bool:
         """Host check (one sync): mark rows whose text contains a stop string as done; True if all rows are."""
         if options.stop:
-            pending = (~done).nonzero().flatten().tolist()
+            pending = (~live.done).nonzero().flatten().tolist()
             if pending:
-                rows = history[pending, P : P + steps].tolist()
+                rows = history[live.index[pending], P : P + steps].tolist()
                 texts = self.tokenizer.batch_decode(rows, skip_special_tokens=False)
                 hit = [b for b, text in zip(pending, texts) if any(s in text for s in options.stop)]
                 if hit:
-                    done[hit] = True
-        return bool(done.all())
+                    live.done[hit] = True
+        return bool(live.done.all())

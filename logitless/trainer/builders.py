@@ -130,7 +130,7 @@ def make_rollout_engine(cfg: RolloutConfig, model: Any, tokenizer: Any) -> Rollo
         return make_engine(cfg.backend, model, tokenizer)
     weights = rollout_weights(model, cfg.merge_lora)
     return make_engine("static", model, tokenizer, weights=weights, max_kv_gib=cfg.max_kv_gib, profile=cfg.profile,
-                       length_buckets=cfg.length_buckets)
+                       length_buckets=cfg.length_buckets, compact_finished=cfg.compact_finished)
 
 
 def sampling_options(

@@ -180,6 +180,9 @@ class RolloutConfig:
     # Decode attention reads only the filled part of the KV cache, rounded up to one of this many lengths
     # (1 = the whole cache). Each length is one more compiled decode graph; 4 suits long completions.
     length_buckets: int = 1
+    # Drop rows that ended from the decode batch once at most half are left (each row count one more compiled
+    # graph: B, B/2, ... down to 8 rows). Helps when completion lengths vary widely.
+    compact_finished: bool = False
 
     def __post_init__(self):
         _positive(
@@ -194,7 +197,8 @@ class RolloutConfig:
             length_buckets=self.length_buckets,
         )
         static_only = {"max_kv_gib": self.max_kv_gib is not None, "merge_lora": self.merge_lora is True,
-                       "profile": self.profile, "length_buckets": self.length_buckets != 1}
+                       "profile": self.profile, "length_buckets": self.length_buckets != 1,
+                       "compact_finished": self.compact_finished}
         for name, used in static_only.items():
             if used and self.backend != "static":
                 raise ValueError(

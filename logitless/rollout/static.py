@@ -1,24 +1,34 @@
 """Backend "static": our own decode loop over the transformers model with a static KV cache.
 
-- Prefill once per prompt (n rows, not n*G), then copy the prompt's KV G times into a [B, heads, L, d] static cache
-  (`kv_cache.py`: full-length in every layer, so sliding-window and chunked layers are masked by the model's own
-  mask functions exactly as in a full forward; layouts it cannot decode exactly are refused at construction).
+- Prefill once per prompt (n rows, not n*G), then copy the prompt's KV into a [B, heads, L, d] static cache per
+  row (`kv_cache.py`: full-length in every layer, so sliding-window and chunked layers are masked by the model's
+  own mask functions exactly as in a full forward; layouts it cannot decode exactly are refused at construction).
+- KV budget: rows are decoded in waves of as many rows as `max_kv_gib` holds (automatic: AUTO_KV_FRACTION of the
+  device memory free at the call, each row also counting SAMPLING_BUFFERS [V] fp32 buffers; no cap on CPU). Waves
+  are equal-sized; on the compiled path a short last wave is padded, so every wave replays one graph. A budget
+  too small for one row is refused, naming rollout.max_kv_gib and the smallest value that works.
 - Each decode step is the model's forward on [B, 1] tokens; on CUDA it is compiled with CUDA graphs
   (`get_compiled_call`, mode "reduce-overhead"), so a step costs one graph replay instead of ~1000 launches.
   With "sdpa" attention, decode attention runs without expanding the KV cache to all query heads
-  (`attention.gqa_decode_attention`).
-- Sampling runs on the GPU without host syncs: the same transformers processors as backend "hf" (repetition
-  penalty, temperature, top-k, top-p, min-p), then exponential-race sampling (argmax p / Exp(1), exact
-  categorical sampling); finished rows emit the pad id. Stop strings are checked on the host every
-  `check_every` steps, which is also when the loop exits early once every row is done.
+  (`attention.gqa_decode_attention`). With `length_buckets` > 1 attention reads only the filled part of the
+  cache rounded up to a bucket; with `compact_finished` ended rows leave the decode batch.
+- Sampling (`sampling.py`): one fused pass (compiled on CUDA) computes log_softmax(logits / T) of the drawn
+  token and draws it by the Gumbel-max trick from each row's own counter-based random stream keyed by (seed,
+  prompt index, sample index, step), so the samples do not depend on the wave split, compaction or batch size
+  (exactly on CPU). Repetition penalty, top-k, top-p and min-p are transformers' processors; finished rows emit
+  the pad id. Stop strings are checked on the host every `check_every` steps, which is also when the loop exits
+  early once every row is done.
+- Weights come from a `WeightSource` (`weights.py`), synced at the start of every call: the model itself, or a
+  merged-LoRA inference copy that decodes at plain-model speed.
 - The recorded logprob is log_softmax(raw_logits / T)[token], as documented in `types.py`.
 
 The KV cache lives only for one `generate` call; its length is rounded up to `cache_multiple` tokens and never
-shrinks across calls, so calls with different prompt lengths reuse the compiled graph. A new row count B
-(num_prompts * G) compiles a new graph (~25 s for a 1.5B model on an H200); the CUDA-graph memory pool of the
-compiled step stays allocated while the model lives. Parameters are graph inputs read in place (CUDA graphs
-read them by address), so in-place optimizer steps between rollouts are seen without recompiling (checked with
-torch.compile on CPU: logprobs follow an in-place weight change to 7e-6).
+shrinks across calls, so calls with different prompt lengths reuse the compiled graph. A new row count (wave
+size, compacted size) or length bucket compiles a new graph (~25 s for a 1.5B model on an H200); the CUDA-graph
+memory pool of the compiled step stays allocated while the model lives (it holds the step's activations, not
+the KV cache, which is allocated outside the graph). Parameters are graph inputs read in place (CUDA graphs read
+them by address), so in-place updates between rollouts (optimizer steps, a merged copy's sync) are seen without
+recompiling.
 """
 
 from __future__ import annotations

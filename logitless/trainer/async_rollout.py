@@ -61,6 +61,12 @@ class AsyncRollout:
                 "ones: it needs rollout.backend=static with a merged LoRA copy (model.lora=true, "
                 "rollout.merge_lora unset or true); set train.async_rollout=false otherwise"
             )
+        if device.type == "cuda" and getattr(engine, "max_kv_gib", None) is None:
+            raise ValueError(
+                "train.async_rollout=true on CUDA needs rollout.max_kv_gib: the rollout then shares the GPU with the "
+                "update, and the automatic budget (85 % of the memory free when the rollout starts) would take the "
+                "update's memory. Set rollout.max_kv_gib to what the GPU can spare beside the update's peak"
+            )
         engine.auto_sync = False  # synced here, on the main thread, before each rollout starts
         self.engine, self.weights, self.sampler, self.n = engine, weights, sampler, prompts_per_step
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None

@@ -103,7 +103,7 @@ def fused_sampler(device: torch.device, compile: bool) -> Callable:
     if not compile or device.type != "cuda":
         return sample_tokens
     if True not in _compiled:
-        _compiled[True] = torch.compile(sample_tokens, dynamic=False, fullgraph=True)
+        _compiled[True] = torch.compile(sample_tokens, fullgraph=True)  # dynamic after a second row count
     return _compiled[True]
 
 

@@ -114,12 +114,15 @@ def kv_bytes_per_token(prefill: DynamicCache) -> int:
 
 def auto_kv_budget(device: torch.device, fraction: float) -> float | None:
     """Bytes the decode cache may use when no budget is set: `fraction` of the device memory that is free now
-    (driver-free plus what torch's allocator holds unused). None (no cap) off CUDA."""
+    (driver-free plus what torch's allocator holds unused, within torch.cuda.set_per_process_memory_fraction's
+    cap). None (no cap) off CUDA."""
     if device.type != "cuda":
         return None
-    free, _ = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return fraction * (free + cached)
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    cached = reserved - torch.cuda.memory_allocated(device)
+    capped = torch.cuda.get_per_process_memory_fraction(device) * total - reserved  # room under the process cap
+    return fraction * (min(free, max(capped, 0.0)) + cached)
 
 
 def wave_rows(num_rows: int, row_bytes: int, budget: float | None, what: str) -> int:

@@ -79,3 +79,23 @@ def test_merged_lora_copy_matches_the_peft_model_in_bf16():
     assert d.mean() < MEAN_TOL and d.max() < MAX_TOL, (float(d.mean()), float(d.max()))
     with m.disable_adapter():  # the check can fail: without the adapters the logprobs are far off
         assert logp_diff(m, b).mean() > 3 * MEAN_TOL
+
+
+def test_automatic_budget_stays_under_the_process_memory_cap():
+    """Unset max_kv_gib: the budget comes from the memory free under torch.cuda.set_per_process_memory_fraction
+    (bench_e2e --memory-budget), so a rollout that needs 32 rows of cache runs in waves instead of failing."""
+    m = model()
+    P = max(len(TOK(p)["input_ids"]) for p in PROMPTS)
+    L = min(-(-(P + OPTS.max_new_tokens) // 128) * 128, CFG["max_position_embeddings"])
+    row = KV_PER_TOKEN * L
+    torch.cuda.empty_cache()
+    total = torch.cuda.mem_get_info()[1]
+    cap = torch.cuda.memory_reserved() + 12 * row + 256 * 2**20  # room for ~12 rows and the decode transients
+    torch.cuda.set_per_process_memory_fraction(cap / total)
+    try:
+        torch.cuda.reset_peak_memory_stats()
+        b = make_engine("static", m, TOK, compile=False).generate(PROMPTS, OPTS)
+        assert torch.cuda.max_memory_reserved() <= cap
+        assert b.completion_ids.shape == (32, OPTS.max_new_tokens)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)

@@ -128,6 +128,9 @@ def run_logitless(a: argparse.Namespace, model_dir: Path, out_dir: Path) -> list
             "peak_gib": {p: r.get(f"memory/peak_gb/{p}", 0.0) for p in PHASES},
             "rollout_tokens_per_s": r["tokens_per_s"], "ceiling_fraction": r.get("rollout/ceiling_fraction"),
             "mfu": r.get("train/mfu"),
+            # rollout.profile=true: seconds of each decode part; the merged-LoRA copy's size
+            "rollout_parts_s": {k[8:-2]: v for k, v in r.items() if k.startswith("rollout/") and k.endswith("_s")},
+            "weights_copy_gib": r.get("rollout/weights_copy_gib"),
         })
     return steps
 

@@ -80,6 +80,11 @@ VARIANTS = {
     # name: (backend or None for plain generate, engine kwargs, compiles)
     "plain": (None, {}, False),
     "static": ("static", {}, True),
+    # the static engine with per-part timings (synchronizes around each part: slower, for the shares only)
+    "static_profile": ("static", {"profile": True}, True),
+    # the model the trainer runs: PEFT LoRA r16 on all linear layers, decoded unmerged, or from a merged copy
+    "static_lora": ("static", {"weights": "live"}, True),
+    "static_lora_merged": ("static", {"weights": "merged"}, True),
     "hf_static": ("hf", {"static_cache": True}, True),
     "continuous": ("continuous", {}, False),
     "hf": ("hf", {}, False),
@@ -91,8 +96,35 @@ def sync():
         torch.cuda.synchronize()
 
 
-def run_variant(name, model, tok, prompts, opts, device):
+_PEFT: dict = {}
+
+
+def lora_wrapped(model, r: int = 16):
+    """The model wrapped once in PEFT LoRA on all linear layers, with non-zero B (as after training)."""
+    if "model" not in _PEFT:
+        from peft import LoraConfig, get_peft_model
+
+        peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"))
+        with torch.no_grad():
+            for n, p in peft_model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 1e-3)
+        _PEFT["model"] = peft_model.eval()
+    return _PEFT["model"]
+
+
+def run_variant(name, model, tok, prompts, opts, device, max_kv_gib=None):
     backend, kwargs, compiles = VARIANTS[name]
+    kwargs = dict(kwargs)
+    if backend == "static" and max_kv_gib is not None:
+        kwargs["max_kv_gib"] = max_kv_gib
+    copy_gib = None
+    if "weights" in kwargs:
+        from logitless.rollout.weights import LiveWeights, MergedLoraWeights
+
+        model = lora_wrapped(model)
+        weights = MergedLoraWeights(model) if kwargs.pop("weights") == "merged" else LiveWeights(model)
+        kwargs["weights"], copy_gib = weights, round(weights.extra_bytes / GIB, 3)
     if name == "continuous" and device == "cuda":
         B = len(prompts) * opts.num_generations
         kwargs = {"block_size": 64, "num_blocks": (B * (200 + opts.max_new_tokens)) // 64 + 64,
@@ -111,7 +143,10 @@ def run_variant(name, model, tok, prompts, opts, device):
     warm_s = time.perf_counter() - t
     torch.cuda.reset_peak_memory_stats() if device == "cuda" else None
     base_mem = torch.cuda.memory_allocated() if device == "cuda" else 0
-    rec = {"variant": name, "backend": backend, "engine_kwargs": kwargs, "warmup_s": round(warm_s, 2)}
+    shown = {k: (type(v).__name__ if k == "weights" else v) for k, v in kwargs.items()}
+    rec = {"variant": name, "backend": backend, "engine_kwargs": shown, "warmup_s": round(warm_s, 2)}
+    if copy_gib is not None:
+        rec["weights_copy_gib"] = copy_gib
     t = time.perf_counter()
     if eng is None:
         ntok = plain_generate(model, tok, prompts, opts)
@@ -127,6 +162,10 @@ def run_variant(name, model, tok, prompts, opts, device):
     if device == "cuda":
         rec["peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
         rec["peak_extra_gib"] = round((torch.cuda.max_memory_allocated() - base_mem) / GIB, 2)
+    if batch is not None and batch.timing.parts:
+        total = sum(batch.timing.parts.values())
+        rec["parts_s"] = {k: round(v, 4) for k, v in batch.timing.parts.items()}
+        rec["parts_share"] = {k: round(v / total, 3) for k, v in batch.timing.parts.items()}
     if batch is not None:
         try:
             rec["logp_check"] = logp_check(model, batch, opts.logp_temperature)
@@ -160,6 +199,7 @@ def main():
     ap.add_argument("--new", type=int, default=512)
     ap.add_argument("--tiny", action="store_true", help="2-layer model on CPU: smoke-test this script")
     ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--max-kv-gib", type=float, default=None, help="static engine's KV-cache cap (waves beyond it)")
     ap.add_argument("--budget_s", type=float, default=480, help="skip variants once this much time has passed")
     args = ap.parse_args()
     from transformers import AutoTokenizer
@@ -189,7 +229,7 @@ def main():
             meta["results"].append({"variant": name, "skipped": "time budget"})
             continue
         try:
-            rec = run_variant(name, model, tok, prompts, opts, device)
+            rec = run_variant(name, model, tok, prompts, opts, device, args.max_kv_gib)
         except Exception as e:  # record and go on: one backend failing must not lose the others' numbers
             rec = {"variant": name, "error": f"{type(e).__name__}: {str(e)[:500]}"}
         print(json.dumps(rec), flush=True)

@@ -16,6 +16,9 @@ the cache is longer than the window. Layouts this cannot reproduce are refused w
 
 from __future__ import annotations
 
+import math
+
+import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, StaticLayer
 
@@ -32,20 +35,110 @@ def prefill_cache() -> DynamicCache:
     return DynamicCache()  # without a config, every layer is a full DynamicLayer
 
 
-def decode_cache(prefill: DynamicCache, repeats: int, max_len: int) -> Cache:
-    """Static cache of `max_len` slots per layer holding `prefill`'s keys/values (for P positions) with each row
-    repeated `repeats` times, ready to decode position P. Slot j is sequence index j in every layer."""
+class BucketedLayer(StaticLayer):
+    """A static layer whose attention sees only its first `visible` slots (a python int, so each value is its own
+    compiled graph): decode attention reads the filled part of the cache, rounded up to a length bucket, instead
+    of all `max_cache_len` slots. Slots past the last written position are masked anyway, so the result is the
+    same up to the summation order."""
+
+    def __init__(self, max_cache_len: int, **kwargs):
+        super().__init__(max_cache_len, **kwargs)
+        self.visible = max_cache_len
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        if self.visible == self.max_cache_len:
+            return keys, values
+        return keys[:, :, : self.visible], values[:, :, : self.visible]
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.visible, 0
+
+
+def length_buckets(prompt_len: int, max_len: int, buckets: int, multiple: int) -> list[int]:
+    """`buckets` visible lengths between the prompt and `max_len`, each a multiple of `multiple` (the last is
+    max_len): the decode step at sequence index j attends over the smallest bucket > j."""
+    span = max_len - prompt_len
+    out = {max_len}
+    for k in range(1, buckets):
+        out.add(min(max_len, -(-(prompt_len + span * k // buckets) // multiple) * multiple))
+    return sorted(out)
+
+
+def set_visible(cache: Cache, visible: int) -> None:
+    for layer in cache.layers:
+        layer.visible = visible
+
+
+def select_rows(cache: Cache, rows: torch.Tensor) -> Cache:
+    """A new decode cache holding rows `rows` of `cache` (same length, filled positions and visible slots)."""
+    layers = []
+    for src in cache.layers:
+        layer = BucketedLayer(max_cache_len=src.max_cache_len)
+        layer.lazy_initialization(src.keys[rows], src.values[rows])
+        layer.keys.copy_(src.keys[rows])
+        layer.values.copy_(src.values[rows])
+        layer.cumulative_length.copy_(src.cumulative_length)
+        layer.visible = src.visible
+        layers.append(layer)
+    return Cache(layers=layers)
+
+
+def decode_cache(prefill: DynamicCache, rows: torch.Tensor, max_len: int) -> Cache:
+    """Static cache of `max_len` slots per layer whose row b holds the keys/values of prefill row `rows[b]` (for
+    P positions), ready to decode position P. Slot j is sequence index j in every layer."""
     layers = []
     for src in prefill.layers:
-        k = src.keys.repeat_interleave(repeats, 0)  # [B, kv, P, d]
-        v = src.values.repeat_interleave(repeats, 0)
+        k = src.keys.index_select(0, rows)  # [B, kv, P, d]
+        v = src.values.index_select(0, rows)
         P = k.shape[2]
         if P > max_len:
             raise ValueError(f"decode_cache: the prefill holds {P} positions, more than max_len={max_len}")
-        layer = StaticLayer(max_cache_len=max_len)
+        layer = BucketedLayer(max_cache_len=max_len)
         layer.lazy_initialization(k, v)
         layer.keys[:, :, :P].copy_(k)
         layer.values[:, :, :P].copy_(v)
         layer.cumulative_length.fill_(P)
         layers.append(layer)
     return Cache(layers=layers)
+
+
+def kv_bytes_per_token(prefill: DynamicCache) -> int:
+    """Bytes of one row's keys and values for one position, summed over the layers of `prefill`."""
+    total = 0
+    for layer in prefill.layers:
+        for t in (layer.keys, layer.values):
+            total += t.element_size() * t.shape[1] * t.shape[3]  # [n, kv, P, d]
+    return total
+
+
+def auto_kv_budget(device: torch.device, fraction: float) -> float | None:
+    """Bytes the decode cache may use when no budget is set: `fraction` of the device memory that is free now
+    (driver-free plus what torch's allocator holds unused, within torch.cuda.set_per_process_memory_fraction's
+    cap). None (no cap) off CUDA."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    cached = reserved - torch.cuda.memory_allocated(device)
+    capped = torch.cuda.get_per_process_memory_fraction(device) * total - reserved  # room under the process cap
+    return fraction * (min(free, max(capped, 0.0)) + cached)
+
+
+def wave_rows(num_rows: int, row_bytes: int, budget: float | None, what: str) -> int:
+    """Rows decoded together so that rows x row_bytes fits `budget` bytes (None: all rows), spread evenly over
+    the fewest waves. Raises naming `what` (the budget's setting) and the smallest value that works."""
+    if budget is None or num_rows * row_bytes <= budget:
+        return num_rows
+    fit = int(budget // row_bytes)
+    if fit < 1:
+        gib = row_bytes / 2**30
+        unit = 10.0 ** (math.floor(math.log10(gib)) - 2)  # 3 significant digits, rounded up
+        need = float(f"{math.ceil(gib / unit * (1 - 1e-12)) * unit:.3g}")
+        need = need if need * 2**30 >= row_bytes else float(f"{need + unit:.3g}")
+        raise ValueError(
+            f"{what}={budget / 2**30:.4g} GiB is too small for the KV cache of one row ({row_bytes / 2**30:.4g} "
+            f"GiB: prompt + max_new_tokens positions); set {what} >= {need}, or lower max_new_tokens"
+        )
+    waves = -(-num_rows // fit)
+    return -(-num_rows // waves)

@@ -1,70 +1,149 @@
 """Backend "static": our own decode loop over the transformers model with a static KV cache.
 
-- Prefill once per prompt (n rows, not n*G), then copy the prompt's KV G times into a [B, heads, L, d] static cache
-  (`kv_cache.py`: full-length in every layer, so sliding-window and chunked layers are masked by the model's own
-  mask functions exactly as in a full forward; layouts it cannot decode exactly are refused at construction).
+- Prefill once per prompt (n rows, not n*G), then copy the prompt's KV into a [B, heads, L, d] static cache per
+  row (`kv_cache.py`: full-length in every layer, so sliding-window and chunked layers are masked by the model's
+  own mask functions exactly as in a full forward; layouts it cannot decode exactly are refused at construction).
+- KV budget: rows are decoded in waves of as many rows as `max_kv_gib` holds (automatic: AUTO_KV_FRACTION of the
+  device memory free at the call, each row also counting SAMPLING_BUFFERS [V] fp32 buffers; no cap on CPU). Waves
+  are equal-sized; on the compiled path a short last wave is padded, so every wave replays one graph. A budget
+  too small for one row is refused, naming rollout.max_kv_gib and the smallest value that works.
 - Each decode step is the model's forward on [B, 1] tokens; on CUDA it is compiled with CUDA graphs
   (`get_compiled_call`, mode "reduce-overhead"), so a step costs one graph replay instead of ~1000 launches.
   With "sdpa" attention, decode attention runs without expanding the KV cache to all query heads
-  (`attention.gqa_decode_attention`).
-- Sampling runs on the GPU without host syncs: the same transformers processors as backend "hf" (repetition
-  penalty, temperature, top-k, top-p, min-p), then exponential-race sampling (argmax p / Exp(1), exact
-  categorical sampling); finished rows emit the pad id. Stop strings are checked on the host every
-  `check_every` steps, which is also when the loop exits early once every row is done.
+  (`attention.gqa_decode_attention`). With `length_buckets` > 1 attention reads only the filled part of the
+  cache rounded up to a bucket; with `compact_finished` ended rows leave the decode batch.
+- Sampling (`sampling.py`): one fused pass (compiled on CUDA) computes log_softmax(logits / T) of the drawn
+  token and draws it by the Gumbel-max trick from each row's own counter-based random stream keyed by (seed,
+  prompt index, sample index, step), so the samples do not depend on the wave split, compaction or batch size
+  (exactly on CPU). Repetition penalty, top-k, top-p and min-p are transformers' processors; finished rows emit
+  the pad id. Stop strings are checked on the host every `check_every` steps, which is also when the loop exits
+  early once every row is done.
+- Weights come from a `WeightSource` (`weights.py`), synced at the start of every call: the model itself, or a
+  merged-LoRA inference copy that decodes at plain-model speed.
 - The recorded logprob is log_softmax(raw_logits / T)[token], as documented in `types.py`.
 
 The KV cache lives only for one `generate` call; its length is rounded up to `cache_multiple` tokens and never
-shrinks across calls, so calls with different prompt lengths reuse the compiled graph. A new row count B
-(num_prompts * G) compiles a new graph (~25 s for a 1.5B model on an H200); the CUDA-graph memory pool of the
-compiled step stays allocated while the model lives. Parameters are graph inputs read in place (CUDA graphs
-read them by address), so in-place optimizer steps between rollouts are seen without recompiling (checked with
-torch.compile on CPU: logprobs follow an in-place weight change to 7e-6).
+shrinks across calls, so calls with different prompt lengths reuse the compiled graph. A new row count (wave
+size, compacted size) or length bucket compiles a new graph (~25 s for a 1.5B model on an H200); the CUDA-graph
+memory pool of the compiled step stays allocated while the model lives (it holds the step's activations, not
+the KV cache, which is allocated outside the graph). Parameters are graph inputs read in place (CUDA graphs read
+them by address), so in-place updates between rollouts (optimizer steps, a merged copy's sync) are seen without
+recompiling.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 from transformers.generation.configuration_utils import CompileConfig
+from transformers.generation.logits_process import TemperatureLogitsWarper
 
-from .engine import build_batch, generation_mode, prepare_prompts, seeded, sync, unwrap_model
 from .attention import gqa_decode
+from .engine import PreparedPrompts, build_batch, generation_mode, prepare_prompts, sync, unwrap_model
 from .hf import sampling_processors
-from .kv_cache import STATIC_LAYER_TYPES, decode_cache, prefill_cache
+from .kv_cache import (
+    STATIC_LAYER_TYPES,
+    auto_kv_budget,
+    decode_cache,
+    kv_bytes_per_token,
+    length_buckets,
+    prefill_cache,
+    select_rows,
+    set_visible,
+    wave_rows,
+)
 from .layouts import check_layout
+from .sampling import apply_filters, fused_sampler, row_keys, step_keys, vocab_codes
 from .types import Prompt, RolloutBatch, SamplingOptions
+from .weights import LiveWeights, WeightSource
+
+AUTO_KV_FRACTION = 0.85  # share of the free device memory the decode cache may take when max_kv_gib is unset
+SAMPLING_BUFFERS = 8  # [V] fp32 buffers per row that sampling keeps live (logits, scaled, noise, scores, ...)
+MIN_COMPACT_ROWS = 8  # compact_finished never shrinks a wave below this many rows
 
 
-def sample_step(
-    logits: torch.Tensor,  # [B, V] fp32 raw logits
-    history: torch.Tensor,  # [B, L] prompt + generated ids so far (for repetition penalty)
-    processors: list,
-    logp_temperature: float,
-    greedy: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token [B], logp [B]); logp = log_softmax(logits / T)[token]. Equivalent to transformers' sampling
-    with the same processors (a different but exact way to draw from the same categorical)."""
-    scaled = logits / logp_temperature if logp_temperature != 1.0 else logits
-    lse = torch.logsumexp(scaled, dim=-1)  # [B]
-    scores = logits
-    for proc in processors:
-        scores = proc(history, scores)
-    if greedy:
-        token = scores.argmax(-1)
-    else:
-        probs = torch.softmax(scores, dim=-1)
-        token = (probs / torch.empty_like(probs).exponential_()).argmax(-1)
-    logp = scaled.gather(1, token[:, None]).squeeze(1) - lse
-    return token, logp
+@dataclass
+class _Call:
+    """What every wave of one `generate` call shares."""
+
+    prep: PreparedPrompts
+    options: SamplingOptions
+    cache_len: int  # L, slots per row in the decode cache
+    prefill: Any  # DynamicCache of the n distinct prompts
+    first_logits: torch.Tensor  # [n, V] fp32 logits of each prompt's first completion token
+    keys: torch.Tensor  # [B] int64 random-stream key of each row
+    codes: torch.Tensor  # [V] int64 hashed vocabulary indices
+    filters: list  # repetition penalty / top-k / top-p / min-p processors (no temperature)
+    eos: torch.Tensor  # [E] long EOS ids (empty with ignore_eos)
+    parts: dict[str, float] = field(default_factory=dict)  # seconds per part of the step (profile=True)
+
+
+@dataclass
+class _Rows:
+    """The rows a wave is decoding and their decode state; row i writes row `index[i]` of the wave's outputs."""
+
+    index: torch.Tensor  # [b] long
+    cache: Any  # static decode cache, b rows
+    mask: torch.Tensor  # [b, L] attention mask over the cache slots
+    next_pos: torch.Tensor  # [b, 1] position of the next token
+    done: torch.Tensor  # [b] bool
+    keys: torch.Tensor  # [b] random-stream keys
+    logits: torch.Tensor  # [b, V] fp32 logits of the next token
+    visible: int  # cache slots attention reads (a length bucket)
+
+    @staticmethod
+    def start(call: _Call, src: torch.Tensor, keys: torch.Tensor, L: int) -> _Rows:
+        """Rows whose prompts are `src` [b], with the prompts' keys/values copied into a fresh cache."""
+        prep, S = call.prep, call.options.max_new_tokens
+        P, device = prep.ids.shape[1], prep.device
+        mask = torch.zeros((len(src), L), dtype=torch.long, device=device)
+        mask[:, :P] = prep.mask[src]
+        mask[:, P : P + S] = 1  # future slots are hidden by causality (query offset = cache length)
+        return _Rows(torch.arange(len(src), device=device), decode_cache(call.prefill, src, L), mask,
+                     prep.mask.sum(1)[src][:, None], torch.zeros(len(src), dtype=torch.bool, device=device), keys,
+                     call.first_logits[src], L)
+
+    def show(self, visible: int) -> None:
+        if visible != self.visible:
+            self.visible = visible
+            set_visible(self.cache, visible)
+
+    def visible_mask(self) -> torch.Tensor:
+        return self.mask if self.visible == self.mask.shape[1] else self.mask[:, : self.visible]
+
+    def compacted(self, token: torch.Tensor) -> tuple[_Rows, torch.Tensor]:
+        """When at most half the rows are unfinished, the same decode over fewer rows: the unfinished ones, topped
+        up with finished ones to a power of two (>= MIN_COMPACT_ROWS), so only a few row counts get a compiled
+        graph. Returns (rows, their last tokens). Results do not change: finished rows only emit padding, and
+        every row keeps its own random stream."""
+        b = len(self.index)
+        active = int((~self.done).sum())
+        if b <= MIN_COMPACT_ROWS or active > b // 2:
+            return self, token
+        target = max(MIN_COMPACT_ROWS, 1 << max(active - 1, 0).bit_length())
+        sel = torch.argsort(self.done.to(torch.int8), stable=True)[:target]  # unfinished rows first
+        cache = select_rows(self.cache, sel)
+        picked = _Rows(self.index[sel], cache, self.mask[sel], self.next_pos[sel], self.done[sel], self.keys[sel],
+                       self.logits[sel], self.visible)
+        return picked, token[sel]
 
 
 class StaticEngine:
     """Fast sampler with a static KV cache and a CUDA-graph-compiled decode step.
 
-    compile: compile the decode step (default: on CUDA only). check_every: host-side stop-string /
+    compile: compile the decode step and the sampler (default: on CUDA only). check_every: host-side stop-string /
     all-finished checks every that many steps. cache_multiple: round the cache length up to this.
+    max_kv_gib: cap of the decode KV cache in GiB (rows beyond it are decoded in later waves); None: automatic,
+    AUTO_KV_FRACTION of the device memory free at the call (no cap on CPU). weights: where the decode weights come
+    from (`weights.py`; default: the model itself). profile: synchronize around each part of the decode step and
+    report its seconds in `RolloutTiming.parts` (slower; for benchmarks). length_buckets: decode attention reads
+    only the filled part of the cache rounded up to one of this many lengths (`kv_cache.length_buckets`; each is
+    one more compiled graph per row count; 1 = the whole cache). compact_finished: when at most half of a wave's
+    rows are unfinished at a host check, decode on with fewer rows (`_Rows.compacted`; each row count is one more
+    compiled graph).
     """
 
     def __init__(
@@ -75,98 +154,178 @@ class StaticEngine:
         compile: bool | None = None,
         check_every: int = 32,
         cache_multiple: int = 128,
+        max_kv_gib: float | None = None,
+        weights: WeightSource | None = None,
+        profile: bool = False,
+        length_buckets: int = 1,
+        compact_finished: bool = False,
     ):
         if check_every < 1 or cache_multiple < 1:
             raise ValueError(
                 f"StaticEngine: check_every={check_every} and cache_multiple={cache_multiple} must both be >= 1"
             )
-        check_layout(unwrap_model(model), "static", STATIC_LAYER_TYPES)
+        if not isinstance(length_buckets, int) or length_buckets < 1:
+            raise ValueError(f"rollout.length_buckets={length_buckets!r} must be an int >= 1 (1 = attend over the "
+                             "whole cache)")
+        if max_kv_gib is not None and not max_kv_gib > 0:
+            raise ValueError(f"rollout.max_kv_gib={max_kv_gib!r} must be > 0 (GiB), or unset for the automatic budget")
+        self.weights = weights if weights is not None else LiveWeights(model)
+        check_layout(unwrap_model(self.weights.module), "static", STATIC_LAYER_TYPES)
         self.model = model
         self.tokenizer = tokenizer
         self.compile = compile
         self.check_every = check_every
         self.cache_multiple = cache_multiple
+        self.max_kv_gib = max_kv_gib
+        self.profile = profile
+        self.length_buckets = length_buckets
+        self.compact_finished = compact_finished
+        self.auto_sync = True  # sync the weights at the start of each generate (off: the caller syncs)
         self._max_len = 0
+        self._last_parts: dict[str, float] = {}
 
-    def _forward(self, device: torch.device):
-        base = unwrap_model(self.model)
-        use_compile = device.type == "cuda" if self.compile is None else self.compile
-        if use_compile:
+    def _use_compile(self, device: torch.device) -> bool:
+        return device.type == "cuda" if self.compile is None else bool(self.compile)
+
+    def _forward(self, module: Any, device: torch.device):
+        base = unwrap_model(module)
+        if self._use_compile(device):
             return base.get_compiled_call(CompileConfig(fullgraph=False, mode="reduce-overhead", dynamic=False)), True
         return base.__call__, False
 
-    def generate(self, prompts: Sequence[Prompt], options: SamplingOptions) -> RolloutBatch:
-        prep = prepare_prompts(self.model, self.tokenizer, prompts, options)
-        pad_id, eos_ids, device, ctx = prep.pad_id, prep.eos_ids, prep.device, prep.context
-        ids, mask = prep.ids, prep.mask  # [n, P]
-        G, (n, P), S = options.num_generations, ids.shape, options.max_new_tokens
-        B = n * G
-        # cache length only grows across calls (like transformers' static cache), so varying prompt lengths
-        # compile a few graphs at most instead of one per length
+    def _cache_len(self, P: int, S: int, ctx: int | None) -> int:
+        """Slots per row: P + S rounded up to cache_multiple, and never below an earlier call's (so calls with
+        different prompt lengths reuse the compiled graph), within the context window."""
         L = max(-(-(P + S) // self.cache_multiple) * self.cache_multiple, self._max_len)
         if ctx is not None:
             L = max(min(L, ctx), P + S)
         self._max_len = L
-        processors = sampling_processors(options)
-        greedy = options.temperature == 0
-        base = unwrap_model(self.model)
-        with generation_mode(self.model), seeded(options.seed, device), gqa_decode(base.config):
+        return L
+
+    def _wave_size(self, call: _Call, B: int) -> int:
+        per_token = kv_bytes_per_token(call.prefill)
+        if self.max_kv_gib is not None:
+            return wave_rows(B, call.cache_len * per_token, self.max_kv_gib * 2**30, "rollout.max_kv_gib")
+        V = call.first_logits.shape[-1]
+        row = call.cache_len * per_token + SAMPLING_BUFFERS * 4 * V
+        budget = auto_kv_budget(call.prep.device, AUTO_KV_FRACTION)
+        return wave_rows(B, row, budget, "rollout.max_kv_gib (unset: automatic, from free device memory)")
+
+    def generate(self, prompts: Sequence[Prompt], options: SamplingOptions) -> RolloutBatch:
+        module = self.weights.module
+        prep = prepare_prompts(module, self.tokenizer, prompts, options)
+        G, (n, P), S = options.num_generations, prep.ids.shape, options.max_new_tokens
+        B, device = n * G, prep.device
+        seed = options.seed if options.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        prompt_of_row = torch.arange(n, device=device).repeat_interleave(G)  # [B]
+        filters = [p for p in sampling_processors(options) if not isinstance(p, TemperatureLogitsWarper)]
+        eos = torch.tensor(prep.eos_ids if not options.ignore_eos else [], dtype=torch.long, device=device)
+        completion = torch.full((B, S), prep.pad_id, dtype=torch.long)
+        logps = torch.zeros((B, S), dtype=torch.float32)
+        lens = torch.zeros(B, dtype=torch.long)
+        with generation_mode(module), gqa_decode(unwrap_model(module).config):
+            if self.auto_sync:
+                self.weights.sync()
             sync(device)
             tg = time.perf_counter()
-            # prefill the n distinct prompts
-            pos = (mask.cumsum(1) - 1).clamp(min=0)
-            pre_cache = prefill_cache()
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=pre_cache,
-                             use_cache=True, logits_to_keep=1)
-            first_logits = out.logits[:, -1].float().repeat_interleave(G, 0)  # [B, V]
-            del out
-            cache = decode_cache(pre_cache, G, L)
-            del pre_cache
-            full_mask = torch.zeros((B, L), dtype=torch.long, device=device)
-            full_mask[:, :P] = mask.repeat_interleave(G, 0)
-            full_mask[:, P : P + S] = 1  # future slots are hidden by causality (query offset = cache length)
-            history = torch.full((B, P + S), pad_id, dtype=torch.long, device=device)
-            history[:, :P] = ids.repeat_interleave(G, 0)
-            logps = torch.zeros((B, S), dtype=torch.float32, device=device)
-            next_pos = mask.sum(1).repeat_interleave(G, 0)[:, None]  # [B, 1] position of the next token
-            done = torch.zeros(B, dtype=torch.bool, device=device)
-            eos_t = torch.tensor(eos_ids if not options.ignore_eos else [], dtype=torch.long, device=device)
-            forward, compiled = self._forward(device)
-            logits, steps = first_logits, 0
-            for t in range(S):
-                token, logp = sample_step(logits, history[:, : P + t], processors, options.logp_temperature, greedy)
-                token = torch.where(done, pad_id, token)
-                history[:, P + t] = token
-                logps[:, t] = logp
-                if eos_t.numel():
-                    done = done | torch.isin(token, eos_t)
-                steps = t + 1
-                if t + 1 == S:
-                    break
-                if (t + 1) % self.check_every == 0 and self._all_done(done, history, P, steps, options):
-                    break
-                if compiled:
-                    torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs were consumed
-                logits = forward(input_ids=token[:, None], attention_mask=full_mask, position_ids=next_pos,
-                                 past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
-                next_pos = next_pos + 1
+            call = self._prefill(module, prep, options, P, S)
+            call.keys = row_keys(seed, prompt_of_row, torch.arange(B, device=device) % G)
+            call.codes, call.filters, call.eos = vocab_codes(call.first_logits.shape[-1], device), filters, eos
+            wave = self._wave_size(call, B)
+            for r0 in range(0, B, wave):
+                rows = torch.arange(r0, min(r0 + wave, B), device=device)
+                ids, lp, steps = self._decode_wave(module, call, rows, prompt_of_row, pad_to=wave)
+                completion[r0 : r0 + len(rows), :steps] = ids.cpu()
+                logps[r0 : r0 + len(rows), :steps] = lp.cpu()
+                lens[r0 : r0 + len(rows)] = steps
             sync(device)
             gen_s = time.perf_counter() - tg
-            completion = history[:, P : P + steps].cpu()
-            logps = logps[:, :steps].cpu()
-            del cache, full_mask, history, logits, first_logits
-        return build_batch(self.tokenizer, prep, completion, logps, torch.full((B,), steps, dtype=torch.long), gen_s)
+            del call
+        batch = build_batch(self.tokenizer, prep, completion, logps, lens, gen_s)
+        batch.timing.parts = dict(self._last_parts) if self.profile else {}
+        return batch
 
-    def _all_done(
-        self, done: torch.Tensor, history: torch.Tensor, P: int, steps: int, options: SamplingOptions
-    ) -> bool:
+    def _prefill(self, module: Any, prep: PreparedPrompts, options: SamplingOptions, P: int, S: int) -> _Call:
+        """Prefill the n distinct prompts once; every wave copies its rows' prompt keys/values from this."""
+        t0 = time.perf_counter()
+        pos = (prep.mask.cumsum(1) - 1).clamp(min=0)
+        pre_cache = prefill_cache()
+        out = module(input_ids=prep.ids, attention_mask=prep.mask, position_ids=pos, past_key_values=pre_cache,
+                     use_cache=True, logits_to_keep=1)
+        first = out.logits[:, -1].float()  # [n, V]
+        del out
+        L = self._cache_len(P, S, prep.context)
+        call = _Call(prep, options, L, pre_cache, first, keys=None, codes=None, filters=[], eos=None)
+        self._last_parts = {}
+        self._tick("prefill", t0, prep.device)
+        return call
+
+    def _tick(self, part: str, t0: float, device: torch.device) -> float:
+        """With profile=True: synchronize and add the seconds since t0 to `part`; returns the new start time."""
+        if not self.profile:
+            return t0
+        sync(device)
+        now = time.perf_counter()
+        self._last_parts[part] = self._last_parts.get(part, 0.0) + now - t0
+        return now
+
+    def _decode_wave(
+        self, module: Any, call: _Call, rows: torch.Tensor, prompt_of_row: torch.Tensor, pad_to: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Decode rows `rows` [w] of the call together: (tokens [w, steps], logps [w, steps], steps). On the
+        compiled path a short last wave is padded with copies of its last row so every wave has one shape."""
+        prep, options, device = call.prep, call.options, call.prep.device
+        w = len(rows)
+        if self._use_compile(device) and w < pad_to:
+            rows = torch.cat([rows, rows[-1:].expand(pad_to - w)])
+        t0 = time.perf_counter()
+        P, S, L, Bw = prep.ids.shape[1], options.max_new_tokens, call.cache_len, len(rows)
+        src = prompt_of_row[rows]  # [Bw] prompt of each row
+        history = torch.full((Bw, P + S), prep.pad_id, dtype=torch.long, device=device)
+        history[:, :P] = prep.ids[src]
+        out_logp = torch.zeros((Bw, S), dtype=torch.float32, device=device)
+        live = _Rows.start(call, src, call.keys[rows], L)
+        forward, compiled = self._forward(module, device)
+        sampler = fused_sampler(device, self._use_compile(device))
+        steps, T = 0, options.logp_temperature
+        buckets = length_buckets(P, L, self.length_buckets, self.cache_multiple)
+        t0 = self._tick("prefill", t0, device)  # the copy into this wave's cache
+        for t in range(S):
+            hist = history.index_select(0, live.index)[:, : P + t] if call.filters else None
+            scores = apply_filters(call.filters, hist, live.logits / T) if call.filters else None
+            token, logp = sampler(live.logits, scores, step_keys(live.keys, t), call.codes, T, options.temperature == 0)
+            token = torch.where(live.done, prep.pad_id, token)
+            history[live.index, P + t] = token
+            out_logp[live.index, t] = logp
+            if call.eos.numel():
+                live.done = live.done | torch.isin(token, call.eos)
+            t0 = self._tick("sample", t0, device)
+            steps = t + 1
+            if t + 1 == S:
+                break
+            if (t + 1) % self.check_every == 0:
+                if self._all_done(live, history, P, steps, options):
+                    break
+                if self.compact_finished:
+                    live, token = live.compacted(token)
+            t0 = self._tick("host_checks", t0, device)
+            live.show(next(b for b in buckets if b > P + t))  # this step writes slot P + t
+            if compiled:
+                torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs were consumed
+            live.logits = forward(input_ids=token[:, None], attention_mask=live.visible_mask(), position_ids=live.next_pos,
+                                  past_key_values=live.cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+            live.next_pos = live.next_pos + 1
+            t0 = self._tick("forward", t0, device)
+        return history[:w, P : P + steps], out_logp[:w, :steps], steps
+
+    def _all_done(self, live: _Rows, history: torch.Tensor, P: int, steps: int, options: SamplingOptions) -> bool:
         """Host check (one sync): mark rows whose text contains a stop string as done; True if all rows are."""
         if options.stop:
-            pending = (~done).nonzero().flatten().tolist()
+            pending = (~live.done).nonzero().flatten().tolist()
             if pending:
-                rows = history[pending, P : P + steps].tolist()
+                rows = history[live.index[pending], P : P + steps].tolist()
                 texts = self.tokenizer.batch_decode(rows, skip_special_tokens=False)
                 hit = [b for b, text in zip(pending, texts) if any(s in text for s in options.stop)]
                 if hit:
-                    done[hit] = True
-        return bool(done.all())
+                    live.done[hit] = True
+        return bool(live.done.all())

@@ -90,6 +90,7 @@ class RolloutTiming:
     num_tokens: int  # completion tokens under completion_mask
     tokens_per_s: float  # num_tokens / seconds
     generate_seconds: float = 0.0  # model time only (prefill + decode), synchronized
+    parts: dict[str, float] = field(default_factory=dict)  # seconds per part of decoding (engines that profile)
 
 
 @dataclass

@@ -10,8 +10,9 @@ import torch
 
 from logitless.data import PromptRow, load_hf_prompts, load_jsonl_prompts, load_task
 from logitless.rewards import get_reward_fn
-from logitless.rollout import SamplingOptions
+from logitless.rollout import RolloutEngine, SamplingOptions, make_engine
 from logitless.rollout.engine import context_window, encode_prompts
+from logitless.rollout.weights import rollout_weights
 from logitless.trainer.config import DataConfig, OptimConfig, RewardConfig, RolloutConfig
 from logitless.trainer.modeling import QLORA_INSTALL_HINT, require_cuda_package
 
@@ -120,6 +121,16 @@ def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
 
 def make_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, cfg: OptimConfig) -> Any:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))
+
+
+def make_rollout_engine(cfg: RolloutConfig, model: Any, tokenizer: Any) -> RolloutEngine:
+    """The rollout section's engine; backend "static" decodes from `rollout_weights` (a merged-LoRA copy when
+    rollout.merge_lora allows) under the rollout.max_kv_gib budget."""
+    if cfg.backend != "static":
+        return make_engine(cfg.backend, model, tokenizer)
+    weights = rollout_weights(model, cfg.merge_lora)
+    return make_engine("static", model, tokenizer, weights=weights, max_kv_gib=cfg.max_kv_gib, profile=cfg.profile,
+                       length_buckets=cfg.length_buckets, compact_finished=cfg.compact_finished)
 
 
 def sampling_options(

@@ -171,6 +171,20 @@ class RolloutConfig:
     # CPU threads while generating (None: torch's default). Decoding is many small ops: on a busy or small CPU
     # one thread is often much faster than several (17x measured on a loaded 2-core machine).
     num_threads: int | None = None
+    # Backend "static" only. Cap of the decode KV cache in GiB: a rollout needing more decodes its rows in waves
+    # (same samples for the same seed). None: automatic, 85 % of the device memory free when the rollout starts
+    # (the update's transients are freed by then); no cap on CPU.
+    max_kv_gib: float | None = None
+    # Decode from a merged-LoRA inference copy of the model (plain-model decode speed; costs the LoRA-targeted
+    # layers' weights once more). None: whenever the adapters can be merged (not 4-bit, not DoRA).
+    merge_lora: bool | None = None
+    profile: bool = False  # log the seconds of each part of decoding (prefill, forward, sample); adds syncs
+    # Decode attention reads only the filled part of the KV cache, rounded up to one of this many lengths
+    # (1 = the whole cache). Each length is one more compiled decode graph; 4 suits long completions.
+    length_buckets: int = 1
+    # Drop rows that ended from the decode batch once at most half are left (each row count one more compiled
+    # graph: B, B/2, ... down to 8 rows). Helps when completion lengths vary widely.
+    compact_finished: bool = False
 
     def __post_init__(self):
         _positive(
@@ -181,7 +195,18 @@ class RolloutConfig:
             temperature=self.temperature,
             top_p=self.top_p,
             num_threads=self.num_threads,
+            max_kv_gib=self.max_kv_gib,
+            length_buckets=self.length_buckets,
         )
+        static_only = {"max_kv_gib": self.max_kv_gib is not None, "merge_lora": self.merge_lora is True,
+                       "profile": self.profile, "length_buckets": self.length_buckets != 1,
+                       "compact_finished": self.compact_finished}
+        for name, used in static_only.items():
+            if used and self.backend != "static":
+                raise ValueError(
+                    f"rollout.{name}={getattr(self, name)!r} needs rollout.backend=static (got {self.backend!r}): "
+                    f"set rollout.backend=static or unset rollout.{name}"
+                )
 
 
 @dataclass
@@ -228,6 +253,9 @@ class TrainConfig:
     seed: int = 0
     output_dir: str = "runs/logitless"
     num_threads: int | None = None  # torch.set_num_threads on CPU (None: leave torch's default)
+    # Generate step k+1's samples while step k updates (one step off policy; trainer/async_rollout.py). Needs
+    # rollout.backend=static with a merged LoRA copy; pair it with objective.sampler_is_mode to correct the lag.
+    async_rollout: bool = False
 
     def __post_init__(self):
         _positive(

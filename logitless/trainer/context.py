@@ -14,14 +14,16 @@ import torch
 
 from logitless.data import PromptRow, PromptSampler
 from logitless.objectives import AdvantageOptions, EntropyCoef, initial_entropy_coef
-from logitless.rollout import RolloutEngine, make_engine
+from logitless.rollout import RolloutEngine
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.accounting import ModelShape, device_peaks
+from logitless.trainer.async_rollout import AsyncRollout
 from logitless.trainer.builders import (
     accuracy_index,
     check_prompt_lengths,
     load_rows,
     make_optimizer,
+    make_rollout_engine,
     make_scheduler,
     reward_functions,
     sampling_options,
@@ -62,6 +64,7 @@ class TrainContext:
     start: int  # last step completed before this process started (0, or the resumed checkpoint's step)
     entropy_coef: EntropyCoef  # carried across steps (adaptive entropy control)
     empty_steps: int = 0  # consecutive steps whose completions were all empty
+    prefetch: AsyncRollout | None = None  # train.async_rollout: the next step's rollout in flight
     t_start: float = field(default_factory=time.perf_counter)  # for the wall-time budget
 
     @property
@@ -72,7 +75,8 @@ class TrainContext:
         """Write an atomic checkpoint of this step (model, optimizer, schedule, data position, RNG, entropy coef)."""
         return ckpt.save_checkpoint(
             self.ckpt_root, step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-            trainer_state={"sampler": self.sampler.state_dict(), "entropy_coef": list(self.entropy_coef)},
+            trainer_state={"sampler": self.sampler.state_dict(), "entropy_coef": list(self.entropy_coef),
+                           **(self.prefetch.state() if self.prefetch is not None else {})},
             keep=self.cfg.checkpoint.save_total_limit,
         )
 
@@ -128,8 +132,13 @@ def build_context(
         total_steps=cfg.train.max_steps, resume_step=start,
     )
     coef = EntropyCoef(*state["entropy_coef"]) if "entropy_coef" in state else initial_entropy_coef(cfg.objective)
+    engine = make_rollout_engine(cfg.rollout, model, tokenizer)
+    prefetch = None
+    if cfg.train.async_rollout:
+        prefetch = AsyncRollout(engine, sampler, cfg.train.prompts_per_step, device)
+        prefetch.restore(state)
     return TrainContext(
-        cfg=cfg, model=model, tokenizer=tokenizer, device=device, engine=make_engine(cfg.rollout.backend, model, tokenizer),
+        cfg=cfg, model=model, tokenizer=tokenizer, device=device, engine=engine, prefetch=prefetch,
         params=params, optimizer=optimizer, scheduler=scheduler, sampler=sampler, reward_fns=reward_fns,
         acc_col=acc_col, adv_options=adv_options,
         reference=reference,

@@ -111,6 +111,8 @@ def checkpoint_and_stop(ctx: TrainContext, result: TrainResult, step: int, stop_
 def drop_step(ctx: TrainContext, result: TrainResult, step: int, rewind: tuple[Any, Any]) -> None:
     """A stop before the first optimizer step of `step`: rewind its data position and RNG (so a resumed run
     redoes it identically) and checkpoint the step before."""
+    if ctx.prefetch is not None:
+        ctx.prefetch.put_back()  # its rollout is the checkpoint's pending one
     ctx.sampler.load_state_dict(rewind[0])
     ckpt.set_rng_state(*rewind[1])
     if step - 1 > 0:
@@ -183,6 +185,8 @@ def _train(
             result.interrupted = stop.requested
     finally:
         ctx.logger.close()
+        if ctx.prefetch is not None:
+            ctx.prefetch.close()
     if result.interrupted:
         ctx.logger.console.print(f"stopped by signal {result.interrupted} after step {result.step}; resume with --resume {ctx.run_dir}")
     elif cfg.logging.plot and result.records:

@@ -69,6 +69,12 @@ def _check_training(cfg: TrainerConfig) -> None:
             f"(rollout.max_prompt_length + rollout.max_completion_length = {longest}); set "
             f"train.micro_batch_tokens >= {longest}, or lower those lengths"
         )
+    if cfg.train.async_rollout and (r.backend != "static" or r.merge_lora is False or not cfg.model.lora):
+        raise ValueError(
+            "train.async_rollout=true samples from a merged LoRA copy while the update runs: it needs "
+            f"rollout.backend=static (got {r.backend!r}), model.lora=true (got {cfg.model.lora}) and rollout.merge_lora "
+            f"unset or true (got {r.merge_lora}); set those, or train.async_rollout=false"
+        )
 
 
 def check_device(name: str) -> None:

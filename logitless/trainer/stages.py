@@ -89,12 +89,21 @@ def _entropy_terms(ctx: TrainContext) -> tuple[bool, bool]:
 
 
 def rollout_stage(ctx: TrainContext, step: int) -> Rollout:
-    """G samples for each of the step's prompts, with the sampler's logprobs."""
+    """G samples for each of the step's prompts, with the sampler's logprobs. With train.async_rollout they were
+    started during the step before, and the next step's rollout starts here (trainer/async_rollout.py)."""
     cfg = ctx.cfg
-    rows = ctx.sampler.next_batch(cfg.train.prompts_per_step)
     options = sampling_options(cfg.rollout, seed=cfg.train.seed * 1_000_003 + step)
-    with torch_threads(cfg.rollout.num_threads):
-        batch = ctx.engine.generate([r.prompt for r in rows], options).to(ctx.device)
+    if ctx.prefetch is not None:
+        if ctx.prefetch.pending is None:  # the first step of a run
+            ctx.prefetch.start(step, options)
+        rows, batch, options = ctx.prefetch.take(step)
+        if step < cfg.train.max_steps:
+            ctx.prefetch.start(step + 1, sampling_options(cfg.rollout, seed=cfg.train.seed * 1_000_003 + step + 1))
+        batch = batch.to(ctx.device)
+    else:
+        rows = ctx.sampler.next_batch(cfg.train.prompts_per_step)
+        with torch_threads(cfg.rollout.num_threads):
+            batch = ctx.engine.generate([r.prompt for r in rows], options).to(ctx.device)
     return Rollout(rows, [rows[i] for i in batch.prompt_index.tolist()], batch, options)
 
 
@@ -284,6 +293,8 @@ def step_record(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan
         "tokens_per_s": b.timing.tokens_per_s,
         "train_tokens_per_s": plan.n_tokens * ctx.cfg.train.num_iterations / max(train_s, 1e-9),
         **timer.metrics(),
+        **{f"rollout/{part}_s": sec for part, sec in b.timing.parts.items()},  # rollout.profile=true
+        "rollout/weights_copy_gib": getattr(getattr(ctx.engine, "weights", None), "extra_bytes", 0) / 2**30,
         **efficiency_metrics(ctx, ro, plan, timer),
         "skipped": float(plan.n_tokens == 0),
         "trained_rows": float(len(plan.trained)) if plan.n_tokens > 0 else 0.0,

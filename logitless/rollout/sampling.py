@@ -1,0 +1,118 @@
+"""The static engine's sampler: per-row random streams and one fused sampling pass over the logits.
+
+Per-row random streams
+----------------------
+Every sampled token draws its noise from a counter-based hash of (row key, step, vocabulary index), where the
+row key is a hash of (seed, prompt index, sample index). A row's tokens therefore depend only on its own key and
+its own logits: not on how many rows are decoded together, on the order of the waves, or on which device
+generates the other rows. This is what makes a wave-split rollout identical to a single-wave one.
+
+The hash is a 32-bit integer mixer (Wellons' "lowbias32") run in int64 tensor arithmetic: every product stays
+below 2**63, so the result is the same on every device and under torch.compile. Its top 24 bits give a uniform
+u in (0, 1), and -log(-log u) a Gumbel variate.
+
+Fused sampling pass
+-------------------
+`sample_tokens` computes, in one pass over the [B, V] logits, log_softmax(logits / T) at the sampled token and
+the token itself: argmax(filtered scores + Gumbel) is an exact draw from softmax(filtered scores) (the
+Gumbel-max trick; the same as the exponential race argmax p / Exp(1)). On CUDA it is compiled by torch.compile
+into a few fused kernels instead of a dozen [B, V] passes. Top-k / top-p / min-p and repetition penalty are
+transformers' own processors, applied to the temperature-scaled logits before the race when they are on.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from transformers import LogitsProcessor
+
+MASK32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9  # 2**32 / golden ratio: spreads consecutive counters
+
+
+def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
+    """(x * m) mod 2**32 for x in [0, 2**32) without int64 overflow: split m into 16-bit halves."""
+    lo, hi = m & 0xFFFF, m >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash (lowbias32) of int64 tensors holding values in [0, 2**32)."""
+    x = x & MASK32
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _fold(h: torch.Tensor, value: torch.Tensor | int) -> torch.Tensor:
+    """Hash `value` into the running key `h` (order-dependent)."""
+    return mix32((h ^ mix32(torch.as_tensor(value, dtype=torch.long, device=h.device) + _GOLDEN)) & MASK32)
+
+
+def row_keys(seed: int, prompt_index: torch.Tensor, sample_index: torch.Tensor) -> torch.Tensor:
+    """[B] int64 key of each row's random stream, from (seed, prompt index, sample index); any int seed."""
+    seed = int(seed) % 2**64
+    h = torch.full_like(prompt_index, seed & MASK32, dtype=torch.long)
+    h = _fold(mix32(h), seed >> 32)
+    return _fold(_fold(h, prompt_index.long()), sample_index.long())
+
+
+def step_keys(keys: torch.Tensor, step: int) -> torch.Tensor:
+    """[B] keys of the rows' draws at decode step `step`."""
+    return _fold(keys, step)
+
+
+def vocab_codes(vocab: int, device: torch.device) -> torch.Tensor:
+    """[V] int64 hashed vocabulary indices, computed once per call and reused at every step."""
+    return mix32(torch.arange(vocab, dtype=torch.long, device=device) * 2 + 1)
+
+
+def gumbel(keys: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """[B, V] fp32 Gumbel(0, 1) noise: element (b, v) depends only on keys[b] and codes[v]."""
+    h = mix32(keys[:, None] ^ codes[None, :])  # [B, V] in [0, 2**32)
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 2**24)  # (0, 1), never 0 or 1
+    return -torch.log(-torch.log(u))
+
+
+def sample_tokens(
+    logits: torch.Tensor,  # [B, V] fp32 raw logits
+    scores: torch.Tensor | None,  # [B, V] filtered logits / T to draw from, or None: logits / T
+    keys: torch.Tensor,  # [B] int64 step keys (`step_keys`)
+    codes: torch.Tensor,  # [V] int64 (`vocab_codes`)
+    temperature: float,  # of the recorded logprobs
+    greedy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token [B], logp [B]) with logp = log_softmax(logits / T)[token] and token drawn from softmax(scores)
+    (argmax for greedy) by the Gumbel-max trick with the rows' own noise."""
+    scaled = logits / temperature if temperature != 1.0 else logits
+    lse = torch.logsumexp(scaled, dim=-1)  # [B]
+    draw = scaled if scores is None else scores
+    token = draw.argmax(-1) if greedy else (draw + gumbel(keys, codes)).argmax(-1)
+    logp = scaled.gather(1, token[:, None]).squeeze(1) - lse
+    return token, logp
+
+
+_compiled: dict[bool, Callable] = {}
+
+
+def fused_sampler(device: torch.device, compile: bool) -> Callable:
+    """`sample_tokens`, compiled into fused kernels on CUDA when `compile` (one compiled function per process)."""
+    if not compile or device.type != "cuda":
+        return sample_tokens
+    if True not in _compiled:
+        _compiled[True] = torch.compile(sample_tokens, fullgraph=True)  # dynamic after a second row count
+    return _compiled[True]
+
+
+def apply_filters(filters: list[LogitsProcessor], history: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor | None:
+    """transformers' repetition penalty / top-k / top-p / min-p over the temperature-scaled logits (both commute
+    with the positive scale 1/T, so the order matches `generate`'s); None when no filter is on."""
+    if not filters:
+        return None
+    scores = scaled
+    for proc in filters:
+        scores = proc(history, scores)
+    return scores

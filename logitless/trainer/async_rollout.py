@@ -1,0 +1,132 @@
+"""`train.async_rollout: true`: step k+1's samples are generated while step k scores, computes logprobs and
+updates, one step off policy.
+
+When step k takes its rollout, the rollout of step k+1 starts at once on a worker thread (on CUDA, on its own
+stream): its prompts are drawn and the rollout weights (a merged-LoRA copy, `rollout/weights.py`) are synced on
+the main thread first, so it samples from the weights before update k while update k writes only the trainable
+parameters. The objective gets the rollout's real sampler logprobs, so the sampler importance-sampling options
+(`objective.sampler_is_mode`) correct the one-step lag.
+
+A checkpoint holds the prefetched rollout (its prompts' sampler position and the batch), so a resumed run takes
+exactly the samples the uninterrupted run took; a step dropped by a stop signal puts its rollout back.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from logitless.data import PromptRow, PromptSampler
+from logitless.rollout import RolloutBatch, RolloutEngine, RolloutTiming, SamplingOptions
+from logitless.rollout.weights import LiveWeights
+
+BATCH_TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "sampler_logp", "finished",
+                 "truncated", "prompt_index")
+
+
+@dataclass
+class Prefetched:
+    step: int  # the step these samples are for
+    sampler_before: dict[str, Any]  # the prompt sampler's state before this step's prompts were drawn
+    rows: list[PromptRow]
+    options: SamplingOptions
+    future: Future  # -> RolloutBatch
+
+
+def batch_to_json(b: RolloutBatch) -> dict[str, Any]:
+    """A JSON-able copy of a rollout batch (fp32 logprobs round-trip exactly through Python floats)."""
+    out: dict[str, Any] = {k: getattr(b, k).cpu().tolist() for k in BATCH_TENSORS}
+    out["dtypes"] = {k: str(getattr(b, k).dtype).removeprefix("torch.") for k in BATCH_TENSORS}
+    out["completions"] = list(b.completions)
+    out["timing"] = dict(b.timing.__dict__)
+    return out
+
+
+def batch_from_json(d: dict[str, Any]) -> RolloutBatch:
+    tensors = {k: torch.tensor(d[k], dtype=getattr(torch, d["dtypes"][k])) for k in BATCH_TENSORS}
+    return RolloutBatch(**tensors, completions=list(d["completions"]), timing=RolloutTiming(**d["timing"]))
+
+
+class AsyncRollout:
+    """One rollout in flight on a worker thread, for the next step."""
+
+    def __init__(self, engine: RolloutEngine, sampler: PromptSampler, prompts_per_step: int, device: torch.device):
+        weights = getattr(engine, "weights", None)
+        if weights is None or isinstance(weights, LiveWeights):
+            raise ValueError(
+                "train.async_rollout=true samples from a copy of the weights while the update writes the trainable "
+                "ones: it needs rollout.backend=static with a merged LoRA copy (model.lora=true, "
+                "rollout.merge_lora unset or true); set train.async_rollout=false otherwise"
+            )
+        if device.type == "cuda" and getattr(engine, "max_kv_gib", None) is None:
+            raise ValueError(
+                "train.async_rollout=true on CUDA needs rollout.max_kv_gib: the rollout then shares the GPU with the "
+                "update, and the automatic budget (85 % of the memory free when the rollout starts) would take the "
+                "update's memory. Set rollout.max_kv_gib to what the GPU can spare beside the update's peak"
+            )
+        engine.auto_sync = False  # synced here, on the main thread, before each rollout starts
+        self.engine, self.weights, self.sampler, self.n = engine, weights, sampler, prompts_per_step
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="logitless-rollout")
+        self.pending: Prefetched | None = None
+        self.taken: Prefetched | None = None  # the rollout of the running step (put back if it is dropped)
+
+    def start(self, step: int, options: SamplingOptions) -> None:
+        """Draw step `step`'s prompts and start sampling them from the current weights."""
+        before = self.sampler.state_dict()
+        rows = self.sampler.next_batch(self.n)
+        self.weights.sync()
+        ready = None
+        if self.stream is not None:
+            ready = torch.cuda.Event()
+            ready.record()  # the sync's copies, on the main stream
+        future = self.pool.submit(self._generate, [r.prompt for r in rows], options, ready)
+        self.pending = Prefetched(step, before, rows, options, future)
+
+    def _generate(self, prompts: list, options: SamplingOptions, ready: torch.cuda.Event | None) -> RolloutBatch:
+        if self.stream is None:
+            return self.engine.generate(prompts, options)
+        self.stream.wait_event(ready)
+        with torch.cuda.stream(self.stream):
+            batch = self.engine.generate(prompts, options)
+        self.stream.synchronize()
+        return batch
+
+    def take(self, step: int) -> tuple[list[PromptRow], RolloutBatch, SamplingOptions]:
+        """Step `step`'s rollout, started earlier (waits for it)."""
+        if self.pending is None or self.pending.step != step:
+            have = None if self.pending is None else self.pending.step
+            raise RuntimeError(f"async rollout: step {step} asks for its rollout, but the one in flight is {have}")
+        self.taken, self.pending = self.pending, None
+        return self.taken.rows, self.taken.future.result(), self.taken.options
+
+    def put_back(self) -> None:
+        """A dropped step: its rollout becomes the pending one again and the next step's is discarded."""
+        if self.pending is not None:
+            self.pending.future.result()  # let it finish: the engine is not re-entrant
+        self.pending, self.taken = self.taken, None
+
+    def state(self) -> dict[str, Any]:
+        """The pending rollout for a checkpoint (waits for it); {} when none."""
+        p = self.pending
+        if p is None:
+            return {}
+        return {"prefetch": {"step": p.step, "sampler_before": p.sampler_before, "options": dict(p.options.__dict__),
+                             "batch": batch_to_json(p.future.result())}}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Make a checkpoint's pending rollout pending again (the sampler re-draws its prompts)."""
+        if "prefetch" not in state:
+            return
+        p = state["prefetch"]
+        self.sampler.load_state_dict(p["sampler_before"])
+        rows = self.sampler.next_batch(self.n)
+        done: Future = Future()
+        done.set_result(batch_from_json(p["batch"]))
+        self.pending = Prefetched(int(p["step"]), p["sampler_before"], rows, SamplingOptions(**p["options"]), done)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)

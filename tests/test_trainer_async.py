@@ -1,0 +1,79 @@
+"""train.async_rollout: the next step's rollout runs during the update, one step off policy. The objective gets
+the rollout's real sampler logprobs (stale by one update, so |logp - sampler_logp| > 0 where the synchronous run
+has 0), the samples of step k come from the weights after update k - 2, and a run stopped and resumed takes
+exactly the samples and makes exactly the updates of the uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from logitless.rollout.static import StaticEngine
+from logitless.rollout.weights import MergedLoraWeights
+from logitless.trainer import checkpoint as ckpt
+from tests.test_trainer import _cfg, _lora, _train, _untimed, rewards_module, tok  # noqa: F401 (fixtures)
+
+ASYNC = ["rollout.backend=static", "train.async_rollout=true", "train.max_steps=4",
+         "objective.sampler_is_mode=token_truncate", "objective.sampler_is_clip_max=2.0"]
+
+
+def test_async_rollout_feeds_the_stale_samplers_real_logprobs(tmp_path, tok, rewards_module, monkeypatch):  # noqa: F811
+    batches, synced = [], []
+    real_generate, real_sync = StaticEngine.generate, MergedLoraWeights.sync
+
+    def generate(self, prompts, options):  # records what the engine returned, unchanged
+        b = real_generate(self, prompts, options)
+        batches.append(b)
+        return b
+
+    def sync(self):  # records the adapter weights each rollout samples from
+        real_sync(self)
+        synced.append({id(layer): [p.detach().clone() for p in layer.parameters() if p.requires_grad]
+                       for layer, _ in self._pairs})
+
+    monkeypatch.setattr(StaticEngine, "generate", generate)
+    monkeypatch.setattr(MergedLoraWeights, "sync", sync)
+    run = _train(_cfg(tmp_path / "async", *ASYNC, "checkpoint.save_steps=1"), tok)
+    async_syncs = synced[:]  # the async run's syncs only
+    sync_run = _train(_cfg(tmp_path / "sync", *ASYNC[:1], *ASYNC[2:]), tok)
+    assert run.step == 4 and len(batches) == 4 + 4  # 4 async rollouts, then the synchronous run's 4
+    diffs = [r["is/logp_diff"] for r in run.records]
+    # step 1 samples the initial weights and trains them; from step 2 on the samples are one update behind
+    assert diffs[0] < 1e-4 and min(diffs[1:]) > 1e-3, diffs
+    assert max(r["is/logp_diff"] for r in sync_run.records) < 1e-4
+    # rollout k (k >= 2) was synced before update k - 1: its adapters are those of checkpoint k - 2
+    assert len(async_syncs) == 1 + 4  # the copy's construction, then one sync per rollout (synced[k]: rollout k)
+    for k in (3, 4):
+        saved = _lora(tmp_path / "async" / "checkpoints" / f"step-{k - 2:06d}")
+        flat = sorted(float(v.double().sum()) for v in saved.values())
+        seen = sorted(float(p.double().sum()) for ps in async_syncs[k].values() for p in ps)
+        assert flat == pytest.approx(seen, rel=1e-6, abs=1e-9)
+
+
+def test_async_resume_after_a_stop_is_exact(tmp_path, tok, rewards_module):  # noqa: F811
+    full = _train(_cfg(tmp_path / "full", *ASYNC), tok)
+
+    def hook(event, step):
+        if event == "after_rollout" and step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    cut = _train(_cfg(tmp_path / "cut", *ASYNC), tok, hook=hook)
+    assert cut.step == 2 and ckpt.read_latest(tmp_path / "cut" / "checkpoints").name == "step-000002"
+    state = json.loads((tmp_path / "cut" / "checkpoints" / "step-000002" / "trainer_state.json").read_text())
+    assert state["prefetch"]["step"] == 3  # the dropped step's rollout travels with the checkpoint
+    resumed = _train(_cfg(tmp_path / "cut", *ASYNC), tok, resume=tmp_path / "cut")
+    assert resumed.step == 4
+    assert _untimed(cut.records + resumed.records) == _untimed(full.records)
+    a, b = _lora(tmp_path / "full"), _lora(tmp_path / "cut")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_async_rollout_needs_a_weight_copy(tmp_path, tok, rewards_module):  # noqa: F811
+    with pytest.raises(ValueError, match=r"train\.async_rollout=true .* rollout\.backend=static"):
+        _train(_cfg(tmp_path / "x", "train.async_rollout=true"), tok)
+    with pytest.raises(ValueError, match=r"train\.async_rollout=true"):
+        _train(_cfg(tmp_path / "y", *ASYNC, "rollout.merge_lora=false"), tok)

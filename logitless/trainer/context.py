@@ -17,6 +17,7 @@ from logitless.data import PromptRow, PromptSampler
 from logitless.objectives import AdvantageOptions, EntropyCoef
 from logitless.rollout import RolloutEngine, make_engine
 from logitless.trainer import checkpoint as ckpt
+from logitless.trainer import dcp
 from logitless.trainer.accounting import ModelShape, device_peaks
 from logitless.trainer.builders import (
     accuracy_index,
@@ -30,6 +31,7 @@ from logitless.trainer.builders import (
 from logitless.trainer.config import TrainerConfig, to_yaml
 from logitless.trainer.metrics import MetricsLogger
 from logitless.trainer.modeling import ReferencePolicy, load_model_and_tokenizer, prepare_for_training, trainable_parameters
+from logitless.trainer.parallel import QuietLogger, World, check_distributed, init_distributed, shard_model
 
 
 @dataclass
@@ -55,6 +57,7 @@ class TrainContext:
     logger: MetricsLogger
     start: int  # last step completed before this process started (0, or the resumed checkpoint's step)
     entropy_coef: EntropyCoef  # carried across steps (adaptive entropy control)
+    world: World = field(default_factory=World)  # this process's rank among torchrun's workers
     empty_steps: int = 0  # consecutive steps whose completions were all empty
     t_start: float = field(default_factory=time.perf_counter)  # for the wall-time budget
 
@@ -64,10 +67,15 @@ class TrainContext:
 
     def save(self, step: int) -> Path:
         """Write an atomic checkpoint of this step (model, optimizer, schedule, data position, RNG, entropy coef)."""
+        state = {"sampler": self.sampler.state_dict(), "entropy_coef": list(self.entropy_coef)}
+        if self.world.distributed:  # sharded (DCP), every rank
+            return dcp.save_sharded(
+                self.ckpt_root, step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                trainer_state=state, world=self.world, device=self.device, keep=self.cfg.checkpoint.save_total_limit,
+            )
         return ckpt.save_checkpoint(
             self.ckpt_root, step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-            trainer_state={"sampler": self.sampler.state_dict(), "entropy_coef": list(self.entropy_coef)},
-            keep=self.cfg.checkpoint.save_total_limit,
+            trainer_state=state, keep=self.cfg.checkpoint.save_total_limit,
         )
 
 
@@ -97,7 +105,9 @@ def build_context(
     """Data and rewards first (their errors need no model), then model, engine, optimizer, and the resumed state."""
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
-    seed_everything(cfg.train.seed)
+    world = init_distributed(cfg.model.device if model is None else str(next(model.parameters()).device))
+    check_distributed(cfg, world)
+    seed_everything(cfg.train.seed)  # the same on every rank: the model's random init (LoRA) must agree
     adv_options = checked_options(cfg)
     rows: list[PromptRow] = load_rows(cfg.data)
     sampler = PromptSampler(rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
@@ -111,27 +121,35 @@ def build_context(
         device = next(model.parameters()).device
     check_prompt_lengths(rows, tokenizer, model, sampling_options(cfg.rollout, seed=None), f"data.task={cfg.data.task!r}")
     reference = ReferencePolicy(model) if cfg.objective.beta > 0 else None  # before a resume loads trained weights
+    if world.distributed:
+        model = shard_model(model, device)
+        if world.rank:
+            seed_everything(cfg.train.seed + world.rank)  # per-rank streams from here on (dropout, rewards)
     params = trainable_parameters(model)
     optimizer = make_optimizer(params, cfg.optim)
     scheduler = make_scheduler(optimizer, cfg.train.max_steps * cfg.train.num_iterations, cfg.optim)
     run_dir = Path(cfg.train.output_dir)
     start, state = 0, {}
     if resume is not None:
-        state = ckpt.load_checkpoint(resume, model=model, optimizer=optimizer, scheduler=scheduler)
+        dcp.check_world_size(ckpt.resolve_checkpoint(resume), world)
+        load = dcp.load_sharded if world.distributed else ckpt.load_checkpoint
+        kw = {"world": world} if world.distributed else {}
+        state = load(resume, model=model, optimizer=optimizer, scheduler=scheduler, **kw)
         start = int(state["step"])
         sampler.load_state_dict(state["sampler"])
-    elif (run_dir / "checkpoints" / ckpt.LATEST).is_file():
+    elif (run_dir / "checkpoints" / ckpt.LATEST).is_file() and world.main:
         warnings.warn(
             f"{run_dir} already holds checkpoints of an earlier run; this run starts from step 0 and replaces them "
             f"(use --resume {run_dir} to continue that run, or set train.output_dir)",
             stacklevel=3,
         )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    if world.main:  # only rank 0 writes the run folder's files, prints and plots
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
     logger = MetricsLogger(
         run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
         total_steps=cfg.train.max_steps, resume_step=start,
-    )
+    ) if world.main else QuietLogger()
     coef = cfg.objective.entropy_coef
     return TrainContext(
         cfg=cfg, model=model, tokenizer=tokenizer, device=device, engine=make_engine(cfg.rollout.backend, model, tokenizer),
@@ -140,4 +158,5 @@ def build_context(
         reference=reference,
         shape=ModelShape.of(model), peaks=device_peaks(device, cfg.logging.peak_tflops, cfg.logging.hbm_tbs),
         run_dir=run_dir, logger=logger, start=start, entropy_coef=EntropyCoef(*state.get("entropy_coef", (coef, coef))),
+        world=world,
     )

@@ -29,12 +29,22 @@ def all_reduce_sum(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
-def all_reduce_metrics(metrics: dict[str, Stat]) -> dict[str, Stat]:
-    """Merge every rank's Stats exactly (SUM of sums/counts, MIN of mins, MAX of maxes)."""
+def all_reduce_metrics(metrics: dict[str, Stat], device: torch.device | None = None) -> dict[str, Stat]:
+    """Merge every rank's Stats exactly (SUM of sums/counts, MIN of mins, MAX of maxes); `device`: where the
+    collective runs (a CUDA device for nccl when the Stats live on the CPU)."""
     if not is_distributed():
         return metrics
-    names, sum_count, mins, maxs = pack_metrics(metrics)
+    names, sum_count, mins, maxs = (x if i == 0 or device is None else x.to(device) for i, x in enumerate(pack_metrics(metrics)))
     dist.all_reduce(sum_count, op=dist.ReduceOp.SUM)
     dist.all_reduce(mins, op=dist.ReduceOp.MIN)
     dist.all_reduce(maxs, op=dist.ReduceOp.MAX)
     return unpack_metrics(names, sum_count, mins, maxs)
+
+
+def gather_rows(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The ranks' [n, ...] tensors (the same shape on every rank) concatenated in rank order, on x's device."""
+    if not is_distributed():
+        return x
+    parts = [torch.empty_like(x, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.to(device).contiguous())
+    return torch.cat(parts).to(x.device)

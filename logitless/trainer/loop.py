@@ -31,6 +31,7 @@ from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.accounting import PhaseTimer
 from logitless.trainer.config import TrainerConfig
 from logitless.trainer.context import TrainContext, build_context
+from logitless.trainer.parallel import agree
 from logitless.trainer.plot import plot_run
 from logitless.trainer.signals import StopRequest
 from logitless.trainer.stages import (
@@ -90,6 +91,7 @@ def checkpoint_and_stop(ctx: TrainContext, result: TrainResult, step: int, stop_
     elapsed = time.perf_counter() - ctx.t_start
     limit = cfg.train.max_minutes
     out_of_time = limit is not None and elapsed + elapsed / (step - ctx.start) > 60 * limit
+    out_of_time = bool(agree(int(out_of_time), ctx.device))  # every rank ends after the same step
     last = step == cfg.train.max_steps or out_of_time
     due = cfg.checkpoint.save_steps and step % cfg.checkpoint.save_steps == 0
     if stop_requested or due or (last and cfg.checkpoint.save_at_end):
@@ -136,6 +138,7 @@ def train(
                 with timer("score"):
                     scored = score_stage(ctx, ro)
                 hook("after_rollout", step)
+                stop.requested = agree(stop.requested, ctx.device)  # a signal to any rank stops all of them
                 if stop.requested:  # nothing trained yet: drop this step
                     drop_step(ctx, result, step, rewind)
                     break
@@ -148,6 +151,7 @@ def train(
                         upd = update_stage(ctx, plan, oldref)
                 hook("after_update", step)
                 log_step(ctx, result, step, step_record(ctx, ro, scored, plan, upd, timer), ro, scored)
+                stop.requested = agree(stop.requested, ctx.device)
                 if checkpoint_and_stop(ctx, result, step, bool(stop.requested)):
                     break
             result.interrupted = stop.requested
@@ -155,6 +159,6 @@ def train(
         ctx.logger.close()
     if result.interrupted:
         ctx.logger.console.print(f"stopped by signal {result.interrupted} after step {result.step}; resume with --resume {ctx.run_dir}")
-    elif cfg.logging.plot and result.records:
+    elif cfg.logging.plot and result.records and ctx.world.main:
         plot_run(ctx.run_dir)
     return result

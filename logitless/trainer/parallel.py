@@ -1,0 +1,256 @@
+"""Several processes under torchrun: the process group, FSDP2 sharding, each rank's prompts, the rollout's full
+weights, and agreement on when to stop. On a single process every function here is the identity: no process
+group, no wrapping.
+
+    torchrun --nproc-per-node 2 -m logitless train CONFIG
+
+Every rank runs the same loop on its own share of the step's prompts (`train.prompts_per_step` is global). The
+step normalizer and the metrics are all-reduced in `distributed.py`, so gradients and logged values do not
+depend on the number of ranks.
+
+How the weights are handled:
+- Every decoder layer is one FSDP2 unit; the root unit holds the embeddings, the final norm and the lm_head
+  (tied or not). The fused logprob op runs inside the root unit's forward (`register_fsdp_forward_method`), so it
+  sees the root's all-gathered lm_head weight, exactly the single-process weight, and its lm_head / embedding
+  gradients are reduce-scattered by FSDP like any other.
+- Gradients are summed across ranks (divide factor 1): the loss is already divided by the global normalizer.
+- The rollout needs the full weights: `full_weights` all-gathers every unit once before `generate` and keeps them
+  until it returns, so the decode loop runs no collective (ranks decode different lengths and never wait on each
+  other); LoRA adapters stay unmerged, as on one process. It costs one all-gather of the model per step and the
+  full weights' memory during the rollout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import types
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from torch import nn
+
+from logitless.models import completion_logprobs
+from logitless.models.lm_head import UnsupportedModelError, causal_lm_of, decoder_body
+from logitless.trainer.batching import MicroBatch
+from logitless.trainer.config import TrainerConfig
+from logitless.trainer.distributed import is_distributed
+
+T = TypeVar("T")
+
+TIMEOUT = timedelta(minutes=30)  # a rank that waits longer on a collective fails instead of hanging
+LOGPROBS_METHOD = "logitless_completion_logprobs"
+DISTRIBUTED_BACKENDS = ("hf",)
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """This process's place among torchrun's workers (rank 0 of 1 without torchrun)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_world() -> World:
+    """The world torchrun describes in the environment (RANK, WORLD_SIZE, LOCAL_RANK)."""
+    env = os.environ
+    return World(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+
+
+def init_distributed(device: str) -> World:
+    """Join torchrun's process group: nccl with one GPU per local rank on CUDA, gloo on CPU (`device` is
+    model.device). Without torchrun (WORLD_SIZE unset or 1) nothing is initialized."""
+    world = launched_world()
+    if not world.distributed or dist.is_initialized():
+        return world
+    cuda = device != "cpu" and torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(world.local_rank)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT)
+    return world
+
+
+def check_distributed(cfg: TrainerConfig, world: World) -> None:
+    """Refuse settings that cannot run on `world.size` ranks, naming the setting and the fix."""
+    if not world.distributed:
+        return
+    n, k = cfg.train.prompts_per_step, world.size
+    if n % k:
+        raise ValueError(
+            f"train.prompts_per_step={n} is the global prompt count of a step, split evenly across the {k} ranks; "
+            f"set it to a multiple of {k} (e.g. {k * max(n // k, 1)}) or launch torchrun with a --nproc-per-node "
+            f"that divides {n}"
+        )
+    if cfg.rollout.backend not in DISTRIBUTED_BACKENDS:
+        raise ValueError(
+            f"rollout.backend={cfg.rollout.backend!r} cannot run under torchrun ({k} ranks): it needs the full "
+            "weights at fixed addresses, which the FSDP2-sharded model does not keep; set rollout.backend=hf"
+        )
+    if cfg.objective.top_entropy_quantile < 1.0:
+        raise ValueError(
+            f"objective.top_entropy_quantile={cfg.objective.top_entropy_quantile} takes a quantile over the whole "
+            "step's tokens, which is not gathered across ranks yet; set objective.top_entropy_quantile=1.0 or "
+            "train on one process"
+        )
+    if cfg.advantage.scale == "batch":
+        raise ValueError(
+            "advantage.scale='batch' needs the std of the whole step's rewards, which is not gathered across "
+            "ranks yet; set advantage.scale=group (or none), or train on one process"
+        )
+
+
+def rank_share(rows: Sequence[T], world: World) -> list[T]:
+    """This rank's contiguous share of the step's prompts; the ranks' shares in rank order are all of them."""
+    k = len(rows) // world.size
+    return list(rows[world.rank * k : (world.rank + 1) * k])
+
+
+def rank_seed(seed: int, world: World) -> int:
+    """A seed of its own for each rank; rank 0 keeps the single-process seed."""
+    return seed + 1_000_000_007 * world.rank
+
+
+# ----------------------------------------------------------------------------------------------------------
+# FSDP2
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a causal LM (`_no_split_modules` classes, else the body's `layers`)."""
+    lm = causal_lm_of(model)
+    names = set(getattr(lm, "_no_split_modules", None) or [])
+    layers = [m for m in lm.modules() if type(m).__name__ in names]
+    if not layers:
+        layers = list(getattr(decoder_body(model), "layers", []) or [])
+    if not layers:
+        raise UnsupportedModelError(f"cannot find the decoder layers of {type(lm).__name__} to shard with FSDP2")
+    return layers
+
+
+def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
+    """FSDP2 (`fully_shard`) on every decoder layer and on the root; fp32 gradient reduction on CUDA.
+
+    Parameters keep the model's dtype (bf16 by default on CUDA). The root gains a forward method that computes
+    `completion_logprobs` with the root's weights all-gathered (see the module docstring).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32 if device.type == "cuda" else None)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    model.set_gradient_divide_factor(1.0)  # sum: each rank's loss is already divided by the global normalizer
+
+    def logprobs(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return completion_logprobs(self, *args, **kwargs)
+
+    setattr(model, LOGPROBS_METHOD, types.MethodType(logprobs, model))
+    register_fsdp_forward_method(model, LOGPROBS_METHOD)
+    return model
+
+
+def model_logprobs(model: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`completion_logprobs(model, ...)`, through the FSDP root's forward when the model is sharded."""
+    method = getattr(model, LOGPROBS_METHOD, None)
+    return method(*args, **kwargs) if method is not None else completion_logprobs(model, *args, **kwargs)
+
+
+def _fsdp_modules(model: nn.Module) -> list[Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextmanager
+def full_weights(model: nn.Module) -> Iterator[None]:
+    """Inside: every parameter of a sharded model is whole on every rank (all-gathered once, unit by unit), and
+    forwards reshard nothing, so `generate` runs no collective. Outside: sharded again. No-op when not sharded."""
+    units = _fsdp_modules(model)
+    if not units:
+        yield
+        return
+    model.set_reshard_after_forward(False)
+    try:
+        with torch.no_grad():
+            for unit in units:
+                unit.unshard()
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+        model.set_reshard_after_forward(True)
+
+
+def padding_micro_batches(micro: list[MicroBatch], spare: Callable[[], MicroBatch], device: torch.device) -> list[MicroBatch]:
+    """Copies of a micro-batch (the last, or `spare()` for a rank with none) for a rank with fewer micro-batches
+    than the most any rank has.
+
+    Every forward and backward of a sharded model is a collective, so all ranks must run as many; the padding
+    passes add exactly zero to the gradient (`padding_backward`) and nothing to the metrics.
+    """
+    if not is_distributed():
+        return []
+    count = torch.tensor([len(micro)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    missing = int(count.item()) - len(micro)
+    return [micro[-1] if micro else spare()] * missing
+
+
+def padding_backward(model: nn.Module, m: MicroBatch, temperature: float) -> torch.Tensor:
+    """A forward and backward of micro-batch `m` whose gradient is exactly zero; returns the zero loss."""
+    logp, _ = model_logprobs(model, m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask, temperature=temperature)
+    loss = logp.sum() * 0.0
+    loss.backward()
+    return loss.detach()
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None) -> float:
+    """Clip the gradients (plain or FSDP2 DTensor shards) to `max_norm`; the total norm before clipping."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf)
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if full is not None else norm)
+
+
+def agree(flag: int | None, device: torch.device) -> int | None:
+    """The largest of the ranks' flags (a signal number, 1 for "out of time"), so that every rank stops after
+    the same step; the flag itself on one process."""
+    if not is_distributed():
+        return flag
+    t = torch.tensor([flag or 0], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item()) or None
+
+
+class QuietLogger:
+    """The metrics logger of ranks other than 0: only rank 0 prints, plots and writes metrics."""
+
+    def __init__(self) -> None:
+        self.console = Console(stderr=True, quiet=True)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        pass
+
+    def advance(self, step: int, metrics: dict[str, Any]) -> None:
+        pass
+
+    def print(self, *args: Any) -> None:
+        pass
+
+    def completions_table(self, *args: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -67,6 +67,8 @@ def _export(model: torch.nn.Module, folder: Path, main: bool) -> None:
     peft = is_peft_model(model)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=peft)
     full = get_model_state_dict(model, options=options)
+    names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    full = {k: v for k, v in full.items() if k in names}  # a tied lm_head is saved once, as save_pretrained does
     if main:
         extra = {"save_embedding_layers": False} if peft else {}
         model.save_pretrained(str(folder), state_dict=full, safe_serialization=True, **extra)

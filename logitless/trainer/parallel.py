@@ -152,7 +152,9 @@ def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    model.set_gradient_divide_factor(1.0)  # sum: each rank's loss is already divided by the global normalizer
+    for unit in _fsdp_modules(model):  # (these two setters act on one unit each)
+        unit.set_gradient_divide_factor(1.0)  # sum: each rank's loss is already divided by the global normalizer
+        unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
 
     def logprobs(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         return completion_logprobs(self, *args, **kwargs)

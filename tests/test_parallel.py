@@ -1,0 +1,167 @@
+"""Training on 2 processes (torchrun, gloo on CPU, FSDP2) against one process: same parameters and metrics,
+exact resume from a sharded checkpoint, a loadable export, a failure on one rank ending the run, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from logitless.trainer import checkpoint as ckpt
+from logitless.trainer import dcp
+from logitless.trainer.loop import train
+from logitless.trainer.parallel import World, check_distributed, rank_share
+from tests import dist_worker as w
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+WORKER = Path(w.__file__)
+
+
+def torchrun(scenario: str, out: Path, tok_dir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[1])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(WORKER), scenario, str(out), str(tok_dir)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # a hang: end torchrun and its workers (their own process group)
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"torchrun {scenario} did not end within {timeout} s:\n{stdout[-2000:]}{stderr[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The exported weights of the run's latest checkpoint (adapter or full model)."""
+    from safetensors.torch import load_file
+
+    folder = ckpt.resolve_checkpoint(run_dir) / "model"
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def close(a, b, rel=1e-5, abs_=1e-6) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=rel, abs_tol=abs_)
+    return a == b
+
+
+@pytest.fixture(scope="module")
+def tok_dir(shared_dir):
+    return shared_dir / "tokenizers" / "gpt2"
+
+
+@pytest.fixture(scope="module")
+def equivalence(tmp_path_factory, tok_dir, one_thread):
+    """One step on one process (recording its rollout), then the same step on 2 ranks replaying that rollout."""
+    out = tmp_path_factory.mktemp("equivalence")
+    tok = w.tokenizer(tok_dir)
+    single = {}
+    for mode, overrides in w.MODES.items():
+        real = w.context.make_engine
+        w.use_engine(lambda engine, mode=mode: w.Recording(engine, out / f"rollout_{mode}.pt"))
+        try:
+            single[mode] = train(w.config(out / f"{mode}_single", *overrides), model=w.model(), tokenizer=tok).records
+        finally:
+            w.context.make_engine = real
+    proc = torchrun("equivalence", out, tok_dir)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, single
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_two_ranks_train_like_one_process(equivalence, mode):
+    out, single = equivalence
+    a, b = weights(out / f"{mode}_single"), weights(out / f"{mode}_ranks")
+    assert a.keys() == b.keys() and a
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    before = w.model().state_dict() if mode == "full" else None
+    moved = [k for k in a if (before is None and "lora_B" in k) or (before is not None and k in before
+                                                                     and not torch.equal(a[k], before[k]))]
+    assert moved and any(float(a[k].abs().max()) > 0 for k in moved)  # the step changed the weights
+    ranks = json.loads((out / f"{mode}_ranks.json").read_text())
+    one = w.untimed(single[mode])
+    assert len(ranks) == len(one) == 1 and ranks[0].keys() == one[0].keys()
+    diff = {k: (one[0][k], ranks[0][k]) for k in one[0] if not close(one[0][k], ranks[0][k])}
+    assert not diff
+    assert one[0]["grad_norm"] > 0.05  # clipping was active (max_grad_norm=0.05)
+
+
+def test_exported_adapter_loads_in_one_process_with_the_same_logprobs(equivalence):
+    """The 2-rank run's model/ folder is a PEFT adapter: loaded on one process it gives the single run's logprobs."""
+    from peft import PeftModel
+
+    from logitless.models import completion_logprobs
+
+    out, _ = equivalence
+    torch.manual_seed(1)
+    ids, cids = torch.randint(0, w.VOCAB, (2, 5)), torch.randint(0, w.VOCAB, (2, 4))
+    masks = torch.ones_like(ids), torch.ones_like(cids)
+    logp = {}
+    for run in ("lora_single", "lora_ranks"):
+        m = PeftModel.from_pretrained(w.model(), str(ckpt.resolve_checkpoint(out / run) / "model"))
+        logp[run] = completion_logprobs(m, ids, masks[0], cids, masks[1])[0]
+    base = completion_logprobs(w.model(), ids, masks[0], cids, masks[1])[0]
+    assert torch.allclose(logp["lora_single"], logp["lora_ranks"], atol=1e-6)
+    assert not torch.allclose(base, logp["lora_ranks"], atol=1e-4)  # the adapter is not a no-op
+
+
+def test_sigterm_and_resume_on_two_ranks_continue_like_an_uninterrupted_run(tmp_path, tok_dir, one_thread):
+    proc = torchrun("resume", tmp_path, tok_dir)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"resume_rank{rank}.json").read_text())
+        assert r["interrupted"] == 15 and r["cut_step"] == 1  # a SIGTERM to rank 0 stopped both ranks
+        assert [x["step"] for x in r["full"]] == [1, 2, 3]
+        assert r["cut"] + r["resumed"] == r["full"]
+    a, b = weights(tmp_path / "full"), weights(tmp_path / "cut")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    step = ckpt.resolve_checkpoint(tmp_path / "cut")
+    assert dcp.saved_world_size(step) == 2 and (step / "dcp").is_dir() and (step / "rng-rank1.pt").is_file()
+    lines = (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3]  # rank 0 alone writes the metrics
+    # a resume on another number of ranks is refused, naming the fix
+    tok = w.tokenizer(tok_dir)
+    with pytest.raises(ckpt.CheckpointError, match=r"written by 2 rank\(s\) but this run has 1.*--nproc-per-node 2"):
+        train(w.config(tmp_path / "cut", "train.max_steps=4"), model=w.model(), tokenizer=tok, resume=tmp_path / "cut")
+
+
+def test_a_failure_on_one_rank_ends_every_rank(tmp_path, tok_dir):
+    proc = torchrun("fail_rank1", tmp_path, tok_dir, timeout=240)
+    assert proc.returncode != 0
+    assert "rank 1 fails" in proc.stdout + proc.stderr
+
+
+def _cfg(*overrides):
+    return w.config("unused", *overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["train.prompts_per_step=3"], r"train.prompts_per_step=3 .* split evenly across the 2 ranks; set it to a multiple of 2"),
+        (["rollout.backend=static"], r"rollout.backend='static' cannot run under torchrun .* set rollout.backend=hf"),
+        (["objective.top_entropy_quantile=0.8"], r"objective.top_entropy_quantile=0.8 .* set objective.top_entropy_quantile=1.0"),
+        (["advantage.scale=batch"], r"advantage.scale='batch' .* set advantage.scale=group"),
+    ],
+)
+def test_settings_that_cannot_run_on_several_ranks_are_refused(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        check_distributed(_cfg(*overrides), World(rank=0, size=2))
+    check_distributed(_cfg(*overrides), World())  # one process: no restriction
+
+
+def test_rank_shares_are_contiguous_and_cover_the_step():
+    rows = list(range(8))
+    shares = [rank_share(rows, World(rank=r, size=4)) for r in range(4)]
+    assert shares == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert rank_share(rows, World()) == rows

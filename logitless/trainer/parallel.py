@@ -161,6 +161,7 @@ def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
 
     setattr(model, LOGPROBS_METHOD, types.MethodType(logprobs, model))
     register_fsdp_forward_method(model, LOGPROBS_METHOD)
+    register_fsdp_forward_method(model, "generate")  # the rollout enters through the root too (FSDP's lazy init)
     return model
 
 

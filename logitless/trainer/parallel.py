@@ -84,6 +84,12 @@ def init_distributed(device: str) -> World:
     return world
 
 
+def shutdown() -> None:
+    """Leave the process group, if this process joined one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def check_distributed(cfg: TrainerConfig, world: World) -> None:
     """Refuse settings that cannot run on `world.size` ranks, naming the setting and the fix."""
     if not world.distributed:

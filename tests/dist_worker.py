@@ -74,6 +74,9 @@ def untimed(records):
     return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in records]
 
 
+FIRST_HALF: set = set()  # the prompts of rank 0's share of the recorded step (see `digits_second_half`)
+
+
 class Recording:
     """The real engine, whose step-1 rollout (and its prompts) is saved for the multi-process runs to replay."""
 
@@ -81,6 +84,8 @@ class Recording:
         self.engine, self.path = engine, path
 
     def generate(self, prompts, options):
+        FIRST_HALF.clear()
+        FIRST_HALF.update(prompts[: len(prompts) // 2])
         batch = self.engine.generate(prompts, options)
         torch.save({"prompts": list(prompts), "batch": dataclasses.asdict(batch)}, self.path)
         return batch
@@ -92,6 +97,8 @@ class Replay:
     def __init__(self, path):
         saved = torch.load(path, weights_only=False)
         self.prompts, self.fields = saved["prompts"], saved["batch"]
+        FIRST_HALF.clear()
+        FIRST_HALF.update(self.prompts[: len(self.prompts) // 2])
 
     def generate(self, prompts, options):
         k = len(prompts)
@@ -110,7 +117,13 @@ def use_engine(make):
     context.make_engine = lambda backend, m, tok, **kw: make(real(backend, m, tok, **kw))
 
 
-MODES = {"lora": [], "full": ["model.lora=false", "optim.learning_rate=0.002", "model.gradient_checkpointing=true"]}
+MODES = {
+    # rank 0's groups all have zero advantage and are skipped: it pads with zero-gradient micro-batches
+    "lora": ["reward.reward_funcs=[tests.dist_worker:digits_second_half]"],
+    # a frozen reference copy (beta > 0), old logprobs and two optimizer steps (mu = 2), gradient checkpointing
+    "full": ["model.lora=false", "optim.learning_rate=0.002", "model.gradient_checkpointing=true", "objective.beta=0.04",
+             "train.num_iterations=2"],
+}
 
 
 def equivalence(out: Path, tok) -> None:
@@ -146,13 +159,23 @@ def digits(prompts, completions, **fields):
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) + 0.01 * len(c) for c in completions]
 
 
+def digits_second_half(prompts, completions, **fields):
+    """`digits`, but 0 for every sample of the first half of the step's prompts (zero-variance groups)."""
+    return [0.0 if p in FIRST_HALF else d for p, d in zip(prompts, digits(prompts, completions))]
+
+
 def raise_on_rank1(prompts, completions, **fields):
     if int(os.environ.get("RANK", 0)) == 1:
         raise KeyError("rank 1 fails")
     return [float(len(c)) for c in completions]
 
 
-if __name__ == "__main__":
+def main(scenario: str, out_dir: str, tok_dir: str) -> None:
     torch.set_num_threads(1)
-    scenario, out_dir, tok_dir = sys.argv[1:4]
     {"equivalence": equivalence, "resume": resume, "fail_rank1": fail_rank1}[scenario](Path(out_dir), tokenizer(tok_dir))
+
+
+if __name__ == "__main__":
+    from tests import dist_worker  # the module the reward specs "tests.dist_worker:..." name, not __main__
+
+    dist_worker.main(*sys.argv[1:4])

@@ -226,7 +226,7 @@ def update_stage(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef) -> UpdateR
             parts += [metrics] if i < len(plan.micro) - plan.padding else []
         res.grad_norms.append(optimizer_step(ctx))
         res.losses.append(all_reduce_sum(float(step_loss), ctx.device))
-        merged = all_reduce_metrics(merge_metrics(parts))
+        merged = all_reduce_metrics(merge_metrics(parts), ctx.device)
         res.metrics.append(merged)
         if ctx.cfg.objective.use_adaptive_entropy:
             ctx.entropy_coef = update_entropy_coef(ctx.entropy_coef.coef, float(merged["entropy"].mean), ctx.cfg.objective)

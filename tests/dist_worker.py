@@ -66,8 +66,15 @@ def tokenizer(path):
     return tok
 
 
+def device() -> torch.device:
+    """CPU (gloo), or this rank's GPU (nccl) when LOGITLESS_TEST_CUDA=1."""
+    if os.environ.get("LOGITLESS_TEST_CUDA") == "1":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
 def model():
-    return tiny_qwen2(vocab_size=VOCAB, hidden=32, layers=2)
+    return tiny_qwen2(vocab_size=VOCAB, hidden=32, layers=2).to(device())
 
 
 def untimed(records):
@@ -95,7 +102,7 @@ class Replay:
     """Each rank's rows of a recorded rollout: the same global batch as the single-process step."""
 
     def __init__(self, path):
-        saved = torch.load(path, weights_only=False)
+        saved = torch.load(path, weights_only=False, map_location="cpu")
         self.prompts, self.fields = saved["prompts"], saved["batch"]
         FIRST_HALF.clear()
         FIRST_HALF.update(self.prompts[: len(self.prompts) // 2])

@@ -46,11 +46,10 @@ def check_world_size(path: Path, world: World) -> None:
     """Refuse a resume whose number of ranks differs from the checkpoint's."""
     saved = saved_world_size(path)
     if saved != world.size:
-        how = "one process (no torchrun)" if saved == 1 else f"torchrun --nproc-per-node {saved} (or nodes x procs = {saved})"
+        how = "one process (no torchrun)" if saved == 1 else f"{saved} ranks (torchrun --nproc-per-node {saved} on one node)"
         raise ckpt.CheckpointError(
             f"--resume {path}: the checkpoint was written by {saved} rank(s) but this run has {world.size}; resume "
-            f"it with {how}. (Its model/ folder loads anywhere: `logitless eval --checkpoint` or a new run's "
-            "model.name_or_path.)"
+            f"it with {how}. (Its model/ folder is a one-process export, which `logitless eval --checkpoint` reads.)"
         )
 
 
@@ -129,7 +128,9 @@ def save_sharded(
     return final
 
 
-def _finish(root: Path, tmp: Path, final: Path, step: int, scheduler: Any, trainer_state: dict[str, Any], world: World) -> None:
+def _finish(
+    root: Path, tmp: Path, final: Path, step: int, scheduler: Any, trainer_state: dict[str, Any], world: World
+) -> None:
     """Rank 0: the files every rank shares, fsync, rename into place, point `latest` at it."""
     opt = ckpt._serialized({"optimizer": None, "scheduler": scheduler.state_dict() if scheduler is not None else None})
     ckpt._write_file(tmp / "optimizer.pt", lambda f: f.write(opt))

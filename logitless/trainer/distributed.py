@@ -45,7 +45,9 @@ def all_reduce_metrics(metrics: dict[str, Stat], device: torch.device | None = N
     if not is_distributed():
         return metrics
     metrics = _with_every_rank_names(metrics)
-    names, sum_count, mins, maxs = (x if i == 0 or device is None else x.to(device) for i, x in enumerate(pack_metrics(metrics)))
+    names, sum_count, mins, maxs = pack_metrics(metrics)
+    if device is not None:
+        sum_count, mins, maxs = sum_count.to(device), mins.to(device), maxs.to(device)
     dist.all_reduce(sum_count, op=dist.ReduceOp.SUM)
     dist.all_reduce(mins, op=dist.ReduceOp.MIN)
     dist.all_reduce(maxs, op=dist.ReduceOp.MAX)

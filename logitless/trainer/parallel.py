@@ -203,7 +203,9 @@ def full_weights(model: nn.Module) -> Iterator[None]:
         model.set_reshard_after_forward(True)
 
 
-def padding_micro_batches(micro: list[MicroBatch], spare: Callable[[], MicroBatch], device: torch.device) -> list[MicroBatch]:
+def padding_micro_batches(
+    micro: list[MicroBatch], spare: Callable[[], MicroBatch], device: torch.device
+) -> list[MicroBatch]:
     """Copies of a micro-batch (the last, or `spare()` for a rank with none) for a rank with fewer micro-batches
     than the most any rank has.
 
@@ -220,7 +222,8 @@ def padding_micro_batches(micro: list[MicroBatch], spare: Callable[[], MicroBatc
 
 def padding_backward(model: nn.Module, m: MicroBatch, temperature: float) -> torch.Tensor:
     """A forward and backward of micro-batch `m` whose gradient is exactly zero; returns the zero loss."""
-    logp, _ = model_logprobs(model, m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask, temperature=temperature)
+    ids = (m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask)
+    logp, _ = model_logprobs(model, *ids, temperature=temperature)
     loss = logp.sum() * 0.0
     loss.backward()
     return loss.detach()

@@ -23,11 +23,12 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 WORKER = Path(w.__file__)
 
 
-def torchrun(scenario: str, out: Path, tok_dir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run the worker on 2 ranks; a run past `timeout` (a hang) is ended (torchrun ends its workers) and fails."""
+def torchrun(scenario: str, out: Path, tok_dir: Path, timeout: float = 300, argv: list[str] | None = None):
+    """Run the worker (or `argv`) on 2 ranks; a run past `timeout` (a hang) is ended (torchrun ends its workers)
+    and fails the test."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[1])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(WORKER), scenario, str(out), str(tok_dir)]
+           *(argv or [str(WORKER), scenario, str(out), str(tok_dir)])]
     log = out / f"torchrun-{scenario}.log"
     with open(log, "w") as f:  # a file, not a pipe: nothing waits on a worker that outlives torchrun
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
@@ -153,7 +154,7 @@ def test_sigterm_and_resume_on_two_ranks_continue_like_an_uninterrupted_run(tmp_
         r = json.loads((tmp_path / f"resume_rank{rank}.json").read_text())
         assert r["interrupted"] == 15 and r["cut_step"] == 1  # a SIGTERM to rank 0 stopped both ranks
         assert [x["step"] for x in r["full"]] == [1, 2, 3]
-        assert r["cut"] + r["resumed"] == r["full"]
+        assert r["cut"] + r["resumed"] == r["full"] and r["full"][-1]["kl"] > 0
     a, b = weights(tmp_path / "full"), weights(tmp_path / "cut")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     step = ckpt.resolve_checkpoint(tmp_path / "cut")
@@ -167,9 +168,19 @@ def test_sigterm_and_resume_on_two_ranks_continue_like_an_uninterrupted_run(tmp_
 
 
 def test_a_failure_on_one_rank_ends_every_rank(tmp_path, tok_dir):
-    proc = torchrun("fail_rank1", tmp_path, tok_dir, timeout=240)
+    """`torchrun -m logitless train` with a reward function that raises on rank 1 only: the run ends with the
+    error (rank 0 waits in a collective and is ended by torchrun) instead of hanging."""
+    model_dir = tmp_path / "tiny"
+    w.model().save_pretrained(model_dir)
+    w.tokenizer(tok_dir).save_pretrained(model_dir)
+    cfg = w.config(tmp_path / "run", "reward.reward_funcs=[tests.dist_worker:raise_on_rank1]", "train.max_steps=3")
+    overrides = [f"model.name_or_path={model_dir}", f"train.output_dir={tmp_path / 'run'}", "model.device=cpu",
+                 "reward.reward_funcs=[tests.dist_worker:raise_on_rank1]", "data.options={difficulty: 1, n: 40, chat: false}",
+                 f"train.prompts_per_step={cfg.train.prompts_per_step}", "rollout.max_completion_length=6",
+                 "logging.tensorboard=false", "logging.plot=false"]
+    proc = torchrun("cli_fail", tmp_path, tok_dir, timeout=240, argv=["-m", "logitless", "train", *overrides])
     assert proc.returncode != 0
-    assert "rank 1 fails" in proc.stdout + proc.stderr
+    assert "error: reward function 'raise_on_rank1' raised KeyError: 'rank 1 fails'" in proc.stdout
 
 
 def _cfg(*overrides):

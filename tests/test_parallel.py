@@ -194,6 +194,7 @@ def _cfg(*overrides):
         (["rollout.backend=static"], r"rollout.backend='static' cannot run under torchrun .* set rollout.backend=hf"),
         (["objective.top_entropy_quantile=0.8"], r"objective.top_entropy_quantile=0.8 .* set objective.top_entropy_quantile=1.0"),
         (["advantage.scale=batch"], r"advantage.scale='batch' .* set advantage.scale=group"),
+        (["model.device=cuda:0"], r"model.device='cuda:0' puts every rank on the same device; .* set model.device=auto"),
     ],
 )
 def test_settings_that_cannot_run_on_several_ranks_are_refused(overrides, match):

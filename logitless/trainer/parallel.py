@@ -101,6 +101,11 @@ def check_distributed(cfg: TrainerConfig, world: World) -> None:
             f"set it to a multiple of {k} (e.g. {k * max(n // k, 1)}) or launch torchrun with a --nproc-per-node "
             f"that divides {n}"
         )
+    if ":" in cfg.model.device:
+        raise ValueError(
+            f"model.device={cfg.model.device!r} puts every rank on the same device; under torchrun set "
+            "model.device=auto (or cuda): each rank then uses the GPU of its LOCAL_RANK"
+        )
     if cfg.rollout.backend not in DISTRIBUTED_BACKENDS:
         raise ValueError(
             f"rollout.backend={cfg.rollout.backend!r} cannot run under torchrun ({k} ranks): it needs the full "
@@ -200,7 +205,8 @@ def full_weights(model: nn.Module) -> Iterator[None]:
     finally:
         for unit in units:
             unit.reshard()
-        model.set_reshard_after_forward(True)
+            if unit is not model:  # the layers reshard after forward again; the root keeps its weights until
+                unit.set_reshard_after_forward(True, recurse=False)  # the backward, as FSDP sets up a root
 
 
 def padding_micro_batches(

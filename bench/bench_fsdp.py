@@ -1,13 +1,14 @@
 """Whole GRPO steps on 1 vs N GPUs (torchrun, FSDP2): completion tokens per second of the step and per-GPU peak
-memory, LoRA and full fine-tuning, the same global batch. Also the cost of the rollout's weight path (all-gather
-of the sharded model before `generate`, and its release after): seconds and GiB per step.
+memory, LoRA and full fine-tuning, the same global batch. Also the cost of the rollout's weight path per step
+(`hf`: all-gather of the sharded model before `generate` and its release after; `static`: the in-place sync of
+the persistent replica): seconds and GiB.
 
     torchrun --standalone --nproc-per-node 1 bench/bench_fsdp.py --tokenizer DIR --out bench/results
     torchrun --standalone --nproc-per-node 2 bench/bench_fsdp.py --tokenizer DIR --out bench/results
 
 With one process the run is the plain single-GPU trainer (no process group, no FSDP). The model is a random-init
 Qwen2.5-shaped model (bench_train.py); prompts are the packaged GSM8K sample; the reward is bench_train's
-`distinct_chars`, which varies on random text, so every step trains. Writes `fsdp_<shape>_<N>gpu.json`.
+`distinct_chars`, which varies on random text, so every step trains. Writes `fsdp_<shape>_<backend>_<N>gpu.json`.
 """
 
 from __future__ import annotations
@@ -33,19 +34,22 @@ from logitless.trainer import load_train_config, parallel, stages, train  # noqa
 PHASES = ("time/generate", "time/score", "time/logprobs", "time/train")
 
 
-def timed_full_weights(log: list[dict[str, float]]):
-    """`parallel.full_weights` that records its all-gather and release seconds and the GiB it holds."""
-    inner = parallel.full_weights
+def timed_rollout_weights(log: list[dict[str, float]]):
+    """`parallel.rollout_weights` that records the seconds of its weight path before and after `generate`, the GiB
+    it holds during the rollout (all-gathered weights) and the GiB of a persistent replica (static backend)."""
+    inner = parallel.rollout_weights
 
     @contextmanager
-    def wrapper(model):
+    def wrapper(model, replica):
         sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
         mem = torch.cuda.memory_allocated if torch.cuda.is_available() else (lambda: 0)
         sync()
         t0, m0 = time.perf_counter(), mem()
-        with inner(model):
+        with inner(model, replica):
             sync()
             entry = {"gather_s": time.perf_counter() - t0, "held_gib": (mem() - m0) / 2**30}
+            if replica is not None:
+                entry["replica_gib"] = sum(p.numel() * p.element_size() for p in replica.model.parameters()) / 2**30
             yield
             sync()
             t1 = time.perf_counter()
@@ -68,7 +72,7 @@ def run_mode(mode: str, model_dir: Path, args, world: parallel.World, work: Path
     lora = mode == "lora"
     cfg = load_train_config(None, [
         f"model.name_or_path={model_dir}", "data.task=gsm8k", "data.split=sample",
-        "reward.reward_funcs=[bench.bench_train:distinct_chars]", "rollout.backend=hf",
+        "reward.reward_funcs=[bench.bench_train:distinct_chars]", f"rollout.backend={args.backend}",
         f"rollout.num_generations={args.G}", f"rollout.max_completion_length={args.tokens}",
         f"train.max_steps={args.steps}", f"train.prompts_per_step={args.prompts}",
         f"train.micro_batch_size={args.micro}", f"model.lora={str(lora).lower()}",
@@ -77,7 +81,7 @@ def run_mode(mode: str, model_dir: Path, args, world: parallel.World, work: Path
         "logging.log_completions=false", "logging.plot=false", "checkpoint.save_steps=1000", "checkpoint.save_at_end=false",
     ])
     sync_log: list[dict[str, float]] = []
-    stages.full_weights = timed_full_weights(sync_log)
+    stages.rollout_weights = timed_rollout_weights(sync_log)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     res = train(cfg)
@@ -111,6 +115,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--micro", type=int, default=16)
     ap.add_argument("--gc", action="store_true", help="gradient checkpointing")
+    ap.add_argument("--backend", default="hf", choices=["hf", "static"], help="rollout backend")
     args = ap.parse_args()
     world = parallel.init_distributed("auto")
     out, work = Path(args.out), Path(args.out) / f".work-fsdp-{world.size}"
@@ -126,7 +131,7 @@ def main() -> None:
                  "torch": torch.__version__, "commit": commit or "unknown"},
         "shape": {"model": f"Qwen2.5-{args.shape} shape, random init, bf16", "global_prompts_per_step": args.prompts,
                   "G": args.G, "max_completion_length": args.tokens, "micro_batch_size": args.micro,
-                  "gradient_checkpointing": args.gc, "steps": args.steps, "rollout": "hf"},
+                  "gradient_checkpointing": args.gc, "steps": args.steps, "rollout": args.backend},
         "modes": {},
     }
     for mode in args.modes.split(","):
@@ -138,7 +143,8 @@ def main() -> None:
     if world.distributed:
         dist.barrier()
     if world.main:
-        (out / f"fsdp_{args.shape}_{world.size}gpu.json").write_text(json.dumps(result, indent=1, default=str))
+        name = f"fsdp_{args.shape}_{args.backend}_{world.size}gpu.json"
+        (out / name).write_text(json.dumps(result, indent=1, default=str))
         shutil.rmtree(work, ignore_errors=True)
     parallel.shutdown()
 

@@ -3,7 +3,8 @@
     python -m torch.distributed.run --nproc-per-node 2 tests/dist_worker.py SCENARIO OUT_DIR TOKENIZER_DIR
 
 Scenarios: "equivalence" (one step, LoRA and full fine-tuning, on a recorded rollout) and "resume" (a run, the
-same run stopped by SIGTERM and resumed). `raise_on_rank1` is a reward function for the failure test.
+same run stopped by SIGTERM and resumed; then a run on the static backend). `raise_on_rank1` is a reward function
+for the failure test.
 """
 
 from __future__ import annotations
@@ -154,6 +155,10 @@ def resume(out: Path, tok) -> None:
     runs = {"full": untimed(full.records), "cut": untimed(cut.records), "resumed": untimed(resumed.records),
             "interrupted": cut.interrupted, "cut_step": cut.step}
     (out / f"resume_rank{os.environ['RANK']}.json").write_text(json.dumps(runs))
+    # The static backend samples from a replica synced before each rollout: its logprobs are the trainer's.
+    static = ["rollout.backend=static", "objective.sampler_is_mode=token_truncate", "objective.sampler_is_clip_max=2.0"]
+    result = train(config(out / "static", *steps, *static), model=model(), tokenizer=tok)
+    (out / f"static_rank{os.environ['RANK']}.json").write_text(json.dumps(result.records))
 
 
 def digits(prompts, completions, **fields):

@@ -147,9 +147,26 @@ def test_exported_adapter_loads_in_one_process_with_the_same_logprobs(equivalenc
     assert not torch.allclose(base, logp["lora_ranks"], atol=1e-4)  # the adapter is not a no-op
 
 
-def test_sigterm_and_resume_on_two_ranks_continue_like_an_uninterrupted_run(tmp_path, tok_dir, one_thread):
-    proc = torchrun("resume", tmp_path, tok_dir)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory, tok_dir):
+    out = tmp_path_factory.mktemp("resume")
+    proc = torchrun("resume", out, tok_dir)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return out
+
+
+def test_static_backend_samples_from_a_replica_synced_every_step(resume_runs):
+    """After each optimizer step the replica is updated: the sampler's logprobs are the trainer's (is/logp_diff
+    compares them on every token); a stale replica would differ by the update."""
+    for rank in (0, 1):
+        records = json.loads((resume_runs / f"static_rank{rank}.json").read_text())
+        assert [r["step"] for r in records] == [1, 2, 3]
+        assert all(r["is/logp_diff/max"] < 1e-4 for r in records), [r["is/logp_diff/max"] for r in records]
+        assert records[-1]["kl"] > 1e-3  # the policy moved away from the reference, so a stale replica would show
+
+
+def test_sigterm_and_resume_on_two_ranks_continue_like_an_uninterrupted_run(resume_runs, tok_dir, one_thread):
+    tmp_path = resume_runs
     for rank in (0, 1):
         r = json.loads((tmp_path / f"resume_rank{rank}.json").read_text())
         assert r["interrupted"] == 15 and r["cut_step"] == 1  # a SIGTERM to rank 0 stopped both ranks
@@ -191,7 +208,7 @@ def _cfg(*overrides):
     "overrides, match",
     [
         (["train.prompts_per_step=3"], r"train.prompts_per_step=3 .* split evenly across the 2 ranks; set it to a multiple of 2"),
-        (["rollout.backend=static"], r"rollout.backend='static' cannot run under torchrun .* set rollout.backend=hf"),
+        (["rollout.backend=continuous"], r"rollout.backend='continuous' cannot run under torchrun .* set rollout.backend=hf"),
         (["objective.top_entropy_quantile=0.8"], r"objective.top_entropy_quantile=0.8 .* set objective.top_entropy_quantile=1.0"),
         (["advantage.scale=batch"], r"advantage.scale='batch' .* set advantage.scale=group"),
         (["model.device=cuda:0"], r"model.device='cuda:0' puts every rank on the same device; .* set model.device=auto"),

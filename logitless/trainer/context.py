@@ -31,7 +31,15 @@ from logitless.trainer.builders import (
 from logitless.trainer.config import TrainerConfig, to_yaml
 from logitless.trainer.metrics import MetricsLogger
 from logitless.trainer.modeling import ReferencePolicy, load_model_and_tokenizer, prepare_for_training, trainable_parameters
-from logitless.trainer.parallel import QuietLogger, World, check_distributed, init_distributed, shard_model
+from logitless.trainer.parallel import (
+    COPY_BACKENDS,
+    QuietLogger,
+    RolloutCopy,
+    World,
+    check_distributed,
+    init_distributed,
+    shard_model,
+)
 
 
 @dataclass
@@ -58,6 +66,7 @@ class TrainContext:
     start: int  # last step completed before this process started (0, or the resumed checkpoint's step)
     entropy_coef: EntropyCoef  # carried across steps (adaptive entropy control)
     world: World = field(default_factory=World)  # this process's rank among torchrun's workers
+    replica: RolloutCopy | None = None  # the engine's own weights (static backend under torchrun), else None
     empty_steps: int = 0  # consecutive steps whose completions were all empty
     t_start: float = field(default_factory=time.perf_counter)  # for the wall-time budget
 
@@ -121,6 +130,7 @@ def build_context(
         device = next(model.parameters()).device
     check_prompt_lengths(rows, tokenizer, model, sampling_options(cfg.rollout, seed=None), f"data.task={cfg.data.task!r}")
     reference = ReferencePolicy(model) if cfg.objective.beta > 0 else None  # before a resume loads trained weights
+    replica = RolloutCopy(model) if world.distributed and cfg.rollout.backend in COPY_BACKENDS else None
     if world.distributed:
         model = shard_model(model, device)
         if world.rank:
@@ -152,11 +162,11 @@ def build_context(
     ) if world.main else QuietLogger()
     coef = cfg.objective.entropy_coef
     return TrainContext(
-        cfg=cfg, model=model, tokenizer=tokenizer, device=device, engine=make_engine(cfg.rollout.backend, model, tokenizer),
+        cfg=cfg, model=model, tokenizer=tokenizer, device=device, engine=make_engine(cfg.rollout.backend, replica.model if replica else model, tokenizer),
         params=params, optimizer=optimizer, scheduler=scheduler, sampler=sampler, reward_fns=reward_fns,
         acc_col=acc_col, adv_options=adv_options,
         reference=reference,
         shape=ModelShape.of(model), peaks=device_peaks(device, cfg.logging.peak_tflops, cfg.logging.hbm_tbs),
         run_dir=run_dir, logger=logger, start=start, entropy_coef=EntropyCoef(*state.get("entropy_coef", (coef, coef))),
-        world=world,
+        world=world, replica=replica,
     )

@@ -14,14 +14,20 @@ How the weights are handled:
   sees the root's all-gathered lm_head weight, exactly the single-process weight, and its lm_head / embedding
   gradients are reduce-scattered by FSDP like any other.
 - Gradients are summed across ranks (divide factor 1): the loss is already divided by the global normalizer.
-- The rollout needs the full weights: `full_weights` all-gathers every unit once before `generate` and keeps them
-  until it returns, so the decode loop runs no collective (ranks decode different lengths and never wait on each
-  other); LoRA adapters stay unmerged, as on one process. It costs one all-gather of the model per step and the
-  full weights' memory during the rollout.
+- The rollout needs the full weights, by one of two paths (`rollout_weights`):
+  - `hf` backend: `full_weights` all-gathers every unit once before `generate` and keeps them until it returns,
+    so the decode loop runs no collective (ranks decode different lengths and never wait on each other); LoRA
+    adapters stay unmerged, as on one process. Cost: one all-gather of the model per step, and the full weights'
+    memory during the rollout only.
+  - `static` backend (CUDA-graph decode, which needs weights at fixed addresses): `RolloutCopy`, a persistent
+    replica of the policy (LoRA layers included, so it computes exactly what the trainer computes), updated in
+    place before each rollout from the trainable parameters only. Cost: the replica's memory all the time; the
+    sync all-gathers only the trainable parameters (the adapters, for LoRA).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -45,7 +51,8 @@ T = TypeVar("T")
 
 TIMEOUT = timedelta(minutes=30)  # a rank that waits longer on a collective fails instead of hanging
 LOGPROBS_METHOD = "logitless_completion_logprobs"
-DISTRIBUTED_BACKENDS = ("hf",)
+DISTRIBUTED_BACKENDS = ("hf", "static")
+COPY_BACKENDS = ("static",)  # backends that sample from a persistent replica (`RolloutCopy`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +115,8 @@ def check_distributed(cfg: TrainerConfig, world: World) -> None:
         )
     if cfg.rollout.backend not in DISTRIBUTED_BACKENDS:
         raise ValueError(
-            f"rollout.backend={cfg.rollout.backend!r} cannot run under torchrun ({k} ranks): it needs the full "
-            "weights at fixed addresses, which the FSDP2-sharded model does not keep; set rollout.backend=hf"
+            f"rollout.backend={cfg.rollout.backend!r} cannot run under torchrun ({k} ranks) yet; set "
+            "rollout.backend=hf (or static)"
         )
     if cfg.objective.top_entropy_quantile < 1.0:
         raise ValueError(
@@ -207,6 +214,39 @@ def full_weights(model: nn.Module) -> Iterator[None]:
             unit.reshard()
             if unit is not model:  # the layers reshard after forward again; the root keeps its weights until
                 unit.set_reshard_after_forward(True, recurse=False)  # the backward, as FSDP sets up a root
+
+
+class RolloutCopy:
+    """A full replica of the policy for the rollout engine, at fixed addresses (built before sharding).
+
+    `sync` copies the trainable parameters of the sharded model into it in place (an all-gather each); frozen
+    weights never change, so a LoRA sync moves only the adapters. The replica runs the same modules (adapters
+    unmerged) in the same dtype, so its logprobs are the trainer's.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def sync(self, sharded: nn.Module) -> None:
+        src, dst = dict(sharded.named_parameters()), dict(self.model.named_parameters())
+        for name in self.trainable:
+            p = src[name]
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p  # a DTensor shard, or a plain parameter
+            dst[name].copy_(full)
+
+
+@contextmanager
+def rollout_weights(model: nn.Module, replica: RolloutCopy | None) -> Iterator[None]:
+    """The weights the engine samples from, current for the duration of a rollout: the replica synced, or the
+    sharded model's full weights (`full_weights`); nothing to do on one process."""
+    if replica is not None:
+        replica.sync(model)
+        yield
+    else:
+        with full_weights(model):
+            yield
 
 
 def padding_micro_batches(

@@ -37,12 +37,12 @@ from logitless.trainer.context import TrainContext
 from logitless.trainer.distributed import all_reduce_metrics, all_reduce_sum, gather_rows
 from logitless.trainer.parallel import (
     clip_grad_norm,
-    full_weights,
     model_logprobs,
     padding_backward,
     padding_micro_batches,
     rank_seed,
     rank_share,
+    rollout_weights,
 )
 
 MAX_EMPTY_STEPS = 3  # consecutive steps whose completions are all empty before the run is stopped
@@ -97,7 +97,7 @@ def rollout_stage(ctx: TrainContext, step: int) -> Rollout:
     cfg = ctx.cfg
     rows = rank_share(ctx.sampler.next_batch(cfg.train.prompts_per_step), ctx.world)  # all of them on one process
     options = sampling_options(cfg.rollout, seed=rank_seed(cfg.train.seed * 1_000_003 + step, ctx.world))
-    with torch_threads(cfg.rollout.num_threads), full_weights(ctx.model):
+    with torch_threads(cfg.rollout.num_threads), rollout_weights(ctx.model, ctx.replica):
         batch = ctx.engine.generate([r.prompt for r in rows], options).to(ctx.device)
     return Rollout(rows, [rows[i] for i in batch.prompt_index.tolist()], batch, options)
 

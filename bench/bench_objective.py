@@ -31,7 +31,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from logitless.objectives import ObjectiveOptions, loss_normalizer, policy_loss  # noqa: E402
+from logitless.objectives import (  # noqa: E402
+    ObjectiveOptions,
+    entropy_bonus_normalizer,
+    entropy_quantile_threshold,
+    loss_normalizer,
+    policy_loss,
+)
 
 CONFIGS = {
     "dapo": dict(loss_type="dapo"),
@@ -96,6 +102,11 @@ def objective_step(name, inp):
         kw["ref_logp"] = inp["ref_logp"]
     if opts.sampler_is_mode or opts.off_policy_mask_threshold is not None:
         kw["sampler_logp"] = inp["sampler_logp"]
+    if opts.top_entropy_quantile < 1.0:  # one threshold and bonus token count over the step, as the trainer
+        kw["entropy_threshold"] = entropy_quantile_threshold(ent, inp["mask"], opts.top_entropy_quantile)
+    if opts.entropy_coef > 0:
+        kw["entropy_normalizer"] = entropy_bonus_normalizer(opts, [inp["mask"]], entropies=[ent],
+                                                            threshold=kw.get("entropy_threshold"))
 
     def step():
         logp.grad = None

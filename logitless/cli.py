@@ -1,16 +1,19 @@
 """`logitless train|eval|plot`: the command line.
 
-    logitless train [CONFIG.yaml] [section.key=value ...] [--resume RUN_DIR] [--dry-run]
+    logitless train [CONFIG.yaml] [section.key=value ...] [--resume RUN_DIR | --overwrite] [--dry-run]
     logitless eval  [CONFIG.yaml] [section.key=value ...] [--checkpoint RUN_DIR] [--output eval.json]
     logitless plot  RUN_DIR [--output curves.png]
 
 With no CONFIG the embedded demo config is used: LoRA-GRPO on SmolLM2-135M-Instruct learning two-digit arithmetic
 on CPU. `--resume RUN_DIR` / `--checkpoint RUN_DIR` without a CONFIG reuse the run's saved config.yaml.
+Everything that can be checked without the model (options, run folder, sources, output paths) is checked first;
+errors are one line naming the config key or file and the fix; Ctrl-C at any point exits with one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -27,6 +30,9 @@ def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
             config = item
         else:
             raise ConfigError(f"unexpected argument {item!r}: give one CONFIG file, then section.key=value overrides")
+    if config is not None and Path(config).is_dir():
+        hint = f" (to continue or evaluate that run, use --resume {config} / --checkpoint {config})"
+        raise ConfigError(f"CONFIG {config!r} is a folder, not a YAML config file{hint}")
     return config, overrides
 
 
@@ -34,10 +40,9 @@ def _run_config(path: str | None) -> Path | None:
     """config.yaml saved in a run folder (given as run folder, checkpoints folder or step folder)."""
     if path is None:
         return None
-    from logitless.trainer.checkpoint import resolve_checkpoint
+    from logitless.trainer.rundir import run_dir_of_checkpoint
 
-    step_dir = resolve_checkpoint(path)
-    candidate = step_dir.parent.parent / "config.yaml"
+    candidate = run_dir_of_checkpoint(path) / "config.yaml"
     return candidate if candidate.is_file() else None
 
 
@@ -55,16 +60,18 @@ def _load(items: list[str], run_dir: str | None):
 
 def cmd_train(args: argparse.Namespace) -> int:
     from logitless.trainer.config import to_yaml
+    from logitless.trainer.preflight import validate_config
 
     cfg = _load(args.args, args.resume)
+    validate_config(cfg)
     if args.dry_run:
         print(to_yaml(cfg), end="")
         return 0
     from logitless.trainer.loop import train
     from logitless.trainer.parallel import launched_world, shutdown
 
-    try:
-        result = train(cfg, resume=args.resume)  # under torchrun: one rank of a sharded run (trainer/parallel.py)
+    try:  # under torchrun: one rank of a sharded run (trainer/parallel.py)
+        result = train(cfg, resume=args.resume, overwrite=args.overwrite)
     finally:
         shutdown()
     if not result.interrupted and launched_world().main:
@@ -73,15 +80,26 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from logitless.trainer.evaluate import evaluate_config, write_eval
+    from logitless.trainer import checkpoint as ckpt
+    from logitless.trainer.config import to_yaml
+    from logitless.trainer.preflight import check_output_file, check_resume, validate_config
+    from logitless.trainer.sources import check_sources
 
     cfg = _load(args.args, args.checkpoint)
+    validate_config(cfg, training=False)
     if args.dry_run:
-        from logitless.trainer.config import to_yaml
-
         print(to_yaml(cfg), end="")
         return 0
-    result = evaluate_config(cfg, args.checkpoint)
+    if args.output:
+        check_output_file(args.output, "--output")
+    checkpoint = None
+    if args.checkpoint is not None:
+        checkpoint = ckpt.resolve_checkpoint(args.checkpoint, flag="--checkpoint")
+        check_resume(cfg, checkpoint, flag="--checkpoint", training=False)
+    check_sources(cfg, eval=True)
+    from logitless.trainer.evaluate import evaluate_config, write_eval
+
+    result = evaluate_config(cfg, checkpoint)
     print(result.summary())
     if args.output:
         write_eval(result, args.output)
@@ -100,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train a model (no arguments: the embedded CPU demo)")
     p.add_argument("args", nargs="*", metavar="CONFIG|section.key=value", help="a YAML config, then overrides")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue from the latest checkpoint of a run")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run, in its folder, from its newest intact checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="delete the run already in train.output_dir and start anew")
     p.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, then exit")
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("eval", help="accuracy on the eval split (greedy, or pass@k with eval.pass_k=k)")
@@ -120,10 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the process is ending: a second Ctrl-C must not print more
+        print("interrupted (Ctrl-C); a run keeps its last complete checkpoint (continue it with --resume)",
+              file=sys.stderr)
+        return 130
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, TypeError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

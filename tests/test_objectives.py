@@ -11,7 +11,9 @@ from logitless.objectives import (
     LOSS_TYPES,
     ObjectiveOptions,
     Stat,
+    entropy_bonus_normalizer,
     entropy_quantile_threshold,
+    initial_entropy_coef,
     kl_estimate,
     loss_normalizer,
     merge_metrics,
@@ -152,6 +154,7 @@ def test_off_policy_sequence_mask():
     samp[1] = logp[1] + 0.5  # A<0, KL 0.5 > δ -> masked
     samp[0] = logp[0] + 0.5  # A>0 -> kept whatever the KL
     samp[3] = logp[3] + 0.01  # A<0, KL 0.01 <= δ -> kept
+    samp[3, 0] = math.nan  # a token the rollout engine could not score: no evidence (TRL 1.16), still kept
     delta = 0.1
     out, grad = _run(_opts(loss_type="dapo", off_policy_mask_threshold=delta), logp, mask, adv, old_logp=old,
                      sampler_logp=samp)
@@ -182,23 +185,92 @@ def test_top_entropy_quantile_mask_and_threshold():
     torch.testing.assert_close(out2.loss, (pg * mask).sum() / mask.sum())
 
 
-@pytest.mark.parametrize("lt", ["dapo", "grpo"])
-def test_entropy_bonus_value_and_gradient(lt):
+@pytest.mark.parametrize("lt", ["dapo", "grpo", "dr_grpo"])
+@pytest.mark.parametrize("q", [1.0, 0.5])
+def test_entropy_bonus_value_and_gradient(lt, q):
+    """Default (step_mean): the bonus is the mean entropy over the tokens the policy term keeps (TRL 1.16's
+    effective mask), whatever the loss type's own reduction."""
     logp, old, _, _, ent, adv, mask = _batch(seed=7)
-    c = 0.05
+    c, thr = 0.05, 0.9
     e = ent.clone().requires_grad_()
-    opts = _opts(loss_type=lt, entropy_coef=c)
-    base = policy_loss(logp, mask, adv, _opts(loss_type=lt), loss_normalizer(opts, [mask]), old_logp=old).loss
-    out = policy_loss(logp, mask, adv, opts, loss_normalizer(opts, [mask]), old_logp=old, entropy=e)
+    opts = _opts(loss_type=lt, entropy_coef=c, top_entropy_quantile=q)
+    n = loss_normalizer(opts, [mask])
+    base = policy_loss(logp, mask, adv, _opts(loss_type=lt, top_entropy_quantile=q), n, old_logp=old, entropy=ent,
+                       entropy_threshold=thr).loss
+    kept = mask * (ent >= thr) if q < 1 else mask
+    n_h = entropy_bonus_normalizer(opts, [mask], entropies=[ent], threshold=thr)
+    assert n_h == float(kept.sum()) and 0 < n_h < (mask.sum() if q < 1 else math.inf)
+    out = policy_loss(logp, mask, adv, opts, n, old_logp=old, entropy=e, entropy_threshold=thr, entropy_normalizer=n_h)
     out.loss.backward()
-    n_len = mask.sum(-1, keepdim=True).clamp(min=1)
-    w = mask / n_len / mask.shape[0] if lt == "grpo" else mask / mask.sum()  # the loss's own reduction
-    torch.testing.assert_close(out.loss, base - c * (ent * w).sum())
-    torch.testing.assert_close(e.grad, -c * w)
+    torch.testing.assert_close(out.loss, base - c * (ent * kept).sum() / kept.sum())
+    torch.testing.assert_close(e.grad, -c * kept / kept.sum())
+    if q < 1:  # the controller's entropy: over the kept tokens
+        torch.testing.assert_close(out.metrics["entropy/kept"].mean, (ent * kept).sum() / kept.sum())
     # the coefficient can be overridden per call (adaptive controller)
-    out0 = policy_loss(logp, mask, adv, opts, loss_normalizer(opts, [mask]), old_logp=old, entropy=ent,
-                       entropy_coef=0.0)
+    out0 = policy_loss(logp, mask, adv, opts, n, old_logp=old, entropy=ent, entropy_coef=0.0, entropy_threshold=thr)
     torch.testing.assert_close(out0.loss, base)
+    if lt == "dapo" and q == 1:  # same tokens as the policy normalizer: it may be left out
+        out1 = policy_loss(logp, mask, adv, opts, n, old_logp=old, entropy=ent)
+        torch.testing.assert_close(out1.loss, base - c * (ent * kept).sum() / kept.sum())
+    else:
+        with pytest.raises(ValueError, match="needs entropy_normalizer=.*entropy_bonus_normalizer"):
+            policy_loss(logp, mask, adv, opts, n, old_logp=old, entropy=ent, entropy_threshold=thr)
+
+
+def _trl_116_bonus(ent, mask, q, micro_batches):
+    """TRL 1.16 `_compute_loss` entropy bonus, transcribed: per micro-batch, the top-entropy mask from the
+    micro-batch's own quantile, entropy_loss = Σ H·m·e / Σ m·e / gradient_accumulation_steps."""
+    total = 0.0
+    for rows in micro_batches:
+        h, m = ent[rows], mask[rows]
+        eff = m
+        if q < 1.0:
+            thr = torch.quantile(h[m.bool()], 1 - q)
+            eff = m * ((h >= thr) & m.bool())
+        total = total + (h * eff).sum() / eff.sum().clamp(min=1.0) / len(micro_batches)
+    return total
+
+
+@pytest.mark.parametrize("lt", ["dapo", "bnpo", "grpo"])
+@pytest.mark.parametrize("q", [1.0, 0.4])
+def test_entropy_bonus_trl_reduction_matches_trl_116(lt, q):
+    logp, old, _, _, ent, adv, mask = _batch(seed=3)
+    c = 0.03
+    split = [[0, 1], [2], [3, 4]]  # uneven token counts: the per-micro-batch means differ from the step mean
+    trl = _opts(loss_type=lt, entropy_coef=c, top_entropy_quantile=q, entropy_bonus_reduction="trl")
+    n, n_h = loss_normalizer(trl, [mask[r] for r in split]), entropy_bonus_normalizer(trl, [mask[r] for r in split])
+    assert n_h == 3.0
+    e = ent.clone().requires_grad_()
+    bonus = 0.0
+    for rows in split:  # entropy_threshold=None: the micro-batch's own quantile, as TRL
+        with_bonus = policy_loss(logp[rows], mask[rows], adv[rows], trl, n, old_logp=old[rows], entropy=e[rows],
+                                 entropy_normalizer=n_h).loss
+        without = policy_loss(logp[rows], mask[rows], adv[rows], trl, n, old_logp=old[rows], entropy=ent[rows],
+                              entropy_coef=0.0).loss
+        bonus = bonus + (without - with_bonus) / c
+    expected = _trl_116_bonus(ent, mask, q, split)
+    torch.testing.assert_close(bonus, expected)
+    e_ref = ent.clone().requires_grad_()
+    _trl_116_bonus(e_ref, mask, q, split).backward()
+    sum(policy_loss(logp[r], mask[r], adv[r], trl, n, old_logp=old[r], entropy=e[r], entropy_normalizer=n_h).loss
+        for r in split).backward()
+    torch.testing.assert_close(e.grad, -c * e_ref.grad)
+    # the default is the exact step mean, which differs here
+    if q == 1.0:
+        assert abs(float(expected - (ent * mask).sum() / mask.sum())) > 1e-3
+
+
+def test_entropy_bonus_normalizer_input_errors():
+    _, _, _, _, ent, _, mask = _batch()
+    with pytest.raises(ValueError, match="top_entropy_quantile=0.5.*pass entropies="):
+        entropy_bonus_normalizer(_opts(top_entropy_quantile=0.5, entropy_coef=0.1), [mask])
+    with pytest.raises(ValueError, match="mask_truncated_completions=True: pass truncated="):
+        entropy_bonus_normalizer(_opts(mask_truncated_completions=True), [mask])
+    with pytest.raises(ValueError, match="entropy_bonus_reduction='mean' is not valid"):
+        _opts(entropy_bonus_reduction="mean")
+    truncated = torch.tensor([True, False, False, False, False])
+    got = entropy_bonus_normalizer(_opts(mask_truncated_completions=True), [mask], [truncated])
+    assert got == float(mask[1:].sum())
 
 
 @pytest.mark.parametrize("q", [1e-3, 0.2, 0.5, 0.999])
@@ -226,6 +298,33 @@ def test_stats_of_equals_stat_of():
         ref = Stat.of(x, m)
         for f in ("total", "count", "min", "max"):
             torch.testing.assert_close(getattr(batched[name], f), getattr(ref, f), msg=f"{name}.{f}")
+
+
+def _trl_116_controller(coef, entropies, o):
+    """TRL 1.16 adaptive controller, transcribed: the coefficient applied in each step (given the world entropy
+    measured in each step)."""
+    last, applied = math.inf, []
+    for h in entropies:
+        applied.append(coef if last <= o.entropy_target else 0.0)
+        coef = min(coef + o.entropy_coef_delta, o.entropy_coef_max) if h <= o.entropy_target else \
+            max(coef - o.entropy_coef_delta, o.entropy_coef_min)
+        last = h
+    return applied
+
+
+def test_adaptive_entropy_first_step_and_trajectory_match_trl_116():
+    o = _opts(use_adaptive_entropy=True, entropy_coef=0.02, entropy_coef_delta=0.01, entropy_target=0.5,
+              entropy_coef_max=0.045)
+    state = initial_entropy_coef(o)
+    assert state == (0.02, 0.0)  # no entropy measured yet: no bonus on the first step, as TRL
+    entropies = [0.3, 0.3, 0.9, 0.2, 0.1, 0.1, 0.1, 0.7]
+    applied = []
+    for h in entropies:
+        applied.append(state.effective)
+        state = update_entropy_coef(state.coef, h, o)
+    assert applied == pytest.approx(_trl_116_controller(0.02, entropies, o))
+    assert applied[0] == 0.0 and applied[1] == pytest.approx(0.03)
+    assert initial_entropy_coef(_opts(entropy_coef=0.02)) == (0.02, 0.02)  # a fixed bonus applies from step 1
 
 
 def test_adaptive_entropy_coef():
@@ -301,7 +400,7 @@ def test_all_masked_micro_batch_is_finite_zero(lt):
         t[:, -1] = -math.inf  # padding may hold -inf
     x, e = logp.clone().requires_grad_(), ent.clone().requires_grad_()
     out = policy_loss(x, mask, adv, _all_options(lt), 10.0, old_logp=old, ref_logp=ref, sampler_logp=samp,
-                      entropy=e)
+                      entropy=e, entropy_normalizer=7.0)
     assert out.loss.item() == 0.0
     out.loss.backward()
     assert (x.grad == 0).all() and (e.grad == 0).all()
@@ -317,9 +416,9 @@ def test_all_masked_micro_batch_is_finite_zero(lt):
 def test_padding_values_do_not_matter(lt, pad):
     logp, old, ref, samp, ent, adv, mask = _batch()
     kw = {"old_logp": old, "ref_logp": ref, "sampler_logp": samp, "entropy": ent}
-    clean, g_clean = _run(_all_options(lt), logp, mask, adv, **kw)
+    clean, g_clean = _run(_all_options(lt), logp, mask, adv, entropy_normalizer=7.0, **kw)
     dirty = {k: v.masked_fill(mask == 0, pad) for k, v in kw.items()}
-    out, grad = _run(_all_options(lt), logp.masked_fill(mask == 0, pad), mask, adv, **dirty)
+    out, grad = _run(_all_options(lt), logp.masked_fill(mask == 0, pad), mask, adv, entropy_normalizer=7.0, **dirty)
     torch.testing.assert_close(out.loss, clean.loss)
     torch.testing.assert_close(grad, g_clean)
 
@@ -334,7 +433,8 @@ def test_neg_inf_and_very_negative_logprobs_inside_the_mask(lt):
     old[1, 0] = -1e3 + 0.1  # a very unlikely token: the ratio is still exp(-0.1)
     ref = ref.clone()
     ref[3, 2] = -math.inf
-    out, grad = _run(_all_options(lt), logp, mask, adv, old_logp=old, ref_logp=ref, sampler_logp=samp, entropy=ent)
+    out, grad = _run(_all_options(lt), logp, mask, adv, old_logp=old, ref_logp=ref, sampler_logp=samp, entropy=ent,
+                     entropy_normalizer=7.0)
     assert torch.isfinite(out.loss) and torch.isfinite(grad).all()
     assert grad[0, 1] == 0  # no gradient through a -inf logprob
     for name, s in out.metrics.items():
@@ -444,7 +544,8 @@ def test_old_ref_sampler_inputs_are_constants():
 def test_cuda_matches_cpu_without_device_syncs(lt):
     logp, old, ref, samp, ent, adv, mask = _batch()
     opts = _all_options(lt)
-    cpu, g_cpu = _run(opts, logp, mask, adv, old_logp=old, ref_logp=ref, sampler_logp=samp, entropy=ent)
+    cpu, g_cpu = _run(opts, logp, mask, adv, old_logp=old, ref_logp=ref, sampler_logp=samp, entropy=ent,
+                      entropy_normalizer=7.0)
     dev = {k: v.float().cuda() for k, v in dict(old_logp=old, ref_logp=ref, sampler_logp=samp, entropy=ent).items()}
     x = logp.float().cuda().requires_grad_()
     mask_d, adv_d = mask.float().cuda(), adv.float().cuda()
@@ -452,7 +553,7 @@ def test_cuda_matches_cpu_without_device_syncs(lt):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # policy_loss and backward must not synchronize with the device
     try:
-        out = policy_loss(x, mask_d, adv_d, opts, norm, **dev)
+        out = policy_loss(x, mask_d, adv_d, opts, norm, entropy_normalizer=7.0, **dev)
         out.loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")

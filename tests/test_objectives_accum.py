@@ -11,6 +11,7 @@ import torch
 
 from logitless.objectives import (
     ObjectiveOptions,
+    entropy_bonus_normalizer,
     entropy_quantile_threshold,
     loss_normalizer,
     merge_metrics,
@@ -32,6 +33,7 @@ CASES = {
     "gspo": dict(loss_type="grpo", importance_sampling_level="sequence", sampler_is_mode="sequence_truncate",
                  sampler_is_sequence_reduction="geometric_mean"),
     "sapo": dict(loss_type="sapo", off_policy_mask_threshold=0.05),
+    "sapo_bonus": dict(loss_type="sapo", top_entropy_quantile=0.6, entropy_coef=0.03),  # bonus on kept tokens
     "luspo": dict(loss_type="luspo", importance_sampling_level="sequence"),
     "dr_grpo": dict(loss_type="dr_grpo", max_completion_length=16, dual_clip=3.0, top_entropy_quantile=0.5,
                     mask_truncated_completions=True),  # constant
@@ -69,12 +71,18 @@ def _step(opts, micro_batches_per_rank, leaves, mask, adv, truncated):
     )
     valid = mask.bool() & ~truncated[:, None] if opts.mask_truncated_completions else mask.bool()
     threshold = entropy_quantile_threshold(leaves["entropy"].detach(), valid, opts.top_entropy_quantile)
+    entropy_normalizer = sum(  # all-reduce SUM, like the loss normalizer
+        entropy_bonus_normalizer(opts, [mask[r, :t] for r, t in mbs], [truncated[r] for r, _ in mbs],
+                                 entropies=[leaves["entropy"].detach()[r, :t] for r, t in mbs], threshold=threshold)
+        for mbs in ranks
+    )
     total, metrics = 0.0, []
     for mbs in ranks:
         for rows, t in mbs:
             kw = {k: v[rows, :t] for k, v in leaves.items() if k != "logp"}
             out = policy_loss(leaves["logp"][rows, :t], mask[rows, :t], adv[rows], opts, normalizer,
-                              truncated=truncated[rows], entropy_threshold=threshold, **kw)
+                              truncated=truncated[rows], entropy_threshold=threshold,
+                              entropy_normalizer=entropy_normalizer, **kw)
             out.loss.backward()
             total = total + out.loss.detach()
             metrics.append(out.metrics)

@@ -68,6 +68,7 @@ def test_equals_the_on_policy_gradient_bit_for_bit(opts):
         (dict(sampler_is_mode="token_truncate"), {}),
         (dict(top_entropy_quantile=0.2), {}),
         (dict(entropy_coef=0.01), {}),
+        (dict(entropy_coef=0.01, entropy_bonus_reduction="trl"), {}),
         ({}, dict(entropy_coef=0.02)),
         (dict(off_policy_mask_threshold=0.5), dict(sampler_logp=True)),
     ],

@@ -215,3 +215,68 @@ def arithmetic(
         fields = {"answer": str(value), "expression": expr, "difficulty": difficulty}
         rows.append(PromptRow(prompt=format_prompt(text, system_prompt=system_prompt, chat=chat), fields=fields))
     return rows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Code: Python functions checked by tests (reward `code_tests`)
+
+CODE_TASKS = Path(__file__).with_name("code_tasks.jsonl")
+CODE_SYSTEM = "You are an expert Python programmer."
+CODE_TEMPLATE = ("{prompt}\nAnswer with the complete function in one ```python code block; use only the standard "
+                 "library.")
+
+
+@register_task("code")
+def code(
+    split: str = "train",
+    path: str | None = None,
+    system_prompt: str | None = CODE_SYSTEM,
+    template: str = CODE_TEMPLATE,
+    chat: bool = True,
+    limit: int | None = None,
+) -> list[PromptRow]:
+    """Code prompts with row fields `tests` (a list of test sources, each counted separately by `code_tests`)
+    and every other field of the record.
+
+    Source: the JSON-lines file `path` (fields "prompt" and "tests"; all rows, whatever `split`), else the
+    40 small function-writing tasks shipped in the package (`code_tasks.jsonl`, 30 "train" / 10 "test" rows,
+    written for this project and licensed like it, Apache-2.0; each row also has a reference `solution`).
+    """
+    records = read_jsonl(path if path is not None else CODE_TASKS)
+    source = f"code file '{path}'" if path is not None else "code tasks"
+    if path is None:
+        if split not in ("train", "test"):
+            raise ValueError(f"the shipped code tasks have splits 'train' and 'test', got {split!r}; "
+                             "or pass data.options.path=<file.jsonl>")
+        records = [r for r in records if r.get("split") == split]
+    records = records[:limit] if limit is not None else records
+    for i, rec in enumerate(records):
+        if not isinstance(rec.get("tests"), (str, list)) or not rec["tests"]:
+            raise ValueError(f"{source}: row {i} needs a non-empty 'tests' field (Python source or a list of "
+                             f"sources); available fields: {sorted(rec)}")
+    return records_to_rows(records, "prompt", system_prompt=system_prompt, template=template, chat=chat,
+                           source=source)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# MATH-500 (reward `math_verify`)
+
+MATH500 = Path(__file__).with_name("math500_test.jsonl")  # MIT; see LICENSE-MATH500.txt beside it
+MATH_SYSTEM = "You are a helpful math assistant. Solve the problem step by step."
+MATH_TEMPLATE = "{problem}\nPut the final answer in \\boxed{{}}."
+
+
+@register_task("math500")
+def math500(
+    split: str = "test",
+    system_prompt: str | None = MATH_SYSTEM,
+    template: str = MATH_TEMPLATE,
+    chat: bool = True,
+    limit: int | None = None,
+) -> list[PromptRow]:
+    """The 500 MATH-500 test problems (shipped in the package) with row fields `answer` (the reference
+    answer, LaTeX), `solution`, `subject`, `level` and `unique_id`: an eval task for the `math_verify` reward."""
+    if split != "test":
+        raise ValueError(f"math500 has only the 'test' split (it is an eval set), got {split!r}")
+    return records_to_rows(read_jsonl(MATH500, limit), "problem", system_prompt=system_prompt, template=template,
+                           chat=chat, source="math500")

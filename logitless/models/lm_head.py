@@ -184,6 +184,8 @@ def decoder_body(model: nn.Module) -> nn.Module:
     body = getattr(lm, getattr(lm, "base_model_prefix", ""), None)
     if not isinstance(body, nn.Module) or body is lm:
         body = lm.get_decoder()
+    if body is lm and isinstance(getattr(lm, "model", None), nn.Module):
+        body = lm.model  # e.g. Llama4ForCausalLM, whose base_model_prefix names its multimodal wrapper's attribute
     if body is lm:
         raise UnsupportedModelError(f"cannot find the decoder body of {type(lm).__name__}")
     return body

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from logitless.models.lm_head import final_hidden_states, lm_head_of
+from logitless.models.lm_head import final_hidden_states, lm_head_of, position_ids_from_mask
 from logitless.ops import token_logprobs
 
 
@@ -52,6 +52,7 @@ def completion_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     grad_hint: Tensor | None = None,  # [B, T] expected d loss / d logp (see `token_logprobs`)
+    packed: bool = False,
 ) -> tuple[Tensor, Tensor | None]:  # logp [B, T] fp32 (0 at padding), entropy [B, T] fp32 or None
     """Log-probability (and entropy) of each completion token under `model` at `temperature`.
 
@@ -67,6 +68,11 @@ def completion_logprobs(
     positions go through one call of the fused op. Runs under the caller's grad mode (wrap in
     `torch.no_grad()` for the old/reference policy). `grad_hint` (e.g. from
     `logitless.objectives.on_policy_logp_grad`) is passed on to the fused op for its completion positions.
+
+    `packed=True` runs the model padding-free: the real tokens of all rows concatenated into one [1, S]
+    sequence with position_ids restarting at 0 for each row and no attention mask, which transformers'
+    packed-sequence attention turns into per-row causal attention (varlen flash attention, a flex document
+    mask, or a block-diagonal mask for sdpa/eager). Same result as the padded forward, without the padding.
     """
     if not isinstance(prompt_ids, Tensor) or prompt_ids.dim() != 2 or prompt_ids.shape[1] < 1:
         raise ValueError(f"prompt_ids must be a [B, P] tensor with P >= 1, got {getattr(prompt_ids, 'shape', None)}")
@@ -101,14 +107,16 @@ def completion_logprobs(
 
     head = lm_head_of(model)
     input_ids = torch.cat([prompt_ids, completion_ids], 1)  # [B, L]
-    attention_mask = torch.cat([pmask, cmask], 1).long()  # [B, L]
-    hidden = final_hidden_states(model, input_ids, attention_mask)  # [B, L, H]
-    L, H = hidden.shape[1], hidden.shape[2]
-
-    src = (P - 1 + torch.arange(T, device=device)).expand(B, T).clone()  # [B, T]
-    src[:, 0] = last_prompt
-    flat = (torch.arange(B, device=device)[:, None] * L + src)[cmask]  # [N]
-    h = hidden.reshape(B * L, H).index_select(0, flat)  # [N, H]
+    attention_mask = torch.cat([pmask, cmask], 1)  # [B, L]
+    if packed:
+        hidden, flat = _packed_hidden(model, input_ids, attention_mask, P)  # [1, S, H], [N]
+    else:
+        hidden = final_hidden_states(model, input_ids, attention_mask.long())  # [B, L, H]
+        L = hidden.shape[1]
+        src = (P - 1 + torch.arange(T, device=device)).expand(B, T).clone()  # [B, T]
+        src[:, 0] = last_prompt
+        flat = (torch.arange(B, device=device)[:, None] * L + src)[cmask]  # [N]
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat)  # [N, H]
     if h.dtype != head.weight.dtype:
         h = h.to(head.weight.dtype)
     targets = completion_ids[cmask]  # [N]
@@ -125,3 +133,20 @@ def completion_logprobs(
     if entropy is not None:
         entropy = scatter_positions(entropy.float(), cmask)
     return logp, entropy
+
+
+def _packed_hidden(model: nn.Module, input_ids: Tensor, mask: Tensor, P: int) -> tuple[Tensor, Tensor]:
+    """Final hidden states of the rows' real tokens packed into one sequence, and the packed index of the hidden
+    state that predicts each completion token.
+
+    input_ids, mask: [B, L] (L = P + T; a row's real tokens, prompt then completion, in column order).
+    Returns hidden [1, S, H] (S = real tokens of the rows with completion tokens) and flat [N] (N = completion tokens), row-major like `mask[:, P:]`.
+    """
+    mask = mask & mask[:, P:].any(1, keepdim=True)  # rows without completion tokens add nothing: left out
+    packed_ids = input_ids[mask].unsqueeze(0)  # [1, S]
+    position_ids = position_ids_from_mask(mask)[mask].unsqueeze(0)  # [1, S], 0.. per row
+    hidden = final_hidden_states(model, packed_ids, None, position_ids)  # [1, S, H]
+    index = mask.flatten().long().cumsum(0).view(mask.shape) - 1  # [B, L] packed index of each real token
+    # A completion token is predicted by the real token just before it in its row, which is packed right before it.
+    flat = index[:, P:][mask[:, P:]] - 1  # [N]
+    return hidden, flat

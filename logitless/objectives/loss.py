@@ -2,8 +2,9 @@
 
     ℓ_it  = policy term (by loss_type, ratio at token / sequence level)
             × off-policy sequence mask × top-entropy token mask × rollout IS weight ρ
-            + β · KL_it (× ratio if bias-corrected) − c_H · H_it
-    loss  = Σ_i Σ_t ℓ_it·m_it·w_i / normalizer,   w_i = 1/|o_i| for grpo/sapo, else 1
+            + β · KL_it (× ratio if bias-corrected)
+    loss  = Σ_i Σ_t ℓ_it·m_it·w_i / normalizer  −  c_H · Σ H_it·m_it·e_it / entropy_normalizer
+            w_i = 1/|o_i| for grpo/sapo, else 1;  e = top-entropy token mask (1 when off)
 
 The normalizer counts tokens, sequences or a constant over the WHOLE optimizer step (all micro-batches and
 ranks; see `loss_normalizer`), so the sum of the micro-batch losses is the full-batch loss and the sum of
@@ -138,9 +139,13 @@ def policy_loss(
     truncated: Tensor | None = None,  # [B] bool, completion hit the length limit
     entropy_coef: float | None = None,  # overrides options.entropy_coef (adaptive coefficient)
     entropy_threshold: float | Tensor | None = None,  # top-entropy mask threshold; None = from this micro-batch
+    entropy_normalizer: float | Tensor | None = None,  # entropy_bonus_normalizer, all-reduced (bonus on only)
 ) -> ObjectiveOutput:
     """GRPO-family loss of one micro-batch (formulas in docs/objectives.md); equivalent to TRL's
-    `GRPOTrainer._compute_loss` with the normalizer taken over the whole step."""
+    `GRPOTrainer._compute_loss` with the normalizer taken over the whole step. The entropy bonus acts on the
+    tokens the policy term keeps and is divided by `entropy_normalizer` (see `entropy_bonus_normalizer`;
+    it may be left None for step_mean token-normalized loss types without a top-entropy mask, where it equals
+    `normalizer`)."""
     o = options
     if not isinstance(o, ObjectiveOptions):
         raise TypeError(f"options must be an ObjectiveOptions, got {type(o).__name__}.")
@@ -240,10 +245,12 @@ def policy_loss(
     if o.off_policy_mask_threshold is not None:
         with torch.no_grad():
             behaviour = _clean(sampler_logp.detach(), valid, dtype) if sampler_logp is not None else old
-            seq_kl = ((behaviour - lp.detach()) * m).sum(-1, keepdim=True) / lengths.clamp(min=1.0)  # [B, 1]
+            d_kl = torch.nan_to_num(behaviour - lp.detach(), nan=0.0)  # unscored (NaN) tokens: no evidence, TRL 1.16
+            seq_kl = (d_kl * m).sum(-1, keepdim=True) / lengths.clamp(min=1.0)  # [B, 1]
             keep_seq = (adv >= 0) | (seq_kl <= o.off_policy_mask_threshold)
         stats["masked/off_policy"] = (~keep_seq, valid)
         pg = pg * keep_seq
+    keep_tok = None
     if o.top_entropy_quantile < 1.0:
         with torch.no_grad():
             ent = _clean(entropy.detach(), valid, dtype)
@@ -267,22 +274,46 @@ def policy_loss(
             with torch.no_grad():
                 kl = kl_estimate(lp.detach(), ref, o.kl_estimator, L)
         stats["kl"] = (kl, valid)
-    if entropy is not None:
-        ent_g = _clean(entropy, valid, dtype)
-        stats["entropy"] = (ent_g, valid)
-        if coef_h != 0.0:
-            per_token = per_token - coef_h * ent_g
-
     # Reduction: numerator local to the micro-batch, denominator global.
     if lt in ("grpo", "sapo"):
         total = ((per_token * m).sum(-1) / lengths.squeeze(-1).clamp(min=1.0)).sum()
     else:
         total = (per_token * m).sum()
+    loss = total / _denominator(normalizer, total.device, dtype)
+    if entropy is not None:
+        ent_g = _clean(entropy, valid, dtype)
+        kept = valid if keep_tok is None else valid & keep_tok  # [B, T] tokens of the policy term
+        stats["entropy"] = (ent_g, valid)
+        if keep_tok is not None:
+            stats["entropy/kept"] = (ent_g, kept)
+        if coef_h != 0.0:
+            loss = loss - coef_h * _entropy_bonus(ent_g, kept, o, normalizer, entropy_normalizer, dtype)
+    return ObjectiveOutput(loss=loss, metrics=stats_of(stats))
+
+
+def _denominator(normalizer: float | Tensor, device: torch.device, dtype: torch.dtype) -> float | Tensor:
+    """A caller-given normalizer as a divisor: detached, at least 1 (an all-masked step gives loss 0)."""
     if isinstance(normalizer, Tensor):
-        denom = normalizer.detach().to(device=total.device, dtype=dtype).reshape(()).clamp(min=1.0)
-    else:
-        denom = max(float(normalizer), 1.0)
-    return ObjectiveOutput(loss=total / denom, metrics=stats_of(stats))
+        return normalizer.detach().to(device=device, dtype=dtype).reshape(()).clamp(min=1.0)
+    return max(float(normalizer), 1.0)
+
+
+def _entropy_bonus(ent: Tensor, kept: Tensor, o: ObjectiveOptions, normalizer, entropy_normalizer, dtype) -> Tensor:
+    """This micro-batch's share of the bonus's entropy mean (before the coefficient): Σ H over the kept tokens
+    / step count of kept tokens (step_mean), or their micro-batch mean / number of micro-batches (trl)."""
+    if entropy_normalizer is None:
+        if o.entropy_bonus_reduction == "step_mean" and o.normalizer_kind == "tokens" and o.top_entropy_quantile == 1:
+            entropy_normalizer = normalizer  # the same tokens: the policy term's own count
+        else:
+            raise ValueError(
+                f"the entropy bonus (entropy_bonus_reduction={o.entropy_bonus_reduction!r}, loss_type={o.loss_type!r}, "
+                f"top_entropy_quantile={o.top_entropy_quantile}) needs entropy_normalizer=: pass "
+                "entropy_bonus_normalizer(options, masks_of_the_step, ...) summed over ranks, as for loss_normalizer."
+            )
+    num = (ent * kept).sum()
+    if o.entropy_bonus_reduction == "trl":
+        num = num / kept.sum().clamp(min=1).to(dtype)
+    return num / _denominator(entropy_normalizer, num.device, dtype)
 
 
 def on_policy_logp_grad(

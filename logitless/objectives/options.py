@@ -17,6 +17,7 @@ IS_LEVELS = ("token", "sequence", "sequence_token")
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 SAMPLER_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 SEQUENCE_IS_REDUCTIONS = ("product", "geometric_mean")
+ENTROPY_BONUS_REDUCTIONS = ("step_mean", "trl")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
 ADVANTAGE_SCALES = ("group", "batch", "none")
 MULTI_REWARD_MODES = ("sum_then_normalize", "normalize_then_sum")
@@ -81,7 +82,10 @@ class ObjectiveOptions:
     # Token / sequence masks and entropy terms
     off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2 off-policy sequence mask δ
     top_entropy_quantile: float = 1.0  # keep tokens whose entropy is in the top ρ fraction
-    entropy_coef: float = 0.0  # loss -= coef · entropy, aggregated like the policy term
+    entropy_coef: float = 0.0  # loss -= coef · mean entropy of the tokens the policy term keeps
+    # step_mean: Σ H over those tokens / their count over the step (exact under any split);
+    # trl: TRL 1.16, the mean of per-micro-batch token means (see `entropy_bonus_normalizer`)
+    entropy_bonus_reduction: str = "step_mean"
     use_adaptive_entropy: bool = False  # see `update_entropy_coef`
     entropy_coef_min: float = 0.0
     entropy_coef_max: float = 1.0
@@ -94,6 +98,7 @@ class ObjectiveOptions:
         _choice("loss_type", self.loss_type, LOSS_TYPES)
         _choice("importance_sampling_level", self.importance_sampling_level, IS_LEVELS)
         _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _choice("entropy_bonus_reduction", self.entropy_bonus_reduction, ENTROPY_BONUS_REDUCTIONS)
         _choice("sampler_is_mode", self.sampler_is_mode, SAMPLER_IS_MODES, allow_none=True)
         _choice("sampler_is_sequence_reduction", self.sampler_is_sequence_reduction, SEQUENCE_IS_REDUCTIONS, True)
         lt, level = self.loss_type, self.importance_sampling_level

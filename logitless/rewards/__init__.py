@@ -12,12 +12,19 @@ from logitless.rewards.builtin import (
     register_reward,
     reward_name,
 )
+from logitless.rewards.code import code_tests, extract_program
+from logitless.rewards.sandbox import SandboxOptions, SandboxPool, SandboxResult
 from logitless.rewards.scoring import RewardFunctionError, RewardScores, score_completions
 
 __all__ = [
     "REWARDS",
     "RewardFunctionError",
     "RewardScores",
+    "SandboxOptions",
+    "SandboxPool",
+    "SandboxResult",
+    "code_tests",
+    "extract_program",
     "extract_numeric_answer",
     "format_tags",
     "get_reward_fn",

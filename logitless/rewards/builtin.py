@@ -121,9 +121,12 @@ def math_verify(
         if answer is None:
             out.append(None)
             continue
-        gold = parse(str(answer), parsing_timeout=timeout)
-        if not gold and not str(answer).lstrip().startswith("$"):
-            gold = parse(f"${answer}$", parsing_timeout=timeout)
+        text = str(answer).strip()
+        gold = None  # a bare gold answer is read as LaTeX first ("3\\sqrt{13}", "6 - 5i", "1,-2" whole)
+        if not text.startswith("$") and "\\boxed" not in text:
+            gold = parse(f"${text}$", parsing_timeout=timeout)
+        if not gold:
+            gold = parse(text, parsing_timeout=timeout)
         if not gold:
             out.append(None)
             continue
@@ -243,6 +246,9 @@ def get_reward_fn(spec: str | RewardFn, **options: Any) -> RewardFn:
             raise ValueError(
                 f"reward '{reward_name(fn)}' has no option '{opt}'; its options (keyword-only parameters) are {allowed}"
             )
+    check = getattr(fn, "check_options", None)  # a built-in may validate its options now, not at the first batch
+    if check is not None:
+        check(**options)
     bound = functools.partial(fn, **options)
     functools.update_wrapper(bound, fn)
     return bound

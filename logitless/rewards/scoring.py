@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
 import torch
@@ -22,6 +22,7 @@ class RewardScores:
     names: list[str]  # [R] function names
     num_none: list[int]  # [R] samples each function returned None for
     num_errors: list[int]  # [R] samples each function raised on (scored `penalty`; on_error="penalty" only)
+    error_texts: list[str | None] = field(default_factory=list)  # [R] first exception of each function, as text
 
 
 def _row_fields(rows: Sequence[Any]) -> dict[str, list[Any]]:
@@ -108,9 +109,9 @@ def score_completions(
     fields = _row_fields(rows)
     names = [reward_name(f) for f in fns]
     B = len(completions)
-    columns, num_none, num_errors = [], [], []
+    columns, num_none, num_errors, error_texts = [], [], [], []
     for fn, name in zip(fns, names):
-        errors = 0
+        errors, first_error = 0, None
         try:
             values = _check_values(name, fn(prompts, completions, **fields), B)
         except RewardFunctionError:
@@ -127,6 +128,7 @@ def score_completions(
                             f"(completion {_short(completions[i])})"
                         ) from e
                     errors += 1
+                    first_error = first_error or f"{type(e).__name__}: {e}"
                     values.append(float(penalty))
                     continue
                 values.extend(_check_values(name, one, 1))
@@ -138,7 +140,9 @@ def score_completions(
         columns.append(values)
         num_none.append(sum(math.isnan(v) for v in values))
         num_errors.append(errors)
+        error_texts.append(first_error)
     rewards = torch.tensor(columns, dtype=torch.float32).T.reshape(B, len(fns))  # [B, R]
     w = torch.tensor(weights, dtype=torch.float32)  # [R]
     total = torch.nansum(rewards * w, dim=1)  # [B]
-    return RewardScores(rewards=rewards, total=total, names=names, num_none=num_none, num_errors=num_errors)
+    return RewardScores(rewards=rewards, total=total, names=names, num_none=num_none, num_errors=num_errors,
+                        error_texts=error_texts)

@@ -22,6 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 NAME = "logitless_gqa_decode"
+SDPA_LIKE = ("sdpa", "logitless_varlen")  # attention implementations whose padded-batch path is transformers' sdpa
 
 
 def gqa_decode_attention(
@@ -37,7 +38,8 @@ def gqa_decode_attention(
     B, H, q, d = query.shape
     kv = key.shape[1]
     plain = q != 1 or H == kv or dropout > 0 or key.shape[-1] != value.shape[-1]
-    if plain or kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("position_bias") is not None:
+    # a sliding window or attention chunk needs nothing here: the mask carries it (sdpa ignores those kwargs too)
+    if plain or kwargs.get("softcap") or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     out = F.scaled_dot_product_attention(
@@ -51,10 +53,11 @@ _registered = False
 
 @contextlib.contextmanager
 def gqa_decode(model_config: Any) -> Iterator[bool]:
-    """Use `gqa_decode_attention` for the block if the model uses "sdpa" (yields whether it does)."""
+    """Use `gqa_decode_attention` for the block if the model uses "sdpa" or "logitless_varlen" (whose unpacked
+    batches are sdpa) (yields whether it does)."""
     global _registered
     impl = getattr(model_config, "_attn_implementation", None)
-    if impl != "sdpa":
+    if impl not in SDPA_LIKE:
         yield False
         return
     if not _registered:

@@ -14,7 +14,8 @@ from typing import Any, Sequence
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
-from .engine import build_batch, generation_mode, prepare_prompts, seeded, sync
+from .engine import build_batch, generation_mode, prepare_prompts, seeded, sync, unwrap_model
+from .layouts import FULL, SLIDING, check_layout
 from .types import Prompt, RolloutBatch, SamplingOptions
 
 
@@ -31,6 +32,7 @@ class ContinuousEngine:
             raise TypeError(f"ContinuousEngine: unknown ContinuousBatchingConfig fields {unknown}")
         if "return_logprobs" in cb_kwargs or "seed" in cb_kwargs:
             raise TypeError("ContinuousEngine: return_logprobs and seed are set by the engine (SamplingOptions.seed)")
+        check_layout(unwrap_model(model), "continuous", (FULL, SLIDING))  # its paged cache has no chunked layers
         self.model = model
         self.tokenizer = tokenizer
         self.cb_kwargs = cb_kwargs

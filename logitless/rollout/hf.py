@@ -17,8 +17,11 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from logitless.models import UnsupportedModelError
+
 from .attention import gqa_decode
 from .engine import build_batch, generation_mode, prepare_prompts, seeded, sync, unwrap_model
+from .layouts import CHUNKED, layer_types, text_config
 from .types import Prompt, RolloutBatch, SamplingOptions
 
 
@@ -120,6 +123,12 @@ class HFEngine:
         self.compile = static_cache if compile is None else compile
         if self.compile and not static_cache:
             raise ValueError("HFEngine(compile=True) needs static_cache=True (only static caches are compiled)")
+        cfg = text_config(unwrap_model(model))
+        if static_cache and CHUNKED in layer_types(cfg):
+            raise UnsupportedModelError(
+                f"HFEngine(static_cache=True) cannot run model_type {cfg.model_type!r}: transformers' static-cache "
+                "generate fails on chunked-attention layers. Use static_cache=False, or rollout.backend=static"
+            )
 
     def generate(self, prompts: Sequence[Prompt], options: SamplingOptions) -> RolloutBatch:
         prep = prepare_prompts(self.model, self.tokenizer, prompts, options)

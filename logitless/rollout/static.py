@@ -1,6 +1,8 @@
 """Backend "static": our own decode loop over the transformers model with a static KV cache.
 
-- Prefill once per prompt (n rows, not n*G), then copy the prompt's KV G times into a [B, heads, L, d] static cache.
+- Prefill once per prompt (n rows, not n*G), then copy the prompt's KV G times into a [B, heads, L, d] static cache
+  (`kv_cache.py`: full-length in every layer, so sliding-window and chunked layers are masked by the model's own
+  mask functions exactly as in a full forward; layouts it cannot decode exactly are refused at construction).
 - Each decode step is the model's forward on [B, 1] tokens; on CUDA it is compiled with CUDA graphs
   (`get_compiled_call`, mode "reduce-overhead"), so a step costs one graph replay instead of ~1000 launches.
   With "sdpa" attention, decode attention runs without expanding the KV cache to all query heads
@@ -25,12 +27,13 @@ import time
 from typing import Any, Sequence
 
 import torch
-from transformers import DynamicCache, StaticCache
 from transformers.generation.configuration_utils import CompileConfig
 
 from .engine import build_batch, generation_mode, prepare_prompts, seeded, sync, unwrap_model
 from .attention import gqa_decode
 from .hf import sampling_processors
+from .kv_cache import STATIC_LAYER_TYPES, decode_cache, prefill_cache
+from .layouts import check_layout
 from .types import Prompt, RolloutBatch, SamplingOptions
 
 
@@ -77,6 +80,7 @@ class StaticEngine:
             raise ValueError(
                 f"StaticEngine: check_every={check_every} and cache_multiple={cache_multiple} must both be >= 1"
             )
+        check_layout(unwrap_model(model), "static", STATIC_LAYER_TYPES)
         self.model = model
         self.tokenizer = tokenizer
         self.compile = compile
@@ -111,20 +115,13 @@ class StaticEngine:
             tg = time.perf_counter()
             # prefill the n distinct prompts
             pos = (mask.cumsum(1) - 1).clamp(min=0)
-            pre_cache = DynamicCache(config=base.config)
+            pre_cache = prefill_cache()
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=pre_cache,
                              use_cache=True, logits_to_keep=1)
             first_logits = out.logits[:, -1].float().repeat_interleave(G, 0)  # [B, V]
             del out
-            cache = StaticCache(config=base.config, max_cache_len=L)
-            for layer, src in zip(cache.layers, pre_cache.layers):
-                k = src.keys.repeat_interleave(G, 0)
-                v = src.values.repeat_interleave(G, 0)
-                layer.lazy_initialization(k, v)
-                layer.keys[:, :, :P].copy_(k)
-                layer.values[:, :, :P].copy_(v)
-                layer.cumulative_length.fill_(P)
-            del pre_cache, k, v
+            cache = decode_cache(pre_cache, G, L)
+            del pre_cache
             full_mask = torch.zeros((B, L), dtype=torch.long, device=device)
             full_mask[:, :P] = mask.repeat_interleave(G, 0)
             full_mask[:, P : P + S] = 1  # future slots are hidden by causality (query offset = cache length)

@@ -93,10 +93,12 @@ class ModelShape:
                 continue
             if p is emb and p is not head:
                 continue  # an untied input embedding: a lookup, read B rows per decode step
-            weight_bytes += p.numel() * 2
-            if p.dim() == 2 and p is not head:
-                body += p.numel()
-                body_trainable += p.numel() if p.requires_grad else 0
+            shape = _logical_shape(p)
+            n = math.prod(shape)
+            weight_bytes += p.numel() * p.element_size() if shape != p.shape else n * 2
+            if len(shape) == 2 and p is not head:
+                body += n
+                body_trainable += n if p.requires_grad else 0
         window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
         types = getattr(cfg, "layer_types", None) or []
         sliding = sum(t == "sliding_attention" for t in types) if types else (layers if window else 0)
@@ -106,6 +108,12 @@ class ModelShape:
             head_params=head.numel(), head_trainable=head.numel() if head.requires_grad else 0,
             lora_params=lora, sliding_window=window if sliding else None, sliding_layers=sliding,
         )
+
+
+def _logical_shape(p: torch.Tensor) -> torch.Size:
+    """The weight's own shape; a bitsandbytes 4-bit weight (QLoRA) stores it packed and keeps it in quant_state."""
+    quant = getattr(p, "quant_state", None)
+    return torch.Size(quant.shape) if quant is not None and getattr(quant, "shape", None) is not None else p.shape
 
 
 def _sum_range(lo: int, hi: int) -> int:

@@ -1,4 +1,5 @@
-"""Micro-batches of a rollout for the training passes: rows sorted by length, padding columns trimmed."""
+"""Micro-batches of a rollout for the training passes: rows sorted by length, padding columns trimmed, split by
+row count or by a token budget."""
 
 from __future__ import annotations
 
@@ -33,12 +34,18 @@ def make_micro_batches(
     advantages: torch.Tensor,  # [B]
     size: int,
     rows: torch.Tensor | None = None,  # [n] long, only these rows (default: all B)
+    *,
+    max_tokens: int | None = None,
+    packed: bool = False,
 ) -> list[MicroBatch]:
-    """Split the B rows (or the given `rows`) into micro-batches of at most `size` rows, longest sequences first.
+    """Split the B rows (or the given `rows`) into micro-batches, longest sequences first.
 
-    Sorting by total length (prompt + completion) groups similar lengths so little padding is computed; each
-    micro-batch keeps only the columns some of its rows use. Row order inside the step does not change any
-    result: the objective's normalizer is global and its per-row terms are independent.
+    Without `max_tokens` a micro-batch holds at most `size` rows. With it, rows are added while the tokens the
+    micro-batch computes stay within `max_tokens`: rows x (longest prompt + longest completion) when padded,
+    the sum of the rows' prompt + completion tokens when `packed`. Sorting by total length (prompt +
+    completion) groups similar lengths so little padding is computed; each micro-batch keeps only the columns
+    some of its rows use. Row order and split do not change any result: the objective's normalizer is global
+    and its per-row terms are independent.
     """
     if size < 1:
         raise ValueError(f"micro-batch size must be >= 1, got {size}")
@@ -46,10 +53,14 @@ def make_micro_batches(
         rows = torch.arange(prompt_ids.shape[0], device=prompt_ids.device)
     if rows.numel() == 0:
         return []
-    lengths = prompt_mask[rows].sum(1) + completion_mask[rows].sum(1)  # [n]
-    order = rows[torch.sort(lengths, descending=True, stable=True).indices]  # [n]
+    p_len, c_len = prompt_mask.sum(1).clamp(min=1), completion_mask.sum(1)  # [B]
+    order = rows[torch.sort((p_len + c_len)[rows], descending=True, stable=True).indices]  # [n]
+    if max_tokens is None:
+        chunks = list(order.split(size))
+    else:
+        chunks = token_budget_chunks(order, p_len, c_len, max_tokens, packed=packed)
     out = []
-    for chunk in order.split(size):
+    for chunk in chunks:
         pm, cm = prompt_mask[chunk], completion_mask[chunk]
         p = max(int(pm.sum(1).max()), 1)  # left-padded: keep the last p columns
         t = int(cm.sum(1).max())  # right-padded: keep the first t columns
@@ -66,3 +77,35 @@ def make_micro_batches(
             )
         )
     return out
+
+
+def token_budget_chunks(
+    order: torch.Tensor,  # [n] long, rows longest first
+    p_len: torch.Tensor,  # [B] prompt tokens of each row (>= 1)
+    c_len: torch.Tensor,  # [B] completion tokens of each row
+    max_tokens: int,
+    *,
+    packed: bool,
+) -> list[torch.Tensor]:
+    """Consecutive groups of `order` whose computed tokens stay within `max_tokens` (greedy, in order).
+
+    A group's tokens are len x (max prompt + max completion) when padded, sum(prompt + completion) when packed.
+    """
+    ps, cs = p_len[order].tolist(), c_len[order].tolist()
+    longest = max(p + c for p, c in zip(ps, cs))
+    if longest > max_tokens:
+        raise ValueError(
+            f"train.micro_batch_tokens={max_tokens} is smaller than the longest row of this step ({longest} "
+            f"prompt + completion tokens); set train.micro_batch_tokens >= {longest} (at most "
+            "rollout.max_prompt_length + rollout.max_completion_length is always enough)"
+        )
+    bounds, start, p_max, c_max, total = [], 0, 0, 0, 0
+    for i, (p, c) in enumerate(zip(ps, cs)):
+        np_, nc, nt = max(p_max, p), max(c_max, c), total + p + c
+        cost = nt if packed else (i - start + 1) * (np_ + nc)
+        if cost > max_tokens:
+            bounds.append(i)
+            start, np_, nc, nt = i, p, c, p + c
+        p_max, c_max, total = np_, nc, nt
+    edges = [0, *bounds, len(ps)]
+    return [order[a:b] for a, b in zip(edges[:-1], edges[1:])]

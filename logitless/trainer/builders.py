@@ -13,6 +13,7 @@ from logitless.rewards import get_reward_fn
 from logitless.rollout import SamplingOptions
 from logitless.rollout.engine import context_window, encode_prompts
 from logitless.trainer.config import DataConfig, OptimConfig, RewardConfig, RolloutConfig
+from logitless.trainer.modeling import QLORA_INSTALL_HINT, require_cuda_package
 
 
 def load_rows(cfg: DataConfig, split: str | None = None, *, eval: bool = False) -> list[PromptRow]:
@@ -55,16 +56,52 @@ def accuracy_index(cfg: RewardConfig) -> int:
     return cfg.reward_funcs.index(cfg.accuracy_reward)
 
 
-def make_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
+OFFLOAD_INSTALL_HINT = "pip install 'logitless[offload]'  (torchao)"
+
+
+def make_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW of `cfg.optimizer`: torch's, bitsandbytes' 8-bit-state AdamW8bit, or torchao's CPUOffloadOptimizer
+    (fp32 states and the update on the CPU, the parameters copied back after each step)."""
     if not params:
         raise ValueError("the model has no trainable parameters (model.lora=false and everything frozen?)")
-    return torch.optim.AdamW(
-        params,
-        lr=cfg.learning_rate,
-        betas=(cfg.adam_beta1, cfg.adam_beta2),
-        eps=cfg.adam_epsilon,
+    kwargs = dict(
+        lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
         weight_decay=cfg.weight_decay,
     )
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, **kwargs)
+    device = params[0].device
+    setting = f"optim.optimizer={cfg.optimizer!r}"
+    if cfg.optimizer == "adamw_8bit":
+        require_cuda_package("bitsandbytes", setting, QLORA_INSTALL_HINT, device)
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, **kwargs)
+    require_cuda_package("torchao", setting, OFFLOAD_INSTALL_HINT, device)
+    from torchao.optim import CPUOffloadOptimizer
+
+    return CPUOffloadOptimizer(params, torch.optim.AdamW, **kwargs)
+
+
+def clip_offloaded_grads(optimizer: torch.optim.Optimizer, norm: float, max_norm: float) -> None:
+    """Apply gradient clipping to the host copies of a CPUOffloadOptimizer.
+
+    It copies each gradient to the host as soon as backward has produced it, before the step clips the device
+    gradients; scale the host copies by the same factor `clip_grad_norm_` used (a no-op without clipping).
+    """
+    coef = torch.tensor(max_norm, dtype=torch.float32) / (torch.tensor(norm, dtype=torch.float32) + 1e-6)  # as torch
+    if not hasattr(optimizer, "param_d2h_map") or not coef < 1.0:
+        return
+    optimizer.stream.synchronize()  # the backward's device-to-host gradient copies are done
+    for host in optimizer.param_d2h_map.values():
+        host.grad.mul_(coef)
+
+
+def sync_offloaded_params(optimizer: torch.optim.Optimizer) -> None:
+    """Refresh a CPUOffloadOptimizer's host copies of the weights from the model (after a checkpoint was loaded
+    into the model: its steps update the host copies and copy them back, so stale ones would undo the load)."""
+    for device_param, host in getattr(optimizer, "param_d2h_map", {}).items():
+        host.copy_(device_param.detach())
 
 
 def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
@@ -92,8 +129,12 @@ def sampling_options(
     num_generations: int | None = None,
     temperature: float | None = None,
     max_new_tokens: int | None = None,
+    section: str = "rollout",
 ) -> SamplingOptions:
-    """`logitless.rollout.SamplingOptions` of the rollout section (TRL names mapped to the engine's)."""
+    """`logitless.rollout.SamplingOptions` of the rollout section (TRL names mapped to the engine's).
+
+    An invalid option is reported under its config key (`rollout.top_p`, or `eval.pass_k` for `section="eval"`).
+    """
     options = SamplingOptions(
         num_generations=cfg.num_generations if num_generations is None else num_generations,
         temperature=cfg.temperature if temperature is None else temperature,
@@ -106,7 +147,20 @@ def sampling_options(
         seed=seed,
         max_prompt_length=cfg.max_prompt_length,
     )
-    options.validate()
+    keys = {f: f"rollout.{f}" for f in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop",
+                                         "max_prompt_length", "num_generations")}
+    keys["max_new_tokens"] = "rollout.max_completion_length"
+    if section == "eval":
+        keys["num_generations"] = "eval.pass_k"
+        if max_new_tokens is not None:
+            keys["max_new_tokens"] = "eval.max_completion_length"
+    try:
+        options.validate()
+    except (ValueError, TypeError) as e:
+        message = str(e)
+        for name, key in keys.items():
+            message = message.replace(f"SamplingOptions.{name}", key)
+        raise type(e)(message) from None
     return options
 
 
@@ -116,8 +170,8 @@ def check_prompt_lengths(rows: list[PromptRow], tokenizer: Any, model: Any, opti
         encode_prompts(tokenizer, [r.prompt for r in rows], options, context_window(model))
     except ValueError as e:
         raise ValueError(
-            f"{what}: {e}. (prompts[i] is row i of the dataset; raise rollout.max_prompt_length, lower "
-            "rollout.max_completion_length, or filter the data)"
+            f"{what}: {str(e).split(': shorten it')[0]}. (prompts[i] is row i of the dataset; raise "
+            "rollout.max_prompt_length, lower rollout.max_completion_length, or filter the data)"
         ) from e
 
 

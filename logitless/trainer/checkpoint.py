@@ -7,20 +7,26 @@ Layout under `<output_dir>/checkpoints/`:
         optimizer.pt       {"optimizer": ..., "scheduler": ...} state dicts (torch.save)
         rng.pt             torch CPU (and CUDA) generator states
         trainer_state.json step, data sampler position, python/numpy RNG, anything else the loop stores
+        config.yaml        copy of the run's config.yaml (when the run folder has one): what the weights were trained with
+        manifest.json      size and sha256 of every other file: a checkpoint checks itself before it is loaded
     latest                 text file holding the name of the newest complete checkpoint ("step-000020")
 
 A checkpoint is written into a hidden temp folder, every file is fsync'ed, the folder is renamed into place and
 only then is `latest` replaced (write `latest.tmp`, fsync, `os.replace`). A crash or a full disk at any point
-leaves the previous checkpoint as `latest`, intact.
+leaves the previous checkpoint as `latest`, intact; the next save (or `clean_temporaries`) removes what the crash
+left behind. Loading resolves `latest`, checks the manifest and falls back to the newest valid checkpoint, with a
+warning naming the bad file, when the latest one is damaged.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,6 +37,9 @@ from logitless.trainer.modeling import is_peft_model
 
 LATEST = "latest"
 STEP_PREFIX = "step-"
+MANIFEST = "manifest.json"
+RUN_CONFIG = "config.yaml"
+TMP_PREFIX, OLD_PREFIX = ".tmp-", ".old-"  # a folder being written; a re-saved step's previous folder
 
 
 class CheckpointError(RuntimeError):
@@ -111,7 +120,7 @@ def set_rng_state(py: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
 
 
 def read_latest(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under `root` (the `checkpoints` folder), or None."""
+    """The checkpoint `root/latest` names (`root` is the `checkpoints` folder), or None without a pointer."""
     root = Path(root)
     pointer = root / LATEST
     if not pointer.is_file():
@@ -121,6 +130,69 @@ def read_latest(root: str | Path) -> Path | None:
     if not name or not (path / "trainer_state.json").is_file():
         raise CheckpointError(f"{pointer} names '{name}', which is not a complete checkpoint in {root}")
     return path
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _manifest(folder: Path) -> dict[str, dict[str, Any]]:
+    """{relative path: {"size", "sha256"}} of every file under `folder` except the manifest itself."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+
+
+def validate_checkpoint(path: str | Path) -> str | None:
+    """None when checkpoint folder `path` is complete and intact, else what is wrong, naming the file.
+
+    Checks every file of its manifest (size, then sha256); a checkpoint written before manifests existed is only
+    checked for its trainer_state.json.
+    """
+    path = Path(path)
+    if not (path / "trainer_state.json").is_file():
+        return f"{path / 'trainer_state.json'} is missing"
+    if not (path / MANIFEST).is_file():
+        return None
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        return f"{path / MANIFEST} is unreadable ({e})"
+    for rel, want in manifest.items():
+        f = path / rel
+        if not f.is_file():
+            return f"{f} is missing"
+        if f.stat().st_size != want["size"]:
+            return f"{f} has {f.stat().st_size} bytes, the manifest says {want['size']} (truncated or overwritten)"
+        if _sha256(f) != want["sha256"]:
+            return f"{f} does not match its checksum in {MANIFEST} (corrupted)"
+    return None
+
+
+def clean_temporaries(root: str | Path) -> list[str]:
+    """Remove what an interrupted save left in `root` (temp folders, `latest.tmp`); return their names.
+
+    A re-saved step whose old folder was moved aside (`.old-step-N-PID`) but whose new folder never arrived is
+    moved back. Only the owner of the run folder may call this (another process may be saving right now).
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    removed = []
+    for p in sorted(root.iterdir()):
+        if p.name.startswith(OLD_PREFIX) and p.is_dir():
+            step_name = p.name[len(OLD_PREFIX):].rsplit("-", 1)[0]
+            if not (root / step_name).exists() and validate_checkpoint(p) is None:
+                os.rename(p, root / step_name)
+                removed.append(f"{p.name} (restored as {step_name})")
+                continue
+        if p.name.startswith((TMP_PREFIX, OLD_PREFIX)) or p.name == LATEST + ".tmp":
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+            removed.append(p.name)
+    return removed
 
 
 def save_checkpoint(
@@ -137,16 +209,17 @@ def save_checkpoint(
 
     `trainer_state` must be JSON-serializable. `keep` prunes older `step-*` folders beyond the newest `keep`.
     On any error (e.g. ENOSPC) the temp folder is removed and `CheckpointError` is raised; `latest` is unchanged.
+    Leftovers of an earlier interrupted save are removed first.
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
+    clean_temporaries(root)
     final = root / step_dirname(step)
-    tmp = root / f".tmp-{step_dirname(step)}-{os.getpid()}"
+    tmp = root / f"{TMP_PREFIX}{step_dirname(step)}-{os.getpid()}"
     py_rng, torch_rng = rng_state()
     state = {"step": step, "rng": py_rng, **(trainer_state or {})}
+    old = None
     try:
-        if tmp.exists():
-            shutil.rmtree(tmp)
         tmp.mkdir()
         extra = {"save_embedding_layers": False} if is_peft_model(model) else {}  # adapters only, no vocab probe
         model.save_pretrained(str(tmp / "model"), safe_serialization=True, **extra)
@@ -156,10 +229,14 @@ def save_checkpoint(
         _write_file(tmp / "rng.pt", lambda f: f.write(_serialized(torch_rng)))
         text = json.dumps(state, indent=1).encode()
         _write_file(tmp / "trainer_state.json", lambda f: f.write(text))
+        if (root.parent / RUN_CONFIG).is_file():
+            config = (root.parent / RUN_CONFIG).read_bytes()
+            _write_file(tmp / RUN_CONFIG, lambda f: f.write(config))
+        manifest = json.dumps(_manifest(tmp), indent=1).encode()
+        _write_file(tmp / MANIFEST, lambda f: f.write(manifest))
         _fsync_tree(tmp)
-        old = None
         if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
-            old = root / f".old-{final.name}-{os.getpid()}"
+            old = root / f"{OLD_PREFIX}{final.name}-{os.getpid()}"
             os.rename(final, old)
         os.rename(tmp, final)
         _fsync_dir(root)
@@ -171,6 +248,12 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
     except (OSError, RuntimeError, TypeError, ValueError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        (root / (LATEST + ".tmp")).unlink(missing_ok=True)
+        if old is not None and old.exists():  # a re-save: keep exactly one complete version of the step
+            if final.exists():  # the new version is complete and in place (only the pointer write failed)
+                shutil.rmtree(old, ignore_errors=True)
+            else:  # the previous version goes back where `latest` expects it
+                os.rename(old, final)
         try:
             prev = read_latest(root)
         except CheckpointError:
@@ -197,20 +280,82 @@ def prune(root: Path, keep: int) -> None:
 # Load
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """Accept a run folder, its `checkpoints` folder or one `step-*` folder; return the checkpoint folder."""
+def _newest_valid(root: Path, flag: str) -> Path:
+    """The checkpoint `root/latest` names if it is intact; else the newest intact `step-*` folder, with a warning
+    naming what is wrong with the skipped ones."""
+    problems = []
+    pointer = root / LATEST
+    named = pointer.read_text().strip() if pointer.is_file() else ""
+    if named:
+        bad = validate_checkpoint(root / named) if (root / named).is_dir() else f"{root / named} does not exist"
+        if bad is None:
+            return root / named
+        problems.append(f"{pointer} names '{named}', which is not a complete checkpoint: {bad}")
+    elif pointer.is_file():
+        problems.append(f"{pointer} is empty")
+    for step_dir in sorted((p for p in root.glob(STEP_PREFIX + "*") if p.is_dir()), reverse=True):
+        if step_dir.name == named:
+            continue
+        bad = validate_checkpoint(step_dir)
+        if bad is None:
+            if problems:
+                warnings.warn(
+                    f"{flag} {root}: the latest checkpoint is damaged: {'; '.join(problems)}. "
+                    f"Falling back to {step_dir.name}, the newest intact checkpoint.",
+                    stacklevel=3,
+                )
+            return step_dir
+        problems.append(bad)
+    raise CheckpointError(f"{flag} {str(root)!r}: no intact checkpoint: " + "; ".join(problems))
+
+
+def resolve_checkpoint(path: str | Path, flag: str = "--resume") -> Path:
+    """Accept a run folder, its `checkpoints` folder or one `step-*` folder; return an intact checkpoint folder.
+
+    A damaged latest checkpoint falls back to the newest intact one (with a warning); a damaged step folder given
+    directly is an error naming the bad file. `flag` names the option the path came from in messages.
+    """
     path = Path(path)
-    if (path / "trainer_state.json").is_file():
+    if (path / "trainer_state.json").is_file() or path.name.startswith(STEP_PREFIX):
+        bad = validate_checkpoint(path)
+        if bad is not None:
+            raise CheckpointError(f"{flag} {str(path)!r}: damaged checkpoint: {bad}; give the run folder to use "
+                                  "its newest intact checkpoint")
         return path
     for root in (path, path / "checkpoints"):
-        if (root / LATEST).is_file():
-            found = read_latest(root)
-            assert found is not None
-            return found
+        if (root / LATEST).is_file() or any(p.is_dir() for p in root.glob(STEP_PREFIX + "*")):
+            return _newest_valid(root, flag)
     raise CheckpointError(
-        f"--resume {str(path)!r}: no checkpoint found (expected a run folder with checkpoints/{LATEST}, a "
+        f"{flag} {str(path)!r}: no checkpoint found (expected a run folder with checkpoints/{LATEST}, a "
         f"checkpoints folder with a '{LATEST}' file, or a {STEP_PREFIX}NNNNNN folder)"
     )
+
+
+def checkpoint_config(path: str | Path) -> dict[str, Any] | None:
+    """The run config (as a dict) checkpoint folder `path` was trained with, or None if it holds none.
+
+    Checkpoints carry a copy of the run's config.yaml; older ones fall back to the run folder's config.yaml.
+    """
+    import yaml
+
+    path = Path(path)
+    for f in (path / RUN_CONFIG, path.parent.parent / RUN_CONFIG):
+        if f.is_file():
+            try:
+                loaded = yaml.safe_load(f.read_text())
+            except yaml.YAMLError as e:
+                raise CheckpointError(f"{f} is not valid YAML: {e}") from e
+            return loaded if isinstance(loaded, dict) else None
+    return None
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The step a checkpoint folder was saved at."""
+    f = Path(path) / "trainer_state.json"
+    try:
+        return int(json.loads(f.read_text())["step"])
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{f} is unreadable ({type(e).__name__}: {e})") from e
 
 
 def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
@@ -222,7 +367,7 @@ def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
     if is_peft_model(model):
         from peft import set_peft_model_state_dict
 
-        sd = load_file(str(folder / "adapter_model.safetensors"))
+        sd = _read(folder / "adapter_model.safetensors", lambda f: load_file(str(f)))
         result = set_peft_model_state_dict(model, sd)
         unexpected = getattr(result, "unexpected_keys", [])
         if unexpected:
@@ -230,7 +375,7 @@ def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
         return
     sd: dict[str, torch.Tensor] = {}
     for f in files:
-        sd.update(load_file(str(f)))
+        sd.update(_read(f, lambda f: load_file(str(f))))
     missing, unexpected = model.load_state_dict(sd, strict=False)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded_ptrs = {params[k].data_ptr() for k in sd if k in params}
@@ -239,6 +384,16 @@ def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
         raise CheckpointError(
             f"model weights in {folder} do not match the model: missing {really_missing[:5]}, unexpected {unexpected[:5]}"
         )
+
+
+def _read(path: Path, load: Callable[[Path], Any]) -> Any:
+    """load(path), with any error of a damaged file re-raised as a CheckpointError naming the file."""
+    try:
+        return load(path)
+    except CheckpointError:
+        raise
+    except Exception as e:  # safetensors, zip (torch.load) and JSON errors have no common base class
+        raise CheckpointError(f"{path} is damaged or unreadable ({type(e).__name__}: {e})") from e
 
 
 def load_checkpoint(
@@ -252,12 +407,12 @@ def load_checkpoint(
     """Load weights, optimizer, scheduler and RNG from checkpoint `path` in place; return the trainer state."""
     path = resolve_checkpoint(path)
     load_model_weights(model, path / "model")
-    opt = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    opt = _read(path / "optimizer.pt", lambda f: torch.load(f, map_location="cpu", weights_only=True))
     if optimizer is not None and opt["optimizer"] is not None:
         optimizer.load_state_dict(opt["optimizer"])
     if scheduler is not None and opt["scheduler"] is not None:
         scheduler.load_state_dict(opt["scheduler"])
-    state = json.loads((path / "trainer_state.json").read_text())
+    state = _read(path / "trainer_state.json", lambda f: json.loads(f.read_text()))
     if restore_rng:
-        set_rng_state(state["rng"], torch.load(path / "rng.pt", weights_only=True))
+        set_rng_state(state["rng"], _read(path / "rng.pt", lambda f: torch.load(f, weights_only=True)))
     return state

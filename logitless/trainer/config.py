@@ -15,6 +15,7 @@ Names follow TRL's `GRPOConfig` / `ModelConfig` wherever the concept is the same
 | model.lora                           | ModelConfig.use_peft                      |                                           |
 | model.lora_r / lora_alpha / ...      | ModelConfig.lora_r / lora_alpha / ...     | also lora_dropout, lora_target_modules    |
 | model.gradient_checkpointing         | gradient_checkpointing                    |                                           |
+| model.load_in_4bit                   | ModelConfig.load_in_4bit                  | NF4, LoRA only, lm_head unquantized       |
 | rollout.num_generations              | num_generations                           | G samples per prompt                      |
 | rollout.max_prompt_length            | max_prompt_length                         | longer prompts are an error, not cut      |
 | rollout.max_completion_length        | max_completion_length                     |                                           |
@@ -26,11 +27,13 @@ Names follow TRL's `GRPOConfig` / `ModelConfig` wherever the concept is the same
 | optim.learning_rate                  | learning_rate                             |                                           |
 | optim.weight_decay, adam_*, ...      | weight_decay, adam_beta1/2, adam_epsilon  | and max_grad_norm                         |
 | optim.lr_scheduler_type              | lr_scheduler_type                         | "constant" or "cosine"                    |
+| optim.optimizer                      | optim ("adamw_torch", "adamw_8bit", ...)  | adamw, adamw_8bit, adamw_cpu_offload      |
 | optim.warmup_steps / warmup_ratio    | warmup_steps / warmup_ratio               |                                           |
 | train.max_steps                      | max_steps                                 | one step = one rollout batch              |
 | train.num_iterations                 | num_iterations                            | μ optimizer steps per rollout batch       |
 | train.prompts_per_step               | generation_batch_size / num_generations   |                                           |
 | train.micro_batch_size               | per_device_train_batch_size               | completions per forward/backward          |
+| train.packed                         | padding_free                              | rows concatenated, per-row position_ids   |
 | train.seed / train.output_dir        | seed / output_dir                         |                                           |
 | logging.logging_steps                | logging_steps                             |                                           |
 | logging.log_completions / ...        | log_completions, num_completions_to_print |                                           |
@@ -43,6 +46,8 @@ import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+import yaml
 
 from logitless.configlib import ConfigError, apply_overrides, from_dict, load_config, to_dict, to_yaml
 from logitless.objectives import AdvantageOptions, ObjectiveOptions
@@ -81,6 +86,8 @@ class ModelConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     device: str = "auto"  # "auto": cuda if available, else cpu
     trust_remote_code: bool = False
+    # transformers' attn_implementation (sdpa, eager, flash_attention_2, flex_attention), or "logitless_varlen":
+    # torch's varlen flash attention for train.packed (logitless/models/varlen.py), sdpa for everything else
     attn_implementation: str | None = None
     lora: bool = True
     lora_r: int = 16
@@ -88,11 +95,32 @@ class ModelConfig:
     lora_dropout: float = 0.0
     lora_target_modules: list[str] | str = "all-linear"
     gradient_checkpointing: bool = False
+    # Checkpointed layer inputs (and the other tensors saved for backward outside the layers) go to pinned CPU
+    # memory on a side stream during the forward and come back one layer ahead of the backward
+    # (trainer/offload.py). Needs gradient_checkpointing. On CPU the tensors are copied but stay in host memory.
+    activation_offload: bool = False
+    # QLoRA: NF4 4-bit base weights (bitsandbytes, double quantization), compute in model.dtype, LoRA adapters
+    # trained on top; the lm_head stays unquantized for the fused op. Needs a CUDA GPU and `logitless[qlora]`.
+    load_in_4bit: bool = False
 
     def __post_init__(self):
         _positive("model", lora_r=self.lora_r, lora_alpha=self.lora_alpha)
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"model.lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
+        if self.activation_offload and not self.gradient_checkpointing:
+            raise ValueError(
+                "model.activation_offload=true offloads the checkpointed layer inputs, so it needs "
+                "model.gradient_checkpointing=true (set it, or set model.activation_offload=false)"
+            )
+        if self.load_in_4bit and not self.lora:
+            raise ValueError(
+                "model.load_in_4bit=true (QLoRA) freezes 4-bit base weights and trains LoRA adapters on top, so it "
+                "needs model.lora=true; for full fine-tuning set model.load_in_4bit=false"
+            )
+        if self.load_in_4bit and self.dtype == "float32":
+            raise ValueError(
+                "model.load_in_4bit=true computes in bfloat16 or float16; set model.dtype=bfloat16 (or auto)"
+            )
 
 
 @dataclass
@@ -167,6 +195,9 @@ class OptimConfig:
     lr_scheduler_type: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = 0
     warmup_ratio: float = 0.0  # used when warmup_steps == 0
+    # adamw: torch AdamW; adamw_8bit: bitsandbytes AdamW8bit (8-bit states, CUDA, `logitless[qlora]`);
+    # adamw_cpu_offload: torchao's CPUOffloadOptimizer (states and the step on the CPU, CUDA, `logitless[offload]`)
+    optimizer: Literal["adamw", "adamw_8bit", "adamw_cpu_offload"] = "adamw"
 
     def __post_init__(self):
         _positive("optim", learning_rate=self.learning_rate, max_grad_norm=self.max_grad_norm)
@@ -182,6 +213,15 @@ class TrainConfig:
     max_steps: int = 100
     prompts_per_step: int = 8
     micro_batch_size: int = 16  # completions per forward/backward (sorted by length)
+    # Token budget of a micro-batch (None: off): rows are added while prompt + completion tokens, padding of
+    # the micro-batch included (none when packed), stay within it, so the peak is bounded by tokens, not rows;
+    # micro_batch_size is then not used. Must be at least the longest row (prompt + completion tokens).
+    micro_batch_tokens: int | None = None
+    # Padding-free micro-batches: the rows of a micro-batch are concatenated into one sequence with per-row
+    # position_ids. Exact with any attention transformers packs (sdpa, eager, flex_attention, flash_attention_2);
+    # fast with model.attn_implementation=logitless_varlen (or flash_attention_2), whose cost follows the rows'
+    # own lengths; sdpa computes a dense [S, S] block-diagonal mask instead.
+    packed: bool = False
     num_iterations: int = 1  # μ: optimizer steps on each rollout batch (old logprobs are computed when > 1)
     skip_zero_advantage: bool = True  # don't run rows with advantage 0 when they add nothing (beta=0, no entropy term)
     max_minutes: float | None = None  # wall-time budget: stop (with a checkpoint) when the next step may not fit
@@ -195,6 +235,7 @@ class TrainConfig:
             max_steps=self.max_steps,
             prompts_per_step=self.prompts_per_step,
             micro_batch_size=self.micro_batch_size,
+            micro_batch_tokens=self.micro_batch_tokens,
             num_iterations=self.num_iterations,
             num_threads=self.num_threads,
             max_minutes=self.max_minutes,
@@ -296,6 +337,23 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] | tup
     return load_config(TrainerConfig, path, list(overrides))
 
 
+def _yaml_value(raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw  # apply_overrides reports it
+
+
 def demo_config(overrides: list[str] | tuple[str, ...] = ()) -> TrainerConfig:
-    """The embedded CPU demo's config (`DEMO` over the defaults), then `section.key=value` overrides."""
-    return from_dict(TrainerConfig, apply_overrides(TrainerConfig, copy.deepcopy(DEMO), list(overrides)))
+    """The embedded CPU demo's config (`DEMO` over the defaults), then `section.key=value` overrides.
+
+    An override of `data.task` to another task starts from that task's own defaults: the demo's arithmetic
+    options (difficulty, template, ...) are dropped, and only `data.options.*` given as overrides apply.
+    """
+    base = copy.deepcopy(DEMO)
+    for item in overrides:
+        key, _, raw = item.partition("=")
+        if key.strip() == "data.task" and _yaml_value(raw) != DEMO["data"]["task"]:
+            base["data"].pop("options", None)
+            base["data"].pop("eval_options", None)
+    return from_dict(TrainerConfig, apply_overrides(TrainerConfig, base, list(overrides)))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -14,7 +13,7 @@ import numpy as np
 import torch
 
 from logitless.data import PromptRow, PromptSampler
-from logitless.objectives import AdvantageOptions, EntropyCoef
+from logitless.objectives import AdvantageOptions, EntropyCoef, initial_entropy_coef
 from logitless.rollout import RolloutEngine, make_engine
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer import dcp
@@ -27,16 +26,22 @@ from logitless.trainer.builders import (
     make_scheduler,
     reward_functions,
     sampling_options,
+    sync_offloaded_params,
 )
 from logitless.trainer.config import TrainerConfig, to_yaml
 from logitless.trainer.metrics import MetricsLogger
-from logitless.trainer.modeling import ReferencePolicy, load_model_and_tokenizer, prepare_for_training, trainable_parameters
+from logitless.trainer.modeling import (
+    ReferencePolicy,
+    check_packed_attention,
+    load_model_and_tokenizer,
+    prepare_for_training,
+    trainable_parameters,
+)
 from logitless.trainer.parallel import (
     COPY_BACKENDS,
     QuietLogger,
     RolloutCopy,
     World,
-    check_distributed,
     init_distributed,
     shard_model,
 )
@@ -94,16 +99,8 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def checked_options(cfg: TrainerConfig) -> AdvantageOptions:
-    """Cross-section checks that need no model; returns the advantage options with the reward weights."""
-    if cfg.advantage.reward_weights is not None:
-        raise ValueError("set reward weights once, in reward.reward_weights (advantage.reward_weights is filled from it)")
-    max_len = cfg.objective.max_completion_length
-    if max_len not in (None, cfg.rollout.max_completion_length):
-        raise ValueError(
-            f"objective.max_completion_length={max_len} (the dr_grpo normalizer) differs from "
-            f"rollout.max_completion_length={cfg.rollout.max_completion_length}; set both to the same value"
-        )
+def advantage_options(cfg: TrainerConfig) -> AdvantageOptions:
+    """The advantage options with the reward weights of `reward.reward_weights` (checked by `preflight`)."""
     weights = tuple(cfg.reward.reward_weights) if cfg.reward.reward_weights else None
     return dataclasses.replace(cfg.advantage, reward_weights=weights)
 
@@ -115,9 +112,8 @@ def build_context(
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     world = init_distributed(cfg.model.device if model is None else str(next(model.parameters()).device))
-    check_distributed(cfg, world)
     seed_everything(cfg.train.seed)  # the same on every rank: the model's random init (LoRA) must agree
-    adv_options = checked_options(cfg)
+    adv_options = advantage_options(cfg)
     rows: list[PromptRow] = load_rows(cfg.data)
     sampler = PromptSampler(rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     reward_fns, acc_col = reward_functions(cfg.reward), accuracy_index(cfg.reward)
@@ -129,6 +125,8 @@ def build_context(
         model = prepare_for_training(model, cfg.model)
         device = next(model.parameters()).device
     check_prompt_lengths(rows, tokenizer, model, sampling_options(cfg.rollout, seed=None), f"data.task={cfg.data.task!r}")
+    if cfg.train.packed:
+        check_packed_attention(model)
     reference = ReferencePolicy(model) if cfg.objective.beta > 0 else None  # before a resume loads trained weights
     replica = RolloutCopy(model) if world.distributed and cfg.rollout.backend in COPY_BACKENDS else None
     if world.distributed:
@@ -142,17 +140,13 @@ def build_context(
     start, state = 0, {}
     if resume is not None:
         dcp.check_world_size(ckpt.resolve_checkpoint(resume), world)
-        load = dcp.load_sharded if world.distributed else ckpt.load_checkpoint
-        kw = {"world": world} if world.distributed else {}
-        state = load(resume, model=model, optimizer=optimizer, scheduler=scheduler, **kw)
+        if world.distributed:
+            state = dcp.load_sharded(resume, model=model, optimizer=optimizer, scheduler=scheduler, world=world)
+        else:
+            state = ckpt.load_checkpoint(resume, model=model, optimizer=optimizer, scheduler=scheduler)
+        sync_offloaded_params(optimizer)  # adamw_cpu_offload keeps host copies of the weights
         start = int(state["step"])
         sampler.load_state_dict(state["sampler"])
-    elif (run_dir / "checkpoints" / ckpt.LATEST).is_file() and world.main:
-        warnings.warn(
-            f"{run_dir} already holds checkpoints of an earlier run; this run starts from step 0 and replaces them "
-            f"(use --resume {run_dir} to continue that run, or set train.output_dir)",
-            stacklevel=3,
-        )
     if world.main:  # only rank 0 writes the run folder's files, prints and plots
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -160,13 +154,14 @@ def build_context(
         run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
         total_steps=cfg.train.max_steps, resume_step=start,
     ) if world.main else QuietLogger()
-    coef = cfg.objective.entropy_coef
+    coef = EntropyCoef(*state["entropy_coef"]) if "entropy_coef" in state else initial_entropy_coef(cfg.objective)
     return TrainContext(
-        cfg=cfg, model=model, tokenizer=tokenizer, device=device, engine=make_engine(cfg.rollout.backend, replica.model if replica else model, tokenizer),
+        cfg=cfg, model=model, tokenizer=tokenizer, device=device, engine=make_engine(
+            cfg.rollout.backend, replica.model if replica else model, tokenizer
+        ),
         params=params, optimizer=optimizer, scheduler=scheduler, sampler=sampler, reward_fns=reward_fns,
         acc_col=acc_col, adv_options=adv_options,
         reference=reference,
         shape=ModelShape.of(model), peaks=device_peaks(device, cfg.logging.peak_tflops, cfg.logging.hbm_tbs),
-        run_dir=run_dir, logger=logger, start=start, entropy_coef=EntropyCoef(*state.get("entropy_coef", (coef, coef))),
-        world=world, replica=replica,
+        run_dir=run_dir, logger=logger, start=start, entropy_coef=coef, world=world, replica=replica,
     )

@@ -9,6 +9,7 @@ A step folder of a run on N > 1 ranks (beside it, `latest` as in `checkpoint.py`
         optimizer.pt         {"optimizer": None, "scheduler": ...} (the optimizer state is in dcp/)
         rng-rank{r}.pt       rank r's python, numpy and torch RNG states
         trainer_state.json   step, world_size, data sampler position, entropy coefficient
+        config.yaml          the run's config; manifest.json: size and sha256 of every file (checkpoint.py)
 
 The same atomic protocol as `checkpoint.py`: everything is written into a hidden temp folder, fsync'ed, renamed
 into place by rank 0, and only then is `latest` replaced. A resume must use the same number of ranks: the data
@@ -91,12 +92,12 @@ def save_sharded(
 
     root = Path(root)
     final = root / ckpt.step_dirname(step)
-    tmp = root / f".tmp-{ckpt.step_dirname(step)}-ranks{world.size}"
+    tmp = root / f"{ckpt.TMP_PREFIX}{ckpt.step_dirname(step)}-ranks{world.size}"
     error: Exception | None = None
     try:
         if world.main:
             root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
+            ckpt.clean_temporaries(root)
             tmp.mkdir()
     except OSError as e:
         error = e
@@ -137,10 +138,15 @@ def _finish(
     state = {"step": step, "world_size": world.size, **trainer_state}
     text = json.dumps(state, indent=1).encode()
     ckpt._write_file(tmp / "trainer_state.json", lambda f: f.write(text))
+    if (root.parent / ckpt.RUN_CONFIG).is_file():
+        config = (root.parent / ckpt.RUN_CONFIG).read_bytes()
+        ckpt._write_file(tmp / ckpt.RUN_CONFIG, lambda f: f.write(config))
+    manifest = json.dumps(ckpt._manifest(tmp), indent=1).encode()  # every rank's files, checked before a resume
+    ckpt._write_file(tmp / ckpt.MANIFEST, lambda f: f.write(manifest))
     ckpt._fsync_tree(tmp)
     old = None
     if final.exists():
-        old = root / f".old-{final.name}-{os.getpid()}"
+        old = root / f"{ckpt.OLD_PREFIX}{final.name}-{os.getpid()}"
         os.rename(final, old)
     os.rename(tmp, final)
     ckpt._fsync_dir(root)

@@ -93,15 +93,15 @@ def evaluate_config(cfg: TrainerConfig, checkpoint: str | Path | None = None) ->
     """Load the model of `cfg` (plus the weights of `checkpoint`, if given) and evaluate it on the eval split."""
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
+    split = cfg.eval.split or cfg.data.eval_split
+    rows = load_rows(cfg.data, split, eval=True)  # data errors need no model: before the load
+    path = ckpt.resolve_checkpoint(checkpoint, flag="--checkpoint") if checkpoint is not None else None
     model, tokenizer, _ = load_model_and_tokenizer(cfg.model, trainable=False)
-    if checkpoint is not None:
-        path = ckpt.resolve_checkpoint(checkpoint)
+    if path is not None:
         if cfg.model.lora:
             model = prepare_for_training(model, dataclasses.replace(cfg.model, gradient_checkpointing=False))
         ckpt.load_model_weights(model, path / "model")
     model.eval()
-    split = cfg.eval.split or cfg.data.eval_split
-    rows = load_rows(cfg.data, split, eval=True)
     return evaluate(model, tokenizer, rows, cfg, split=split)
 
 

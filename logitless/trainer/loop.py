@@ -31,8 +31,12 @@ from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.accounting import PhaseTimer
 from logitless.trainer.config import TrainerConfig
 from logitless.trainer.context import TrainContext, build_context
-from logitless.trainer.parallel import agree
+from logitless.trainer.metrics import RewardErrorReport
+from logitless.trainer.parallel import agree, check_distributed, claimed_on_rank0, init_distributed, launched_world
 from logitless.trainer.plot import plot_run
+from logitless.trainer.preflight import check_resume, validate_config
+from logitless.trainer.rundir import claim_run_dir
+from logitless.trainer.sources import check_sources
 from logitless.trainer.signals import StopRequest
 from logitless.trainer.stages import (
     Rollout,
@@ -119,14 +123,40 @@ def train(
     cfg: TrainerConfig,
     *,
     resume: str | Path | None = None,
+    overwrite: bool = False,
     model: torch.nn.Module | None = None,
     tokenizer: Any = None,
     hook: Hook | None = None,
 ) -> TrainResult:
-    """Run GRPO-family training as configured; `model`/`tokenizer` (optional) replace cfg.model's loading."""
+    """Run GRPO-family training as configured; `model`/`tokenizer` (optional) replace cfg.model's loading.
+
+    Before anything slow: the config is checked (`preflight`), the run folder is locked for this process and must
+    be new, or `resume`d (the run continues in the resumed run's folder), or `overwrite`n (`rundir`).
+    """
+    validate_config(cfg)
+    check_distributed(cfg, launched_world())
+    world = init_distributed(cfg.model.device if model is None else str(next(model.parameters()).device))
+    with claimed_on_rank0(world, lambda: claim_run_dir(cfg, resume=resume, overwrite=overwrite)) as (run_cfg, start):
+        if start is not None:
+            check_resume(run_cfg, start)
+        if model is None:
+            check_sources(run_cfg)
+        return _train(run_cfg, resume=start, model=model, tokenizer=tokenizer, hook=hook)
+
+
+def _train(
+    cfg: TrainerConfig,
+    *,
+    resume: str | Path | None = None,
+    model: torch.nn.Module | None = None,
+    tokenizer: Any = None,
+    hook: Hook | None = None,
+) -> TrainResult:
+    """The training run of `train`, in its claimed run folder (cfg.train.output_dir is absolute)."""
     hook = hook or (lambda event, step: None)
     ctx = build_context(cfg, resume=resume, model=model, tokenizer=tokenizer)
     result = TrainResult(run_dir=ctx.run_dir, step=ctx.start)
+    report_reward_errors = RewardErrorReport(ctx.logger.print, cfg.reward.error_penalty)
     try:
         with StopRequest() as stop:
             for step in range(ctx.start + 1, cfg.train.max_steps + 1):
@@ -137,6 +167,8 @@ def train(
                     ro = rollout_stage(ctx, step)
                 with timer("score"):
                     scored = score_stage(ctx, ro)
+                sc = scored.scores
+                report_reward_errors(step, sc.names, sc.num_errors, sc.error_texts, len(ro.sample_rows))
                 hook("after_rollout", step)
                 stop.requested = agree(stop.requested, ctx.device)  # a signal to any rank stops all of them
                 if stop.requested:  # nothing trained yet: drop this step

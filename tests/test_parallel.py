@@ -211,6 +211,8 @@ def _cfg(*overrides):
         (["rollout.backend=continuous"], r"rollout.backend='continuous' cannot run under torchrun .* set rollout.backend=hf"),
         (["objective.top_entropy_quantile=0.8"], r"objective.top_entropy_quantile=0.8 .* set objective.top_entropy_quantile=1.0"),
         (["advantage.scale=batch"], r"advantage.scale='batch' .* set advantage.scale=group"),
+        (["train.packed=true"], r"train.packed=true is not supported with FSDP2 under torchrun yet; set train.packed=false"),
+        (["optim.optimizer=adamw_8bit"], r"optim.optimizer=adamw_8bit is not supported .* set optim.optimizer=adamw"),
         (["model.device=cuda:0"], r"model.device='cuda:0' puts every rank on the same device; .* set model.device=auto"),
     ],
 )

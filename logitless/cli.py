@@ -68,9 +68,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(to_yaml(cfg), end="")
         return 0
     from logitless.trainer.loop import train
+    from logitless.trainer.parallel import launched_world, shutdown
 
-    result = train(cfg, resume=args.resume, overwrite=args.overwrite)
-    if not result.interrupted:
+    try:  # under torchrun: one rank of a sharded run (trainer/parallel.py)
+        result = train(cfg, resume=args.resume, overwrite=args.overwrite)
+    finally:
+        shutdown()
+    if not result.interrupted and launched_world().main:
         print(f"done: {result.step} steps in {result.run_dir}; evaluate with: logitless eval --checkpoint {result.run_dir}")
     return result.exit_code
 

@@ -16,6 +16,7 @@ from logitless.data import PromptRow, PromptSampler
 from logitless.objectives import AdvantageOptions, EntropyCoef, initial_entropy_coef
 from logitless.rollout import RolloutEngine
 from logitless.trainer import checkpoint as ckpt
+from logitless.trainer import dcp
 from logitless.trainer.accounting import ModelShape, device_peaks
 from logitless.trainer.async_rollout import AsyncRollout
 from logitless.trainer.builders import (
@@ -37,6 +38,14 @@ from logitless.trainer.modeling import (
     load_model_and_tokenizer,
     prepare_for_training,
     trainable_parameters,
+)
+from logitless.trainer.parallel import (
+    COPY_BACKENDS,
+    QuietLogger,
+    RolloutCopy,
+    World,
+    init_distributed,
+    shard_model,
 )
 
 
@@ -63,6 +72,8 @@ class TrainContext:
     logger: MetricsLogger
     start: int  # last step completed before this process started (0, or the resumed checkpoint's step)
     entropy_coef: EntropyCoef  # carried across steps (adaptive entropy control)
+    world: World = field(default_factory=World)  # this process's rank among torchrun's workers
+    replica: RolloutCopy | None = None  # the engine's own weights (static backend under torchrun), else None
     empty_steps: int = 0  # consecutive steps whose completions were all empty
     prefetch: AsyncRollout | None = None  # train.async_rollout: the next step's rollout in flight
     t_start: float = field(default_factory=time.perf_counter)  # for the wall-time budget
@@ -73,11 +84,16 @@ class TrainContext:
 
     def save(self, step: int) -> Path:
         """Write an atomic checkpoint of this step (model, optimizer, schedule, data position, RNG, entropy coef)."""
+        state = {"sampler": self.sampler.state_dict(), "entropy_coef": list(self.entropy_coef),
+                 **(self.prefetch.state() if self.prefetch is not None else {})}
+        if self.world.distributed:  # sharded (DCP), every rank
+            return dcp.save_sharded(
+                self.ckpt_root, step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                trainer_state=state, world=self.world, device=self.device, keep=self.cfg.checkpoint.save_total_limit,
+            )
         return ckpt.save_checkpoint(
             self.ckpt_root, step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-            trainer_state={"sampler": self.sampler.state_dict(), "entropy_coef": list(self.entropy_coef),
-                           **(self.prefetch.state() if self.prefetch is not None else {})},
-            keep=self.cfg.checkpoint.save_total_limit,
+            trainer_state=state, keep=self.cfg.checkpoint.save_total_limit,
         )
 
 
@@ -99,7 +115,8 @@ def build_context(
     """Data and rewards first (their errors need no model), then model, engine, optimizer, and the resumed state."""
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
-    seed_everything(cfg.train.seed)
+    world = init_distributed(cfg.model.device if model is None else str(next(model.parameters()).device))
+    seed_everything(cfg.train.seed)  # the same on every rank: the model's random init (LoRA) must agree
     adv_options = advantage_options(cfg)
     rows: list[PromptRow] = load_rows(cfg.data)
     sampler = PromptSampler(rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
@@ -115,24 +132,34 @@ def build_context(
     if cfg.train.packed:
         check_packed_attention(model)
     reference = ReferencePolicy(model) if cfg.objective.beta > 0 else None  # before a resume loads trained weights
+    replica = RolloutCopy(model) if world.distributed and cfg.rollout.backend in COPY_BACKENDS else None
+    if world.distributed:
+        model = shard_model(model, device)
+        if world.rank:
+            seed_everything(cfg.train.seed + world.rank)  # per-rank streams from here on (dropout, rewards)
     params = trainable_parameters(model)
     optimizer = make_optimizer(params, cfg.optim)
     scheduler = make_scheduler(optimizer, cfg.train.max_steps * cfg.train.num_iterations, cfg.optim)
     run_dir = Path(cfg.train.output_dir)
     start, state = 0, {}
     if resume is not None:
-        state = ckpt.load_checkpoint(resume, model=model, optimizer=optimizer, scheduler=scheduler)
+        dcp.check_world_size(ckpt.resolve_checkpoint(resume), world)
+        if world.distributed:
+            state = dcp.load_sharded(resume, model=model, optimizer=optimizer, scheduler=scheduler, world=world)
+        else:
+            state = ckpt.load_checkpoint(resume, model=model, optimizer=optimizer, scheduler=scheduler)
         sync_offloaded_params(optimizer)  # adamw_cpu_offload keeps host copies of the weights
         start = int(state["step"])
         sampler.load_state_dict(state["sampler"])
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    if world.main:  # only rank 0 writes the run folder's files, prints and plots
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
     logger = MetricsLogger(
         run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
         total_steps=cfg.train.max_steps, resume_step=start,
-    )
+    ) if world.main else QuietLogger()
     coef = EntropyCoef(*state["entropy_coef"]) if "entropy_coef" in state else initial_entropy_coef(cfg.objective)
-    engine = make_rollout_engine(cfg.rollout, model, tokenizer)
+    engine = make_rollout_engine(cfg.rollout, replica.model if replica else model, tokenizer)
     prefetch = None
     if cfg.train.async_rollout:
         prefetch = AsyncRollout(engine, sampler, cfg.train.prompts_per_step, device)
@@ -143,5 +170,5 @@ def build_context(
         acc_col=acc_col, adv_options=adv_options,
         reference=reference,
         shape=ModelShape.of(model), peaks=device_peaks(device, cfg.logging.peak_tflops, cfg.logging.hbm_tbs),
-        run_dir=run_dir, logger=logger, start=start, entropy_coef=coef,
+        run_dir=run_dir, logger=logger, start=start, entropy_coef=coef, world=world, replica=replica,
     )

@@ -29,12 +29,35 @@ def all_reduce_sum(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
-def all_reduce_metrics(metrics: dict[str, Stat]) -> dict[str, Stat]:
-    """Merge every rank's Stats exactly (SUM of sums/counts, MIN of mins, MAX of maxes)."""
+def _with_every_rank_names(metrics: dict[str, Stat]) -> dict[str, Stat]:
+    """`metrics` plus an empty Stat (count 0) for each name only other ranks have, so that every rank reduces
+    the same names (a rank may have none: all its rows skipped)."""
+    every: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every, sorted(metrics))
+    device = next(iter(metrics.values())).total.device if metrics else torch.device("cpu")
+    empty = Stat.of(torch.zeros(0, device=device))
+    return {**{n: empty for names in every for n in names}, **metrics}
+
+
+def all_reduce_metrics(metrics: dict[str, Stat], device: torch.device | None = None) -> dict[str, Stat]:
+    """Merge every rank's Stats exactly (SUM of sums/counts, MIN of mins, MAX of maxes); `device`: where the
+    collective runs (a CUDA device for nccl when the Stats live on the CPU)."""
     if not is_distributed():
         return metrics
+    metrics = _with_every_rank_names(metrics)
     names, sum_count, mins, maxs = pack_metrics(metrics)
+    if device is not None:
+        sum_count, mins, maxs = sum_count.to(device), mins.to(device), maxs.to(device)
     dist.all_reduce(sum_count, op=dist.ReduceOp.SUM)
     dist.all_reduce(mins, op=dist.ReduceOp.MIN)
     dist.all_reduce(maxs, op=dist.ReduceOp.MAX)
     return unpack_metrics(names, sum_count, mins, maxs)
+
+
+def gather_rows(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The ranks' [n, ...] tensors (the same shape on every rank) concatenated in rank order, on x's device."""
+    if not is_distributed():
+        return x
+    parts = [torch.empty_like(x, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.to(device).contiguous())
+    return torch.cat(parts).to(x.device)

@@ -32,6 +32,7 @@ from logitless.trainer.accounting import PhaseTimer
 from logitless.trainer.config import TrainerConfig
 from logitless.trainer.context import TrainContext, build_context
 from logitless.trainer.metrics import RewardErrorReport
+from logitless.trainer.parallel import agree, check_distributed, claimed_on_rank0, init_distributed, launched_world
 from logitless.trainer.plot import plot_run
 from logitless.trainer.preflight import check_resume, validate_config
 from logitless.trainer.rundir import claim_run_dir
@@ -94,6 +95,7 @@ def checkpoint_and_stop(ctx: TrainContext, result: TrainResult, step: int, stop_
     elapsed = time.perf_counter() - ctx.t_start
     limit = cfg.train.max_minutes
     out_of_time = limit is not None and elapsed + elapsed / (step - ctx.start) > 60 * limit
+    out_of_time = bool(agree(int(out_of_time), ctx.device))  # every rank ends after the same step
     last = step == cfg.train.max_steps or out_of_time
     due = cfg.checkpoint.save_steps and step % cfg.checkpoint.save_steps == 0
     if stop_requested or due or (last and cfg.checkpoint.save_at_end):
@@ -134,12 +136,14 @@ def train(
     be new, or `resume`d (the run continues in the resumed run's folder), or `overwrite`n (`rundir`).
     """
     validate_config(cfg)
-    with claim_run_dir(cfg, resume=resume, overwrite=overwrite) as run:
-        if run.resume_from is not None:
-            check_resume(run.cfg, run.resume_from)
+    check_distributed(cfg, launched_world())
+    world = init_distributed(cfg.model.device if model is None else str(next(model.parameters()).device))
+    with claimed_on_rank0(world, lambda: claim_run_dir(cfg, resume=resume, overwrite=overwrite)) as (run_cfg, start):
+        if start is not None:
+            check_resume(run_cfg, start)
         if model is None:
-            check_sources(run.cfg)
-        return _train(run.cfg, resume=run.resume_from, model=model, tokenizer=tokenizer, hook=hook)
+            check_sources(run_cfg)
+        return _train(run_cfg, resume=start, model=model, tokenizer=tokenizer, hook=hook)
 
 
 def _train(
@@ -168,6 +172,7 @@ def _train(
                 sc = scored.scores
                 report_reward_errors(step, sc.names, sc.num_errors, sc.error_texts, len(ro.sample_rows))
                 hook("after_rollout", step)
+                stop.requested = agree(stop.requested, ctx.device)  # a signal to any rank stops all of them
                 if stop.requested:  # nothing trained yet: drop this step
                     drop_step(ctx, result, step, rewind)
                     break
@@ -180,6 +185,7 @@ def _train(
                         upd = update_stage(ctx, plan, oldref)
                 hook("after_update", step)
                 log_step(ctx, result, step, step_record(ctx, ro, scored, plan, upd, timer), ro, scored)
+                stop.requested = agree(stop.requested, ctx.device)
                 if checkpoint_and_stop(ctx, result, step, bool(stop.requested)):
                     break
             result.interrupted = stop.requested
@@ -189,6 +195,6 @@ def _train(
             ctx.prefetch.close()
     if result.interrupted:
         ctx.logger.console.print(f"stopped by signal {result.interrupted} after step {result.step}; resume with --resume {ctx.run_dir}")
-    elif cfg.logging.plot and result.records:
+    elif cfg.logging.plot and result.records and ctx.world.main:
         plot_run(ctx.run_dir)
     return result

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from logitless.data import PromptRow
-from logitless.models import completion_logprobs
 from logitless.objectives import (
     AdvantageOutput,
     Stat,
@@ -38,8 +37,17 @@ from logitless.trainer.accounting import PhaseTimer, decode_ideal_seconds, updat
 from logitless.trainer.batching import MicroBatch, make_micro_batches
 from logitless.trainer.builders import clip_offloaded_grads, sampling_options, torch_threads
 from logitless.trainer.context import TrainContext
-from logitless.trainer.distributed import all_reduce_metrics, all_reduce_sum
+from logitless.trainer.distributed import all_reduce_metrics, all_reduce_sum, gather_rows
 from logitless.trainer.offload import ActivationOffload
+from logitless.trainer.parallel import (
+    clip_grad_norm,
+    model_logprobs,
+    padding_backward,
+    padding_micro_batches,
+    rank_seed,
+    rank_share,
+    rollout_weights,
+)
 
 MAX_EMPTY_STEPS = 3  # consecutive steps whose completions are all empty before the run is stopped
 
@@ -63,8 +71,9 @@ class UpdatePlan:
     micro: list[MicroBatch]  # the rows that are trained, longest first
     trained: torch.Tensor  # [n] long, rows run in the update (all B unless zero-advantage rows are skipped)
     normalizer: float  # the objective's denominator over the whole step, all ranks
-    n_tokens: int  # completion tokens of the step (this rank)
+    n_tokens: int  # completion tokens of the step, all ranks
     temperature: float  # of the sampler's logprobs, which the trainer's logprobs must match
+    padding: int = 0  # trailing micro-batches that only keep the ranks' collectives in step (zero gradient)
 
 
 @dataclass
@@ -92,8 +101,8 @@ def rollout_stage(ctx: TrainContext, step: int) -> Rollout:
     """G samples for each of the step's prompts, with the sampler's logprobs. With train.async_rollout they were
     started during the step before, and the next step's rollout starts here (trainer/async_rollout.py)."""
     cfg = ctx.cfg
-    options = sampling_options(cfg.rollout, seed=cfg.train.seed * 1_000_003 + step)
-    if ctx.prefetch is not None:
+    options = sampling_options(cfg.rollout, seed=rank_seed(cfg.train.seed * 1_000_003 + step, ctx.world))
+    if ctx.prefetch is not None:  # single process only (refused under torchrun)
         if ctx.prefetch.pending is None:  # the first step of a run
             ctx.prefetch.start(step, options)
         rows, batch, options = ctx.prefetch.take(step)
@@ -101,8 +110,8 @@ def rollout_stage(ctx: TrainContext, step: int) -> Rollout:
             ctx.prefetch.start(step + 1, sampling_options(cfg.rollout, seed=cfg.train.seed * 1_000_003 + step + 1))
         batch = batch.to(ctx.device)
     else:
-        rows = ctx.sampler.next_batch(cfg.train.prompts_per_step)
-        with torch_threads(cfg.rollout.num_threads):
+        rows = rank_share(ctx.sampler.next_batch(cfg.train.prompts_per_step), ctx.world)  # all of them on one process
+        with torch_threads(cfg.rollout.num_threads), rollout_weights(ctx.model, ctx.replica):
             batch = ctx.engine.generate([r.prompt for r in rows], options).to(ctx.device)
     return Rollout(rows, [rows[i] for i in batch.prompt_index.tolist()], batch, options)
 
@@ -147,9 +156,15 @@ def plan_update(ctx: TrainContext, ro: Rollout, scored: Scored) -> UpdatePlan:
         b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, b.sampler_logp, b.truncated, adv,
         cfg.train.micro_batch_size, rows=trained, max_tokens=cfg.train.micro_batch_tokens, packed=cfg.train.packed,
     )
-    n_tokens = int(b.completion_mask.sum())
-    normalizer = all_reduce_sum(loss_normalizer(o, [b.completion_mask], [b.truncated]), ctx.device) if n_tokens else 0.0
-    return UpdatePlan(micro, trained, normalizer, n_tokens, ro.options.logp_temperature)
+    spare = lambda: make_micro_batches(  # noqa: E731  (a rank that trains no row still pads with row 0)
+        b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, b.sampler_logp, b.truncated, adv, 1,
+        rows=torch.zeros(1, dtype=torch.long, device=ctx.device),
+    )[0]
+    padding = padding_micro_batches(micro, spare, ctx.device)  # none on one process
+    n_local = int(b.completion_mask.sum())
+    n_tokens = int(all_reduce_sum(n_local, ctx.device))
+    normalizer = all_reduce_sum(loss_normalizer(o, [b.completion_mask], [b.truncated]) if n_local else 0.0, ctx.device)
+    return UpdatePlan(micro + padding, trained, normalizer, n_tokens, ro.options.logp_temperature, len(padding))
 
 
 @torch.no_grad()
@@ -162,12 +177,12 @@ def logprob_stage(ctx: TrainContext, plan: UpdatePlan) -> OldRef:
     for i, m in enumerate(plan.micro):
         args = (ctx.model, m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask)
         if mu > 1 or top_entropy:
-            logp, ent = completion_logprobs(*args, temperature=plan.temperature, with_entropy=top_entropy, packed=packed)
+            logp, ent = model_logprobs(*args, temperature=plan.temperature, with_entropy=top_entropy, packed=packed)
             old[i] = logp if mu > 1 else None
             entropies += [ent] if top_entropy else []
         if ctx.reference is not None:
             with ctx.reference.use(ctx.model) as ref_model:
-                ref[i] = completion_logprobs(ref_model, *args[1:], temperature=plan.temperature, packed=packed)[0]
+                ref[i] = model_logprobs(ref_model, *args[1:], temperature=plan.temperature, packed=packed)[0]
     threshold = None  # one threshold over the whole step's tokens
     if top_entropy:
         q = ctx.cfg.objective.top_entropy_quantile
@@ -181,6 +196,8 @@ def logprob_stage(ctx: TrainContext, plan: UpdatePlan) -> OldRef:
 def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i: int) -> tuple[torch.Tensor, dict[str, Stat]]:
     """Loss of micro-batch i (already divided by the step's normalizer), back-propagated; (loss, metrics)."""
     o, m = ctx.cfg.objective, plan.micro[i]
+    if i >= len(plan.micro) - plan.padding:
+        return padding_backward(ctx.model, m, plan.temperature), {}
     entropy_grad = _entropy_terms(ctx)[1]
     # On-policy without KL/IS/entropy terms d loss / d logp is known before the forward, so the fused op can form
     # its gradients there (a speed hint; None otherwise).
@@ -190,7 +207,7 @@ def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i:
     )
     # Activation offload: the tensors this forward saves for backward wait in host memory (trainer/offload.py).
     with ActivationOffload(ctx.model) if ctx.cfg.model.activation_offload else contextlib.nullcontext():
-        logp, entropy = completion_logprobs(
+        logp, entropy = model_logprobs(
             ctx.model, m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask,
             temperature=plan.temperature, with_entropy=True, grad_hint=hint, packed=ctx.cfg.train.packed,
         )
@@ -210,7 +227,7 @@ def optimizer_step(ctx: TrainContext) -> float:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     max_norm = ctx.cfg.optim.max_grad_norm if ctx.cfg.optim.max_grad_norm is not None else math.inf
-    norm = float(torch.nn.utils.clip_grad_norm_(ctx.params, max_norm))
+    norm = clip_grad_norm(ctx.params, max_norm)  # plain or FSDP2 DTensor gradients
     clip_offloaded_grads(ctx.optimizer, norm, max_norm)
     ctx.optimizer.step()
     ctx.scheduler.step()
@@ -228,10 +245,10 @@ def update_stage(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef) -> UpdateR
         for i in range(len(plan.micro)):
             loss, metrics = micro_batch_backward(ctx, plan, oldref, i)
             step_loss += loss
-            parts.append(metrics)
+            parts += [metrics] if i < len(plan.micro) - plan.padding else []
         res.grad_norms.append(optimizer_step(ctx))
-        res.losses.append(float(step_loss))
-        merged = all_reduce_metrics(merge_metrics(parts))
+        res.losses.append(all_reduce_sum(float(step_loss), ctx.device))
+        merged = all_reduce_metrics(merge_metrics(parts), ctx.device)
         res.metrics.append(merged)
         if ctx.cfg.objective.use_adaptive_entropy:
             ctx.entropy_coef = update_entropy_coef(ctx.entropy_coef.coef, controlled_entropy(merged), ctx.cfg.objective)
@@ -271,13 +288,14 @@ def efficiency_metrics(ctx: TrainContext, ro: Rollout, plan: UpdatePlan, timer: 
 
 def step_record(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan, upd: UpdateResult, timer: PhaseTimer) -> dict[str, Any]:
     """The step's metrics: rewards, advantages, objective, lengths, time and memory per phase, efficiency."""
-    s, b = scored.scores, ro.batch
-    lengths = b.completion_mask.sum(1).float()
-    empty = [not c.strip() for c in b.completions]
-    record: dict[str, Any] = reward_metrics(s.rewards, s.total, s.names, ctx.acc_col)
-    record.update({f"reward/{n}/errors": e for n, e in zip(s.names, s.num_errors) if e})
-    record.update({f"reward/{n}/none": c for n, c in zip(s.names, s.num_none) if c})
-    record.update({k: v for k, v in summarize(scored.adv.metrics).items() if k.startswith(("advantage", "zero_var", "unscorable"))})
+    s, b, dev = scored.scores, ro.batch, ctx.device  # every per-row value gathered over the ranks (rank order)
+    lengths = gather_rows(b.completion_mask.sum(1).float(), dev)
+    empty = gather_rows(torch.tensor([float(not c.strip()) for c in b.completions]), dev)
+    record: dict[str, Any] = reward_metrics(gather_rows(s.rewards, dev), gather_rows(s.total, dev), s.names, ctx.acc_col)
+    record.update({f"reward/{n}/errors": e for n, e in zip(s.names, [int(all_reduce_sum(e, dev)) for e in s.num_errors]) if e})
+    record.update({f"reward/{n}/none": c for n, c in zip(s.names, [int(all_reduce_sum(c, dev)) for c in s.num_none]) if c})
+    adv = summarize(all_reduce_metrics(scored.adv.metrics, dev))
+    record.update({k: v for k, v in adv.items() if k.startswith(("advantage", "zero_var", "unscorable"))})
     obj = summarize(merge_metrics(upd.metrics)) if upd.metrics else {}
     record.update({k: v for k, v in obj.items() if not k.startswith("completion_length")})
     train_s = timer.seconds.get("logprobs", 0.0) + timer.seconds.get("train", 0.0)
@@ -288,15 +306,15 @@ def step_record(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan
         "entropy_coef": ctx.entropy_coef.effective,
         "completion/length_mean": float(lengths.mean()),
         "completion/length_max": float(lengths.max()),
-        "completion/truncated": float(b.truncated.float().mean()),
-        "completion/empty": sum(empty) / len(empty),
-        "tokens_per_s": b.timing.tokens_per_s,
+        "completion/truncated": float(gather_rows(b.truncated.float(), dev).mean()),
+        "completion/empty": float(empty.mean()),
+        "tokens_per_s": all_reduce_sum(b.timing.tokens_per_s, dev),  # the ranks sample side by side
         "train_tokens_per_s": plan.n_tokens * ctx.cfg.train.num_iterations / max(train_s, 1e-9),
         **timer.metrics(),
         **{f"rollout/{part}_s": sec for part, sec in b.timing.parts.items()},  # rollout.profile=true
         "rollout/weights_copy_gib": getattr(getattr(ctx.engine, "weights", None), "extra_bytes", 0) / 2**30,
         **efficiency_metrics(ctx, ro, plan, timer),
         "skipped": float(plan.n_tokens == 0),
-        "trained_rows": float(len(plan.trained)) if plan.n_tokens > 0 else 0.0,
+        "trained_rows": all_reduce_sum(len(plan.trained), dev) if plan.n_tokens > 0 else 0.0,
     })
     return record

@@ -1,0 +1,343 @@
+"""Several processes under torchrun: the process group, FSDP2 sharding, each rank's prompts, the rollout's full
+weights, and agreement on when to stop. On a single process every function here is the identity: no process
+group, no wrapping.
+
+    torchrun --nproc-per-node 2 -m logitless train CONFIG
+
+Every rank runs the same loop on its own share of the step's prompts (`train.prompts_per_step` is global). The
+step normalizer and the metrics are all-reduced in `distributed.py`, so gradients and logged values do not
+depend on the number of ranks.
+
+How the weights are handled:
+- Every decoder layer is one FSDP2 unit; the root unit holds the embeddings, the final norm and the lm_head
+  (tied or not). The fused logprob op runs inside the root unit's forward (`register_fsdp_forward_method`), so it
+  sees the root's all-gathered lm_head weight, exactly the single-process weight, and its lm_head / embedding
+  gradients are reduce-scattered by FSDP like any other.
+- Gradients are summed across ranks (divide factor 1): the loss is already divided by the global normalizer.
+- The rollout needs the full weights, by one of two paths (`rollout_weights`):
+  - `hf` backend: `full_weights` all-gathers every unit once before `generate` and keeps them until it returns,
+    so the decode loop runs no collective (ranks decode different lengths and never wait on each other); LoRA
+    adapters stay unmerged, as on one process. Cost: one all-gather of the model per step, and the full weights'
+    memory during the rollout only.
+  - `static` backend (CUDA-graph decode, which needs weights at fixed addresses): `RolloutCopy`, a persistent
+    replica of the policy (LoRA layers included, so it computes exactly what the trainer computes), updated in
+    place before each rollout from the trainable parameters only. Cost: the replica's memory all the time; the
+    sync all-gathers only the trainable parameters (the adapters, for LoRA).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+import types
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from torch import nn
+
+from logitless.models import completion_logprobs
+from logitless.models.lm_head import UnsupportedModelError, causal_lm_of, decoder_body
+from logitless.trainer.batching import MicroBatch
+from logitless.trainer.config import TrainerConfig
+from logitless.trainer.distributed import is_distributed
+
+T = TypeVar("T")
+
+TIMEOUT = timedelta(minutes=30)  # a rank that waits longer on a collective fails instead of hanging
+LOGPROBS_METHOD = "logitless_completion_logprobs"
+DISTRIBUTED_BACKENDS = ("hf", "static")
+COPY_BACKENDS = ("static",)  # backends that sample from a persistent replica (`RolloutCopy`)
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """This process's place among torchrun's workers (rank 0 of 1 without torchrun)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_world() -> World:
+    """The world torchrun describes in the environment (RANK, WORLD_SIZE, LOCAL_RANK)."""
+    env = os.environ
+    return World(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+
+
+def init_distributed(device: str) -> World:
+    """Join torchrun's process group: nccl with one GPU per local rank on CUDA, gloo on CPU (`device` is
+    model.device). Without torchrun (WORLD_SIZE unset or 1) nothing is initialized."""
+    world = launched_world()
+    if not world.distributed or dist.is_initialized():
+        return world
+    cuda = device != "cpu" and torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(world.local_rank)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT)
+    return world
+
+
+def shutdown() -> None:
+    """Leave the process group, if this process joined one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def check_distributed(cfg: TrainerConfig, world: World) -> None:
+    """Refuse settings that cannot run on `world.size` ranks, naming the setting and the fix."""
+    if not world.distributed:
+        return
+    n, k = cfg.train.prompts_per_step, world.size
+    if n % k:
+        raise ValueError(
+            f"train.prompts_per_step={n} is the global prompt count of a step, split evenly across the {k} ranks; "
+            f"set it to a multiple of {k} (e.g. {k * max(n // k, 1)}) or launch torchrun with a --nproc-per-node "
+            f"that divides {n}"
+        )
+    if ":" in cfg.model.device:
+        raise ValueError(
+            f"model.device={cfg.model.device!r} puts every rank on the same device; under torchrun set "
+            "model.device=auto (or cuda): each rank then uses the GPU of its LOCAL_RANK"
+        )
+    if cfg.rollout.backend not in DISTRIBUTED_BACKENDS:
+        raise ValueError(
+            f"rollout.backend={cfg.rollout.backend!r} cannot run under torchrun ({k} ranks) yet; set "
+            "rollout.backend=hf (or static)"
+        )
+    not_yet = [
+        (cfg.train.packed, "train.packed=true", "train.packed=false"),
+        (cfg.model.activation_offload, "model.activation_offload=true", "model.activation_offload=false"),
+        (cfg.model.load_in_4bit, "model.load_in_4bit=true (QLoRA)", "model.load_in_4bit=false"),
+        (cfg.optim.optimizer != "adamw", f"optim.optimizer={cfg.optim.optimizer}", "optim.optimizer=adamw"),
+        (cfg.train.async_rollout, "train.async_rollout=true", "train.async_rollout=false"),
+    ]
+    for on, setting, fix in not_yet:
+        if on:
+            raise ValueError(f"{setting} is not supported with FSDP2 under torchrun yet; set {fix} or train on one process")
+    if cfg.objective.top_entropy_quantile < 1.0:
+        raise ValueError(
+            f"objective.top_entropy_quantile={cfg.objective.top_entropy_quantile} takes a quantile over the whole "
+            "step's tokens, which is not gathered across ranks yet; set objective.top_entropy_quantile=1.0 or "
+            "train on one process"
+        )
+    if cfg.advantage.scale == "batch":
+        raise ValueError(
+            "advantage.scale='batch' needs the std of the whole step's rewards, which is not gathered across "
+            "ranks yet; set advantage.scale=group (or none), or train on one process"
+        )
+
+
+@contextmanager
+def claimed_on_rank0(world: World, claim: Callable[[], Any]) -> Iterator[tuple[TrainerConfig, Any]]:
+    """Rank 0 claims the run folder (`claim()`, a context manager giving `.cfg` and `.resume_from`) for the whole
+    run; every rank gets its config (absolute paths) and checkpoint. One process: just `claim()`."""
+    if not world.distributed:
+        with claim() as run:
+            yield run.cfg, run.resume_from
+        return
+    if world.main:
+        with claim() as run:
+            shared = [run.cfg, run.resume_from]
+            dist.broadcast_object_list(shared, src=0)
+            yield run.cfg, run.resume_from
+        return
+    shared = [None, None]  # rank 0 fails alone if the claim fails; torchrun then ends this rank
+    dist.broadcast_object_list(shared, src=0)
+    yield shared[0], shared[1]
+
+
+def rank_share(rows: Sequence[T], world: World) -> list[T]:
+    """This rank's contiguous share of the step's prompts; the ranks' shares in rank order are all of them."""
+    k = len(rows) // world.size
+    return list(rows[world.rank * k : (world.rank + 1) * k])
+
+
+def rank_seed(seed: int, world: World) -> int:
+    """A seed of its own for each rank; rank 0 keeps the single-process seed."""
+    return seed + 1_000_000_007 * world.rank
+
+
+# ----------------------------------------------------------------------------------------------------------
+# FSDP2
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a causal LM (`_no_split_modules` classes, else the body's `layers`)."""
+    lm = causal_lm_of(model)
+    names = set(getattr(lm, "_no_split_modules", None) or [])
+    layers = [m for m in lm.modules() if type(m).__name__ in names]
+    if not layers:
+        layers = list(getattr(decoder_body(model), "layers", []) or [])
+    if not layers:
+        raise UnsupportedModelError(f"cannot find the decoder layers of {type(lm).__name__} to shard with FSDP2")
+    return layers
+
+
+def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
+    """FSDP2 (`fully_shard`) on every decoder layer and on the root; fp32 gradient reduction on CUDA.
+
+    Parameters keep the model's dtype (bf16 by default on CUDA). The root gains a forward method that computes
+    `completion_logprobs` with the root's weights all-gathered (see the module docstring).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32 if device.type == "cuda" else None)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    for unit in _fsdp_modules(model):  # (these two setters act on one unit each)
+        unit.set_gradient_divide_factor(1.0)  # sum: each rank's loss is already divided by the global normalizer
+        unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+
+    def logprobs(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return completion_logprobs(self, *args, **kwargs)
+
+    setattr(model, LOGPROBS_METHOD, types.MethodType(logprobs, model))
+    register_fsdp_forward_method(model, LOGPROBS_METHOD)
+    register_fsdp_forward_method(model, "generate")  # the rollout enters through the root too (FSDP's lazy init)
+    return model
+
+
+def model_logprobs(model: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`completion_logprobs(model, ...)`, through the FSDP root's forward when the model is sharded."""
+    method = getattr(model, LOGPROBS_METHOD, None)
+    return method(*args, **kwargs) if method is not None else completion_logprobs(model, *args, **kwargs)
+
+
+def _fsdp_modules(model: nn.Module) -> list[Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextmanager
+def full_weights(model: nn.Module) -> Iterator[None]:
+    """Inside: every parameter of a sharded model is whole on every rank (all-gathered once, unit by unit), and
+    forwards reshard nothing, so `generate` runs no collective. Outside: sharded again. No-op when not sharded."""
+    units = _fsdp_modules(model)
+    if not units:
+        yield
+        return
+    model.set_reshard_after_forward(False)
+    try:
+        with torch.no_grad():
+            for unit in units:
+                unit.unshard()
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            if unit is not model:  # the layers reshard after forward again; the root keeps its weights until
+                unit.set_reshard_after_forward(True, recurse=False)  # the backward, as FSDP sets up a root
+
+
+class RolloutCopy:
+    """A full replica of the policy for the rollout engine, at fixed addresses (built before sharding).
+
+    `sync` copies the trainable parameters of the sharded model into it in place (an all-gather each); frozen
+    weights never change, so a LoRA sync moves only the adapters. The replica runs the same modules (adapters
+    unmerged) in the same dtype, so its logprobs are the trainer's.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def sync(self, sharded: nn.Module) -> None:
+        src, dst = dict(sharded.named_parameters()), dict(self.model.named_parameters())
+        for name in self.trainable:
+            p = src[name]
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p  # a DTensor shard, or a plain parameter
+            dst[name].copy_(full)
+
+
+@contextmanager
+def rollout_weights(model: nn.Module, replica: RolloutCopy | None) -> Iterator[None]:
+    """The weights the engine samples from, current for the duration of a rollout: the replica synced, or the
+    sharded model's full weights (`full_weights`); nothing to do on one process."""
+    if replica is not None:
+        replica.sync(model)
+        yield
+    else:
+        with full_weights(model):
+            yield
+
+
+def padding_micro_batches(
+    micro: list[MicroBatch], spare: Callable[[], MicroBatch], device: torch.device
+) -> list[MicroBatch]:
+    """Copies of a micro-batch (the last, or `spare()` for a rank with none) for a rank with fewer micro-batches
+    than the most any rank has.
+
+    Every forward and backward of a sharded model is a collective, so all ranks must run as many; the padding
+    passes add exactly zero to the gradient (`padding_backward`) and nothing to the metrics.
+    """
+    if not is_distributed():
+        return []
+    count = torch.tensor([len(micro)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    missing = int(count.item()) - len(micro)
+    return [micro[-1] if micro else spare()] * missing
+
+
+def padding_backward(model: nn.Module, m: MicroBatch, temperature: float) -> torch.Tensor:
+    """A forward and backward of micro-batch `m` whose gradient is exactly zero; returns the zero loss."""
+    ids = (m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask)
+    logp, _ = model_logprobs(model, *ids, temperature=temperature)
+    loss = logp.sum() * 0.0
+    loss.backward()
+    return loss.detach()
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None) -> float:
+    """Clip the gradients (plain or FSDP2 DTensor shards) to `max_norm`; the total norm before clipping."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf)
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if full is not None else norm)
+
+
+def agree(flag: int | None, device: torch.device) -> int | None:
+    """The largest of the ranks' flags (a signal number, 1 for "out of time"), so that every rank stops after
+    the same step; the flag itself on one process."""
+    if not is_distributed():
+        return flag
+    t = torch.tensor([flag or 0], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item()) or None
+
+
+class QuietLogger:
+    """The metrics logger of ranks other than 0: only rank 0 prints, plots and writes metrics."""
+
+    def __init__(self) -> None:
+        self.console = Console(stderr=True, quiet=True)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        pass
+
+    def advance(self, step: int, metrics: dict[str, Any]) -> None:
+        pass
+
+    def print(self, *args: Any) -> None:
+        pass
+
+    def completions_table(self, *args: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,188 @@
+"""Training runs for the multi-process tests (`tests/test_parallel.py`); each rank of a torchrun runs this file.
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/dist_worker.py SCENARIO OUT_DIR TOKENIZER_DIR
+
+Scenarios: "equivalence" (one step, LoRA and full fine-tuning, on a recorded rollout) and "resume" (a run, the
+same run stopped by SIGTERM and resumed; then a run on the static backend). `raise_on_rank1` is a reward function
+for the failure test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from logitless.rollout import RolloutBatch  # noqa: E402
+from logitless.rollout.types import RolloutTiming  # noqa: E402
+from logitless.trainer import context  # noqa: E402
+from logitless.trainer.config import load_train_config  # noqa: E402
+from logitless.trainer.loop import train  # noqa: E402
+from tests.conftest import tiny_qwen2  # noqa: E402
+
+VOCAB = 50_257  # GPT-2 tokenizer
+TIMING = ("time/", "tokens_per_s", "train_tokens_per_s", "memory/")
+
+
+def config(run_dir, *overrides):
+    base = [
+        f"train.output_dir={run_dir}",
+        "train.max_steps=1",
+        "train.prompts_per_step=4",
+        "train.micro_batch_size=3",  # 16 rows: 6 micro-batches on one process, 3 on each of 2 ranks
+        "rollout.num_generations=4",
+        "rollout.max_completion_length=6",
+        "data.options={difficulty: 1, n: 40, chat: false}",
+        "reward.reward_funcs=[numeric_answer, tests.dist_worker:digits]",
+        "optim.learning_rate=0.05",
+        "optim.max_grad_norm=0.05",  # clipping active: the DTensor gradient norm is checked too
+        # Adam's first step is lr * g / (|g| + eps): with eps = 1e-8 a gradient entry near 1e-8 turns a rounding
+        # difference of the summation order (1 vs 2 ranks) into a visible one; 1e-3 keeps the step smooth in g
+        "optim.adam_epsilon=1e-3",
+        "model.lora_r=4",
+        "model.lora_alpha=8",
+        "logging.tensorboard=false",
+        "logging.progress=false",
+        "logging.log_completions=false",
+        "logging.plot=false",
+        "checkpoint.save_steps=1",
+        "checkpoint.save_total_limit=null",
+    ]
+    return load_train_config(None, base + list(overrides))
+
+
+def tokenizer(path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def device() -> torch.device:
+    """CPU (gloo), or this rank's GPU (nccl) when LOGITLESS_TEST_CUDA=1."""
+    if os.environ.get("LOGITLESS_TEST_CUDA") == "1":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def model():
+    return tiny_qwen2(vocab_size=VOCAB, hidden=32, layers=2).to(device())
+
+
+def untimed(records):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in records]
+
+
+FIRST_HALF: set = set()  # the prompts of rank 0's share of the recorded step (see `digits_second_half`)
+
+
+class Recording:
+    """The real engine, whose step-1 rollout (and its prompts) is saved for the multi-process runs to replay."""
+
+    def __init__(self, engine, path):
+        self.engine, self.path = engine, path
+
+    def generate(self, prompts, options):
+        FIRST_HALF.clear()
+        FIRST_HALF.update(prompts[: len(prompts) // 2])
+        batch = self.engine.generate(prompts, options)
+        torch.save({"prompts": list(prompts), "batch": dataclasses.asdict(batch)}, self.path)
+        return batch
+
+
+class Replay:
+    """Each rank's rows of a recorded rollout: the same global batch as the single-process step."""
+
+    def __init__(self, path):
+        saved = torch.load(path, weights_only=False, map_location="cpu")
+        self.prompts, self.fields = saved["prompts"], saved["batch"]
+        FIRST_HALF.clear()
+        FIRST_HALF.update(self.prompts[: len(self.prompts) // 2])
+
+    def generate(self, prompts, options):
+        k = len(prompts)
+        off = next(i for i in range(len(self.prompts)) if self.prompts[i : i + k] == list(prompts))
+        f = self.fields
+        rows = ((f["prompt_index"] >= off) & (f["prompt_index"] < off + k)).nonzero().view(-1)
+        out = {n: (v[rows] if isinstance(v, torch.Tensor) else v) for n, v in f.items() if n not in ("completions", "timing")}
+        out["prompt_index"] = out["prompt_index"] - off
+        texts = [f["completions"][i] for i in rows.tolist()]
+        return RolloutBatch(completions=texts, timing=RolloutTiming(**f["timing"]), **out)
+
+
+def use_engine(make):
+    """Replace the trainer's engine factory (the multi-process code under test is left as it is)."""
+    real = context.make_rollout_engine
+    context.make_rollout_engine = lambda cfg, m, tok: make(real(cfg, m, tok))
+
+
+MODES = {
+    # rank 0's groups all have zero advantage and are skipped: it pads with zero-gradient micro-batches
+    "lora": ["reward.reward_funcs=[tests.dist_worker:digits_second_half]"],
+    # a frozen reference copy (beta > 0), old logprobs and two optimizer steps (mu = 2), gradient checkpointing
+    "full": ["model.lora=false", "optim.learning_rate=0.002", "model.gradient_checkpointing=true", "objective.beta=0.04",
+             "train.num_iterations=2"],
+}
+
+
+def equivalence(out: Path, tok) -> None:
+    for mode, overrides in MODES.items():
+        use_engine(lambda real, mode=mode: Replay(out / f"rollout_{mode}.pt"))
+        result = train(config(out / f"{mode}_ranks", *overrides), model=model(), tokenizer=tok)
+        if int(os.environ["RANK"]) == 0:
+            (out / f"{mode}_ranks.json").write_text(json.dumps(untimed(result.records)))
+
+
+def resume(out: Path, tok) -> None:
+    steps = ["train.max_steps=3", "objective.beta=0.04"]  # the LoRA reference: adapters disabled on the sharded model
+    full = train(config(out / "full", *steps), model=model(), tokenizer=tok)
+
+    def hook(event, step):  # SIGTERM to rank 0 only, after the rollout of step 2: every rank must stop there
+        if event == "after_rollout" and step == 2 and int(os.environ["RANK"]) == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    cut = train(config(out / "cut", *steps), model=model(), tokenizer=tok, hook=hook)
+    resumed = train(config(out / "cut", *steps), model=model(), tokenizer=tok, resume=out / "cut")
+    runs = {"full": untimed(full.records), "cut": untimed(cut.records), "resumed": untimed(resumed.records),
+            "interrupted": cut.interrupted, "cut_step": cut.step}
+    (out / f"resume_rank{os.environ['RANK']}.json").write_text(json.dumps(runs))
+    # The static backend samples from a replica synced before each rollout: its logprobs are the trainer's.
+    static = ["rollout.backend=static", "objective.sampler_is_mode=token_truncate", "objective.sampler_is_clip_max=2.0"]
+    result = train(config(out / "static", *steps, *static), model=model(), tokenizer=tok)
+    (out / f"static_rank{os.environ['RANK']}.json").write_text(json.dumps(result.records))
+
+
+def digits(prompts, completions, **fields):
+    """Share of digit characters plus a length term: varies between samples, so advantages are non-zero."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) + 0.01 * len(c) for c in completions]
+
+
+def digits_second_half(prompts, completions, **fields):
+    """`digits`, but 0 for every sample of the first half of the step's prompts (zero-variance groups)."""
+    return [0.0 if p in FIRST_HALF else d for p, d in zip(prompts, digits(prompts, completions))]
+
+
+def raise_on_rank1(prompts, completions, **fields):
+    if int(os.environ.get("RANK", 0)) == 1:
+        raise KeyError("rank 1 fails")
+    return [float(len(c)) for c in completions]
+
+
+def main(scenario: str, out_dir: str, tok_dir: str) -> None:
+    torch.set_num_threads(1)
+    {"equivalence": equivalence, "resume": resume}[scenario](Path(out_dir), tokenizer(tok_dir))
+
+
+if __name__ == "__main__":
+    from tests import dist_worker  # the module the reward specs "tests.dist_worker:..." name, not __main__
+
+    dist_worker.main(*sys.argv[1:4])

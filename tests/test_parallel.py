@@ -1,0 +1,231 @@
+"""Training on 2 processes (torchrun, gloo on CPU, FSDP2) against one process: same parameters and metrics,
+exact resume from a sharded checkpoint, a loadable export, a failure on one rank ending the run, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from logitless.trainer import checkpoint as ckpt
+from logitless.trainer import dcp
+from logitless.trainer.loop import train
+from logitless.trainer.parallel import World, check_distributed, rank_share
+from tests import dist_worker as w
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+WORKER = Path(w.__file__)
+
+
+def torchrun(scenario: str, out: Path, tok_dir: Path, timeout: float = 300, argv: list[str] | None = None):
+    """Run the worker (or `argv`) on 2 ranks; a run past `timeout` (a hang) is ended (torchrun ends its workers)
+    and fails the test."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[1])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           *(argv or [str(WORKER), scenario, str(out), str(tok_dir)])]
+    log = out / f"torchrun-{scenario}.log"
+    with open(log, "w") as f:  # a file, not a pipe: nothing waits on a worker that outlives torchrun
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # torchrun sends SIGTERM, then SIGKILL, to its workers
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            pytest.fail(f"torchrun {scenario} did not end within {timeout} s:\n{log.read_text()[-4000:]}")
+    text = log.read_text()
+    return subprocess.CompletedProcess(cmd, proc.returncode, text, "")
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The exported weights of the run's latest checkpoint (adapter or full model)."""
+    from safetensors.torch import load_file
+
+    folder = ckpt.resolve_checkpoint(run_dir) / "model"
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def close(a, b, rel=1e-5, abs_=1e-6) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=rel, abs_tol=abs_)
+    return a == b
+
+
+@pytest.fixture(scope="module")
+def tok_dir(shared_dir):
+    return shared_dir / "tokenizers" / "gpt2"
+
+
+def run_equivalence(out: Path, tok_dir: Path) -> dict[str, list[dict]]:
+    """One step on one process (recording its rollout), then the same step on 2 ranks replaying that rollout;
+    returns the single-process records per mode."""
+    tok = w.tokenizer(tok_dir)
+    single = {}
+    for mode, overrides in w.MODES.items():
+        real = w.context.make_rollout_engine
+        w.use_engine(lambda engine, mode=mode: w.Recording(engine, out / f"rollout_{mode}.pt"))
+        try:
+            single[mode] = train(w.config(out / f"{mode}_single", *overrides), model=w.model(), tokenizer=tok).records
+        finally:
+            w.context.make_rollout_engine = real
+    proc = torchrun("equivalence", out, tok_dir)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return single
+
+
+def check_equivalence(out: Path, single: dict[str, list[dict]], mode: str, atol: float, rel: float) -> None:
+    """The 2-rank step left the same weights (within atol) and logged the same metrics (within rel)."""
+    a, b = weights(out / f"{mode}_single"), weights(out / f"{mode}_ranks")
+    assert a.keys() == b.keys() and a
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= atol
+    before = {k: v.cpu() for k, v in w.model().state_dict().items()} if mode == "full" else None
+    moved = [k for k in a if (before is None and "lora_B" in k) or (before is not None and k in before
+                                                                     and not torch.equal(a[k], before[k]))]
+    assert moved and any(float(a[k].abs().max()) > 0 for k in moved)  # the step changed the weights
+    ranks = json.loads((out / f"{mode}_ranks.json").read_text())
+    one = w.untimed(single[mode])
+    assert len(ranks) == len(one) == 1 and ranks[0].keys() == one[0].keys()
+    diff = {k: (one[0][k], ranks[0][k]) for k in one[0] if not close(one[0][k], ranks[0][k], rel=rel)}
+    assert not diff
+    assert one[0]["grad_norm"] > 0.05  # clipping was active (max_grad_norm=0.05)
+    if mode == "lora":  # only rank 1's 8 rows train: rank 0 ran zero-gradient padding passes, and nothing hung
+        assert ranks[0]["trained_rows"] == 8.0 and ranks[0]["zero_variance_groups"] > 0
+    else:
+        assert ranks[0]["kl"] > 0  # the reference copy and the second optimizer step took part
+
+
+@pytest.fixture(scope="module")
+def equivalence(tmp_path_factory, tok_dir, one_thread):
+    out = tmp_path_factory.mktemp("equivalence")
+    return out, run_equivalence(out, tok_dir)
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_two_ranks_train_like_one_process(equivalence, mode):
+    check_equivalence(*equivalence, mode, atol=1e-6, rel=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_train_like_one(tmp_path, tok_dir, monkeypatch):
+    """The same on 2 GPUs (nccl, fp32; the fused op's Triton kernels are not batch-invariant, hence the looser
+    tolerance)."""
+    monkeypatch.setenv("LOGITLESS_TEST_CUDA", "1")
+    single = run_equivalence(tmp_path, tok_dir)
+    for mode in w.MODES:
+        check_equivalence(tmp_path, single, mode, atol=1e-4, rel=1e-3)
+
+
+def test_exported_adapter_loads_in_one_process_with_the_same_logprobs(equivalence):
+    """The 2-rank run's model/ folder is a PEFT adapter: loaded on one process it gives the single run's logprobs."""
+    from peft import PeftModel
+
+    from logitless.models import completion_logprobs
+
+    out, _ = equivalence
+    torch.manual_seed(1)
+    ids, cids = torch.randint(0, w.VOCAB, (2, 5)), torch.randint(0, w.VOCAB, (2, 4))
+    masks = torch.ones_like(ids), torch.ones_like(cids)
+    logp = {}
+    for run in ("lora_single", "lora_ranks"):
+        m = PeftModel.from_pretrained(w.model(), str(ckpt.resolve_checkpoint(out / run) / "model"))
+        logp[run] = completion_logprobs(m, ids, masks[0], cids, masks[1])[0]
+    base = completion_logprobs(w.model(), ids, masks[0], cids, masks[1])[0]
+    assert torch.allclose(logp["lora_single"], logp["lora_ranks"], atol=1e-6)
+    assert not torch.allclose(base, logp["lora_ranks"], atol=1e-4)  # the adapter is not a no-op
+
+
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory, tok_dir):
+    out = tmp_path_factory.mktemp("resume")
+    proc = torchrun("resume", out, tok_dir)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return out
+
+
+def test_static_backend_samples_from_a_replica_synced_every_step(resume_runs):
+    """After each optimizer step the replica is updated: the sampler's logprobs are the trainer's (is/logp_diff
+    compares them on every token); a stale replica would differ by the update."""
+    for rank in (0, 1):
+        records = json.loads((resume_runs / f"static_rank{rank}.json").read_text())
+        assert [r["step"] for r in records] == [1, 2, 3]
+        assert all(r["is/logp_diff/max"] < 1e-4 for r in records), [r["is/logp_diff/max"] for r in records]
+        assert records[-1]["kl"] > 1e-3  # the policy moved away from the reference, so a stale replica would show
+
+
+def test_sigterm_and_resume_on_two_ranks_continue_like_an_uninterrupted_run(resume_runs, tok_dir, one_thread):
+    tmp_path = resume_runs
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"resume_rank{rank}.json").read_text())
+        assert r["interrupted"] == 15 and r["cut_step"] == 1  # a SIGTERM to rank 0 stopped both ranks
+        assert [x["step"] for x in r["full"]] == [1, 2, 3]
+        assert r["cut"] + r["resumed"] == r["full"] and r["full"][-1]["kl"] > 0
+    a, b = weights(tmp_path / "full"), weights(tmp_path / "cut")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    step = ckpt.resolve_checkpoint(tmp_path / "cut")
+    assert dcp.saved_world_size(step) == 2 and (step / "dcp").is_dir() and (step / "rng-rank1.pt").is_file()
+    lines = (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3]  # rank 0 alone writes the metrics
+    # a resume on another number of ranks is refused, naming the fix
+    tok = w.tokenizer(tok_dir)
+    with pytest.raises(ckpt.CheckpointError, match=r"written by 2 rank\(s\) but this run has 1.*--nproc-per-node 2"):
+        train(w.config(tmp_path / "cut", "train.max_steps=4"), model=w.model(), tokenizer=tok, resume=tmp_path / "cut")
+
+
+def test_a_failure_on_one_rank_ends_every_rank(tmp_path, tok_dir):
+    """`torchrun -m logitless train` with a reward function that raises on rank 1 only: the run ends with the
+    error (rank 0 waits in a collective and is ended by torchrun) instead of hanging."""
+    model_dir = tmp_path / "tiny"
+    w.model().save_pretrained(model_dir)
+    w.tokenizer(tok_dir).save_pretrained(model_dir)
+    cfg = w.config(tmp_path / "run", "reward.reward_funcs=[tests.dist_worker:raise_on_rank1]", "train.max_steps=3")
+    overrides = [f"model.name_or_path={model_dir}", f"train.output_dir={tmp_path / 'run'}", "model.device=cpu",
+                 "reward.reward_funcs=[tests.dist_worker:raise_on_rank1]", "data.options={difficulty: 1, n: 40, chat: false}",
+                 f"train.prompts_per_step={cfg.train.prompts_per_step}", "rollout.max_completion_length=6",
+                 "logging.tensorboard=false", "logging.plot=false"]
+    proc = torchrun("cli_fail", tmp_path, tok_dir, timeout=240, argv=["-m", "logitless", "train", *overrides])
+    assert proc.returncode != 0
+    assert "error: reward function 'raise_on_rank1' raised KeyError: 'rank 1 fails'" in proc.stdout
+
+
+def _cfg(*overrides):
+    return w.config("unused", *overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["train.prompts_per_step=3"], r"train.prompts_per_step=3 .* split evenly across the 2 ranks; set it to a multiple of 2"),
+        (["rollout.backend=continuous"], r"rollout.backend='continuous' cannot run under torchrun .* set rollout.backend=hf"),
+        (["objective.top_entropy_quantile=0.8"], r"objective.top_entropy_quantile=0.8 .* set objective.top_entropy_quantile=1.0"),
+        (["advantage.scale=batch"], r"advantage.scale='batch' .* set advantage.scale=group"),
+        (["train.packed=true"], r"train.packed=true is not supported with FSDP2 under torchrun yet; set train.packed=false"),
+        (["optim.optimizer=adamw_8bit"], r"optim.optimizer=adamw_8bit is not supported .* set optim.optimizer=adamw"),
+        (["train.async_rollout=true", "rollout.backend=static"],
+         r"train.async_rollout=true is not supported .* set train.async_rollout=false"),
+        (["model.device=cuda:0"], r"model.device='cuda:0' puts every rank on the same device; .* set model.device=auto"),
+    ],
+)
+def test_settings_that_cannot_run_on_several_ranks_are_refused(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        check_distributed(_cfg(*overrides), World(rank=0, size=2))
+    check_distributed(_cfg(*overrides), World())  # one process: no restriction
+
+
+def test_rank_shares_are_contiguous_and_cover_the_step():
+    rows = list(range(8))
+    shares = [rank_share(rows, World(rank=r, size=4)) for r in range(4)]
+    assert shares == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert rank_share(rows, World()) == rows

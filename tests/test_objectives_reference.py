@@ -174,3 +174,17 @@ def test_stats_of_empty_sets_and_packing_round_trip():
     back = unpack_metrics(*pack_metrics(stats))
     for k, s in stats.items():
         assert [back[k].total, back[k].count, back[k].min, back[k].max] == [s.total, s.count, s.min, s.max]
+
+
+def test_completion_length_metric_and_normalizer_mask_check():
+    from logitless.objectives import loss_normalizer, policy_loss
+
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+    o = ObjectiveOptions()
+    out = policy_loss(torch.zeros(2, 4), mask, torch.tensor([1.0, -1.0]), o, loss_normalizer(o, [mask]))
+    length = out.metrics["completion_length"]
+    assert [length.total.item(), length.count.item(), length.min.item(), length.max.item()] == [4.0, 2.0, 1.0, 3.0]
+    with pytest.raises(ValueError, match=r"masks\[0\] must be a \[B, T\] tensor, got torch.Size\(\[3\]\)"):
+        loss_normalizer(o, [torch.ones(3)])
+    with pytest.raises(ValueError, match=r"masks\[0\] must be a \[B, T\] tensor, got <class 'list'>"):
+        loss_normalizer(o, [[1, 1]])

@@ -13,9 +13,9 @@ module=${1:?usage: bash scripts/mutation.sh objectives|rewards|checkpoint|ops|ro
 shift
 case "$module" in
   objectives) mutate="logitless/objectives/*"
-              tests="tests/test_objectives.py tests/test_objectives_accum.py tests/test_objectives_hint.py tests/test_advantages.py tests/test_objectives_liger.py" ;;
+              tests="tests/test_objectives.py tests/test_objectives_accum.py tests/test_objectives_hint.py tests/test_advantages.py tests/test_objectives_liger.py tests/test_objectives_reference.py tests/test_options_bounds.py" ;;
   rewards)    mutate="logitless/rewards/*"
-              tests="tests/test_rewards.py tests/test_extraction.py" ;;
+              tests="tests/test_rewards.py tests/test_extraction.py tests/test_rewards_edges.py" ;;
   checkpoint) mutate="logitless/trainer/checkpoint.py"
               tests="tests/test_checkpoint.py" ;;
   ops)        mutate="logitless/ops/*"

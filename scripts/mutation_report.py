@@ -1,14 +1,23 @@
 """Summarize a mutmut run (run from its scratch folder): score, and the surviving mutants split into those that
 only change an error or warning message and those that change behaviour (listed with their diff line).
 
-    python scripts/mutation_report.py            # in the folder where `mutmut run` ran
+    python scripts/mutation_report.py                                  # in the folder where `mutmut run` ran
+    python scripts/mutation_report.py --recheck REPO tests/test_x.py   # re-run the survivors against tests
+                                                                        # of the checkout REPO (e.g. new ones)
+
+--recheck copies REPO/tests into the mutated tree and runs each survivor's mutant (one forked pytest per
+mutant, torch imported once) against the given test files; survivors they kill count as killed.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 MESSAGE_STARTS = ("raise ", 'f"', "f'", '"', "'", "warnings.warn(")
 
@@ -22,6 +31,33 @@ def changed_lines(name: str) -> list[str]:
     return [ln for ln in diff if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
 
 
+def recheck(names: list[str], repo: Path, tests: list[str]) -> set[str]:
+    """The mutants among `names` that fail `tests` (paths relative to `repo`), run in ./mutants."""
+    import pytest
+    import torch  # noqa: F401  (imported once, before forking)
+
+    shutil.rmtree("mutants/tests", ignore_errors=True)
+    shutil.copytree(repo / "tests", "mutants/tests", ignore=shutil.ignore_patterns("__pycache__"))
+    killed = set()
+    for name in ["", *names]:  # "" first: the unmutated code must pass, or the recheck means nothing
+        pid = os.fork()
+        if pid == 0:
+            os.environ["MUTANT_UNDER_TEST"] = name
+            os.chdir("mutants")
+            sys.path.insert(0, os.getcwd())
+            signal.alarm(120)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            os._exit(int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", *tests])))
+        _, code = os.waitpid(pid, 0)
+        if code != 0 and not name:
+            raise SystemExit(f"the tests fail on the unmutated code in ./mutants (source changed since the run?)")
+        if code != 0:
+            killed.add(name)
+    return killed
+
+
 def main() -> None:
     status = Counter()
     survived = []
@@ -32,6 +68,12 @@ def main() -> None:
         status[state] += 1
         if state == "survived":
             survived.append(name)
+    if len(sys.argv) > 2 and sys.argv[1] == "--recheck":
+        newly = recheck(survived, Path(sys.argv[2]).resolve(), sys.argv[3:])
+        print(f"recheck: {len(newly)} of {len(survived)} survivors killed by {' '.join(sys.argv[3:])}")
+        status["killed"] += len(newly)
+        status["survived"] -= len(newly)
+        survived = [n for n in survived if n not in newly]
     message, behaviour = [], []
     for name in survived:
         lines = changed_lines(name)

@@ -95,3 +95,28 @@ def test_get_reward_fn_lookup_and_hints():
         get_reward_fn("json:JSONDecodr")
     with pytest.raises(ValueError, match=r"has no attribute 'decodr'$"):  # json.decoder is a module: no hint
         get_reward_fn("json:decodr")
+
+
+def test_none_anywhere_and_every_failing_sample_counted():
+    def first_none(prompts, completions, **fields):
+        if len(completions) == 1 and completions[0].startswith("bad"):
+            raise RuntimeError("no")
+        if len(completions) > 1 and any(c.startswith("bad") for c in completions):
+            raise RuntimeError("batch")
+        return [None] + [1.0] * (len(completions) - 1)
+
+    s = score_completions([first_none], None, [""] * 3, ["x", "y", "z"], [{}] * 3)
+    assert s.rewards[:, 0].isnan().tolist() == [True, False, False] and s.num_none == [1]
+    s = score_completions([first_none], None, [""] * 3, ["bad1", "y", "bad2"], [{}] * 3, on_error="penalty",
+                          penalty=-1.0)
+    assert s.num_errors == [2] and s.rewards[[0, 2], 0].tolist() == [-1.0, -1.0]
+
+
+def test_bad_value_found_on_a_single_sample_names_the_function():
+    def flaky(prompts, completions, **fields):
+        if len(completions) > 1:
+            raise RuntimeError("batch")
+        return ["high"]
+
+    with pytest.raises(RewardFunctionError, match=r"reward function 'flaky' returned str 'high' for sample 0"):
+        score_completions([flaky], None, ["", ""], ["a", "b"], [{}, {}])

@@ -123,6 +123,13 @@ def test_rloo_groups_of_two_and_group_std_metric():
     assert std.min.item() == pytest.approx(math.sqrt(0.5)) and std.max.item() == pytest.approx(math.sqrt(2.0))
 
 
+def test_reward_metrics_skip_unscorable_rows_and_undefined_stds():
+    out = compute_advantages(torch.tensor([1.0, NAN, 2.0, 3.0]), 2)  # group 0 has one scorable row
+    reward, std = out.metrics["reward"], out.metrics["reward_group_std"]
+    assert [reward.total.item(), reward.count.item()] == [6.0, 3.0]
+    assert std.count.item() == 1 and std.total.item() == pytest.approx(math.sqrt(0.5))
+
+
 def test_advantages_input_checks():
     assert compute_advantages(torch.tensor([2.0]), 1).advantages.tolist() == [0.0]  # one row is valid input
     with pytest.raises(ValueError, match="group_size"):

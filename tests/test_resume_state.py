@@ -49,10 +49,14 @@ def rewards_module(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def tok(gpt2_tokenizer):
-    gpt2_tokenizer.pad_token = gpt2_tokenizer.eos_token
-    gpt2_tokenizer.padding_side = "left"
-    return gpt2_tokenizer
+def tok(shared_dir):
+    """A GPT-2 tokenizer of its own (the session's `gpt2_tokenizer` must keep having no pad token)."""
+    from transformers import AutoTokenizer
+
+    t = AutoTokenizer.from_pretrained(str(shared_dir / "tokenizers" / "gpt2"))
+    t.pad_token = t.eos_token
+    t.padding_side = "left"
+    return t
 
 
 def _cfg(run_dir):

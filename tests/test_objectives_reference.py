@@ -195,3 +195,12 @@ def test_completion_length_metric_and_normalizer_mask_check():
         loss_normalizer(o, [torch.ones(3)])
     with pytest.raises(ValueError, match=r"masks\[0\] must be a \[B, T\] tensor, got <class 'list'>"):
         loss_normalizer(o, [[1, 1]])
+
+
+def test_summarize_means_ranges_and_skips_empty():
+    from logitless.objectives.metrics import summarize
+
+    stats = {"a_empty": Stat.of(torch.zeros(0)), "kl": Stat.of(torch.tensor([0.0, 2.0])),
+             "reward/digits": Stat.of(torch.tensor([1.0, 3.0])), "loss": Stat.of(torch.tensor([4.0, 6.0]))}
+    assert summarize(stats) == {"kl": 1.0, "kl/min": 0.0, "kl/max": 2.0, "loss": 5.0,
+                                "reward/digits": 2.0, "reward/digits/min": 1.0, "reward/digits/max": 3.0}

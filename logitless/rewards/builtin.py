@@ -111,7 +111,9 @@ def math_verify(
 ) -> list[float | None]:
     """1.0 when the math-verify library judges the completion's answer equivalent to the row's `answer`
     (parsed as LaTeX or an expression; "\\frac{1}{2}" == "0.5"), else 0.0; None when the gold answer is None
-    or cannot be parsed. Timeouts use signals, so they are disabled outside the main thread."""
+    or cannot be parsed. As in `numeric_answer` the last answer wins: with several \\boxed{...}, only the text
+    from the last one on is parsed (math-verify alone would return the set of all boxes, equal to no answer).
+    Timeouts use signals, so they are disabled outside the main thread."""
     from math_verify import parse, verify
 
     answers = _answers("math_verify", len(completions), row_fields)
@@ -130,7 +132,8 @@ def math_verify(
         if not gold:
             out.append(None)
             continue
-        pred = parse(completion, parsing_timeout=timeout)
+        last_box = completion.rfind("\\boxed")
+        pred = parse(completion[max(last_box, 0) :], parsing_timeout=timeout)
         out.append(1.0 if pred and verify(gold, pred, timeout_seconds=timeout) else 0.0)
     return out
 

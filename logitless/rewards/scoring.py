@@ -59,7 +59,7 @@ def _check_values(name: str, values: Any, expected: int) -> list[float]:
             continue
         if isinstance(v, torch.Tensor) and v.numel() == 1:
             v = v.item()
-        if isinstance(v, (str, bytes)) or not hasattr(v, "__float__"):
+        if isinstance(v, (str, bytes, torch.Tensor)) or not hasattr(v, "__float__"):
             raise RewardFunctionError(
                 f"reward function '{name}' returned {type(v).__name__} {v!r:.100} for sample {i}; "
                 "expected a float or None"

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Mutation testing with mutmut, one module at a time against its fast tests (developer tool, not run by CI).
+#
+#   pip install mutmut==3.8.1
+#   bash scripts/mutation.sh objectives|rewards|checkpoint|ops|rollout [more mutmut run args]
+#
+# Works in a scratch copy of the repository (MUTATION_DIR, default a new temporary folder) with a generated
+# setup.cfg, so the checkout is never touched; prints the score and the surviving mutants, and leaves the
+# copy for `mutmut show <name>` / `mutmut browse` there. One worker at low priority: CPU-friendly, not fast.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+module=${1:?usage: bash scripts/mutation.sh objectives|rewards|checkpoint|ops|rollout}
+shift
+case "$module" in
+  objectives) mutate="logitless/objectives/*"
+              tests="tests/test_objectives.py tests/test_objectives_accum.py tests/test_objectives_hint.py tests/test_advantages.py tests/test_objectives_liger.py tests/test_objectives_reference.py tests/test_options_bounds.py" ;;
+  rewards)    mutate="logitless/rewards/*"
+              tests="tests/test_rewards.py tests/test_extraction.py tests/test_rewards_edges.py" ;;
+  checkpoint) mutate="logitless/trainer/checkpoint.py"
+              tests="tests/test_checkpoint.py" ;;
+  ops)        mutate="logitless/ops/*"
+              tests="tests/test_op.py tests/test_op_memory.py tests/test_triton.py" ;;
+  rollout)    mutate="logitless/rollout/*"
+              tests="tests/test_rollout.py tests/test_sampling_stats.py" ;;
+  *) echo "unknown module '$module'; use objectives, rewards, checkpoint, ops or rollout" >&2; exit 2 ;;
+esac
+python=${PYTHON:-python}
+work=${MUTATION_DIR:-$(mktemp -d -t logitless-mutation.XXXXXX)}
+mkdir -p "$work"
+rm -rf "$work/logitless" "$work/tests" "$work/mutants"
+cp -r logitless tests "$work/"
+find "$work" -name __pycache__ -prune -exec rm -rf {} +
+# pytest settings without a [tool.mutmut] table, so that mutmut reads the setup.cfg below
+sed -n '/^\[tool.pytest.ini_options\]/,/^\[/p' pyproject.toml | sed '$d' > "$work/pyproject.toml"
+{
+  echo "[mutmut]"
+  echo "source_paths = logitless"
+  echo "only_mutate = $mutate"
+  echo "pytest_add_cli_args_test_selection ="
+  for t in $tests; do echo "    $t"; done
+  printf 'pytest_add_cli_args =\n    -x\n    -q\n    -p\n    no:cacheprovider\n' 
+} > "$work/setup.cfg"
+shared=$(pwd)/../shared
+[ -d "$shared/tokenizers" ] && export LOGITLESS_SHARED=${LOGITLESS_SHARED:-$shared}
+echo "mutating $mutate in $work against: $tests"
+cd "$work"
+nice -n 10 "$python" -m mutmut run --max-children 1 "$@"
+"$python" -m mutmut results --all true > results.txt || true
+killed=$(grep -c ': killed$' results.txt || true)
+survived=$(grep -c ': survived$' results.txt || true)
+other=$(grep -vc ': killed$\|: survived$' results.txt || true)
+echo "$module: killed $killed, survived $survived, other (timeout / no tests / suspicious) $other"
+grep ': survived$' results.txt || true
+echo "details: cd $work && $python -m mutmut show <mutant name>"

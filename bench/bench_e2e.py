@@ -71,6 +71,9 @@ def make_model_dir(shape: str, tokenizer_dir: str, root: Path) -> Path:
         model = Qwen2ForCausalLM(cfg).to(dtype)
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+    del model  # the workers run on this GPU too: hand the memory back
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return out
 
 

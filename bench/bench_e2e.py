@@ -98,6 +98,7 @@ def versions() -> dict[str, str]:
 
 
 def commit() -> str:
+    """HEAD of the repository (`--commit` overrides it where the tree was copied without its git metadata)."""
     try:
         r = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
         return r.stdout.strip() or "unknown"
@@ -244,10 +245,8 @@ def worker(a: argparse.Namespace) -> None:
                 steps = run_trl(a, model_dir, Path(run_dir), liger=a.system == "trl_liger")
         except torch.OutOfMemoryError as e:
             steps, error = [], f"out of memory: {str(e).splitlines()[0]}"
-    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
-    reserved = torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else None
-    out.write_text(json.dumps({"steps": steps, "peak_gib": peak, "reserved_gib": reserved, "error": error,
-                               "wall_s": time.perf_counter() - t0}, indent=1))
+    # (the step's peak is the largest phase peak: the phase clocks reset the allocator's peak counters)
+    out.write_text(json.dumps({"steps": steps, "error": error, "wall_s": time.perf_counter() - t0}, indent=1))
 
 
 # ---------------------------------------------------------------- driver
@@ -260,6 +259,7 @@ def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
     total = med(lambda s: sum(s["seconds"].values()))
     out = {"step_s": total, **{f"{p}_s": med(lambda s, p=p: s["seconds"][p]) for p in PHASES}}
     out.update({f"peak_gib_{p}": max(s["peak_gib"][p] for s in steps) for p in PHASES})
+    out["peak_gib"] = max(out[f"peak_gib_{p}"] for p in PHASES)
     out["completion_tokens"] = med(lambda s: s["completion_tokens"])
     out["step_tokens_per_s"] = out["completion_tokens"] / total
     for k in ("rollout_tokens_per_s", "ceiling_fraction", "mfu"):
@@ -298,7 +298,8 @@ def find_max_T(a: argparse.Namespace, system: str, model_dir: Path, lo: int, hi:
 
     def fits(T: int) -> bool:
         r = run_config(a, system, T, model_dir, steps=a.probe_steps)
-        probes.append({"T": T, "ok": bool(r["steps"]), "peak_gib": r.get("peak_gib"), "error": r.get("error")})
+        probes.append({"T": T, "ok": bool(r["steps"]), "peak_gib": r.get("summary", {}).get("peak_gib"),
+                       "error": r.get("error")})
         return bool(r["steps"])
 
     if not fits(lo):
@@ -334,6 +335,7 @@ def main() -> None:
     ap.add_argument("--hi-T", type=int, default=2048, help="--find-max-T's first probe above --lo-T")
     ap.add_argument("--set", action="append", default=[], help="extra logitless config override key=value")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--commit", default="", help="the code's commit, where the checkout has no git metadata of its own")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--system", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -350,7 +352,7 @@ def main() -> None:
     model_dir = make_model_dir(a.shape, a.tokenizer, model_root)
     result: dict[str, Any] = {
         "info": {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                 "versions": versions(), "commit": commit(), "date": time.strftime("%Y-%m-%d")},
+                 "versions": versions(), "commit": a.commit or commit(), "date": time.strftime("%Y-%m-%d")},
         "config": {"shape": f"Qwen2.5-{a.shape} shape, random init, bf16", "tuning": "full" if a.full else "LoRA r16 all-linear",
                    "prompts": a.prompts, "G": a.G, "micro_batch": a.micro, "steps": a.steps, "backend": a.backend,
                    "memory_budget_gib": a.memory_budget or None, "overrides": a.set, "gradient_checkpointing": True,

@@ -54,6 +54,13 @@ def gpt2_tokenizer(shared_dir):
     return AutoTokenizer.from_pretrained(str(shared_dir / "tokenizers" / "gpt2"))
 
 
+# config overrides of the tiny training runs: small LoRA adapters, no TensorBoard, progress bar, tables or plot
+TINY_LORA_QUIET = (
+    "model.lora_r=4", "model.lora_alpha=8", "logging.tensorboard=false", "logging.progress=false",
+    "logging.log_completions=false", "logging.plot=false",
+)
+
+
 def tiny_qwen2(vocab_size: int = 151_665, hidden: int = 64, layers: int = 2, tie: bool = True, seed: int = 0):
     """A random-init 2-layer Qwen2 causal LM of real vocabulary size (fp32, eval mode)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

@@ -25,7 +25,7 @@ from logitless.rollout.types import RolloutTiming  # noqa: E402
 from logitless.trainer import context  # noqa: E402
 from logitless.trainer.config import load_train_config  # noqa: E402
 from logitless.trainer.loop import train  # noqa: E402
-from tests.conftest import tiny_qwen2  # noqa: E402
+from tests.conftest import TINY_LORA_QUIET, tiny_qwen2  # noqa: E402
 
 VOCAB = 50_257  # GPT-2 tokenizer
 TIMING = ("time/", "tokens_per_s", "train_tokens_per_s", "memory/")
@@ -46,12 +46,7 @@ def config(run_dir, *overrides):
         # Adam's first step is lr * g / (|g| + eps): with eps = 1e-8 a gradient entry near 1e-8 turns a rounding
         # difference of the summation order (1 vs 2 ranks) into a visible one; 1e-3 keeps the step smooth in g
         "optim.adam_epsilon=1e-3",
-        "model.lora_r=4",
-        "model.lora_alpha=8",
-        "logging.tensorboard=false",
-        "logging.progress=false",
-        "logging.log_completions=false",
-        "logging.plot=false",
+        *TINY_LORA_QUIET,
         "checkpoint.save_steps=1",
         "checkpoint.save_total_limit=null",
     ]

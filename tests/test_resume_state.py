@@ -15,7 +15,7 @@ import torch
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.config import load_train_config
 from logitless.trainer.loop import train
-from tests.conftest import tiny_qwen2
+from tests.conftest import TINY_LORA_QUIET, tiny_qwen2
 
 VOCAB = 50_257  # GPT-2 tokenizer
 TIMING = ("time/", "tokens_per_s", "train_tokens_per_s", "memory/")
@@ -70,12 +70,7 @@ def _cfg(run_dir):
         "data.options={difficulty: 1, n: 40, chat: false}",
         "reward.reward_funcs=[numeric_answer, resume_rewards:digits]",
         "optim.learning_rate=0.05",
-        "model.lora_r=4",
-        "model.lora_alpha=8",
-        "logging.tensorboard=false",
-        "logging.progress=false",
-        "logging.log_completions=false",
-        "logging.plot=false",
+        *TINY_LORA_QUIET,
         "checkpoint.save_steps=2",
         "checkpoint.save_total_limit=null",
         *STATEFUL,

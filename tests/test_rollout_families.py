@@ -185,6 +185,18 @@ def test_completion_logprobs_equal_forward_across_the_window(family, models, one
         assert (padded_forward_logprobs(full, a, TEMPERATURE) - lp.double()).abs().max() > 1e-2
 
 
+def spy_grouped_sdpa(monkeypatch) -> list[bool]:
+    """Record, for each sdpa call, whether its query heads were laid out as rows of their KV group."""
+    sdpa, grouped = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(query, *args, **kw):
+        grouped.append(query.shape[1] == COMMON["num_key_value_heads"])
+        return sdpa(query, *args, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return grouped
+
+
 GQA_ENGINES = {
     "static": ("static", dict(check_every=4)),
     "hf_fast_gqa": ("hf", dict(fast_gqa=True)),
@@ -203,13 +215,7 @@ def test_sdpa_gqa_decode_with_window(family, engine, models, one_thread, monkeyp
         with pytest.raises(UnsupportedModelError, match="static_cache=True.*'llama4_text'.*static_cache=False"):
             make_engine(backend, model, TOK, **kwargs)
         return
-    sdpa, grouped = torch.nn.functional.scaled_dot_product_attention, []
-
-    def spy(query, *args, **kw):
-        grouped.append(query.shape[1] == COMMON["num_key_value_heads"])
-        return sdpa(query, *args, **kw)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    grouped = spy_grouped_sdpa(monkeypatch)
     opts = SamplingOptions(num_generations=2, temperature=TEMPERATURE, max_new_tokens=10, seed=5, ignore_eos=True)
     a = make_engine(backend, model, TOK, **kwargs).generate(PROMPTS, opts)
     monkeypatch.undo()
@@ -252,17 +258,12 @@ def test_varlen_attention_models_decode_through_grouped_sdpa(models, one_thread,
     register()
     model = models("mistral_window", "sdpa")
     monkeypatch.setattr(model.config, "_attn_implementation", NAME)
-    sdpa, grouped = torch.nn.functional.scaled_dot_product_attention, []
-
-    def spy(query, *args, **kw):
-        grouped.append(query.shape[1] == COMMON["num_key_value_heads"])
-        return sdpa(query, *args, **kw)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    grouped = spy_grouped_sdpa(monkeypatch)
     opts = SamplingOptions(num_generations=2, temperature=TEMPERATURE, max_new_tokens=10, seed=5, ignore_eos=True)
     a = make_engine("static", model, TOK, check_every=4).generate(PROMPTS, opts)
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
-    assert sum(grouped) == 2 * 9 and model.config._attn_implementation == NAME
+    assert model.config._attn_implementation == NAME  # the engine restored the model's own implementation
+    monkeypatch.undo()
+    assert sum(grouped) == 2 * 9
     with torch.no_grad():
         lp, _ = completion_logprobs(model, a.prompt_ids, a.prompt_mask, a.completion_ids, a.completion_mask,
                                     temperature=TEMPERATURE)

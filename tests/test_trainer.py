@@ -16,7 +16,7 @@ from logitless.rewards import RewardFunctionError
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.config import load_train_config
 from logitless.trainer.loop import train
-from tests.conftest import tiny_qwen2
+from tests.conftest import TINY_LORA_QUIET, tiny_qwen2
 from tests.pngcheck import curve_cells
 
 VOCAB = 50_257  # GPT-2 tokenizer
@@ -75,12 +75,7 @@ def _cfg(run_dir, *overrides):
         "data.options={difficulty: 1, n: 40, chat: false}",
         "reward.reward_funcs=[numeric_answer, my_rewards:digits]",
         "optim.learning_rate=0.05",
-        "model.lora_r=4",
-        "model.lora_alpha=8",
-        "logging.tensorboard=false",
-        "logging.progress=false",
-        "logging.log_completions=false",
-        "logging.plot=false",
+        *TINY_LORA_QUIET,
         "checkpoint.save_steps=2",
         "checkpoint.save_total_limit=null",
     ]

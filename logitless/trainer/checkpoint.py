@@ -195,6 +195,27 @@ def clean_temporaries(root: str | Path) -> list[str]:
     return removed
 
 
+def _write_files(tmp: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any, state: dict[str, Any],
+                 torch_rng: Any, run_config: Path) -> None:
+    """Every file of a checkpoint into the new folder `tmp`: model (or adapters), optimizer and schedule, RNG,
+    trainer state, the run's config, then the manifest of them all; synced to disk."""
+    tmp.mkdir()
+    extra = {"save_embedding_layers": False} if is_peft_model(model) else {}  # adapters only, no vocab probe
+    model.save_pretrained(str(tmp / "model"), safe_serialization=True, **extra)
+    opt = {"optimizer": optimizer.state_dict() if optimizer is not None else None}
+    opt["scheduler"] = scheduler.state_dict() if scheduler is not None else None
+    _write_file(tmp / "optimizer.pt", lambda f: f.write(_serialized(opt)))
+    _write_file(tmp / "rng.pt", lambda f: f.write(_serialized(torch_rng)))
+    text = json.dumps(state, indent=1).encode()
+    _write_file(tmp / "trainer_state.json", lambda f: f.write(text))
+    if run_config.is_file():
+        config = run_config.read_bytes()
+        _write_file(tmp / RUN_CONFIG, lambda f: f.write(config))
+    manifest = json.dumps(_manifest(tmp), indent=1).encode()
+    _write_file(tmp / MANIFEST, lambda f: f.write(manifest))
+    _fsync_tree(tmp)
+
+
 def save_checkpoint(
     root: str | Path,
     step: int,
@@ -220,21 +241,7 @@ def save_checkpoint(
     state = {"step": step, "rng": py_rng, **(trainer_state or {})}
     old = None
     try:
-        tmp.mkdir()
-        extra = {"save_embedding_layers": False} if is_peft_model(model) else {}  # adapters only, no vocab probe
-        model.save_pretrained(str(tmp / "model"), safe_serialization=True, **extra)
-        opt = {"optimizer": optimizer.state_dict() if optimizer is not None else None}
-        opt["scheduler"] = scheduler.state_dict() if scheduler is not None else None
-        _write_file(tmp / "optimizer.pt", lambda f: f.write(_serialized(opt)))
-        _write_file(tmp / "rng.pt", lambda f: f.write(_serialized(torch_rng)))
-        text = json.dumps(state, indent=1).encode()
-        _write_file(tmp / "trainer_state.json", lambda f: f.write(text))
-        if (root.parent / RUN_CONFIG).is_file():
-            config = (root.parent / RUN_CONFIG).read_bytes()
-            _write_file(tmp / RUN_CONFIG, lambda f: f.write(config))
-        manifest = json.dumps(_manifest(tmp), indent=1).encode()
-        _write_file(tmp / MANIFEST, lambda f: f.write(manifest))
-        _fsync_tree(tmp)
+        _write_files(tmp, model, optimizer, scheduler, state, torch_rng, root.parent / RUN_CONFIG)
         if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
             old = root / f"{OLD_PREFIX}{final.name}-{os.getpid()}"
             os.rename(final, old)

@@ -109,6 +109,37 @@ def advantage_options(cfg: TrainerConfig) -> AdvantageOptions:
     return dataclasses.replace(cfg.advantage, reward_weights=weights)
 
 
+def _model(cfg: TrainerConfig, model: torch.nn.Module | None, tokenizer: Any) -> tuple[torch.nn.Module, Any, torch.device]:
+    """(model, tokenizer, device): loaded as cfg.model says, or the given model prepared for training."""
+    if model is None:
+        return load_model_and_tokenizer(cfg.model)
+    if tokenizer is None:
+        raise ValueError("train(model=...) needs tokenizer= too")
+    model = prepare_for_training(model, cfg.model)
+    return model, tokenizer, next(model.parameters()).device
+
+
+def _resumed_state(resume: str | Path, world: World, model: torch.nn.Module, optimizer: Any, scheduler: Any) -> dict:
+    """Load a checkpoint into model, optimizer and schedule (sharded under torchrun); returns its trainer state."""
+    dcp.check_world_size(ckpt.resolve_checkpoint(resume), world)
+    if world.distributed:
+        state = dcp.load_sharded(resume, model=model, optimizer=optimizer, scheduler=scheduler, world=world)
+    else:
+        state = ckpt.load_checkpoint(resume, model=model, optimizer=optimizer, scheduler=scheduler)
+    sync_offloaded_params(optimizer)  # adamw_cpu_offload keeps host copies of the weights
+    return state
+
+
+def _logger(cfg: TrainerConfig, run_dir: Path, world: World, start: int) -> MetricsLogger | QuietLogger:
+    """Only rank 0 writes the run folder's files, prints and plots."""
+    if not world.main:
+        return QuietLogger()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    return MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
+                         total_steps=cfg.train.max_steps, resume_step=start)
+
+
 def build_context(
     cfg: TrainerConfig, *, resume: str | Path | None = None, model: torch.nn.Module | None = None, tokenizer: Any = None
 ) -> TrainContext:
@@ -121,13 +152,7 @@ def build_context(
     rows: list[PromptRow] = load_rows(cfg.data)
     sampler = PromptSampler(rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     reward_fns, acc_col = reward_functions(cfg.reward), accuracy_index(cfg.reward)
-    if model is None:
-        model, tokenizer, device = load_model_and_tokenizer(cfg.model)
-    else:
-        if tokenizer is None:
-            raise ValueError("train(model=...) needs tokenizer= too")
-        model = prepare_for_training(model, cfg.model)
-        device = next(model.parameters()).device
+    model, tokenizer, device = _model(cfg, model, tokenizer)
     check_prompt_lengths(rows, tokenizer, model, sampling_options(cfg.rollout, seed=None), f"data.task={cfg.data.task!r}")
     if cfg.train.packed:
         check_packed_attention(model)
@@ -141,23 +166,11 @@ def build_context(
     optimizer = make_optimizer(params, cfg.optim)
     scheduler = make_scheduler(optimizer, cfg.train.max_steps * cfg.train.num_iterations, cfg.optim)
     run_dir = Path(cfg.train.output_dir)
-    start, state = 0, {}
-    if resume is not None:
-        dcp.check_world_size(ckpt.resolve_checkpoint(resume), world)
-        if world.distributed:
-            state = dcp.load_sharded(resume, model=model, optimizer=optimizer, scheduler=scheduler, world=world)
-        else:
-            state = ckpt.load_checkpoint(resume, model=model, optimizer=optimizer, scheduler=scheduler)
-        sync_offloaded_params(optimizer)  # adamw_cpu_offload keeps host copies of the weights
-        start = int(state["step"])
+    state = _resumed_state(resume, world, model, optimizer, scheduler) if resume is not None else {}
+    start = int(state.get("step", 0))
+    if state:
         sampler.load_state_dict(state["sampler"])
-    if world.main:  # only rank 0 writes the run folder's files, prints and plots
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    logger = MetricsLogger(
-        run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
-        total_steps=cfg.train.max_steps, resume_step=start,
-    ) if world.main else QuietLogger()
+    logger = _logger(cfg, run_dir, world, start)
     coef = EntropyCoef(*state["entropy_coef"]) if "entropy_coef" in state else initial_entropy_coef(cfg.objective)
     engine = make_rollout_engine(cfg.rollout, replica.model if replica else model, tokenizer)
     prefetch = None

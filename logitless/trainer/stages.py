@@ -183,13 +183,14 @@ def logprob_stage(ctx: TrainContext, plan: UpdatePlan) -> OldRef:
         if ctx.reference is not None:
             with ctx.reference.use(ctx.model) as ref_model:
                 ref[i] = model_logprobs(ref_model, *args[1:], temperature=plan.temperature, packed=packed)[0]
+    real = plan.micro[: len(plan.micro) - plan.padding]  # padding passes (torchrun) keep collectives in step only
     threshold = None  # one threshold over the whole step's tokens
     if top_entropy:
         q = ctx.cfg.objective.top_entropy_quantile
-        threshold = entropy_quantile_threshold(entropies, [m.completion_mask for m in plan.micro], q)
+        threshold = entropy_quantile_threshold(entropies[: len(real)], [m.completion_mask for m in real], q)
     bonus_normalizer = all_reduce_sum(entropy_bonus_normalizer(
-        ctx.cfg.objective, [m.completion_mask for m in plan.micro], [m.truncated for m in plan.micro],
-        entropies=entropies or None, threshold=threshold), ctx.device)
+        ctx.cfg.objective, [m.completion_mask for m in real], [m.truncated for m in real],
+        entropies=entropies[: len(real)] or None, threshold=threshold), ctx.device)
     return OldRef(old, ref, threshold, bonus_normalizer)
 
 

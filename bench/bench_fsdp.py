@@ -7,7 +7,7 @@ the persistent replica): seconds and GiB.
     torchrun --standalone --nproc-per-node 2 bench/bench_fsdp.py --tokenizer DIR --out bench/results
 
 With one process the run is the plain single-GPU trainer (no process group, no FSDP). The model is a random-init
-Qwen2.5-shaped model (bench_train.py); prompts are the packaged GSM8K sample; the reward is bench_train's
+Qwen2.5-shaped model (bench_e2e.py); prompts are the packaged GSM8K sample; the reward is bench_e2e's
 `distinct_chars`, which varies on random text, so every step trains. Writes `fsdp_<shape>_<backend>_<N>gpu.json`.
 """
 
@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_train import SHAPES, make_model_dir  # noqa: E402
+from bench.bench_e2e import SHAPES, make_model_dir  # noqa: E402
 from logitless.trainer import load_train_config, parallel, stages, train  # noqa: E402
 
 PHASES = ("time/generate", "time/score", "time/logprobs", "time/train")
@@ -72,7 +72,7 @@ def run_mode(mode: str, model_dir: Path, args, world: parallel.World, work: Path
     lora = mode == "lora"
     cfg = load_train_config(None, [
         f"model.name_or_path={model_dir}", "data.task=gsm8k", "data.split=sample",
-        "reward.reward_funcs=[bench.bench_train:distinct_chars]", f"rollout.backend={args.backend}",
+        "reward.reward_funcs=[bench.bench_e2e:distinct_chars]", f"rollout.backend={args.backend}",
         f"rollout.num_generations={args.G}", f"rollout.max_completion_length={args.tokens}",
         f"train.max_steps={args.steps}", f"train.prompts_per_step={args.prompts}",
         f"train.micro_batch_size={args.micro}", f"model.lora={str(lora).lower()}",
@@ -116,6 +116,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=16)
     ap.add_argument("--gc", action="store_true", help="gradient checkpointing")
     ap.add_argument("--backend", default="hf", choices=["hf", "static"], help="rollout backend")
+    ap.add_argument("--commit", default="", help="the code's commit, where the checkout has no git metadata of its own")
     args = ap.parse_args()
     world = parallel.init_distributed("auto")
     out, work = Path(args.out), Path(args.out) / f".work-fsdp-{world.size}"
@@ -125,7 +126,8 @@ def main() -> None:
     if world.distributed:
         dist.barrier()
     model_dir = work / f"qwen2.5-{args.shape}-random"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True).stdout.strip()
     result = {
         "info": {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "gpus": world.size,
                  "torch": torch.__version__, "commit": commit or "unknown"},

@@ -139,7 +139,7 @@ def test_sample_tokens_is_the_argmax_of_scores_plus_the_rows_noise():
     logits = torch.randn(5, 40) * 2
     keys = step_keys(row_keys(1, torch.arange(5), torch.zeros(5, dtype=torch.long)), 0)
     codes = vocab_codes(40, torch.device("cpu"))
-    for T in (1.0, 0.7, 1.3):
+    for T in (1.0, 0.7, 2.0):
         token, logp = sample_tokens(logits, None, keys, codes, T, greedy=False)
         assert torch.equal(token, (logits / T + gumbel(keys, codes)).argmax(-1))
         torch.testing.assert_close(logp, torch.log_softmax(logits.double() / T, -1).gather(1, token[:, None])[:, 0].float())
@@ -165,3 +165,8 @@ def test_apply_filters_chains_the_processors_in_order():
     double = lambda ids, s: s * 2  # noqa: E731
     assert apply_filters([add, double], history, scaled).tolist() == [[4.0, 6.0, 8.0]]
     assert apply_filters([double, add], history, scaled).tolist() == [[3.0, 5.0, 7.0]]
+    # the history reaches the processors: a repetition penalty divides the positive score of a token seen before
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    seen = torch.tensor([[2, 2]])
+    assert apply_filters([RepetitionPenaltyLogitsProcessor(2.0)], seen, scaled).tolist() == [[1.0, 2.0, 1.5]]

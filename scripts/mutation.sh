@@ -17,13 +17,13 @@ case "$module" in
   rewards)    mutate="logitless/rewards/*"
               tests="tests/test_rewards.py tests/test_extraction.py tests/test_rewards_edges.py" ;;
   checkpoint) mutate="logitless/trainer/checkpoint.py"
-              tests="tests/test_checkpoint.py tests/test_checkpoint_faults.py" ;;
+              tests="tests/test_checkpoint.py tests/test_checkpoint_faults.py tests/test_checkpoint_load.py" ;;
   ops)        mutate="logitless/ops/*"
-              tests="tests/test_op.py tests/test_op_memory.py tests/test_triton.py" ;;
+              tests="tests/test_op.py tests/test_op_chunked.py tests/test_op_memory.py tests/test_triton.py" ;;
   sampling)   mutate="logitless/rollout/sampling.py"
-              tests="tests/test_fused_sampler.py tests/test_rollout_waves.py" ;;
+              tests="tests/test_fused_sampler.py tests/test_rollout_waves.py tests/test_sampling_hash.py" ;;
   ops-cpu)    mutate="logitless/ops/chunked.py logitless/ops/token_logprobs.py"
-              tests="tests/test_op.py" ;;
+              tests="tests/test_op.py tests/test_op_chunked.py" ;;
   rollout)    mutate="logitless/rollout/*"
               tests="tests/test_rollout.py tests/test_sampling_stats.py" ;;
   *) echo "unknown module '$module'; use objectives, rewards, checkpoint, ops, ops-cpu, rollout or sampling" >&2; exit 2 ;;

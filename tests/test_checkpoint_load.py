@@ -353,3 +353,24 @@ def test_a_leftover_that_cannot_be_removed_never_fails_a_save(run, monkeypatch):
     monkeypatch.setattr(ckpt.shutil, "rmtree", real)
     assert ckpt.read_latest(root) == path and ckpt.validate_checkpoint(path) is None
     assert (root / "step-000001").is_dir() and (root / "step-000002").is_dir()  # not removed, no error
+
+
+def test_a_checkpoint_folder_under_another_name_resolves_to_itself(run):
+    """A folder holding trainer_state.json is a checkpoint, whatever its name (a copy named 'best', say)."""
+    best = run / "best"
+    shutil.copytree(run / "checkpoints" / "step-000002", best)
+    assert _no_warning_resolve(best) == best
+    assert ckpt.load_checkpoint(best, model=_model(seed=2), restore_rng=False)["tag"] == 2
+
+
+def test_an_adapter_with_weights_the_model_lacks_is_refused(run):
+    from safetensors.torch import load_file, save_file
+
+    step = run / "checkpoints" / "step-000001"
+    f = step / "model" / "adapter_model.safetensors"
+    sd = load_file(str(f))
+    sd["base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight"] = torch.zeros(4, 32)
+    save_file(sd, str(f))
+    with pytest.raises(ckpt.CheckpointError, match=r"adapter weights in .* do not match the model: unexpected \["
+                                                   r"'base_model.model.model.layers.7"):
+        ckpt.load_model_weights(_model(), step / "model")

@@ -2,14 +2,14 @@
 # Mutation testing with mutmut, one module at a time against its fast tests (developer tool, not run by CI).
 #
 #   pip install mutmut==3.8.1
-#   bash scripts/mutation.sh objectives|rewards|checkpoint|ops|rollout [more mutmut run args]
+#   bash scripts/mutation.sh objectives|rewards|checkpoint|ops|ops-cpu|rollout|sampling [more mutmut run args]
 #
 # Works in a scratch copy of the repository (MUTATION_DIR, default a new temporary folder) with a generated
 # setup.cfg, so the checkout is never touched; prints the score and the surviving mutants, and leaves the
 # copy for `mutmut show <name>` / `mutmut browse` there. One worker at low priority: CPU-friendly, not fast.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-module=${1:?usage: bash scripts/mutation.sh objectives|rewards|checkpoint|ops|rollout}
+module=${1:?usage: bash scripts/mutation.sh objectives|rewards|checkpoint|ops|ops-cpu|rollout|sampling}
 shift
 case "$module" in
   objectives) mutate="logitless/objectives/*"
@@ -17,12 +17,16 @@ case "$module" in
   rewards)    mutate="logitless/rewards/*"
               tests="tests/test_rewards.py tests/test_extraction.py tests/test_rewards_edges.py" ;;
   checkpoint) mutate="logitless/trainer/checkpoint.py"
-              tests="tests/test_checkpoint.py" ;;
+              tests="tests/test_checkpoint.py tests/test_checkpoint_faults.py tests/test_checkpoint_load.py" ;;
   ops)        mutate="logitless/ops/*"
-              tests="tests/test_op.py tests/test_op_memory.py tests/test_triton.py" ;;
+              tests="tests/test_op.py tests/test_op_chunked.py tests/test_op_memory.py tests/test_triton.py" ;;
+  sampling)   mutate="logitless/rollout/sampling.py"
+              tests="tests/test_fused_sampler.py tests/test_rollout_waves.py tests/test_sampling_hash.py" ;;
+  ops-cpu)    mutate="logitless/ops/chunked.py logitless/ops/token_logprobs.py"
+              tests="tests/test_op.py tests/test_op_chunked.py" ;;
   rollout)    mutate="logitless/rollout/*"
               tests="tests/test_rollout.py tests/test_sampling_stats.py" ;;
-  *) echo "unknown module '$module'; use objectives, rewards, checkpoint, ops or rollout" >&2; exit 2 ;;
+  *) echo "unknown module '$module'; use objectives, rewards, checkpoint, ops, ops-cpu, rollout or sampling" >&2; exit 2 ;;
 esac
 python=${PYTHON:-python}
 work=${MUTATION_DIR:-$(mktemp -d -t logitless-mutation.XXXXXX)}
@@ -35,15 +39,21 @@ sed -n '/^\[tool.pytest.ini_options\]/,/^\[/p' pyproject.toml | sed '$d' > "$wor
 {
   echo "[mutmut]"
   echo "source_paths = logitless"
-  echo "only_mutate = $mutate"
+  echo "only_mutate ="
+  set -f  # the patterns are for mutmut, not for the shell
+  for m in $mutate; do echo "    $m"; done
+  set +f
   echo "pytest_add_cli_args_test_selection ="
   for t in $tests; do echo "    $t"; done
-  printf 'pytest_add_cli_args =\n    -x\n    -q\n    -p\n    no:cacheprovider\n' 
+  # --tb=no: a failing test prints no tensor reprs; with torch's thread pool inherited across mutmut's fork,
+  # formatting a tensor could deadlock the mutant's process until its timeout (a minute or more each)
+  printf 'pytest_add_cli_args =\n    -x\n    -q\n    --tb=no\n    -p\n    no:cacheprovider\n'
 } > "$work/setup.cfg"
 shared=$(pwd)/../shared
 [ -d "$shared/tokenizers" ] && export LOGITLESS_SHARED=${LOGITLESS_SHARED:-$shared}
 echo "mutating $mutate in $work against: $tests"
 cd "$work"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one worker, one thread: no pool to deadlock in a forked child
 nice -n 10 "$python" -m mutmut run --max-children 1 "$@"
 "$python" -m mutmut results --all true > results.txt || true
 killed=$(grep -c ': killed$' results.txt || true)

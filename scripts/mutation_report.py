@@ -5,8 +5,9 @@ only change an error or warning message and those that change behaviour (listed 
     python scripts/mutation_report.py --recheck REPO tests/test_x.py   # re-run the survivors against tests
                                                                         # of the checkout REPO (e.g. new ones)
 
---recheck copies REPO/tests into the mutated tree and runs each survivor's mutant (one forked pytest per
-mutant, torch imported once) against the given test files; survivors they kill count as killed.
+--recheck copies REPO/tests into the mutated tree and runs each survivor's mutant, and each mutant that the run's
+tests never reached ("no tests"), one forked pytest per mutant (torch imported once), against the given test
+files; those they kill count as killed. "No tests" mutants left are listed with the survivors.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ def changed_lines(name: str) -> list[str]:
 def recheck(names: list[str], repo: Path, tests: list[str]) -> set[str]:
     """The mutants among `names` that fail `tests` (paths relative to `repo`), run in ./mutants."""
     import pytest
-    import torch  # noqa: F401  (imported once, before forking)
+    import torch  # imported once, before forking
+
+    torch.set_num_threads(1)  # no intra-op pool for a forked child to deadlock in (see mutation.sh)
 
     shutil.rmtree("mutants/tests", ignore_errors=True)
     shutil.copytree(repo / "tests", "mutants/tests", ignore=shutil.ignore_patterns("__pycache__"))
@@ -49,7 +52,7 @@ def recheck(names: list[str], repo: Path, tests: list[str]) -> set[str]:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)
             os.dup2(devnull, 2)
-            os._exit(int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", *tests])))
+            os._exit(int(pytest.main(["-x", "-q", "--tb=no", "-p", "no:cacheprovider", *tests])))
         _, code = os.waitpid(pid, 0)
         if code != 0 and not name:
             raise SystemExit(f"the tests fail on the unmutated code in ./mutants (source changed since the run?)")
@@ -60,7 +63,7 @@ def recheck(names: list[str], repo: Path, tests: list[str]) -> set[str]:
 
 def main() -> None:
     status = Counter()
-    survived = []
+    survived, untested = [], []
     for line in mutmut("results", "--all", "true").splitlines():
         name, _, state = line.strip().rpartition(": ")
         if not name:
@@ -68,12 +71,18 @@ def main() -> None:
         status[state] += 1
         if state == "survived":
             survived.append(name)
+        elif state == "no tests":  # code the run's tests never reach: new tests may
+            untested.append(name)
     if len(sys.argv) > 2 and sys.argv[1] == "--recheck":
-        newly = recheck(survived, Path(sys.argv[2]).resolve(), sys.argv[3:])
-        print(f"recheck: {len(newly)} of {len(survived)} survivors killed by {' '.join(sys.argv[3:])}")
+        newly = recheck(survived + untested, Path(sys.argv[2]).resolve(), sys.argv[3:])
+        print(f"recheck: {len(newly & set(survived))} of {len(survived)} survivors and {len(newly & set(untested))} "
+              f"of {len(untested)} untested mutants killed by {' '.join(sys.argv[3:])}")
         status["killed"] += len(newly)
-        status["survived"] -= len(newly)
+        status["survived"] -= len(newly & set(survived))
+        status["no tests"] -= len(newly & set(untested))
         survived = [n for n in survived if n not in newly]
+        untested = [n for n in untested if n not in newly]
+    survived = survived + untested  # a mutant no test reaches is a bug the suite would miss, too
     message, behaviour = [], []
     for name in survived:
         lines = changed_lines(name)

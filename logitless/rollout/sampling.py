@@ -9,7 +9,7 @@ generates the other rows. This is what makes a wave-split rollout identical to a
 
 The hash is a 32-bit integer mixer (Wellons' "lowbias32") run in int64 tensor arithmetic: every product stays
 below 2**63, so the result is the same on every device and under torch.compile. Its top 24 bits give a uniform
-u in (0, 1), and -log(-log u) a Gumbel variate.
+u in (0, 1) (clamped below 1: in fp32 the top value would round to 1), and -log(-log u) a Gumbel variate.
 
 Fused sampling pass
 -------------------
@@ -73,7 +73,11 @@ def vocab_codes(vocab: int, device: torch.device) -> torch.Tensor:
 def gumbel(keys: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """[B, V] fp32 Gumbel(0, 1) noise: element (b, v) depends only on keys[b] and codes[v]."""
     h = mix32(keys[:, None] ^ codes[None, :])  # [B, V] in [0, 2**32)
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 2**24)  # (0, 1), never 0 or 1
+    # (h >> 8) + 0.5 is not exact in fp32 above 2**23 (spacing 1): the top value rounds to 2**24, u to 1.0 and
+    # the noise to +inf (+inf + -inf = NaN for a filtered token), which argmax would pick whatever its
+    # probability: once per 2**24 elements, about 1 % of the draws over a 150k vocabulary. The clamp keeps u < 1.
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 2**24)
+    u = u.clamp(max=1.0 - 2**-24)  # (0, 1), never 0 or 1; every other value unchanged
     return -torch.log(-torch.log(u))
 
 

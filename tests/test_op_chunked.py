@@ -9,6 +9,7 @@ import torch
 
 from logitless.ops import token_logprobs, token_logprobs_reference
 from logitless.ops.chunked import chunked_backward, chunked_forward, default_chunk_size
+from tests.test_op import _inputs as make_inputs
 
 N, H, V, CHUNK = 13, 7, 41, 4
 
@@ -16,14 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _inputs(dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(N, H, generator=g, dtype=torch.float64).to(dtype)
-    weight = (0.5 * torch.randn(V, H, generator=g, dtype=torch.float64)).to(dtype)
-    bias = (0.5 * torch.randn(V, generator=g, dtype=torch.float64)).to(dtype)
-    targets = torch.randint(0, V, (N,), generator=g)
-    g_lp = torch.randn(N, generator=g, dtype=torch.float64)
-    g_ent = torch.randn(N, generator=g, dtype=torch.float64)
-    return hidden, weight, bias, targets, g_lp, g_ent
+    return make_inputs(dtype, n=N, h=H, v=V, seed=seed)
 
 
 def _grads(fn, hidden, weight, bias, targets, g_lp, g_ent, *, need, temperature, with_entropy, **kw):

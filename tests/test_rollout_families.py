@@ -14,6 +14,7 @@ import transformers as tf
 from logitless.models import UnsupportedModelError, completion_logprobs
 from logitless.rollout import SamplingOptions, make_engine
 from logitless.rollout.types import RolloutBatch
+from tests.test_rollout import dense_logprobs  # log_softmax of one padded full forward, fp64
 
 WINDOW = 6  # sliding window / attention chunk of the windowed families: prompts are 7-19 tokens, completions 10
 TEMPERATURE = 0.8
@@ -110,18 +111,6 @@ def make_eng(backend: str, model):
     return make_engine(backend, model, TOK, **kw)
 
 
-def padded_forward_logprobs(model, b: RolloutBatch, temperature: float) -> torch.Tensor:  # [B, T] fp64
-    """log_softmax(model(...).logits / T) of each completion token, from one forward of the padded batch."""
-    ids = torch.cat([b.prompt_ids, b.completion_ids], 1)
-    mask = torch.cat([b.prompt_mask, b.completion_mask], 1)
-    pos = (mask.cumsum(1) - 1).clamp(min=0)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.double()
-    P, T = b.prompt_ids.shape[1], b.completion_ids.shape[1]
-    lp = torch.log_softmax(logits[:, P - 1 : P + T - 1] / temperature, -1)
-    return lp.gather(-1, b.completion_ids[..., None])[..., 0] * b.completion_mask
-
-
 def row_forward_logprobs(model, b: RolloutBatch, temperature: float) -> torch.Tensor:  # [B, T] fp64
     """The same from one unpadded forward per row: the model's distribution free of any batching."""
     out = torch.zeros(b.completion_ids.shape, dtype=torch.float64)
@@ -177,12 +166,12 @@ def test_completion_logprobs_equal_forward_across_the_window(family, models, one
         lp_pad, _ = completion_logprobs(model, torch.nn.functional.pad(a.prompt_ids, (1, 0), value=TOK.pad_token_id),
                                         torch.nn.functional.pad(a.prompt_mask, (1, 0)), a.completion_ids,
                                         a.completion_mask, temperature=TEMPERATURE)
-    torch.testing.assert_close(lp.double(), padded_forward_logprobs(model, a, TEMPERATURE), atol=1e-5, rtol=0)
+    torch.testing.assert_close(lp.double(), dense_logprobs(model, a, TEMPERATURE), atol=1e-5, rtol=0)
     torch.testing.assert_close(lp.double(), row_forward_logprobs(model, a, TEMPERATURE), atol=1e-5, rtol=0)
     torch.testing.assert_close(lp_pad, lp, atol=1e-5, rtol=0)
     if windowed(family):
         full = make_model(family, window=False)
-        assert (padded_forward_logprobs(full, a, TEMPERATURE) - lp.double()).abs().max() > 1e-2
+        assert (dense_logprobs(full, a, TEMPERATURE) - lp.double()).abs().max() > 1e-2
 
 
 def spy_grouped_sdpa(monkeypatch) -> list[bool]:

@@ -28,7 +28,9 @@ from logitless.trainer.loop import train  # noqa: E402
 from tests.conftest import TINY_LORA_QUIET, tiny_qwen2  # noqa: E402
 
 VOCAB = 50_257  # GPT-2 tokenizer
-TIMING = ("time/", "tokens_per_s", "train_tokens_per_s", "memory/")
+# metrics that depend on the clock; train/tflop (a FLOP count) stays and must match across world sizes
+TIMING = ("time/", "tokens_per_s", "train_tokens_per_s", "memory/", "rollout/ceiling_fraction", "train/mfu",
+          "train/tflops_per_s")
 
 
 def config(run_dir, *overrides):
@@ -49,6 +51,8 @@ def config(run_dir, *overrides):
         *TINY_LORA_QUIET,
         "checkpoint.save_steps=1",
         "checkpoint.save_total_limit=null",
+        "logging.peak_tflops=1",  # device peaks given, so the efficiency metrics are logged on CPU too
+        "logging.hbm_tbs=1",
     ]
     return load_train_config(None, base + list(overrides))
 

@@ -270,20 +270,24 @@ def reward_metrics(rewards: torch.Tensor, total: torch.Tensor, names: list[str],
 
 
 def efficiency_metrics(ctx: TrainContext, ro: Rollout, plan: UpdatePlan, timer: PhaseTimer) -> dict[str, float]:
-    """Rollout share of the HBM-bandwidth ceiling and update MFU (trainer/accounting.py defines both); empty
-    where the device's peaks are unknown (CPU), since a ratio to an unknown peak says nothing."""
+    """Rollout share of the HBM-bandwidth ceiling and update MFU (trainer/accounting.py defines both), over all
+    ranks: the ranks' ideal seconds and FLOPs are summed and set against world size × this rank's phase seconds
+    (the phases end in step across ranks). Empty where the device's peaks are unknown (CPU), since a ratio to an
+    unknown peak says nothing."""
     if not all(math.isfinite(x) for x in ctx.peaks):
         return {}
-    b = ro.batch
+    b, dev, world = ro.batch, ctx.device, ctx.world.size
     p_lens, t_lens = b.prompt_mask.sum(1).tolist(), b.completion_mask.sum(1).tolist()
-    ideal = decode_ideal_seconds(ctx.shape, p_lens, t_lens, ctx.peaks[1])
+    ideal = all_reduce_sum(decode_ideal_seconds(ctx.shape, p_lens, t_lens, ctx.peaks[1]), dev)
     trained = plan.trained.tolist()
     flops = update_flops(ctx.shape, [(p_lens[i], t_lens[i]) for i in trained]) * ctx.cfg.train.num_iterations
+    flops = all_reduce_sum(flops, dev)
     train_s = timer.seconds.get("train", math.nan)
     return {
-        "rollout/ceiling_fraction": ideal / max(timer.seconds.get("generate", math.nan), 1e-9),
-        "train/mfu": flops / max(train_s, 1e-9) / ctx.peaks[0],
-        "train/tflops_per_s": flops / max(train_s, 1e-9) / 1e12,
+        "rollout/ceiling_fraction": ideal / world / max(timer.seconds.get("generate", math.nan), 1e-9),
+        "train/mfu": flops / world / max(train_s, 1e-9) / ctx.peaks[0],
+        "train/tflops_per_s": flops / max(train_s, 1e-9) / 1e12,  # all ranks together
+        "train/tflop": flops / 1e12,  # the step's update FLOPs, all ranks (recompute not counted)
     }
 
 

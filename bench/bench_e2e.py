@@ -291,12 +291,42 @@ def run_config(a: argparse.Namespace, system: str, T: int, model_dir: Path, step
     return res
 
 
-def find_max_T(a: argparse.Namespace, system: str, model_dir: Path, lo: int, hi: int) -> dict[str, Any]:
+SAME_CONFIG = ("shape", "tuning", "prompts", "G", "micro_batch", "backend", "memory_budget_gib", "overrides")
+
+
+def known_probes(paths: list[str], system: str, config: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Probe outcomes of earlier bench_e2e.py results (their `max_T` probes and their runs) for `system`, so that a
+    bisection can go on across several commands. A run counts when it ended with steps (fits) or out of memory
+    (does not); one cut short otherwise decides nothing. The files must share this run's configuration."""
+    known: dict[int, dict[str, Any]] = {}
+    for path in paths:
+        res = json.loads(Path(path).read_text())
+        theirs = res.get("config", {})
+        for key in SAME_CONFIG:
+            if key in theirs and theirs[key] != config[key] and not (key == "overrides" and system != "logitless"):
+                raise SystemExit(f"--probes-from {path}: its config.{key}={theirs[key]!r} differs from this run's "
+                                 f"{config[key]!r}; use results of the same configuration, or drop the file")
+        entries = [dict(p, reused_from=path) for p in res.get("max_T", {}).get(system, {}).get("probes", [])]
+        for r in res.get("runs", []):
+            if r.get("system") == system:
+                oom = str(r.get("error") or "").startswith("out of memory")
+                entries.append({"T": r["T"], "ok": bool(r.get("steps")) or (False if oom else None),
+                                "peak_gib": r.get("summary", {}).get("peak_gib"), "error": r.get("error"), "reused_from": path})
+        known.update({e["T"]: e for e in entries if e.get("ok") is not None})
+    return known
+
+
+def find_max_T(a: argparse.Namespace, system: str, model_dir: Path, lo: int, hi: int,
+               known: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Longest T whose step runs within the budget, to --resolution: from `lo` (which must fit), double `hi`
-    while it fits, then bisect. Each probe is a fresh process running --probe-steps steps."""
+    while it fits, then bisect. Each probe is a fresh process running --probe-steps steps; a T in `known`
+    (earlier results, --probes-from) is not run again."""
     probes = []
 
     def fits(T: int) -> bool:
+        if known and T in known:
+            probes.append(known[T])
+            return bool(known[T]["ok"])
         r = run_config(a, system, T, model_dir, steps=a.probe_steps)
         probes.append({"T": T, "ok": bool(r["steps"]), "peak_gib": r.get("summary", {}).get("peak_gib"),
                        "error": r.get("error")})
@@ -333,6 +363,8 @@ def main() -> None:
     ap.add_argument("--max-T-cap", type=int, default=32_768)
     ap.add_argument("--lo-T", type=int, default=1024, help="--find-max-T starts here (must fit)")
     ap.add_argument("--hi-T", type=int, default=2048, help="--find-max-T's first probe above --lo-T")
+    ap.add_argument("--probes-from", action="append", default=[], metavar="JSON",
+                    help="earlier results of the same configuration whose probes --find-max-T reuses (repeatable)")
     ap.add_argument("--set", action="append", default=[], help="extra logitless config override key=value")
     ap.add_argument("--tag", default="")
     ap.add_argument("--commit", default="", help="the code's commit, where the checkout has no git metadata of its own")
@@ -362,7 +394,8 @@ def main() -> None:
     systems = a.systems.split(",")
     if a.find_max_T:
         for system in systems:
-            result["max_T"][system] = find_max_T(a, system, model_dir, a.lo_T, a.hi_T)
+            known = known_probes(a.probes_from, system, result["config"])
+            result["max_T"][system] = find_max_T(a, system, model_dir, a.lo_T, a.hi_T, known)
             print(f"{system}: max T = {result['max_T'][system]['max_T']}", flush=True)
     else:
         for T in (int(t) for t in a.T.split(",")):

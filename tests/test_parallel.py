@@ -164,6 +164,10 @@ def test_static_backend_samples_from_a_replica_synced_every_step(resume_runs):
         assert [r["step"] for r in records] == [1, 2, 3]
         assert all(r["is/logp_diff/max"] < 1e-4 for r in records), [r["is/logp_diff/max"] for r in records]
         assert records[-1]["kl"] > 1e-3  # the policy moved away from the reference, so a stale replica would show
+        # a merged LoRA replica: the size of the model without adapters, and no merged copy beside it
+        plain = sum(p.numel() * p.element_size() for p in w.model().parameters()) / 2**30
+        assert all(r["rollout/replica_gib"] == pytest.approx(plain, rel=1e-9) for r in records)
+        assert all(r["rollout/weights_copy_gib"] == 0 for r in records)
 
 
 def test_sigterm_and_resume_on_two_ranks_continue_like_an_uninterrupted_run(resume_runs, tok_dir, one_thread):

@@ -41,10 +41,12 @@ from logitless.trainer.modeling import (
 )
 from logitless.trainer.parallel import (
     COPY_BACKENDS,
+    MergedRolloutCopy,
     QuietLogger,
     RolloutCopy,
     World,
     init_distributed,
+    make_replica,
     shard_model,
 )
 
@@ -73,7 +75,7 @@ class TrainContext:
     start: int  # last step completed before this process started (0, or the resumed checkpoint's step)
     entropy_coef: EntropyCoef  # carried across steps (adaptive entropy control)
     world: World = field(default_factory=World)  # this process's rank among torchrun's workers
-    replica: RolloutCopy | None = None  # the engine's own weights (static backend under torchrun), else None
+    replica: RolloutCopy | MergedRolloutCopy | None = None  # the engine's own weights (static backend under torchrun), else None
     empty_steps: int = 0  # consecutive steps whose completions were all empty
     prefetch: AsyncRollout | None = None  # train.async_rollout: the next step's rollout in flight
     t_start: float = field(default_factory=time.perf_counter)  # for the wall-time budget
@@ -157,7 +159,7 @@ def build_context(
     if cfg.train.packed:
         check_packed_attention(model)
     reference = ReferencePolicy(model) if cfg.objective.beta > 0 else None  # before a resume loads trained weights
-    replica = RolloutCopy(model) if world.distributed and cfg.rollout.backend in COPY_BACKENDS else None
+    replica = make_replica(model, cfg.rollout.merge_lora) if world.distributed and cfg.rollout.backend in COPY_BACKENDS else None
     if world.distributed:
         model = shard_model(model, device)
         if world.rank:
@@ -172,7 +174,9 @@ def build_context(
         sampler.load_state_dict(state["sampler"])
     logger = _logger(cfg, run_dir, world, start)
     coef = EntropyCoef(*state["entropy_coef"]) if "entropy_coef" in state else initial_entropy_coef(cfg.objective)
-    engine = make_rollout_engine(cfg.rollout, replica.model if replica else model, tokenizer)
+    merged = isinstance(replica, MergedRolloutCopy)
+    rollout_cfg = dataclasses.replace(cfg.rollout, merge_lora=None) if merged else cfg.rollout
+    engine = make_rollout_engine(rollout_cfg, replica.model if replica else model, tokenizer)  # merged: a plain model
     prefetch = None
     if cfg.train.async_rollout:
         prefetch = AsyncRollout(engine, sampler, cfg.train.prompts_per_step, device)

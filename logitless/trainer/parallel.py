@@ -19,10 +19,15 @@ How the weights are handled:
     so the decode loop runs no collective (ranks decode different lengths and never wait on each other); LoRA
     adapters stay unmerged, as on one process. Cost: one all-gather of the model per step, and the full weights'
     memory during the rollout only.
-  - `static` backend (CUDA-graph decode, which needs weights at fixed addresses): `RolloutCopy`, a persistent
-    replica of the policy (LoRA layers included, so it computes exactly what the trainer computes), updated in
-    place before each rollout from the trainable parameters only. Cost: the replica's memory all the time; the
-    sync all-gathers only the trainable parameters (the adapters, for LoRA).
+  - `static` backend (CUDA-graph decode, which needs weights at fixed addresses): a persistent replica updated
+    in place before each rollout (`make_replica`). Cost: the replica's memory all the time.
+    - `MergedRolloutCopy` (LoRA, unless rollout.merge_lora=false): a plain model whose LoRA layers hold
+      W + ΔW. The sync all-gathers the LoRA layers' frozen base weights and the adapters and merges them, as
+      the single-process merged copy does; the replica is the size of the model, with no second copy of the
+      LoRA layers beside it.
+    - `RolloutCopy` (full fine-tuning, or LoRA unmerged): a replica of the policy as it is (adapters
+      unmerged, so it computes exactly what the trainer computes); the sync all-gathers the trainable
+      parameters only.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ from torch import nn
 
 from logitless.models import completion_logprobs
 from logitless.models.lm_head import UnsupportedModelError, causal_lm_of, decoder_body
+from logitless.rollout.engine import unwrap_model
+from logitless.rollout.weights import lora_layers, merge_refusal
 from logitless.trainer.batching import MicroBatch
 from logitless.trainer.config import TrainerConfig
 from logitless.trainer.distributed import is_distributed
@@ -262,12 +269,60 @@ class RolloutCopy:
         src, dst = dict(sharded.named_parameters()), dict(self.model.named_parameters())
         for name in self.trainable:
             p = src[name]
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p  # a DTensor shard, or a plain parameter
-            dst[name].copy_(full)
+            dst[name].copy_(_full(p))
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if hasattr(p, "full_tensor") else p  # a DTensor shard (a collective), or a plain tensor
+
+
+class MergedRolloutCopy:
+    """The replica of a PEFT LoRA policy as a plain model, its LoRA layers merged (built before sharding).
+
+    `sync` sets every LoRA layer's weight to W + ΔW: W, the frozen base weight, and the adapters all-gathered
+    from the sharded model; ΔW = (B @ A) * scaling summed over the active adapters, formed as peft's
+    `get_delta_weight` does, the sum in fp32 and rounded once (as `rollout.weights.MergedLoraWeights`). The
+    other parameters are frozen and copied once. The weights keep their addresses across syncs.
+    """
+
+    def __init__(self, peft_model: nn.Module):
+        self.model = copy.deepcopy(unwrap_model(peft_model)).eval().requires_grad_(False)
+        for attr in ("_compiled_call", "_last_compile_config"):  # a compiled call would run the original
+            self.model.__dict__.pop(attr, None)
+        self.names = [name for name, _ in lora_layers(self.model)]
+        for name, layer in lora_layers(self.model):  # each LoRA layer becomes its base layer: the merged storage
+            parent_name, _, child = name.rpartition(".")
+            setattr(self.model.get_submodule(parent_name) if parent_name else self.model, child, layer.get_base_layer())
+
+    @staticmethod
+    def applies(model: nn.Module, merge_lora: bool | None) -> bool:
+        """Whether the replica of `model` can be merged: LoRA adapters that `MergedLoraWeights` accepts, nothing
+        else trainable, and rollout.merge_lora not false."""
+        if merge_lora is False or not hasattr(model, "peft_config") or merge_refusal(model) is not None:
+            return False
+        return all(".lora_A." in n or ".lora_B." in n for n, p in model.named_parameters() if p.requires_grad)
+
+    @torch.no_grad()
+    def sync(self, sharded: nn.Module) -> None:
+        src = unwrap_model(sharded)
+        for name in self.names:  # the same order on every rank: each full tensor is a collective
+            layer = src.get_submodule(name)
+            w = _full(layer.get_base_layer().weight).float()
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A:
+                    delta = _full(layer.lora_B[adapter].weight) @ _full(layer.lora_A[adapter].weight)
+                    delta = delta.T if layer.fan_in_fan_out else delta
+                    w = w + (delta * layer.scaling[adapter]).float()
+            self.model.get_submodule(name).weight.copy_(w)
+
+
+def make_replica(model: nn.Module, merge_lora: bool | None) -> RolloutCopy | MergedRolloutCopy:
+    """The static backend's replica under torchrun: merged for LoRA when it can be, else the policy as is."""
+    return MergedRolloutCopy(model) if MergedRolloutCopy.applies(model, merge_lora) else RolloutCopy(model)
 
 
 @contextmanager
-def rollout_weights(model: nn.Module, replica: RolloutCopy | None) -> Iterator[None]:
+def rollout_weights(model: nn.Module, replica: RolloutCopy | MergedRolloutCopy | None) -> Iterator[None]:
     """The weights the engine samples from, current for the duration of a rollout: the replica synced, or the
     sharded model's full weights (`full_weights`); nothing to do on one process."""
     if replica is not None:

@@ -95,6 +95,9 @@ def run_mode(mode: str, model_dir: Path, args, world: parallel.World, work: Path
         "completion_tokens_per_s": statistics.median(t / s for t, s in zip(tokens, step_s)),
         "median_phase_s": {k: statistics.median(r.get(k, 0.0) for r in steady) for k in PHASES},
         "peak_gib_per_gpu_max": global_max(peak),
+        # where the peak sits: each phase's largest peak over steps, the largest over ranks
+        "peak_gib_per_phase": {p: global_max(max(r.get(f"memory/peak_gb/{p}", 0.0) for r in records))
+                               for p in ("generate", "score", "logprobs", "train")},
         "peak_gib_rank0": peak,
         "records": records,
     }
@@ -141,7 +144,8 @@ def main() -> None:
         result["modes"][mode] = r
         if world.main:
             print(f"{world.size} GPU {mode:5s} step {r['median_step_s']:.2f} s  {r['completion_tokens_per_s']:.0f} tok/s  "
-                  f"peak/GPU {r['peak_gib_per_gpu_max']:.1f} GiB  weight path {r.get('weight_path')}", flush=True)
+                  f"peak/GPU {r['peak_gib_per_gpu_max']:.1f} GiB  by phase {r['peak_gib_per_phase']}  "
+                  f"phases {r['median_phase_s']}  weight path {r.get('weight_path')}", flush=True)
     if world.distributed:
         dist.barrier()
     if world.main:

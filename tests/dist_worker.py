@@ -9,6 +9,7 @@ for the failure test.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from logitless.rollout import RolloutBatch  # noqa: E402
 from logitless.rollout.types import RolloutTiming  # noqa: E402
-from logitless.trainer import context  # noqa: E402
+from logitless.trainer import context, offload  # noqa: E402
 from logitless.trainer.config import load_train_config  # noqa: E402
 from logitless.trainer.loop import train  # noqa: E402
 from tests.conftest import TINY_LORA_QUIET, tiny_qwen2  # noqa: E402
@@ -130,13 +131,29 @@ MODES = {
     # a frozen reference copy (beta > 0), old logprobs and two optimizer steps (mu = 2), gradient checkpointing
     "full": ["model.lora=false", "optim.learning_rate=0.002", "model.gradient_checkpointing=true", "objective.beta=0.04",
              "train.num_iterations=2"],
+    # padding-free micro-batches filled to a token budget, checkpointed layer inputs offloaded (host copies on CPU)
+    "lora_packed_offload": ["train.packed=true", "rollout.max_prompt_length=48", "train.micro_batch_tokens=160",
+                            "model.gradient_checkpointing=true",
+                            "model.activation_offload=true"],
 }
+
+
+@contextlib.contextmanager
+def offload_every_saved_tensor():
+    """Activation offload takes every saved tensor, not only those of 1 MiB or more (none is, in the tiny model),
+    so that the offload path really runs under FSDP2."""
+    saved, offload.MIN_BYTES = offload.MIN_BYTES, 0
+    try:
+        yield
+    finally:
+        offload.MIN_BYTES = saved
 
 
 def equivalence(out: Path, tok) -> None:
     for mode, overrides in MODES.items():
         use_engine(lambda real, mode=mode: Replay(out / f"rollout_{mode}.pt"))
-        result = train(config(out / f"{mode}_ranks", *overrides), model=model(), tokenizer=tok)
+        with offload_every_saved_tensor():
+            result = train(config(out / f"{mode}_ranks", *overrides), model=model(), tokenizer=tok)
         if int(os.environ["RANK"]) == 0:
             (out / f"{mode}_ranks.json").write_text(json.dumps(untimed(result.records)))
 

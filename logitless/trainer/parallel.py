@@ -126,8 +126,6 @@ def check_distributed(cfg: TrainerConfig, world: World) -> None:
             "rollout.backend=hf (or static)"
         )
     not_yet = [
-        (cfg.train.packed, "train.packed=true", "train.packed=false"),
-        (cfg.model.activation_offload, "model.activation_offload=true", "model.activation_offload=false"),
         (cfg.model.load_in_4bit, "model.load_in_4bit=true (QLoRA)", "model.load_in_4bit=false"),
         (cfg.optim.optimizer != "adamw", f"optim.optimizer={cfg.optim.optimizer}", "optim.optimizer=adamw"),
         (cfg.train.async_rollout, "train.async_rollout=true", "train.async_rollout=false"),

@@ -221,6 +221,7 @@ def _cfg(*overrides):
         (["advantage.scale=batch"], r"advantage.scale='batch' .* set advantage.scale=group"),
         (["model.load_in_4bit=true"], r"model.load_in_4bit=true \(QLoRA\) is not supported with FSDP2 under torchrun yet; "
                                       r"set model.load_in_4bit=false"),
+        (["model.liger_kernels=true"], r"model.liger_kernels=true is not supported with FSDP2 under torchrun yet"),
         (["optim.optimizer=adamw_8bit"], r"optim.optimizer=adamw_8bit is not supported .* set optim.optimizer=adamw"),
         (["train.async_rollout=true", "rollout.backend=static"],
          r"train.async_rollout=true is not supported .* set train.async_rollout=false"),

@@ -102,6 +102,10 @@ class ModelConfig:
     # QLoRA: NF4 4-bit base weights (bitsandbytes, double quantization), compute in model.dtype, LoRA adapters
     # trained on top; the lm_head stays unquantized for the fused op. Needs a CUDA GPU and `logitless[qlora]`.
     load_in_4bit: bool = False
+    # Liger-Kernel's RMSNorm, SwiGLU and RoPE Triton kernels in the model's layers (its apply_liger_kernel_to_*
+    # of the model type; its cross-entropy patches stay off: the fused op computes the logprobs). CUDA only;
+    # `pip install 'logitless[liger]'`. Under torchrun: refused for now.
+    liger_kernels: bool = False
 
     def __post_init__(self):
         _positive("model", lora_r=self.lora_r, lora_alpha=self.lora_alpha)

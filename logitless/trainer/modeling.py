@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import inspect
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -177,6 +178,8 @@ def prepare_for_training(model, cfg: ModelConfig):
             "model.load_in_4bit=true but the given model is not 4-bit quantized; load it through logitless "
             "(model.name_or_path), or pass a model loaded with a 4-bit BitsAndBytesConfig"
         )
+    if cfg.liger_kernels:
+        apply_liger_kernels(model)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -195,6 +198,32 @@ def prepare_for_training(model, cfg: ModelConfig):
         )
         model = get_peft_model(model, lora)
     return model
+
+
+LIGER_INSTALL_HINT = "pip install 'logitless[liger]'  (liger-kernel)"
+
+
+def apply_liger_kernels(model) -> None:
+    """Liger-Kernel's RMSNorm, SwiGLU (GeGLU) and RoPE kernels in `model`'s layers, through Liger's own
+    `apply_liger_kernel_to_<model type>(model=...)`; the cross-entropy and fused-linear-cross-entropy patches stay
+    off (they would replace the forward whose hidden states the fused op reads). Liger patches the model type's
+    transformers module, so every model of that type built later in the process uses the kernels too (the
+    rollout's copies included)."""
+    setting = "model.liger_kernels=true"
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ImportError(f"{setting} needs the `liger_kernel` package, which is not installed: {LIGER_INSTALL_HINT}")
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    if apply is None:
+        raise ValueError(f"{setting}: Liger-Kernel has no kernels for model type {model_type!r}; it supports "
+                         f"{sorted(MODEL_TYPE_TO_APPLY_LIGER_FN)}. Set model.liger_kernels=false for this model")
+    require_cuda_package("liger_kernel", setting, LIGER_INSTALL_HINT, next(model.parameters()).device)
+    wanted = dict(rope=True, rms_norm=True, swiglu=True, geglu=True, cross_entropy=False,
+                  fused_linear_cross_entropy=False)
+    params = inspect.signature(apply).parameters
+    apply(model=model, **{k: v for k, v in wanted.items() if k in params})
 
 
 def is_peft_model(model) -> bool:

@@ -127,6 +127,7 @@ def check_distributed(cfg: TrainerConfig, world: World) -> None:
         )
     not_yet = [
         (cfg.model.load_in_4bit, "model.load_in_4bit=true (QLoRA)", "model.load_in_4bit=false"),
+        (cfg.model.liger_kernels, "model.liger_kernels=true", "model.liger_kernels=false"),
         (cfg.optim.optimizer != "adamw", f"optim.optimizer={cfg.optim.optimizer}", "optim.optimizer=adamw"),
         (cfg.train.async_rollout, "train.async_rollout=true", "train.async_rollout=false"),
     ]

@@ -125,3 +125,28 @@ def test_host_check_marks_rows_whose_text_holds_a_stop_string():
     # a stop string may be a special token's text
     history = torch.tensor([ids("ppa") + [TOK.eos_token_id]])
     assert StaticEngine._all_done(engine, live, history, P, 2, SamplingOptions(stop=["<eos>"])) is True
+
+
+def test_static_engine_settings_and_their_checks():
+    from logitless.rollout.static import StaticEngine
+    from logitless.rollout.types import SamplingOptions
+
+    model = make_model("llama")
+    eng = StaticEngine(model, TOK)
+    assert (eng.check_every, eng.cache_multiple, eng.length_buckets, eng.compact_finished) == (32, 128, 1, False)
+    b = eng.generate(["ab"], SamplingOptions(num_generations=1, max_new_tokens=2, seed=0, ignore_eos=True))
+    assert b.timing.parts == {}  # profile is off unless asked for
+    StaticEngine(model, TOK, check_every=1, cache_multiple=1, length_buckets=1)  # the smallest valid values
+    for kw in ({"check_every": 0}, {"cache_multiple": 0}):
+        with pytest.raises(ValueError) as info:
+            StaticEngine(model, TOK, **{"check_every": 4, "cache_multiple": 8, **kw})
+        c, m = kw.get("check_every", 4), kw.get("cache_multiple", 8)
+        assert str(info.value) == f"StaticEngine: check_every={c} and cache_multiple={m} must both be >= 1"
+    for bad in (0, 1.0):
+        with pytest.raises(ValueError) as info:
+            StaticEngine(model, TOK, length_buckets=bad)
+        assert str(info.value) == (f"rollout.length_buckets={bad!r} must be an int >= 1 (1 = attend over the "
+                                   "whole cache)")
+    with pytest.raises(ValueError) as info:
+        StaticEngine(model, TOK, max_kv_gib=0.0)
+    assert str(info.value) == "rollout.max_kv_gib=0.0 must be > 0 (GiB), or unset for the automatic budget"

@@ -150,3 +150,14 @@ def test_static_engine_settings_and_their_checks():
     with pytest.raises(ValueError) as info:
         StaticEngine(model, TOK, max_kv_gib=0.0)
     assert str(info.value) == "rollout.max_kv_gib=0.0 must be > 0 (GiB), or unset for the automatic budget"
+
+
+def test_static_engine_compiles_on_cuda_unless_told_otherwise():
+    from logitless.rollout.static import StaticEngine
+
+    model = make_model("llama")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)  # a device name only: no GPU needed
+    auto = StaticEngine(model, TOK)
+    assert auto._use_compile(cuda) is True and auto._use_compile(cpu) is False
+    assert StaticEngine(model, TOK, compile=True)._use_compile(cpu) is True
+    assert StaticEngine(model, TOK, compile=False)._use_compile(cuda) is False

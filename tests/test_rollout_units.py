@@ -161,3 +161,15 @@ def test_static_engine_compiles_on_cuda_unless_told_otherwise():
     assert auto._use_compile(cuda) is True and auto._use_compile(cpu) is False
     assert StaticEngine(model, TOK, compile=True)._use_compile(cpu) is True
     assert StaticEngine(model, TOK, compile=False)._use_compile(cuda) is False
+
+
+def test_static_cache_length_rounds_up_never_shrinks_and_fits_the_context():
+    from logitless.rollout.static import StaticEngine
+
+    model = make_model("llama")
+    eng = StaticEngine(model, TOK, cache_multiple=16)
+    assert eng._cache_len(10, 7, None) == 32  # 17 rounded up to a multiple of 16
+    assert eng._cache_len(3, 2, None) == 32  # never below an earlier call's
+    assert StaticEngine(model, TOK, cache_multiple=16)._cache_len(10, 6, None) == 16
+    assert StaticEngine(model, TOK, cache_multiple=128)._cache_len(10, 10, 64) == 64  # within the context window
+    assert StaticEngine(model, TOK, cache_multiple=128)._cache_len(50, 30, 64) == 80  # but room for P + S

@@ -173,3 +173,23 @@ def test_static_cache_length_rounds_up_never_shrinks_and_fits_the_context():
     assert StaticEngine(model, TOK, cache_multiple=16)._cache_len(10, 6, None) == 16
     assert StaticEngine(model, TOK, cache_multiple=128)._cache_len(10, 10, 64) == 64  # within the context window
     assert StaticEngine(model, TOK, cache_multiple=128)._cache_len(50, 30, 64) == 80  # but room for P + S
+
+
+def test_static_wave_size_from_max_kv_gib():
+    from logitless.rollout.engine import prepare_prompts
+    from logitless.rollout.kv_cache import kv_bytes_per_token
+    from logitless.rollout.static import StaticEngine
+    from logitless.rollout.types import SamplingOptions
+
+    model = make_model("llama")
+    opts = SamplingOptions(num_generations=8, max_new_tokens=4, seed=0, ignore_eos=True)
+    probe = StaticEngine(model, TOK, cache_multiple=8)
+    prep = prepare_prompts(model, TOK, ["abc"], opts)
+    with torch.no_grad():
+        call = probe._prefill(model, prep, opts, prep.ids.shape[1], 4)
+    row = call.cache_len * kv_bytes_per_token(call.prefill)  # bytes of one row's decode cache
+    assert row == 8 * 2 * 2 * 2 * 8 * 4  # slots x layers x (k, v) x kv heads x head dim x fp32
+    eng = StaticEngine(model, TOK, cache_multiple=8, max_kv_gib=3.5 * row / 2**30)
+    assert eng._wave_size(call, 8) == 3  # 3 rows fit: waves of 3, 3 and 2
+    assert StaticEngine(model, TOK, max_kv_gib=8 * row / 2**30)._wave_size(call, 8) == 8
+    assert probe._wave_size(call, 8) == 8  # no budget on CPU

@@ -13,7 +13,8 @@ module=${1:?usage: bash scripts/mutation.sh objectives|rewards|checkpoint|ops|op
 shift
 case "$module" in
   objectives) mutate="logitless/objectives/*"
-              tests="tests/test_objectives.py tests/test_objectives_accum.py tests/test_objectives_hint.py tests/test_advantages.py tests/test_objectives_liger.py tests/test_objectives_reference.py tests/test_options_bounds.py" ;;
+              tests="tests/test_objectives.py tests/test_objectives_accum.py tests/test_objectives_hint.py tests/test_advantages.py tests/test_objectives_liger.py tests/test_objectives_reference.py tests/test_options_bounds.py
+                     tests/test_policy_loss_edges.py tests/test_objective_inputs.py" ;;
   rewards)    mutate="logitless/rewards/*"
               tests="tests/test_rewards.py tests/test_extraction.py tests/test_rewards_edges.py" ;;
   checkpoint) mutate="logitless/trainer/checkpoint.py"
@@ -25,7 +26,7 @@ case "$module" in
   ops-cpu)    mutate="logitless/ops/chunked.py logitless/ops/token_logprobs.py"
               tests="tests/test_op.py tests/test_op_chunked.py" ;;
   rollout)    mutate="logitless/rollout/*"
-              tests="tests/test_rollout.py tests/test_sampling_stats.py" ;;
+              tests="tests/test_rollout.py tests/test_sampling_stats.py tests/test_rollout_units.py" ;;
   rollout-cpu) # the rest of rollout/ (sampling.py has its own target) against the faster engine tests: not the
               # chi-square tests, nor test_rollout_families.py (every family x backend: too slow per mutant)
               mutate="logitless/rollout/static.py logitless/rollout/engine.py logitless/rollout/kv_cache.py

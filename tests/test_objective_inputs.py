@@ -83,3 +83,87 @@ def test_option_choice_and_number_messages():
     _raises(ValueError, "epsilon_low=1.5 must be <= 1.0.", ObjectiveOptions, epsilon_low=1.5)
     for bad in (True, "0.1", float("nan")):
         _raises(TypeError, f"beta must be a finite number, got {bad!r}.", ObjectiveOptions, beta=bad)
+
+
+@pytest.mark.parametrize("kw,exc,message", [
+    ({"loss_type": "cispo"}, ValueError,
+     "loss_type='cispo' caps the IS weight at epsilon_high itself (TRL/Liger semantics; ScaleRL uses 5.0), so "
+     "epsilon_high=0.2 would scale every token down. Set epsilon_high >= 1 (open-instruct's cap 1+ε corresponds "
+     "to epsilon_high=1.272)."),
+    ({"loss_type": "sapo", "importance_sampling_level": "sequence"}, ValueError,
+     "importance_sampling_level='sequence' is not supported with loss_type='sapo': sapo weights each token by its "
+     "own ratio (Liger raises here; TRL only warns). Use importance_sampling_level='token'."),
+    ({"loss_type": "luspo"}, ValueError,
+     "loss_type='luspo' scales each sequence's loss by its length; at importance_sampling_level='token' TRL/Liger "
+     "then average over all B×T positions including padding, so the loss depends on padding values. Use "
+     "importance_sampling_level='sequence' (the LUSPO paper) or loss_type='dr_grpo'."),
+    ({"loss_type": "cispo", "epsilon_high": 5.0, "delta": 3.0}, ValueError,
+     "delta=3.0 only applies to the clipped-ratio loss types ('grpo', 'bnpo', 'dr_grpo', 'dapo', 'luspo'); "
+     "loss_type='cispo' has no unclipped ratio term. Set delta=None."),
+    ({"delta": "x"}, TypeError, "delta must be a finite number, got 'x'."),
+    ({"delta": 1.1}, ValueError,
+     "delta=1.1 must be > 1 + epsilon_high = 1.2: a smaller delta is the same as epsilon_high = delta - 1; set that "
+     "instead."),
+    ({"loss_type": "dr_grpo"}, ValueError,
+     "loss_type='dr_grpo' divides by num_sequences × max_completion_length; set max_completion_length (the "
+     "generation limit, e.g. 1024)."),
+    ({"max_completion_length": True}, ValueError, "max_completion_length must be a positive int, got True."),
+    ({"max_completion_length": 0}, ValueError, "max_completion_length must be a positive int, got 0."),
+    ({"use_bias_correction_kl": True}, ValueError,
+     "use_bias_correction_kl=True has no effect with beta=0 (no KL term); set beta > 0 or "
+     "use_bias_correction_kl=False."),
+    ({"sampler_is_sequence_reduction": "product"}, ValueError,
+     "sampler_is_sequence_reduction is set but sampler_is_mode=None (IS correction off); set sampler_is_mode or "
+     "leave the reduction None."),
+    ({"sampler_is_mode": "token_mask", "sampler_is_clip_max": None}, ValueError,
+     "sampler_is_mode='token_mask' needs sampler_is_clip_min and/or sampler_is_clip_max (TRL default "
+     "clip_max=3.0)."),
+    ({"sampler_is_mode": "token_mask", "sampler_is_clip_min": 2.0, "sampler_is_clip_max": 2.0}, ValueError,
+     "sampler_is_clip_min=2.0 must be < sampler_is_clip_max=2.0."),
+    ({"sampler_is_mode": "token_mask", "sampler_is_clip_min": 2.5, "sampler_is_clip_max": 2.0}, ValueError,
+     "sampler_is_clip_min=2.5 must be < sampler_is_clip_max=2.0."),
+    ({"sampler_is_mode": "sequence_mask"}, ValueError,
+     "sampler_is_mode='sequence_mask' needs sampler_is_sequence_reduction: 'product' (exp of the summed "
+     "log-ratios: TRL, verl) or 'geometric_mean' (exp of their mean: open-instruct, OpenRLHF)."),
+    ({"loss_type": "vespo", "sampler_is_mode": "sequence_mask", "sampler_is_sequence_reduction": "product"},
+     ValueError, "loss_type='vespo' folds a per-token IS ratio into its sequence weight (as TRL); use "
+     "sampler_is_mode='token_truncate' or 'token_mask'."),
+    ({"sampler_is_mode": "token_mask", "sampler_is_sequence_reduction": "product"}, ValueError,
+     "sampler_is_sequence_reduction only applies to sequence_* modes, not 'token_mask'; set it to None."),
+])
+def test_option_messages(kw, exc, message):
+    _raises(exc, message, ObjectiveOptions, **kw)
+
+
+def test_edge_options_that_are_valid():
+    ObjectiveOptions(max_completion_length=1)
+    ObjectiveOptions(sampler_is_mode="token_mask", sampler_is_clip_min=1.9, sampler_is_clip_max=2.0)
+
+
+def test_loss_normalizer_messages():
+    m = torch.ones(2, 3)
+    _raises(ValueError, "options.mask_truncated_completions=True: pass truncated= (one [B] bool tensor per "
+            "micro-batch) so truncated rows are left out of the token count, as in policy_loss.",
+            loss_normalizer, ObjectiveOptions(mask_truncated_completions=True), [m])
+    _raises(ValueError, "truncated has 0 entries but masks has 1; pass one per micro-batch.",
+            loss_normalizer, ObjectiveOptions(), [m], truncated=[])
+
+
+def test_a_tensor_normalizer_of_one_divides_by_one():
+    logp = torch.tensor([[-1.0, -2.0]])
+    mask = torch.tensor([[1.0, 0.0]])
+    adv = torch.tensor([2.0])
+    for n in (1.0, torch.tensor(1.0), torch.tensor([1.5])):
+        out = policy_loss(logp, mask, adv, ObjectiveOptions(), n)
+        assert out.loss.item() == pytest.approx(-2.0 / float(n))
+
+
+def test_on_policy_hint_with_a_zero_entropy_coef_overriding_the_options():
+    from logitless.objectives import on_policy_logp_grad
+
+    logp, _, _, _, _, adv, mask = _batch()
+    o = _opts(entropy_coef=0.1)
+    n = loss_normalizer(o, [mask])
+    hint = on_policy_logp_grad(mask, adv, o, n, entropy_coef=0.0)  # e.g. the adaptive coefficient at 0
+    torch.testing.assert_close(hint, (-adv[:, None] * mask / n).float())
+    assert on_policy_logp_grad(mask, adv, o, n) is None  # the options' own coefficient needs the entropy

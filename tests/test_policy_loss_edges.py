@@ -265,3 +265,15 @@ def test_metric_names():
         "entropy/kept"}
     torch.testing.assert_close(out.metrics["entropy"].total, (ent * mask).sum())
     torch.testing.assert_close(out.metrics["is/logp_diff"].total, ((old - samp).abs() * mask).sum())
+
+
+def test_controlled_entropy_is_the_kept_tokens_mean():
+    from logitless.objectives.entropy import controlled_entropy
+
+    logp, old, _, _, ent, adv, mask = _batch(seed=8)
+    out, _ = _run(_opts(top_entropy_quantile=0.5), logp, mask, adv, entropy=ent, entropy_threshold=1.0)
+    kept = (ent >= 1.0) & mask.bool()
+    assert controlled_entropy(out.metrics) == pytest.approx((ent * kept).sum().item() / kept.sum().item())
+    out, _ = _run(_opts(), logp, mask, adv, entropy=ent)  # no top-entropy mask: every loss token
+    assert controlled_entropy(out.metrics) == pytest.approx((ent * mask).sum().item() / mask.sum().item())
+    assert isinstance(controlled_entropy(out.metrics), float)

@@ -2,18 +2,19 @@
 # Mutation testing with mutmut, one module at a time against its fast tests (developer tool, not run by CI).
 #
 #   pip install mutmut==3.8.1
-#   bash scripts/mutation.sh objectives|rewards|checkpoint|ops|ops-cpu|rollout|sampling [more mutmut run args]
+#   bash scripts/mutation.sh objectives|rewards|checkpoint|ops|ops-cpu|rollout|rollout-cpu|sampling [more mutmut run args]
 #
 # Works in a scratch copy of the repository (MUTATION_DIR, default a new temporary folder) with a generated
 # setup.cfg, so the checkout is never touched; prints the score and the surviving mutants, and leaves the
 # copy for `mutmut show <name>` / `mutmut browse` there. One worker at low priority: CPU-friendly, not fast.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-module=${1:?usage: bash scripts/mutation.sh objectives|rewards|checkpoint|ops|ops-cpu|rollout|sampling}
+module=${1:?usage: bash scripts/mutation.sh objectives|rewards|checkpoint|ops|ops-cpu|rollout|rollout-cpu|sampling}
 shift
 case "$module" in
   objectives) mutate="logitless/objectives/*"
-              tests="tests/test_objectives.py tests/test_objectives_accum.py tests/test_objectives_hint.py tests/test_advantages.py tests/test_objectives_liger.py tests/test_objectives_reference.py tests/test_options_bounds.py" ;;
+              tests="tests/test_objectives.py tests/test_objectives_accum.py tests/test_objectives_hint.py tests/test_advantages.py tests/test_objectives_liger.py tests/test_objectives_reference.py tests/test_options_bounds.py
+                     tests/test_policy_loss_edges.py tests/test_objective_inputs.py" ;;
   rewards)    mutate="logitless/rewards/*"
               tests="tests/test_rewards.py tests/test_extraction.py tests/test_rewards_edges.py" ;;
   checkpoint) mutate="logitless/trainer/checkpoint.py"
@@ -25,8 +26,16 @@ case "$module" in
   ops-cpu)    mutate="logitless/ops/chunked.py logitless/ops/token_logprobs.py"
               tests="tests/test_op.py tests/test_op_chunked.py" ;;
   rollout)    mutate="logitless/rollout/*"
-              tests="tests/test_rollout.py tests/test_sampling_stats.py" ;;
-  *) echo "unknown module '$module'; use objectives, rewards, checkpoint, ops, ops-cpu, rollout or sampling" >&2; exit 2 ;;
+              tests="tests/test_rollout.py tests/test_sampling_stats.py tests/test_rollout_units.py" ;;
+  rollout-cpu) # the rest of rollout/ (sampling.py has its own target) against the faster engine tests: not the
+              # chi-square tests, nor test_rollout_families.py (every family x backend: too slow per mutant)
+              mutate="logitless/rollout/static.py logitless/rollout/engine.py logitless/rollout/kv_cache.py
+                      logitless/rollout/weights.py logitless/rollout/hf.py logitless/rollout/continuous.py
+                      logitless/rollout/layouts.py logitless/rollout/attention.py logitless/rollout/types.py
+                      logitless/rollout/factory.py"
+              tests="tests/test_rollout.py tests/test_rollout_weights.py tests/test_rollout_waves.py
+                     tests/test_rollout_units.py" ;;
+  *) echo "unknown module '$module'; use objectives, rewards, checkpoint, ops, ops-cpu, rollout, rollout-cpu or sampling" >&2; exit 2 ;;
 esac
 python=${PYTHON:-python}
 work=${MUTATION_DIR:-$(mktemp -d -t logitless-mutation.XXXXXX)}

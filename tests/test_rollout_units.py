@@ -5,10 +5,14 @@ leaves the training model's frozen weights frozen."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
+from logitless.rollout import SamplingOptions
 from logitless.rollout.engine import _cut_text, _stop_cut
 from logitless.rollout.weights import LiveWeights, MergedLoraWeights, merge_refusal, rollout_weights
 from tests.test_rollout_families import TOK, make_model
@@ -196,3 +200,37 @@ def test_static_wave_size_from_max_kv_gib():
     assert eng._wave_size(call, 8) == 3  # 3 rows fit: waves of 3, 3 and 2
     assert StaticEngine(model, TOK, max_kv_gib=8 * row / 2**30)._wave_size(call, 8) == 8
     assert probe._wave_size(call, 8) == 8  # no budget on CPU
+
+
+@pytest.mark.parametrize("field, value, error, text", [
+    ("num_generations", True, TypeError, "SamplingOptions.num_generations must be an int, got True"),
+    ("num_generations", 0, ValueError, "SamplingOptions.num_generations=0 is invalid: use G >= 1 samples per prompt"),
+    ("temperature", True, ValueError, "SamplingOptions.temperature=True is invalid: use a finite temperature >= 0 (0 = greedy)"),
+    ("temperature", "1.0", ValueError, "SamplingOptions.temperature='1.0' is invalid: use a finite temperature >= 0"),
+    ("temperature", math.inf, ValueError, "SamplingOptions.temperature=inf is invalid"),
+    ("temperature", -0.1, ValueError, "SamplingOptions.temperature=-0.1 is invalid"),
+    ("top_p", 1.5, ValueError, "SamplingOptions.top_p=1.5 is invalid: use 0 < top_p <= 1 (1 disables nucleus filtering)"),
+    ("top_p", 0.0, ValueError, "SamplingOptions.top_p=0.0 is invalid"),
+    ("top_k", True, ValueError, "SamplingOptions.top_k=True is invalid: use an int >= 0 (0 disables top-k)"),
+    ("top_k", 2.0, ValueError, "SamplingOptions.top_k=2.0 is invalid"),
+    ("top_k", -1, ValueError, "SamplingOptions.top_k=-1 is invalid"),
+    ("min_p", 1.0, ValueError, "SamplingOptions.min_p=1.0 is invalid: use 0 <= min_p < 1 (0 disables min-p)"),
+    ("repetition_penalty", 0.0, ValueError, "SamplingOptions.repetition_penalty=0.0 is invalid: use a positive value (1.0 disables it)"),
+    ("max_new_tokens", True, TypeError, "SamplingOptions.max_new_tokens must be an int, got True"),
+    ("max_new_tokens", 0, ValueError, "SamplingOptions.max_new_tokens=0 is invalid: use max_new_tokens >= 1"),
+    ("stop", [""], ValueError, "SamplingOptions.stop=[''] is invalid: pass a list of non-empty strings, e.g. stop=[\"</answer>\"]"),
+    ("stop", [3], ValueError, "SamplingOptions.stop=[3] is invalid"),
+])
+def test_sampling_options_refuse_each_bad_field_by_its_text(field, value, error, text):
+    opts = dataclasses.replace(SamplingOptions(), **{field: value})
+    with pytest.raises(error) as e:
+        opts.validate()
+    assert type(e.value) is error and str(e.value).startswith(text)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("num_generations", 1), ("temperature", 0), ("temperature", 0.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
+    ("max_new_tokens", 1), ("stop", ("</answer>",)), ("stop", []),
+])
+def test_sampling_options_accept_each_field_at_its_edge(field, value):
+    dataclasses.replace(SamplingOptions(), **{field: value}).validate()

@@ -97,7 +97,7 @@ def run_mode(mode: str, model_dir: Path, args, world: parallel.World, work: Path
         "peak_gib_per_gpu_max": global_max(peak),
         # where the peak sits: each phase's largest peak over steps, the largest over ranks
         "peak_gib_per_phase": {p: global_max(max(r.get(f"memory/peak_gb/{p}", 0.0) for r in records))
-                               for p in ("generate", "score", "logprobs", "train")},
+                               for p in (k.removeprefix("time/") for k in PHASES)},
         "peak_gib_rank0": peak,
         "records": records,
     }

@@ -69,6 +69,14 @@ def merge_refusal(model: Any) -> str | None:
     return None
 
 
+def fresh_copy(module: Any, memo: dict | None = None) -> Any:
+    """`copy.deepcopy(module, memo)` without a compiled call inherited from `module` (it would run the original)."""
+    out = copy.deepcopy(module, memo)
+    for attr in ("_compiled_call", "_last_compile_config"):
+        out.__dict__.pop(attr, None)
+    return out
+
+
 class MergedLoraWeights:
     """A plain-model inference copy of a PEFT LoRA model: merged weights for the LoRA layers, everything else
     shared. `sync()` recomputes W + ΔW from the current adapters in place."""
@@ -80,9 +88,7 @@ class MergedLoraWeights:
                              "rollout.merge_lora=false to decode with the unmerged PEFT model")
         base = unwrap_model(peft_model)  # the transformers model with LoRA layers injected
         shared = {id(t): t for t in [*base.parameters(), *base.buffers()]}  # deepcopy shares, never copies, these
-        self.module = copy.deepcopy(base, memo=shared)
-        for attr in ("_compiled_call", "_last_compile_config"):  # a compiled call would still run `base`
-            self.module.__dict__.pop(attr, None)
+        self.module = fresh_copy(base, memo=shared)
         self._pairs: list[tuple[Any, torch.Tensor]] = []  # (training-side LoRA layer, merged weight)
         copies = dict(lora_layers(self.module))
         for name, layer in lora_layers(base):
@@ -90,10 +96,8 @@ class MergedLoraWeights:
             plain._parameters = dict(plain._parameters)
             merged = torch.nn.Parameter(torch.empty_like(plain.weight), requires_grad=False)
             plain.weight = merged
-            parent_name, _, child = name.rpartition(".")
-            parent = self.module.get_submodule(parent_name) if parent_name else self.module
-            assert copies[name] is getattr(parent, child)
-            setattr(parent, child, plain)
+            assert copies[name] is self.module.get_submodule(name)
+            self.module.set_submodule(name, plain)
             self._pairs.append((layer, merged.data))
         self.module.eval().requires_grad_(False)
         self.extra_bytes = sum(w.numel() * w.element_size() for _, w in self._pairs)

@@ -49,7 +49,7 @@ from torch import nn
 from logitless.models import completion_logprobs
 from logitless.models.lm_head import UnsupportedModelError, causal_lm_of, decoder_body
 from logitless.rollout.engine import unwrap_model
-from logitless.rollout.weights import lora_layers, merge_refusal
+from logitless.rollout.weights import fresh_copy, lora_layers, merge_refusal
 from logitless.trainer.batching import MicroBatch
 from logitless.trainer.config import TrainerConfig
 from logitless.trainer.distributed import is_distributed
@@ -285,13 +285,10 @@ class MergedRolloutCopy:
     """
 
     def __init__(self, peft_model: nn.Module):
-        self.model = copy.deepcopy(unwrap_model(peft_model)).eval().requires_grad_(False)
-        for attr in ("_compiled_call", "_last_compile_config"):  # a compiled call would run the original
-            self.model.__dict__.pop(attr, None)
+        self.model = fresh_copy(unwrap_model(peft_model)).eval().requires_grad_(False)
         self.names = [name for name, _ in lora_layers(self.model)]
         for name, layer in lora_layers(self.model):  # each LoRA layer becomes its base layer: the merged storage
-            parent_name, _, child = name.rpartition(".")
-            setattr(self.model.get_submodule(parent_name) if parent_name else self.model, child, layer.get_base_layer())
+            self.model.set_submodule(name, layer.get_base_layer())
 
     @staticmethod
     def applies(model: nn.Module, merge_lora: bool | None) -> bool:

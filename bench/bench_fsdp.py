@@ -85,8 +85,11 @@ def run_mode(mode: str, model_dir: Path, args, world: parallel.World, work: Path
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     res = train(cfg)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
     records = res.records
+    # the allocator's peak since the start, or a phase's peak: those also count sleepable weight memory, which
+    # lives outside the allocator (rollout/sleep.py)
+    peak = max(torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan"),
+               max(r.get("memory/peak_gb", 0.0) for r in records))
     steady = records[1:] or records  # step 1 includes warm-up
     step_s = [sum(r.get(k, 0.0) for k in PHASES) for r in steady]
     tokens = [r["completion/length_mean"] * args.prompts * args.G for r in steady]  # the global step's tokens

@@ -44,11 +44,12 @@ def peft_logprobs(model, b) -> torch.Tensor:
                                    temperature=OPTS.temperature)[0].float()
 
 
+@pytest.mark.parametrize("mode", ["resident", "in_place"])
 @pytest.mark.parametrize("family", list(TARGETS))
-def test_merged_lora_rollout_matches_the_peft_model(family, one_thread):
+def test_merged_lora_rollout_matches_the_peft_model(family, mode, one_thread):
     model = lora_model(family)
     base_before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
-    weights = MergedLoraWeights(model)
+    weights = MergedLoraWeights(model, mode)
     eng = make_engine("static", model, TOK, check_every=4, weights=weights)
     for step in range(2):
         b = eng.generate(PROMPTS, OPTS)
@@ -60,10 +61,13 @@ def test_merged_lora_rollout_matches_the_peft_model(family, one_thread):
         perturb(model, step + 1)  # an optimizer step; the next generate syncs the merged copy
     for n, p in model.named_parameters():
         if "lora_" not in n:
-            assert torch.equal(p, base_before[n]), n  # base weights never written
-    # the copy shares every parameter except the targeted layers' weights
+            assert torch.equal(p, base_before[n]), n  # base weights never written (in_place: written back exactly)
+    # the copy shares every parameter except the targeted layers' weights (in_place: every parameter)
     own = {id(p) for p in model.parameters()}
     extra = [p for p in weights.module.parameters() if id(p) not in own]
+    if mode == "in_place":
+        assert extra == [] and weights.extra_bytes == 0
+        return
     assert weights.extra_bytes == sum(p.numel() * p.element_size() for p in extra) > 0
     targeted = sum(layer.get_base_layer().weight.numel() for _, layer in lora_layers(model))
     assert sum(p.numel() for p in extra) == targeted

@@ -18,8 +18,9 @@
   (exactly on CPU). Repetition penalty, top-k, top-p and min-p are transformers' processors; finished rows emit
   the pad id. Stop strings are checked on the host every `check_every` steps, which is also when the loop exits
   early once every row is done.
-- Weights come from a `WeightSource` (`weights.py`), synced at the start of every call: the model itself, or a
-  merged-LoRA inference copy that decodes at plain-model speed.
+- Weights come from a `WeightSource` (`weights.py`), synced at the start of every call and released at its end:
+  the model itself, or a merged-LoRA inference copy that decodes at plain-model speed (and, sleeping, frees its
+  memory between calls).
 - The recorded logprob is log_softmax(raw_logits / T)[token], as documented in `types.py`.
 
 The KV cache lives only for one `generate` call; its length is rounded up to `cache_multiple` tokens and never
@@ -226,21 +227,25 @@ class StaticEngine:
         with generation_mode(module), gqa_decode(unwrap_model(module).config):
             if self.auto_sync:
                 self.weights.sync()
-            sync(device)
-            tg = time.perf_counter()
-            call = self._prefill(module, prep, options, P, S)
-            call.keys = row_keys(seed, prompt_of_row, torch.arange(B, device=device) % G)
-            call.codes, call.filters, call.eos = vocab_codes(call.first_logits.shape[-1], device), filters, eos
-            wave = self._wave_size(call, B)
-            for r0 in range(0, B, wave):
-                rows = torch.arange(r0, min(r0 + wave, B), device=device)
-                ids, lp, steps = self._decode_wave(module, call, rows, prompt_of_row, pad_to=wave)
-                completion[r0 : r0 + len(rows), :steps] = ids.cpu()
-                logps[r0 : r0 + len(rows), :steps] = lp.cpu()
-                lens[r0 : r0 + len(rows)] = steps
-            sync(device)
-            gen_s = time.perf_counter() - tg
-            del call
+            try:
+                sync(device)
+                tg = time.perf_counter()
+                call = self._prefill(module, prep, options, P, S)
+                call.keys = row_keys(seed, prompt_of_row, torch.arange(B, device=device) % G)
+                call.codes, call.filters, call.eos = vocab_codes(call.first_logits.shape[-1], device), filters, eos
+                wave = self._wave_size(call, B)
+                for r0 in range(0, B, wave):
+                    rows = torch.arange(r0, min(r0 + wave, B), device=device)
+                    ids, lp, steps = self._decode_wave(module, call, rows, prompt_of_row, pad_to=wave)
+                    completion[r0 : r0 + len(rows), :steps] = ids.cpu()
+                    logps[r0 : r0 + len(rows), :steps] = lp.cpu()
+                    lens[r0 : r0 + len(rows)] = steps
+                sync(device)
+                gen_s = time.perf_counter() - tg
+                del call
+            finally:
+                if self.auto_sync:
+                    self.weights.release()  # a sleeping weight copy frees its memory until the next sync
         batch = build_batch(self.tokenizer, prep, completion, logps, lens, gen_s)
         batch.timing.parts = dict(self._last_parts) if self.profile else {}
         return batch

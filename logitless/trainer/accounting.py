@@ -163,7 +163,8 @@ def _sync(device: torch.device) -> None:
 class PhaseTimer:
     """Wall time and peak memory of each phase of one step: `with timer("generate"): ...`.
 
-    On CUDA the peak is the allocator's peak inside the phase (reset at its start); on CPU it is the process's
+    On CUDA the peak is the allocator's peak inside the phase (reset at its start) plus the most bytes of sleepable
+    weight memory (`rollout/sleep.py`, outside the allocator) mapped during it; on CPU it is the process's
     resident-set high-water mark so far (it cannot be reset). Phases end with a device sync, so each time
     includes the GPU work the phase queued.
     """
@@ -178,6 +179,7 @@ class PhaseTimer:
         _sync(self.device)
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+            sleep.reset_mapped_peak()
         t0 = time.perf_counter()
         try:
             yield
@@ -185,7 +187,7 @@ class PhaseTimer:
             _sync(self.device)
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
             peak = (
-                torch.cuda.max_memory_allocated(self.device) / 2**30
+                (torch.cuda.max_memory_allocated(self.device) + sleep.mapped_peak()) / 2**30
                 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
             )
             self.peak_gb[phase] = max(self.peak_gb.get(phase, 0.0), peak)

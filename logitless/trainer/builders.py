@@ -12,7 +12,8 @@ from logitless.data import PromptRow, load_hf_prompts, load_jsonl_prompts, load_
 from logitless.rewards import get_reward_fn
 from logitless.rollout import RolloutEngine, SamplingOptions, make_engine
 from logitless.rollout.engine import context_window, encode_prompts
-from logitless.rollout.weights import rollout_weights
+from logitless.rollout import sleep
+from logitless.rollout.weights import merges, rollout_weights
 from logitless.trainer.config import DataConfig, OptimConfig, RewardConfig, RolloutConfig
 from logitless.trainer.modeling import QLORA_INSTALL_HINT, require_cuda_package
 
@@ -124,13 +125,38 @@ def make_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, cfg: Opti
 
 
 def make_rollout_engine(cfg: RolloutConfig, model: Any, tokenizer: Any) -> RolloutEngine:
-    """The rollout section's engine; backend "static" decodes from `rollout_weights` (a merged-LoRA copy when
-    rollout.merge_lora allows) under the rollout.max_kv_gib budget."""
+    """The rollout section's engine; backend "static" decodes from `rollout_weights` (merged LoRA weights when
+    rollout.merge_lora allows, where rollout.weight_copy says) under the rollout.max_kv_gib budget."""
     if cfg.backend != "static":
         return make_engine(cfg.backend, model, tokenizer)
-    weights = rollout_weights(model, cfg.merge_lora)
+    merged = merges(model, cfg.merge_lora)
+    mode = weight_copy(cfg, next(model.parameters()).device, has_copy=merged, distributed=False)
+    weights = rollout_weights(model, cfg.merge_lora, mode)
     return make_engine("static", model, tokenizer, weights=weights, max_kv_gib=cfg.max_kv_gib, profile=cfg.profile,
                        length_buckets=cfg.length_buckets, compact_finished=cfg.compact_finished)
+
+
+def weight_copy(cfg: RolloutConfig, device: torch.device, *, has_copy: bool, distributed: bool) -> str:
+    """Where the rollout's merged weights or replica live (rollout.weight_copy; see `MergedLoraWeights`): the
+    setting, or when unset in_place on one CUDA process, sleep under torchrun on CUDA, resident otherwise. Raises
+    when the setting cannot apply."""
+    mode = cfg.weight_copy
+    if mode is None:
+        if not has_copy or device.type != "cuda":
+            return "resident"
+        return "sleep" if distributed and sleep.unavailable(device) is None else ("resident" if distributed else "in_place")
+    why = None
+    if not has_copy:
+        why = ("the engine decodes with the training model itself (no merged-LoRA copy: full fine-tuning on one "
+               "process, rollout.merge_lora=false, or 4-bit or DoRA adapters)")
+    elif mode == "sleep":
+        why = sleep.unavailable(device)
+    elif mode == "in_place" and distributed:
+        why = "under torchrun the training weights are sharded (use sleep or resident)"
+    if why is not None and mode != "resident":
+        raise ValueError(f"rollout.weight_copy={mode} cannot apply: {why}; unset rollout.weight_copy or set it to "
+                         "resident")
+    return mode
 
 
 def sampling_options(

@@ -182,6 +182,12 @@ class RolloutConfig:
     # Decode from a merged-LoRA inference copy of the model (plain-model decode speed; costs the LoRA-targeted
     # layers' weights once more). None: whenever the adapters can be merged (not 4-bit, not DoRA).
     merge_lora: bool | None = None
+    # Where the rollout's merged-LoRA weights (or, under torchrun, its replica) live. "resident": a copy beside the
+    # model, always. "sleep" (CUDA): that copy is freed during the update and mapped back at the same addresses
+    # before the next rollout. "in_place" (one process, LoRA): no copy; the merge is written into the frozen base
+    # weights for the rollout and the exact base written back from a pinned host copy after it. None: in_place on
+    # one CUDA process, sleep under torchrun on CUDA, resident otherwise (and with train.async_rollout).
+    weight_copy: Literal["resident", "sleep", "in_place"] | None = None
     profile: bool = False  # log the seconds of each part of decoding (prefill, forward, sample); adds syncs
     # Decode attention reads only the filled part of the KV cache, rounded up to one of this many lengths
     # (1 = the whole cache). Each length is one more compiled decode graph; 4 suits long completions.
@@ -203,6 +209,7 @@ class RolloutConfig:
             length_buckets=self.length_buckets,
         )
         static_only = {"max_kv_gib": self.max_kv_gib is not None, "merge_lora": self.merge_lora is True,
+                       "weight_copy": self.weight_copy is not None,
                        "profile": self.profile, "length_buckets": self.length_buckets != 1,
                        "compact_finished": self.compact_finished}
         for name, used in static_only.items():

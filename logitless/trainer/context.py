@@ -28,6 +28,7 @@ from logitless.trainer.builders import (
     make_scheduler,
     reward_functions,
     sampling_options,
+    weight_copy,
     sync_offloaded_params,
 )
 from logitless.trainer.config import TrainerConfig, to_yaml
@@ -159,7 +160,10 @@ def build_context(
     if cfg.train.packed:
         check_packed_attention(model)
     reference = ReferencePolicy(model) if cfg.objective.beta > 0 else None  # before a resume loads trained weights
-    replica = make_replica(model, cfg.rollout.merge_lora) if world.distributed and cfg.rollout.backend in COPY_BACKENDS else None
+    replica = None
+    if world.distributed and cfg.rollout.backend in COPY_BACKENDS:
+        mode = weight_copy(cfg.rollout, device, has_copy=True, distributed=True)
+        replica = make_replica(model, cfg.rollout.merge_lora, sleep=mode == "sleep")
     if world.distributed:
         model = shard_model(model, device)
         if world.rank:
@@ -176,6 +180,8 @@ def build_context(
     coef = EntropyCoef(*state["entropy_coef"]) if "entropy_coef" in state else initial_entropy_coef(cfg.objective)
     merged = isinstance(replica, MergedRolloutCopy)
     rollout_cfg = dataclasses.replace(cfg.rollout, merge_lora=None) if merged else cfg.rollout
+    if replica is not None or cfg.train.async_rollout:  # the replica sleeps itself; async samples during updates
+        rollout_cfg = dataclasses.replace(rollout_cfg, weight_copy="resident")
     engine = make_rollout_engine(rollout_cfg, replica.model if replica else model, tokenizer)  # merged: a plain model
     prefetch = None
     if cfg.train.async_rollout:

@@ -20,7 +20,9 @@ How the weights are handled:
     adapters stay unmerged, as on one process. Cost: one all-gather of the model per step, and the full weights'
     memory during the rollout only.
   - `static` backend (CUDA-graph decode, which needs weights at fixed addresses): a persistent replica updated
-    in place before each rollout (`make_replica`). Cost: the replica's memory all the time.
+    in place before each rollout (`make_replica`). Cost: the replica's memory all the time, or, with
+    rollout.weight_copy=sleep (the default under torchrun on CUDA), only during the rollout: the weights each sync rewrites live in
+    `rollout.sleep.SleepableMemory`, freed after the rollout and mapped back at the same addresses before it.
     - `MergedRolloutCopy` (LoRA, unless rollout.merge_lora=false): a plain model whose LoRA layers hold
       W + ΔW. The sync all-gathers the LoRA layers' frozen base weights and the adapters and merges them, as
       the single-process merged copy does; the replica is the size of the model, with no second copy of the
@@ -49,6 +51,7 @@ from torch import nn
 from logitless.models import completion_logprobs
 from logitless.models.lm_head import UnsupportedModelError, causal_lm_of, decoder_body
 from logitless.rollout.engine import unwrap_model
+from logitless.rollout.sleep import SleepableMemory
 from logitless.rollout.weights import fresh_copy, lora_layers, merge_refusal
 from logitless.trainer.batching import MicroBatch
 from logitless.trainer.config import TrainerConfig
@@ -259,12 +262,21 @@ class RolloutCopy:
     unmerged) in the same dtype, so its logprobs are the trainer's.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, sleep: bool = False):
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
         self.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        own = dict(self.model.named_parameters())
+        self.memory = SleepableMemory([own[n] for n in self.trainable]) if sleep else None
+
+    def release(self) -> None:
+        """Free the synced weights until the next `sync` (with sleep; they are rewritten in full then)."""
+        if self.memory is not None:
+            self.memory.sleep()
 
     @torch.no_grad()
     def sync(self, sharded: nn.Module) -> None:
+        if self.memory is not None:
+            self.memory.wake()
         src, dst = dict(sharded.named_parameters()), dict(self.model.named_parameters())
         for name in self.trainable:
             p = src[name]
@@ -284,11 +296,18 @@ class MergedRolloutCopy:
     other parameters are frozen and copied once. The weights keep their addresses across syncs.
     """
 
-    def __init__(self, peft_model: nn.Module):
+    def __init__(self, peft_model: nn.Module, sleep: bool = False):
         self.model = fresh_copy(unwrap_model(peft_model)).eval().requires_grad_(False)
         self.names = [name for name, _ in lora_layers(self.model)]
         for name, layer in lora_layers(self.model):  # each LoRA layer becomes its base layer: the merged storage
             self.model.set_submodule(name, layer.get_base_layer())
+        merged = [self.model.get_submodule(name).weight for name in self.names]
+        self.memory = SleepableMemory(merged) if sleep else None  # the merged weights: rewritten at every sync
+
+    def release(self) -> None:
+        """Free the merged weights until the next `sync` (with sleep)."""
+        if self.memory is not None:
+            self.memory.sleep()
 
     @staticmethod
     def applies(model: nn.Module, merge_lora: bool | None) -> bool:
@@ -300,6 +319,8 @@ class MergedRolloutCopy:
 
     @torch.no_grad()
     def sync(self, sharded: nn.Module) -> None:
+        if self.memory is not None:
+            self.memory.wake()
         src = unwrap_model(sharded)
         for name in self.names:  # the same order on every rank: each full tensor is a collective
             layer = src.get_submodule(name)
@@ -312,9 +333,12 @@ class MergedRolloutCopy:
             self.model.get_submodule(name).weight.copy_(w)
 
 
-def make_replica(model: nn.Module, merge_lora: bool | None) -> RolloutCopy | MergedRolloutCopy:
-    """The static backend's replica under torchrun: merged for LoRA when it can be, else the policy as is."""
-    return MergedRolloutCopy(model) if MergedRolloutCopy.applies(model, merge_lora) else RolloutCopy(model)
+def make_replica(model: nn.Module, merge_lora: bool | None, sleep: bool = False) -> RolloutCopy | MergedRolloutCopy:
+    """The static backend's replica under torchrun: merged for LoRA when it can be, else the policy as is.
+    sleep: its synced weights are freed between rollouts (rollout.weight_copy=sleep)."""
+    if MergedRolloutCopy.applies(model, merge_lora):
+        return MergedRolloutCopy(model, sleep=sleep)
+    return RolloutCopy(model, sleep=sleep)
 
 
 @contextmanager
@@ -323,7 +347,10 @@ def rollout_weights(model: nn.Module, replica: RolloutCopy | MergedRolloutCopy |
     sharded model's full weights (`full_weights`); nothing to do on one process."""
     if replica is not None:
         replica.sync(model)
-        yield
+        try:
+            yield
+        finally:
+            replica.release()
     else:
         with full_weights(model):
             yield

@@ -77,6 +77,14 @@ def _check_training(cfg: TrainerConfig) -> None:
         )
 
 
+    if cfg.train.async_rollout and r.weight_copy not in (None, "resident"):
+        raise ValueError(
+            f"rollout.weight_copy={r.weight_copy} frees or restores the merged weights after each rollout, but "
+            "train.async_rollout=true samples from them while the update runs; set rollout.weight_copy=resident (or "
+            "unset it) for async rollouts"
+        )
+
+
 def check_device(name: str) -> None:
     """Refuse a device that does not parse or is not present on this machine (model.device)."""
     if name == "auto":

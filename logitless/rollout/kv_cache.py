@@ -114,15 +114,23 @@ def kv_bytes_per_token(prefill: DynamicCache) -> int:
 
 def auto_kv_budget(device: torch.device, fraction: float) -> float | None:
     """Bytes the decode cache may use when no budget is set: `fraction` of the device memory that is free now
-    (driver-free plus what torch's allocator holds unused, within torch.cuda.set_per_process_memory_fraction's
-    cap). None (no cap) off CUDA."""
+    (driver-free plus what torch's allocator holds unused outside private pools, within
+    torch.cuda.set_per_process_memory_fraction's cap). None (no cap) off CUDA."""
     if device.type != "cuda":
         return None
     free, total = torch.cuda.mem_get_info(device)
     reserved = torch.cuda.memory_reserved(device)
-    cached = reserved - torch.cuda.memory_allocated(device)
+    cached = _cached_unused(device)
     capped = torch.cuda.get_per_process_memory_fraction(device) * total - reserved  # room under the process cap
     return fraction * (min(free, max(capped, 0.0)) + cached)
+
+
+def _cached_unused(device: torch.device) -> int:
+    """Bytes torch's allocator holds unused in its default pool. Free blocks of private pools (the CUDA graphs' of
+    compiled decode steps) cannot hold a new cache, so they do not count."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return sum(s["total_size"] - s["allocated_size"] for s in torch.cuda.memory_snapshot()
+               if s["device"] == index and tuple(s.get("segment_pool_id", (0, 0))) == (0, 0))
 
 
 def wave_rows(num_rows: int, row_bytes: int, budget: float | None, what: str) -> int:

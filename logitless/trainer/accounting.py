@@ -32,6 +32,8 @@ from typing import Any, Iterator
 
 import torch
 
+from logitless.rollout import sleep
+
 # Datasheet peaks: dense bf16 FLOP/s, HBM bytes/s (SXM parts). Matched as substrings of the device name.
 DEVICE_PEAKS: dict[str, tuple[float, float]] = {
     "H200": (989e12, 4.8e12),

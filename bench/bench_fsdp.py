@@ -79,6 +79,7 @@ def run_mode(mode: str, model_dir: Path, args, world: parallel.World, work: Path
         f"model.gradient_checkpointing={str(args.gc).lower()}",
         f"train.output_dir={work / ('run-' + mode)}", "logging.progress=false", "logging.tensorboard=false",
         "logging.log_completions=false", "logging.plot=false", "checkpoint.save_steps=1000", "checkpoint.save_at_end=false",
+        *args.set,
     ])
     sync_log: list[dict[str, float]] = []
     stages.rollout_weights = timed_rollout_weights(sync_log)
@@ -122,6 +123,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=16)
     ap.add_argument("--gc", action="store_true", help="gradient checkpointing")
     ap.add_argument("--backend", default="hf", choices=["hf", "static"], help="rollout backend")
+    ap.add_argument("--set", action="append", default=[], help="extra config override KEY=VALUE (repeatable)")
     ap.add_argument("--commit", default="", help="the code's commit, where the checkout has no git metadata of its own")
     args = ap.parse_args()
     world = parallel.init_distributed("auto")
@@ -139,7 +141,7 @@ def main() -> None:
                  "torch": torch.__version__, "commit": commit or "unknown"},
         "shape": {"model": f"Qwen2.5-{args.shape} shape, random init, bf16", "global_prompts_per_step": args.prompts,
                   "G": args.G, "max_completion_length": args.tokens, "micro_batch_size": args.micro,
-                  "gradient_checkpointing": args.gc, "steps": args.steps, "rollout": args.backend},
+                  "gradient_checkpointing": args.gc, "steps": args.steps, "rollout": args.backend, "overrides": args.set},
         "modes": {},
     }
     for mode in args.modes.split(","):

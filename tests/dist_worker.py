@@ -175,6 +175,9 @@ def resume(out: Path, tok) -> None:
     static = ["rollout.backend=static", "objective.sampler_is_mode=token_truncate", "objective.sampler_is_clip_max=2.0"]
     result = train(config(out / "static", *steps, *static), model=model(), tokenizer=tok)
     (out / f"static_rank{os.environ['RANK']}.json").write_text(json.dumps(result.records))
+    # The same with the parameter shards and the optimizer states in host memory during each rollout.
+    parked = train(config(out / "parked", *steps, *static, "train.offload_during_rollout=true"), model=model(), tokenizer=tok)
+    (out / f"parked_rank{os.environ['RANK']}.json").write_text(json.dumps(parked.records))
 
 
 def digits(prompts, completions, **fields):

@@ -173,6 +173,22 @@ def test_static_backend_samples_from_a_replica_synced_every_step(resume_runs):
         assert all(r["rollout/weights_copy_gib"] == 0 for r in records)
 
 
+def test_parking_the_shards_and_optimizer_states_during_the_rollout_changes_nothing(resume_runs):
+    """train.offload_during_rollout on 2 ranks with a replica: the FSDP2 parameter shards (DTensor local
+    storages) and the optimizer states go to the host for each rollout and come back bit for bit."""
+    for rank in (0, 1):
+        plain = json.loads((resume_runs / f"static_rank{rank}.json").read_text())
+        parked = json.loads((resume_runs / f"parked_rank{rank}.json").read_text())
+        key = "memory/parked_gib"
+        shards = sum(p.numel() * p.element_size() for p in w.model().parameters()) / 2 / 2**30  # about half each
+        assert [r[key] for r in plain] == [0.0] * 3 and all(r[key] > 0.9 * shards for r in parked)
+        assert parked[1][key] > parked[0][key]  # from step 2 on, the adapters' AdamW moments too
+        strip = [[{k: v for k, v in r.items() if k != key} for r in w.untimed(x)] for x in (plain, parked)]
+        assert strip[0] == strip[1] and plain[-1]["kl"] > 1e-3
+    a, b = weights(resume_runs / "static"), weights(resume_runs / "parked")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_sigterm_and_resume_on_two_ranks_continue_like_an_uninterrupted_run(resume_runs, tok_dir, one_thread):
     tmp_path = resume_runs
     for rank in (0, 1):

@@ -267,6 +267,10 @@ class TrainConfig:
     # Generate step k+1's samples while step k updates (one step off policy; trainer/async_rollout.py). Needs
     # rollout.backend=static with a merged LoRA copy; pair it with objective.sampler_is_mode to correct the lag.
     async_rollout: bool = False
+    # Move the training state the rollout does not read to pinned host memory while it runs, and back after, bit
+    # for bit (trainer/offload.py ParkedState): the optimizer states, and under torchrun with the static
+    # backend (which decodes from a replica) the parameter shards too. Costs one copy each way per step.
+    offload_during_rollout: bool = False
 
     def __post_init__(self):
         _positive(

@@ -40,6 +40,7 @@ from logitless.trainer.modeling import (
     prepare_for_training,
     trainable_parameters,
 )
+from logitless.trainer.offload import ParkedState
 from logitless.trainer.parallel import (
     COPY_BACKENDS,
     MergedRolloutCopy,
@@ -78,6 +79,7 @@ class TrainContext:
     world: World = field(default_factory=World)  # this process's rank among torchrun's workers
     replica: RolloutCopy | MergedRolloutCopy | None = None  # the engine's own weights (static backend under torchrun), else None
     empty_steps: int = 0  # consecutive steps whose completions were all empty
+    parked: ParkedState = field(default_factory=ParkedState)  # train.offload_during_rollout's host buffers
     prefetch: AsyncRollout | None = None  # train.async_rollout: the next step's rollout in flight
     t_start: float = field(default_factory=time.perf_counter)  # for the wall-time budget
 

@@ -1,4 +1,7 @@
-"""Activation offload: tensors saved for backward go to (pinned) CPU memory and come back ahead of the backward.
+"""Offload to host memory: activations saved for backward (`ActivationOffload`), and the training state the
+rollout does not read, for the rollout's duration (`ParkedState`).
+
+Activation offload: tensors saved for backward go to (pinned) CPU memory and come back ahead of the backward.
 
 With gradient checkpointing the tensors autograd saves outside the checkpointed layers are each layer's inputs
 (plus the embedding output, the final norm's input and the fused op's [N, H] hidden rows); inside a layer the
@@ -107,3 +110,69 @@ def _storage_ptr(t: torch.Tensor) -> int | None:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
+
+
+class ParkedState:
+    """Device tensors moved to pinned host memory and back in place, bit for bit: training state that the rollout
+    does not read (optimizer states; FSDP2 parameter shards while the engine decodes from a replica).
+
+    `park(tensors)` copies each distinct storage under `tensors` (a DTensor's local shard) to a host buffer and
+    frees it on the device (`UntypedStorage.resize_(0)`, as FSDP2 frees unsharded parameters: every tensor and
+    view keeps its identity, the optimizer's keys included). `unpark()` re-allocates the storages and copies the
+    bytes back. Equivalent to leaving them in place, minus their device memory in between. The host buffers are
+    kept for the next park, so pinning happens once. On a CPU model the same copies run between host buffers
+    (nothing to save there; it keeps the path tested).
+    """
+
+    def __init__(self) -> None:
+        self.host: dict[int, torch.Tensor] = {}  # storage identity -> its bytes on the host
+        self.parked: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+        self.parked_bytes = 0
+
+    def park(self, tensors: list[torch.Tensor]) -> None:
+        if self.parked:
+            raise RuntimeError("ParkedState.park: already parked; unpark first")
+        storages: dict[int, torch.UntypedStorage] = {}
+        for t in tensors:
+            st = getattr(t, "_local_tensor", t).untyped_storage()
+            if st.nbytes() > 0:
+                storages.setdefault(st._cdata, st)
+        self.host = {k: v for k, v in self.host.items() if k in storages}  # drop buffers of storages gone since
+        for key, st in storages.items():
+            host = self.host.get(key)
+            if host is None or host.numel() != st.nbytes():
+                host = self.host[key] = torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=st.device.type == "cuda")
+            host.copy_(_bytes(st), non_blocking=True)
+            self.parked.append((st, host))
+        for st, _ in self.parked:
+            if st.device.type == "cuda":
+                torch.cuda.current_stream(st.device).synchronize()  # the copies have read the bytes
+                break
+        for st, _ in self.parked:
+            st.resize_(0)
+        self.parked_bytes = sum(h.numel() for _, h in self.parked)
+
+    def unpark(self) -> None:
+        for st, host in self.parked:
+            st.resize_(host.numel())
+            _bytes(st).copy_(host, non_blocking=True)  # from pinned memory, ordered before any later kernel
+        self.parked = []
+
+
+def _bytes(st: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> list[torch.Tensor]:
+    """The optimizer's state tensors on `device` (moments, 8-bit states and their scales), not its step counters."""
+    out = []
+    for state in getattr(optimizer, "state", {}).values():
+        for v in state.values():
+            t = getattr(v, "_local_tensor", v)
+            if isinstance(t, torch.Tensor) and _on(t, device) and t.numel() > 1:
+                out.append(v)
+    return out
+
+
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    return t.device.type == device.type and (device.index is None or t.device.index in (None, device.index))

@@ -77,6 +77,11 @@ def _check_training(cfg: TrainerConfig) -> None:
         )
 
 
+    if cfg.train.async_rollout and cfg.train.offload_during_rollout:
+        raise ValueError(
+            "train.offload_during_rollout=true moves the optimizer states to the host while the rollout runs, but "
+            "train.async_rollout=true runs the update at the same time; set one of them to false"
+        )
     if cfg.train.async_rollout and r.weight_copy not in (None, "resident"):
         raise ValueError(
             f"rollout.weight_copy={r.weight_copy} frees or restores the merged weights after each rollout, but "

@@ -12,7 +12,7 @@ import contextlib
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -38,7 +38,7 @@ from logitless.trainer.batching import MicroBatch, make_micro_batches
 from logitless.trainer.builders import clip_offloaded_grads, sampling_options, torch_threads
 from logitless.trainer.context import TrainContext
 from logitless.trainer.distributed import all_reduce_metrics, all_reduce_sum, gather_rows
-from logitless.trainer.offload import ActivationOffload
+from logitless.trainer.offload import ActivationOffload, optimizer_state
 from logitless.trainer.parallel import (
     clip_grad_norm,
     model_logprobs,
@@ -111,9 +111,26 @@ def rollout_stage(ctx: TrainContext, step: int) -> Rollout:
         batch = batch.to(ctx.device)
     else:
         rows = rank_share(ctx.sampler.next_batch(cfg.train.prompts_per_step), ctx.world)  # all of them on one process
-        with torch_threads(cfg.rollout.num_threads), rollout_weights(ctx.model, ctx.replica):
+        with torch_threads(cfg.rollout.num_threads), rollout_weights(ctx.model, ctx.replica), parked_state(ctx):
             batch = ctx.engine.generate([r.prompt for r in rows], options).to(ctx.device)
     return Rollout(rows, [rows[i] for i in batch.prompt_index.tolist()], batch, options)
+
+
+@contextlib.contextmanager
+def parked_state(ctx: TrainContext) -> Iterator[None]:
+    """With train.offload_during_rollout: the optimizer states (and the parameter shards, when the engine decodes
+    from a replica) in host memory for the duration of the block (after the replica's sync)."""
+    if not ctx.cfg.train.offload_during_rollout:
+        yield
+        return
+    tensors = optimizer_state(ctx.optimizer, ctx.device)
+    if ctx.replica is not None:
+        tensors += list(ctx.model.parameters())
+    ctx.parked.park(tensors)
+    try:
+        yield
+    finally:
+        ctx.parked.unpark()
 
 
 def score_stage(ctx: TrainContext, ro: Rollout) -> Scored:
@@ -320,6 +337,7 @@ def step_record(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan
         "rollout/weights_copy_gib": getattr(getattr(ctx.engine, "weights", None), "extra_bytes", 0) / 2**30,
         "rollout/replica_gib": sum(p.numel() * p.element_size() for p in ctx.replica.model.parameters()) / 2**30
         if ctx.replica is not None else 0.0,  # the static backend's replica under torchrun
+        "memory/parked_gib": ctx.parked.parked_bytes / 2**30 if ctx.cfg.train.offload_during_rollout else 0.0,
         **efficiency_metrics(ctx, ro, plan, timer),
         "skipped": float(plan.n_tokens == 0),
         "trained_rows": all_reduce_sum(len(plan.trained), dev) if plan.n_tokens > 0 else 0.0,

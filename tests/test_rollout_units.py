@@ -90,8 +90,8 @@ def test_merge_refusals_name_the_reason():
     quant = get_peft_model(make_model("llama"), LoraConfig(r=4, target_modules=["q_proj"]))
     layer = quant.base_model.model.model.layers[0].self_attn.q_proj.get_base_layer()
     layer.weight = torch.nn.Parameter(layer.weight.to(torch.int8), requires_grad=False)
-    assert merge_refusal(quant) == (f"layer {name} wraps a Linear whose weight is not a plain float tensor "
-                                    "(quantized?)")
+    assert merge_refusal(quant) == (f"layer {name} wraps a Linear whose weight is neither a plain float tensor nor "
+                                    "bitsandbytes 4-bit (quantized otherwise?)")
     with pytest.raises(ValueError) as info:
         MergedLoraWeights(make_model("llama"))
     assert str(info.value) == ("rollout.merge_lora=true cannot merge this model's adapters: the model has no LoRA "

@@ -264,3 +264,39 @@ def test_a_sleeping_copy_trains_like_a_resident_one(tmp_path, tok, rewards_modul
         for a, b in zip(runs["resident"], runs[mode]):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7), mode
             assert b["reward/mean"] == a["reward/mean"], mode
+
+
+@gpu
+@needs_cuda
+def test_qlora_decodes_from_a_dequantized_merged_copy(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    from logitless.rollout import SamplingOptions, make_engine
+    from logitless.rollout.weights import in_place_refusal
+    from logitless.trainer.builders import weight_copy
+    from logitless.trainer.config import ModelConfig, RolloutConfig
+    from logitless.trainer.modeling import load_model, prepare_for_training
+    from tests.test_rollout_budget_gpu import MAX_TOL, MEAN_TOL, PROMPTS, TOK, logp_diff, model
+
+    model().save_pretrained(tmp_path / "m")
+    cfg = ModelConfig(name_or_path=str(tmp_path / "m"), load_in_4bit=True, dtype="bfloat16", lora_r=16)
+    m = prepare_for_training(load_model(cfg, torch.device("cuda")), cfg).eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 2e-2)
+    why = in_place_refusal(m)
+    assert "4-bit" in why
+    assert weight_copy(RolloutConfig(backend="static"), torch.device("cuda"), has_copy=True, distributed=False,
+                       in_place_why=why) == "sleep"  # the default for QLoRA on one GPU
+    with pytest.raises(ValueError, match=r"weight_copy=in_place .*4-bit"):
+        MergedLoraWeights(m, "in_place")
+    weights = MergedLoraWeights(m, "sleep")
+    assert weights.extra_bytes == sum(layer.get_base_layer().out_features * layer.get_base_layer().in_features * 2
+                                      for _, layer in lora_layers(m))  # bf16 merged weights
+    eng = make_engine("static", m, TOK, compile=True, weights=weights)
+    b = eng.generate(PROMPTS, SamplingOptions(num_generations=4, temperature=1.0, max_new_tokens=64, seed=0,
+                                              ignore_eos=True))
+    d = logp_diff(m, b)  # the PEFT QLoRA model's own logprobs (4-bit matmuls, adapters unmerged)
+    assert d.mean() < MEAN_TOL and d.max() < MAX_TOL, (float(d.mean()), float(d.max()))
+    with m.disable_adapter():  # the check can fail: without the adapters the logprobs are far off
+        assert logp_diff(m, b).mean() > 3 * MEAN_TOL

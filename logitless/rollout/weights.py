@@ -6,14 +6,14 @@ knows nothing of optimizers, and a sharded trainer (FSDP2) plugs in a source tha
 same module.
 
 - `LiveWeights(model)`: the model itself, as is (a plain model, or PEFT with unmerged adapters). No copy, no sync.
-- `MergedLoraWeights(peft_model)`: a plain-model view for decoding at plain-model speed. Every LoRA-wrapped layer
-  becomes a copy of its base layer holding W + ΔW (ΔW = peft's `get_delta_weight` of the active adapters, the sum
-  formed in fp32 and rounded once to the base dtype); every other parameter and buffer is shared with the
-  training model, so the copy costs only the targeted layers' weights (`extra_bytes`). The merged tensors keep
-  their addresses across syncs (updated with `copy_`), so a CUDA graph captured over them stays valid. The base
-  weights are never written: merging in place and unmerging in bf16 would change them by rounding at every step.
-  They can also live in sleepable memory (freed between rollouts) or in the base weights themselves during the
-  rollout only (`MergedLoraWeights`'s modes).
+- `MergedLoraWeights(peft_model, mode)`: a plain-model view for decoding at plain-model speed. Every LoRA-wrapped
+  layer becomes a copy of its base layer (for QLoRA's 4-bit layers a plain linear layer, W dequantized) holding
+  W + ΔW (ΔW = peft's `get_delta_weight` of the active adapters, the sum formed in fp32 and rounded once to the
+  base dtype); every other parameter and buffer is shared with the training model. The merged tensors keep their
+  addresses across syncs (updated with `copy_`), so a CUDA graph captured over them stays valid. Where they live
+  (`mode`): a resident copy (`extra_bytes`), a copy in sleepable memory freed between rollouts (`sleep.py`), or
+  the base weights themselves for the rollout only, written back exactly afterwards (`in_place`). Merging in
+  place and unmerging by subtraction is never done: in bf16 it would change the base weights by rounding.
 """
 
 from __future__ import annotations
@@ -68,12 +68,40 @@ def merge_refusal(model: Any) -> str | None:
     for name, layer in layers:
         base = layer.get_base_layer()
         weight = getattr(base, "weight", None)
-        if not isinstance(weight, torch.nn.Parameter) or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return f"layer {name} wraps a {type(base).__name__} whose weight is not a plain float tensor (quantized?)"
+        plain = isinstance(weight, torch.nn.Parameter) and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        if not plain and not is_4bit(weight):
+            return (f"layer {name} wraps a {type(base).__name__} whose weight is neither a plain float tensor nor "
+                    "bitsandbytes 4-bit (quantized otherwise?)")
         if any(layer.use_dora.get(a, False) for a in layer.active_adapters):
             return f"layer {name} uses DoRA, whose update is not an additive weight delta"
         if getattr(layer, "merged", False):
             return f"layer {name} already has adapters merged into its base weights"
+    return None
+
+
+def is_4bit(weight: Any) -> bool:
+    """A bitsandbytes 4-bit weight (QLoRA's NF4 base weights), which `base_weight` dequantizes."""
+    return type(weight).__name__ == "Params4bit" and getattr(weight, "quant_state", None) is not None
+
+
+def base_weight(layer: Any) -> torch.Tensor:
+    """The base weight W of a LoRA layer as a float tensor: as is, or dequantized from 4-bit (in its compute dtype)."""
+    weight = layer.get_base_layer().weight
+    if not is_4bit(weight):
+        return weight
+    import bitsandbytes.functional as bnbf
+
+    return bnbf.dequantize_4bit(weight.data, weight.quant_state)
+
+
+def in_place_refusal(model: Any) -> str | None:
+    """Why the merged weights cannot be written into `model`'s base weights for a rollout (None if they can)."""
+    for name, layer in lora_layers(model):
+        weight = layer.get_base_layer().weight
+        if is_4bit(weight):
+            return f"layer {name}'s base weight is 4-bit: it cannot hold W + ΔW"
+        if weight.requires_grad:
+            return f"layer {name}'s base weight trains"
     return None
 
 
@@ -108,21 +136,19 @@ class MergedLoraWeights:
             raise ValueError(f"rollout.merge_lora=true cannot merge this model's adapters: {why}; set "
                              "rollout.merge_lora=false to decode with the unmerged PEFT model")
         base = unwrap_model(peft_model)  # the transformers model with LoRA layers injected
-        if mode == "in_place":
-            trained = [n for n, layer in lora_layers(base) if layer.get_base_layer().weight.requires_grad]
-            if trained:
-                raise ValueError(f"rollout.weight_copy=in_place merges into frozen base weights, but {trained[0]}'s "
-                                 "base weight trains; use rollout.weight_copy=resident")
+        why = in_place_refusal(base) if mode == "in_place" else None
+        if why is not None:
+            raise ValueError(f"rollout.weight_copy=in_place merges into frozen full-precision base weights, but {why}; "
+                             "use rollout.weight_copy=sleep or resident")
         shared = {id(t): t for t in [*base.parameters(), *base.buffers()]}  # deepcopy shares, never copies, these
         self.module = fresh_copy(base, memo=shared).eval()  # shared parameters keep their requires_grad
         self.mode = mode
         self._pairs: list[tuple[Any, torch.nn.Parameter]] = []  # (training-side LoRA layer, merged weight)
         copies = dict(lora_layers(self.module))
         for name, layer in lora_layers(base):
-            plain = copy.copy(layer.get_base_layer())  # same class and attributes, own parameter dict
-            plain._parameters = dict(plain._parameters)
+            plain = _plain_layer(layer.get_base_layer())
             if mode != "in_place":
-                plain.weight = torch.nn.Parameter(torch.empty_like(plain.weight), requires_grad=False)
+                plain.weight = torch.nn.Parameter(torch.empty_like(base_weight(layer)), requires_grad=False)
             assert copies[name] is self.module.get_submodule(name)
             self.module.set_submodule(name, plain)
             self._pairs.append((layer, plain.weight))
@@ -157,12 +183,25 @@ class MergedLoraWeights:
             self.memory.wake()
         self._restore()  # in_place and not released yet: merge from the exact base, never twice
         for layer, merged in self._pairs:
-            w = layer.get_base_layer().weight.float()
+            w = base_weight(layer).float()
             for adapter in layer.active_adapters:
                 if adapter in layer.lora_A or adapter in getattr(layer, "lora_embedding_A", {}):
                     w = w + layer.get_delta_weight(adapter).float()
             merged.copy_(w)
         self._merged = self.mode == "in_place"
+
+
+def _plain_layer(base: Any) -> Any:
+    """A layer computing what `base` computes, with its own parameter dict (bias shared): a shallow copy, or for
+    a bitsandbytes 4-bit linear layer a plain `nn.Linear` in its compute dtype (weight set by the caller)."""
+    if not is_4bit(base.weight):
+        plain = copy.copy(base)  # same class and attributes
+        plain._parameters = dict(plain._parameters)
+        return plain
+    dtype = getattr(base, "compute_dtype", None) or base.weight.quant_state.dtype
+    plain = torch.nn.Linear(base.in_features, base.out_features, bias=False, device="meta", dtype=dtype)
+    plain.bias = base.bias
+    return plain
 
 
 def merges(model: Any, merge_lora: bool | None) -> bool:

@@ -13,7 +13,7 @@ from logitless.rewards import get_reward_fn
 from logitless.rollout import RolloutEngine, SamplingOptions, make_engine
 from logitless.rollout.engine import context_window, encode_prompts
 from logitless.rollout import sleep
-from logitless.rollout.weights import merges, rollout_weights
+from logitless.rollout.weights import in_place_refusal, merges, rollout_weights
 from logitless.trainer.config import DataConfig, OptimConfig, RewardConfig, RolloutConfig
 from logitless.trainer.modeling import QLORA_INSTALL_HINT, require_cuda_package
 
@@ -130,29 +130,34 @@ def make_rollout_engine(cfg: RolloutConfig, model: Any, tokenizer: Any) -> Rollo
     if cfg.backend != "static":
         return make_engine(cfg.backend, model, tokenizer)
     merged = merges(model, cfg.merge_lora)
-    mode = weight_copy(cfg, next(model.parameters()).device, has_copy=merged, distributed=False)
+    mode = weight_copy(cfg, next(model.parameters()).device, has_copy=merged, distributed=False,
+                       in_place_why=in_place_refusal(model) if merged else None)
     weights = rollout_weights(model, cfg.merge_lora, mode)
     return make_engine("static", model, tokenizer, weights=weights, max_kv_gib=cfg.max_kv_gib, profile=cfg.profile,
                        length_buckets=cfg.length_buckets, compact_finished=cfg.compact_finished)
 
 
-def weight_copy(cfg: RolloutConfig, device: torch.device, *, has_copy: bool, distributed: bool) -> str:
+def weight_copy(cfg: RolloutConfig, device: torch.device, *, has_copy: bool, distributed: bool,
+                in_place_why: str | None = None) -> str:
     """Where the rollout's merged weights or replica live (rollout.weight_copy; see `MergedLoraWeights`): the
-    setting, or when unset in_place on one CUDA process, sleep under torchrun on CUDA, resident otherwise. Raises
-    when the setting cannot apply."""
+    setting, or when unset in_place on one CUDA process (sleep where the base weights cannot take the merge:
+    4-bit), sleep under torchrun on CUDA, resident otherwise. Raises when the setting cannot apply."""
     mode = cfg.weight_copy
+    can_sleep = sleep.unavailable(device) is None
     if mode is None:
         if not has_copy or device.type != "cuda":
             return "resident"
-        return "sleep" if distributed and sleep.unavailable(device) is None else ("resident" if distributed else "in_place")
+        if not distributed and in_place_why is None:
+            return "in_place"
+        return "sleep" if can_sleep else "resident"
     why = None
     if not has_copy:
         why = ("the engine decodes with the training model itself (no merged-LoRA copy: full fine-tuning on one "
-               "process, rollout.merge_lora=false, or 4-bit or DoRA adapters)")
+               "process, rollout.merge_lora=false, or DoRA adapters)")
     elif mode == "sleep":
         why = sleep.unavailable(device)
-    elif mode == "in_place" and distributed:
-        why = "under torchrun the training weights are sharded (use sleep or resident)"
+    elif mode == "in_place":
+        why = "under torchrun the training weights are sharded (use sleep or resident)" if distributed else in_place_why
     if why is not None and mode != "resident":
         raise ValueError(f"rollout.weight_copy={mode} cannot apply: {why}; unset rollout.weight_copy or set it to "
                          "resident")

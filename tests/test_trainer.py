@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -59,9 +60,10 @@ def rewards_module(tmp_path, monkeypatch):
 
 @pytest.fixture
 def tok(gpt2_tokenizer):
-    gpt2_tokenizer.pad_token = gpt2_tokenizer.eos_token
-    gpt2_tokenizer.padding_side = "left"
-    return gpt2_tokenizer
+    tok = copy.deepcopy(gpt2_tokenizer)  # the session's tokenizer stays as loaded (no pad token) for other tests
+    tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
 
 
 def _cfg(run_dir, *overrides):

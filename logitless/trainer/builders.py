@@ -10,9 +10,8 @@ import torch
 
 from logitless.data import PromptRow, load_hf_prompts, load_jsonl_prompts, load_task
 from logitless.rewards import get_reward_fn
-from logitless.rollout import RolloutEngine, SamplingOptions, make_engine
+from logitless.rollout import RolloutEngine, SamplingOptions, make_engine, sleep
 from logitless.rollout.engine import context_window, encode_prompts
-from logitless.rollout import sleep
 from logitless.rollout.weights import in_place_refusal, merges, rollout_weights
 from logitless.trainer.config import DataConfig, OptimConfig, RewardConfig, RolloutConfig
 from logitless.trainer.modeling import QLORA_INSTALL_HINT, require_cuda_package

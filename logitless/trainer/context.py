@@ -28,8 +28,8 @@ from logitless.trainer.builders import (
     make_scheduler,
     reward_functions,
     sampling_options,
-    weight_copy,
     sync_offloaded_params,
+    weight_copy,
 )
 from logitless.trainer.config import TrainerConfig, to_yaml
 from logitless.trainer.metrics import MetricsLogger

@@ -79,7 +79,9 @@ def test_seeded_reproducible_and_logprobs_match_dense(peaked_model, tok, backend
     c = eng.generate(PROMPTS, SamplingOptions(**{**opts.__dict__, "seed": 124}))
     check_layout(a, 2, 3, tok.pad_token_id)
     assert torch.equal(a.completion_ids, b.completion_ids) and a.completions == b.completions
-    assert torch.equal(a.sampler_logp, b.sampler_logp)
+    # the same tokens exactly; their logprobs to fp32 noise: CPU kernels may sum in another order from one call to
+    # the next (a 1e-4 difference of one logprob was seen once on a loaded 2-core machine, peaked logits at T = 0.7)
+    torch.testing.assert_close(a.sampler_logp, b.sampler_logp, atol=5e-4, rtol=0)
     assert not torch.equal(a.completion_ids, c.completion_ids)
     # the recorded distribution is log_softmax(raw / T): before repetition penalty and filters
     ref = dense_logprobs(peaked_model, a, 0.7)

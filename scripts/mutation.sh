@@ -2,14 +2,14 @@
 # Mutation testing with mutmut, one module at a time against its fast tests (developer tool, not run by CI).
 #
 #   pip install mutmut==3.8.1
-#   bash scripts/mutation.sh objectives|rewards|checkpoint|ops|ops-cpu|rollout|rollout-cpu|sampling [more mutmut run args]
+#   bash scripts/mutation.sh objectives|rewards|checkpoint|ops|ops-cpu|rollout|rollout-cpu|sampling|weights [more mutmut run args]
 #
 # Works in a scratch copy of the repository (MUTATION_DIR, default a new temporary folder) with a generated
 # setup.cfg, so the checkout is never touched; prints the score and the surviving mutants, and leaves the
 # copy for `mutmut show <name>` / `mutmut browse` there. One worker at low priority: CPU-friendly, not fast.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-module=${1:?usage: bash scripts/mutation.sh objectives|rewards|checkpoint|ops|ops-cpu|rollout|rollout-cpu|sampling}
+module=${1:?usage: bash scripts/mutation.sh objectives|rewards|checkpoint|ops|ops-cpu|rollout|rollout-cpu|sampling|weights}
 shift
 case "$module" in
   objectives) mutate="logitless/objectives/*"
@@ -27,6 +27,9 @@ case "$module" in
               tests="tests/test_op.py tests/test_op_chunked.py" ;;
   rollout)    mutate="logitless/rollout/*"
               tests="tests/test_rollout.py tests/test_sampling_stats.py tests/test_rollout_units.py" ;;
+  weights)    # where the rollout's decode weights live: merged copies, in place, sleeping memory (its CPU parts)
+              mutate="logitless/rollout/weights.py logitless/rollout/sleep.py"
+              tests="tests/test_rollout_weights.py tests/test_weight_copy.py tests/test_rollout_units.py" ;;
   rollout-cpu) # the rest of rollout/ (sampling.py has its own target) against the faster engine tests: not the
               # chi-square tests, nor test_rollout_families.py (every family x backend: too slow per mutant)
               mutate="logitless/rollout/static.py logitless/rollout/engine.py logitless/rollout/kv_cache.py
@@ -35,7 +38,7 @@ case "$module" in
                       logitless/rollout/factory.py"
               tests="tests/test_rollout.py tests/test_rollout_weights.py tests/test_rollout_waves.py
                      tests/test_rollout_units.py" ;;
-  *) echo "unknown module '$module'; use objectives, rewards, checkpoint, ops, ops-cpu, rollout, rollout-cpu or sampling" >&2; exit 2 ;;
+  *) echo "unknown module '$module'; use objectives, rewards, checkpoint, ops, ops-cpu, rollout, rollout-cpu, sampling or weights" >&2; exit 2 ;;
 esac
 python=${PYTHON:-python}
 work=${MUTATION_DIR:-$(mktemp -d -t logitless-mutation.XXXXXX)}

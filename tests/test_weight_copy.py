@@ -16,7 +16,7 @@ from peft import LoraConfig, get_peft_model
 
 from logitless.rollout import sleep
 from logitless.rollout.sleep import ALIGN, layout
-from logitless.rollout.weights import MergedLoraWeights, lora_layers
+from logitless.rollout.weights import MergedLoraWeights, is_4bit, lora_layers
 from tests.test_rollout_weights import lora_model, perturb
 from tests.test_trainer import _cfg, _lora, _train, _untimed, rewards_module, tok  # noqa: F401 (fixtures)
 
@@ -73,6 +73,56 @@ def test_in_place_refuses_a_trained_base_weight_and_shared_parameters_keep_train
     layer.get_base_layer().weight.requires_grad_(True)
     with pytest.raises(ValueError, match=r"rollout\.weight_copy=in_place .* base weight trains"):
         MergedLoraWeights(model, "in_place")
+
+
+def test_merged_weights_refuse_a_bad_mode_and_sleep_off_cuda_by_their_text():
+    model = lora_model("llama")
+    with pytest.raises(ValueError) as info:
+        MergedLoraWeights(model, "everywhere")
+    assert str(info.value) == "rollout.weight_copy='everywhere': use one of resident, sleep, in_place"
+    with pytest.raises(RuntimeError, match=r"^sleepable memory is unavailable: it needs a CUDA device \(got cpu\)$"):
+        MergedLoraWeights(model, "sleep")
+    with pytest.raises(ValueError) as info:
+        sleep.SleepableMemory([])
+    assert str(info.value) == "SleepableMemory needs at least one tensor"
+
+
+def test_a_trained_base_weight_is_refused_for_in_place_only_and_by_its_text():
+    model = lora_model("llama")
+    name, layer = lora_layers(model.base_model.model)[0]  # named within the model PEFT wraps
+    layer.get_base_layer().weight.requires_grad_(True)
+    MergedLoraWeights(model, "resident")  # a copy does not touch the base: accepted
+    with pytest.raises(ValueError) as info:
+        MergedLoraWeights(model, "in_place")
+    assert str(info.value) == (f"rollout.weight_copy=in_place merges into frozen full-precision base weights, but "
+                               f"layer {name}'s base weight trains; use rollout.weight_copy=sleep or resident")
+
+
+def test_in_place_with_a_single_lora_layer():
+    from tests.test_rollout_families import make_model
+
+    model = get_peft_model(make_model("llama"), LoraConfig(r=2, target_modules=["q_proj"], layers_to_transform=[0]))
+    perturb(model, 3)
+    (_, layer), = lora_layers(model)
+    base = layer.get_base_layer().weight.detach().clone()
+    weights = MergedLoraWeights(model, "in_place")
+    weights.sync()
+    assert not torch.equal(layer.get_base_layer().weight, base)
+    weights.release()
+    assert torch.equal(layer.get_base_layer().weight, base)
+
+
+def test_is_4bit_names_bitsandbytes_params_with_a_quant_state():
+    class Params4bit(torch.nn.Parameter):  # the name bitsandbytes gives its 4-bit weights; no bitsandbytes here
+        pass
+
+    w = Params4bit(torch.zeros(2, 2), requires_grad=False)
+    assert not is_4bit(w)  # no quantization state: not quantized yet
+    w.quant_state = object()
+    assert is_4bit(w)
+    plain = torch.nn.Parameter(torch.zeros(2, 2))
+    plain.quant_state = object()
+    assert not is_4bit(plain) and not is_4bit(None)
 
 
 @pytest.mark.parametrize("extra, match", [

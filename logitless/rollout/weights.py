@@ -152,16 +152,15 @@ class MergedLoraWeights:
             assert copies[name] is self.module.get_submodule(name)
             self.module.set_submodule(name, plain)
             self._pairs.append((layer, plain.weight))
-        self._host: list[torch.Tensor] = []  # in_place: the exact base weights
-        if mode == "in_place":
-            pin = self._pairs[0][1].device.type == "cuda"
-            self._host = [w.detach().to("cpu", copy=True) for _, w in self._pairs]
-            self._host = [h.pin_memory() if pin else h for h in self._host]
+        pin = self._pairs[0][1].device.type == "cuda"
+        self._host = [_host_copy(w, pin) for _, w in self._pairs] if mode == "in_place" else []  # the exact base
         self.extra_bytes = 0 if mode == "in_place" else sum(w.numel() * w.element_size() for _, w in self._pairs)
         self.memory = SleepableMemory([w for _, w in self._pairs]) if mode == "sleep" else None
         self._merged = False  # in_place: the base weights hold W + ΔW now
-        self.sync()
-        self.release()
+        if mode == "resident":
+            self.sync()  # the copy holds W + ΔW from the start; the other modes merge at each rollout's sync
+        elif self.memory is not None:
+            self.memory.sleep()  # nothing to hold until the first rollout
 
     @torch.no_grad()
     def release(self) -> None:
@@ -191,6 +190,11 @@ class MergedLoraWeights:
         self._merged = self.mode == "in_place"
 
 
+def _host_copy(w: torch.Tensor, pin: bool) -> torch.Tensor:
+    host = w.detach().to("cpu", copy=True)
+    return host.pin_memory() if pin else host
+
+
 def _plain_layer(base: Any) -> Any:
     """A layer computing what `base` computes, with its own parameter dict (bias shared): a shallow copy, or for
     a bitsandbytes 4-bit linear layer a plain `nn.Linear` in its compute dtype (weight set by the caller)."""
@@ -217,7 +221,7 @@ def merges(model: Any, merge_lora: bool | None) -> bool:
     return True
 
 
-def rollout_weights(model: Any, merge_lora: bool | None, mode: str = "resident") -> WeightSource:
-    """The weight source for `model`: merged LoRA when `merge_lora` (None: when the adapters can be merged; `mode`:
-    where the merged weights live, see `MergedLoraWeights`), else the model itself."""
-    return MergedLoraWeights(model, mode) if merges(model, merge_lora) else LiveWeights(model)
+def rollout_weights(model: Any, merge_lora: bool | None) -> WeightSource:
+    """The weight source for `model`: a resident merged-LoRA copy when `merge_lora` (None: when the adapters can be
+    merged), else the model itself."""
+    return MergedLoraWeights(model) if merges(model, merge_lora) else LiveWeights(model)

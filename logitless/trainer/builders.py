@@ -12,7 +12,7 @@ from logitless.data import PromptRow, load_hf_prompts, load_jsonl_prompts, load_
 from logitless.rewards import get_reward_fn
 from logitless.rollout import RolloutEngine, SamplingOptions, make_engine, sleep
 from logitless.rollout.engine import context_window, encode_prompts
-from logitless.rollout.weights import in_place_refusal, merges, rollout_weights
+from logitless.rollout.weights import LiveWeights, MergedLoraWeights, in_place_refusal, merges
 from logitless.trainer.config import DataConfig, OptimConfig, RewardConfig, RolloutConfig
 from logitless.trainer.modeling import QLORA_INSTALL_HINT, require_cuda_package
 
@@ -124,14 +124,15 @@ def make_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, cfg: Opti
 
 
 def make_rollout_engine(cfg: RolloutConfig, model: Any, tokenizer: Any) -> RolloutEngine:
-    """The rollout section's engine; backend "static" decodes from `rollout_weights` (merged LoRA weights when
-    rollout.merge_lora allows, where rollout.weight_copy says) under the rollout.max_kv_gib budget."""
+    """The rollout section's engine; backend "static" decodes from merged LoRA weights when rollout.merge_lora
+    allows (`MergedLoraWeights`, kept where rollout.weight_copy says), else from the model, under the
+    rollout.max_kv_gib budget."""
     if cfg.backend != "static":
         return make_engine(cfg.backend, model, tokenizer)
     merged = merges(model, cfg.merge_lora)
     mode = weight_copy(cfg, next(model.parameters()).device, has_copy=merged, distributed=False,
                        in_place_why=in_place_refusal(model) if merged else None)
-    weights = rollout_weights(model, cfg.merge_lora, mode)
+    weights = MergedLoraWeights(model, mode) if merged else LiveWeights(model)
     return make_engine("static", model, tokenizer, weights=weights, max_kv_gib=cfg.max_kv_gib, profile=cfg.profile,
                        length_buckets=cfg.length_buckets, compact_finished=cfg.compact_finished)
 
@@ -142,13 +143,12 @@ def weight_copy(cfg: RolloutConfig, device: torch.device, *, has_copy: bool, dis
     setting, or when unset in_place on one CUDA process (sleep where the base weights cannot take the merge:
     4-bit), sleep under torchrun on CUDA, resident otherwise. Raises when the setting cannot apply."""
     mode = cfg.weight_copy
-    can_sleep = sleep.unavailable(device) is None
     if mode is None:
         if not has_copy or device.type != "cuda":
             return "resident"
         if not distributed and in_place_why is None:
             return "in_place"
-        return "sleep" if can_sleep else "resident"
+        return "sleep" if sleep.unavailable(device) is None else "resident"
     why = None
     if not has_copy:
         why = ("the engine decodes with the training model itself (no merged-LoRA copy: full fine-tuning on one "

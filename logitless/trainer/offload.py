@@ -144,10 +144,9 @@ class ParkedState:
                 host = self.host[key] = torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=st.device.type == "cuda")
             host.copy_(_bytes(st), non_blocking=True)
             self.parked.append((st, host))
-        for st, _ in self.parked:
-            if st.device.type == "cuda":
-                torch.cuda.current_stream(st.device).synchronize()  # the copies have read the bytes
-                break
+        cuda = next((st.device for st, _ in self.parked if st.device.type == "cuda"), None)
+        if cuda is not None:
+            torch.cuda.current_stream(cuda).synchronize()  # the copies have read the bytes
         for st, _ in self.parked:
             st.resize_(0)
         self.parked_bytes = sum(h.numel() for _, h in self.parked)

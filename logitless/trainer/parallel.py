@@ -254,7 +254,23 @@ def full_weights(model: nn.Module) -> Iterator[None]:
                 unit.set_reshard_after_forward(True, recurse=False)  # the backward, as FSDP sets up a root
 
 
-class RolloutCopy:
+class _Replica:
+    """What both replicas share: with sleep, the weights each `sync` rewrites in full live in sleepable memory,
+    mapped back at the start of a sync and freed by `release` after the rollout."""
+
+    memory: SleepableMemory | None = None
+
+    def release(self) -> None:
+        """Free the synced weights until the next `sync` (with sleep)."""
+        if self.memory is not None:
+            self.memory.sleep()
+
+    def _wake(self) -> None:
+        if self.memory is not None:
+            self.memory.wake()
+
+
+class RolloutCopy(_Replica):
     """A full replica of the policy for the rollout engine, at fixed addresses (built before sharding).
 
     `sync` copies the trainable parameters of the sharded model into it in place (an all-gather each); frozen
@@ -268,15 +284,9 @@ class RolloutCopy:
         own = dict(self.model.named_parameters())
         self.memory = SleepableMemory([own[n] for n in self.trainable]) if sleep else None
 
-    def release(self) -> None:
-        """Free the synced weights until the next `sync` (with sleep; they are rewritten in full then)."""
-        if self.memory is not None:
-            self.memory.sleep()
-
     @torch.no_grad()
     def sync(self, sharded: nn.Module) -> None:
-        if self.memory is not None:
-            self.memory.wake()
+        self._wake()
         src, dst = dict(sharded.named_parameters()), dict(self.model.named_parameters())
         for name in self.trainable:
             p = src[name]
@@ -287,7 +297,7 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p  # a DTensor shard (a collective), or a plain tensor
 
 
-class MergedRolloutCopy:
+class MergedRolloutCopy(_Replica):
     """The replica of a PEFT LoRA policy as a plain model, its LoRA layers merged (built before sharding).
 
     `sync` sets every LoRA layer's weight to W + ΔW: W, the frozen base weight, and the adapters all-gathered
@@ -304,11 +314,6 @@ class MergedRolloutCopy:
         merged = [self.model.get_submodule(name).weight for name in self.names]
         self.memory = SleepableMemory(merged) if sleep else None  # the merged weights: rewritten at every sync
 
-    def release(self) -> None:
-        """Free the merged weights until the next `sync` (with sleep)."""
-        if self.memory is not None:
-            self.memory.sleep()
-
     @staticmethod
     def applies(model: nn.Module, merge_lora: bool | None) -> bool:
         """Whether the replica of `model` can be merged: LoRA adapters that `MergedLoraWeights` accepts, nothing
@@ -319,8 +324,7 @@ class MergedRolloutCopy:
 
     @torch.no_grad()
     def sync(self, sharded: nn.Module) -> None:
-        if self.memory is not None:
-            self.memory.wake()
+        self._wake()
         src = unwrap_model(sharded)
         for name in self.names:  # the same order on every rank: each full tensor is a collective
             layer = src.get_submodule(name)

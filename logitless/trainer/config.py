@@ -106,9 +106,20 @@ class ModelConfig:
     # of the model type; its cross-entropy patches stay off: the fused op computes the logprobs). CUDA only;
     # `pip install 'logitless[liger]'`. Under torchrun: refused for now.
     liger_kernels: bool = False
+    # How the LoRA adapters compute in the trainer's forwards. "fp32": peft's default, each LoRA layer casts its
+    # input to the fp32 adapters and adds an fp32 [N, out] result to the base output. "autocast": the forwards run
+    # under torch.autocast in the model's dtype with peft's input cast off, so the adapter GEMMs and their [N, out]
+    # results are bf16/fp16 while the fp32 adapter weights stay the optimizer's masters (as TRL's bf16=true runs
+    # them). "auto": autocast for LoRA on a bf16/fp16 model, fp32 otherwise.
+    lora_compute: Literal["auto", "fp32", "autocast"] = "auto"
 
     def __post_init__(self):
         _positive("model", lora_r=self.lora_r, lora_alpha=self.lora_alpha)
+        if self.lora_compute not in ("auto", "fp32", "autocast"):
+            raise ValueError(f"model.lora_compute must be auto, fp32 or autocast, got {self.lora_compute!r}")
+        if self.lora_compute == "autocast" and not self.lora:
+            raise ValueError("model.lora_compute=autocast sets how LoRA adapters compute, but model.lora=false; "
+                             "set model.lora_compute=auto (or model.lora=true)")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"model.lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
         if self.activation_offload and not self.gradient_checkpointing:

@@ -34,6 +34,7 @@ from logitless.trainer.builders import (
 from logitless.trainer.config import TrainerConfig, to_yaml
 from logitless.trainer.metrics import MetricsLogger
 from logitless.trainer.modeling import (
+    LoraCompute,
     ReferencePolicy,
     check_packed_attention,
     load_model_and_tokenizer,
@@ -76,6 +77,7 @@ class TrainContext:
     logger: MetricsLogger
     start: int  # last step completed before this process started (0, or the resumed checkpoint's step)
     entropy_coef: EntropyCoef  # carried across steps (adaptive entropy control)
+    lora_compute: LoraCompute  # how the trainer's forwards run the LoRA adapters (model.lora_compute)
     world: World = field(default_factory=World)  # this process's rank among torchrun's workers
     replica: RolloutCopy | MergedRolloutCopy | None = None  # the engine's own weights (static backend under torchrun), else None
     empty_steps: int = 0  # consecutive steps whose completions were all empty
@@ -196,4 +198,5 @@ def build_context(
         reference=reference,
         shape=ModelShape.of(model), peaks=device_peaks(device, cfg.logging.peak_tflops, cfg.logging.hbm_tbs),
         run_dir=run_dir, logger=logger, start=start, entropy_coef=coef, world=world, replica=replica,
+        lora_compute=LoraCompute(model, cfg.model),
     )

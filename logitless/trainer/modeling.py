@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import inspect
@@ -224,6 +225,43 @@ def apply_liger_kernels(model) -> None:
                   fused_linear_cross_entropy=False)
     params = inspect.signature(apply).parameters
     apply(model=model, **{k: v for k, v in wanted.items() if k in params})
+
+
+def lora_autocast_dtype(model, cfg: ModelConfig) -> torch.dtype | None:
+    """The dtype the trainer's forwards autocast to for `cfg.lora_compute` (see ModelConfig), or None (no
+    autocast: full fine-tuning, fp32 adapters, an fp32 model)."""
+    if not cfg.lora or cfg.lora_compute == "fp32" or not is_peft_model(model):
+        return None
+    dtype = model.get_input_embeddings().weight.dtype  # the compute dtype (also of a 4-bit model)
+    if dtype in (torch.bfloat16, torch.float16):
+        return dtype
+    if cfg.lora_compute == "autocast":
+        raise ValueError(f"model.lora_compute=autocast computes the adapters in the model's dtype, which is "
+                         f"{str(dtype).removeprefix('torch.')} "
+                         "here; set model.dtype=bfloat16 (or float16), or model.lora_compute=auto")
+    return None
+
+
+class LoraCompute:
+    """How the trainer's forwards run the LoRA adapters (`model.lora_compute`). With autocast, `stage()` wraps a
+    stage's forwards and backwards and turns peft's cast of the LoRA input to the fp32 adapter dtype off (also
+    while the backward recomputes checkpointed layers), and `forward()` wraps each forward in torch.autocast in
+    the model's dtype (the recompute restores it): the adapter GEMMs, their [N, out] outputs and their backward
+    run in bf16/fp16, the fp32 adapter weights stay the optimizer's masters. Otherwise both do nothing."""
+
+    def __init__(self, model, cfg: ModelConfig):
+        self.model, self.dtype = model, lora_autocast_dtype(model, cfg)
+        self.device_type = model.get_input_embeddings().weight.device.type
+
+    def stage(self):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        from peft.helpers import disable_input_dtype_casting
+
+        return disable_input_dtype_casting(self.model)
+
+    def forward(self):
+        return torch.autocast(self.device_type, dtype=self.dtype) if self.dtype is not None else contextlib.nullcontext()
 
 
 def is_peft_model(model) -> bool:

@@ -39,7 +39,7 @@ import dataclasses
 import math
 import os
 import types
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
@@ -377,10 +377,13 @@ def padding_micro_batches(
     return [micro[-1] if micro else spare()] * missing
 
 
-def padding_backward(model: nn.Module, m: MicroBatch, temperature: float) -> torch.Tensor:
-    """A forward and backward of micro-batch `m` whose gradient is exactly zero; returns the zero loss."""
+def padding_backward(model: nn.Module, m: MicroBatch, temperature: float,
+                     forward: Callable[[], AbstractContextManager] = nullcontext) -> torch.Tensor:
+    """A forward (under `forward()`, as the real micro-batches run) and backward of micro-batch `m` whose gradient
+    is exactly zero; returns the zero loss."""
     ids = (m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask)
-    logp, _ = model_logprobs(model, *ids, temperature=temperature)
+    with forward():
+        logp, _ = model_logprobs(model, *ids, temperature=temperature)
     loss = logp.sum() * 0.0
     loss.backward()
     return loss.detach()

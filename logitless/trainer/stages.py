@@ -194,11 +194,12 @@ def logprob_stage(ctx: TrainContext, plan: UpdatePlan) -> OldRef:
     for i, m in enumerate(plan.micro):
         args = (ctx.model, m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask)
         if mu > 1 or top_entropy:
-            logp, ent = model_logprobs(*args, temperature=plan.temperature, with_entropy=top_entropy, packed=packed)
+            with ctx.lora_compute.stage(), ctx.lora_compute.forward():  # as the update computes them
+                logp, ent = model_logprobs(*args, temperature=plan.temperature, with_entropy=top_entropy, packed=packed)
             old[i] = logp if mu > 1 else None
             entropies += [ent] if top_entropy else []
         if ctx.reference is not None:
-            with ctx.reference.use(ctx.model) as ref_model:
+            with ctx.reference.use(ctx.model) as ref_model, ctx.lora_compute.forward():
                 ref[i] = model_logprobs(ref_model, *args[1:], temperature=plan.temperature, packed=packed)[0]
     real = plan.micro[: len(plan.micro) - plan.padding]  # padding passes (torchrun) keep collectives in step only
     threshold = None  # one threshold over the whole step's tokens
@@ -215,7 +216,7 @@ def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i:
     """Loss of micro-batch i (already divided by the step's normalizer), back-propagated; (loss, metrics)."""
     o, m = ctx.cfg.objective, plan.micro[i]
     if i >= len(plan.micro) - plan.padding:
-        return padding_backward(ctx.model, m, plan.temperature), {}
+        return padding_backward(ctx.model, m, plan.temperature, forward=ctx.lora_compute.forward), {}
     entropy_grad = _entropy_terms(ctx)[1]
     # On-policy without KL/IS/entropy terms d loss / d logp is known before the forward, so the fused op can form
     # its gradients there (a speed hint; None otherwise).
@@ -224,7 +225,8 @@ def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i:
         entropy_coef=ctx.entropy_coef.effective if entropy_grad else 0.0,
     )
     # Activation offload: the tensors this forward saves for backward wait in host memory (trainer/offload.py).
-    with ActivationOffload(ctx.model) if ctx.cfg.model.activation_offload else contextlib.nullcontext():
+    with ActivationOffload(ctx.model) if ctx.cfg.model.activation_offload else contextlib.nullcontext(), \
+            ctx.lora_compute.forward():
         logp, entropy = model_logprobs(
             ctx.model, m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask,
             temperature=plan.temperature, with_entropy=True, grad_hint=hint, packed=ctx.cfg.train.packed,
@@ -260,10 +262,11 @@ def update_stage(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef) -> UpdateR
     for _ in range(ctx.cfg.train.num_iterations):
         step_loss = torch.zeros((), dtype=torch.float64, device=ctx.device)  # on device: no host sync per micro-batch
         parts = []
-        for i in range(len(plan.micro)):
-            loss, metrics = micro_batch_backward(ctx, plan, oldref, i)
-            step_loss += loss
-            parts += [metrics] if i < len(plan.micro) - plan.padding else []
+        with ctx.lora_compute.stage():  # forwards and backwards (recomputes) alike
+            for i in range(len(plan.micro)):
+                loss, metrics = micro_batch_backward(ctx, plan, oldref, i)
+                step_loss += loss
+                parts += [metrics] if i < len(plan.micro) - plan.padding else []
         res.grad_norms.append(optimizer_step(ctx))
         res.losses.append(all_reduce_sum(float(step_loss), ctx.device))
         merged = all_reduce_metrics(merge_metrics(parts), ctx.device)

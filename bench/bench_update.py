@@ -108,7 +108,7 @@ def run_variant(name: str, spec: dict, a: argparse.Namespace, model_dir: Path) -
         model.zero_grad(set_to_none=True)
     busy, top = profile(step) if a.profile else (None, None)
     model.zero_grad(set_to_none=True)
-    shape = ModelShape.from_model(model)
+    shape = ModelShape.of(model)
     flops = update_flops(shape, seq)
     peak_flops, _ = device_peaks(device)
     ms = statistics.median(times)

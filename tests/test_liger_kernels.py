@@ -82,3 +82,49 @@ def test_liger_kernels_give_the_plain_models_logprobs_and_gradients(family):
     assert r["mlp"] == [r["mlp"][0], "LigerSwiGLUMLP"] and r["mlp"][0] != "LigerSwiGLUMLP"  # the kernels are in place
     assert r["logp"] < 1e-4, r  # fp32: same math, other kernels
     assert r["grad"] < 1e-4 * max(r["grad_scale"], 1.0), r
+
+
+def test_patched_forwards_run_only_outside_torch_compile(monkeypatch):
+    """`outside_compile` around a patch that does what Liger's apply does (a forward bound on module instances, a
+    function and a class replaced in the modeling module): eager calls run the patched code, traced calls the
+    module's own, a deep copy dispatches on its own weights, and the class is put back."""
+    import copy
+    import types
+
+    from logitless.trainer.modeling import outside_compile
+
+    model = tiny("qwen2")
+    modeling = sys.modules[type(model).__module__]
+    for name in ("apply_rotary_pos_emb", "Qwen2MLP"):  # restored after the test
+        monkeypatch.setattr(modeling, name, getattr(modeling, name))
+    plain_rope, plain_mlp_cls = modeling.apply_rotary_pos_emb, modeling.Qwen2MLP
+
+    def kernel_mlp(self, x):
+        return torch.full_like(x, 7.0)
+
+    def patch():
+        for layer in model.model.layers:
+            layer.mlp.__dict__["forward"] = types.MethodType(kernel_mlp, layer.mlp)
+        modeling.apply_rotary_pos_emb = lambda q, k, cos, sin, *a, **kw: (q * 0 + 3, k * 0 + 3)
+        modeling.Qwen2MLP = type("KernelMLP", (torch.nn.Module,), {})
+
+    outside_compile(model, modeling, patch)
+    assert modeling.Qwen2MLP is plain_mlp_cls  # models built later stay plain
+    x = torch.randn(2, 3, 32)
+    mlp = model.model.layers[0].mlp
+    own = plain_mlp_cls.forward(mlp, x)
+    assert torch.equal(mlp(x), torch.full_like(x, 7.0))  # eager: the kernel
+    traced = torch.compile(lambda m, t: m(t), backend="eager", fullgraph=True)
+    torch.testing.assert_close(traced(mlp, x), own)  # traced: the module's own forward
+    q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
+    cos, sin = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+    assert torch.equal(modeling.apply_rotary_pos_emb(q, k, cos, sin)[0], q * 0 + 3)
+    rope = torch.compile(lambda *a: modeling.apply_rotary_pos_emb(*a), backend="eager", fullgraph=True)
+    torch.testing.assert_close(rope(q, k, cos, sin)[0], plain_rope(q, k, cos, sin)[0])
+    twin = copy.deepcopy(model)
+    twin_mlp = twin.model.layers[0].mlp
+    with torch.no_grad():
+        twin_mlp.down_proj.weight.mul_(2.0)
+    assert twin_mlp.forward.__self__ is twin_mlp
+    torch.testing.assert_close(traced(twin_mlp, x), plain_mlp_cls.forward(twin_mlp, x))
+    assert not torch.allclose(traced(twin_mlp, x), own)  # the copy's own weights, not the original's

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib.util
 import inspect
+import sys
+import types
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -207,9 +210,10 @@ LIGER_INSTALL_HINT = "pip install 'logitless[liger]'  (liger-kernel)"
 def apply_liger_kernels(model) -> None:
     """Liger-Kernel's RMSNorm, SwiGLU (GeGLU) and RoPE kernels in `model`'s layers, through Liger's own
     `apply_liger_kernel_to_<model type>(model=...)`; the cross-entropy and fused-linear-cross-entropy patches stay
-    off (they would replace the forward whose hidden states the fused op reads). Liger patches the model type's
-    transformers module, so every model of that type built later in the process uses the kernels too (the
-    rollout's copies included)."""
+    off (they would replace the forward whose hidden states the fused op reads). The kernels run in eager
+    forwards and backwards (the update, the `hf` rollout); a forward traced by torch.compile (the `static`
+    engine's decode graph, which cannot trace Liger's Triton kernels) runs the transformers code instead
+    (`outside_compile`). Models of the type built later in the process stay plain (copies of this one do not)."""
     setting = "model.liger_kernels=true"
     if importlib.util.find_spec("liger_kernel") is None:
         raise ImportError(f"{setting} needs the `liger_kernel` package, which is not installed: {LIGER_INSTALL_HINT}")
@@ -224,7 +228,41 @@ def apply_liger_kernels(model) -> None:
     wanted = dict(rope=True, rms_norm=True, swiglu=True, geglu=True, cross_entropy=False,
                   fused_linear_cross_entropy=False)
     params = inspect.signature(apply).parameters
-    apply(model=model, **{k: v for k, v in wanted.items() if k in params})
+    outside_compile(model, sys.modules[type(model).__module__],
+                    lambda: apply(model=model, **{k: v for k, v in wanted.items() if k in params}))
+
+
+def _eager_or_traced(self, *args, **kwargs):
+    """A patched module's forward: the kernel's forward in eager mode, the module's own under torch.compile."""
+    fn = self._plain_forward if torch.compiler.is_compiling() else self._kernel_forward
+    return fn(self, *args, **kwargs)
+
+
+def outside_compile(model, modeling, patch) -> None:
+    """Run `patch()` (which rebinds `forward` of `model`'s modules and replaces names in the `modeling` module, as
+    Liger's `apply_liger_kernel_to_*` does) so that what it patched runs only outside torch.compile:
+    - a module whose forward it rebound gets a forward that dispatches on `torch.compiler.is_compiling()` (a
+      bound method, so a deep copy of the model dispatches on its own weights);
+    - a function it replaced in `modeling` gets the same dispatch;
+    - a class it replaced in `modeling` is put back (models built later stay plain)."""
+    before = {m: m.__dict__.get("forward") for m in model.modules()}
+    names = dict(vars(modeling))
+    patch()
+    for m, old in before.items():
+        new = m.__dict__.get("forward")
+        if new is not None and new is not old:
+            m._kernel_forward = new.__func__
+            m._plain_forward = old.__func__ if old is not None else type(m).forward
+            m.__dict__["forward"] = types.MethodType(_eager_or_traced, m)
+    for name, new in list(vars(modeling).items()):
+        old = names.get(name)
+        if old is None or new is old:
+            continue
+        if isinstance(new, type):
+            setattr(modeling, name, old)
+        elif callable(new):
+            setattr(modeling, name, functools.wraps(old)(
+                lambda *a, _k=new, _o=old, **kw: (_o if torch.compiler.is_compiling() else _k)(*a, **kw)))
 
 
 def lora_autocast_dtype(model, cfg: ModelConfig) -> torch.dtype | None:

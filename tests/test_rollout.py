@@ -263,7 +263,7 @@ def test_tokenizer_without_pad_or_chat_template(gpt2_tokenizer):
         eng.generate([[{"role": "user", "content": "hi"}]], SamplingOptions())
 
 
-def test_gqa_decode_attention_equals_sdpa():
+def test_gqa_decode_attention_equals_sdpa(monkeypatch):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from logitless.rollout.attention import gqa_decode_attention
@@ -281,6 +281,19 @@ def test_gqa_decode_attention_equals_sdpa():
     out, _ = gqa_decode_attention(mod, q, k, v, mask, scaling=0.3)
     assert out.shape == (B, 1, H, d)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    # traced by torch.compile (the static engine's decode graph) it runs as matmuls around a masked softmax
+    traced = torch.compile(gqa_decode_attention, backend="eager", fullgraph=True)
+    ref_default_scale = sdpa_attention_forward(mod, q, k, v, mask)[0]
+
+    def no_sdpa(*args, **kwargs):
+        raise AssertionError("the traced decode attention called sdpa")
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", no_sdpa)
+    torch.testing.assert_close(traced(mod, q, k, v, mask, scaling=0.3)[0], ref, atol=1e-12, rtol=0)
+    torch.testing.assert_close(traced(mod, q, k, v, mask)[0], ref_default_scale, atol=1e-12, rtol=0)  # 1/sqrt(d)
+    additive = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, float("-inf"))
+    torch.testing.assert_close(traced(mod, q, k, v, additive, scaling=0.3)[0], ref, atol=1e-12, rtol=0)
+    monkeypatch.undo()
     # multi-token queries fall back to sdpa
     q2 = torch.randn(B, H, 4, d, dtype=torch.float64)
     m2 = torch.ones(B, 1, 4, L, dtype=torch.bool)

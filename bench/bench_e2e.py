@@ -89,10 +89,12 @@ def versions() -> dict[str, str]:
     import transformers
 
     out = {"torch": torch.__version__, "transformers": transformers.__version__}
+    from importlib.metadata import PackageNotFoundError, version
+
     for name in ("trl", "liger_kernel", "peft", "triton"):
         try:
-            out[name] = __import__(name).__version__
-        except (ImportError, AttributeError):
+            out[name] = version(name.replace("_", "-"))  # liger_kernel has no __version__
+        except PackageNotFoundError:
             out[name] = "not installed"
     return out
 

@@ -16,6 +16,8 @@ Names follow TRL's `GRPOConfig` / `ModelConfig` wherever the concept is the same
 | model.lora_r / lora_alpha / ...      | ModelConfig.lora_r / lora_alpha / ...     | also lora_dropout, lora_target_modules    |
 | model.gradient_checkpointing         | gradient_checkpointing                    |                                           |
 | model.load_in_4bit                   | ModelConfig.load_in_4bit                  | NF4, LoRA only, lm_head unquantized       |
+| model.lora_compute=autocast          | bf16=True (autocast, fp32 adapters)       | the default ("auto") on a bf16 model      |
+| model.liger_kernels                  | use_liger_kernel (its layer kernels only) | the fused op keeps the logprobs           |
 | rollout.num_generations              | num_generations                           | G samples per prompt                      |
 | rollout.max_prompt_length            | max_prompt_length                         | longer prompts are an error, not cut      |
 | rollout.max_completion_length        | max_completion_length                     |                                           |

@@ -170,3 +170,17 @@ def test_apply_filters_chains_the_processors_in_order():
 
     seen = torch.tensor([[2, 2]])
     assert apply_filters([RepetitionPenaltyLogitsProcessor(2.0)], seen, scaled).tolist() == [[1.0, 2.0, 1.5]]
+
+
+def test_step_keys_make_no_tensor_of_the_step(monkeypatch):
+    """The step is hashed on the host: a tensor made from it on CUDA is a host-to-device copy, which
+    synchronizes the stream at every decode step (the GPU then idles while the host launches the next one)."""
+    keys = row_keys(3, torch.tensor([0, 1]), torch.tensor([0, 1]))
+    want = step_keys(keys, 9).tolist()
+
+    def no_tensor(*args, **kwargs):
+        raise AssertionError("step_keys made a tensor from a Python number")
+
+    monkeypatch.setattr(torch, "as_tensor", no_tensor)
+    monkeypatch.setattr(torch, "tensor", no_tensor)
+    assert step_keys(keys, 9).tolist() == want

@@ -47,9 +47,21 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def mix32_int(x: int) -> int:
+    """`mix32` of one Python int, on the host: equal to mix32(torch.tensor(x)) for 0 <= x < 2**63."""
+    x &= MASK32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & MASK32
+    return x ^ (x >> 16)
+
+
 def _fold(h: torch.Tensor, value: torch.Tensor | int) -> torch.Tensor:
-    """Hash `value` into the running key `h` (order-dependent)."""
-    return mix32((h ^ mix32(torch.as_tensor(value, dtype=torch.long, device=h.device) + _GOLDEN)) & MASK32)
+    """Hash `value` into the running key `h` (order-dependent). An int value is hashed on the host: a device
+    tensor made from it would be a host-to-device copy, which synchronizes the stream (once per decode step)."""
+    mixed = mix32_int(value + _GOLDEN) if isinstance(value, int) else mix32(value.long() + _GOLDEN)
+    return mix32((h ^ mixed) & MASK32)
 
 
 def row_keys(seed: int, prompt_index: torch.Tensor, sample_index: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """model.liger_kernels: Liger-Kernel's layer kernels (RMSNorm, SwiGLU, RoPE) in the model. Bad input is refused
 on CPU before anything is patched; on a GPU the patched model gives the same logprobs and LoRA gradients as the
-plain one (in a fresh process: Liger patches the transformers module of the model type for the whole process)."""
+plain one (in a fresh process: Liger swaps names in the transformers module of the model type; its functions
+stay swapped, behind a dispatch that runs the plain code under torch.compile). The dispatch itself is tested on
+CPU with a patch that does what Liger's does."""
 
 from __future__ import annotations
 

@@ -289,7 +289,7 @@ class LoraCompute:
 
     def __init__(self, model, cfg: ModelConfig):
         self.model, self.dtype = model, lora_autocast_dtype(model, cfg)
-        self.device_type = model.get_input_embeddings().weight.device.type
+        self.device_type = model.get_input_embeddings().weight.device.type if self.dtype is not None else "cpu"
 
     def stage(self):
         if self.dtype is None:

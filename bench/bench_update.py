@@ -45,7 +45,7 @@ VARIANTS = {
     "full": dict(lora=False),
     "lora_fp32": dict(lora_compute="fp32"),
     "lora_autocast": dict(lora_compute="autocast"),
-    "lora_bf16": dict(lora_compute="bf16"),
+    "lora_bf16": dict(lora_compute="fp32", adapters_bf16=True),
     "lora_autocast+packed": dict(lora_compute="autocast", packed=True),
     # Liger patches the model type's module for the rest of the process: these come last
     "lora_autocast+liger": dict(lora_compute="autocast", liger_kernels=True),
@@ -72,12 +72,11 @@ def run_variant(name: str, spec: dict, a: argparse.Namespace, model_dir: Path) -
     packed = spec.get("packed", False)
     cfg = ModelConfig(
         name_or_path=str(model_dir), lora=spec.get("lora", True), gradient_checkpointing=True,
-        liger_kernels=spec.get("liger_kernels", False),
-        lora_compute={"bf16": "fp32"}.get(spec.get("lora_compute", "auto"), spec.get("lora_compute", "auto")),
+        liger_kernels=spec.get("liger_kernels", False), lora_compute=spec.get("lora_compute", "auto"),
         attn_implementation="logitless_varlen" if packed else None,
     )
     model, _, device = load_model_and_tokenizer(cfg)
-    if spec.get("lora_compute") == "bf16":
+    if spec.get("adapters_bf16"):
         model.to(torch.bfloat16)
     model.train()
     (p_ids, p_mask, c_ids, c_mask, adv), seq = batch(a.rows, a.prompt, a.completion, model.config.vocab_size, device)

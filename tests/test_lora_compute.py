@@ -4,6 +4,7 @@ optimizer's masters; the same path for the update's forward, its recompute and t
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -13,8 +14,7 @@ from logitless.trainer.config import ModelConfig, load_train_config
 from logitless.trainer.loop import train
 from logitless.trainer.modeling import LoraCompute, prepare_for_training
 from tests.conftest import TINY_LORA_QUIET, tiny_qwen2
-
-VOCAB = 50_257  # GPT-2 tokenizer
+from tests.test_trainer import VOCAB, tok  # noqa: F401 (fixture)
 
 
 def _peft(dtype, lora_compute="auto", gc=False, lora=True):
@@ -73,7 +73,7 @@ def test_adapters_compute_in_bf16_and_keep_fp32_masters(gc):
     assert seen == {(torch.bfloat16, torch.bfloat16), ("out", torch.bfloat16)}
     assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "lora_" in n)
     assert all(grads[n].dtype == torch.float32 and grads[n].abs().max() > 0 for n in grads)
-    seen32, grads32 = _fwd_bwd(reference, dataclass_replace(cfg, lora_compute="fp32"))
+    seen32, grads32 = _fwd_bwd(reference, dataclasses.replace(cfg, lora_compute="fp32"))
     assert seen32 == {(torch.float32, torch.float32), ("out", torch.float32)}  # peft's own path
     for n in grads:  # the same gradients, to bf16 precision, and not bit-equal (the paths differ)
         torch.testing.assert_close(grads[n], grads32[n], rtol=0.1, atol=0.02 * float(grads32[n].abs().max()))
@@ -88,20 +88,6 @@ def test_checkpointed_recompute_gives_the_same_gradients_under_autocast():
     _, g2 = _fwd_bwd(ckpt_model, ckpt_cfg)
     for n in g1:
         assert torch.equal(g1[n], g2[n]), n
-
-
-def dataclass_replace(cfg, **kw):
-    import dataclasses
-
-    return dataclasses.replace(cfg, **kw)
-
-
-@pytest.fixture
-def tok(gpt2_tokenizer):
-    tok = copy.deepcopy(gpt2_tokenizer)
-    tok.pad_token = tok.eos_token
-    tok.padding_side = "left"
-    return tok
 
 
 @pytest.mark.parametrize("mode", ["autocast", "fp32"])

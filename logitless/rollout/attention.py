@@ -56,8 +56,8 @@ def gqa_decode_attention(
 
 def _matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                       scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale + mask) v with the softmax in fp32 (or the inputs' wider dtype); q [B, kv, g, d], k/v [B, kv, L, d], mask
-    [B, 1, 1, L] bool (True = attend) or additive, or None."""
+    """softmax(q k^T * scale + mask) v with the softmax in fp32 (or the inputs' wider dtype); q [B, kv, g, d],
+    k/v [B, kv, L, d], mask [B, 1, 1, L] bool (True = attend) or additive, or None."""
     s = torch.matmul(q, k.transpose(-1, -2))  # [B, kv, g, L]
     s = s.to(torch.promote_types(s.dtype, torch.float32)) * scale
     if mask is not None:

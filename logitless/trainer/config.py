@@ -117,8 +117,6 @@ class ModelConfig:
 
     def __post_init__(self):
         _positive("model", lora_r=self.lora_r, lora_alpha=self.lora_alpha)
-        if self.lora_compute not in ("auto", "fp32", "autocast"):
-            raise ValueError(f"model.lora_compute must be auto, fp32 or autocast, got {self.lora_compute!r}")
         if self.lora_compute == "autocast" and not self.lora:
             raise ValueError("model.lora_compute=autocast sets how LoRA adapters compute, but model.lora=false; "
                              "set model.lora_compute=auto (or model.lora=true)")

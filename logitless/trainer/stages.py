@@ -191,16 +191,18 @@ def logprob_stage(ctx: TrainContext, plan: UpdatePlan) -> OldRef:
     old: list[torch.Tensor | None] = [None] * len(plan.micro)
     ref: list[torch.Tensor | None] = [None] * len(plan.micro)
     entropies = []
-    for i, m in enumerate(plan.micro):
-        args = (ctx.model, m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask)
-        if mu > 1 or top_entropy:
-            with ctx.lora_compute.stage(), ctx.lora_compute.forward():  # as the update computes them
-                logp, ent = model_logprobs(*args, temperature=plan.temperature, with_entropy=top_entropy, packed=packed)
-            old[i] = logp if mu > 1 else None
-            entropies += [ent] if top_entropy else []
-        if ctx.reference is not None:
-            with ctx.reference.use(ctx.model) as ref_model, ctx.lora_compute.forward():
-                ref[i] = model_logprobs(ref_model, *args[1:], temperature=plan.temperature, packed=packed)[0]
+    with ctx.lora_compute.stage():  # the old-policy logprobs computed as the update computes them
+        for i, m in enumerate(plan.micro):
+            args = (ctx.model, m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask)
+            if mu > 1 or top_entropy:
+                with ctx.lora_compute.forward():
+                    logp, ent = model_logprobs(*args, temperature=plan.temperature, with_entropy=top_entropy,
+                                               packed=packed)
+                old[i] = logp if mu > 1 else None
+                entropies += [ent] if top_entropy else []
+            if ctx.reference is not None:
+                with ctx.reference.use(ctx.model) as ref_model, ctx.lora_compute.forward():
+                    ref[i] = model_logprobs(ref_model, *args[1:], temperature=plan.temperature, packed=packed)[0]
     real = plan.micro[: len(plan.micro) - plan.padding]  # padding passes (torchrun) keep collectives in step only
     threshold = None  # one threshold over the whole step's tokens
     if top_entropy:

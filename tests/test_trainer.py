@@ -164,6 +164,18 @@ def test_sigint_during_update_finishes_step_then_checkpoints(tmp_path, tok, rewa
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
 
 
+@pytest.mark.parametrize("cudnn", [False, True])
+def test_run_turns_cudnn_attention_off_and_restores_it(tmp_path, tok, rewards_module, cudnn):
+    """cuDNN's sdpa builds a graph per new shape: off for the whole step (rollout and update) unless asked for."""
+    seen = []
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    _train(_cfg(tmp_path / "run", "train.max_steps=1", "checkpoint.save_steps=0", f"model.cudnn_attention={cudnn}"),
+           tok, hook=lambda event, step: seen.append((event, torch.backends.cuda.cudnn_sdp_enabled())))
+    assert [e for e, _ in seen] == ["step_start", "after_rollout", "after_update"]
+    assert all(on is cudnn for _, on in seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # the process's setting is back
+
+
 @pytest.mark.parametrize(
     "fn, match",
     [

@@ -114,6 +114,11 @@ class ModelConfig:
     # results are bf16/fp16 while the fp32 adapter weights stay the optimizer's masters (as TRL's bf16=true runs
     # them). "auto": autocast for LoRA on a bf16/fp16 model, fp32 otherwise.
     lora_compute: Literal["auto", "fp32", "autocast"] = "auto"
+    # cuDNN's attention among torch's sdpa backends during a run. Off by default: cuDNN builds and caches a graph
+    # for each new (rows, columns) shape, 0.1-3 s each on an H200, and the micro-batches and prefills of a GRPO
+    # step are new shapes most of the time (rows sorted by length, padding trimmed); flash and memory-efficient
+    # attention have no per-shape cost. Turn it on for fixed shapes, where its cached graphs are the fastest.
+    cudnn_attention: bool = False
 
     def __post_init__(self):
         _positive("model", lora_r=self.lora_r, lora_alpha=self.lora_alpha)

@@ -25,7 +25,7 @@ from logitless.trainer.builders import (
     torch_threads,
 )
 from logitless.trainer.config import TrainerConfig
-from logitless.trainer.modeling import load_model_and_tokenizer, prepare_for_training
+from logitless.trainer.modeling import attention_backends, load_model_and_tokenizer, prepare_for_training
 
 
 @dataclass
@@ -102,7 +102,8 @@ def evaluate_config(cfg: TrainerConfig, checkpoint: str | Path | None = None) ->
             model = prepare_for_training(model, dataclasses.replace(cfg.model, gradient_checkpointing=False))
         ckpt.load_model_weights(model, path / "model")
     model.eval()
-    return evaluate(model, tokenizer, rows, cfg, split=split)
+    with attention_backends(cfg.model):
+        return evaluate(model, tokenizer, rows, cfg, split=split)
 
 
 def write_eval(result: EvalResult, path: str | Path) -> None:

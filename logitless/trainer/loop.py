@@ -33,6 +33,7 @@ from logitless.trainer.config import TrainerConfig
 from logitless.trainer.context import TrainContext, build_context
 from logitless.trainer.metrics import RewardErrorReport
 from logitless.trainer.parallel import agree, check_distributed, claimed_on_rank0, init_distributed, launched_world
+from logitless.trainer.modeling import attention_backends
 from logitless.trainer.plot import plot_run
 from logitless.trainer.preflight import check_resume, validate_config
 from logitless.trainer.rundir import claim_run_dir
@@ -143,7 +144,8 @@ def train(
             check_resume(run_cfg, start)
         if model is None:
             check_sources(run_cfg)
-        return _train(run_cfg, resume=start, model=model, tokenizer=tokenizer, hook=hook)
+        with attention_backends(run_cfg.model):
+            return _train(run_cfg, resume=start, model=model, tokenizer=tokenizer, hook=hook)
 
 
 def _train(

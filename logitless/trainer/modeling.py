@@ -302,6 +302,22 @@ class LoraCompute:
         return torch.autocast(self.device_type, dtype=self.dtype) if self.dtype is not None else contextlib.nullcontext()
 
 
+@contextmanager
+def attention_backends(cfg: ModelConfig) -> Iterator[None]:
+    """torch's sdpa backends for the length of a run: cuDNN's attention off unless `model.cudnn_attention`.
+
+    cuDNN's sdpa builds a graph for each new (rows, columns) shape (0.1-3 s on an H200, `bench/LOG.md`), and the
+    trainer's micro-batches and the rollout's prefills change shape nearly every call; flash and memory-efficient
+    attention, which sdpa picks instead, have no per-shape cost. The previous setting is restored on exit.
+    """
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(before and cfg.cudnn_attention)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
 def is_peft_model(model) -> bool:
     try:
         from peft import PeftModel

@@ -128,3 +128,42 @@ def test_phase_timer_accumulates_and_reports_each_phase():
     assert set(m) == {"time/a", "time/b", "memory/peak_gb/a", "memory/peak_gb/b", "memory/peak_gb"}
     assert m["time/a"] > m["time/b"] >= 0
     assert m["memory/peak_gb/a"] >= 64 / 1024 and m["memory/peak_gb"] == max(m["memory/peak_gb/a"], m["memory/peak_gb/b"])
+
+
+def test_ceiling_fraction_is_measured_against_the_rollouts_own_time():
+    """With train.async_rollout the generate phase is only the wait for a rollout run beside the update: the
+    ceiling fraction divides by the rollout call's own seconds, whatever the phase clock says."""
+    from types import SimpleNamespace
+
+    from logitless.trainer.stages import efficiency_metrics
+
+    shape = ModelShape.of(tied_qwen2())
+    mask = torch.ones(2, 6, dtype=torch.long)
+    batch = SimpleNamespace(prompt_mask=mask, completion_mask=mask[:, :4], timing=SimpleNamespace(seconds=2.0))
+    ctx = SimpleNamespace(peaks=(1e12, 1e9), shape=shape, device=torch.device("cpu"), world=SimpleNamespace(size=1),
+                          cfg=SimpleNamespace(train=SimpleNamespace(num_iterations=1)))
+    plan = SimpleNamespace(trained=torch.arange(2))
+    for waited in (0.01, 2.0, 7.0):
+        timer = SimpleNamespace(seconds={"generate": waited, "train": 1.0})
+        out = efficiency_metrics(ctx, SimpleNamespace(batch=batch), plan, timer)
+        assert out["rollout/ceiling_fraction"] == pytest.approx(decode_ideal_seconds(shape, [6, 6], [4, 4], 1e9) / 2.0)
+
+
+def test_decode_bytes_are_those_of_the_module_the_engine_decodes_with():
+    """A QLoRA model whose rollout decodes from a merged bf16 copy reads bf16 weights, not its packed 4-bit ones."""
+    from types import SimpleNamespace
+
+    from logitless.trainer.context import _shape
+
+    plain = tied_qwen2().to(torch.bfloat16)
+    quantized = tied_qwen2().to(torch.bfloat16)
+    proj = quantized.model.layers[0].mlp.up_proj
+    packed = torch.nn.Parameter(torch.zeros(proj.weight.numel() // 4, 1, dtype=torch.bfloat16), requires_grad=False)
+    packed.quant_state = SimpleNamespace(shape=proj.weight.shape)
+    proj.weight = packed
+    own = ModelShape.of(quantized)
+    assert own.decode_weight_bytes < ModelShape.of(plain).decode_weight_bytes
+    merged = _shape(quantized, SimpleNamespace(weights=SimpleNamespace(module=plain)))
+    assert merged == dataclasses.replace(own, decode_weight_bytes=ModelShape.of(plain).decode_weight_bytes)
+    assert _shape(quantized, SimpleNamespace(weights=SimpleNamespace(module=quantized))) == own  # quantized decode
+    assert _shape(quantized, object()) == own  # an engine that does not say

@@ -147,6 +147,16 @@ def _logger(cfg: TrainerConfig, run_dir: Path, world: World, start: int) -> Metr
                          total_steps=cfg.train.max_steps, resume_step=start)
 
 
+def _shape(model: torch.nn.Module, engine: Any) -> ModelShape:
+    """The training model's shape, with the weight bytes of the module the rollout decodes with (a merged bf16
+    copy of a QLoRA model reads bf16 weights, not 4-bit ones); the model's own where the engine does not say."""
+    shape = ModelShape.of(model)
+    decoded = getattr(getattr(engine, "weights", None), "module", None)
+    if decoded is None or decoded is model:
+        return shape
+    return dataclasses.replace(shape, decode_weight_bytes=ModelShape.of(decoded).decode_weight_bytes)
+
+
 def build_context(
     cfg: TrainerConfig, *, resume: str | Path | None = None, model: torch.nn.Module | None = None, tokenizer: Any = None
 ) -> TrainContext:
@@ -196,7 +206,7 @@ def build_context(
         params=params, optimizer=optimizer, scheduler=scheduler, sampler=sampler, reward_fns=reward_fns,
         acc_col=acc_col, adv_options=adv_options,
         reference=reference,
-        shape=ModelShape.of(model), peaks=device_peaks(device, cfg.logging.peak_tflops, cfg.logging.hbm_tbs),
+        shape=_shape(model, engine), peaks=device_peaks(device, cfg.logging.peak_tflops, cfg.logging.hbm_tbs),
         run_dir=run_dir, logger=logger, start=start, entropy_coef=coef, world=world, replica=replica,
         lora_compute=LoraCompute(model, cfg.model),
     )

@@ -306,7 +306,8 @@ def efficiency_metrics(ctx: TrainContext, ro: Rollout, plan: UpdatePlan, timer: 
     flops = all_reduce_sum(flops, dev)
     train_s = timer.seconds.get("train", math.nan)
     return {
-        "rollout/ceiling_fraction": ideal / world / max(timer.seconds.get("generate", math.nan), 1e-9),
+        # the rollout's own seconds: with async_rollout the generate phase is only the wait for it
+        "rollout/ceiling_fraction": ideal / world / max(b.timing.seconds, 1e-9),
         "train/mfu": flops / world / max(train_s, 1e-9) / ctx.peaks[0],
         "train/tflops_per_s": flops / max(train_s, 1e-9) / 1e12,  # all ranks together
         "train/tflop": flops / 1e12,  # the step's update FLOPs, all ranks (recompute not counted)

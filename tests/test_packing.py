@@ -196,3 +196,14 @@ def test_varlen_attention_gpu_matches_padded_with_gradients():
     torch.testing.assert_close(grads[1][0], grads[0][0], atol=0.05, rtol=0)
     for a, b in zip(grads[0][1], grads[1][1]):
         torch.testing.assert_close(b, a, atol=0.05, rtol=0.05)
+
+
+def test_packed_run_loads_the_varlen_attention_unless_another_is_named():
+    """train.packed with transformers' default sdpa would build a dense [S, S] mask: the run picks logitless_varlen."""
+    from logitless.trainer.config import load_train_config
+    from logitless.trainer.context import model_config
+
+    assert model_config(load_train_config(None, ["train.packed=true"])).attn_implementation == VARLEN
+    assert model_config(load_train_config(None, [])).attn_implementation is None  # padded: transformers' default
+    named = load_train_config(None, ["train.packed=true", "model.attn_implementation=flash_attention_2"])
+    assert model_config(named).attn_implementation == "flash_attention_2"

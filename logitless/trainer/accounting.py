@@ -3,14 +3,15 @@ and the update's model-FLOP utilization (MFU).
 
 Definitions (the same in the trainer's metrics and in `bench/bench_e2e.py`):
 
-- **Rollout ceiling.** Decoding is bound by memory bandwidth. One decode step of an ideal engine reads every
-  weight once (those of the module the engine decodes with: bf16, also for a QLoRA model decoding from a merged
-  bf16 copy; the input embedding only when it is tied to the lm_head, since a decode step reads just B of its rows) and the live KV cache once: for each row still generating at decode step s,
-  `(prompt_len + s) * kv_bytes_per_token`, with `kv_bytes_per_token = layers * 2 * kv_heads * head_dim * 2`
-  (bf16 K and V; a sliding-window layer holds at most `window` positions). The ideal time is the sum over decode
-  steps of those bytes divided by the HBM bandwidth; `rollout/ceiling_fraction` = ideal time / the rollout
-  call's own wall time (with `train.async_rollout` the generate phase is only the wait for it). Prefill is not counted as ideal time (it is compute-bound and small), so the fraction is a
-  slight under-estimate of decode efficiency.
+- **Rollout ceiling.** Decoding is bound by memory bandwidth. One decode step of an ideal engine reads every weight
+  once (those of the module the engine decodes with: bf16, also for a QLoRA model decoding from a merged bf16 copy;
+  the input embedding only when it is tied to the lm_head, since a decode step reads just B of its rows) and the
+  live KV cache once: for each row still generating at decode step s, `(prompt_len + s) * kv_bytes_per_token`, with
+  `kv_bytes_per_token = layers * 2 * kv_heads * head_dim * 2` (bf16 K and V; a sliding-window layer holds at most
+  `window` positions). The ideal time is the sum over decode steps of those bytes divided by the HBM bandwidth;
+  `rollout/ceiling_fraction` = ideal time / the rollout call's own wall time (with `train.async_rollout` the
+  generate phase is only the wait for it). Prefill is not counted as ideal time (it is compute-bound and small), so
+  the fraction is a slight under-estimate of decode efficiency.
 - **MFU.** FLOPs the update needs, counted once (recompute from gradient checkpointing not counted): per token,
   `2 * N` forward for the decoder's linear layers (every token) and the lm_head (completion tokens only: the
   fused op skips prompt positions), plus attention `4 * layers * d_attn * ctx` (QK^T and PV over the causal

@@ -89,7 +89,8 @@ class ModelConfig:
     device: str = "auto"  # "auto": cuda if available, else cpu
     trust_remote_code: bool = False
     # transformers' attn_implementation (sdpa, eager, flash_attention_2, flex_attention), or "logitless_varlen":
-    # torch's varlen flash attention for train.packed (logitless/models/varlen.py), sdpa for everything else
+    # torch's varlen flash attention for train.packed (logitless/models/varlen.py), sdpa for everything else.
+    # Unset: transformers' default, or logitless_varlen when train.packed=true.
     attn_implementation: str | None = None
     lora: bool = True
     lora_r: int = 16
@@ -271,8 +272,8 @@ class TrainConfig:
     micro_batch_tokens: int | None = None
     # Padding-free micro-batches: the rows of a micro-batch are concatenated into one sequence with per-row
     # position_ids. Exact with any attention transformers packs (sdpa, eager, flex_attention, flash_attention_2);
-    # fast with model.attn_implementation=logitless_varlen (or flash_attention_2), whose cost follows the rows'
-    # own lengths; sdpa computes a dense [S, S] block-diagonal mask instead.
+    # fast with logitless_varlen (or flash_attention_2), whose cost follows the rows' own lengths, which a run
+    # loads when model.attn_implementation is unset; sdpa computes a dense [S, S] block-diagonal mask instead.
     packed: bool = False
     num_iterations: int = 1  # μ: optimizer steps on each rollout batch (old logprobs are computed when > 1)
     skip_zero_advantage: bool = True  # don't run rows with advantage 0 when they add nothing (beta=0, no entropy term)

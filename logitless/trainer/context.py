@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from logitless.data import PromptRow, PromptSampler
+from logitless.models.varlen import NAME as VARLEN_ATTENTION
 from logitless.objectives import AdvantageOptions, EntropyCoef, initial_entropy_coef
 from logitless.rollout import RolloutEngine
 from logitless.trainer import checkpoint as ckpt
@@ -31,7 +32,7 @@ from logitless.trainer.builders import (
     sync_offloaded_params,
     weight_copy,
 )
-from logitless.trainer.config import TrainerConfig, to_yaml
+from logitless.trainer.config import ModelConfig, TrainerConfig, to_yaml
 from logitless.trainer.metrics import MetricsLogger
 from logitless.trainer.modeling import (
     LoraCompute,
@@ -116,10 +117,19 @@ def advantage_options(cfg: TrainerConfig) -> AdvantageOptions:
     return dataclasses.replace(cfg.advantage, reward_weights=weights)
 
 
+def model_config(cfg: TrainerConfig) -> ModelConfig:
+    """cfg.model as loaded for the run: with `train.packed` and no attention named, `logitless_varlen` (varlen
+    flash attention on CUDA, one sdpa call per row on CPU), whose cost follows the rows' own lengths; transformers'
+    sdpa would compute a dense [S, S] block-diagonal mask over the packed sequence."""
+    if cfg.train.packed and cfg.model.attn_implementation is None:
+        return dataclasses.replace(cfg.model, attn_implementation=VARLEN_ATTENTION)
+    return cfg.model
+
+
 def _model(cfg: TrainerConfig, model: torch.nn.Module | None, tokenizer: Any) -> tuple[torch.nn.Module, Any, torch.device]:
     """(model, tokenizer, device): loaded as cfg.model says, or the given model prepared for training."""
     if model is None:
-        return load_model_and_tokenizer(cfg.model)
+        return load_model_and_tokenizer(model_config(cfg))
     if tokenizer is None:
         raise ValueError("train(model=...) needs tokenizer= too")
     model = prepare_for_training(model, cfg.model)

@@ -15,6 +15,14 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child Python with the repository first on its path; packages installed
+    onto PYTHONPATH (optional extras on a GPU machine) stay importable there."""
+    env = {**os.environ, **extra}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    return env
+
+
 def _shared_dir() -> Path | None:
     for cand in (os.environ.get("LOGITLESS_SHARED"), REPO_ROOT / "shared", REPO_ROOT.parent / "shared"):
         if cand and Path(cand, "tokenizers").is_dir():

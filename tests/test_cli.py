@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,10 +18,9 @@ from logitless.rewards.builtin import extract_numeric_answer
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer import modeling
 from logitless.trainer.config import demo_config, load_train_config
-from tests.conftest import tiny_qwen2
+from tests.conftest import subprocess_env, tiny_qwen2
 from tests.pngcheck import curve_cells
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -107,7 +105,7 @@ def test_train_resume_eval_plot(tmp_path, tiny_folder, capsys, monkeypatch):
 
 def test_sigterm_to_a_training_process_checkpoints_then_exits(tmp_path, tiny_folder):
     cfg = _config(tmp_path, tiny_folder, max_steps=200)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = subprocess_env(OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "logitless", "train", str(cfg)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = tmp_path / "run" / "metrics.jsonl"

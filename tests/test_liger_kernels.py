@@ -17,6 +17,7 @@ import torch
 
 from logitless.trainer.config import ModelConfig
 from logitless.trainer.modeling import LIGER_INSTALL_HINT, apply_liger_kernels, prepare_for_training, require_cuda_package
+from tests.conftest import subprocess_env
 from tests.test_packing import tiny
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,7 +79,7 @@ print(json.dumps({"logp": float((plain[0] - liger[0]).abs().max()), "grad": floa
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_liger_kernels_give_the_plain_models_logprobs_and_gradients(family):
     out = subprocess.run([sys.executable, "-c", SCRIPT, family], cwd=REPO, capture_output=True, text=True, timeout=600,
-                         env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+                         env=subprocess_env())
     assert out.returncode == 0, out.stderr[-4000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["mlp"] == [r["mlp"][0], "LigerSwiGLUMLP"] and r["mlp"][0] != "LigerSwiGLUMLP"  # the kernels are in place

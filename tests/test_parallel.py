@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from logitless.trainer import dcp
 from logitless.trainer.loop import train
 from logitless.trainer.parallel import World, check_distributed, rank_share
 from tests import dist_worker as w
+from tests.conftest import subprocess_env
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 WORKER = Path(w.__file__)
@@ -26,7 +26,7 @@ WORKER = Path(w.__file__)
 def torchrun(scenario: str, out: Path, tok_dir: Path, timeout: float = 300, argv: list[str] | None = None):
     """Run the worker (or `argv`) on 2 ranks; a run past `timeout` (a hang) is ended (torchrun ends its workers)
     and fails the test."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[1])}
+    env = subprocess_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            *(argv or [str(WORKER), scenario, str(out), str(tok_dir)])]
     log = out / f"torchrun-{scenario}.log"

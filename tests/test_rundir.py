@@ -29,9 +29,8 @@ from logitless.trainer.metrics import RewardErrorReport, read_metrics
 from logitless.trainer.modeling import prepare_for_training
 from logitless.trainer.preflight import validate_config
 from logitless.trainer.rundir import LOCK_FILE, RunDirError, claim_run_dir
-from tests.conftest import tiny_qwen2
+from tests.conftest import subprocess_env, tiny_qwen2
 
-REPO = Path(__file__).resolve().parents[1]
 evaluate_mod = importlib.import_module("logitless.trainer.evaluate")  # the package exports a function of that name
 context_mod = importlib.import_module("logitless.trainer.context")  # where train() loads the model
 
@@ -142,7 +141,7 @@ sys.stdin.read()
 
 def test_a_second_writer_is_refused_naming_the_running_process(tmp_path):
     run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = subprocess_env()
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(LOCK_HOLDER), str(run)], env=env,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -490,7 +489,7 @@ def test_reward_errors_under_penalty_reach_the_console(tmp_path, tok, monkeypatc
 
 def test_ctrl_c_twice_during_startup_prints_one_line(tmp_path, tiny_folder):
     cfg = _config(tmp_path, tiny_folder, max_steps=50)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = subprocess_env(OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "logitless", "train", str(cfg)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lock = tmp_path / "run" / LOCK_FILE

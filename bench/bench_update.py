@@ -16,6 +16,8 @@ Timing: CUDA events, median of --reps after one warm-up; peak = max_memory_alloc
 memory before it. `gpu_busy` = summed kernel time / wall time of one profiled rep (torch.profiler): well under 1
 means the GPU waits for the CPU to launch kernels. MFU counts forward + backward FLOPs once, attention included,
 recompute not (logitless.trainer.accounting.update_flops), at the device's dense bf16 peak.
+Attention runs with the trainer's sdpa backends (cuDNN's off: `model.cudnn_attention`); the numbers recorded before
+that change ran cuDNN's kernels, whose per-shape setup a repeated micro-batch does not show.
 
     python bench/bench_update.py --tokenizer DIR --out DIR [--rows 8 --prompt 128 --completion 1024]
 """
@@ -39,7 +41,7 @@ from bench.bench_e2e import commit, make_model_dir, versions  # noqa: E402
 from logitless.models import completion_logprobs  # noqa: E402
 from logitless.trainer.accounting import ModelShape, device_peaks, update_flops  # noqa: E402
 from logitless.trainer.config import ModelConfig  # noqa: E402
-from logitless.trainer.modeling import LoraCompute, load_model_and_tokenizer  # noqa: E402
+from logitless.trainer.modeling import LoraCompute, attention_backends, load_model_and_tokenizer  # noqa: E402
 
 VARIANTS = {
     "full": dict(lora=False),
@@ -83,8 +85,8 @@ def run_variant(name: str, spec: dict, a: argparse.Namespace, model_dir: Path) -
     n = float(c_mask.sum())
     compute = LoraCompute(model, cfg)
 
-    def step() -> None:
-        with compute.stage():
+    def step() -> None:  # the trainer's attention backends (cuDNN's sdpa off unless model.cudnn_attention)
+        with attention_backends(cfg), compute.stage():
             with compute.forward():
                 logp, ent = completion_logprobs(model, p_ids, p_mask, c_ids, c_mask, with_entropy=True, packed=packed)
             loss = -(logp * adv).sum() / n - 1e-3 * (ent * c_mask).sum() / n

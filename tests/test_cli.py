@@ -22,7 +22,6 @@ from tests.conftest import subprocess_env, tiny_qwen2
 from tests.pngcheck import curve_cells
 
 
-
 @pytest.fixture
 def tiny_folder(tmp_path, gpt2_tokenizer):
     folder = tmp_path / "tiny"

@@ -32,8 +32,8 @@ from logitless.trainer.accounting import PhaseTimer
 from logitless.trainer.config import TrainerConfig
 from logitless.trainer.context import TrainContext, build_context
 from logitless.trainer.metrics import RewardErrorReport
-from logitless.trainer.parallel import agree, check_distributed, claimed_on_rank0, init_distributed, launched_world
 from logitless.trainer.modeling import attention_backends
+from logitless.trainer.parallel import agree, check_distributed, claimed_on_rank0, init_distributed, launched_world
 from logitless.trainer.plot import plot_run
 from logitless.trainer.preflight import check_resume, validate_config
 from logitless.trainer.rundir import claim_run_dir

@@ -77,3 +77,38 @@ def test_async_rollout_needs_a_weight_copy(tmp_path, tok, rewards_module):  # no
         _train(_cfg(tmp_path / "x", "train.async_rollout=true"), tok)
     with pytest.raises(ValueError, match=r"train\.async_rollout=true"):
         _train(_cfg(tmp_path / "y", *ASYNC, "rollout.merge_lora=false"), tok)
+
+
+@pytest.mark.gpu
+def test_async_rollout_runs_on_a_high_priority_stream():
+    """The rollout beside the update runs on a CUDA stream of the highest priority, so the GPU schedules its
+    decode kernels ahead of the update's (the step then waits for the update, not for the rollout)."""
+    from logitless.data import PromptRow, PromptSampler
+    from logitless.rollout import SamplingOptions
+    from logitless.trainer.async_rollout import ROLLOUT_STREAM_PRIORITY, AsyncRollout
+
+    seen = []
+
+    class Weights:  # a weight copy of its own (not LiveWeights), as the real engine's merged copy
+        def sync(self):
+            pass
+
+    class Engine:
+        weights, max_kv_gib = Weights(), 1.0
+
+        def generate(self, prompts, options):
+            s = torch.cuda.current_stream()
+            seen.append((s.priority, s == torch.cuda.default_stream()))
+            return "batch"
+
+    device = torch.device("cuda")
+    rows = [PromptRow(prompt=f"p{i}", fields={"answer": str(i)}) for i in range(4)]
+    low, high = torch.cuda.Stream.priority_range()
+    assert high <= ROLLOUT_STREAM_PRIORITY < low  # a priority above the default stream's (0)
+    prefetch = AsyncRollout(Engine(), PromptSampler(rows, seed=0), 2, device)
+    try:
+        prefetch.start(1, SamplingOptions(max_new_tokens=4))
+        _, batch, _ = prefetch.take(1)
+    finally:
+        prefetch.close()
+    assert batch == "batch" and seen == [(ROLLOUT_STREAM_PRIORITY, False)]

@@ -1,8 +1,9 @@
 """`train.async_rollout: true`: step k+1's samples are generated while step k scores, computes logprobs and
 updates, one step off policy.
 
-When step k takes its rollout, the rollout of step k+1 starts at once on a worker thread (on CUDA, on its own
-stream): its prompts are drawn and the rollout weights (a merged-LoRA copy, `rollout/weights.py`) are synced on
+When step k takes its rollout, the rollout of step k+1 starts at once on a worker thread (on CUDA, on a stream of
+the highest priority, ROLLOUT_STREAM_PRIORITY: the GPU schedules the decode's small kernels ahead of the update's
+GEMMs, so the rollout ends within the update instead of after it): its prompts are drawn and the rollout weights (a merged-LoRA copy, `rollout/weights.py`) are synced on
 the main thread first, so it samples from the weights before update k while update k writes only the trainable
 parameters. The objective gets the rollout's real sampler logprobs, so the sampler importance-sampling options
 (`objective.sampler_is_mode`) correct the one-step lag.
@@ -23,6 +24,7 @@ from logitless.data import PromptRow, PromptSampler
 from logitless.rollout import RolloutBatch, RolloutEngine, RolloutTiming, SamplingOptions
 from logitless.rollout.weights import LiveWeights
 
+ROLLOUT_STREAM_PRIORITY = -1  # CUDA stream priority of the rollout (lower runs first; -1 is torch's "high")
 BATCH_TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "sampler_logp", "finished",
                  "truncated", "prompt_index")
 
@@ -69,7 +71,7 @@ class AsyncRollout:
             )
         engine.auto_sync = False  # synced here, on the main thread, before each rollout starts
         self.engine, self.weights, self.sampler, self.n = engine, weights, sampler, prompts_per_step
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device, priority=ROLLOUT_STREAM_PRIORITY) if device.type == "cuda" else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="logitless-rollout")
         self.pending: Prefetched | None = None
         self.taken: Prefetched | None = None  # the rollout of the running step (put back if it is dropped)

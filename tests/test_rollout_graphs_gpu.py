@@ -53,7 +53,7 @@ def test_step_graphs_give_the_step_by_step_rollout(family, replays):
     assert replays.get(4, 0) >= 2 and replays.get(1, 0) >= 1, replays  # 4-step graphs, and a bucket's last steps
     again = eng.generate(PROMPTS, opts)  # a second call: new caches, graphs captured again over them
     lengths = ref.completion_mask.sum(1)
-    assert lengths.min() < 10 and lengths.max() > 20  # rows end at different steps: compaction runs
+    assert lengths.min() < 8 and lengths.max() > 14  # rows end at different steps: compaction runs
     for b in (got, again):
         assert torch.equal(b.completion_ids, ref.completion_ids) and b.completions == ref.completions
         assert torch.equal(b.completion_mask, ref.completion_mask)

@@ -1,11 +1,9 @@
 """Kernel and host profile of one `static` rollout call: where a decode step's time goes.
 
 Qwen2.5-1.5B shape (random init, bf16), `rows` = prompts x 8 samples, `new` tokens each, EOS ignored; one warm-up
-call at the same shapes, one timed call, one call under torch.profiler (CUDA kernels and host events). With
-`--compare-steps`, the same warm-up and timed call follow with rollout.step_graphs off (one graph per step), in
-the same process.
+call at the same shapes, one timed call, one call under torch.profiler (CUDA kernels and host events).
 
-    python bench/prof_decode.py --tokenizer QWEN2.5_TOKENIZER --out DIR --rows 128 --new 512 [--compare-steps]
+    python bench/prof_decode.py --tokenizer QWEN2.5_TOKENIZER --out DIR --rows 128 --new 512
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=128, help="a multiple of 8 (G = 8 samples per prompt)")
     ap.add_argument("--new", type=int, default=512)
     ap.add_argument("--commit", default="unknown")
-    ap.add_argument("--compare-steps", action="store_true", help="also time rollout.step_graphs=false")
     a = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoTokenizer
@@ -39,24 +36,18 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(a.tokenizer)
     prompts = make_prompts(a.rows // 8)
     opts = SamplingOptions(num_generations=8, temperature=1.0, max_new_tokens=a.new, ignore_eos=True, seed=0)
-    model = make_model(False, "cuda")
-
-    def timed(engine) -> float:
-        engine.generate(prompts, opts)  # compiles and captures at these shapes
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        engine.generate(prompts, opts)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t
-
-    eng = make_engine("static", model, tok)
-    plain_s = timed(eng)
+    eng = make_engine("static", make_model(False, "cuda"), tok)
+    eng.generate(prompts, opts)  # compiles and captures at these shapes
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    eng.generate(prompts, opts)
+    torch.cuda.synchronize()
+    plain_s = time.perf_counter() - t
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         eng.generate(prompts, opts)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
-    steps_s = timed(make_engine("static", model, tok, step_graphs=False)) if a.compare_steps else None
     events = prof.key_averages()
     kernels = sorted((e for e in events if e.device_type.name == "CUDA"), key=lambda e: -e.self_device_time_total)
     host = sorted((e for e in events if e.device_type.name == "CPU"), key=lambda e: -e.self_cpu_time_total)
@@ -67,10 +58,7 @@ def main() -> None:
         "workload": f"static engine, Qwen2.5-1.5B shape random init bf16, {a.rows // 8} prompts x G=8 = {a.rows} rows, "
                     f"{a.new} new tokens, EOS ignored, temperature 1, after a warm-up call at the same shapes",
         "rows": a.rows, "new": a.new, "plain_s": plain_s, "tok_s": a.rows * a.new / plain_s,
-        "ms_per_step": plain_s / a.new * 1e3,
-        "step_graphs_off": None if steps_s is None else {"s": steps_s, "tok_s": a.rows * a.new / steps_s,
-                                                         "ms_per_step": steps_s / a.new * 1e3},
-        "profiled_wall_ms": wall * 1e3, "kernel_ms_sum": kernel_ms,
+        "ms_per_step": plain_s / a.new * 1e3, "profiled_wall_ms": wall * 1e3, "kernel_ms_sum": kernel_ms,
         "kernel_ms_per_step": kernel_ms / a.new,
         "top_kernels_ms_calls_name": [[round(e.self_device_time_total / 1e3, 1), e.count, e.key[:110]] for e in kernels[:25]],
         "top_host_ms_calls_name": [[round(e.self_cpu_time_total / 1e3, 1), e.count, e.key[:80]] for e in host[:12]],

@@ -50,19 +50,19 @@ def test_compaction_keeps_every_unfinished_row():
     done[unfinished] = False
     rows = _Rows(torch.arange(b) + 100, decode_cache(pre, torch.arange(b), L), torch.ones(b, L, dtype=torch.long),
                  torch.arange(b)[:, None], done, torch.arange(b) * 7, torch.randn(b, 5), L)
-    picked = rows.compacted()
+    token = torch.arange(b) + 1000
+    picked, tok = rows.compacted(token)
     assert len(picked.index) == 16  # the next power of two
     assert set(unfinished.tolist()) <= set((picked.index - 100).tolist())
     sel = picked.index - 100
-    assert torch.equal(picked.keys, rows.keys[sel]) and torch.equal(picked.logits, rows.logits[sel])
-    assert torch.equal(picked.next_pos, rows.next_pos[sel]) and torch.equal(picked.done, rows.done[sel])
+    assert torch.equal(tok, token[sel]) and torch.equal(picked.keys, rows.keys[sel])
     assert torch.equal(picked.cache.layers[0].keys, rows.cache.layers[0].keys[sel])
     # at most half unfinished is needed, and never below 8 rows
     done[:] = False
-    assert rows.compacted() is rows
+    assert rows.compacted(token)[0] is rows
     small = _Rows(torch.arange(8), rows.cache, rows.mask[:8], rows.next_pos[:8], torch.ones(8, dtype=torch.bool),
                   rows.keys[:8], rows.logits[:8], L)
-    assert small.compacted() is small
+    assert small.compacted(token[:8])[0] is small
 
 
 def test_weight_source_is_the_model_itself_when_not_merged():

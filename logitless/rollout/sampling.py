@@ -72,8 +72,8 @@ def row_keys(seed: int, prompt_index: torch.Tensor, sample_index: torch.Tensor) 
     return _fold(_fold(h, prompt_index.long()), sample_index.long())
 
 
-def step_keys(keys: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
-    """[B] keys of the rows' draws at decode step `step` (an int, or a [] long tensor: the same keys)."""
+def step_keys(keys: torch.Tensor, step: int) -> torch.Tensor:
+    """[B] keys of the rows' draws at decode step `step`."""
     return _fold(keys, step)
 
 

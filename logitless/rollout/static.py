@@ -25,10 +25,9 @@
 
 The KV cache lives only for one `generate` call; its length is rounded up to `cache_multiple` tokens and never
 shrinks across calls, so calls with different prompt lengths reuse the compiled graph. A new row count (wave
-size, compacted size) or length bucket compiles a new graph (~25 s for a 1.5B model on an H200). Step graphs
-are captured again for every wave (its cache is new) into a memory pool of their own, freed with the wave; the
-"reduce-overhead" graph's pool stays allocated while the model lives (both hold a step's activations, not the
-KV cache, which is allocated outside the graphs). Parameters are graph inputs read in place (CUDA graphs read
+size, compacted size) or length bucket compiles a new graph (~25 s for a 1.5B model on an H200); the CUDA-graph
+memory pool of the compiled step stays allocated while the model lives (it holds the step's activations, not
+the KV cache, which is allocated outside the graph). Parameters are graph inputs read in place (CUDA graphs read
 them by address), so in-place updates between rollouts (optimizer steps, a merged copy's sync) are seen without
 recompiling.
 """
@@ -57,7 +56,6 @@ from .kv_cache import (
     set_visible,
     wave_rows,
 )
-from .graphs import StepGraphs
 from .layouts import check_layout
 from .sampling import apply_filters, fused_sampler, row_keys, step_keys, vocab_codes
 from .types import Prompt, RolloutBatch, SamplingOptions
@@ -117,37 +115,21 @@ class _Rows:
     def visible_mask(self) -> torch.Tensor:
         return self.mask if self.visible == self.mask.shape[1] else self.mask[:, : self.visible]
 
-    def compacted(self) -> _Rows:
+    def compacted(self, token: torch.Tensor) -> tuple[_Rows, torch.Tensor]:
         """When at most half the rows are unfinished, the same decode over fewer rows: the unfinished ones, topped
         up with finished ones to a power of two (>= MIN_COMPACT_ROWS), so only a few row counts get a compiled
-        graph; else self. Results do not change: finished rows only emit padding, and every row keeps its own
-        random stream."""
+        graph. Returns (rows, their last tokens). Results do not change: finished rows only emit padding, and
+        every row keeps its own random stream."""
         b = len(self.index)
         active = int((~self.done).sum())
         if b <= MIN_COMPACT_ROWS or active > b // 2:
-            return self
+            return self, token
         target = max(MIN_COMPACT_ROWS, 1 << max(active - 1, 0).bit_length())
         sel = torch.argsort(self.done.to(torch.int8), stable=True)[:target]  # unfinished rows first
         cache = select_rows(self.cache, sel)
         picked = _Rows(self.index[sel], cache, self.mask[sel], self.next_pos[sel], self.done[sel], self.keys[sel],
                        self.logits[sel], self.visible)
-        return picked
-
-
-@dataclass
-class _Wave:
-    """One wave's decode state: what a step reads and writes in place (fixed addresses, for the step graphs)."""
-
-    call: _Call
-    live: _Rows
-    history: torch.Tensor  # [Bw, P + S] long: prompt and sampled tokens of each row
-    out_logp: torch.Tensor  # [Bw, S] fp32 sampler logprobs
-    t: torch.Tensor  # [] long: the step being sampled
-    P: int  # prompt slots
-    forward: Any
-    compiled: bool  # forward is a CUDA-graph-compiled call ("reduce-overhead")
-    sampler: Any
-    graphs: StepGraphs | None  # None: steps launched one by one
+        return picked, token[sel]
 
 
 class StaticEngine:
@@ -162,8 +144,7 @@ class StaticEngine:
     only the filled part of the cache rounded up to one of this many lengths (`kv_cache.length_buckets`; each is
     one more compiled graph per row count; 1 = the whole cache). compact_finished: when at most half of a wave's
     rows are unfinished at a host check, decode on with fewer rows (`_Rows.compacted`; each row count is one more
-    compiled graph). step_graphs: on CUDA with compile, run `check_every` decode steps (sampling included) per
-    CUDA graph launch (`graphs.StepGraphs`; not with filters or profile, which launch step by step).
+    compiled graph).
     """
 
     def __init__(
@@ -179,7 +160,6 @@ class StaticEngine:
         profile: bool = False,
         length_buckets: int = 1,
         compact_finished: bool = False,
-        step_graphs: bool = True,
     ):
         if check_every < 1 or cache_multiple < 1:
             raise ValueError(
@@ -202,24 +182,14 @@ class StaticEngine:
         self.length_buckets = length_buckets
         self.compact_finished = compact_finished
         self.auto_sync = True  # sync the weights at the start of each generate (off: the caller syncs)
-        self.step_graphs = step_graphs
         self._max_len = 0
         self._last_parts: dict[str, float] = {}
-        self._compiled_forward: tuple[Any, Any] | None = None  # (model, its forward compiled for step graphs)
-        self._warm: set[tuple[int, int]] = set()  # (rows, visible) shapes the compiled forward has run
 
     def _use_compile(self, device: torch.device) -> bool:
         return device.type == "cuda" if self.compile is None else bool(self.compile)
 
-    def _forward(self, module: Any, device: torch.device, graphs: bool) -> tuple[Any, bool]:
-        """(the decode step's forward, whether it is a CUDA-graph-compiled call). With step graphs: compiled
-        without CUDA graphs of its own (the step graph captures it); else torch.compile's "reduce-overhead"."""
+    def _forward(self, module: Any, device: torch.device):
         base = unwrap_model(module)
-        if graphs:
-            if self._compiled_forward is None or self._compiled_forward[0] is not base:
-                self._compiled_forward = (base, torch.compile(base.__call__, fullgraph=False, dynamic=False))
-                self._warm.clear()
-            return self._compiled_forward[1], False
         if self._use_compile(device):
             return base.get_compiled_call(CompileConfig(fullgraph=False, mode="reduce-overhead", dynamic=False)), True
         return base.__call__, False
@@ -308,12 +278,7 @@ class StaticEngine:
         self, module: Any, call: _Call, rows: torch.Tensor, prompt_of_row: torch.Tensor, pad_to: int
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Decode rows `rows` [w] of the call together: (tokens [w, steps], logps [w, steps], steps). On the
-        compiled path a short last wave is padded with copies of its last row so every wave has one shape.
-
-        Step t samples token t from the rows' logits, records it and runs the forward that writes cache slot
-        P + t and gives the logits of token t + 1; the last step samples only. Between host checks (every
-        `check_every` steps) the steps run back to back: on the step-graph path as replays of a graph of
-        `check_every` steps (`graphs.StepGraphs`), a bucket's last few steps one-step graphs."""
+        compiled path a short last wave is padded with copies of its last row so every wave has one shape."""
         prep, options, device = call.prep, call.options, call.prep.device
         w = len(rows)
         if self._use_compile(device) and w < pad_to:
@@ -323,99 +288,42 @@ class StaticEngine:
         src = prompt_of_row[rows]  # [Bw] prompt of each row
         history = torch.full((Bw, P + S), prep.pad_id, dtype=torch.long, device=device)
         history[:, :P] = prep.ids[src]
+        out_logp = torch.zeros((Bw, S), dtype=torch.float32, device=device)
         live = _Rows.start(call, src, call.keys[rows], L)
-        graphs = self._use_step_graphs(device, call)
-        forward, compiled = self._forward(module, device, graphs)
+        forward, compiled = self._forward(module, device)
         # With top-k/top-p/min-p or a repetition penalty the draw runs eagerly: the compiled pass failed the
         # chi-square test of tests/test_sampling_stats.py on CUDA with filters on (and passed without them).
         sampler = fused_sampler(device, self._use_compile(device) and not call.filters)
-        wave = _Wave(call, live, history, torch.zeros((Bw, S), dtype=torch.float32, device=device),
-                     torch.zeros((), dtype=torch.long, device=device), P, forward, compiled, sampler,
-                     StepGraphs(device) if graphs else None)
+        steps, T = 0, options.logp_temperature
         buckets = length_buckets(P, L, self.length_buckets, self.cache_multiple)
-        k, t, steps = self.check_every, 0, S
         t0 = self._tick("prefill", t0, device)  # the copy into this wave's cache
-        while t < S - 1:
-            visible = next(b for b in buckets if b > P + t)  # step t writes slot P + t
-            end = min((t // k + 1) * k, S - 1, visible - P)  # the next host check, the last forward, the bucket's end
-            wave.live.show(visible)
-            t0 = self._steps(wave, t, end - t, t0)
-            t = end
-            if t % k == 0:
-                if self._all_done(wave.live, history, P, t, options):
-                    steps = t
+        for t in range(S):
+            hist = history.index_select(0, live.index)[:, : P + t] if call.filters else None
+            scores = apply_filters(call.filters, hist, live.logits / T) if call.filters else None
+            token, logp = sampler(live.logits, scores, step_keys(live.keys, t), call.codes, T, options.temperature == 0)
+            token = torch.where(live.done, prep.pad_id, token)
+            history[live.index, P + t] = token
+            out_logp[live.index, t] = logp
+            if call.eos.numel():
+                live.done = live.done | torch.isin(token, call.eos)
+            t0 = self._tick("sample", t0, device)
+            steps = t + 1
+            if t + 1 == S:
+                break
+            if (t + 1) % self.check_every == 0:
+                if self._all_done(live, history, P, steps, options):
                     break
-                if self.compact_finished and (fewer := wave.live.compacted()) is not wave.live:
-                    wave.live = fewer
-                    wave.graphs = StepGraphs(device) if graphs else None  # the old graphs read the old rows
+                if self.compact_finished:
+                    live, token = live.compacted(token)
             t0 = self._tick("host_checks", t0, device)
-        if t == S - 1:
-            self._sample(wave, t)
-            self._tick("sample", t0, device)
-        return history[:w, P : P + steps], wave.out_logp[:w, :steps], steps
-
-    def _use_step_graphs(self, device: torch.device, call: _Call) -> bool:
-        """Whether steps run as step-graph replays: compiled, on CUDA, no filters (they run eagerly), no profile
-        (it times each part of a step)."""
-        return self.step_graphs and self._use_compile(device) and device.type == "cuda" and not call.filters \
-            and not self.profile
-
-    def _steps(self, wave: _Wave, t: int, n: int, t0: float) -> float:
-        """Run steps t .. t + n - 1 (each samples and runs the forward); returns the profile clock."""
-        device = wave.out_logp.device
-        if wave.graphs is None:
-            for i in range(n):
-                token = self._sample(wave, t + i)
-                t0 = self._tick("sample", t0, device)
-                self._forward_step(wave, token)
-                t0 = self._tick("forward", t0, device)
-            return t0
-        live = wave.live
-        shape = (len(live.index), live.visible)
-        if shape not in self._warm:  # compile this shape (and initialize lazily) outside a capture: a real step
-            self._forward_step(wave, self._sample(wave, t))
-            self._warm.add(shape)
-            n -= 1
-        step = lambda: self._forward_step(wave, self._sample(wave, None))  # noqa: E731
-        if n == self.check_every:
-            wave.graphs.run((live.visible,), n, step)
-        else:
-            for _ in range(n):
-                wave.graphs.run((live.visible,), 1, step)
-        return t0
-
-    @staticmethod
-    def _sample(wave: _Wave, t: int | None) -> torch.Tensor:
-        """Sample step `wave.t`'s token of every row, record it and its logprob, mark rows that drew an EOS;
-        advances `wave.t`. `t`: the same step on the host (the filters' history; None inside a step graph)."""
-        call, live, options = wave.call, wave.live, wave.call.options
-        T = options.logp_temperature
-        scores = None
-        if call.filters:
-            hist = wave.history.index_select(0, live.index)[:, : wave.P + t]
-            scores = apply_filters(call.filters, hist, live.logits / T)
-        token, logp = wave.sampler(live.logits, scores, step_keys(live.keys, wave.t), call.codes, T,
-                                   options.temperature == 0)
-        token = torch.where(live.done, call.prep.pad_id, token)
-        step = wave.t.expand(len(live.index))
-        wave.history.index_put_((live.index, step + wave.P), token)
-        wave.out_logp.index_put_((live.index, step), logp)
-        if call.eos.numel():
-            live.done.logical_or_((token[:, None] == call.eos[None, :]).any(1))
-        wave.t.add_(1)
-        return token
-
-    @staticmethod
-    def _forward_step(wave: _Wave, token: torch.Tensor) -> None:
-        """The model's forward on the rows' last tokens: writes their keys/values into the cache and the next
-        logits into `live.logits`, in place."""
-        live = wave.live
-        if wave.compiled:
-            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs were consumed
-        out = wave.forward(input_ids=token[:, None], attention_mask=live.visible_mask(), position_ids=live.next_pos,
-                           past_key_values=live.cache, use_cache=True, logits_to_keep=1)
-        live.logits.copy_(out.logits[:, -1])
-        live.next_pos.add_(1)
+            live.show(next(b for b in buckets if b > P + t))  # this step writes slot P + t
+            if compiled:
+                torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs were consumed
+            live.logits = forward(input_ids=token[:, None], attention_mask=live.visible_mask(), position_ids=live.next_pos,
+                                  past_key_values=live.cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+            live.next_pos = live.next_pos + 1
+            t0 = self._tick("forward", t0, device)
+        return history[:w, P : P + steps], out_logp[:w, :steps], steps
 
     def _all_done(self, live: _Rows, history: torch.Tensor, P: int, steps: int, options: SamplingOptions) -> bool:
         """Host check (one sync): mark rows whose text contains a stop string as done; True if all rows are."""

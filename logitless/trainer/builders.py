@@ -134,8 +134,7 @@ def make_rollout_engine(cfg: RolloutConfig, model: Any, tokenizer: Any) -> Rollo
                        in_place_why=in_place_refusal(model) if merged else None)
     weights = MergedLoraWeights(model, mode) if merged else LiveWeights(model)
     return make_engine("static", model, tokenizer, weights=weights, max_kv_gib=cfg.max_kv_gib, profile=cfg.profile,
-                       length_buckets=cfg.length_buckets, compact_finished=cfg.compact_finished,
-                       step_graphs=cfg.step_graphs)
+                       length_buckets=cfg.length_buckets, compact_finished=cfg.compact_finished)
 
 
 def weight_copy(cfg: RolloutConfig, device: torch.device, *, has_copy: bool, distributed: bool,

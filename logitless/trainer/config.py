@@ -212,10 +212,6 @@ class RolloutConfig:
     # Drop rows that ended from the decode batch once at most half are left (each row count one more compiled
     # graph: B, B/2, ... down to 8 rows). Helps when completion lengths vary widely.
     compact_finished: bool = False
-    # Backend "static" on CUDA: decode 32 steps (sampling included) per CUDA graph launch instead of one, so the
-    # host no longer paces the GPU. Off: one compiled graph per step. Rollouts with top-k/top-p/min-p or a
-    # repetition penalty (their draw runs eagerly) or rollout.profile launch step by step anyway.
-    step_graphs: bool = True
 
     def __post_init__(self):
         _positive(
@@ -232,7 +228,7 @@ class RolloutConfig:
         static_only = {"max_kv_gib": self.max_kv_gib is not None, "merge_lora": self.merge_lora is True,
                        "weight_copy": self.weight_copy is not None,
                        "profile": self.profile, "length_buckets": self.length_buckets != 1,
-                       "compact_finished": self.compact_finished, "step_graphs": self.step_graphs is not True}
+                       "compact_finished": self.compact_finished}
         for name, used in static_only.items():
             if used and self.backend != "static":
                 raise ValueError(

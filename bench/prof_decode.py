@@ -4,6 +4,9 @@ Qwen2.5-1.5B shape (random init, bf16), `rows` = prompts x 8 samples, `new` toke
 call at the same shapes, one timed call, one call under torch.profiler (CUDA kernels and host events).
 
     python bench/prof_decode.py --tokenizer QWEN2.5_TOKENIZER --out DIR --rows 128 --new 512
+
+`--compile-mode MODE` (e.g. max-autotune) also times the decode step compiled with that torch.compile mode in the
+same process, to compare (the engine's own is "reduce-overhead").
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=128, help="a multiple of 8 (G = 8 samples per prompt)")
     ap.add_argument("--new", type=int, default=512)
     ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--compile-mode", default=None, help="also time the decode step compiled with this mode")
     a = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoTokenizer
@@ -36,13 +40,36 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(a.tokenizer)
     prompts = make_prompts(a.rows // 8)
     opts = SamplingOptions(num_generations=8, temperature=1.0, max_new_tokens=a.new, ignore_eos=True, seed=0)
-    eng = make_engine("static", make_model(False, "cuda"), tok)
-    eng.generate(prompts, opts)  # compiles and captures at these shapes
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    eng.generate(prompts, opts)
-    torch.cuda.synchronize()
-    plain_s = time.perf_counter() - t
+    model = make_model(False, "cuda")
+
+    def timed(engine) -> tuple[float, float]:
+        """(seconds of a call after a warm-up call at the same shapes, seconds of the warm-up call)"""
+        t = time.perf_counter()
+        engine.generate(prompts, opts)  # compiles and captures at these shapes
+        torch.cuda.synchronize()
+        warm = time.perf_counter() - t
+        t = time.perf_counter()
+        engine.generate(prompts, opts)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t, warm
+
+    other = None
+    if a.compile_mode:
+        from transformers.generation.configuration_utils import CompileConfig
+
+        from logitless.rollout.engine import unwrap_model
+        from logitless.rollout.static import StaticEngine
+
+        class Mode(StaticEngine):
+            def _forward(self, module, device):
+                cfg = CompileConfig(fullgraph=False, mode=a.compile_mode, dynamic=False)
+                return unwrap_model(module).get_compiled_call(cfg), "cudagraphs" not in a.compile_mode
+        s, warm = timed(Mode(model, tok))
+        other = {"mode": a.compile_mode, "s": s, "tok_s": a.rows * a.new / s, "ms_per_step": s / a.new * 1e3,
+                 "first_call_s": warm}
+        print(other, flush=True)
+    eng = make_engine("static", model, tok)
+    plain_s, _ = timed(eng)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         eng.generate(prompts, opts)
@@ -58,7 +85,7 @@ def main() -> None:
         "workload": f"static engine, Qwen2.5-1.5B shape random init bf16, {a.rows // 8} prompts x G=8 = {a.rows} rows, "
                     f"{a.new} new tokens, EOS ignored, temperature 1, after a warm-up call at the same shapes",
         "rows": a.rows, "new": a.new, "plain_s": plain_s, "tok_s": a.rows * a.new / plain_s,
-        "ms_per_step": plain_s / a.new * 1e3, "profiled_wall_ms": wall * 1e3, "kernel_ms_sum": kernel_ms,
+        "ms_per_step": plain_s / a.new * 1e3, "other_compile_mode": other, "profiled_wall_ms": wall * 1e3, "kernel_ms_sum": kernel_ms,
         "kernel_ms_per_step": kernel_ms / a.new,
         "top_kernels_ms_calls_name": [[round(e.self_device_time_total / 1e3, 1), e.count, e.key[:110]] for e in kernels[:25]],
         "top_host_ms_calls_name": [[round(e.self_cpu_time_total / 1e3, 1), e.count, e.key[:80]] for e in host[:12]],

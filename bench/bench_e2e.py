@@ -137,6 +137,7 @@ def run_logitless(a: argparse.Namespace, model_dir: Path, out_dir: Path) -> list
             # rollout.profile=true: seconds of each decode part; the merged-LoRA copy's size
             "rollout_parts_s": {k[8:-2]: v for k, v in r.items() if k.startswith("rollout/") and k.endswith("_s")},
             "weights_copy_gib": r.get("rollout/weights_copy_gib"),
+            "replica_gib": r.get("rollout/replica_gib"),  # the static backend's replica of a sharded model
         })
     return steps
 
@@ -390,7 +391,8 @@ def main() -> None:
         "config": {"shape": f"Qwen2.5-{a.shape} shape, random init, bf16", "tuning": "full" if a.full else "LoRA r16 all-linear",
                    "prompts": a.prompts, "G": a.G, "micro_batch": a.micro, "steps": a.steps, "backend": a.backend,
                    "memory_budget_gib": a.memory_budget or None, "overrides": a.set, "gradient_checkpointing": True,
-                   "loss": "dapo, beta=0", "reward": "distinct_chars", "data": "gsm8k packaged sample, chat template"},
+                   "loss": "dapo, beta=0", "reward": "distinct_chars", "data": "gsm8k packaged sample, chat template",
+                   "fsdp_offload": "train.fsdp_offload=true" in a.set},  # FSDP2 CPU offload (a 1-rank group)
         "runs": [], "max_T": {},
     }
     systems = a.systems.split(",")

@@ -135,6 +135,9 @@ MODES = {
     "lora_packed_offload": ["train.packed=true", "rollout.max_prompt_length=48", "train.micro_batch_tokens=160",
                             "model.gradient_checkpointing=true",
                             "model.activation_offload=true"],
+    # "full" with FSDP2 CPU offload: one process shards over a 1-rank group of its own, 2 ranks over torchrun's
+    "full_fsdp_offload": ["model.lora=false", "optim.learning_rate=0.002", "model.gradient_checkpointing=true",
+                          "objective.beta=0.04", "train.num_iterations=2", "train.fsdp_offload=true"],
 }
 
 

@@ -60,9 +60,11 @@ def accuracy_index(cfg: RewardConfig) -> int:
 OFFLOAD_INSTALL_HINT = "pip install 'logitless[offload]'  (torchao)"
 
 
-def make_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+def make_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig, host: bool = False) -> torch.optim.Optimizer:
     """AdamW of `cfg.optimizer`: torch's, bitsandbytes' 8-bit-state AdamW8bit, or torchao's CPUOffloadOptimizer
-    (fp32 states and the update on the CPU, the parameters copied back after each step)."""
+    (fp32 states and the update on the CPU, the parameters copied back after each step). host: the parameters
+    are FSDP2 shards in host memory (train.fsdp_offload), stepped by torch's fused CPU AdamW (one vectorized
+    pass, 3-5x the plain loop)."""
     if not params:
         raise ValueError("the model has no trainable parameters (model.lora=false and everything frozen?)")
     kwargs = dict(
@@ -70,7 +72,7 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.
         weight_decay=cfg.weight_decay,
     )
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, **kwargs)
+        return torch.optim.AdamW(params, **kwargs, **({"fused": True} if host else {}))
     device = params[0].device
     setting = f"optim.optimizer={cfg.optimizer!r}"
     if cfg.optimizer == "adamw_8bit":
@@ -156,7 +158,8 @@ def weight_copy(cfg: RolloutConfig, device: torch.device, *, has_copy: bool, dis
     elif mode == "sleep":
         why = sleep.unavailable(device)
     elif mode == "in_place":
-        why = "under torchrun the training weights are sharded (use sleep or resident)" if distributed else in_place_why
+        why = ("the training weights are sharded (torchrun or train.fsdp_offload; use sleep or resident)" if distributed
+               else in_place_why)
     if why is not None and mode != "resident":
         raise ValueError(f"rollout.weight_copy={mode} cannot apply: {why}; unset rollout.weight_copy or set it to "
                          "resident")

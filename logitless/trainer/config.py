@@ -36,6 +36,7 @@ Names follow TRL's `GRPOConfig` / `ModelConfig` wherever the concept is the same
 | train.prompts_per_step               | generation_batch_size / num_generations   |                                           |
 | train.micro_batch_size               | per_device_train_batch_size               | completions per forward/backward          |
 | train.packed                         | padding_free                              | rows concatenated, per-row position_ids   |
+| train.fsdp_offload                   | fsdp="full_shard offload"                 | FSDP2 CPU offload, 1 process or torchrun  |
 | train.seed / train.output_dir        | seed / output_dir                         |                                           |
 | logging.logging_steps                | logging_steps                             |                                           |
 | logging.log_completions / ...        | log_completions, num_completions_to_print |                                           |
@@ -288,6 +289,13 @@ class TrainConfig:
     # for bit (trainer/offload.py ParkedState): the optimizer states, and under torchrun with the static
     # backend (which decodes from a replica) the parameter shards too. Costs one copy each way per step.
     offload_during_rollout: bool = False
+    # ZeRO-3 offload (trainer/fsdp_offload.py): FSDP2 with CPUOffloadPolicy on every decoder layer and the root.
+    # Parameters, gradients (accumulated across micro-batches) and the AdamW step live on the host; the device
+    # holds the units being computed (the root's embeddings and lm_head, a layer or two), plus the static
+    # backend's replica during the rollout. On one process the run makes a 1-rank process group itself (no
+    # torchrun needed). optim.optimizer=adamw only. A full fine-tuning reference copy (objective.beta > 0) stays
+    # on the device.
+    fsdp_offload: bool = False
 
     def __post_init__(self):
         _positive(

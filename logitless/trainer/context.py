@@ -80,7 +80,8 @@ class TrainContext:
     entropy_coef: EntropyCoef  # carried across steps (adaptive entropy control)
     lora_compute: LoraCompute  # how the trainer's forwards run the LoRA adapters (model.lora_compute)
     world: World = field(default_factory=World)  # this process's rank among torchrun's workers
-    replica: RolloutCopy | MergedRolloutCopy | None = None  # the engine's own weights (static backend under torchrun), else None
+    # the engine's own weights (static backend with a sharded model: torchrun or train.fsdp_offload), else None
+    replica: RolloutCopy | MergedRolloutCopy | None = None
     empty_steps: int = 0  # consecutive steps whose completions were all empty
     parked: ParkedState = field(default_factory=ParkedState)  # train.offload_during_rollout's host buffers
     prefetch: AsyncRollout | None = None  # train.async_rollout: the next step's rollout in flight
@@ -94,7 +95,7 @@ class TrainContext:
         """Write an atomic checkpoint of this step (model, optimizer, schedule, data position, RNG, entropy coef)."""
         state = {"sampler": self.sampler.state_dict(), "entropy_coef": list(self.entropy_coef),
                  **(self.prefetch.state() if self.prefetch is not None else {})}
-        if self.world.distributed:  # sharded (DCP), every rank
+        if self.world.sharded:  # sharded (DCP), every rank
             return dcp.save_sharded(
                 self.ckpt_root, step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                 trainer_state=state, world=self.world, device=self.device, keep=self.cfg.checkpoint.save_total_limit,
@@ -137,9 +138,11 @@ def _model(cfg: TrainerConfig, model: torch.nn.Module | None, tokenizer: Any) ->
 
 
 def _resumed_state(resume: str | Path, world: World, model: torch.nn.Module, optimizer: Any, scheduler: Any) -> dict:
-    """Load a checkpoint into model, optimizer and schedule (sharded under torchrun); returns its trainer state."""
+    """Load a checkpoint into model, optimizer and schedule (sharded under torchrun or with train.fsdp_offload);
+    returns its trainer state."""
     dcp.check_world_size(ckpt.resolve_checkpoint(resume), world)
-    if world.distributed:
+    dcp.check_layout(ckpt.resolve_checkpoint(resume), world)
+    if world.sharded:
         state = dcp.load_sharded(resume, model=model, optimizer=optimizer, scheduler=scheduler, world=world)
     else:
         state = ckpt.load_checkpoint(resume, model=model, optimizer=optimizer, scheduler=scheduler)
@@ -173,7 +176,8 @@ def build_context(
     """Data and rewards first (their errors need no model), then model, engine, optimizer, and the resumed state."""
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
-    world = init_distributed(cfg.model.device if model is None else str(next(model.parameters()).device))
+    device_name = cfg.model.device if model is None else str(next(model.parameters()).device)
+    world = init_distributed(device_name, offload=cfg.train.fsdp_offload)
     seed_everything(cfg.train.seed)  # the same on every rank: the model's random init (LoRA) must agree
     adv_options = advantage_options(cfg)
     rows: list[PromptRow] = load_rows(cfg.data)
@@ -185,15 +189,15 @@ def build_context(
         check_packed_attention(model)
     reference = ReferencePolicy(model) if cfg.objective.beta > 0 else None  # before a resume loads trained weights
     replica = None
-    if world.distributed and cfg.rollout.backend in COPY_BACKENDS:
+    if world.sharded and cfg.rollout.backend in COPY_BACKENDS:
         mode = weight_copy(cfg.rollout, device, has_copy=True, distributed=True)
         replica = make_replica(model, cfg.rollout.merge_lora, sleep=mode == "sleep")
-    if world.distributed:
-        model = shard_model(model, device)
+    if world.sharded:
+        model = shard_model(model, device, offload=world.offload)
         if world.rank:
             seed_everything(cfg.train.seed + world.rank)  # per-rank streams from here on (dropout, rewards)
     params = trainable_parameters(model)
-    optimizer = make_optimizer(params, cfg.optim)
+    optimizer = make_optimizer(params, cfg.optim, host=world.offload)
     scheduler = make_scheduler(optimizer, cfg.train.max_steps * cfg.train.num_iterations, cfg.optim)
     run_dir = Path(cfg.train.output_dir)
     state = _resumed_state(resume, world, model, optimizer, scheduler) if resume is not None else {}

@@ -1,6 +1,7 @@
 """Sharded checkpoints of a torchrun run (`torch.distributed.checkpoint`), with an export one process can load.
 
-A step folder of a run on N > 1 ranks (beside it, `latest` as in `checkpoint.py`):
+A step folder of a run on N > 1 ranks, or of one process with train.fsdp_offload=true (N = 1; beside it,
+`latest` as in `checkpoint.py`):
 
     step-000020/
         dcp/                 model and optimizer state, every rank writing its own shards (DCP format)
@@ -52,6 +53,24 @@ def check_world_size(path: Path, world: World) -> None:
             f"--resume {path}: the checkpoint was written by {saved} rank(s) but this run has {world.size}; resume "
             f"it with {how}. (Its model/ folder is a one-process export, which `logitless eval --checkpoint` reads.)"
         )
+
+
+def check_layout(path: Path, world: World) -> None:
+    """Refuse a resume whose checkpoint is sharded (DCP) while this run's model is not, or the other way round:
+    one process with train.fsdp_offload=true writes and reads sharded checkpoints."""
+    sharded = (path / DCP_DIR).is_dir()
+    if sharded == world.sharded or world.distributed:  # (several ranks: check_world_size names the fix)
+        return
+    if sharded:
+        raise ckpt.CheckpointError(
+            f"--resume {path}: the checkpoint is sharded (written with train.fsdp_offload=true) but this run trains "
+            "an unsharded model; resume it with train.fsdp_offload=true. (Its model/ folder is a one-process "
+            "export, which `logitless eval --checkpoint` reads.)"
+        )
+    raise ckpt.CheckpointError(
+        f"--resume {path}: the checkpoint holds one process's unsharded state (written with train.fsdp_offload="
+        "false) but this run shards the model (train.fsdp_offload=true); resume it with train.fsdp_offload=false"
+    )
 
 
 def _agree_ok(ok: bool, device: torch.device) -> bool:

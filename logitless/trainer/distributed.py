@@ -13,7 +13,8 @@ from logitless.objectives import Stat, pack_metrics, unpack_metrics
 
 
 def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    """Several ranks (a 1-rank group, train.fsdp_offload on one process, needs no collective here)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def is_main_process() -> bool:

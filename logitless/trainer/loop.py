@@ -33,7 +33,7 @@ from logitless.trainer.config import TrainerConfig
 from logitless.trainer.context import TrainContext, build_context
 from logitless.trainer.metrics import RewardErrorReport
 from logitless.trainer.modeling import attention_backends
-from logitless.trainer.parallel import agree, check_distributed, claimed_on_rank0, init_distributed, launched_world
+from logitless.trainer.parallel import agree, check_distributed, claimed_on_rank0, launched_world, process_group
 from logitless.trainer.plot import plot_run
 from logitless.trainer.preflight import check_resume, validate_config
 from logitless.trainer.rundir import claim_run_dir
@@ -138,8 +138,9 @@ def train(
     """
     validate_config(cfg)
     check_distributed(cfg, launched_world())
-    world = init_distributed(cfg.model.device if model is None else str(next(model.parameters()).device))
-    with claimed_on_rank0(world, lambda: claim_run_dir(cfg, resume=resume, overwrite=overwrite)) as (run_cfg, start):
+    device = cfg.model.device if model is None else str(next(model.parameters()).device)
+    with process_group(device, offload=cfg.train.fsdp_offload) as world, \
+            claimed_on_rank0(world, lambda: claim_run_dir(cfg, resume=resume, overwrite=overwrite)) as (run_cfg, start):
         if start is not None:
             check_resume(run_cfg, start)
         if model is None:

@@ -1,6 +1,8 @@
 """Several processes under torchrun: the process group, FSDP2 sharding, each rank's prompts, the rollout's full
 weights, and agreement on when to stop. On a single process every function here is the identity: no process
-group, no wrapping.
+group, no wrapping; except with train.fsdp_offload=true, where the one process makes a 1-rank group and shards
+its model with FSDP2 CPU offload (`trainer/fsdp_offload.py`), and everything below that keys on "the model is
+sharded" (`World.sharded`) applies to it too.
 
     torchrun --nproc-per-node 2 -m logitless train CONFIG
 
@@ -56,6 +58,8 @@ from logitless.rollout.weights import fresh_copy, lora_layers, merge_refusal
 from logitless.trainer.batching import MicroBatch
 from logitless.trainer.config import TrainerConfig
 from logitless.trainer.distributed import is_distributed
+from logitless.trainer.fsdp_offload import device_full_tensor, offload_policy, one_rank_group
+from logitless.trainer.fsdp_offload import backend as offload_backend
 
 T = TypeVar("T")
 
@@ -67,15 +71,23 @@ COPY_BACKENDS = ("static",)  # backends that sample from a persistent replica (`
 
 @dataclasses.dataclass(frozen=True)
 class World:
-    """This process's place among torchrun's workers (rank 0 of 1 without torchrun)."""
+    """This process's place among torchrun's workers (rank 0 of 1 without torchrun), and whether its model is
+    sharded with FSDP2 CPU offload (train.fsdp_offload)."""
 
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    offload: bool = False
 
     @property
     def distributed(self) -> bool:
+        """Several ranks."""
         return self.size > 1
+
+    @property
+    def sharded(self) -> bool:
+        """The model is sharded with FSDP2: several ranks, or train.fsdp_offload on one (a 1-rank group)."""
+        return self.distributed or self.offload
 
     @property
     def main(self) -> bool:
@@ -88,17 +100,35 @@ def launched_world() -> World:
     return World(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
 
 
-def init_distributed(device: str) -> World:
+def init_distributed(device: str, offload: bool = False) -> World:
     """Join torchrun's process group: nccl with one GPU per local rank on CUDA, gloo on CPU (`device` is
-    model.device). Without torchrun (WORLD_SIZE unset or 1) nothing is initialized."""
-    world = launched_world()
-    if not world.distributed or dist.is_initialized():
+    model.device), plus gloo for host tensors on CUDA with `offload` (train.fsdp_offload). Without torchrun
+    (WORLD_SIZE unset or 1) nothing is initialized, except with `offload`: a 1-rank group of this process."""
+    world = dataclasses.replace(launched_world(), offload=offload)
+    if not world.sharded or dist.is_initialized():
         return world
     cuda = device != "cpu" and torch.cuda.is_available()
+    if not world.distributed:
+        one_rank_group(torch.device("cuda" if device == "auto" else device) if cuda else torch.device("cpu"), TIMEOUT)
+        return world
     if cuda:
         torch.cuda.set_device(world.local_rank)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT)
+    backend = offload_backend(torch.device("cuda" if cuda else "cpu")) if offload else "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, timeout=TIMEOUT)
     return world
+
+
+@contextmanager
+def process_group(device: str, offload: bool = False) -> Iterator[World]:
+    """`init_distributed` for the block; a 1-rank group it made (train.fsdp_offload on one process) is destroyed
+    at the end, so that the process is as before. torchrun's group stays until `shutdown`."""
+    made = dist.is_available() and not dist.is_initialized()
+    world = init_distributed(device, offload)
+    try:
+        yield world
+    finally:
+        if made and not world.distributed:
+            shutdown()
 
 
 def shutdown() -> None:
@@ -196,18 +226,28 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
-    """FSDP2 (`fully_shard`) on every decoder layer and on the root; fp32 gradient reduction on CUDA.
+def shard_model(model: nn.Module, device: torch.device, offload: bool = False) -> nn.Module:
+    """FSDP2 (`fully_shard`) on every decoder layer and on the root, over every rank of the process group; fp32
+    gradient reduction on CUDA across several ranks (on one, the "reduction" is a copy: the gradients keep their
+    dtype, exactly the fp32 round trip's values, without its transient fp32 copies). offload: the shards,
+    gradients and optimizer step on the host (train.fsdp_offload).
 
     Parameters keep the model's dtype (bf16 by default on CUDA). The root gains a forward method that computes
     `completion_logprobs` with the root's weights all-gathered (see the module docstring).
     """
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32 if device.type == "cuda" else None)
+    options: dict[str, Any] = {
+        "mesh": init_device_mesh(device.type, (dist.get_world_size(),)),
+        "mp_policy": MixedPrecisionPolicy(
+            reduce_dtype=torch.float32 if device.type == "cuda" and dist.get_world_size() > 1 else None),
+    }
+    if offload:
+        options["offload_policy"] = offload_policy(device)
     for layer in decoder_layers(model):
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
     for unit in _fsdp_modules(model):  # (these two setters act on one unit each)
         unit.set_gradient_divide_factor(1.0)  # sum: each rank's loss is already divided by the global normalizer
         unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
@@ -289,12 +329,8 @@ class RolloutCopy(_Replica):
         self._wake()
         src, dst = dict(sharded.named_parameters()), dict(self.model.named_parameters())
         for name in self.trainable:
-            p = src[name]
-            dst[name].copy_(_full(p))
-
-
-def _full(p: torch.Tensor) -> torch.Tensor:
-    return p.full_tensor() if hasattr(p, "full_tensor") else p  # a DTensor shard (a collective), or a plain tensor
+            w = dst[name]
+            w.copy_(device_full_tensor(src[name], w.device))  # (host shards with train.fsdp_offload: moved first)
 
 
 class MergedRolloutCopy(_Replica):
@@ -326,15 +362,17 @@ class MergedRolloutCopy(_Replica):
     def sync(self, sharded: nn.Module) -> None:
         self._wake()
         src = unwrap_model(sharded)
+        device = next(self.model.parameters()).device
+        full = lambda p: device_full_tensor(p, device)  # noqa: E731  (host shards with train.fsdp_offload: moved first)
         for name in self.names:  # the same order on every rank: each full tensor is a collective
-            layer = src.get_submodule(name)
-            w = _full(layer.get_base_layer().weight).float()
+            layer, dst = src.get_submodule(name), self.model.get_submodule(name).weight
+            w = full(layer.get_base_layer().weight).float()
             for adapter in layer.active_adapters:
                 if adapter in layer.lora_A:
-                    delta = _full(layer.lora_B[adapter].weight) @ _full(layer.lora_A[adapter].weight)
+                    delta = full(layer.lora_B[adapter].weight) @ full(layer.lora_A[adapter].weight)
                     delta = delta.T if layer.fan_in_fan_out else delta
                     w = w + (delta * layer.scaling[adapter]).float()
-            self.model.get_submodule(name).weight.copy_(w)
+            dst.copy_(w)
 
 
 def make_replica(model: nn.Module, merge_lora: bool | None, sleep: bool = False) -> RolloutCopy | MergedRolloutCopy:

@@ -21,6 +21,7 @@ from logitless.rollout import BACKENDS
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.builders import accuracy_index, reward_functions, sampling_options
 from logitless.trainer.config import TrainerConfig
+from logitless.trainer.fsdp_offload import check_fsdp_offload
 
 # Model keys that change the weights a checkpoint holds (or what they mean): they must match on resume / eval.
 WEIGHT_KEYS = ("name_or_path", "gguf_file", "revision", "lora", "lora_r", "lora_alpha", "lora_target_modules")
@@ -82,6 +83,7 @@ def _check_training(cfg: TrainerConfig) -> None:
             "train.offload_during_rollout=true moves the optimizer states to the host while the rollout runs, but "
             "train.async_rollout=true runs the update at the same time; set one of them to false"
         )
+    check_fsdp_offload(cfg)
     if cfg.train.async_rollout and r.weight_copy not in (None, "resident"):
         raise ValueError(
             f"rollout.weight_copy={r.weight_copy} frees or restores the merged weights after each rollout, but "

@@ -102,3 +102,15 @@ def test_compiled_fused_sampler_on_cuda(case):
     opts = SamplingOptions(**CASES[case])
     token, logp = draw(opts, torch.device("cuda"), compile=True)
     check_distribution(opts, token, logp)
+
+
+@pytest.mark.gpu
+def test_compiled_sampler_outlives_dynamos_recompile_limit():
+    """Each temperature is a recompile of the process-wide compiled sampler; past dynamo's limit the draws must go
+    on (eagerly), not fail, and stay exact draws."""
+    limit = torch._dynamo.config.recompile_limit
+    temperatures = [0.5 + 0.1 * i for i in range(limit + 3)]
+    for T in temperatures:
+        opts = SamplingOptions(temperature=T)
+        token, logp = draw(opts, torch.device("cuda"), compile=True)
+        check_distribution(opts, token, logp)

@@ -119,7 +119,9 @@ def fused_sampler(device: torch.device, compile: bool) -> Callable:
     if not compile or device.type != "cuda":
         return sample_tokens
     if True not in _compiled:
-        _compiled[True] = torch.compile(sample_tokens, fullgraph=True)  # dynamic after a second row count
+        # dynamic after a second row count. Not fullgraph: a process that samples at more (temperature, greedy,
+        # shape) variants than dynamo's recompile limit (8) then runs the extra ones eagerly instead of failing.
+        _compiled[True] = torch.compile(sample_tokens)
     return _compiled[True]
 
 

@@ -174,3 +174,29 @@ def test_one_gpu_step_with_fsdp_offload_trains_like_without_and_peaks_lower(tmp_
     assert off["is/logp_diff/max"] < 1e-3  # the sampler decoded the trainer's weights
     if backend == "static":
         assert off["rollout/replica_gib"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fsdp_offload_loads_the_model_into_host_memory(tmp_path, tok):
+    """The model is loaded into host memory, the rollout's replica is built on the GPU from it, and FSDP2 moves
+    one unit at a time to the GPU to shard it; loading it onto the GPU first put the replica's copy beside it.
+    The replica is built by torch (once the weights' size) and then moved into CUDA virtual memory (not torch's),
+    so torch's peak over the run stays near one model's size (1.52x at e884df8, before the change)."""
+    from tests.conftest import tiny_qwen2
+
+    model = tiny_qwen2(vocab_size=w.VOCAB, hidden=512, layers=16)  # the layers outweigh the root's embedding
+    size = sum(p.numel() * 4 for p in model.parameters())  # fp32
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    del model
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    over = ["model.lora=false", "rollout.backend=static", "model.dtype=float32", "model.device=cuda", OFFLOAD,
+            f"model.name_or_path={folder}"]
+    run = train(w.config(tmp_path / "run", *over))
+    assert run.step == 1 and run.records[0]["rollout/replica_gib"] * 2**30 > 0.9 * size
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak < 1.5 * size, (peak / size)

@@ -127,14 +127,20 @@ def model_config(cfg: TrainerConfig) -> ModelConfig:
     return cfg.model
 
 
-def _model(cfg: TrainerConfig, model: torch.nn.Module | None, tokenizer: Any) -> tuple[torch.nn.Module, Any, torch.device]:
-    """(model, tokenizer, device): loaded as cfg.model says, or the given model prepared for training."""
+def _model(cfg: TrainerConfig, model: torch.nn.Module | None, tokenizer: Any,
+           host: bool = False) -> tuple[torch.nn.Module, Any, torch.device]:
+    """(model, tokenizer, device): loaded as cfg.model says, or the given model prepared for training. host: its
+    weights in host memory whatever the device (train.fsdp_offload: FSDP2 then moves one unit at a time to the
+    device to shard it, and the rollout's replica is built on the device from the host weights, so the device
+    never holds the model twice)."""
+    cpu = torch.device("cpu")
     if model is None:
-        return load_model_and_tokenizer(model_config(cfg))
+        return load_model_and_tokenizer(model_config(cfg), place=cpu if host else None)
     if tokenizer is None:
         raise ValueError("train(model=...) needs tokenizer= too")
     model = prepare_for_training(model, cfg.model)
-    return model, tokenizer, next(model.parameters()).device
+    device = next(model.parameters()).device
+    return (model.to(cpu) if host else model), tokenizer, device
 
 
 def _resumed_state(resume: str | Path, world: World, model: torch.nn.Module, optimizer: Any, scheduler: Any) -> dict:
@@ -183,15 +189,16 @@ def build_context(
     rows: list[PromptRow] = load_rows(cfg.data)
     sampler = PromptSampler(rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     reward_fns, acc_col = reward_functions(cfg.reward), accuracy_index(cfg.reward)
-    model, tokenizer, device = _model(cfg, model, tokenizer)
+    model, tokenizer, device = _model(cfg, model, tokenizer, host=world.offload)
     check_prompt_lengths(rows, tokenizer, model, sampling_options(cfg.rollout, seed=None), f"data.task={cfg.data.task!r}")
     if cfg.train.packed:
         check_packed_attention(model)
-    reference = ReferencePolicy(model) if cfg.objective.beta > 0 else None  # before a resume loads trained weights
+    # before a resume loads trained weights
+    reference = ReferencePolicy(model, device) if cfg.objective.beta > 0 else None
     replica = None
     if world.sharded and cfg.rollout.backend in COPY_BACKENDS:
         mode = weight_copy(cfg.rollout, device, has_copy=True, distributed=True)
-        replica = make_replica(model, cfg.rollout.merge_lora, sleep=mode == "sleep")
+        replica = make_replica(model, cfg.rollout.merge_lora, sleep=mode == "sleep", device=device)
     if world.sharded:
         model = shard_model(model, device, offload=world.offload)
         if world.rank:

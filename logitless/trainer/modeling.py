@@ -103,13 +103,15 @@ def _fix_special_tokens(tok, model) -> None:
         model.generation_config.pad_token_id = tok.pad_token_id
 
 
-def load_model_and_tokenizer(cfg: ModelConfig, *, trainable: bool = True):
+def load_model_and_tokenizer(cfg: ModelConfig, *, trainable: bool = True, place: torch.device | None = None):
     """Load the causal LM (and tokenizer) named by `cfg`; wrap it with LoRA adapters when `cfg.lora`.
 
     Returns (model, tokenizer, device). With `trainable=False` no adapters are added (evaluation of a base model).
+    place: where the weights are loaded, when not on `device` (train.fsdp_offload loads into host memory, in the
+    dtype of `device`).
     """
     device = resolve_device(cfg.device)
-    model = load_model(cfg, device)
+    model = load_model(cfg, device, place)
     tok = load_tokenizer(cfg)
     _fix_special_tokens(tok, model)
     if trainable:
@@ -117,8 +119,9 @@ def load_model_and_tokenizer(cfg: ModelConfig, *, trainable: bool = True):
     return model, tok, device
 
 
-def load_model(cfg: ModelConfig, device: torch.device):
-    """The causal LM named by `cfg` on `device`: in `cfg.dtype`, or NF4 4-bit base weights when `cfg.load_in_4bit`."""
+def load_model(cfg: ModelConfig, device: torch.device, place: torch.device | None = None):
+    """The causal LM named by `cfg` for `device`: in `cfg.dtype`, or NF4 4-bit base weights when `cfg.load_in_4bit`;
+    its weights on `place` when given, else on `device`."""
     from transformers import AutoModelForCausalLM
 
     dtype = resolve_dtype(cfg.dtype, device)
@@ -135,7 +138,7 @@ def load_model(cfg: ModelConfig, device: torch.device):
         index = device.index if device.index is not None else torch.cuda.current_device()
         kwargs.update(quantization_config=quantization, device_map={"": index})
         return AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    return AutoModelForCausalLM.from_pretrained(source, **kwargs).to(device)
+    return AutoModelForCausalLM.from_pretrained(source, **kwargs).to(place or device)
 
 
 QLORA_INSTALL_HINT = "pip install 'logitless[qlora]'  (bitsandbytes)"
@@ -337,10 +340,10 @@ class ReferencePolicy:
     fine-tuning it is a frozen deep copy taken at construction.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, device: torch.device | None = None):
         self._copy = None
-        if not is_peft_model(model):
-            self._copy = copy.deepcopy(model).eval().requires_grad_(False)
+        if not is_peft_model(model):  # on `device` (None: the model's)
+            self._copy = copy.deepcopy(model).eval().requires_grad_(False).to(device)
 
     @contextmanager
     def use(self, model) -> Iterator[torch.nn.Module]:

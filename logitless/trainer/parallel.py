@@ -318,8 +318,8 @@ class RolloutCopy(_Replica):
     unmerged) in the same dtype, so its logprobs are the trainer's.
     """
 
-    def __init__(self, model: nn.Module, sleep: bool = False):
-        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+    def __init__(self, model: nn.Module, sleep: bool = False, device: torch.device | None = None):
+        self.model = copy.deepcopy(model).eval().requires_grad_(False).to(device)
         self.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
         own = dict(self.model.named_parameters())
         self.memory = SleepableMemory([own[n] for n in self.trainable]) if sleep else None
@@ -342,8 +342,8 @@ class MergedRolloutCopy(_Replica):
     other parameters are frozen and copied once. The weights keep their addresses across syncs.
     """
 
-    def __init__(self, peft_model: nn.Module, sleep: bool = False):
-        self.model = fresh_copy(unwrap_model(peft_model)).eval().requires_grad_(False)
+    def __init__(self, peft_model: nn.Module, sleep: bool = False, device: torch.device | None = None):
+        self.model = fresh_copy(unwrap_model(peft_model)).eval().requires_grad_(False).to(device)
         self.names = [name for name, _ in lora_layers(self.model)]
         for name, layer in lora_layers(self.model):  # each LoRA layer becomes its base layer: the merged storage
             self.model.set_submodule(name, layer.get_base_layer())
@@ -375,12 +375,14 @@ class MergedRolloutCopy(_Replica):
             dst.copy_(w)
 
 
-def make_replica(model: nn.Module, merge_lora: bool | None, sleep: bool = False) -> RolloutCopy | MergedRolloutCopy:
+def make_replica(model: nn.Module, merge_lora: bool | None, sleep: bool = False,
+                 device: torch.device | None = None) -> RolloutCopy | MergedRolloutCopy:
     """The static backend's replica under torchrun: merged for LoRA when it can be, else the policy as is.
-    sleep: its synced weights are freed between rollouts (rollout.weight_copy=sleep)."""
+    sleep: its synced weights are freed between rollouts (rollout.weight_copy=sleep). device: where the replica
+    lives (None: the model's device; train.fsdp_offload builds it on the GPU from a model in host memory)."""
     if MergedRolloutCopy.applies(model, merge_lora):
-        return MergedRolloutCopy(model, sleep=sleep)
-    return RolloutCopy(model, sleep=sleep)
+        return MergedRolloutCopy(model, sleep=sleep, device=device)
+    return RolloutCopy(model, sleep=sleep, device=device)
 
 
 @contextmanager

@@ -2,10 +2,11 @@
 updates, one step off policy.
 
 When step k takes its rollout, the rollout of step k+1 starts at once on a worker thread (on CUDA, on a stream of
-the highest priority, ROLLOUT_STREAM_PRIORITY: the GPU schedules the decode's small kernels ahead of the update's
-GEMMs, so the rollout ends within the update instead of after it): its prompts are drawn and the rollout weights (a merged-LoRA copy, `rollout/weights.py`) are synced on
-the main thread first, so it samples from the weights before update k while update k writes only the trainable
-parameters. The objective gets the rollout's real sampler logprobs, so the sampler importance-sampling options
+the highest priority, ROLLOUT_STREAM_PRIORITY, so that the GPU starts the decode's queued kernels first; the
+update's GEMMs still hold the SMs they run on, and beside them the decode runs at about 60 % of its speed alone,
+bench/LOG.md): its prompts are drawn and the rollout weights (a merged-LoRA copy, `rollout/weights.py`) are
+synced on the main thread first, so it samples from the weights before update k while update k writes only the
+trainable parameters. The objective gets the rollout's real sampler logprobs, so the sampler importance-sampling options
 (`objective.sampler_is_mode`) correct the one-step lag.
 
 A checkpoint holds the prefetched rollout (its prompts' sampler position and the batch), so a resumed run takes

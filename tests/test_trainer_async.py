@@ -81,8 +81,8 @@ def test_async_rollout_needs_a_weight_copy(tmp_path, tok, rewards_module):  # no
 
 @pytest.mark.gpu
 def test_async_rollout_runs_on_a_high_priority_stream():
-    """The rollout beside the update runs on a CUDA stream of the highest priority, so the GPU schedules its
-    decode kernels ahead of the update's (the step then waits for the update, not for the rollout)."""
+    """The rollout beside the update runs on a CUDA stream of the highest priority (the GPU starts its queued
+    decode kernels before the update's), not on the default stream."""
     from logitless.data import PromptRow, PromptSampler
     from logitless.rollout import SamplingOptions
     from logitless.trainer.async_rollout import ROLLOUT_STREAM_PRIORITY, AsyncRollout

@@ -6,7 +6,8 @@ call at the same shapes, one timed call, one call under torch.profiler (CUDA ker
     python bench/prof_decode.py --tokenizer QWEN2.5_TOKENIZER --out DIR --rows 128 --new 512
 
 `--compile-mode MODE` (e.g. max-autotune) also times the decode step compiled with that torch.compile mode in the
-same process, to compare (the engine's own is "reduce-overhead").
+same process, to compare (the engine's own is "reduce-overhead"). `--fuse-projections` also times a copy of the
+model with fused QKV and gate-up projections (`bench/fused_projections.py`), before the plain model.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=512)
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--compile-mode", default=None, help="also time the decode step compiled with this mode")
+    ap.add_argument("--fuse-projections", action="store_true",
+                    help="also time a copy with fused QKV and gate-up projections (bench/fused_projections.py)")
     a = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoTokenizer
@@ -68,6 +71,19 @@ def main() -> None:
         other = {"mode": a.compile_mode, "s": s, "tok_s": a.rows * a.new / s, "ms_per_step": s / a.new * 1e3,
                  "first_call_s": warm}
         print(other, flush=True)
+    fused = None
+    if a.fuse_projections:
+        from bench.fused_projections import fuse_projections
+        from logitless.rollout.weights import fresh_copy
+
+        copy_ = fresh_copy(model)
+        groups = fuse_projections(copy_)
+        s, warm = timed(make_engine("static", copy_, tok))
+        fused = {"groups": groups, "s": s, "tok_s": a.rows * a.new / s, "ms_per_step": s / a.new * 1e3,
+                 "first_call_s": warm}
+        print({"fused_projections": fused}, flush=True)
+        del copy_
+        torch.cuda.empty_cache()
     eng = make_engine("static", model, tok)
     plain_s, _ = timed(eng)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -85,7 +101,7 @@ def main() -> None:
         "workload": f"static engine, Qwen2.5-1.5B shape random init bf16, {a.rows // 8} prompts x G=8 = {a.rows} rows, "
                     f"{a.new} new tokens, EOS ignored, temperature 1, after a warm-up call at the same shapes",
         "rows": a.rows, "new": a.new, "plain_s": plain_s, "tok_s": a.rows * a.new / plain_s,
-        "ms_per_step": plain_s / a.new * 1e3, "other_compile_mode": other, "profiled_wall_ms": wall * 1e3, "kernel_ms_sum": kernel_ms,
+        "ms_per_step": plain_s / a.new * 1e3, "other_compile_mode": other, "fused_projections": fused, "profiled_wall_ms": wall * 1e3, "kernel_ms_sum": kernel_ms,
         "kernel_ms_per_step": kernel_ms / a.new,
         "top_kernels_ms_calls_name": [[round(e.self_device_time_total / 1e3, 1), e.count, e.key[:110]] for e in kernels[:25]],
         "top_host_ms_calls_name": [[round(e.self_cpu_time_total / 1e3, 1), e.count, e.key[:80]] for e in host[:12]],

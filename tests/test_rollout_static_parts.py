@@ -6,6 +6,7 @@ engine tests leave open."""
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
@@ -76,3 +77,39 @@ def test_host_checks_run_every_check_every_steps():
     b = eng.generate(["ab"], SamplingOptions(num_generations=2, max_new_tokens=10, seed=0, ignore_eos=True))
     assert eng.checked == [4, 8]  # not after the last step, which ends the loop anyway
     assert (b.completion_mask.sum(1) == 10).all()
+
+
+@pytest.mark.parametrize("rows,buckets,compact,want", [
+    (128, 1, False, 1), (128, 4, False, 4), (128, 1, True, 5), (128, 4, True, 20), (100, 2, True, 10),
+    (17, 1, True, 3), (9, 1, True, 2), (8, 3, True, 3),
+])
+def test_compiled_variants_count_every_row_count_compaction_can_reach(rows, buckets, compact, want):
+    from logitless.rollout.static import compiled_variants
+
+    assert compiled_variants(rows, buckets, compact) == want
+
+
+def test_recompile_limit_is_raised_for_the_decode_variants_and_never_lowered():
+    from logitless.rollout.static import RECOMPILE_MARGIN, allow_recompiles
+
+    with torch._dynamo.config.patch(recompile_limit=8):  # restored after
+        allow_recompiles(2)
+        assert torch._dynamo.config.recompile_limit == 8  # enough already
+        allow_recompiles(20)  # 128 rows compacted down to 8, 4 length buckets
+        assert torch._dynamo.config.recompile_limit == 20 + RECOMPILE_MARGIN
+        allow_recompiles(3)
+        assert torch._dynamo.config.recompile_limit == 20 + RECOMPILE_MARGIN
+
+
+def test_compiled_engine_allows_the_recompiles_its_settings_need():
+    from logitless.rollout.static import RECOMPILE_MARGIN
+
+    model = make_model("llama")
+    with torch._dynamo.config.patch(recompile_limit=8):
+        StaticEngine(model, TOK)._forward(model, torch.device("cpu"), 128)  # eager on CPU: nothing to allow
+        assert torch._dynamo.config.recompile_limit == 8
+        eng = StaticEngine(model, TOK, compile=True, length_buckets=4, compact_finished=True)
+        forward, compiled = eng._forward(model, torch.device("cpu"), 128)  # compiles lazily, at the first call
+        assert compiled and torch._dynamo.config.recompile_limit == 20 + RECOMPILE_MARGIN
+    for attr in ("_compiled_call", "_last_compile_config"):  # the model's compiled call stays unused
+        model.__dict__.pop(attr, None)

@@ -25,7 +25,8 @@
 
 The KV cache lives only for one `generate` call; its length is rounded up to `cache_multiple` tokens and never
 shrinks across calls, so calls with different prompt lengths reuse the compiled graph. A new row count (wave
-size, compacted size) or length bucket compiles a new graph (~25 s for a 1.5B model on an H200); the CUDA-graph
+size, compacted size) or length bucket compiles a new graph (~25 s for a 1.5B model on an H200; the engine raises
+dynamo's recompile limit to the number its settings can reach, `allow_recompiles`); the CUDA-graph
 memory pool of the compiled step stays allocated while the model lives (it holds the step's activations, not
 the KV cache, which is allocated outside the graph). Parameters are graph inputs read in place (CUDA graphs read
 them by address), so in-place updates between rollouts (optimizer steps, a merged copy's sync) are seen without
@@ -132,6 +133,25 @@ class _Rows:
         return picked, token[sel]
 
 
+RECOMPILE_MARGIN = 4  # compiled decode variants allowed beyond those one engine needs (other engines, eval)
+
+
+def compiled_variants(rows: int, buckets: int, compact: bool) -> int:
+    """Shapes the compiled decode step is compiled for: one per (row count, length bucket); compaction adds the
+    powers of two from MIN_COMPACT_ROWS up to below `rows` (`_Rows.compacted`'s row counts)."""
+    counts = 1 + (sum(1 for k in range(64) if MIN_COMPACT_ROWS <= 2**k < rows) if compact else 0)
+    return counts * buckets
+
+
+def allow_recompiles(variants: int) -> None:
+    """Raise dynamo's recompile limit (8 by default) to `variants` + RECOMPILE_MARGIN when it is lower, never lower
+    it: past the limit dynamo runs a new shape of the decode step eagerly, ~1000 kernel launches per token
+    instead of one graph replay, without an error."""
+    need = variants + RECOMPILE_MARGIN
+    if torch._dynamo.config.recompile_limit < need:
+        torch._dynamo.config.recompile_limit = need
+
+
 class StaticEngine:
     """Fast sampler with a static KV cache and a CUDA-graph-compiled decode step.
 
@@ -188,9 +208,10 @@ class StaticEngine:
     def _use_compile(self, device: torch.device) -> bool:
         return device.type == "cuda" if self.compile is None else bool(self.compile)
 
-    def _forward(self, module: Any, device: torch.device):
+    def _forward(self, module: Any, device: torch.device, rows: int):
         base = unwrap_model(module)
         if self._use_compile(device):
+            allow_recompiles(compiled_variants(rows, self.length_buckets, self.compact_finished))
             return base.get_compiled_call(CompileConfig(fullgraph=False, mode="reduce-overhead", dynamic=False)), True
         return base.__call__, False
 
@@ -290,7 +311,7 @@ class StaticEngine:
         history[:, :P] = prep.ids[src]
         out_logp = torch.zeros((Bw, S), dtype=torch.float32, device=device)
         live = _Rows.start(call, src, call.keys[rows], L)
-        forward, compiled = self._forward(module, device)
+        forward, compiled = self._forward(module, device, Bw)
         # With top-k/top-p/min-p or a repetition penalty the draw runs eagerly: the compiled pass failed the
         # chi-square test of tests/test_sampling_stats.py on CUDA with filters on (and passed without them).
         sampler = fused_sampler(device, self._use_compile(device) and not call.filters)

@@ -390,9 +390,9 @@ def main() -> None:
                  "versions": versions(), "commit": a.commit or commit(), "date": time.strftime("%Y-%m-%d")},
         "config": {"shape": f"Qwen2.5-{a.shape} shape, random init, bf16", "tuning": "full" if a.full else "LoRA r16 all-linear",
                    "prompts": a.prompts, "G": a.G, "micro_batch": a.micro, "steps": a.steps, "backend": a.backend,
-                   "memory_budget_gib": a.memory_budget or None, "overrides": a.set, "gradient_checkpointing": True,
-                   "loss": "dapo, beta=0", "reward": "distinct_chars", "data": "gsm8k packaged sample, chat template",
-                   "fsdp_offload": "train.fsdp_offload=true" in a.set},  # FSDP2 CPU offload (a 1-rank group)
+                   "memory_budget_gib": a.memory_budget or None, "overrides": a.set,
+                   "gradient_checkpointing": "model.gradient_checkpointing=false" not in a.set,
+                   "loss": "dapo, beta=0", "reward": "distinct_chars", "data": "gsm8k packaged sample, chat template"},
         "runs": [], "max_T": {},
     }
     systems = a.systems.split(",")

@@ -8,20 +8,15 @@ product, the others take their columns from it, so a decode step runs one QKV an
 eagerly and under torch.compile (checked: the compiled graph has 3 fewer matrix products per layer). The model's code is unchanged: the attention and MLP modules call their projections as
 before.
 
-`python bench/fused_projections.py --check` compares the fused model's logits with the original's on CPU.
+`tests/test_bench_fused_projections.py` checks the fused model against the original on CPU;
 `bench/prof_decode.py --fuse-projections` times the `static` engine on a fused copy in the same process.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
 
 import torch
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -76,42 +71,3 @@ def fuse_projections(model: nn.Module) -> int:
                 start += part.out_features
             fused += 1
     return fused
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--check", action="store_true", help="fused vs original logits on a tiny model, CPU fp32")
-    a = ap.parse_args()
-    if not a.check:
-        ap.error("nothing to do: pass --check (timing lives in bench/prof_decode.py --fuse-projections)")
-    import copy
-
-    from bench.bench_rollout import make_model
-
-    model = make_model(True, "cpu")
-    fused = copy.deepcopy(model)
-    n = fuse_projections(fused)
-    ids = torch.randint(0, 1000, (3, 17), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ref, got = model(ids).logits, fused(ids).logits
-    err = float((ref - got).abs().max())
-    # the static engine decodes the fused model to the same tokens (CPU, eager)
-    from logitless.rollout import SamplingOptions, make_engine
-    from tests.test_rollout_families import byte_tokenizer
-
-    tok = byte_tokenizer()
-    small = make_model(True, "cpu")
-    small.resize_token_embeddings(len(tok))
-    small_fused = copy.deepcopy(small)
-    fuse_projections(small_fused)
-    opts = SamplingOptions(num_generations=2, max_new_tokens=12, seed=0, ignore_eos=True)
-    prompts = ["2+2 is", "The quick brown fox"]
-    a_, b_ = (make_engine("static", m, tok, check_every=4).generate(prompts, opts) for m in (small, small_fused))
-    same = torch.equal(a_.completion_ids, b_.completion_ids)
-    print({"groups_fused": n, "max_abs_logit_diff": err, "static_engine_same_tokens": same,
-           "sampler_logp_diff": float((a_.sampler_logp - b_.sampler_logp).abs().max())})
-    assert n == 2 * model.config.num_hidden_layers and err < 1e-4 and same
-
-
-if __name__ == "__main__":
-    main()

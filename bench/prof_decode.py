@@ -64,7 +64,7 @@ def main() -> None:
         from logitless.rollout.static import StaticEngine
 
         class Mode(StaticEngine):
-            def _forward(self, module, device):
+            def _forward(self, module, device, rows):
                 cfg = CompileConfig(fullgraph=False, mode=a.compile_mode, dynamic=False)
                 return unwrap_model(module).get_compiled_call(cfg), "cudagraphs" not in a.compile_mode
         s, warm = timed(Mode(model, tok))

@@ -53,4 +53,4 @@ def test_compiled_fused_model_runs_one_gemm_per_group(one_thread):
         with torch.no_grad():
             torch.compile(model, backend=aot_autograd(fw_compiler=count), fullgraph=True)(ids)
     plain, fused_count = counts
-    assert plain - fused_count == 3 * make_model("qwen2").config.num_hidden_layers, counts
+    assert plain - fused_count == 3 * model.config.num_hidden_layers, counts

@@ -146,8 +146,9 @@ def _model(cfg: TrainerConfig, model: torch.nn.Module | None, tokenizer: Any,
 def _resumed_state(resume: str | Path, world: World, model: torch.nn.Module, optimizer: Any, scheduler: Any) -> dict:
     """Load a checkpoint into model, optimizer and schedule (sharded under torchrun or with train.fsdp_offload);
     returns its trainer state."""
-    dcp.check_world_size(ckpt.resolve_checkpoint(resume), world)
-    dcp.check_layout(ckpt.resolve_checkpoint(resume), world)
+    path = ckpt.resolve_checkpoint(resume)
+    dcp.check_world_size(path, world)
+    dcp.check_layout(path, world)
     if world.sharded:
         state = dcp.load_sharded(resume, model=model, optimizer=optimizer, scheduler=scheduler, world=world)
     else:

@@ -125,7 +125,7 @@ def parked_state(ctx: TrainContext) -> Iterator[None]:
         return
     tensors = optimizer_state(ctx.optimizer, ctx.device)
     if ctx.replica is not None:  # the shards on the device (with train.fsdp_offload they are on the host already)
-        tensors += [p for p in ctx.model.parameters() if getattr(p, "_local_tensor", p).device.type == ctx.device.type]
+        tensors += [p for p in ctx.model.parameters() if p.device.type == ctx.device.type]  # (a DTensor: its shard's)
     ctx.parked.park(tensors)
     try:
         yield

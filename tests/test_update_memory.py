@@ -6,6 +6,7 @@ CUDA-only option refuses clearly on CPU; the `gpu` tests run the real 4-bit, 8-b
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 
 import pytest
@@ -54,12 +55,26 @@ def test_activation_offload_gives_identical_gradients(family, packed, one_thread
     model = _lora_model(family)
     inputs = batch(B=5, seed=7)
     plain = _grads(model, inputs, None, packed)
-    offload = ActivationOffload(model, min_bytes=0)
-    offloaded = _grads(model, inputs, offload, packed)
-    # the layer inputs went through the host stash (one per checkpointed layer at least), no parameter did
-    assert len(offload.stash) >= 2 and offload.packed_bytes > 0
+    shapes = []
+
+    class Recording(ActivationOffload):
+        def _pack(self, t):
+            if self._offloads(t):
+                shapes.append(tuple(t.shape))
+            return super()._pack(t)
+
+    offload = Recording(model, min_bytes=0)
+    gc.disable()  # the host copies must go with the backward, not with a later garbage collection
+    try:
+        offloaded = _grads(model, inputs, offload, packed)
+        # the layer inputs went through the host stash (one per checkpointed layer at least), no parameter did
+        assert len(offload.stash) >= 2 and offload.packed_bytes > 0 and len(shapes) == len(offload.stash)
+        # once the backward has run, no host copy is left, although the offload object is still alive
+        assert offload.live() == []
+    finally:
+        gc.enable()
     param_shapes = {tuple(p.shape) for p in model.parameters()}
-    assert not any(tuple(s.host.shape) in param_shapes and s.host.dim() == 2 for s in offload.stash.values())
+    assert not any(s in param_shapes and len(s) == 2 for s in shapes)
     assert any(g.abs().max() > 0 for g in plain)
     for a, b in zip(plain, offloaded):
         assert torch.equal(a, b)

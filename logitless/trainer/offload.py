@@ -12,6 +12,9 @@ checkpoint's own hooks take over and save nothing. `ActivationOffload` is a
   side stream (the device tensor is freed once the copy is done: `record_stream`), and replaced by a key.
 - unpack (in backward, layers in reverse order): the tensor is brought back on the side stream, and so is the
   one packed just before it, which the backward needs next, so its copy overlaps this layer's recompute.
+- A host copy lives as long as the autograd node that saved it (the node holds the packed handle; the stash only
+  refers to it weakly), as with torch's `save_on_cpu`: once a micro-batch's backward has run, its pinned buffers
+  go back to torch's host allocator for the next micro-batch, whatever keeps this object alive.
 
 On a CPU model the same bookkeeping runs with plain host copies and no streams (nothing to save there; it keeps
 the path tested). Gradients are identical with and without offload: only where the saved tensors live changes.
@@ -19,6 +22,7 @@ the path tested). Gradients are identical with and without offload: only where t
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +31,9 @@ from torch import nn
 MIN_BYTES = 1 << 20  # smaller saved tensors (masks, rotary tables, [b, t] loss terms) stay where they are
 
 
-@dataclass
+@dataclass(eq=False)
 class _Stashed:
+    key: int  # order of packing: the backward needs key - 1 next
     host: torch.Tensor  # the saved tensor's copy in (pinned) host memory
     device: torch.device  # where it lived, and goes back to
     back: torch.Tensor | None = None  # the copy brought back (prefetched or fetched), until unpacked
@@ -38,14 +43,14 @@ class _Stashed:
 class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     """Saved-tensor hooks that keep the large non-parameter tensors of a forward in host memory until backward.
 
-    Use around the forward only. The host copies live as long as this object, which the autograd graph of the
-    forward holds (through the unpack hook) until its backward has run.
+    Use around the forward only. Each host copy lives as long as the autograd node that saved it: until the
+    backward has run (or the graph is dropped), not as long as this object.
     """
 
     def __init__(self, model: nn.Module, min_bytes: int | None = None):
         self.min_bytes = MIN_BYTES if min_bytes is None else min_bytes
         self.params = {_storage_ptr(p) for p in model.parameters()}
-        self.stash: dict[int, _Stashed] = {}
+        self.stash: dict[int, weakref.ref[_Stashed]] = {}  # key -> the node's handle, for the prefetch
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self.packed_bytes = 0  # host bytes of this forward (a metric for the caller)
         super().__init__(self._pack, self._unpack)
@@ -71,13 +76,16 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             t.record_stream(self.stream)  # its memory is not reused before the copy has read it
         else:
             host.copy_(t)
-        key = len(self.stash)
-        self.stash[key] = _Stashed(host, t.device)
+        s = _Stashed(len(self.stash), host, t.device)
+        self.stash[s.key] = weakref.ref(s)
         self.packed_bytes += host.numel() * host.element_size()
-        return key
+        return s  # the autograd node holds it: the host copy is freed with the node
 
-    def _fetch(self, key: int) -> None:
-        s = self.stash[key]
+    def live(self) -> list[_Stashed]:
+        """The host copies still held by some autograd node."""
+        return [s for ref in self.stash.values() if (s := ref()) is not None]
+
+    def _fetch(self, s: _Stashed) -> None:
         if s.back is not None:
             return
         if s.device.type == "cuda" and self.stream is not None:
@@ -90,11 +98,11 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        key: int = packed
-        self._fetch(key)
-        if key - 1 in self.stash:
-            self._fetch(key - 1)  # the backward's next tensor: its copy overlaps this layer's backward
-        s = self.stash[key]
+        s: _Stashed = packed
+        self._fetch(s)
+        prev = self.stash.get(s.key - 1)
+        if prev is not None and (p := prev()) is not None:
+            self._fetch(p)  # the backward's next tensor: its copy overlaps this layer's backward
         t, s.back = s.back, None
         if s.ready is not None:
             stream = torch.cuda.current_stream(s.device)

@@ -7,7 +7,7 @@ call at the same shapes, one timed call, one call under torch.profiler (CUDA ker
 
 `--compile-mode MODE` (e.g. max-autotune) also times the decode step compiled with that torch.compile mode in the
 same process, to compare (the engine's own is "reduce-overhead"). `--fuse-projections` also times a copy of the
-model with fused QKV and gate-up projections (`bench/fused_projections.py`), before the plain model.
+model with fused QKV and gate-up projections (`logitless/rollout/fused.py`), before the plain model.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--compile-mode", default=None, help="also time the decode step compiled with this mode")
     ap.add_argument("--fuse-projections", action="store_true",
-                    help="also time a copy with fused QKV and gate-up projections (bench/fused_projections.py)")
+                    help="also time a copy with fused QKV and gate-up projections (logitless/rollout/fused.py)")
     a = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoTokenizer
@@ -73,11 +73,11 @@ def main() -> None:
         print(other, flush=True)
     fused = None
     if a.fuse_projections:
-        from bench.fused_projections import fuse_projections
+        from logitless.rollout.fused import fuse_projections
         from logitless.rollout.weights import fresh_copy
 
         copy_ = fresh_copy(model)
-        groups = fuse_projections(copy_)
+        groups = len(fuse_projections(copy_))
         s, warm = timed(make_engine("static", copy_, tok))
         fused = {"groups": groups, "s": s, "tok_s": a.rows * a.new / s, "ms_per_step": s / a.new * 1e3,
                  "first_call_s": warm}

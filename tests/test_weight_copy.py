@@ -146,7 +146,9 @@ def test_in_place_trains_exactly_like_a_resident_copy(tmp_path, tok, rewards_mod
                               f"rollout.weight_copy={mode}"), tok)
             for mode in ("resident", "in_place")}
     copy = "rollout/weights_copy_gib"
-    assert [r[copy] for r in runs["in_place"].records] == [0.0, 0.0] and runs["resident"].records[0][copy] > 0
+    resident = runs["resident"].records[0][copy]
+    # in place, the only copy is the fused q/k/v groups' biases (qwen2 has them): under 1 % of the resident copy
+    assert resident > 0 and all(0 <= r[copy] < resident / 100 for r in runs["in_place"].records)
     strip = [[{k: v for k, v in r.items() if k != copy} for r in _untimed(runs[m].records)] for m in runs]
     assert strip[0] == strip[1]
     a, b = _lora(tmp_path / "resident"), _lora(tmp_path / "in_place")

@@ -14,6 +14,9 @@ same module.
   (`mode`): a resident copy (`extra_bytes`), a copy in sleepable memory freed between rollouts (`sleep.py`), or
   the base weights themselves for the rollout only, written back exactly afterwards (`in_place`). Merging in
   place and unmerging by subtraction is never done: in bf16 it would change the base weights by rounding.
+  With `fuse` (`fused.py`), q/k/v and gate/up decode as one product each: the copy holds each group's weights in
+  one tensor, or (`in_place`) the frozen base weights of a group are laid back to back in one storage (same
+  values; the training model computes as before).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from .engine import unwrap_model
+from .fused import FusedGroup, fuse_projections, groups_of, owners, share_storage, tensor_at
 from .sleep import SleepableMemory
 
 
@@ -128,7 +132,7 @@ class MergedLoraWeights:
 
     MODES = ("resident", "sleep", "in_place")
 
-    def __init__(self, peft_model: Any, mode: str = "resident"):
+    def __init__(self, peft_model: Any, mode: str = "resident", fuse: bool = False):
         if mode not in self.MODES:
             raise ValueError(f"rollout.weight_copy={mode!r}: use one of {', '.join(self.MODES)}")
         why = merge_refusal(peft_model)
@@ -138,24 +142,38 @@ class MergedLoraWeights:
         base = unwrap_model(peft_model)  # the transformers model with LoRA layers injected
         why = in_place_refusal(base) if mode == "in_place" else None
         if why is not None:
-            raise ValueError(f"rollout.weight_copy=in_place merges into frozen full-precision base weights, but {why}; "
+            raise ValueError(f"rollout.weight_copy={mode} merges into frozen full-precision base weights, but {why}; "
                              "use rollout.weight_copy=sleep or resident")
         shared = {id(t): t for t in [*base.parameters(), *base.buffers()]}  # deepcopy shares, never copies, these
         self.module = fresh_copy(base, memo=shared).eval()  # shared parameters keep their requires_grad
         self.mode = mode
-        self._pairs: list[tuple[Any, torch.nn.Parameter]] = []  # (training-side LoRA layer, merged weight)
-        copies = dict(lora_layers(self.module))
-        for name, layer in lora_layers(base):
+        copies, layers = dict(lora_layers(self.module)), lora_layers(base)
+        device = layers[0][1].get_base_layer().weight.device
+        for name, layer in layers:
             plain = _plain_layer(layer.get_base_layer())
-            if mode != "in_place":
-                plain.weight = torch.nn.Parameter(torch.empty_like(base_weight(layer)), requires_grad=False)
+            if mode != "in_place":  # allocated below: in a fused group, or on its own
+                w = plain.weight
+                plain.weight = torch.nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
             assert copies[name] is self.module.get_submodule(name)
             self.module.set_submodule(name, plain)
-            self._pairs.append((layer, plain.weight))
-        pin = self._pairs[0][1].device.type == "cuda"
+        names = [name for name, _ in layers]
+        if fuse and mode == "in_place":
+            for parent, attrs, _ in groups_of(self.module, names):  # the training model's frozen base weights
+                share_storage([getattr(parent, a) for a in attrs])
+        self.groups: list[FusedGroup] = fuse_projections(self.module, names, device=device) if fuse else []
+        for name in names:
+            layer = self.module.get_submodule(name)
+            if not isinstance(layer.weight, torch.Tensor) or layer.weight.device.type != "meta":
+                continue
+            layer.weight = torch.nn.Parameter(torch.empty_like(layer.weight, device=device), requires_grad=False)
+        held = owners(self.module, [f"{n}.weight" for n in names])  # whole storages: a group's, or a layer's
+        pin = device.type == "cuda"
+        self.memory = SleepableMemory(held) if mode == "sleep" else None  # (moves them: views are taken after)
+        # (training-side LoRA layer, merged weight): a fused layer's is a view of its group's rows
+        self._pairs = [(layer, tensor_at(self.module, f"{name}.weight")) for name, layer in layers]
         self._host = [_host_copy(w, pin) for _, w in self._pairs] if mode == "in_place" else []  # the exact base
-        self.extra_bytes = 0 if mode == "in_place" else sum(w.numel() * w.element_size() for _, w in self._pairs)
-        self.memory = SleepableMemory([w for _, w in self._pairs]) if mode == "sleep" else None
+        biases = sum(g.bias.numel() * g.bias.element_size() for g in self.groups if g.bias is not None)
+        self.extra_bytes = biases + (0 if mode == "in_place" else sum(t.numel() * t.element_size() for t in held))
         self._merged = False  # in_place: the base weights hold W + ΔW now
         if mode == "resident":
             self.sync()  # the copy holds W + ΔW from the start; the other modes merge at each rollout's sync
@@ -187,6 +205,8 @@ class MergedLoraWeights:
                 if adapter in layer.lora_A or adapter in getattr(layer, "lora_embedding_A", {}):
                     w = w + layer.get_delta_weight(adapter).float()
             merged.copy_(w)
+        for group in self.groups:
+            group.refresh_bias()  # a fused group's bias is its own copy of the (shared) biases
         self._merged = self.mode == "in_place"
 
 

@@ -206,6 +206,10 @@ class RolloutConfig:
     # weights for the rollout and the exact base written back from a pinned host copy after it. None: in_place on
     # one CUDA process, sleep under torchrun on CUDA, resident otherwise (and with train.async_rollout).
     weight_copy: Literal["resident", "sleep", "in_place"] | None = None
+    # Decode q/k/v and gate/up as one matrix product each (fewer, larger kernels per decode step; same model). It
+    # needs decode weights the rollout lays out: a merged-LoRA copy or in-place merge, or a replica (torchrun,
+    # train.fsdp_offload). None: wherever they are; false: never; true: as None, and an error where they are not.
+    fuse_projections: bool | None = None
     profile: bool = False  # log the seconds of each part of decoding (prefill, forward, sample); adds syncs
     # Decode attention reads only the filled part of the KV cache, rounded up to one of this many lengths
     # (1 = the whole cache). Each length is one more compiled decode graph; 4 suits long completions.
@@ -227,7 +231,7 @@ class RolloutConfig:
             length_buckets=self.length_buckets,
         )
         static_only = {"max_kv_gib": self.max_kv_gib is not None, "merge_lora": self.merge_lora is True,
-                       "weight_copy": self.weight_copy is not None,
+                       "weight_copy": self.weight_copy is not None, "fuse_projections": self.fuse_projections is True,
                        "profile": self.profile, "length_buckets": self.length_buckets != 1,
                        "compact_finished": self.compact_finished}
         for name, used in static_only.items():

@@ -199,7 +199,11 @@ def build_context(
     replica = None
     if world.sharded and cfg.rollout.backend in COPY_BACKENDS:
         mode = weight_copy(cfg.rollout, device, has_copy=True, distributed=True)
-        replica = make_replica(model, cfg.rollout.merge_lora, sleep=mode == "sleep", device=device)
+        replica = make_replica(model, cfg.rollout.merge_lora, sleep=mode == "sleep", device=device,
+                               fuse=cfg.rollout.fuse_projections is not False)
+        if cfg.rollout.fuse_projections and not replica.groups:
+            raise ValueError("rollout.fuse_projections=true found no plain q/k/v or gate/up layers in the rollout's "
+                             "replica (unmerged LoRA layers, or another layout); unset rollout.fuse_projections")
     if world.sharded:
         model = shard_model(model, device, offload=world.offload)
         if world.rank:
@@ -216,6 +220,8 @@ def build_context(
     coef = EntropyCoef(*state["entropy_coef"]) if "entropy_coef" in state else initial_entropy_coef(cfg.objective)
     merged = isinstance(replica, MergedRolloutCopy)
     rollout_cfg = dataclasses.replace(cfg.rollout, merge_lora=None) if merged else cfg.rollout
+    if replica is not None:  # the replica laid out its own fused projections
+        rollout_cfg = dataclasses.replace(rollout_cfg, fuse_projections=None)
     if replica is not None or cfg.train.async_rollout:  # the replica sleeps itself; async samples during updates
         rollout_cfg = dataclasses.replace(rollout_cfg, weight_copy="resident")
     engine = make_rollout_engine(rollout_cfg, replica.model if replica else model, tokenizer)  # merged: a plain model

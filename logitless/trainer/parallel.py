@@ -53,6 +53,7 @@ from torch import nn
 from logitless.models import completion_logprobs
 from logitless.models.lm_head import UnsupportedModelError, causal_lm_of, decoder_body
 from logitless.rollout.engine import unwrap_model
+from logitless.rollout.fused import fuse_projections, owners, tensor_at
 from logitless.rollout.sleep import SleepableMemory
 from logitless.rollout.weights import fresh_copy, lora_layers, merge_refusal
 from logitless.trainer.batching import MicroBatch
@@ -318,18 +319,18 @@ class RolloutCopy(_Replica):
     unmerged) in the same dtype, so its logprobs are the trainer's.
     """
 
-    def __init__(self, model: nn.Module, sleep: bool = False, device: torch.device | None = None):
+    def __init__(self, model: nn.Module, sleep: bool = False, device: torch.device | None = None, fuse: bool = False):
         self.model = copy.deepcopy(model).eval().requires_grad_(False).to(device)
         self.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-        own = dict(self.model.named_parameters())
-        self.memory = SleepableMemory([own[n] for n in self.trainable]) if sleep else None
+        self.groups = fuse_projections(self.model) if fuse else []  # plain q/k/v, gate/up layers (full fine-tuning)
+        self.memory = SleepableMemory(owners(self.model, self.trainable)) if sleep else None
 
     @torch.no_grad()
     def sync(self, sharded: nn.Module) -> None:
         self._wake()
-        src, dst = dict(sharded.named_parameters()), dict(self.model.named_parameters())
+        src = dict(sharded.named_parameters())
         for name in self.trainable:
-            w = dst[name]
+            w = tensor_at(self.model, name)  # a fused layer's: a view of its group's rows
             w.copy_(device_full_tensor(src[name], w.device))  # (host shards with train.fsdp_offload: moved first)
 
 
@@ -342,13 +343,15 @@ class MergedRolloutCopy(_Replica):
     other parameters are frozen and copied once. The weights keep their addresses across syncs.
     """
 
-    def __init__(self, peft_model: nn.Module, sleep: bool = False, device: torch.device | None = None):
+    def __init__(self, peft_model: nn.Module, sleep: bool = False, device: torch.device | None = None,
+                 fuse: bool = False):
         self.model = fresh_copy(unwrap_model(peft_model)).eval().requires_grad_(False).to(device)
         self.names = [name for name, _ in lora_layers(self.model)]
         for name, layer in lora_layers(self.model):  # each LoRA layer becomes its base layer: the merged storage
             self.model.set_submodule(name, layer.get_base_layer())
-        merged = [self.model.get_submodule(name).weight for name in self.names]
-        self.memory = SleepableMemory(merged) if sleep else None  # the merged weights: rewritten at every sync
+        self.groups = fuse_projections(self.model, self.names) if fuse else []
+        merged = owners(self.model, [f"{name}.weight" for name in self.names])  # rewritten at every sync
+        self.memory = SleepableMemory(merged) if sleep else None
 
     @staticmethod
     def applies(model: nn.Module, merge_lora: bool | None) -> bool:
@@ -365,7 +368,7 @@ class MergedRolloutCopy(_Replica):
         device = next(self.model.parameters()).device
         full = lambda p: device_full_tensor(p, device)  # noqa: E731  (host shards with train.fsdp_offload: moved first)
         for name in self.names:  # the same order on every rank: each full tensor is a collective
-            layer, dst = src.get_submodule(name), self.model.get_submodule(name).weight
+            layer, dst = src.get_submodule(name), tensor_at(self.model, f"{name}.weight")
             w = full(layer.get_base_layer().weight).float()
             for adapter in layer.active_adapters:
                 if adapter in layer.lora_A:
@@ -376,13 +379,14 @@ class MergedRolloutCopy(_Replica):
 
 
 def make_replica(model: nn.Module, merge_lora: bool | None, sleep: bool = False,
-                 device: torch.device | None = None) -> RolloutCopy | MergedRolloutCopy:
+                 device: torch.device | None = None, fuse: bool = False) -> RolloutCopy | MergedRolloutCopy:
     """The static backend's replica under torchrun: merged for LoRA when it can be, else the policy as is.
     sleep: its synced weights are freed between rollouts (rollout.weight_copy=sleep). device: where the replica
-    lives (None: the model's device; train.fsdp_offload builds it on the GPU from a model in host memory)."""
+    lives (None: the model's device; train.fsdp_offload builds it on the GPU from a model in host memory).
+    fuse: q/k/v and gate/up projections as one product each (`rollout.fused`), where they are plain layers."""
     if MergedRolloutCopy.applies(model, merge_lora):
-        return MergedRolloutCopy(model, sleep=sleep, device=device)
-    return RolloutCopy(model, sleep=sleep, device=device)
+        return MergedRolloutCopy(model, sleep=sleep, device=device, fuse=fuse)
+    return RolloutCopy(model, sleep=sleep, device=device, fuse=fuse)
 
 
 @contextmanager

@@ -1,0 +1,184 @@
+"""Fused projections for decoding: one GEMM for q/k/v and one for gate/up per layer, instead of five.
+
+A decode step of a 1.5B model at 128 rows is over 530 small kernels with a few microseconds of idle GPU between
+consecutive ones, inside a CUDA graph too, so fewer and larger kernels make the step faster (bench/LOG.md). Per
+layer, q/k/v read the same normed hidden state, and so do gate/up. `fuse_projections` gives each such group one
+weight [sum of outs, in] (its members' weights are row blocks of it) and replaces each member by a
+`SlicedLinear`: the group's first member computes the whole product, the next ones take their columns from it.
+The model's code is unchanged (the attention and MLP modules call their projections as before), eagerly and under
+torch.compile, which traces the group into one matrix product.
+
+Where the group's weight comes from:
+- the members' weights already lie back to back in one storage (`share_storage` put them there): the group's
+  weight is a view of it, no copy (the in-place merged rollout: the training model's frozen base weights);
+- a member's weight is on the meta device: a new, uninitialized tensor (a merged copy that its sync fills);
+- otherwise a new tensor holding the members' weights (a replica).
+A member's `weight` and `bias` stay addressable (`SlicedLinear.weight` is a view of the group's rows), so a sync
+that writes a member by name writes the group.
+
+Equivalent to (per group, x the shared input): `q, k, v = (F.linear(x, m.weight, m.bias) for m in (q, k, v))`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class FusedGroup(nn.Module):
+    """The weight [sum of outs, in] (and bias [sum of outs]) of one group of projections."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sources: list[nn.Linear]):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.sources = sources  # the replaced layers (a plain list, not submodules): where refresh_bias reads
+        self.product: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, product) within one forward
+
+    @torch.no_grad()
+    def refresh_bias(self) -> None:
+        """Copy the replaced layers' biases into the group's (for a group whose sources share a training model's
+        biases, which may have trained)."""
+        if self.bias is not None:
+            self.bias.copy_(torch.cat([_bias(m) for m in self.sources]))
+
+
+class SlicedLinear(nn.Module):
+    """Output columns [start, stop) of `group`'s product: `F.linear(x, group.weight, group.bias)[..., start:stop]`.
+
+    The group's members are called one after the other on the same input (q, k, v; gate, up): the first computes
+    the whole product and leaves it on the group, the next ones take their columns while the input is the same
+    tensor, the last drops it (nothing outlives the forward). Called in another order, or on another input, a
+    member computes the product itself: slower, never wrong."""
+
+    def __init__(self, group: FusedGroup, start: int, stop: int, last: bool):
+        super().__init__()
+        self._group = [group]  # not a submodule: the parent module owns the group once
+        self.in_features, self.out_features = group.weight.shape[1], stop - start
+        self.start, self.stop, self.last = start, stop, last
+
+    @property
+    def group(self) -> FusedGroup:
+        return self._group[0]
+
+    @property
+    def weight(self) -> torch.Tensor:  # a view of the group's rows: writing it writes the group
+        return self.group.weight[self.start : self.stop]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        b = self.group.bias
+        return None if b is None else b[self.start : self.stop]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.group
+        cached = g.product
+        if cached is not None and cached[0] is x:
+            out = cached[1]
+        else:
+            out = nn.functional.linear(x, g.weight, g.bias)
+        g.product = None if self.last else (x, out)
+        return out[..., self.start : self.stop]
+
+
+def groups_of(module: nn.Module, names: Iterable[str] | None = None) -> list[tuple[nn.Module, tuple[str, ...], list[str]]]:
+    """(parent, member attribute names, qualified names) of every group of GROUPS whose members are plain
+    `nn.Linear` layers with one input size, dtype and device (and all in `names`, when given)."""
+    wanted = None if names is None else set(names)
+    found = []
+    for parent_name, parent in module.named_modules():
+        for attrs in GROUPS:
+            parts = [getattr(parent, a, None) for a in attrs]
+            qualified = [f"{parent_name}.{a}" if parent_name else a for a in attrs]
+            if not all(type(p) is nn.Linear for p in parts):  # exact: not 4-bit or other Linear subclasses
+                continue
+            if wanted is not None and not wanted.issuperset(qualified):
+                continue
+            if len({(p.in_features, p.weight.dtype, p.weight.device) for p in parts}) != 1:
+                continue
+            found.append((parent, attrs, qualified))
+    return found
+
+
+@torch.no_grad()
+def share_storage(layers: list[nn.Module]) -> None:
+    """Put the weights of `layers` (each with a `.weight` [out_i, in], same in, dtype, device) back to back in one
+    new storage: each weight Parameter keeps its identity and values, its `.data` becomes a row block of it."""
+    weights = [m.weight for m in layers]
+    fused = torch.cat([w.detach() for w in weights])
+    start = 0
+    for w in weights:
+        w.data = fused[start : start + w.shape[0]]
+        start += w.shape[0]
+
+
+def _adjacent(weights: list[torch.Tensor]) -> bool:
+    """Whether the weights are consecutive row blocks of one contiguous storage."""
+    first = weights[0]
+    if first.device.type == "meta" or not all(w.is_contiguous() for w in weights):
+        return False
+    ptr, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for w in weights:
+        if w.untyped_storage().data_ptr() != ptr or w.storage_offset() != offset:
+            return False
+        offset += w.numel()
+    return True
+
+
+def _bias(m: nn.Module) -> torch.Tensor:
+    return m.bias if m.bias is not None else m.weight.new_zeros(m.weight.shape[0])
+
+
+@torch.no_grad()
+def fuse_projections(module: nn.Module, names: Iterable[str] | None = None,
+                     device: torch.device | None = None) -> list[FusedGroup]:
+    """Replace every group of `groups_of(module, names)` by `SlicedLinear` members of one `FusedGroup` (registered
+    on the parent as `q_proj_k_proj_v_proj_fused` / `gate_proj_up_proj_fused`); returns the groups. The group's
+    weight is a view where the members' weights lie back to back, new and uninitialized (on `device`) where they
+    are on the meta device, else a new copy; its bias is a new copy (zeros for a member without one)."""
+    fused = []
+    for parent, attrs, _ in groups_of(module, names):
+        parts = [getattr(parent, a) for a in attrs]
+        weights = [p.weight for p in parts]
+        rows, cols = sum(w.shape[0] for w in weights), weights[0].shape[1]
+        if _adjacent(weights):
+            first = weights[0].detach()
+            weight = first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, cols), (cols, 1))
+        elif any(w.device.type == "meta" for w in weights):
+            weight = torch.empty(rows, cols, dtype=weights[0].dtype, device=device)
+        else:
+            weight = torch.cat([w.detach() for w in weights])
+        bias = None
+        if any(p.bias is not None for p in parts):
+            bias = torch.cat([_bias(p).detach() for p in parts]).to(weight.device)
+        group = FusedGroup(weight, bias, parts)
+        setattr(parent, "_".join(attrs) + "_fused", group)
+        start = 0
+        for i, (attr, w) in enumerate(zip(attrs, weights)):
+            setattr(parent, attr, SlicedLinear(group, start, start + w.shape[0], last=i == len(attrs) - 1))
+            start += w.shape[0]
+        fused.append(group)
+    return fused
+
+
+def tensor_at(module: nn.Module, name: str) -> torch.Tensor:
+    """The tensor a qualified parameter name names in `module`, also a fused member's (`...q_proj.weight`: a view
+    of its group's rows)."""
+    owner, _, leaf = name.rpartition(".")
+    return getattr(module.get_submodule(owner) if owner else module, leaf)
+
+
+def owners(module: nn.Module, names: Iterable[str]) -> list[torch.Tensor]:
+    """The distinct tensors that hold the named parameters: a fused member's group weight or bias, else the
+    parameter itself (for `SleepableMemory`, which must move whole storages)."""
+    out: dict[int, torch.Tensor] = {}
+    for name in names:
+        owner, _, leaf = name.rpartition(".")
+        m = module.get_submodule(owner) if owner else module
+        t = getattr(m.group, leaf) if isinstance(m, SlicedLinear) else getattr(m, leaf)
+        out.setdefault(id(t), t)
+    return list(out.values())

@@ -83,6 +83,23 @@ def test_member_views_write_the_group_and_out_of_order_calls_stay_exact():
     assert [t is group.weight or t is group.bias for t in owners(parent, ["q_proj.weight", "v_proj.bias"])] == [True, True]
 
 
+def test_a_fused_copy_frees_the_replaced_weights_and_refreshes_shared_biases():
+    import gc
+    import weakref
+
+    parent = nn.Module()
+    parent.gate_proj, parent.up_proj = nn.Linear(5, 7), nn.Linear(5, 3, bias=False)
+    old = [weakref.ref(parent.gate_proj.weight), weakref.ref(parent.up_proj.weight)]
+    bias = parent.gate_proj.bias  # e.g. a training model's bias, shared with the replaced layer
+    (group,) = fuse_projections(parent)
+    gc.collect()
+    assert [r() for r in old] == [None, None]  # the group holds the only copy of the weights
+    with torch.no_grad():
+        bias.add_(2.0)
+    group.refresh_bias()
+    torch.testing.assert_close(group.bias, torch.cat([bias.detach(), torch.zeros(3)]))
+
+
 def test_share_storage_keeps_parameters_and_values_and_fusing_then_copies_nothing():
     parent = nn.Module()
     parent.gate_proj, parent.up_proj = nn.Linear(5, 7, bias=False), nn.Linear(5, 3, bias=False)

@@ -32,19 +32,26 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 class FusedGroup(nn.Module):
     """The weight [sum of outs, in] (and bias [sum of outs]) of one group of projections."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sources: list[nn.Linear]):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int],
+                 source_biases: list[torch.Tensor | None]):
         super().__init__()
+        self.sizes = sizes  # the members' output sizes, in order
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.sources = sources  # the replaced layers (a plain list, not submodules): where refresh_bias reads
+        # the replaced layers' biases (not the layers: their weights must be freed), where refresh_bias reads
+        self.source_biases = source_biases
         self.product: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, product) within one forward
 
     @torch.no_grad()
     def refresh_bias(self) -> None:
-        """Copy the replaced layers' biases into the group's (for a group whose sources share a training model's
-        biases, which may have trained)."""
+        """Copy the replaced layers' biases into the group's (for a group whose replaced layers shared a training
+        model's biases, which may have trained)."""
         if self.bias is not None:
-            self.bias.copy_(torch.cat([_bias(m) for m in self.sources]))
+            start = 0
+            for b, n in zip(self.source_biases, self.sizes):
+                if b is not None:
+                    self.bias[start : start + n].copy_(b)
+                start += n
 
 
 class SlicedLinear(nn.Module):
@@ -155,7 +162,7 @@ def fuse_projections(module: nn.Module, names: Iterable[str] | None = None,
         bias = None
         if any(p.bias is not None for p in parts):
             bias = torch.cat([_bias(p).detach() for p in parts]).to(weight.device)
-        group = FusedGroup(weight, bias, parts)
+        group = FusedGroup(weight, bias, [w.shape[0] for w in weights], [p.bias for p in parts])
         setattr(parent, "_".join(attrs) + "_fused", group)
         start = 0
         for i, (attr, w) in enumerate(zip(attrs, weights)):

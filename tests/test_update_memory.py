@@ -198,10 +198,13 @@ def test_activation_offload_gpu_same_gradients_and_lower_peak():
         base = torch.cuda.memory_allocated()
         grads.append(_grads(model, inputs, offload))
         peaks.append(torch.cuda.max_memory_allocated() - base)
-    # GPU attention backward may not be bitwise deterministic: offload must stay within run-to-run noise
-    noise = max(float((a - b).abs().max()) for a, b in zip(grads[0], grads[1]))
-    for a, b in zip(grads[0], grads[2]):
-        torch.testing.assert_close(b, a, atol=max(2 * noise, 1e-6), rtol=0)
+    # The bf16 backward on a GPU is not bitwise deterministic: measured over 12 repeats of this test's step (H200),
+    # two plain runs differ by up to 7e-4 of the gradient's norm, plain and offloaded alike, while one saved layer
+    # input shifted by a row (a stale or misplaced copy) moves it by 0.25. So: within 1e-2 of the norm.
+    def rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+        return float(torch.cat([(x - y).flatten() for x, y in zip(a, b)]).norm() / torch.cat([x.flatten() for x in a]).norm())
+
+    assert rel(grads[0], grads[1]) < 1e-2 and rel(grads[0], grads[2]) < 1e-2, (rel(grads[0], grads[1]), rel(grads[0], grads[2]))
     layer_inputs = layers * rows * length * hidden * 2  # bytes the checkpointed layers save without offload
     assert peaks[2] < peaks[0] - layer_inputs / 2, (peaks, layer_inputs)
 

@@ -11,6 +11,7 @@ Variants (the model is a random-init Qwen2.5-shaped model with the real tokenize
 * lora_bf16       adapters stored in bf16 (what FSDP2's bf16 param_dtype computes with)
 * +liger          Liger-Kernel's RMSNorm/SwiGLU/RoPE (`model.liger_kernels=true`) on top of a variant
 * +packed         padding-free rows (`train.packed=true`)
+* +compiled       every decoder layer compiled with torch.compile (`model.compile_layers=true`; the warm-up compiles)
 
 Timing: CUDA events, median of --reps after one warm-up; peak = max_memory_allocated during a rep minus the
 memory before it. `gpu_busy` = summed kernel time / wall time of one profiled rep (torch.profiler): well under 1
@@ -49,6 +50,8 @@ VARIANTS = {
     "lora_autocast": dict(lora_compute="autocast"),
     "lora_bf16": dict(lora_compute="fp32", adapters_bf16=True),
     "lora_autocast+packed": dict(lora_compute="autocast", packed=True),
+    "lora_autocast+packed+compiled": dict(lora_compute="autocast", packed=True, compiled=True),
+    "full+compiled": dict(lora=False, compiled=True),
     # Liger patches the model type's module for the rest of the process: these come last
     "lora_autocast+liger": dict(lora_compute="autocast", liger_kernels=True),
     "full+liger": dict(lora=False, liger_kernels=True),
@@ -75,7 +78,7 @@ def run_variant(name: str, spec: dict, a: argparse.Namespace, model_dir: Path) -
     cfg = ModelConfig(
         name_or_path=str(model_dir), lora=spec.get("lora", True), gradient_checkpointing=True,
         liger_kernels=spec.get("liger_kernels", False), lora_compute=spec.get("lora_compute", "auto"),
-        attn_implementation="logitless_varlen" if packed else None,
+        attn_implementation="logitless_varlen" if packed else None, compile_layers=spec.get("compiled", False),
     )
     model, _, device = load_model_and_tokenizer(cfg)
     if spec.get("adapters_bf16"):

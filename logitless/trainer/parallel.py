@@ -36,7 +36,6 @@ How the weights are handled:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import os
@@ -51,7 +50,7 @@ from rich.console import Console
 from torch import nn
 
 from logitless.models import completion_logprobs
-from logitless.models.lm_head import UnsupportedModelError, causal_lm_of, decoder_body
+from logitless.models.lm_head import decoder_layers
 from logitless.rollout.engine import unwrap_model
 from logitless.rollout.fused import fuse_projections, owners, tensor_at
 from logitless.rollout.sleep import SleepableMemory
@@ -215,18 +214,6 @@ def rank_seed(seed: int, world: World) -> int:
 # FSDP2
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a causal LM (`_no_split_modules` classes, else the body's `layers`)."""
-    lm = causal_lm_of(model)
-    names = set(getattr(lm, "_no_split_modules", None) or [])
-    layers = [m for m in lm.modules() if type(m).__name__ in names]
-    if not layers:
-        layers = list(getattr(decoder_body(model), "layers", []) or [])
-    if not layers:
-        raise UnsupportedModelError(f"cannot find the decoder layers of {type(lm).__name__} to shard with FSDP2")
-    return layers
-
-
 def shard_model(model: nn.Module, device: torch.device, offload: bool = False) -> nn.Module:
     """FSDP2 (`fully_shard`) on every decoder layer and on the root, over every rank of the process group; fp32
     gradient reduction on CUDA across several ranks (on one, the "reduction" is a copy: the gradients keep their
@@ -320,7 +307,7 @@ class RolloutCopy(_Replica):
     """
 
     def __init__(self, model: nn.Module, sleep: bool = False, device: torch.device | None = None, fuse: bool = False):
-        self.model = copy.deepcopy(model).eval().requires_grad_(False).to(device)
+        self.model = fresh_copy(model).eval().requires_grad_(False).to(device)
         self.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
         self.groups = fuse_projections(self.model) if fuse else []  # plain q/k/v, gate/up layers (full fine-tuning)
         self.memory = SleepableMemory(owners(self.model, self.trainable)) if sleep else None

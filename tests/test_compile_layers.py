@@ -62,3 +62,20 @@ def test_copies_of_a_compiled_model_run_their_own_layers(one_thread):
         torch.testing.assert_close(copy(ids).logits, expected(ids).logits)
         assert not torch.allclose(model(ids).logits, copy(ids).logits)
     torch._dynamo.reset()
+
+
+def test_static_engine_decodes_a_model_with_compiled_layers_to_the_same_tokens(one_thread):
+    """Full fine-tuning on one process decodes with the training model itself, compiled layers and all."""
+    from logitless.rollout import SamplingOptions, make_engine
+    from tests.test_rollout_families import TOK, make_model
+
+    model = make_model("qwen2")
+    plain = fresh_copy(model)
+    for layer in decoder_layers(model):
+        layer.compile(dynamic=True)
+    opts = SamplingOptions(num_generations=2, max_new_tokens=10, seed=0, ignore_eos=True)
+    a, b = (make_engine("static", m, TOK, check_every=4, cache_multiple=8).generate(["2+2 is", "The quick brown fox"], opts)
+            for m in (plain, model))
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    torch.testing.assert_close(b.sampler_logp, a.sampler_logp, atol=1e-5, rtol=0)
+    torch._dynamo.reset()

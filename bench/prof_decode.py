@@ -45,8 +45,8 @@ def main() -> None:
     opts = SamplingOptions(num_generations=8, temperature=1.0, max_new_tokens=a.new, ignore_eos=True, seed=0)
     model = make_model(False, "cuda")
 
-    def timed(engine) -> tuple[float, float]:
-        """(seconds of a call after a warm-up call at the same shapes, seconds of the warm-up call)"""
+    def timed(engine) -> dict:
+        """Seconds of a call after a warm-up call at the same shapes (`s`), its rates, and the warm-up's seconds."""
         t = time.perf_counter()
         engine.generate(prompts, opts)  # compiles and captures at these shapes
         torch.cuda.synchronize()
@@ -54,7 +54,8 @@ def main() -> None:
         t = time.perf_counter()
         engine.generate(prompts, opts)
         torch.cuda.synchronize()
-        return time.perf_counter() - t, warm
+        s = time.perf_counter() - t
+        return {"s": s, "tok_s": a.rows * a.new / s, "ms_per_step": s / a.new * 1e3, "first_call_s": warm}
 
     other = None
     if a.compile_mode:
@@ -67,9 +68,7 @@ def main() -> None:
             def _forward(self, module, device, rows):
                 cfg = CompileConfig(fullgraph=False, mode=a.compile_mode, dynamic=False)
                 return unwrap_model(module).get_compiled_call(cfg), "cudagraphs" not in a.compile_mode
-        s, warm = timed(Mode(model, tok))
-        other = {"mode": a.compile_mode, "s": s, "tok_s": a.rows * a.new / s, "ms_per_step": s / a.new * 1e3,
-                 "first_call_s": warm}
+        other = {"mode": a.compile_mode, **timed(Mode(model, tok))}
         print(other, flush=True)
     fused = None
     if a.fuse_projections:
@@ -78,14 +77,12 @@ def main() -> None:
 
         copy_ = fresh_copy(model)
         groups = len(fuse_projections(copy_))
-        s, warm = timed(make_engine("static", copy_, tok))
-        fused = {"groups": groups, "s": s, "tok_s": a.rows * a.new / s, "ms_per_step": s / a.new * 1e3,
-                 "first_call_s": warm}
+        fused = {"groups": groups, **timed(make_engine("static", copy_, tok))}
         print({"fused_projections": fused}, flush=True)
         del copy_
         torch.cuda.empty_cache()
     eng = make_engine("static", model, tok)
-    plain_s, _ = timed(eng)
+    plain_s = timed(eng)["s"]
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         eng.generate(prompts, opts)

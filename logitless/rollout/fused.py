@@ -92,9 +92,9 @@ class SlicedLinear(nn.Module):
         return out[..., self.start : self.stop]
 
 
-def groups_of(module: nn.Module, names: Iterable[str] | None = None) -> list[tuple[nn.Module, tuple[str, ...], list[str]]]:
-    """(parent, member attribute names, qualified names) of every group of GROUPS whose members are plain
-    `nn.Linear` layers with one input size, dtype and device (and all in `names`, when given)."""
+def groups_of(module: nn.Module, names: Iterable[str] | None = None) -> list[tuple[nn.Module, tuple[str, ...]]]:
+    """(parent, member attribute names) of every group of GROUPS whose members are plain `nn.Linear` layers with
+    one input size, dtype and device (and whose qualified names are all in `names`, when given)."""
     wanted = None if names is None else set(names)
     found = []
     for parent_name, parent in module.named_modules():
@@ -107,7 +107,7 @@ def groups_of(module: nn.Module, names: Iterable[str] | None = None) -> list[tup
                 continue
             if len({(p.in_features, p.weight.dtype, p.weight.device) for p in parts}) != 1:
                 continue
-            found.append((parent, attrs, qualified))
+            found.append((parent, attrs))
     return found
 
 
@@ -148,7 +148,7 @@ def fuse_projections(module: nn.Module, names: Iterable[str] | None = None,
     weight is a view where the members' weights lie back to back, new and uninitialized (on `device`) where they
     are on the meta device, else a new copy; its bias is a new copy (zeros for a member without one)."""
     fused = []
-    for parent, attrs, _ in groups_of(module, names):
+    for parent, attrs in groups_of(module, names):
         parts = [getattr(parent, a) for a in attrs]
         weights = [p.weight for p in parts]
         rows, cols = sum(w.shape[0] for w in weights), weights[0].shape[1]
@@ -172,11 +172,16 @@ def fuse_projections(module: nn.Module, names: Iterable[str] | None = None,
     return fused
 
 
+def _locate(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """(the submodule, the attribute) a qualified parameter name names in `module`."""
+    owner, _, leaf = name.rpartition(".")
+    return (module.get_submodule(owner) if owner else module), leaf
+
+
 def tensor_at(module: nn.Module, name: str) -> torch.Tensor:
     """The tensor a qualified parameter name names in `module`, also a fused member's (`...q_proj.weight`: a view
     of its group's rows)."""
-    owner, _, leaf = name.rpartition(".")
-    return getattr(module.get_submodule(owner) if owner else module, leaf)
+    return getattr(*_locate(module, name))
 
 
 def owners(module: nn.Module, names: Iterable[str]) -> list[torch.Tensor]:
@@ -184,8 +189,7 @@ def owners(module: nn.Module, names: Iterable[str]) -> list[torch.Tensor]:
     parameter itself (for `SleepableMemory`, which must move whole storages)."""
     out: dict[int, torch.Tensor] = {}
     for name in names:
-        owner, _, leaf = name.rpartition(".")
-        m = module.get_submodule(owner) if owner else module
-        t = getattr(m.group, leaf) if isinstance(m, SlicedLinear) else getattr(m, leaf)
+        m, leaf = _locate(module, name)
+        t = getattr(m.group if isinstance(m, SlicedLinear) else m, leaf)
         out.setdefault(id(t), t)
     return list(out.values())

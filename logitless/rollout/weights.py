@@ -153,19 +153,18 @@ class MergedLoraWeights:
             plain = _plain_layer(layer.get_base_layer())
             if mode != "in_place":  # allocated below: in a fused group, or on its own
                 w = plain.weight
-                plain.weight = torch.nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+                plain.weight = torch.nn.Parameter(torch.empty_like(w, device="meta"), requires_grad=False)
             assert copies[name] is self.module.get_submodule(name)
             self.module.set_submodule(name, plain)
         names = [name for name, _ in layers]
         if fuse and mode == "in_place":
-            for parent, attrs, _ in groups_of(self.module, names):  # the training model's frozen base weights
+            for parent, attrs in groups_of(self.module, names):  # the training model's frozen base weights
                 share_storage([getattr(parent, a) for a in attrs])
         self.groups: list[FusedGroup] = fuse_projections(self.module, names, device=device) if fuse else []
-        for name in names:
+        for name in names:  # the layers left out of a group
             layer = self.module.get_submodule(name)
-            if not isinstance(layer.weight, torch.Tensor) or layer.weight.device.type != "meta":
-                continue
-            layer.weight = torch.nn.Parameter(torch.empty_like(layer.weight, device=device), requires_grad=False)
+            if layer.weight.device.type == "meta":
+                layer.weight = torch.nn.Parameter(torch.empty_like(layer.weight, device=device), requires_grad=False)
         held = owners(self.module, [f"{n}.weight" for n in names])  # whole storages: a group's, or a layer's
         pin = device.type == "cuda"
         self.memory = SleepableMemory(held) if mode == "sleep" else None  # (moves them: views are taken after)

@@ -135,15 +135,19 @@ def make_rollout_engine(cfg: RolloutConfig, model: Any, tokenizer: Any) -> Rollo
     mode = weight_copy(cfg, next(model.parameters()).device, has_copy=merged, distributed=False,
                        in_place_why=in_place_refusal(model) if merged else None)
     weights = MergedLoraWeights(model, mode, fuse=cfg.fuse_projections is not False) if merged else LiveWeights(model)
-    if cfg.fuse_projections and not getattr(weights, "groups", None):
-        raise ValueError(
-            "rollout.fuse_projections=true found no projections to fuse: "
-            + ("the model has no plain q/k/v or gate/up layers" if merged else
-               "the engine decodes with the training model itself (full fine-tuning on one process, "
-               "rollout.merge_lora=false, or DoRA adapters), whose layout the rollout does not change")
-            + "; unset rollout.fuse_projections")
+    check_fused(cfg, getattr(weights, "groups", []),
+                "the model has no plain q/k/v or gate/up layers" if merged else
+                "the engine decodes with the training model itself (full fine-tuning on one process, "
+                "rollout.merge_lora=false, or DoRA adapters), whose layout the rollout does not change")
     return make_engine("static", model, tokenizer, weights=weights, max_kv_gib=cfg.max_kv_gib, profile=cfg.profile,
                        length_buckets=cfg.length_buckets, compact_finished=cfg.compact_finished)
+
+
+def check_fused(cfg: RolloutConfig, groups: list, why: str) -> None:
+    """Refuse rollout.fuse_projections=true where the rollout's weights fused nothing (`why` says why not)."""
+    if cfg.fuse_projections and not groups:
+        raise ValueError(f"rollout.fuse_projections=true found no projections to fuse: {why}; unset "
+                         "rollout.fuse_projections")
 
 
 def weight_copy(cfg: RolloutConfig, device: torch.device, *, has_copy: bool, distributed: bool,

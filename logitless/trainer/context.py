@@ -22,6 +22,7 @@ from logitless.trainer.accounting import ModelShape, device_peaks
 from logitless.trainer.async_rollout import AsyncRollout
 from logitless.trainer.builders import (
     accuracy_index,
+    check_fused,
     check_prompt_lengths,
     load_rows,
     make_optimizer,
@@ -49,7 +50,6 @@ from logitless.trainer.parallel import (
     QuietLogger,
     RolloutCopy,
     World,
-    init_distributed,
     make_replica,
     shard_model,
 )
@@ -178,13 +178,13 @@ def _shape(model: torch.nn.Module, engine: Any) -> ModelShape:
 
 
 def build_context(
-    cfg: TrainerConfig, *, resume: str | Path | None = None, model: torch.nn.Module | None = None, tokenizer: Any = None
+    cfg: TrainerConfig, world: World, *, resume: str | Path | None = None, model: torch.nn.Module | None = None,
+    tokenizer: Any = None,
 ) -> TrainContext:
-    """Data and rewards first (their errors need no model), then model, engine, optimizer, and the resumed state."""
+    """Data and rewards first (their errors need no model), then model, engine, optimizer, and the resumed state.
+    `world`: this process's place, its process group already made (`parallel.process_group`)."""
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
-    device_name = cfg.model.device if model is None else str(next(model.parameters()).device)
-    world = init_distributed(device_name, offload=cfg.train.fsdp_offload)
     seed_everything(cfg.train.seed)  # the same on every rank: the model's random init (LoRA) must agree
     adv_options = advantage_options(cfg)
     rows: list[PromptRow] = load_rows(cfg.data)
@@ -201,9 +201,8 @@ def build_context(
         mode = weight_copy(cfg.rollout, device, has_copy=True, distributed=True)
         replica = make_replica(model, cfg.rollout.merge_lora, sleep=mode == "sleep", device=device,
                                fuse=cfg.rollout.fuse_projections is not False)
-        if cfg.rollout.fuse_projections and not replica.groups:
-            raise ValueError("rollout.fuse_projections=true found no plain q/k/v or gate/up layers in the rollout's "
-                             "replica (unmerged LoRA layers, or another layout); unset rollout.fuse_projections")
+        check_fused(cfg.rollout, replica.groups, "the rollout's replica has no plain q/k/v or gate/up layers "
+                    "(unmerged LoRA layers, or another layout)")
     if world.sharded:
         model = shard_model(model, device, offload=world.offload)
         if world.rank:

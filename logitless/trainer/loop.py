@@ -33,7 +33,14 @@ from logitless.trainer.config import TrainerConfig
 from logitless.trainer.context import TrainContext, build_context
 from logitless.trainer.metrics import RewardErrorReport
 from logitless.trainer.modeling import attention_backends
-from logitless.trainer.parallel import agree, check_distributed, claimed_on_rank0, launched_world, process_group
+from logitless.trainer.parallel import (
+    World,
+    agree,
+    check_distributed,
+    claimed_on_rank0,
+    launched_world,
+    process_group,
+)
 from logitless.trainer.plot import plot_run
 from logitless.trainer.preflight import check_resume, validate_config
 from logitless.trainer.rundir import claim_run_dir
@@ -146,11 +153,12 @@ def train(
         if model is None:
             check_sources(run_cfg)
         with attention_backends(run_cfg.model):
-            return _train(run_cfg, resume=start, model=model, tokenizer=tokenizer, hook=hook)
+            return _train(run_cfg, world, resume=start, model=model, tokenizer=tokenizer, hook=hook)
 
 
 def _train(
     cfg: TrainerConfig,
+    world: World,
     *,
     resume: str | Path | None = None,
     model: torch.nn.Module | None = None,
@@ -159,7 +167,7 @@ def _train(
 ) -> TrainResult:
     """The training run of `train`, in its claimed run folder (cfg.train.output_dir is absolute)."""
     hook = hook or (lambda event, step: None)
-    ctx = build_context(cfg, resume=resume, model=model, tokenizer=tokenizer)
+    ctx = build_context(cfg, world, resume=resume, model=model, tokenizer=tokenizer)
     result = TrainResult(run_dir=ctx.run_dir, step=ctx.start)
     report_reward_errors = RewardErrorReport(ctx.logger.print, cfg.reward.error_penalty)
     try:

@@ -210,14 +210,12 @@ def prepare_for_training(model, cfg: ModelConfig):
     return model
 
 
-def compile_layers(model) -> int:
-    """`torch.compile` every decoder layer of `model` in place (`nn.Module.compile`, dynamic shapes); returns how
-    many. Gradient checkpointing wraps the compiled call, so the recompute runs the compiled graph too.
-    Equivalent to the uncompiled model (same gradients to float rounding)."""
-    layers = decoder_layers(model)
-    for layer in layers:
+def compile_layers(model) -> None:
+    """`torch.compile` every decoder layer of `model` in place (`nn.Module.compile`, dynamic shapes). Gradient
+    checkpointing wraps the compiled call, so the recompute runs the compiled graph too. Equivalent to the
+    uncompiled model (same gradients to float rounding)."""
+    for layer in decoder_layers(model):
         layer.compile(dynamic=True)
-    return len(layers)
 
 
 LIGER_INSTALL_HINT = "pip install 'logitless[liger]'  (liger-kernel)"

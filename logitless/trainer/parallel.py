@@ -370,7 +370,7 @@ def make_replica(model: nn.Module, merge_lora: bool | None, sleep: bool = False,
     """The static backend's replica under torchrun: merged for LoRA when it can be, else the policy as is.
     sleep: its synced weights are freed between rollouts (rollout.weight_copy=sleep). device: where the replica
     lives (None: the model's device; train.fsdp_offload builds it on the GPU from a model in host memory).
-    fuse: q/k/v and gate/up projections as one product each (`rollout.fused`), where they are plain layers."""
+    fuse: q/k/v and gate/up projections as one product each (`rollout/fused.py`), where they are plain layers."""
     if MergedRolloutCopy.applies(model, merge_lora):
         return MergedRolloutCopy(model, sleep=sleep, device=device, fuse=fuse)
     return RolloutCopy(model, sleep=sleep, device=device, fuse=fuse)

@@ -81,6 +81,7 @@ def run_variant(name: str, spec: dict, a: argparse.Namespace, model_dir: Path) -
         attn_implementation="logitless_varlen" if packed else None, compile_layers=spec.get("compiled", False),
     )
     model, _, device = load_model_and_tokenizer(cfg)
+    torch._dynamo.utils.counters.clear()
     if spec.get("adapters_bf16"):
         model.to(torch.bfloat16)
     model.train()
@@ -118,7 +119,9 @@ def run_variant(name: str, spec: dict, a: argparse.Namespace, model_dir: Path) -
     ms = statistics.median(times)
     out = {"median_ms": ms, "ms": times, "peak_gib": max(peaks), "tokens": sum(p + c for p, c in seq),
            "completion_tokens": int(n), "tflops": flops / 1e12, "mfu": flops / (ms / 1e3) / peak_flops,
-           "gpu_busy": busy, "top_kernels_ms": top}
+           "gpu_busy": busy, "top_kernels_ms": top,
+           "dynamo": {"graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
+                      "graph_breaks": int(sum(torch._dynamo.utils.counters["graph_break"].values()))}}
     model = None  # free it before the next variant loads
     torch.cuda.empty_cache()
     return out

@@ -207,3 +207,23 @@ def test_packed_run_loads_the_varlen_attention_unless_another_is_named():
     assert model_config(load_train_config(None, [])).attn_implementation is None  # padded: transformers' default
     named = load_train_config(None, ["train.packed=true", "model.attn_implementation=flash_attention_2"])
     assert model_config(named).attn_implementation == "flash_attention_2"
+
+
+def test_varlen_attention_finds_the_rows_without_the_packed_kwargs(one_thread):
+    """A packed forward called without `cu_seq_lens_q` (e.g. a user's own packed batch) finds the rows from
+    position_ids: the same hidden states as the forward that passes them."""
+    from logitless.models.lm_head import final_hidden_states
+    from logitless.models.varlen import packed_kwargs
+
+    register_varlen_attention()
+    model = tiny("llama")
+    model.set_attn_implementation(VARLEN)
+    lengths = torch.tensor([3, 5, 1, 4])
+    ids = torch.randint(3, V, (1, int(lengths.sum())), generator=torch.Generator().manual_seed(2))
+    pos = torch.cat([torch.arange(n) for n in lengths.tolist()])[None]
+    with torch.no_grad():
+        given = final_hidden_states(model, ids, None, pos, **packed_kwargs(lengths))
+        found = final_hidden_states(model, ids, None, pos)
+        one_row = final_hidden_states(model, ids, None, torch.arange(ids.shape[1])[None])
+    torch.testing.assert_close(found, given, atol=1e-6, rtol=0)
+    assert not torch.allclose(one_row, given, atol=1e-3)  # the boundaries matter

@@ -208,6 +208,7 @@ def final_hidden_states(
     input_ids: Tensor,  # [B, L]
     attention_mask: Tensor | None,  # [B, L]
     position_ids: Tensor | None = None,  # [B, L]; default: position_ids_from_mask(attention_mask)
+    **attention_kwargs,  # passed to the layers' attention (e.g. a packed forward's cu_seq_lens_q)
 ) -> Tensor:  # [B, L, H]
     """Final (normed) hidden states of a causal LM, without computing logits.
 
@@ -233,6 +234,7 @@ def final_hidden_states(
         attention_mask=None if attention_mask is None else attention_mask.long(),
         position_ids=position_ids,
         use_cache=False,
+        **attention_kwargs,
     )
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     return hidden

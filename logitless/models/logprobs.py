@@ -7,7 +7,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from logitless.models.lm_head import final_hidden_states, lm_head_of, position_ids_from_mask
+from logitless.models.lm_head import decoder_body, final_hidden_states, lm_head_of, position_ids_from_mask
+from logitless.models.varlen import NAME as VARLEN, packed_kwargs
 from logitless.ops import token_logprobs
 
 
@@ -145,7 +146,10 @@ def _packed_hidden(model: nn.Module, input_ids: Tensor, mask: Tensor, P: int) ->
     mask = mask & mask[:, P:].any(1, keepdim=True)  # rows without completion tokens add nothing: left out
     packed_ids = input_ids[mask].unsqueeze(0)  # [1, S]
     position_ids = position_ids_from_mask(mask)[mask].unsqueeze(0)  # [1, S], 0.. per row
-    hidden = final_hidden_states(model, packed_ids, None, position_ids)  # [1, S, H]
+    lengths = mask.sum(1)  # [B]
+    varlen = getattr(decoder_body(model).config, "_attn_implementation", None) == VARLEN
+    extra = packed_kwargs(lengths[lengths > 0]) if varlen else {}  # row boundaries once, not per layer
+    hidden = final_hidden_states(model, packed_ids, None, position_ids, **extra)  # [1, S, H]
     index = mask.flatten().long().cumsum(0).view(mask.shape) - 1  # [B, L] packed index of each real token
     # A completion token is predicted by the real token just before it in its row, which is packed right before it.
     flat = index[:, P:][mask[:, P:]] - 1  # [N]

@@ -6,9 +6,12 @@ row) as per-row causal attention with flash_attention_2/3 (needs the flash-attn 
 S², not with the rows' own lengths). This attention function gives the varlen cost without extra packages:
 
 - packed or single sequences (batch 1, no mask, no KV cache, no sliding window): the row boundaries come from
-  position_ids (a new row wherever the position does not go up by 1, transformers' own rule) and the rows go
+  the forward's `cu_seq_lens_q` / `max_length_q` keyword arguments (transformers' names for flash attention;
+  `completion_logprobs(packed=True)` passes them, so a compiled layer needs no host sync), else from
+  position_ids (a new row wherever the position does not go up by 1, transformers' own rule), and the rows go
   to `torch.nn.attention.varlen.varlen_attn` (flash-attention kernels inside torch, CUDA) as one causal call;
-  on CPU each row is one causal `scaled_dot_product_attention` call (same math, for tests);
+  on CPU each row is one causal `scaled_dot_product_attention` call (same math, for tests), or under
+  torch.compile one call with a block-diagonal causal mask (no host values, so no graph break);
 - everything else (padded batches, generation with a cache, sliding windows) runs transformers' sdpa path.
 """
 
@@ -49,6 +52,14 @@ def row_boundaries(position_ids: Tensor) -> tuple[Tensor, int]:  # [S] -> cu_seq
 _LAST: list = [None, None]  # (position_ids, its row boundaries): every layer of a forward gets the same tensor
 
 
+def packed_kwargs(lengths: Tensor) -> dict:  # [R] real tokens per packed row, in order -> forward kwargs
+    """The varlen keyword arguments of a packed forward (transformers' flash-attention names), from the rows'
+    lengths: one host sync per forward, none inside the layers."""
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)  # [R + 1]
+    longest = int(lengths.max()) if lengths.numel() else 0
+    return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+
+
 def _boundaries_of(position_ids: Tensor) -> tuple[Tensor, int]:
     """`row_boundaries` once per forward (and its recompute) rather than once per layer: one host sync."""
     if _LAST[0] is not position_ids:
@@ -67,6 +78,12 @@ def _varlen_rows(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int, scal
             k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
         extra = {"enable_gqa": True} if gqa else {}
         return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0), **extra)
+    if torch.compiler.is_compiling():  # no host values under compile: one call, block-diagonal causal mask
+        pos = torch.arange(q.shape[0], device=q.device)
+        row = torch.searchsorted(cu, pos.to(cu.dtype), right=True)  # [S] row of each token
+        allowed = (row[:, None] == row[None, :]) & (pos[:, None] >= pos[None, :])  # [S, S]
+        qs, ks, vs = (t.transpose(0, 1) for t in (q, k, v))  # [H, S, D]
+        return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale, enable_gqa=gqa).transpose(0, 1)
     out = []
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
         qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))  # [H, n, D]
@@ -90,7 +107,10 @@ def varlen_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, 
                                       sliding_window=sliding_window, **kwargs)
     if dropout > 0 and module.training:
         raise ValueError(f"attn_implementation={NAME!r} has no attention dropout; set the model's attention dropout to 0")
-    cu, longest = _boundaries_of(position_ids)
+    if kwargs.get("cu_seq_lens_q") is not None:
+        cu, longest = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
+    else:
+        cu, longest = _boundaries_of(position_ids)
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [S, H, D]
     return _varlen_rows(q, k, v, cu, longest, scaling).unsqueeze(0), None
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 
 import pytest
 import torch
@@ -77,6 +78,62 @@ def test_async_rollout_needs_a_weight_copy(tmp_path, tok, rewards_module):  # no
         _train(_cfg(tmp_path / "x", "train.async_rollout=true"), tok)
     with pytest.raises(ValueError, match=r"train\.async_rollout=true"):
         _train(_cfg(tmp_path / "y", *ASYNC, "rollout.merge_lora=false"), tok)
+
+
+def test_a_compile_on_one_thread_does_not_fail_a_compiled_call_on_the_other():
+    """torch.compile's FX tracing sets a process-wide flag; a compiled function (the decode step, the sampler)
+    called on the rollout thread while the update's thread traces (model.compile_layers' first micro-batch)
+    raised "Detected that you are using FX to symbolically trace a dynamo-optimized function" (seen on a GPU).
+    Here the main thread is inside a real FX trace while the rollout runs a compiled function and finishes."""
+    from logitless.data import PromptRow, PromptSampler
+    from logitless.rollout import SamplingOptions
+    from logitless.trainer.async_rollout import AsyncRollout
+
+    double = torch.compile(lambda x: x * 2, backend="eager")
+
+    class Weights:  # a weight copy of its own (not LiveWeights), as the real engine's merged copy
+        def sync(self):
+            pass
+
+    class Engine:
+        weights = Weights()
+
+        def generate(self, prompts, options):
+            return double(torch.arange(len(prompts)))
+
+    rows = [PromptRow(prompt=f"p{i}", fields={"answer": str(i)}) for i in range(4)]
+    prefetch = AsyncRollout(Engine(), PromptSampler(rows, seed=0), 2, torch.device("cpu"))
+
+    class TracedWhileTheRolloutRuns(torch.nn.Module):
+        def forward(self, x):
+            prefetch.start(1, SamplingOptions(max_new_tokens=4))
+            prefetch.pending.future.result()  # the rollout runs to its end inside this trace
+            return x + 1
+
+    tracing, called = threading.Event(), threading.Event()
+
+    class WaitsForTheMainThread(torch.nn.Module):
+        def forward(self, x):
+            tracing.set()
+            called.wait(timeout=60)
+            return x
+
+    try:
+        torch.fx.symbolic_trace(TracedWhileTheRolloutRuns())
+        _, batch, _ = prefetch.take(1)
+        # and the other way round: the rollout thread traces while the main thread (the update) calls
+        Engine.generate = lambda self, prompts, options: torch.fx.symbolic_trace(WaitsForTheMainThread())
+        prefetch.start(2, SamplingOptions(max_new_tokens=4))
+        assert tracing.wait(timeout=60)
+        main = double(torch.ones(2))
+        called.set()
+        prefetch.take(2)
+    finally:
+        called.set()
+        prefetch.close()
+    assert batch.tolist() == [0, 2] and main.tolist() == [2.0, 2.0]
+    assert torch._dynamo.config.error_on_nested_fx_trace  # the process's setting is back after the run
+    torch._dynamo.reset()
 
 
 @pytest.mark.gpu

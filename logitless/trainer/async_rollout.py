@@ -9,6 +9,11 @@ synced on the main thread first, so it samples from the weights before update k 
 trainable parameters. The objective gets the rollout's real sampler logprobs, so the sampler importance-sampling options
 (`objective.sampler_is_mode`) correct the one-step lag.
 
+While one thread compiles (torch.compile traces with FX, which sets a process-wide flag), a compiled function
+called on the other thread (the decode step, the sampler, `model.compile_layers`' layers) would raise
+"Detected that you are using FX to symbolically trace a dynamo-optimized function"; during an async run such a
+call runs its function uncompiled instead (dynamo's `error_on_nested_fx_trace=False`): the same math, once.
+
 A checkpoint holds the prefetched rollout (its prompts' sampler position and the batch), so a resumed run takes
 exactly the samples the uninterrupted run took; a step dropped by a stop signal puts its rollout back.
 """
@@ -74,6 +79,8 @@ class AsyncRollout:
         self.engine, self.weights, self.sampler, self.n = engine, weights, sampler, prompts_per_step
         self.stream = torch.cuda.Stream(device, priority=ROLLOUT_STREAM_PRIORITY) if device.type == "cuda" else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="logitless-rollout")
+        self._nested_fx = torch._dynamo.config.error_on_nested_fx_trace
+        torch._dynamo.config.error_on_nested_fx_trace = False  # one thread compiling must not fail the other's call
         self.pending: Prefetched | None = None
         self.taken: Prefetched | None = None  # the rollout of the running step (put back if it is dropped)
 
@@ -90,13 +97,14 @@ class AsyncRollout:
         self.pending = Prefetched(step, before, rows, options, future)
 
     def _generate(self, prompts: list, options: SamplingOptions, ready: torch.cuda.Event | None) -> RolloutBatch:
-        if self.stream is None:
-            return self.engine.generate(prompts, options)
-        self.stream.wait_event(ready)
-        with torch.cuda.stream(self.stream):
-            batch = self.engine.generate(prompts, options)
-        self.stream.synchronize()
-        return batch
+        with torch._dynamo.config.patch(error_on_nested_fx_trace=False):  # dynamo's config can be per thread
+            if self.stream is None:
+                return self.engine.generate(prompts, options)
+            self.stream.wait_event(ready)
+            with torch.cuda.stream(self.stream):
+                batch = self.engine.generate(prompts, options)
+            self.stream.synchronize()
+            return batch
 
     def take(self, step: int) -> tuple[list[PromptRow], RolloutBatch, SamplingOptions]:
         """Step `step`'s rollout, started earlier (waits for it)."""
@@ -133,3 +141,4 @@ class AsyncRollout:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        torch._dynamo.config.error_on_nested_fx_trace = self._nested_fx

@@ -53,9 +53,12 @@ def test_math500_answers_verify_against_themselves_and_not_against_others():
         load_task("math500", "train")
 
 
-def test_example_config_loads():
+def test_example_configs_load():
     cfg = load_train_config(str(REPO / "examples" / "code.yaml"), [])
     assert cfg.data.task == "code" and cfg.reward.reward_funcs == ["code_tests"]
+    cfg = load_train_config(str(REPO / "examples" / "gsm8k.yaml"), [])  # the measured fast settings of bench/LOG.md
+    assert cfg.data.task == "gsm8k" and cfg.model.compile_layers and cfg.train.packed
+    assert cfg.train.micro_batch_tokens == 16384
 
 
 def test_tiny_end_to_end_run_with_code_tests(tmp_path, gpt2_tokenizer, monkeypatch):

@@ -51,7 +51,9 @@ def test_compiled_layers_give_the_same_gradients(family, packed, attention, one_
         assert any(g.abs().max() > 0 for g in a)
         for x, y in zip(a, b):
             torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the layers did run compiled
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    # the trainer's packed path (varlen) compiles once for every layer and both shapes; sdpa's packed mask once more
+    assert graphs == 1 if attention == VARLEN else 1 <= graphs <= 2
     assert not torch._dynamo.utils.counters["graph_break"]
     torch._dynamo.reset()
 

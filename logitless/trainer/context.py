@@ -217,12 +217,14 @@ def build_context(
         sampler.load_state_dict(state["sampler"])
     logger = _logger(cfg, run_dir, world, start)
     coef = EntropyCoef(*state["entropy_coef"]) if "entropy_coef" in state else initial_entropy_coef(cfg.objective)
-    merged = isinstance(replica, MergedRolloutCopy)
-    rollout_cfg = dataclasses.replace(cfg.rollout, merge_lora=None) if merged else cfg.rollout
-    if replica is not None:  # the replica laid out its own fused projections
-        rollout_cfg = dataclasses.replace(rollout_cfg, fuse_projections=None)
-    if replica is not None or cfg.train.async_rollout:  # the replica sleeps itself; async samples during updates
-        rollout_cfg = dataclasses.replace(rollout_cfg, weight_copy="resident")
+    engine_changes: dict[str, Any] = {}
+    if replica is not None:  # the replica merged (a plain model), fused its projections and sleeps by itself
+        engine_changes.update(fuse_projections=None, weight_copy="resident")
+        if isinstance(replica, MergedRolloutCopy):
+            engine_changes["merge_lora"] = None
+    if cfg.train.async_rollout:  # async samples during updates: a copy of its own
+        engine_changes["weight_copy"] = "resident"
+    rollout_cfg = dataclasses.replace(cfg.rollout, **engine_changes)
     engine = make_rollout_engine(rollout_cfg, replica.model if replica else model, tokenizer)  # merged: a plain model
     prefetch = None
     if cfg.train.async_rollout:

@@ -137,7 +137,8 @@ def run_logitless(a: argparse.Namespace, model_dir: Path, out_dir: Path) -> list
             # rollout.profile=true: seconds of each decode part; the merged-LoRA copy's size
             "rollout_parts_s": {k[8:-2]: v for k, v in r.items() if k.startswith("rollout/") and k.endswith("_s")},
             "weights_copy_gib": r.get("rollout/weights_copy_gib"),
-            "replica_gib": r.get("rollout/replica_gib"),  # the static backend's replica of a sharded model
+            "replica_gib": r.get("rollout/replica_gib"),  # the static backend's replica (sharded, rollout.device)
+            "rollout_device_peak_gib": r.get("memory/rollout_device_peak_gb"),  # rollout.device: that GPU's peak
         })
     return steps
 
@@ -265,6 +266,8 @@ def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
     out["peak_gib"] = max(out[f"peak_gib_{p}"] for p in PHASES)
     out["completion_tokens"] = med(lambda s: s["completion_tokens"])
     out["step_tokens_per_s"] = out["completion_tokens"] / total
+    rollout_gpu = [s["rollout_device_peak_gib"] for s in steps if s.get("rollout_device_peak_gib") is not None]
+    out["rollout_device_peak_gib"] = max(rollout_gpu) if rollout_gpu else None  # rollout.device: its own GPU
     for k in ("rollout_tokens_per_s", "ceiling_fraction", "mfu"):
         vals = [s[k] for s in steady if s.get(k) is not None]
         out[k] = statistics.median(vals) if vals else None

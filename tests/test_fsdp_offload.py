@@ -39,6 +39,9 @@ MODES = {
     # the merged-LoRA replica, its base weights and adapters gathered from the host shards
     "lora_static": ["rollout.backend=static", "objective.sampler_is_mode=token_truncate",
                     "objective.sampler_is_clip_max=2.0"],
+    # the same replica on rollout.device (here the training device itself: the path without the cross-GPU copies)
+    "lora_static_rollout_device": ["rollout.backend=static", "objective.sampler_is_mode=token_truncate",
+                                   "objective.sampler_is_clip_max=2.0", "rollout.device=cpu"],
 }
 REPLICA = ("rollout/replica_gib", "rollout/weights_copy_gib")  # what the engine decodes from differs by design
 

@@ -55,18 +55,20 @@ def test_async_rollout_feeds_the_stale_samplers_real_logprobs(tmp_path, tok, rew
         assert flat == pytest.approx(seen, rel=1e-6, abs=1e-9)
 
 
-def test_async_resume_after_a_stop_is_exact(tmp_path, tok, rewards_module):  # noqa: F811
-    full = _train(_cfg(tmp_path / "full", *ASYNC), tok)
+@pytest.mark.parametrize("where", [[], ["rollout.device=cpu"]], ids=["merged_copy", "replica_on_rollout_device"])
+def test_async_resume_after_a_stop_is_exact(tmp_path, tok, rewards_module, where):  # noqa: F811
+    run = [*ASYNC, *where]  # the engine's merged-LoRA copy, or a replica on rollout.device (tests/test_rollout_device.py)
+    full = _train(_cfg(tmp_path / "full", *run), tok)
 
     def hook(event, step):
         if event == "after_rollout" and step == 3:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    cut = _train(_cfg(tmp_path / "cut", *ASYNC), tok, hook=hook)
+    cut = _train(_cfg(tmp_path / "cut", *run), tok, hook=hook)
     assert cut.step == 2 and ckpt.read_latest(tmp_path / "cut" / "checkpoints").name == "step-000002"
     state = json.loads((tmp_path / "cut" / "checkpoints" / "step-000002" / "trainer_state.json").read_text())
     assert state["prefetch"]["step"] == 3  # the dropped step's rollout travels with the checkpoint
-    resumed = _train(_cfg(tmp_path / "cut", *ASYNC), tok, resume=tmp_path / "cut")
+    resumed = _train(_cfg(tmp_path / "cut", *run), tok, resume=tmp_path / "cut")
     assert resumed.step == 4
     assert _untimed(cut.records + resumed.records) == _untimed(full.records)
     a, b = _lora(tmp_path / "full"), _lora(tmp_path / "cut")

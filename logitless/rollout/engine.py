@@ -33,6 +33,14 @@ def model_device(model: Any) -> torch.device:
     return next(model.parameters()).device
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether `a` and `b` are one device ("cuda" is the current CUDA device)."""
+    def index(d: torch.device) -> int | None:
+        return torch.cuda.current_device() if d.type == "cuda" and d.index is None else d.index
+
+    return a.type == b.type and index(a) == index(b)
+
+
 def context_window(model: Any) -> int | None:
     cfg = unwrap_model(model).config
     cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg

@@ -173,8 +173,13 @@ class PhaseTimer:
     """
 
     device: torch.device
+    rollout_device: torch.device | None = None  # the rollout's own GPU (rollout.device): its peak over the step
     seconds: dict[str, float] = field(default_factory=dict)
     peak_gb: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.rollout_device is not None and self.rollout_device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.rollout_device)  # not synced: an async rollout may be running
 
     @contextlib.contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
@@ -199,4 +204,6 @@ class PhaseTimer:
         out: dict[str, Any] = {f"time/{k}": v for k, v in self.seconds.items()}
         out.update({f"memory/peak_gb/{k}": v for k, v in self.peak_gb.items()})
         out["memory/peak_gb"] = max(self.peak_gb.values(), default=0.0)
+        if self.rollout_device is not None and self.rollout_device.type == "cuda":
+            out["memory/rollout_device_peak_gb"] = torch.cuda.max_memory_allocated(self.rollout_device) / 2**30
         return out

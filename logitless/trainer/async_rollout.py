@@ -6,7 +6,9 @@ the highest priority, ROLLOUT_STREAM_PRIORITY, so that the GPU starts the decode
 update's GEMMs still hold the SMs they run on, and beside them the decode runs at about 60 % of its speed alone,
 bench/LOG.md): its prompts are drawn and the rollout weights (a merged-LoRA copy, `rollout/weights.py`) are
 synced on the main thread first, so it samples from the weights before update k while update k writes only the
-trainable parameters. The objective gets the rollout's real sampler logprobs, so the sampler importance-sampling options
+trainable parameters. With `rollout.device` it decodes from a replica on a GPU of its own, synced the same way
+(across the GPUs; the rollout's stream waits for the copies), and the update has the training GPU to itself. The
+objective gets the rollout's real sampler logprobs, so the sampler importance-sampling options
 (`objective.sampler_is_mode`) correct the one-step lag.
 
 While one thread compiles (torch.compile traces with FX, which sets a process-wide flag), a compiled function
@@ -22,12 +24,13 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from logitless.data import PromptRow, PromptSampler
 from logitless.rollout import RolloutBatch, RolloutEngine, RolloutTiming, SamplingOptions
+from logitless.rollout.engine import model_device, same_device
 from logitless.rollout.weights import LiveWeights
 
 ROLLOUT_STREAM_PRIORITY = -1  # CUDA stream priority of the rollout (lower runs first; -1 is torch's "high")
@@ -59,25 +62,36 @@ def batch_from_json(d: dict[str, Any]) -> RolloutBatch:
 
 
 class AsyncRollout:
-    """One rollout in flight on a worker thread, for the next step."""
+    """One rollout in flight on a worker thread, for the next step.
 
-    def __init__(self, engine: RolloutEngine, sampler: PromptSampler, prompts_per_step: int, device: torch.device):
+    `device` is the training device. `sync` brings the engine's weights up to date (a replica's sync from the
+    trainer, rollout.device); None: the engine's own merged-LoRA copy (`engine.weights`) is synced. On a GPU of its
+    own (the engine's weights elsewhere than `device`) the rollout shares neither memory nor SMs with the update."""
+
+    def __init__(self, engine: RolloutEngine, sampler: PromptSampler, prompts_per_step: int, device: torch.device,
+                 sync: Callable[[], None] | None = None):
         weights = getattr(engine, "weights", None)
-        if weights is None or isinstance(weights, LiveWeights):
+        if sync is None and (weights is None or isinstance(weights, LiveWeights)):
             raise ValueError(
                 "train.async_rollout=true samples from a copy of the weights while the update writes the trainable "
                 "ones: it needs rollout.backend=static with a merged LoRA copy (model.lora=true, "
-                "rollout.merge_lora unset or true); set train.async_rollout=false otherwise"
+                "rollout.merge_lora unset or true) or a replica on rollout.device; set train.async_rollout=false "
+                "otherwise"
             )
-        if device.type == "cuda" and getattr(engine, "max_kv_gib", None) is None:
+        module = getattr(weights, "module", None)
+        where = model_device(module) if module is not None else device  # the device the rollout decodes on
+        if same_device(where, device) and device.type == "cuda" and getattr(engine, "max_kv_gib", None) is None:
             raise ValueError(
                 "train.async_rollout=true on CUDA needs rollout.max_kv_gib: the rollout then shares the GPU with the "
                 "update, and the automatic budget (85 % of the memory free when the rollout starts) would take the "
-                "update's memory. Set rollout.max_kv_gib to what the GPU can spare beside the update's peak"
+                "update's memory. Set rollout.max_kv_gib to what the GPU can spare beside the update's peak, or "
+                "decode on another GPU (rollout.device)"
             )
         engine.auto_sync = False  # synced here, on the main thread, before each rollout starts
-        self.engine, self.weights, self.sampler, self.n = engine, weights, sampler, prompts_per_step
-        self.stream = torch.cuda.Stream(device, priority=ROLLOUT_STREAM_PRIORITY) if device.type == "cuda" else None
+        self.engine, self.sampler, self.n = engine, sampler, prompts_per_step
+        self.sync: Callable[[], None] = sync or weights.sync
+        self.device = where
+        self.stream = torch.cuda.Stream(where, priority=ROLLOUT_STREAM_PRIORITY) if where.type == "cuda" else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="logitless-rollout")
         self._nested_fx = torch._dynamo.config.error_on_nested_fx_trace
         torch._dynamo.config.error_on_nested_fx_trace = False  # one thread compiling must not fail the other's call
@@ -88,11 +102,11 @@ class AsyncRollout:
         """Draw step `step`'s prompts and start sampling them from the current weights."""
         before = self.sampler.state_dict()
         rows = self.sampler.next_batch(self.n)
-        self.weights.sync()
+        self.sync()
         ready = None
         if self.stream is not None:
             ready = torch.cuda.Event()
-            ready.record()  # the sync's copies, on the main stream
+            ready.record(torch.cuda.current_stream(self.device))  # after the sync's copies (from another GPU too)
         future = self.pool.submit(self._generate, [r.prompt for r in rows], options, ready)
         self.pending = Prefetched(step, before, rows, options, future)
 

@@ -222,6 +222,11 @@ class RolloutConfig:
     # Drop rows that ended from the decode batch once at most half are left (each row count one more compiled
     # graph: B, B/2, ... down to 8 rows). Helps when completion lengths vary widely.
     compact_finished: bool = False
+    # Backend "static" only. The device the rollout decodes on, e.g. "cuda:1" (one process): a replica of the policy
+    # (merged for LoRA) lives there, synced from the trainer before every rollout, so the KV cache and the decode's
+    # weights never take the training GPU's memory, and with train.async_rollout the decode and the update run on
+    # separate GPUs. None: the training device. Naming the training device itself keeps a replica there.
+    device: str | None = None
 
     def __post_init__(self):
         _positive(
@@ -238,7 +243,7 @@ class RolloutConfig:
         static_only = {"max_kv_gib": self.max_kv_gib is not None, "merge_lora": self.merge_lora is True,
                        "weight_copy": self.weight_copy is not None, "fuse_projections": self.fuse_projections is True,
                        "profile": self.profile, "length_buckets": self.length_buckets != 1,
-                       "compact_finished": self.compact_finished}
+                       "compact_finished": self.compact_finished, "device": self.device is not None}
         for name, used in static_only.items():
             if used and self.backend != "static":
                 raise ValueError(
@@ -292,7 +297,8 @@ class TrainConfig:
     output_dir: str = "runs/logitless"
     num_threads: int | None = None  # torch.set_num_threads on CPU (None: leave torch's default)
     # Generate step k+1's samples while step k updates (one step off policy; trainer/async_rollout.py). Needs
-    # rollout.backend=static with a merged LoRA copy; pair it with objective.sampler_is_mode to correct the lag.
+    # rollout.backend=static with a merged LoRA copy, or a replica on rollout.device (LoRA or full fine-tuning:
+    # the decode and the update then run on separate GPUs); pair it with objective.sampler_is_mode for the lag.
     async_rollout: bool = False
     # Move the training state the rollout does not read to pinned host memory while it runs, and back after, bit
     # for bit (trainer/offload.py ParkedState): the optimizer states, and under torchrun with the static

@@ -16,6 +16,7 @@ from logitless.data import PromptRow, PromptSampler
 from logitless.models.varlen import NAME as VARLEN_ATTENTION
 from logitless.objectives import AdvantageOptions, EntropyCoef, initial_entropy_coef
 from logitless.rollout import RolloutEngine
+from logitless.rollout.engine import same_device
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer import dcp
 from logitless.trainer.accounting import ModelShape, device_peaks
@@ -80,8 +81,10 @@ class TrainContext:
     entropy_coef: EntropyCoef  # carried across steps (adaptive entropy control)
     lora_compute: LoraCompute  # how the trainer's forwards run the LoRA adapters (model.lora_compute)
     world: World = field(default_factory=World)  # this process's rank among torchrun's workers
-    # the engine's own weights (static backend with a sharded model: torchrun or train.fsdp_offload), else None
+    # the engine's own weights (static backend with a sharded model: torchrun or train.fsdp_offload, or on
+    # rollout.device), else None
     replica: RolloutCopy | MergedRolloutCopy | None = None
+    rollout_device: torch.device | None = None  # rollout.device where it is not the training device
     empty_steps: int = 0  # consecutive steps whose completions were all empty
     parked: ParkedState = field(default_factory=ParkedState)  # train.offload_during_rollout's host buffers
     prefetch: AsyncRollout | None = None  # train.async_rollout: the next step's rollout in flight
@@ -196,10 +199,10 @@ def build_context(
         check_packed_attention(model)
     # before a resume loads trained weights
     reference = ReferencePolicy(model, device) if cfg.objective.beta > 0 else None
-    replica = None
-    if world.sharded and cfg.rollout.backend in COPY_BACKENDS:
-        mode = weight_copy(cfg.rollout, device, has_copy=True, distributed=True)
-        replica = make_replica(model, cfg.rollout.merge_lora, sleep=mode == "sleep", device=device,
+    replica, rollout_device = None, _rollout_device(cfg)
+    if (world.sharded or rollout_device is not None) and cfg.rollout.backend in COPY_BACKENDS:
+        mode = "resident" if rollout_device is not None else weight_copy(cfg.rollout, device, has_copy=True, distributed=True)
+        replica = make_replica(model, cfg.rollout.merge_lora, sleep=mode == "sleep", device=rollout_device or device,
                                fuse=cfg.rollout.fuse_projections is not False)
         check_fused(cfg.rollout, replica.groups, "the rollout's replica has no plain q/k/v or gate/up layers "
                     "(unmerged LoRA layers, or another layout)")
@@ -228,7 +231,8 @@ def build_context(
     engine = make_rollout_engine(rollout_cfg, replica.model if replica else model, tokenizer)  # merged: a plain model
     prefetch = None
     if cfg.train.async_rollout:
-        prefetch = AsyncRollout(engine, sampler, cfg.train.prompts_per_step, device)
+        prefetch = AsyncRollout(engine, sampler, cfg.train.prompts_per_step, device,
+                                sync=_replica_sync(replica, model, engine) if replica is not None else None)
         prefetch.restore(state)
     return TrainContext(
         cfg=cfg, model=model, tokenizer=tokenizer, device=device, engine=engine, prefetch=prefetch,
@@ -238,4 +242,23 @@ def build_context(
         shape=_shape(model, engine), peaks=device_peaks(device, cfg.logging.peak_tflops, cfg.logging.hbm_tbs),
         run_dir=run_dir, logger=logger, start=start, entropy_coef=coef, world=world, replica=replica,
         lora_compute=LoraCompute(model, cfg.model),
+        rollout_device=rollout_device if rollout_device is not None and not same_device(rollout_device, device) else None,
     )
+
+
+def _replica_sync(replica: RolloutCopy | MergedRolloutCopy, model: torch.nn.Module, engine: Any) -> Callable[[], None]:
+    """Bring the replica up to date with `model`, then the engine's weights with the replica (a merged copy of an
+    unmerged replica, where the engine keeps one)."""
+    def sync() -> None:
+        replica.sync(model)
+        engine.weights.sync()
+
+    return sync
+
+
+def _rollout_device(cfg: TrainerConfig) -> torch.device | None:
+    """rollout.device as a device (None when unset; "cuda" is the current CUDA device)."""
+    if cfg.rollout.device is None:
+        return None
+    d = torch.device(cfg.rollout.device)
+    return torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d

@@ -175,7 +175,7 @@ def _train(
             for step in range(ctx.start + 1, cfg.train.max_steps + 1):
                 hook("step_start", step)
                 rewind = (ctx.sampler.state_dict(), ckpt.rng_state())
-                timer = PhaseTimer(ctx.device)
+                timer = PhaseTimer(ctx.device, ctx.rollout_device)
                 with timer("generate"):
                     ro = rollout_stage(ctx, step)
                 with timer("score"):

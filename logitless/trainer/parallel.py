@@ -163,6 +163,8 @@ def check_distributed(cfg: TrainerConfig, world: World) -> None:
         (cfg.model.liger_kernels, "model.liger_kernels=true", "model.liger_kernels=false"),
         (cfg.optim.optimizer != "adamw", f"optim.optimizer={cfg.optim.optimizer}", "optim.optimizer=adamw"),
         (cfg.train.async_rollout, "train.async_rollout=true", "train.async_rollout=false"),
+        (cfg.rollout.device is not None, f"rollout.device={cfg.rollout.device}",
+         "rollout.device unset (each rank decodes on its own GPU)"),
     ]
     for on, setting, fix in not_yet:
         if on:
@@ -282,6 +284,18 @@ def full_weights(model: nn.Module) -> Iterator[None]:
                 unit.set_reshard_after_forward(True, recurse=False)  # the backward, as FSDP sets up a root
 
 
+def copy_to(module: nn.Module, device: torch.device | None) -> nn.Module:
+    """A frozen eval-mode copy of `module` on `device` (None: where each tensor is). Each parameter and buffer is
+    copied straight to `device`, so the device `module` lives on never holds a second copy of its weights (a replica
+    on the rollout's own GPU, rollout.device); tied tensors stay tied."""
+    memo: dict[int, Any] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        if id(t) not in memo:
+            c = t.detach().to(device if device is not None else t.device, copy=True)
+            memo[id(t)] = nn.Parameter(c, requires_grad=False) if isinstance(t, nn.Parameter) else c
+    return fresh_copy(module, memo).eval().requires_grad_(False)
+
+
 class _Replica:
     """What both replicas share: with sleep, the weights each `sync` rewrites in full live in sleepable memory,
     mapped back at the start of a sync and freed by `release` after the rollout."""
@@ -307,7 +321,7 @@ class RolloutCopy(_Replica):
     """
 
     def __init__(self, model: nn.Module, sleep: bool = False, device: torch.device | None = None, fuse: bool = False):
-        self.model = fresh_copy(model).eval().requires_grad_(False).to(device)
+        self.model = copy_to(model, device)
         self.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
         self.groups = fuse_projections(self.model) if fuse else []  # plain q/k/v, gate/up layers (full fine-tuning)
         self.memory = SleepableMemory(owners(self.model, self.trainable)) if sleep else None
@@ -332,7 +346,7 @@ class MergedRolloutCopy(_Replica):
 
     def __init__(self, peft_model: nn.Module, sleep: bool = False, device: torch.device | None = None,
                  fuse: bool = False):
-        self.model = fresh_copy(unwrap_model(peft_model)).eval().requires_grad_(False).to(device)
+        self.model = copy_to(unwrap_model(peft_model), device)
         self.names = [name for name, _ in lora_layers(self.model)]
         for name, layer in lora_layers(self.model):  # each LoRA layer becomes its base layer: the merged storage
             self.model.set_submodule(name, layer.get_base_layer())
@@ -362,7 +376,7 @@ class MergedRolloutCopy(_Replica):
                     delta = full(layer.lora_B[adapter].weight) @ full(layer.lora_A[adapter].weight)
                     delta = delta.T if layer.fan_in_fan_out else delta
                     w = w + (delta * layer.scaling[adapter]).float()
-            dst.copy_(w)
+            dst.copy_(w if w.device == dst.device else w.to(dst.dtype))  # to another GPU: rounded once, then sent
 
 
 def make_replica(model: nn.Module, merge_lora: bool | None, sleep: bool = False,

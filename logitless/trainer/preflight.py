@@ -70,12 +70,15 @@ def _check_training(cfg: TrainerConfig) -> None:
             f"(rollout.max_prompt_length + rollout.max_completion_length = {longest}); set "
             f"train.micro_batch_tokens >= {longest}, or lower those lengths"
         )
-    if cfg.train.async_rollout and (r.backend != "static" or r.merge_lora is False or not cfg.model.lora):
+    if cfg.train.async_rollout and r.device is None and (r.backend != "static" or r.merge_lora is False
+                                                         or not cfg.model.lora):
         raise ValueError(
             "train.async_rollout=true samples from a merged LoRA copy while the update runs: it needs "
             f"rollout.backend=static (got {r.backend!r}), model.lora=true (got {cfg.model.lora}) and rollout.merge_lora "
-            f"unset or true (got {r.merge_lora}); set those, or train.async_rollout=false"
+            f"unset or true (got {r.merge_lora}), or a replica on its own device (rollout.device, e.g. cuda:1); set "
+            "those, or train.async_rollout=false"
         )
+    check_rollout_device(cfg)
 
 
     if cfg.train.async_rollout and cfg.train.offload_during_rollout:
@@ -92,25 +95,52 @@ def _check_training(cfg: TrainerConfig) -> None:
         )
 
 
-def check_device(name: str) -> None:
-    """Refuse a device that does not parse or is not present on this machine (model.device)."""
+def check_device(name: str, key: str = "model.device") -> None:
+    """Refuse a device that does not parse or is not present on this machine (`key`: model.device or
+    rollout.device)."""
     if name == "auto":
         return
     try:
         device = torch.device(name)
     except RuntimeError as e:
-        raise ValueError(f"model.device={name!r} is not a device ({e}); use auto, cpu, cuda or cuda:N") from e
+        raise ValueError(f"{key}={name!r} is not a device ({e}); use auto, cpu, cuda or cuda:N") from e
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"model.device={name!r} but this machine has no usable CUDA GPU; use model.device=cpu "
-                             "(or auto)")
+            raise ValueError(f"{key}={name!r} but this machine has no usable CUDA GPU; use {key}=cpu (or auto)")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"model.device={name!r} but only {torch.cuda.device_count()} CUDA device(s) exist; use "
+            raise ValueError(f"{key}={name!r} but only {torch.cuda.device_count()} CUDA device(s) exist; use "
                              f"cuda:0..cuda:{torch.cuda.device_count() - 1}")
     elif device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"model.device={name!r} but MPS is not available here; use model.device=cpu (or auto)")
+        raise ValueError(f"{key}={name!r} but MPS is not available here; use {key}=cpu (or auto)")
     elif device.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"model.device={name!r}: logitless trains on cpu, cuda or mps; use one of those (or auto)")
+        raise ValueError(f"{key}={name!r}: logitless runs on cpu, cuda or mps; use one of those (or auto)")
+
+
+def check_rollout_device(cfg: TrainerConfig) -> None:
+    """Refuse a rollout.device that is not a device here, or a setting that cannot go with a replica on its own
+    device, naming both and the fix."""
+    name = cfg.rollout.device
+    if name is None:
+        return
+    if name == "auto":
+        raise ValueError("rollout.device=auto: unset rollout.device to decode on the training device, or name the "
+                         "rollout's own device (e.g. cuda:1)")
+    check_device(name, "rollout.device")
+    off = "unset rollout.device"
+    refused = [
+        (cfg.model.load_in_4bit, "model.load_in_4bit=true (QLoRA)",
+         "the replica copies the model's weights, and bitsandbytes' 4-bit weights do not copy across devices",
+         "model.load_in_4bit=false"),
+        (cfg.train.offload_during_rollout, "train.offload_during_rollout=true",
+         "the rollout then holds no memory on the training device, so parking the training state saves nothing",
+         "train.offload_during_rollout=false"),
+        (cfg.rollout.weight_copy not in (None, "resident"), f"rollout.weight_copy={cfg.rollout.weight_copy}",
+         "the replica on the rollout's device holds its own weights for the whole run",
+         "rollout.weight_copy=resident (or unset it)"),
+    ]
+    for on, setting, why, fix in refused:
+        if on:
+            raise ValueError(f"{setting} cannot run with rollout.device={name}: {why}; set {fix} or {off}")
 
 
 def check_task_options(task: str, options: dict[str, Any], where: str) -> None:

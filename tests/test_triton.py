@@ -12,34 +12,19 @@ claims are checked in fp32 here and bf16 only loosely; the GPU test checks bf16 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton")
+from tests.interpret import patch_interpreter, run_cases
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+pytest.importorskip("triton")
 
 
 def _run_cases() -> dict:
     """Executed inside the TRITON_INTERPRET=1 subprocess; returns {case: {metric: value}}."""
-    import numpy as np
     import torch
-    from triton.runtime import interpreter as _interp
 
-    # Triton 3.6's interpreter converts 1-element arrays with int(), which NumPy >= 2.4 refuses
-    # (`for i in range(0, n, BLOCK)` over a runtime int fails); make __index__ take the element.
-    _orig = _interp._patch_lang_tensor
-
-    def _patched(tensor, scope):
-        _orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    _interp._patch_lang_tensor = _patched
-
+    patch_interpreter()
     from logitless.ops import triton_op
     from logitless.ops.reference import token_logprobs_reference
 
@@ -239,11 +224,7 @@ def _run_cases() -> dict:
 
 @pytest.fixture(scope="module")
 def cases() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"interpreter subprocess failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_cases(__file__)
 
 
 FP32 = [

@@ -8,6 +8,9 @@ call at the same shapes, one timed call, one call under torch.profiler (CUDA ker
 `--compile-mode MODE` (e.g. max-autotune) also times the decode step compiled with that torch.compile mode in the
 same process, to compare (the engine's own is "reduce-overhead"). `--fuse-projections` also times a copy of the
 model with fused QKV and gate-up projections (`logitless/rollout/fused.py`), before the plain model.
+`--decode-attention triton` also times the plain model decoding with the flash-decoding kernel
+(`rollout.decode_attention=triton`, `logitless/ops/triton_decode.py`) and the share of its sampled tokens that
+equal the matmul path's (same seeds; bf16 rounding differs, so a few rows diverge).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ def main() -> None:
     ap.add_argument("--compile-mode", default=None, help="also time the decode step compiled with this mode")
     ap.add_argument("--fuse-projections", action="store_true",
                     help="also time a copy with fused QKV and gate-up projections (logitless/rollout/fused.py)")
+    ap.add_argument("--decode-attention", default=None, choices=["triton"],
+                    help="also time the flash-decoding attention kernel (rollout.decode_attention)")
     a = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoTokenizer
@@ -81,8 +86,17 @@ def main() -> None:
         print({"fused_projections": fused}, flush=True)
         del copy_
         torch.cuda.empty_cache()
+    kernel = None
+    if a.decode_attention:
+        alt = make_engine("static", model, tok, decode_attention=a.decode_attention)
+        kernel = {"kernel": a.decode_attention, **timed(alt)}
+        alt_ids = alt.generate(prompts, opts).completion_ids
+        del alt
+        print({"decode_attention": kernel}, flush=True)
     eng = make_engine("static", model, tok)
     plain_s = timed(eng)["s"]
+    if kernel is not None:
+        kernel["same_tokens"] = float((eng.generate(prompts, opts).completion_ids == alt_ids).float().mean())
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         eng.generate(prompts, opts)
@@ -98,7 +112,8 @@ def main() -> None:
         "workload": f"static engine, Qwen2.5-1.5B shape random init bf16, {a.rows // 8} prompts x G=8 = {a.rows} rows, "
                     f"{a.new} new tokens, EOS ignored, temperature 1, after a warm-up call at the same shapes",
         "rows": a.rows, "new": a.new, "plain_s": plain_s, "tok_s": a.rows * a.new / plain_s,
-        "ms_per_step": plain_s / a.new * 1e3, "other_compile_mode": other, "fused_projections": fused, "profiled_wall_ms": wall * 1e3, "kernel_ms_sum": kernel_ms,
+        "ms_per_step": plain_s / a.new * 1e3, "other_compile_mode": other, "fused_projections": fused, "decode_attention": kernel,
+        "profiled_wall_ms": wall * 1e3, "kernel_ms_sum": kernel_ms,
         "kernel_ms_per_step": kernel_ms / a.new,
         "top_kernels_ms_calls_name": [[round(e.self_device_time_total / 1e3, 1), e.count, e.key[:110]] for e in kernels[:25]],
         "top_host_ms_calls_name": [[round(e.self_cpu_time_total / 1e3, 1), e.count, e.key[:80]] for e in host[:12]],

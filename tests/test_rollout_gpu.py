@@ -53,9 +53,9 @@ def prompts() -> list[str]:
             for n in (12, 16, 20, 24)]  # 50-130 bytes = tokens, each over the window
 
 
-def sampler_error(model: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+def sampler_error(model: torch.nn.Module, decode_attention: str = "matmul") -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """|sampler logp - completion_logprobs| over completion tokens [n], the batch tensors, the mask."""
-    eng = make_engine("static", model, TOK, compile=True)
+    eng = make_engine("static", model, TOK, compile=True, decode_attention=decode_attention)
     opts = SamplingOptions(num_generations=4, temperature=1.0, max_new_tokens=64, seed=0, ignore_eos=True)
     b = eng.generate(prompts(), opts)
     args = [x.cuda() for x in (b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask)]
@@ -66,10 +66,11 @@ def sampler_error(model: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tens
     return (b.sampler_logp - lp)[m].abs(), args, lp
 
 
+@pytest.mark.parametrize("kernel", ["matmul", "triton"])  # rollout.decode_attention
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_compiled_static_bf16_matches_completion_logprobs(shape):
+def test_compiled_static_bf16_matches_completion_logprobs(shape, kernel):
     floor, _, _ = sampler_error(bf16_model(shape, 10_000))  # same weights, no window: bf16 noise of the path
-    diff, args, lp = sampler_error(windowed := bf16_model(shape, WINDOW))
+    diff, args, lp = sampler_error(windowed := bf16_model(shape, WINDOW), kernel)
     assert diff.mean() < MARGIN * floor.mean() + 0.005 and diff.max() < MARGIN * floor.max() + 0.05, (
         float(diff.mean()), float(diff.max()), float(floor.mean()), float(floor.max()))
     # the check can fail: the same weights without the window give logprobs far outside the tolerance

@@ -10,7 +10,8 @@ since transformers' repeat_kv maps query head h to KV head h // (H/kv). Multi-to
 transformers' sdpa unchanged. Traced by torch.compile (the static engine's decode graph), the grouped query runs
 as two matmuls around a masked fp32 softmax, which inductor fuses: on an H200 that reads the cache faster than
 sdpa's kernels for these shapes (q of H/kv rows: 67 vs 94 us at 512 rows x 384 slots, 208 vs 241 us at 1,280;
-bench/results/attn_decode_h200.json).
+bench/results/attn_decode_h200.json). `rollout.decode_attention=triton` runs one flash-decoding kernel instead
+(`ops/triton_decode.py`: scores, online softmax and p v in one pass over the cache).
 """
 
 from __future__ import annotations
@@ -46,8 +47,14 @@ def gqa_decode_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     grouped = query.reshape(B, kv, H // kv, d)
-    if torch.compiler.is_compiling():
-        out = _matmul_attention(grouped, key, value, attention_mask, d**-0.5 if scaling is None else scaling)
+    scale = d**-0.5 if scaling is None else scaling
+    if _KERNEL["name"] == "triton" and query.is_cuda and (attention_mask is None or attention_mask.dtype == torch.bool):
+        from logitless.ops.triton_decode import decode_attention  # one kernel: scores, online softmax, p v
+
+        mask = None if attention_mask is None else attention_mask[:, 0, 0, :]  # [B, L]
+        out = decode_attention(grouped, key, value, mask, scale)
+    elif torch.compiler.is_compiling():
+        out = _matmul_attention(grouped, key, value, attention_mask, scale)
     else:
         out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
     # out: [B, kv, H/kv, d]
@@ -66,23 +73,36 @@ def _matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 
 
 _registered = False
+KERNELS = ("matmul", "triton")
+_KERNEL = {"name": "matmul"}  # read while tracing: a compiled decode step keeps the kernel it was traced with
 
 
 @contextlib.contextmanager
-def gqa_decode(model_config: Any) -> Iterator[bool]:
+def gqa_decode(model_config: Any, kernel: str = "matmul", device: torch.device | None = None) -> Iterator[bool]:
     """Use `gqa_decode_attention` for the block if the model uses "sdpa" or "logitless_varlen" (whose unpacked
-    batches are sdpa) (yields whether it does)."""
+    batches are sdpa) (yields whether it does). kernel: how a one-token query attends. "matmul": in a compiled
+    decode step two matmuls around an fp32 softmax (fused by inductor), eagerly sdpa; "triton" (CUDA, eager or
+    compiled): `ops.triton_decode`, one flash-decoding kernel reading each KV head's cache once. device: where the
+    model decodes."""
     global _registered
+    if kernel not in KERNELS:
+        raise ValueError(f"rollout.decode_attention={kernel!r}: use one of {KERNELS}")
     impl = getattr(model_config, "_attn_implementation", None)
     if impl not in SDPA_LIKE:
         yield False
         return
+    if kernel == "triton" and device is not None and device.type == "cuda":
+        from logitless.ops.triton_decode import set_sm_count
+
+        set_sm_count(device)
     if not _registered:
         AttentionInterface.register(NAME, gqa_decode_attention)
         AttentionMaskInterface.register(NAME, sdpa_mask)
         _registered = True
     model_config._attn_implementation = NAME
+    before, _KERNEL["name"] = _KERNEL["name"], kernel
     try:
         yield True
     finally:
         model_config._attn_implementation = impl
+        _KERNEL["name"] = before

@@ -35,6 +35,7 @@ recompiling.
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -43,8 +44,8 @@ import torch
 from transformers.generation.configuration_utils import CompileConfig
 from transformers.generation.logits_process import TemperatureLogitsWarper
 
-from .attention import gqa_decode
-from .engine import PreparedPrompts, build_batch, generation_mode, prepare_prompts, sync, unwrap_model
+from .attention import KERNELS, gqa_decode
+from .engine import PreparedPrompts, build_batch, generation_mode, model_device, prepare_prompts, sync, unwrap_model
 from .hf import sampling_processors
 from .kv_cache import (
     STATIC_LAYER_TYPES,
@@ -164,7 +165,8 @@ class StaticEngine:
     only the filled part of the cache rounded up to one of this many lengths (`kv_cache.length_buckets`; each is
     one more compiled graph per row count; 1 = the whole cache). compact_finished: when at most half of a wave's
     rows are unfinished at a host check, decode on with fewer rows (`_Rows.compacted`; each row count is one more
-    compiled graph).
+    compiled graph). decode_attention: "matmul" or "triton" (`attention.gqa_decode`: one flash-decoding kernel per
+    layer on CUDA).
     """
 
     def __init__(
@@ -180,6 +182,7 @@ class StaticEngine:
         profile: bool = False,
         length_buckets: int = 1,
         compact_finished: bool = False,
+        decode_attention: str = "matmul",
     ):
         if check_every < 1 or cache_multiple < 1:
             raise ValueError(
@@ -188,10 +191,17 @@ class StaticEngine:
         if not isinstance(length_buckets, int) or length_buckets < 1:
             raise ValueError(f"rollout.length_buckets={length_buckets!r} must be an int >= 1 (1 = attend over the "
                              "whole cache)")
+        if decode_attention not in KERNELS:
+            raise ValueError(f"rollout.decode_attention={decode_attention!r}: use one of {KERNELS}")
         if max_kv_gib is not None and not max_kv_gib > 0:
             raise ValueError(f"rollout.max_kv_gib={max_kv_gib!r} must be > 0 (GiB), or unset for the automatic budget")
         self.weights = weights if weights is not None else LiveWeights(model)
         check_layout(unwrap_model(self.weights.module), "static", STATIC_LAYER_TYPES)
+        where = model_device(self.weights.module)
+        if decode_attention == "triton" and (where.type != "cuda" or importlib.util.find_spec("triton") is None):
+            raise ValueError(f"rollout.decode_attention=triton runs a Triton kernel on a CUDA GPU, but the rollout "
+                             f"decodes on {where}{'' if where.type != 'cuda' else ' without the triton package'}; "
+                             "set rollout.decode_attention=matmul")
         self.model = model
         self.tokenizer = tokenizer
         self.compile = compile
@@ -201,6 +211,7 @@ class StaticEngine:
         self.profile = profile
         self.length_buckets = length_buckets
         self.compact_finished = compact_finished
+        self.decode_attention = decode_attention
         self.auto_sync = True  # sync the weights at the start of each generate (off: the caller syncs)
         self._max_len = 0
         self._last_parts: dict[str, float] = {}
@@ -245,7 +256,7 @@ class StaticEngine:
         completion = torch.full((B, S), prep.pad_id, dtype=torch.long)
         logps = torch.zeros((B, S), dtype=torch.float32)
         lens = torch.zeros(B, dtype=torch.long)
-        with generation_mode(module), gqa_decode(unwrap_model(module).config):
+        with generation_mode(module), gqa_decode(unwrap_model(module).config, self.decode_attention, device):
             if self.auto_sync:
                 self.weights.sync()
             try:

@@ -140,7 +140,8 @@ def make_rollout_engine(cfg: RolloutConfig, model: Any, tokenizer: Any) -> Rollo
                 "the engine decodes with the training model itself (full fine-tuning on one process, "
                 "rollout.merge_lora=false, or DoRA adapters), whose layout the rollout does not change")
     return make_engine("static", model, tokenizer, weights=weights, max_kv_gib=cfg.max_kv_gib, profile=cfg.profile,
-                       length_buckets=cfg.length_buckets, compact_finished=cfg.compact_finished)
+                       length_buckets=cfg.length_buckets, compact_finished=cfg.compact_finished,
+                       decode_attention=cfg.decode_attention)
 
 
 def check_fused(cfg: RolloutConfig, groups: list, why: str) -> None:

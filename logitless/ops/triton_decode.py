@@ -1,0 +1,145 @@
+"""One-token decode attention for grouped-query models as one Triton kernel (flash-decoding).
+
+    out = decode_attention(q, k, v, mask, scale)
+    # q [B, kv, g, d] (the g query heads of each KV head as rows), k/v [B, kv, L, d], mask [B, L] bool or None
+    # -> out [B, kv, g, d], in q's dtype
+
+Equivalent to (`decode_attention_reference`):
+
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale        # [B, kv, g, L]
+    s = s.masked_fill(~mask[:, None, None, :], -inf)
+    out = (softmax(s, -1) @ v.float()).to(q.dtype)
+
+One program reads one (row, KV head)'s cache once for all g query heads of the group, keeping an online softmax
+(running max and sum) in fp32 and never writing the [g, L] scores: the three kernels of the matmul path (q k^T,
+softmax, p v) become one. When B * kv programs would leave SMs idle, the cache length is split over more programs
+(`splits`), each writing its unnormalized partial output with its max and sum, and a second step combines them
+(torch ops over [B, kv, splits, g, d], which inductor fuses inside the compiled decode step).
+
+The scores are accumulated in fp32 from the bf16 inputs (not rounded to bf16 as the matmul path's q k^T is); the
+probabilities are rounded to v's dtype for the p v product, as flash attention does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, M, O, Mx, Sm,  # inputs; output (or partial output), its running max and sum (split mode)
+    stride_qb, stride_qh, stride_qg,
+    stride_kb, stride_kh, stride_kl,
+    stride_vb, stride_vh, stride_vl,
+    stride_mb,
+    KV, G, L, D, chunk, scale,
+    HAS_MASK: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    bh = tl.program_id(0)  # b * KV + h
+    s = tl.program_id(1)  # which chunk of the cache length
+    b = bh // KV
+    h = bh % KV
+    og = tl.arange(0, BLOCK_G)
+    od = tl.arange(0, BLOCK_D)
+    gd = (og[:, None] < G) & (od[None, :] < D)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + og[:, None] * stride_qg + od[None, :], mask=gd, other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    start = s * chunk
+    end = tl.minimum(start + chunk, L)
+    k_row = K + b * stride_kb + h * stride_kh
+    v_row = V + b * stride_vb + h * stride_vh
+    for l0 in range(start, end, BLOCK_L):
+        ol = l0 + tl.arange(0, BLOCK_L)
+        valid = ol < end
+        if HAS_MASK:
+            valid = valid & (tl.load(M + b * stride_mb + ol, mask=ol < end, other=0) != 0)
+        ld = (ol[:, None] < end) & (od[None, :] < D)
+        k = tl.load(k_row + ol[:, None] * stride_kl + od[None, :], mask=ld, other=0.0)  # [BLOCK_L, BLOCK_D]
+        scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_L] fp32
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: keep everything at 0
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_row + ol[:, None] * stride_vl + od[None, :], mask=ld, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    if SPLIT:  # partial results [B * KV, splits, G, D] and [B * KV, splits, G], combined by the caller
+        base = (bh * tl.num_programs(1) + s) * G
+        tl.store(O + (base + og[:, None]) * D + od[None, :], acc, mask=gd)
+        tl.store(Mx + base + og, m_i, mask=og < G)
+        tl.store(Sm + base + og, l_i, mask=og < G)
+    else:  # out [B, KV, G, D] contiguous
+        out = acc / l_i[:, None]
+        tl.store(O + (bh * G + og[:, None]) * D + od[None, :], out.to(O.dtype.element_ty), mask=gd)
+
+
+BLOCK_L = 64
+MIN_ROWS_PER_SM = 2  # programs per SM below which the cache length is split
+SMS = {"count": 132}  # the GPU's SM count, set eagerly by `set_sm_count` (a compiled graph reads it as a constant)
+
+
+def set_sm_count(device: torch.device) -> None:
+    """Record `device`'s SM count for `num_splits` (call outside torch.compile)."""
+    if device.type == "cuda":
+        SMS["count"] = torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_splits(programs: int, length: int) -> int:
+    """How many chunks of the cache length each (row, KV head) is split into: enough programs to give every SM
+    MIN_ROWS_PER_SM, never chunks shorter than BLOCK_L."""
+    want = -(-MIN_ROWS_PER_SM * SMS["count"] // programs)
+    return max(1, min(want, -(-length // BLOCK_L)))
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                     splits: int | None = None) -> torch.Tensor:
+    """Attention of one query token per row: q [B, kv, g, d], k/v [B, kv, L, d] (any strides, last dim
+    contiguous), mask [B, L] (bool or 0/1; None: every slot) -> [B, kv, g, d] in q's dtype. splits: chunks of L
+    per (row, KV head) (None: `num_splits`)."""
+    B, KV, G, D = q.shape
+    L = k.shape[2]
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("decode_attention needs the head dimension contiguous in q, k and v")
+    if mask is not None and mask.stride(-1) != 1:
+        mask = mask.contiguous()
+    splits = splits if splits is not None else num_splits(B * KV, L)
+    chunk = -(-L // splits)
+    chunk = -(-chunk // BLOCK_L) * BLOCK_L  # whole blocks per chunk
+    splits = -(-L // chunk)
+    block_g = max(16, triton.next_power_of_2(G))  # tl.dot needs 16 rows at least
+    block_d = max(16, triton.next_power_of_2(D))
+    m = mask if mask is not None else q  # any tensor: not read without HAS_MASK
+    args = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), m.stride(0) if mask is not None else 0,
+            KV, G, L, D, chunk, scale)
+    meta = dict(HAS_MASK=mask is not None, SPLIT=splits > 1, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=BLOCK_L)
+    if splits == 1:
+        out = torch.empty((B, KV, G, D), dtype=q.dtype, device=q.device)
+        unused = torch.empty(0, dtype=torch.float32, device=q.device)  # no max / sum without splits
+        _decode_kernel[(B * KV, 1)](q, k, v, m, out, unused, unused, *args, **meta)
+        return out
+    part = torch.empty((B, KV, splits, G, D), dtype=torch.float32, device=q.device)
+    mx = torch.empty((B, KV, splits, G), dtype=torch.float32, device=q.device)
+    sm = torch.empty_like(mx)
+    _decode_kernel[(B * KV, splits)](q, k, v, m, part, mx, sm, *args, **meta)
+    top = mx.amax(2, keepdim=True)  # [B, KV, 1, G]: finite (each row sees its own token)
+    w = torch.exp(mx - top)  # an all-masked chunk: exp(-inf) = 0
+    out = (part * w[..., None]).sum(2) / (sm * w).sum(2)[..., None]
+    return out.to(q.dtype)
+
+
+def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                               scale: float) -> torch.Tensor:
+    """The naive computation `decode_attention` is equivalent to (fp32 scores, or the inputs' wider dtype)."""
+    wide = torch.promote_types(q.dtype, torch.float32)
+    s = torch.matmul(q.to(wide), k.to(wide).transpose(-1, -2)) * scale  # [B, kv, g, L]
+    if mask is not None:
+        s = s.masked_fill(~mask.bool()[:, None, None, :], float("-inf"))
+    return torch.matmul(torch.softmax(s, -1), v.to(wide)).to(q.dtype)

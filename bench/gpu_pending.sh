@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU runs that decide the features built and tested on CPU but not timed yet (bench/LOG.md, the last two
+# sections). Each stage fits in about 10 minutes; results and logs go to OUT_DIR.
+#
+#   bash bench/gpu_pending.sh decode OUT_DIR QWEN2.5_TOKENIZER     # one GPU: rollout.decode_attention=triton
+#   bash bench/gpu_pending.sh two_gpu OUT_DIR QWEN2.5_TOKENIZER    # two GPUs: rollout.device, sync and async
+#
+# decode: the kernel's GPU tests, then the decode step with and without it at 128 and 512 rows (prof_decode).
+# two_gpu: the rollout.device GPU test, then three bench_e2e runs of the same settings (T = 1,024, Liger,
+# packed 16k-token micro-batches, compiled layers): everything on cuda:0; the rollout on cuda:1; the rollout on
+# cuda:1 with train.async_rollout. Issue 14's async bound is read against the first run's generate and update.
+set -euo pipefail
+stage="${1:?stage: decode or two_gpu}"
+out="${2:?OUT_DIR}"
+tok="${3:?folder of the Qwen2.5 tokenizer}"
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+commit="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+export PYTHONUNBUFFERED=1
+case "$stage" in
+decode)
+  python -m pytest -m gpu -q tests/test_triton_decode.py tests/test_rollout_gpu.py 2>&1 | tee "$out/gpu_tests_decode.log"
+  for rows in 128 512; do
+    python bench/prof_decode.py --tokenizer "$tok" --out "$out" --rows "$rows" --new 512 --commit "$commit" \
+      --decode-attention triton 2>&1 | tee "$out/prof_decode_${rows}.log"
+  done
+  ;;
+two_gpu)
+  python -m pytest -m gpu -q tests/test_rollout_device.py 2>&1 | tee "$out/gpu_tests_rollout_device.log"
+  common=(--tokenizer "$tok" --systems logitless --T 1024 --steps 5 --commit "$commit"
+          --set model.liger_kernels=true --set train.packed=true --set train.micro_batch_tokens=16384
+          --set model.compile_layers=true)
+  python bench/bench_e2e.py "${common[@]}" --out "$out/one_gpu" 2>&1 | tee "$out/e2e_one_gpu.log"
+  python bench/bench_e2e.py "${common[@]}" --out "$out/rollout_gpu" --set rollout.device=cuda:1 \
+    2>&1 | tee "$out/e2e_rollout_gpu.log"
+  python bench/bench_e2e.py "${common[@]}" --out "$out/rollout_gpu_async" --set rollout.device=cuda:1 \
+    --set train.async_rollout=true --set objective.sampler_is_mode=token_truncate \
+    --set objective.sampler_is_clip_max=2.0 2>&1 | tee "$out/e2e_rollout_gpu_async.log"
+  ;;
+*)
+  echo "unknown stage $stage: use decode or two_gpu" >&2
+  exit 2
+  ;;
+esac

@@ -85,8 +85,6 @@ def gqa_decode(model_config: Any, kernel: str = "matmul", device: torch.device |
     compiled): `ops.triton_decode`, one flash-decoding kernel reading each KV head's cache once. device: where the
     model decodes."""
     global _registered
-    if kernel not in KERNELS:
-        raise ValueError(f"rollout.decode_attention={kernel!r}: use one of {KERNELS}")
     impl = getattr(model_config, "_attn_implementation", None)
     if impl not in SDPA_LIKE:
         yield False

@@ -199,7 +199,7 @@ def build_context(
         check_packed_attention(model)
     # before a resume loads trained weights
     reference = ReferencePolicy(model, device) if cfg.objective.beta > 0 else None
-    replica, rollout_device = None, _rollout_device(cfg)
+    replica, rollout_device = None, torch.device(cfg.rollout.device) if cfg.rollout.device is not None else None
     if (world.sharded or rollout_device is not None) and cfg.rollout.backend in COPY_BACKENDS:
         mode = "resident" if rollout_device is not None else weight_copy(cfg.rollout, device, has_copy=True, distributed=True)
         replica = make_replica(model, cfg.rollout.merge_lora, sleep=mode == "sleep", device=rollout_device or device,
@@ -254,11 +254,3 @@ def _replica_sync(replica: RolloutCopy | MergedRolloutCopy, model: torch.nn.Modu
         engine.weights.sync()
 
     return sync
-
-
-def _rollout_device(cfg: TrainerConfig) -> torch.device | None:
-    """rollout.device as a device (None when unset; "cuda" is the current CUDA device)."""
-    if cfg.rollout.device is None:
-        return None
-    d = torch.device(cfg.rollout.device)
-    return torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d

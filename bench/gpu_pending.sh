@@ -17,6 +17,8 @@ cd "$(dirname "$0")/.."
 mkdir -p "$out"
 commit="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 export PYTHONUNBUFFERED=1
+# the GPU tests find the tokenizers through LOGITLESS_SHARED (tests/conftest.py) when TOKENIZER is .../tokenizers/NAME
+export LOGITLESS_SHARED="${LOGITLESS_SHARED:-$(cd "$(dirname "$tok")/.." && pwd)}"
 case "$stage" in
 decode)
   python -m pytest -m gpu -q tests/test_triton_decode.py tests/test_rollout_gpu.py 2>&1 | tee "$out/gpu_tests_decode.log"

@@ -60,7 +60,8 @@ def _decode_kernel(
             valid = valid & (tl.load(M + b * stride_mb + ol, mask=ol < end, other=0) != 0)
         ld = (ol[:, None] < end) & (od[None, :] < D)
         k = tl.load(k_row + ol[:, None] * stride_kl + od[None, :], mask=ld, other=0.0)  # [BLOCK_L, BLOCK_D]
-        scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_L] fp32
+        # [BLOCK_G, BLOCK_L] fp32; under torch.compile a scale not exact in fp32 arrives as fp64, hence the cast
+        scores = (tl.dot(q, tl.trans(k)) * scale).to(tl.float32)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: keep everything at 0

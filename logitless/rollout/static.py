@@ -35,6 +35,7 @@ recompiling.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import time
 from dataclasses import dataclass, field
@@ -256,7 +257,10 @@ class StaticEngine:
         completion = torch.full((B, S), prep.pad_id, dtype=torch.long)
         logps = torch.zeros((B, S), dtype=torch.float32)
         lens = torch.zeros(B, dtype=torch.long)
-        with generation_mode(module), gqa_decode(unwrap_model(module).config, self.decode_attention, device):
+        # the decode's GPU is the current one for the call: an eagerly launched Triton kernel runs on the current
+        # device, which on another thread or with rollout.device is not the model's
+        here = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        with here, generation_mode(module), gqa_decode(unwrap_model(module).config, self.decode_attention, device):
             if self.auto_sync:
                 self.weights.sync()
             try:

@@ -5,8 +5,8 @@ dims that are not powers of 2, cache lengths across block and chunk edges), left
 masks, one chunk and several (chunks with no visible slot included), strided cache views (a length bucket of a
 longer cache); the oracle itself against the matmul path it replaces. In fp32 only: Triton 3.6's interpreter
 multiplies bf16 operands of `tl.dot` as their raw bits (a 16 x 16 bf16 dot is off by 1e10 there), so bf16 is
-checked on the GPU. Refusals: the option off CUDA
-and off the static backend, an unknown value. GPU (`python -m pytest -m gpu tests/test_triton_decode.py`): bf16 at
+checked on the GPU. "auto" picks the kernel only for bf16 weights on a CUDA GPU with triton. Refusals: the kernel
+off CUDA, without triton, for fp32 weights, and off the static backend; an unknown value. GPU (`python -m pytest -m gpu tests/test_triton_decode.py`): bf16 at
 the 1.5B shape against the matmul path, and no [g, L] score buffer (the extra memory is the output's, or the
 split partials').
 """
@@ -111,6 +111,30 @@ def test_a_rollout_off_cuda_refuses_the_kernel(tiny_qwen2_model, gpt2_tokenizer)
         StaticEngine(tiny_qwen2_model, gpt2_tokenizer, decode_attention="flash")
 
 
+def test_auto_takes_the_kernel_only_for_bf16_on_a_cuda_gpu_with_triton_and_triton_refuses_fp32():
+    from logitless.rollout.static import resolve_decode_attention as pick
+
+    cuda, cpu, bf16, fp32 = torch.device("cuda", 1), torch.device("cpu"), torch.bfloat16, torch.float32
+    assert pick("auto", cuda, bf16, True) == "triton"  # where it was measured faster
+    assert [pick("auto", *a) for a in [(cpu, bf16, True), (cuda, fp32, True), (cuda, bf16, False),
+                                       (cuda, torch.float16, True)]] == ["matmul"] * 4
+    assert pick("matmul", cuda, bf16, True) == "matmul" and pick("triton", cuda, torch.float16, True) == "triton"
+    with pytest.raises(ValueError, match=r"rollout\.decode_attention=triton computes scores with bf16/fp16 "
+                                         r"tensor-core dots, but the rollout decodes in torch\.float32; set "
+                                         r"rollout\.decode_attention=matmul \(or auto\), or load the model in bf16"):
+        pick("triton", cuda, fp32, True)
+    with pytest.raises(ValueError, match=r"decodes on cuda:1 without the triton package"):
+        pick("triton", cuda, bf16, False)
+
+
+def test_an_engine_on_cpu_resolves_auto_to_the_matmul_path(tiny_qwen2_model, gpt2_tokenizer):
+    from logitless.rollout.static import StaticEngine
+
+    if torch.cuda.is_available():
+        pytest.skip("the model here is on the CPU")
+    assert StaticEngine(tiny_qwen2_model, gpt2_tokenizer).decode_attention == "matmul"
+
+
 def test_the_option_needs_the_static_backend():
     from logitless.trainer.config import load_train_config
 
@@ -118,6 +142,7 @@ def test_the_option_needs_the_static_backend():
         load_train_config(None, ["rollout.decode_attention=triton"])
     with pytest.raises(ValueError, match=r"rollout\.decode_attention"):
         load_train_config(None, ["rollout.backend=static", "rollout.decode_attention=flash"])
+    assert load_train_config(None, []).rollout.decode_attention == "auto"  # any backend: only static reads it
 
 
 @pytest.mark.gpu

@@ -154,6 +154,24 @@ def allow_recompiles(variants: int) -> None:
         torch._dynamo.config.recompile_limit = need
 
 
+def resolve_decode_attention(kernel: str, device: torch.device, dtype: torch.dtype, has_triton: bool) -> str:
+    """The decode attention kernel the static engine runs (`attention.gqa_decode`). "auto": "triton" (one
+    flash-decoding kernel per layer, `ops/triton_decode.py`) for bf16 weights on a CUDA GPU with triton installed,
+    where it was measured faster (bench/LOG.md), else "matmul". "triton" asked for explicitly is refused off CUDA,
+    without triton, and for fp32 weights (its tensor-core dots would round the scores to TF32)."""
+    if kernel == "auto":
+        return "triton" if device.type == "cuda" and has_triton and dtype == torch.bfloat16 else "matmul"
+    if kernel == "triton" and (device.type != "cuda" or not has_triton):
+        raise ValueError(f"rollout.decode_attention=triton runs a Triton kernel on a CUDA GPU, but the rollout "
+                         f"decodes on {device}{'' if device.type != 'cuda' else ' without the triton package'}; "
+                         "set rollout.decode_attention=matmul (or auto)")
+    if kernel == "triton" and dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"rollout.decode_attention=triton computes scores with bf16/fp16 tensor-core dots, but the "
+                         f"rollout decodes in {dtype}; set rollout.decode_attention=matmul (or auto), or load the "
+                         "model in bf16 (model.dtype=bfloat16)")
+    return kernel
+
+
 class StaticEngine:
     """Fast sampler with a static KV cache and a CUDA-graph-compiled decode step.
 
@@ -166,8 +184,7 @@ class StaticEngine:
     only the filled part of the cache rounded up to one of this many lengths (`kv_cache.length_buckets`; each is
     one more compiled graph per row count; 1 = the whole cache). compact_finished: when at most half of a wave's
     rows are unfinished at a host check, decode on with fewer rows (`_Rows.compacted`; each row count is one more
-    compiled graph). decode_attention: "matmul" or "triton" (`attention.gqa_decode`: one flash-decoding kernel per
-    layer on CUDA).
+    compiled graph). decode_attention: "auto", "matmul" or "triton" (`resolve_decode_attention`).
     """
 
     def __init__(
@@ -183,7 +200,7 @@ class StaticEngine:
         profile: bool = False,
         length_buckets: int = 1,
         compact_finished: bool = False,
-        decode_attention: str = "matmul",
+        decode_attention: str = "auto",
     ):
         if check_every < 1 or cache_multiple < 1:
             raise ValueError(
@@ -192,17 +209,16 @@ class StaticEngine:
         if not isinstance(length_buckets, int) or length_buckets < 1:
             raise ValueError(f"rollout.length_buckets={length_buckets!r} must be an int >= 1 (1 = attend over the "
                              "whole cache)")
-        if decode_attention not in KERNELS:
-            raise ValueError(f"rollout.decode_attention={decode_attention!r}: use one of {KERNELS}")
+        if decode_attention not in ("auto", *KERNELS):
+            raise ValueError(f"rollout.decode_attention={decode_attention!r}: use one of {('auto', *KERNELS)}")
         if max_kv_gib is not None and not max_kv_gib > 0:
             raise ValueError(f"rollout.max_kv_gib={max_kv_gib!r} must be > 0 (GiB), or unset for the automatic budget")
         self.weights = weights if weights is not None else LiveWeights(model)
         check_layout(unwrap_model(self.weights.module), "static", STATIC_LAYER_TYPES)
         where = model_device(self.weights.module)
-        if decode_attention == "triton" and (where.type != "cuda" or importlib.util.find_spec("triton") is None):
-            raise ValueError(f"rollout.decode_attention=triton runs a Triton kernel on a CUDA GPU, but the rollout "
-                             f"decodes on {where}{'' if where.type != 'cuda' else ' without the triton package'}; "
-                             "set rollout.decode_attention=matmul")
+        dtype = getattr(unwrap_model(self.weights.module), "dtype", torch.float32)
+        has_triton = importlib.util.find_spec("triton") is not None
+        decode_attention = resolve_decode_attention(decode_attention, where, dtype, has_triton)
         self.model = model
         self.tokenizer = tokenizer
         self.compile = compile

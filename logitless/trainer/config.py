@@ -222,9 +222,10 @@ class RolloutConfig:
     # Drop rows that ended from the decode batch once at most half are left (each row count one more compiled
     # graph: B, B/2, ... down to 8 rows). Helps when completion lengths vary widely.
     compact_finished: bool = False
-    # How the decode attends over the cache on CUDA: "matmul" (two matmuls around an fp32 softmax, fused by
-    # inductor) or "triton" (one flash-decoding kernel per layer: scores, online softmax and p v in one pass).
-    decode_attention: Literal["matmul", "triton"] = "matmul"
+    # How the static engine's decode attends over the cache: "matmul" (two matmuls around an fp32 softmax, fused by
+    # inductor), "triton" (one flash-decoding kernel per layer: scores, online softmax and p v in one pass; CUDA,
+    # bf16/fp16) or "auto" (triton for bf16 weights on a CUDA GPU with triton installed, else matmul).
+    decode_attention: Literal["auto", "matmul", "triton"] = "auto"
     # Backend "static" only. The device the rollout decodes on, e.g. "cuda:1" (one process): a replica of the policy
     # (merged for LoRA) lives there, synced from the trainer before every rollout, so the KV cache and the decode's
     # weights never take the training GPU's memory, and with train.async_rollout the decode and the update run on
@@ -247,7 +248,7 @@ class RolloutConfig:
                        "weight_copy": self.weight_copy is not None, "fuse_projections": self.fuse_projections is True,
                        "profile": self.profile, "length_buckets": self.length_buckets != 1,
                        "compact_finished": self.compact_finished, "device": self.device is not None,
-                       "decode_attention": self.decode_attention != "matmul"}
+                       "decode_attention": self.decode_attention == "triton"}
         for name, used in static_only.items():
             if used and self.backend != "static":
                 raise ValueError(

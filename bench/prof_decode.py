@@ -8,9 +8,10 @@ call at the same shapes, one timed call, one call under torch.profiler (CUDA ker
 `--compile-mode MODE` (e.g. max-autotune) also times the decode step compiled with that torch.compile mode in the
 same process, to compare (the engine's own is "reduce-overhead"). `--fuse-projections` also times a copy of the
 model with fused QKV and gate-up projections (`logitless/rollout/fused.py`), before the plain model.
-`--decode-attention triton` also times the plain model decoding with the flash-decoding kernel
-(`rollout.decode_attention=triton`, `logitless/ops/triton_decode.py`) and the share of its sampled tokens that
-equal the matmul path's (same seeds; bf16 rounding differs, so a few rows diverge).
+The timed and profiled engine decodes with `--baseline-attention` (default matmul, named since the engine's own
+default, auto, takes the Triton kernel for bf16 on CUDA). `--decode-attention triton` also times the plain model
+decoding with the flash-decoding kernel (`logitless/ops/triton_decode.py`) and the share of its sampled tokens that
+equal the baseline's (same seeds; bf16 rounding differs, so a few rows diverge).
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ def main() -> None:
     ap.add_argument("--compile-mode", default=None, help="also time the decode step compiled with this mode")
     ap.add_argument("--fuse-projections", action="store_true",
                     help="also time a copy with fused QKV and gate-up projections (logitless/rollout/fused.py)")
-    ap.add_argument("--decode-attention", default=None, choices=["triton"],
-                    help="also time the flash-decoding attention kernel (rollout.decode_attention)")
+    ap.add_argument("--baseline-attention", default="matmul", choices=["matmul", "triton"],
+                    help="rollout.decode_attention of the timed and profiled engine (its default is auto)")
+    ap.add_argument("--decode-attention", default=None, choices=["matmul", "triton"],
+                    help="also time this rollout.decode_attention against the baseline's")
     a = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoTokenizer
@@ -82,7 +85,7 @@ def main() -> None:
 
         copy_ = fresh_copy(model)
         groups = len(fuse_projections(copy_))
-        fused = {"groups": groups, **timed(make_engine("static", copy_, tok))}
+        fused = {"groups": groups, **timed(make_engine("static", copy_, tok, decode_attention=a.baseline_attention))}
         print({"fused_projections": fused}, flush=True)
         del copy_
         torch.cuda.empty_cache()
@@ -93,7 +96,7 @@ def main() -> None:
         alt_ids = alt.generate(prompts, opts).completion_ids
         del alt
         print({"decode_attention": kernel}, flush=True)
-    eng = make_engine("static", model, tok)
+    eng = make_engine("static", model, tok, decode_attention=a.baseline_attention)
     plain_s = timed(eng)["s"]
     if kernel is not None:
         kernel["same_tokens"] = float((eng.generate(prompts, opts).completion_ids == alt_ids).float().mean())
@@ -111,7 +114,8 @@ def main() -> None:
                  "date": time.strftime("%Y-%m-%d")},
         "workload": f"static engine, Qwen2.5-1.5B shape random init bf16, {a.rows // 8} prompts x G=8 = {a.rows} rows, "
                     f"{a.new} new tokens, EOS ignored, temperature 1, after a warm-up call at the same shapes",
-        "rows": a.rows, "new": a.new, "plain_s": plain_s, "tok_s": a.rows * a.new / plain_s,
+        "rows": a.rows, "new": a.new, "baseline_attention": a.baseline_attention,
+        "plain_s": plain_s, "tok_s": a.rows * a.new / plain_s,
         "ms_per_step": plain_s / a.new * 1e3, "other_compile_mode": other, "fused_projections": fused, "decode_attention": kernel,
         "profiled_wall_ms": wall * 1e3, "kernel_ms_sum": kernel_ms,
         "kernel_ms_per_step": kernel_ms / a.new,

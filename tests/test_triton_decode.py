@@ -5,10 +5,10 @@ dims that are not powers of 2, cache lengths across block and chunk edges), left
 masks, one chunk and several (chunks with no visible slot included), strided cache views (a length bucket of a
 longer cache); the oracle itself against the matmul path it replaces. In fp32 only: Triton 3.6's interpreter
 multiplies bf16 operands of `tl.dot` as their raw bits (a 16 x 16 bf16 dot is off by 1e10 there), so bf16 is
-checked on the GPU. "auto" picks the kernel only for bf16 weights on a CUDA GPU with triton. Refusals: the kernel
-off CUDA, without triton, for fp32 weights, and off the static backend; an unknown value. GPU (`python -m pytest -m gpu tests/test_triton_decode.py`): bf16 at
-the 1.5B shape against the matmul path, and no [g, L] score buffer (the extra memory is the output's, or the
-split partials').
+checked on the GPU. "auto" picks the kernel only for bf16 weights on a CUDA GPU with triton. Refusals: the
+kernel off CUDA, without triton, for fp32 weights, and off the static backend; an unknown value. GPU
+(`python -m pytest -m gpu tests/test_triton_decode.py`): bf16 at the 1.5B shape against the matmul path, and no
+[g, L] score buffer (the extra memory is the output's, or the split partials').
 """
 
 from __future__ import annotations

@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# The GPU runs that decide the features built and tested on CPU but not timed yet (bench/LOG.md, the last two
-# sections). Each stage fits in about 10 minutes; results and logs go to OUT_DIR.
+# The GPU runs that decide the features built and tested on CPU (bench/LOG.md: decode and two_gpu were run on two
+# H100s at 88ed670; decode_next is the next one). Each stage fits in about 10 minutes; results and logs go to
+# OUT_DIR.
 #
 #   bash bench/gpu_pending.sh decode OUT_DIR QWEN2.5_TOKENIZER     # one GPU: rollout.decode_attention=triton
 #   bash bench/gpu_pending.sh two_gpu OUT_DIR QWEN2.5_TOKENIZER    # two GPUs: rollout.device, sync and async
+#   bash bench/gpu_pending.sh decode_next OUT_DIR QWEN2.5_TOKENIZER  # one GPU: the kernel's profile, length buckets
 #
 # decode: the kernel's GPU tests, then the decode step with and without it at 128 and 512 rows (prof_decode).
 # two_gpu: the rollout.device GPU test, then three bench_e2e runs of the same settings (T = 1,024, Liger,
 # packed 16k-token micro-batches, compiled layers): everything on cuda:0; the rollout on cuda:1; the rollout on
 # cuda:1 with train.async_rollout. Issue 14's async bound is read against the first run's generate and update.
+# decode_next: the decode step of the kernel's engine (the default for bf16 on CUDA) profiled at 128 and 512 rows,
+# attending over the whole cache and over 4 length buckets (rollout.length_buckets, not timed so far).
 set -euo pipefail
-stage="${1:?stage: decode or two_gpu}"
+stage="${1:?stage: decode, decode_next or two_gpu}"
 out="${2:?OUT_DIR}"
 tok="${3:?folder of the Qwen2.5 tokenizer}"
 cd "$(dirname "$0")/.."
@@ -27,6 +31,15 @@ decode)
       --decode-attention triton 2>&1 | tee "$out/prof_decode_${rows}.log"
   done
   ;;
+decode_next)
+  # where the kernel's decode step goes, and what reading only the filled part of the cache saves
+  for rows in 128 512; do
+    for lb in 1 4; do
+      python bench/prof_decode.py --tokenizer "$tok" --out "$out" --rows "$rows" --new 512 --commit "$commit" \
+        --baseline-attention triton --length-buckets "$lb" 2>&1 | tee "$out/prof_decode_${rows}_triton_lb${lb}.log"
+    done
+  done
+  ;;
 two_gpu)
   python -m pytest -m gpu -q tests/test_rollout_device.py 2>&1 | tee "$out/gpu_tests_rollout_device.log"
   common=(--tokenizer "$tok" --systems logitless --T 1024 --steps 5 --commit "$commit"
@@ -40,7 +53,7 @@ two_gpu)
     --set objective.sampler_is_clip_max=2.0 2>&1 | tee "$out/e2e_rollout_gpu_async.log"
   ;;
 *)
-  echo "unknown stage $stage: use decode or two_gpu" >&2
+  echo "unknown stage $stage: use decode, decode_next or two_gpu" >&2
   exit 2
   ;;
 esac

@@ -9,7 +9,8 @@ call at the same shapes, one timed call, one call under torch.profiler (CUDA ker
 same process, to compare (the engine's own is "reduce-overhead"). `--fuse-projections` also times a copy of the
 model with fused QKV and gate-up projections (`logitless/rollout/fused.py`), before the plain model.
 The timed and profiled engine decodes with `--baseline-attention` (default matmul, named since the engine's own
-default, auto, takes the Triton kernel for bf16 on CUDA). `--decode-attention triton` also times the plain model
+default, auto, takes the Triton kernel for bf16 on CUDA); `--length-buckets N` sets rollout.length_buckets for every
+engine of the run. `--decode-attention triton` also times the plain model
 decoding with the flash-decoding kernel (`logitless/ops/triton_decode.py`) and the share of its sampled tokens that
 equal the baseline's (same seeds; bf16 rounding differs, so a few rows diverge).
 """
@@ -44,6 +45,8 @@ def main() -> None:
                     help="rollout.decode_attention of the timed and profiled engine (its default is auto)")
     ap.add_argument("--decode-attention", default=None, choices=["matmul", "triton"],
                     help="also time this rollout.decode_attention against the baseline's")
+    ap.add_argument("--length-buckets", type=int, default=1,
+                    help="rollout.length_buckets of every engine here (1: attend over the whole cache)")
     a = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoTokenizer
@@ -52,6 +55,9 @@ def main() -> None:
     prompts = make_prompts(a.rows // 8)
     opts = SamplingOptions(num_generations=8, temperature=1.0, max_new_tokens=a.new, ignore_eos=True, seed=0)
     model = make_model(False, "cuda")
+
+    common = {"length_buckets": a.length_buckets}
+    base = {"decode_attention": a.baseline_attention, **common}
 
     def timed(engine) -> dict:
         """Seconds of a call after a warm-up call at the same shapes (`s`), its rates, and the warm-up's seconds."""
@@ -76,7 +82,7 @@ def main() -> None:
             def _forward(self, module, device, rows):
                 cfg = CompileConfig(fullgraph=False, mode=a.compile_mode, dynamic=False)
                 return unwrap_model(module).get_compiled_call(cfg), "cudagraphs" not in a.compile_mode
-        other = {"mode": a.compile_mode, **timed(Mode(model, tok))}
+        other = {"mode": a.compile_mode, **timed(Mode(model, tok, **common))}
         print(other, flush=True)
     fused = None
     if a.fuse_projections:
@@ -85,18 +91,18 @@ def main() -> None:
 
         copy_ = fresh_copy(model)
         groups = len(fuse_projections(copy_))
-        fused = {"groups": groups, **timed(make_engine("static", copy_, tok, decode_attention=a.baseline_attention))}
+        fused = {"groups": groups, **timed(make_engine("static", copy_, tok, **base))}
         print({"fused_projections": fused}, flush=True)
         del copy_
         torch.cuda.empty_cache()
     kernel = None
     if a.decode_attention:
-        alt = make_engine("static", model, tok, decode_attention=a.decode_attention)
+        alt = make_engine("static", model, tok, decode_attention=a.decode_attention, **common)
         kernel = {"kernel": a.decode_attention, **timed(alt)}
         alt_ids = alt.generate(prompts, opts).completion_ids
         del alt
         print({"decode_attention": kernel}, flush=True)
-    eng = make_engine("static", model, tok, decode_attention=a.baseline_attention)
+    eng = make_engine("static", model, tok, **base)
     plain_s = timed(eng)["s"]
     if kernel is not None:
         kernel["same_tokens"] = float((eng.generate(prompts, opts).completion_ids == alt_ids).float().mean())
@@ -114,7 +120,7 @@ def main() -> None:
                  "date": time.strftime("%Y-%m-%d")},
         "workload": f"static engine, Qwen2.5-1.5B shape random init bf16, {a.rows // 8} prompts x G=8 = {a.rows} rows, "
                     f"{a.new} new tokens, EOS ignored, temperature 1, after a warm-up call at the same shapes",
-        "rows": a.rows, "new": a.new, "baseline_attention": a.baseline_attention,
+        "rows": a.rows, "new": a.new, "baseline_attention": a.baseline_attention, "length_buckets": a.length_buckets,
         "plain_s": plain_s, "tok_s": a.rows * a.new / plain_s,
         "ms_per_step": plain_s / a.new * 1e3, "other_compile_mode": other, "fused_projections": fused, "decode_attention": kernel,
         "profiled_wall_ms": wall * 1e3, "kernel_ms_sum": kernel_ms,
@@ -124,7 +130,9 @@ def main() -> None:
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"decode_profile_{a.rows}x{a.new}.json").write_text(json.dumps(res, indent=1))
+    default = (a.baseline_attention, a.length_buckets) == ("matmul", 1)
+    tag = "" if default else f"_{a.baseline_attention}_lb{a.length_buckets}"
+    (out / f"decode_profile_{a.rows}x{a.new}{tag}.json").write_text(json.dumps(res, indent=1))
     print({k: v for k, v in res.items() if not k.startswith("top")})
 
 

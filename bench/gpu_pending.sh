@@ -12,7 +12,8 @@
 # packed 16k-token micro-batches, compiled layers): everything on cuda:0; the rollout on cuda:1; the rollout on
 # cuda:1 with train.async_rollout. Issue 14's async bound is read against the first run's generate and update.
 # decode_next: the decode step of the kernel's engine (the default for bf16 on CUDA) profiled at 128 and 512 rows,
-# attending over the whole cache and over 4 length buckets (rollout.length_buckets, not timed so far).
+# attending over the whole cache and over 4 length buckets (rollout.length_buckets, not timed so far); at 128 rows
+# also without the split of the cache length.
 set -euo pipefail
 stage="${1:?stage: decode, decode_next or two_gpu}"
 out="${2:?OUT_DIR}"
@@ -39,6 +40,9 @@ decode_next)
         --baseline-attention triton --length-buckets "$lb" 2>&1 | tee "$out/prof_decode_${rows}_triton_lb${lb}.log"
     done
   done
+  # at 128 rows on 132 SMs the kernel splits the length by a hair (256 programs < 2 per SM): one per SM instead
+  python bench/prof_decode.py --tokenizer "$tok" --out "$out" --rows 128 --new 512 --commit "$commit" \
+    --baseline-attention triton --min-rows-per-sm 1 2>&1 | tee "$out/prof_decode_128_triton_rps1.log"
   ;;
 two_gpu)
   python -m pytest -m gpu -q tests/test_rollout_device.py 2>&1 | tee "$out/gpu_tests_rollout_device.log"

@@ -10,7 +10,7 @@ same process, to compare (the engine's own is "reduce-overhead"). `--fuse-projec
 model with fused QKV and gate-up projections (`logitless/rollout/fused.py`), before the plain model.
 The timed and profiled engine decodes with `--baseline-attention` (default matmul, named since the engine's own
 default, auto, takes the Triton kernel for bf16 on CUDA); `--length-buckets N` sets rollout.length_buckets for every
-engine of the run. `--decode-attention triton` also times the plain model
+engine of the run, `--min-rows-per-sm N` the programs per SM below which the kernel splits the cache length. `--decode-attention triton` also times the plain model
 decoding with the flash-decoding kernel (`logitless/ops/triton_decode.py`) and the share of its sampled tokens that
 equal the baseline's (same seeds; bf16 rounding differs, so a few rows diverge).
 """
@@ -47,6 +47,8 @@ def main() -> None:
                     help="also time this rollout.decode_attention against the baseline's")
     ap.add_argument("--length-buckets", type=int, default=1,
                     help="rollout.length_buckets of every engine here (1: attend over the whole cache)")
+    ap.add_argument("--min-rows-per-sm", type=int, default=None,
+                    help="the decode kernel's MIN_ROWS_PER_SM (ops/triton_decode.py), below which it splits the cache")
     a = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoTokenizer
@@ -56,6 +58,10 @@ def main() -> None:
     opts = SamplingOptions(num_generations=8, temperature=1.0, max_new_tokens=a.new, ignore_eos=True, seed=0)
     model = make_model(False, "cuda")
 
+    if a.min_rows_per_sm is not None:
+        from logitless.ops import triton_decode
+
+        triton_decode.MIN_ROWS_PER_SM = a.min_rows_per_sm
     common = {"length_buckets": a.length_buckets}
     base = {"decode_attention": a.baseline_attention, **common}
 
@@ -121,6 +127,7 @@ def main() -> None:
         "workload": f"static engine, Qwen2.5-1.5B shape random init bf16, {a.rows // 8} prompts x G=8 = {a.rows} rows, "
                     f"{a.new} new tokens, EOS ignored, temperature 1, after a warm-up call at the same shapes",
         "rows": a.rows, "new": a.new, "baseline_attention": a.baseline_attention, "length_buckets": a.length_buckets,
+        "min_rows_per_sm": a.min_rows_per_sm,
         "plain_s": plain_s, "tok_s": a.rows * a.new / plain_s,
         "ms_per_step": plain_s / a.new * 1e3, "other_compile_mode": other, "fused_projections": fused, "decode_attention": kernel,
         "profiled_wall_ms": wall * 1e3, "kernel_ms_sum": kernel_ms,
@@ -132,6 +139,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     default = (a.baseline_attention, a.length_buckets) == ("matmul", 1)
     tag = "" if default else f"_{a.baseline_attention}_lb{a.length_buckets}"
+    tag += f"_rps{a.min_rows_per_sm}" if a.min_rows_per_sm is not None else ""
     (out / f"decode_profile_{a.rows}x{a.new}{tag}.json").write_text(json.dumps(res, indent=1))
     print({k: v for k, v in res.items() if not k.startswith("top")})
 

@@ -5,10 +5,10 @@ dims that are not powers of 2, cache lengths across block and chunk edges), left
 masks, one chunk and several (chunks with no visible slot included), strided cache views (a length bucket of a
 longer cache); the oracle itself against the matmul path it replaces. In fp32 only: Triton 3.6's interpreter
 multiplies bf16 operands of `tl.dot` as their raw bits (a 16 x 16 bf16 dot is off by 1e10 there), so bf16 is
-checked on the GPU. "auto" picks the kernel only for bf16 weights on a CUDA GPU with triton. Refusals: the
-kernel off CUDA, without triton, for fp32 weights, and off the static backend; an unknown value. GPU
-(`python -m pytest -m gpu tests/test_triton_decode.py`): bf16 at the 1.5B shape against the matmul path, and no
-[g, L] score buffer (the extra memory is the output's, or the split partials').
+checked on the GPU. "auto" picks the kernel only for bf16 weights on a CUDA GPU of compute capability 8.0+ with
+triton. Refusals: the kernel off CUDA, without triton, for fp32 weights, and off the static backend; an unknown
+value. GPU (`python -m pytest -m gpu tests/test_triton_decode.py`): bf16 at the 1.5B shape against the matmul
+path, and no [g, L] score buffer (the extra memory is the output's, or the split partials').
 """
 
 from __future__ import annotations
@@ -115,9 +115,11 @@ def test_auto_takes_the_kernel_only_for_bf16_on_a_cuda_gpu_with_triton_and_trito
     from logitless.rollout.static import resolve_decode_attention as pick
 
     cuda, cpu, bf16, fp32 = torch.device("cuda", 1), torch.device("cpu"), torch.bfloat16, torch.float32
-    assert pick("auto", cuda, bf16, True) == "triton"  # where it was measured faster
-    assert [pick("auto", *a) for a in [(cpu, bf16, True), (cuda, fp32, True), (cuda, bf16, False),
-                                       (cuda, torch.float16, True)]] == ["matmul"] * 4
+    assert pick("auto", cuda, bf16, True, (9, 0)) == "triton"  # where it was measured faster
+    assert pick("auto", cuda, bf16, True, (8, 0)) == "triton"
+    off = [(cpu, bf16, True), (cuda, fp32, True, (9, 0)), (cuda, bf16, False, (9, 0)),
+           (cuda, torch.float16, True, (9, 0)), (cuda, bf16, True, (7, 5))]  # CPU, fp32, no triton, fp16, Turing
+    assert [pick("auto", *a) for a in off] == ["matmul"] * 5
     assert pick("matmul", cuda, bf16, True) == "matmul" and pick("triton", cuda, torch.float16, True) == "triton"
     with pytest.raises(ValueError, match=r"rollout\.decode_attention=triton computes scores with bf16/fp16 "
                                          r"tensor-core dots, but the rollout decodes in torch\.float32; set "

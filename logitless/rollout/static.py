@@ -154,13 +154,16 @@ def allow_recompiles(variants: int) -> None:
         torch._dynamo.config.recompile_limit = need
 
 
-def resolve_decode_attention(kernel: str, device: torch.device, dtype: torch.dtype, has_triton: bool) -> str:
+def resolve_decode_attention(kernel: str, device: torch.device, dtype: torch.dtype, has_triton: bool,
+                             capability: tuple[int, int] = (0, 0)) -> str:
     """The decode attention kernel the static engine runs (`attention.gqa_decode`). "auto": "triton" (one
-    flash-decoding kernel per layer, `ops/triton_decode.py`) for bf16 weights on a CUDA GPU with triton installed,
-    where it was measured faster (bench/LOG.md), else "matmul". "triton" asked for explicitly is refused off CUDA,
+    flash-decoding kernel per layer, `ops/triton_decode.py`) for bf16 weights on a CUDA GPU with bf16 tensor cores
+    (compute capability 8.0 or newer: `capability`) and triton installed, where it was measured faster
+    (bench/LOG.md), else "matmul". "triton" asked for explicitly is refused off CUDA,
     without triton, and for fp32 weights (its tensor-core dots would round the scores to TF32)."""
     if kernel == "auto":
-        return "triton" if device.type == "cuda" and has_triton and dtype == torch.bfloat16 else "matmul"
+        fits = device.type == "cuda" and has_triton and dtype == torch.bfloat16 and capability >= (8, 0)
+        return "triton" if fits else "matmul"
     if kernel == "triton" and (device.type != "cuda" or not has_triton):
         raise ValueError(f"rollout.decode_attention=triton runs a Triton kernel on a CUDA GPU, but the rollout "
                          f"decodes on {device}{'' if device.type != 'cuda' else ' without the triton package'}; "
@@ -218,7 +221,8 @@ class StaticEngine:
         where = model_device(self.weights.module)
         dtype = getattr(unwrap_model(self.weights.module), "dtype", torch.float32)
         has_triton = importlib.util.find_spec("triton") is not None
-        decode_attention = resolve_decode_attention(decode_attention, where, dtype, has_triton)
+        capability = torch.cuda.get_device_capability(where) if where.type == "cuda" else (0, 0)
+        decode_attention = resolve_decode_attention(decode_attention, where, dtype, has_triton, capability)
         self.model = model
         self.tokenizer = tokenizer
         self.compile = compile

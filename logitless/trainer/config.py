@@ -224,7 +224,8 @@ class RolloutConfig:
     compact_finished: bool = False
     # How the static engine's decode attends over the cache: "matmul" (two matmuls around an fp32 softmax, fused by
     # inductor), "triton" (one flash-decoding kernel per layer: scores, online softmax and p v in one pass; CUDA,
-    # bf16/fp16) or "auto" (triton for bf16 weights on a CUDA GPU with triton installed, else matmul).
+    # bf16/fp16) or "auto" (triton for bf16 weights on a CUDA GPU of compute capability 8.0+ with triton installed,
+    # else matmul).
     decode_attention: Literal["auto", "matmul", "triton"] = "auto"
     # Backend "static" only. The device the rollout decodes on, e.g. "cuda:1" (one process): a replica of the policy
     # (merged for LoRA) lives there, synced from the trainer before every rollout, so the KV cache and the decode's

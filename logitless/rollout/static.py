@@ -159,8 +159,10 @@ def resolve_decode_attention(kernel: str, device: torch.device, dtype: torch.dty
     """The decode attention kernel the static engine runs (`attention.gqa_decode`). "auto": "triton" (one
     flash-decoding kernel per layer, `ops/triton_decode.py`) for bf16 weights on a CUDA GPU with bf16 tensor cores
     (compute capability 8.0 or newer: `capability`) and triton installed, where it was measured faster
-    (bench/LOG.md), else "matmul". "triton" asked for explicitly is refused off CUDA,
-    without triton, and for fp32 weights (its tensor-core dots would round the scores to TF32)."""
+    (bench/LOG.md), else "matmul". "triton" asked for explicitly is refused off CUDA, without triton, and for fp32
+    weights (its tensor-core dots would round the scores to TF32); any other name is refused."""
+    if kernel not in ("auto", *KERNELS):
+        raise ValueError(f"rollout.decode_attention={kernel!r}: use one of {('auto', *KERNELS)}")
     if kernel == "auto":
         fits = device.type == "cuda" and has_triton and dtype == torch.bfloat16 and capability >= (8, 0)
         return "triton" if fits else "matmul"
@@ -212,8 +214,6 @@ class StaticEngine:
         if not isinstance(length_buckets, int) or length_buckets < 1:
             raise ValueError(f"rollout.length_buckets={length_buckets!r} must be an int >= 1 (1 = attend over the "
                              "whole cache)")
-        if decode_attention not in ("auto", *KERNELS):
-            raise ValueError(f"rollout.decode_attention={decode_attention!r}: use one of {('auto', *KERNELS)}")
         if max_kv_gib is not None and not max_kv_gib > 0:
             raise ValueError(f"rollout.max_kv_gib={max_kv_gib!r} must be > 0 (GiB), or unset for the automatic budget")
         self.weights = weights if weights is not None else LiveWeights(model)

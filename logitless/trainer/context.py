@@ -201,7 +201,8 @@ def build_context(
     reference = ReferencePolicy(model, device) if cfg.objective.beta > 0 else None
     replica, rollout_device = None, torch.device(cfg.rollout.device) if cfg.rollout.device is not None else None
     if (world.sharded or rollout_device is not None) and cfg.rollout.backend in COPY_BACKENDS:
-        mode = "resident" if rollout_device is not None else weight_copy(cfg.rollout, device, has_copy=True, distributed=True)
+        mode = ("resident" if rollout_device is not None
+                else weight_copy(cfg.rollout, device, has_copy=True, distributed=True))
         replica = make_replica(model, cfg.rollout.merge_lora, sleep=mode == "sleep", device=rollout_device or device,
                                fuse=cfg.rollout.fuse_projections is not False)
         check_fused(cfg.rollout, replica.groups, "the rollout's replica has no plain q/k/v or gate/up layers "
@@ -242,7 +243,7 @@ def build_context(
         shape=_shape(model, engine), peaks=device_peaks(device, cfg.logging.peak_tflops, cfg.logging.hbm_tbs),
         run_dir=run_dir, logger=logger, start=start, entropy_coef=coef, world=world, replica=replica,
         lora_compute=LoraCompute(model, cfg.model),
-        rollout_device=rollout_device if rollout_device is not None and not same_device(rollout_device, device) else None,
+        rollout_device=None if rollout_device is None or same_device(rollout_device, device) else rollout_device,
     )
 
 

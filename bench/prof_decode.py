@@ -47,6 +47,9 @@ def main() -> None:
                     help="also time this rollout.decode_attention against the baseline's")
     ap.add_argument("--length-buckets", type=int, default=1,
                     help="rollout.length_buckets of every engine here (1: attend over the whole cache)")
+    ap.add_argument("--fuse-baseline", action="store_true",
+                    help="the timed and profiled engine decodes a copy with fused projections, as the trainer's "
+                         "merged decode weights do (rollout.fuse_projections, on by default)")
     ap.add_argument("--min-rows-per-sm", type=int, default=None,
                     help="the decode kernel's MIN_ROWS_PER_SM (ops/triton_decode.py), below which it splits the cache")
     a = ap.parse_args()
@@ -65,17 +68,25 @@ def main() -> None:
     common = {"length_buckets": a.length_buckets}
     base = {"decode_attention": a.baseline_attention, **common}
 
+    from logitless.trainer.accounting import ModelShape, decode_ideal_seconds, device_peaks
+
+    _, hbm = device_peaks(torch.device("cuda"))
+
     def timed(engine) -> dict:
-        """Seconds of a call after a warm-up call at the same shapes (`s`), its rates, and the warm-up's seconds."""
+        """Seconds of a call after a warm-up call at the same shapes (`s`), its rates, its share of the HBM
+        ceiling (`trainer/accounting.py`, the decode's own wall time), and the warm-up's seconds."""
         t = time.perf_counter()
         engine.generate(prompts, opts)  # compiles and captures at these shapes
         torch.cuda.synchronize()
         warm = time.perf_counter() - t
         t = time.perf_counter()
-        engine.generate(prompts, opts)
+        batch = engine.generate(prompts, opts)
         torch.cuda.synchronize()
         s = time.perf_counter() - t
-        return {"s": s, "tok_s": a.rows * a.new / s, "ms_per_step": s / a.new * 1e3, "first_call_s": warm}
+        ideal = decode_ideal_seconds(ModelShape.of(engine.weights.module), batch.prompt_mask.sum(1).tolist(),
+                                     batch.completion_mask.sum(1).tolist(), hbm)
+        return {"s": s, "tok_s": a.rows * a.new / s, "ms_per_step": s / a.new * 1e3, "first_call_s": warm,
+                "generate_s": batch.timing.generate_seconds, "ceiling": ideal / batch.timing.generate_seconds}
 
     other = None
     if a.compile_mode:
@@ -108,8 +119,20 @@ def main() -> None:
         alt_ids = alt.generate(prompts, opts).completion_ids
         del alt
         print({"decode_attention": kernel}, flush=True)
-    eng = make_engine("static", model, tok, **base)
-    plain_s = timed(eng)["s"]
+    if a.fuse_baseline:
+        from logitless.rollout.fused import fuse_projections
+        from logitless.rollout.weights import fresh_copy
+
+        decoded = fresh_copy(model)
+        fuse_projections(decoded)
+        del model
+        torch.cuda.empty_cache()
+    else:
+        decoded = model
+    eng = make_engine("static", decoded, tok, **base)
+    baseline = timed(eng)
+    plain_s = baseline["s"]
+    print({"baseline": baseline}, flush=True)
     if kernel is not None:
         kernel["same_tokens"] = float((eng.generate(prompts, opts).completion_ids == alt_ids).float().mean())
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -128,6 +151,7 @@ def main() -> None:
                     f"{a.new} new tokens, EOS ignored, temperature 1, after a warm-up call at the same shapes",
         "rows": a.rows, "new": a.new, "baseline_attention": a.baseline_attention, "length_buckets": a.length_buckets,
         "min_rows_per_sm": a.min_rows_per_sm,
+        "fuse_baseline": a.fuse_baseline, "baseline": baseline,
         "plain_s": plain_s, "tok_s": a.rows * a.new / plain_s,
         "ms_per_step": plain_s / a.new * 1e3, "other_compile_mode": other, "fused_projections": fused, "decode_attention": kernel,
         "profiled_wall_ms": wall * 1e3, "kernel_ms_sum": kernel_ms,
@@ -140,6 +164,7 @@ def main() -> None:
     default = (a.baseline_attention, a.length_buckets) == ("matmul", 1)
     tag = "" if default else f"_{a.baseline_attention}_lb{a.length_buckets}"
     tag += f"_rps{a.min_rows_per_sm}" if a.min_rows_per_sm is not None else ""
+    tag += "_fused" if a.fuse_baseline else ""
     (out / f"decode_profile_{a.rows}x{a.new}{tag}.json").write_text(json.dumps(res, indent=1))
     print({k: v for k, v in res.items() if not k.startswith("top")})
 

@@ -82,7 +82,9 @@ def _decode_kernel(
 
 
 BLOCK_L = 64
-MIN_ROWS_PER_SM = 2  # programs per SM below which the cache length is split
+# programs per SM below which the cache length is split: 1, since splitting 256 programs on 132 SMs (the 1.5B shape at
+# 128 rows) made the decode step 1.06x slower than one program per SM on an H200 (bench/LOG.md)
+MIN_ROWS_PER_SM = 1
 SMS = {"count": 132}  # the GPU's SM count, set eagerly by `set_sm_count` (a compiled graph reads it as a constant)
 
 

@@ -3,7 +3,7 @@
 CPU, under TRITON_INTERPRET=1 (`tests/interpret.py`): against the fp64 oracle on odd shapes (group sizes 1-7, head
 dims that are not powers of 2, cache lengths across block and chunk edges), left-padding, sliding-window and no
 masks, one chunk and several (chunks with no visible slot included), strided cache views (a length bucket of a
-longer cache); the oracle itself against the matmul path it replaces. In fp32 only: Triton 3.6's interpreter
+longer cache), slots outside the mask's visible span never read (NaN there leaves the output finite); the oracle itself against the matmul path it replaces. In fp32 only: Triton 3.6's interpreter
 multiplies bf16 operands of `tl.dot` as their raw bits (a 16 x 16 bf16 dot is off by 1e10 there), so bf16 is
 checked on the GPU. "auto" picks the kernel only for bf16 weights on a CUDA GPU of compute capability 8.0+ with
 triton. Refusals: the kernel off CUDA, without triton, for fp32 weights, and off the static backend; an unknown
@@ -68,6 +68,26 @@ def _run_cases() -> dict:
         "head_dim_80_odd_length": case(2, 2, 2, 80, 65, "left_pad", 1),
         "auto_splits": case(1, 1, 6, 32, 300, "holes", None),
     }
+    def unseen(splits):
+        """Slots outside the visible span [150, 231) (a window's past; a static cache's unfilled tail) hold NaN: a
+        kernel that reads them, even to multiply them by a probability of 0, returns NaN. The blocks that hold the
+        span's ends are read (and masked), so only the slots outside those blocks are poisoned."""
+        g = torch.Generator().manual_seed(2)
+        B, KV, G, D, L = 2, 2, 4, 32, 300
+        q = torch.randn(B, KV, G, D, generator=g)
+        k, v = torch.randn(B, KV, L, D, generator=g), torch.randn(B, KV, L, D, generator=g)
+        pos = torch.arange(L)
+        mask = ((pos >= 150) & (pos < 231))[None, :].expand(B, L).clone()
+        ref = decode_attention_reference(q.double(), k.double(), v.double(), mask, D**-0.5)
+        for t in (k, v):
+            t[:, :, :128] = float("nan")  # before the block of slot 150 (blocks of 64)
+            t[:, :, 231:] = float("nan")  # the block of slot 230 loads nothing past it
+        got = decode_attention(q, k, v, mask, D**-0.5, splits=splits)
+        return {"rel": ((got.double() - ref).norm() / ref.norm()).item(), "dtype_ok": True, "shape_ok": True,
+                "finite": bool(torch.isfinite(got).all())}
+
+    res["unseen_slots_not_read_one_chunk"] = unseen(1)
+    res["unseen_slots_not_read_chunks"] = unseen(3)  # chunks [0, 128) and [256, 300) see nothing
     # the oracle is what the engine computed before: the matmul path with a [B, 1, 1, L] bool mask
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, 2, 3, 16, generator=g)
@@ -86,7 +106,8 @@ def cases() -> dict:
 
 
 FP32 = ["gqa6_left_pad_one_chunk", "gqa6_left_pad_chunks", "gqa7_head_dim_24_holes", "mha_g1_short",
-        "window_chunks", "head_dim_80_odd_length", "auto_splits"]
+        "window_chunks", "head_dim_80_odd_length", "auto_splits", "unseen_slots_not_read_one_chunk",
+        "unseen_slots_not_read_chunks"]
 
 
 @pytest.mark.parametrize("name", FP32)

@@ -12,7 +12,9 @@ Equivalent to (`decode_attention_reference`):
 
 One program reads one (row, KV head)'s cache once for all g query heads of the group, keeping an online softmax
 (running max and sum) in fp32 and never writing the [g, L] scores: the three kernels of the matmul path (q k^T,
-softmax, p v) become one. When B * kv programs would leave SMs idle, the cache length is split over more programs
+softmax, p v) become one. With a mask it reads only the visible span of the cache: it first scans the row's mask (one
+byte per slot, against 4 * d bytes of keys and values per KV head) for the first and last visible slot, so the
+unfilled end of a static cache (and what a sliding window hides) costs nothing, with no recompile as it fills. When B * kv programs would leave SMs idle, the cache length is split over more programs
 (`splits`), each writing its unnormalized partial output with its max and sum, and a second step combines them
 (torch ops over [B, kv, splits, g, d], which inductor fuses inside the compiled decode step).
 
@@ -36,7 +38,7 @@ def _decode_kernel(
     stride_mb,
     KV, G, L, D, chunk, scale,
     HAS_MASK: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_SCAN: tl.constexpr,
 ):
     bh = tl.program_id(0)  # b * KV + h
     s = tl.program_id(1)  # which chunk of the cache length
@@ -53,12 +55,24 @@ def _decode_kernel(
     end = tl.minimum(start + chunk, L)
     k_row = K + b * stride_kb + h * stride_kh
     v_row = V + b * stride_vb + h * stride_vh
-    for l0 in range(start, end, BLOCK_L):
+    if HAS_MASK:  # the visible span [lo, hi) of this chunk: slots outside it are never read (unfilled, windowed out)
+        lo = end
+        hi = start
+        for c0 in range(start, end, BLOCK_SCAN):
+            oc = c0 + tl.arange(0, BLOCK_SCAN)
+            seen = tl.load(M + b * stride_mb + oc, mask=oc < end, other=0) != 0
+            lo = tl.minimum(lo, tl.min(tl.where(seen, oc, end)))
+            hi = tl.maximum(hi, tl.max(tl.where(seen, oc + 1, start)))
+        lo = start + (lo - start) // BLOCK_L * BLOCK_L  # whole blocks from the chunk's start
+    else:
+        lo = start
+        hi = end
+    for l0 in range(lo, hi, BLOCK_L):
         ol = l0 + tl.arange(0, BLOCK_L)
-        valid = ol < end
+        valid = ol < hi
         if HAS_MASK:
-            valid = valid & (tl.load(M + b * stride_mb + ol, mask=ol < end, other=0) != 0)
-        ld = (ol[:, None] < end) & (od[None, :] < D)
+            valid = valid & (tl.load(M + b * stride_mb + ol, mask=ol < hi, other=0) != 0)
+        ld = (ol[:, None] < hi) & (od[None, :] < D)
         k = tl.load(k_row + ol[:, None] * stride_kl + od[None, :], mask=ld, other=0.0)  # [BLOCK_L, BLOCK_D]
         # [BLOCK_G, BLOCK_L] fp32; under torch.compile a scale not exact in fp32 arrives as fp64, hence the cast
         scores = (tl.dot(q, tl.trans(k)) * scale).to(tl.float32)
@@ -82,6 +96,7 @@ def _decode_kernel(
 
 
 BLOCK_L = 64
+BLOCK_SCAN = 512  # mask slots read per step of the scan for the visible span
 # programs per SM below which the cache length is split: 1, since splitting 256 programs on 132 SMs (the 1.5B shape at
 # 128 rows) made the decode step 1.06x slower than one program per SM on an H200 (bench/LOG.md)
 MIN_ROWS_PER_SM = 1
@@ -122,7 +137,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     args = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), m.stride(0) if mask is not None else 0,
             KV, G, L, D, chunk, scale)
-    meta = dict(HAS_MASK=mask is not None, SPLIT=splits > 1, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=BLOCK_L)
+    meta = dict(HAS_MASK=mask is not None, SPLIT=splits > 1, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=BLOCK_L,
+                BLOCK_SCAN=BLOCK_SCAN)
     if splits == 1:
         out = torch.empty((B, KV, G, D), dtype=q.dtype, device=q.device)
         unused = torch.empty(0, dtype=torch.float32, device=q.device)  # no max / sum without splits

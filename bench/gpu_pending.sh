@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The GPU runs that decide the features built and tested on CPU (bench/LOG.md: decode and two_gpu were run on two
-# H100s at 88ed670; decode_next is the next one). Each stage fits in about 10 minutes; results and logs go to
-# OUT_DIR.
+# H100s at 88ed670, decode_lb and e2e_lb on an H200 at db1535a; decode_next is superseded by decode_lb). Each stage
+# fits in about 10 minutes; results and logs go to OUT_DIR.
 #
 #   bash bench/gpu_pending.sh decode OUT_DIR QWEN2.5_TOKENIZER     # one GPU: rollout.decode_attention=triton
 #   bash bench/gpu_pending.sh two_gpu OUT_DIR QWEN2.5_TOKENIZER    # two GPUs: rollout.device, sync and async
 #   bash bench/gpu_pending.sh decode_next OUT_DIR QWEN2.5_TOKENIZER  # one GPU: the kernel's profile, length buckets
+#   bash bench/gpu_pending.sh decode_lb OUT_DIR QWEN2.5_TOKENIZER [ROWS]  # one GPU: the trainer's decode at T = 1,024
+#   bash bench/gpu_pending.sh e2e_lb OUT_DIR QWEN2.5_TOKENIZER     # one GPU: the step with and without length buckets
 #
 # decode: the kernel's GPU tests, then the decode step with and without it at 128 and 512 rows (prof_decode).
 # two_gpu: the rollout.device GPU test, then three bench_e2e runs of the same settings (T = 1,024, Liger,
@@ -14,6 +16,11 @@
 # decode_next: the decode step of the kernel's engine (the default for bf16 on CUDA) profiled at 128 and 512 rows,
 # attending over the whole cache and over 4 length buckets (rollout.length_buckets, not timed so far); at 128 rows
 # also without the split of the cache length.
+# decode_lb: the decode the trainer runs (fused projections, the kernel) at 1,024 new tokens, over the whole cache
+# and over 4 length buckets, at ROWS rows (128 and 512 by default; each row count fits one command at 128); at 128
+# rows also without the kernel's split of the cache length.
+# e2e_lb: the synchronous step of the two_gpu stage's settings on one GPU, with rollout.length_buckets=4 and 1 (the
+# default), then the decode kernel's GPU tests in the time left.
 set -euo pipefail
 stage="${1:?stage: decode, decode_next or two_gpu}"
 out="${2:?OUT_DIR}"
@@ -43,6 +50,27 @@ decode_next)
   # at 128 rows on 132 SMs the kernel splits the length by a hair (256 programs < 2 per SM): one per SM instead
   python bench/prof_decode.py --tokenizer "$tok" --out "$out" --rows 128 --new 512 --commit "$commit" \
     --baseline-attention triton --min-rows-per-sm 1 2>&1 | tee "$out/prof_decode_128_triton_rps1.log"
+  ;;
+decode_lb)
+  for rows in ${4:-128 512}; do
+    for lb in 1 4; do
+      python bench/prof_decode.py --tokenizer "$tok" --out "$out" --rows "$rows" --new 1024 --commit "$commit" \
+        --baseline-attention triton --fuse-baseline --length-buckets "$lb" 2>&1 | tee "$out/prof_decode_${rows}_lb${lb}.log"
+    done
+    if [ "$rows" = 128 ]; then
+      python bench/prof_decode.py --tokenizer "$tok" --out "$out" --rows 128 --new 1024 --commit "$commit" \
+        --baseline-attention triton --fuse-baseline --min-rows-per-sm 1 2>&1 | tee "$out/prof_decode_128_rps1.log"
+    fi
+  done
+  ;;
+e2e_lb)
+  common=(--tokenizer "$tok" --systems logitless --T 1024 --steps 4 --commit "$commit"
+          --set model.liger_kernels=true --set train.packed=true --set train.micro_batch_tokens=16384
+          --set model.compile_layers=true)
+  python bench/bench_e2e.py "${common[@]}" --out "$out/lb4" --set rollout.length_buckets=4 2>&1 | tee "$out/e2e_lb4.log"
+  python bench/bench_e2e.py "${common[@]}" --out "$out/lb1" 2>&1 | tee "$out/e2e_lb1.log"
+  timeout 100 python -m pytest -m gpu -q tests/test_triton_decode.py tests/test_rollout_gpu.py 2>&1 \
+    | tee "$out/gpu_tests_decode.log" || true
   ;;
 two_gpu)
   python -m pytest -m gpu -q tests/test_rollout_device.py 2>&1 | tee "$out/gpu_tests_rollout_device.log"

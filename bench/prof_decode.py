@@ -8,7 +8,9 @@ call at the same shapes, one timed call, one call under torch.profiler (CUDA ker
 `--compile-mode MODE` (e.g. max-autotune) also times the decode step compiled with that torch.compile mode in the
 same process, to compare (the engine's own is "reduce-overhead"). `--fuse-projections` also times a copy of the
 model with fused QKV and gate-up projections (`logitless/rollout/fused.py`), before the plain model.
-The timed and profiled engine decodes with `--baseline-attention` (default matmul, named since the engine's own
+Every timed engine also reports its share of the HBM ceiling (`trainer/accounting.py`, over the decode's own
+seconds). `--fuse-baseline` makes the timed and profiled engine decode a copy with fused projections, as the
+trainer's merged decode weights do. The timed and profiled engine decodes with `--baseline-attention` (default matmul, named since the engine's own
 default, auto, takes the Triton kernel for bf16 on CUDA); `--length-buckets N` sets rollout.length_buckets for every
 engine of the run, `--min-rows-per-sm N` the programs per SM below which the kernel splits the cache length. `--decode-attention triton` also times the plain model
 decoding with the flash-decoding kernel (`logitless/ops/triton_decode.py`) and the share of its sampled tokens that

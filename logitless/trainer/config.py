@@ -217,7 +217,8 @@ class RolloutConfig:
     fuse_projections: bool | None = None
     profile: bool = False  # log the seconds of each part of decoding (prefill, forward, sample); adds syncs
     # Decode attention reads only the filled part of the KV cache, rounded up to one of this many lengths
-    # (1 = the whole cache). Each length is one more compiled decode graph; 4 suits long completions.
+    # (1 = the whole cache). Each length is one more compiled decode graph; 4 suits long completions with
+    # decode_attention=matmul (the Triton kernel reads only the filled part by itself).
     length_buckets: int = 1
     # Drop rows that ended from the decode batch once at most half are left (each row count one more compiled
     # graph: B, B/2, ... down to 8 rows). Helps when completion lengths vary widely.

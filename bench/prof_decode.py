@@ -10,11 +10,12 @@ same process, to compare (the engine's own is "reduce-overhead"). `--fuse-projec
 model with fused QKV and gate-up projections (`logitless/rollout/fused.py`), before the plain model.
 Every timed engine also reports its share of the HBM ceiling (`trainer/accounting.py`, over the decode's own
 seconds). `--fuse-baseline` makes the timed and profiled engine decode a copy with fused projections, as the
-trainer's merged decode weights do. The timed and profiled engine decodes with `--baseline-attention` (default matmul, named since the engine's own
-default, auto, takes the Triton kernel for bf16 on CUDA); `--length-buckets N` sets rollout.length_buckets for every
-engine of the run, `--min-rows-per-sm N` the programs per SM below which the kernel splits the cache length. `--decode-attention triton` also times the plain model
-decoding with the flash-decoding kernel (`logitless/ops/triton_decode.py`) and the share of its sampled tokens that
-equal the baseline's (same seeds; bf16 rounding differs, so a few rows diverge).
+trainer's merged decode weights do. The timed and profiled engine decodes with `--baseline-attention` (default
+matmul, named since the engine's own default, auto, takes the Triton kernel for bf16 on CUDA); `--length-buckets N`
+sets rollout.length_buckets for every engine of the run, `--min-rows-per-sm N` the programs per SM below which the
+kernel splits the cache length. `--decode-attention triton` also times the plain model decoding with the
+flash-decoding kernel (`logitless/ops/triton_decode.py`) and the share of its sampled tokens that equal the
+baseline's (same seeds; bf16 rounding differs, so a few rows diverge).
 """
 
 from __future__ import annotations

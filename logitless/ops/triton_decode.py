@@ -12,11 +12,12 @@ Equivalent to (`decode_attention_reference`):
 
 One program reads one (row, KV head)'s cache once for all g query heads of the group, keeping an online softmax
 (running max and sum) in fp32 and never writing the [g, L] scores: the three kernels of the matmul path (q k^T,
-softmax, p v) become one. With a mask it reads only the visible span of the cache: it first scans the row's mask (one
-byte per slot, against 4 * d bytes of keys and values per KV head) for the first and last visible slot, so the
-unfilled end of a static cache (and what a sliding window hides) costs nothing, with no recompile as it fills. When B * kv programs would leave SMs idle, the cache length is split over more programs
-(`splits`), each writing its unnormalized partial output with its max and sum, and a second step combines them
-(torch ops over [B, kv, splits, g, d], which inductor fuses inside the compiled decode step).
+softmax, p v) become one. With a mask it reads only the visible span of the cache: it first scans the row's mask
+(one byte per slot, against 4 * d bytes of keys and values per KV head) for the first and last visible slot, so the
+unfilled end of a static cache (and what a sliding window hides) costs nothing, with no recompile as it fills.
+When B * kv programs would leave SMs idle, the cache length is split over more programs (`splits`), each writing
+its unnormalized partial output with its max and sum, and a second step combines them (torch ops over
+[B, kv, splits, g, d], which inductor fuses inside the compiled decode step).
 
 The scores are accumulated in fp32 from the bf16 inputs (not rounded to bf16 as the matmul path's q k^T is); the
 probabilities are rounded to v's dtype for the p v product, as flash attention does.

@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # The GPU runs that decide the features built and tested on CPU (bench/LOG.md: decode and two_gpu were run on two
-# H100s at 88ed670, decode_lb and e2e_lb on an H200 at db1535a; decode_next is superseded by decode_lb). Each stage
-# fits in about 10 minutes; results and logs go to OUT_DIR.
+# H100s at 88ed670, decode_lb and e2e_lb on an H200 at db1535a; decode_lb took the place of the decode_next stage
+# the LOG planned). Each stage fits in about 10 minutes; results and logs go to OUT_DIR.
 #
 #   bash bench/gpu_pending.sh decode OUT_DIR QWEN2.5_TOKENIZER     # one GPU: rollout.decode_attention=triton
 #   bash bench/gpu_pending.sh two_gpu OUT_DIR QWEN2.5_TOKENIZER    # two GPUs: rollout.device, sync and async
-#   bash bench/gpu_pending.sh decode_next OUT_DIR QWEN2.5_TOKENIZER  # one GPU: the kernel's profile, length buckets
 #   bash bench/gpu_pending.sh decode_lb OUT_DIR QWEN2.5_TOKENIZER [ROWS]  # one GPU: the trainer's decode at T = 1,024
 #   bash bench/gpu_pending.sh e2e_lb OUT_DIR QWEN2.5_TOKENIZER     # one GPU: the step with and without length buckets
 #   bash bench/gpu_pending.sh gen_parts OUT_DIR QWEN2.5_TOKENIZER  # one GPU: where the step's generate phase goes
@@ -14,16 +13,13 @@
 # two_gpu: the rollout.device GPU test, then three bench_e2e runs of the same settings (T = 1,024, Liger,
 # packed 16k-token micro-batches, compiled layers): everything on cuda:0; the rollout on cuda:1; the rollout on
 # cuda:1 with train.async_rollout. Issue 14's async bound is read against the first run's generate and update.
-# decode_next: the decode step of the kernel's engine (the default for bf16 on CUDA) profiled at 128 and 512 rows,
-# attending over the whole cache and over 4 length buckets (rollout.length_buckets, not timed so far); at 128 rows
-# also without the split of the cache length.
 # decode_lb: the decode the trainer runs (fused projections, the kernel) at 1,024 new tokens, over the whole cache
-# and over 4 length buckets, at ROWS rows (128 and 512 by default; each row count fits one command at 128); at 128
-# rows also without the kernel's split of the cache length.
+# and over 4 length buckets, at ROWS rows (128 and 512 by default; one row count per command fits its 10 minutes);
+# at 128 rows also with the kernel's length split below 2 programs per SM (the rule before db1535a), to compare.
 # e2e_lb: the synchronous step of the two_gpu stage's settings on one GPU, with rollout.length_buckets=4 and 1 (the
 # default), then the decode kernel's GPU tests in the time left.
 set -euo pipefail
-stage="${1:?stage: decode, decode_next, decode_lb, e2e_lb, gen_parts or two_gpu}"
+stage="${1:?stage: decode, decode_lb, e2e_lb, gen_parts or two_gpu}"
 out="${2:?OUT_DIR}"
 tok="${3:?folder of the Qwen2.5 tokenizer}"
 cd "$(dirname "$0")/.."
@@ -40,18 +36,6 @@ decode)
       --decode-attention triton 2>&1 | tee "$out/prof_decode_${rows}.log"
   done
   ;;
-decode_next)
-  # where the kernel's decode step goes, and what reading only the filled part of the cache saves
-  for rows in 128 512; do
-    for lb in 1 4; do
-      python bench/prof_decode.py --tokenizer "$tok" --out "$out" --rows "$rows" --new 512 --commit "$commit" \
-        --baseline-attention triton --length-buckets "$lb" 2>&1 | tee "$out/prof_decode_${rows}_triton_lb${lb}.log"
-    done
-  done
-  # at 128 rows on 132 SMs the kernel splits the length by a hair (256 programs < 2 per SM): one per SM instead
-  python bench/prof_decode.py --tokenizer "$tok" --out "$out" --rows 128 --new 512 --commit "$commit" \
-    --baseline-attention triton --min-rows-per-sm 1 2>&1 | tee "$out/prof_decode_128_triton_rps1.log"
-  ;;
 decode_lb)
   for rows in ${4:-128 512}; do
     for lb in 1 4; do
@@ -60,7 +44,7 @@ decode_lb)
     done
     if [ "$rows" = 128 ]; then
       python bench/prof_decode.py --tokenizer "$tok" --out "$out" --rows 128 --new 1024 --commit "$commit" \
-        --baseline-attention triton --fuse-baseline --min-rows-per-sm 1 2>&1 | tee "$out/prof_decode_128_rps1.log"
+        --baseline-attention triton --fuse-baseline --min-rows-per-sm 2 2>&1 | tee "$out/prof_decode_128_rps2.log"
     fi
   done
   ;;
@@ -93,7 +77,7 @@ two_gpu)
     --set objective.sampler_is_clip_max=2.0 2>&1 | tee "$out/e2e_rollout_gpu_async.log"
   ;;
 *)
-  echo "unknown stage $stage: use decode, decode_next, decode_lb, e2e_lb, gen_parts or two_gpu" >&2
+  echo "unknown stage $stage: use decode, decode_lb, e2e_lb, gen_parts or two_gpu" >&2
   exit 2
   ;;
 esac

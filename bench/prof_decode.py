@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_rollout import make_model, make_prompts  # noqa: E402
 from logitless.rollout import SamplingOptions, make_engine  # noqa: E402
+from logitless.trainer.accounting import ModelShape, decode_ideal_seconds, device_peaks  # noqa: E402
 
 
 def main() -> None:
@@ -71,8 +72,6 @@ def main() -> None:
     common = {"length_buckets": a.length_buckets}
     base = {"decode_attention": a.baseline_attention, **common}
 
-    from logitless.trainer.accounting import ModelShape, decode_ideal_seconds, device_peaks
-
     _, hbm = device_peaks(torch.device("cuda"))
 
     def timed(engine) -> dict:
@@ -104,13 +103,18 @@ def main() -> None:
                 return unwrap_model(module).get_compiled_call(cfg), "cudagraphs" not in a.compile_mode
         other = {"mode": a.compile_mode, **timed(Mode(model, tok, **common))}
         print(other, flush=True)
-    fused = None
-    if a.fuse_projections:
+    def fused_copy() -> tuple[torch.nn.Module, int]:
+        """A copy of the model with fused q/k/v and gate/up projections (as the trainer's decode weights), and
+        how many groups it fused."""
         from logitless.rollout.fused import fuse_projections
         from logitless.rollout.weights import fresh_copy
 
         copy_ = fresh_copy(model)
-        groups = len(fuse_projections(copy_))
+        return copy_, len(fuse_projections(copy_))
+
+    fused = None
+    if a.fuse_projections:
+        copy_, groups = fused_copy()
         fused = {"groups": groups, **timed(make_engine("static", copy_, tok, **base))}
         print({"fused_projections": fused}, flush=True)
         del copy_
@@ -123,11 +127,7 @@ def main() -> None:
         del alt
         print({"decode_attention": kernel}, flush=True)
     if a.fuse_baseline:
-        from logitless.rollout.fused import fuse_projections
-        from logitless.rollout.weights import fresh_copy
-
-        decoded = fresh_copy(model)
-        fuse_projections(decoded)
+        decoded, _ = fused_copy()
         del model
         torch.cuda.empty_cache()
     else:

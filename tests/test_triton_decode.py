@@ -83,8 +83,8 @@ def _run_cases() -> dict:
             t[:, :, :128] = float("nan")  # before the block of slot 150 (blocks of 64)
             t[:, :, 231:] = float("nan")  # the block of slot 230 loads nothing past it
         got = decode_attention(q, k, v, mask, D**-0.5, splits=splits)
-        return {"rel": ((got.double() - ref).norm() / ref.norm()).item(), "dtype_ok": True, "shape_ok": True,
-                "finite": bool(torch.isfinite(got).all())}
+        return {"rel": ((got.double() - ref).norm() / ref.norm()).item(), "dtype_ok": got.dtype == torch.float32,
+                "shape_ok": tuple(got.shape) == (B, KV, G, D), "finite": bool(torch.isfinite(got).all())}
 
     res["unseen_slots_not_read_one_chunk"] = unseen(1)
     res["unseen_slots_not_read_chunks"] = unseen(3)  # chunks [0, 128) and [256, 300) see nothing

@@ -166,11 +166,13 @@ def resolve_decode_attention(kernel: str, device: torch.device, dtype: torch.dty
     if kernel == "auto":
         fits = device.type == "cuda" and has_triton and dtype == torch.bfloat16 and capability >= (8, 0)
         return "triton" if fits else "matmul"
-    if kernel == "triton" and (device.type != "cuda" or not has_triton):
+    if kernel == "matmul":
+        return kernel
+    if device.type != "cuda" or not has_triton:
         raise ValueError(f"rollout.decode_attention=triton runs a Triton kernel on a CUDA GPU, but the rollout "
                          f"decodes on {device}{'' if device.type != 'cuda' else ' without the triton package'}; "
                          "set rollout.decode_attention=matmul (or auto)")
-    if kernel == "triton" and dtype not in (torch.bfloat16, torch.float16):
+    if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"rollout.decode_attention=triton computes scores with bf16/fp16 tensor-core dots, but the "
                          f"rollout decodes in {dtype}; set rollout.decode_attention=matmul (or auto), or load the "
                          "model in bf16 (model.dtype=bfloat16)")

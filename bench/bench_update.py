@@ -1,7 +1,8 @@
 """The update phase alone: forward + backward of one micro-batch through `completion_logprobs` (the trainer's
 call: fused op, entropy on), per way of running the model, with its MFU and what the GPU was busy with.
 
-Variants (the model is a random-init Qwen2.5-shaped model with the real tokenizer, bf16, gradient checkpointing):
+Variants (the model is a random-init Qwen2.5-shaped model with the real tokenizer, bf16, gradient checkpointing
+unless --no-checkpointing):
 * full            full fine-tuning, bf16 weights
 * lora_fp32       PEFT LoRA as PEFT sets it up: fp32 adapters, each LoRA layer casts its input to fp32 and adds
                   an fp32 [N, out] result to the bf16 base output (PEFT's default, autocast_adapter_dtype=True)
@@ -76,7 +77,7 @@ def batch(rows: int, prompt: int, completion: int, vocab: int, device: torch.dev
 def run_variant(name: str, spec: dict, a: argparse.Namespace, model_dir: Path) -> dict:
     packed = spec.get("packed", False)
     cfg = ModelConfig(
-        name_or_path=str(model_dir), lora=spec.get("lora", True), gradient_checkpointing=True,
+        name_or_path=str(model_dir), lora=spec.get("lora", True), gradient_checkpointing=a.checkpointing,
         liger_kernels=spec.get("liger_kernels", False), lora_compute=spec.get("lora_compute", "auto"),
         attn_implementation="logitless_varlen" if packed else None, compile_layers=spec.get("compiled", False),
     )
@@ -89,11 +90,25 @@ def run_variant(name: str, spec: dict, a: argparse.Namespace, model_dir: Path) -
     n = float(c_mask.sum())
     compute = LoraCompute(model, cfg)
 
+    # --hint: the trainer's on-policy default (DAPO, no entropy bonus): d loss / d logp is known before the
+    # forward, so the fused op forms its gradient there (2 GEMMs for the frozen head, no recompute)
+    def onp_loss(logp: torch.Tensor) -> torch.Tensor:
+        return -(logp * adv * c_mask).sum() / n
+
+    hint = None
+    if a.hint:  # by autograd through the loss itself, so the backward's gradient equals it bit for bit
+        z = torch.zeros(c_mask.shape, device=device, requires_grad=True)
+        hint = torch.autograd.grad(onp_loss(z), z)[0]
+
     def step() -> None:  # the trainer's attention backends (cuDNN's sdpa off unless model.cudnn_attention)
         with attention_backends(cfg), compute.stage():
             with compute.forward():
-                logp, ent = completion_logprobs(model, p_ids, p_mask, c_ids, c_mask, with_entropy=True, packed=packed)
-            loss = -(logp * adv).sum() / n - 1e-3 * (ent * c_mask).sum() / n
+                logp, ent = completion_logprobs(model, p_ids, p_mask, c_ids, c_mask, with_entropy=True, packed=packed,
+                                                grad_hint=hint)
+            if a.hint:
+                loss = onp_loss(logp)
+            else:
+                loss = -(logp * adv).sum() / n - 1e-3 * (ent * c_mask).sum() / n
             loss.backward()
 
     step()
@@ -111,7 +126,7 @@ def run_variant(name: str, spec: dict, a: argparse.Namespace, model_dir: Path) -
         times.append(start.elapsed_time(end))
         peaks.append((torch.cuda.max_memory_allocated() - before) / 2**30)
         model.zero_grad(set_to_none=True)
-    busy, top = profile(step) if a.profile else (None, None)
+    busy, top, groups = profile(step) if a.profile else (None, None, None)
     model.zero_grad(set_to_none=True)
     shape = ModelShape.of(model)
     flops = update_flops(shape, seq)
@@ -119,7 +134,7 @@ def run_variant(name: str, spec: dict, a: argparse.Namespace, model_dir: Path) -
     ms = statistics.median(times)
     out = {"median_ms": ms, "ms": times, "peak_gib": max(peaks), "tokens": sum(p + c for p, c in seq),
            "completion_tokens": int(n), "tflops": flops / 1e12, "mfu": flops / (ms / 1e3) / peak_flops,
-           "gpu_busy": busy, "top_kernels_ms": top,
+           "gpu_busy": busy, "top_kernels_ms": top, "kernel_groups_ms": groups,
            "dynamo": {"graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
                       "graph_breaks": int(sum(torch._dynamo.utils.counters["graph_break"].values()))}}
     model = None  # free it before the next variant loads
@@ -127,8 +142,19 @@ def run_variant(name: str, spec: dict, a: argparse.Namespace, model_dir: Path) -
     return out
 
 
-def profile(step) -> tuple[float, dict[str, float]]:
-    """(summed kernel time / wall time, the 12 kernels with most time in ms) of one call of `step`."""
+KERNEL_GROUPS = (  # (group, substrings of a kernel's name), first match wins
+    ("gemm", ("nvjet", "gemm", "cutlass", "splitKreduce")),
+    ("attention", ("flash", "fmha", "attention")),
+    ("logprob_op", ("block_stats_kernel", "combine_kernel", "grad_tile_kernel")),
+    ("triton_fused", ("triton_",)),
+    ("copy", ("copy", "cat")),
+    ("elementwise", ("elementwise", "reduce", "multi_tensor")),
+)
+
+
+def profile(step) -> tuple[float, dict[str, float], dict[str, list[float]]]:
+    """(summed kernel time / wall time, the 20 kernels with most time in ms, {group: [ms, calls]}) of one call of
+    `step`; groups by KERNEL_GROUPS (GEMMs, attention, the logprob op's passes, inductor's fused kernels, ...)."""
     from torch.profiler import ProfilerActivity, profile as prof
 
     torch.cuda.synchronize()
@@ -138,12 +164,18 @@ def profile(step) -> tuple[float, dict[str, float]]:
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     kernels: dict[str, float] = {}
+    groups: dict[str, list[float]] = {}
     for e in p.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kernels[e.name[:90]] = kernels.get(e.name[:90], 0.0) + e.device_time / 1e3
+            g = next((g for g, keys in KERNEL_GROUPS if any(k in e.name for k in keys)), "other")
+            acc = groups.setdefault(g, [0.0, 0])
+            acc[0] += e.device_time / 1e3
+            acc[1] += 1
     total = sum(kernels.values())
-    top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12])
-    return total / 1e3 / wall, top
+    top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:20])
+    groups["wall"] = [wall * 1e3, 0]
+    return total / 1e3 / wall, top, groups
 
 
 def main() -> None:
@@ -157,13 +189,18 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                    help="gradient checkpointing (the trainer's default); --no-checkpointing keeps the activations")
+    ap.add_argument("--hint", action="store_true",
+                    help="the trainer's on-policy loss (no entropy bonus) with the fused op's gradient hint")
     ap.add_argument("--commit", default=None)
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = make_model_dir(a.shape, a.tokenizer, Path("/tmp/bench_models"))
     res = {"info": {"device": torch.cuda.get_device_name(), **versions(), "commit": a.commit or commit()},
-           "shape": {"model": f"Qwen2.5-{a.shape} shape, random init, bf16, gradient checkpointing",
+           "shape": {"model": f"Qwen2.5-{a.shape} shape, random init, bf16",
+                     "gradient_checkpointing": a.checkpointing, "grad_hint": a.hint,
                      "rows": a.rows, "prompt": a.prompt, "completion": a.completion, "reps": a.reps},
            "variants": {}}
     for name in a.variants:
@@ -177,7 +214,7 @@ def main() -> None:
         print(f"{name:22s} {r.get('median_ms', float('nan')):8.1f} ms  peak {r.get('peak_gib', float('nan')):6.2f} "
               f"GiB  MFU {r.get('mfu', float('nan')):.3f}  busy {r.get('gpu_busy')}  ({time.perf_counter() - t0:.0f} s)",
               flush=True)
-        (out / f"update_{a.shape}.json").write_text(json.dumps(res, indent=1))
+        (out / f"update_{a.shape}{'' if a.checkpointing else '_nogc'}.json").write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@
 #   bash bench/gpu_pending.sh decode_lb OUT_DIR QWEN2.5_TOKENIZER [ROWS]  # one GPU: the trainer's decode at T = 1,024
 #   bash bench/gpu_pending.sh e2e_lb OUT_DIR QWEN2.5_TOKENIZER     # one GPU: the step with and without length buckets
 #   bash bench/gpu_pending.sh gen_parts OUT_DIR QWEN2.5_TOKENIZER  # one GPU: where the step's generate phase goes
+#   bash bench/gpu_pending.sh update_parts OUT_DIR QWEN2.5_TOKENIZER [ROWS]  # one GPU: where the update's time goes
 #
 # decode: the kernel's GPU tests, then the decode step with and without it at 128 and 512 rows (prof_decode).
 # two_gpu: the rollout.device GPU test, then three bench_e2e runs of the same settings (T = 1,024, Liger,
@@ -19,7 +20,7 @@
 # e2e_lb: the synchronous step of the two_gpu stage's settings on one GPU, with rollout.length_buckets=4 and 1 (the
 # default), then the decode kernel's GPU tests in the time left.
 set -euo pipefail
-stage="${1:?stage: decode, decode_lb, e2e_lb, gen_parts or two_gpu}"
+stage="${1:?stage: decode, decode_lb, e2e_lb, gen_parts, update_parts or two_gpu}"
 out="${2:?OUT_DIR}"
 tok="${3:?folder of the Qwen2.5 tokenizer}"
 cd "$(dirname "$0")/.."
@@ -64,6 +65,13 @@ gen_parts)
     --set model.liger_kernels=true --set train.packed=true --set train.micro_batch_tokens=16384 \
     --set model.compile_layers=true --set rollout.profile=true --out "$out/gen_parts" 2>&1 | tee "$out/e2e_gen_parts.log"
   ;;
+update_parts)
+  # one packed, compiled LoRA micro-batch of ROWS x 1,024 completion tokens (32 by default: the 32k-token
+  # micro-batch of the 39 % MFU runs), the trainer's on-policy loss with the gradient hint, no checkpointing;
+  # kernel time by group (GEMMs, attention, the logprob op, inductor's kernels) and the GPU's busy share
+  python bench/bench_update.py --tokenizer "$tok" --out "$out/update_parts" --rows "${4:-32}" --hint --no-checkpointing \
+    --variants lora_autocast+packed+compiled --commit "$commit" 2>&1 | tee "$out/update_parts.log"
+  ;;
 two_gpu)
   python -m pytest -m gpu -q tests/test_rollout_device.py 2>&1 | tee "$out/gpu_tests_rollout_device.log"
   common=(--tokenizer "$tok" --systems logitless --T 1024 --steps 5 --commit "$commit"
@@ -77,7 +85,7 @@ two_gpu)
     --set objective.sampler_is_clip_max=2.0 2>&1 | tee "$out/e2e_rollout_gpu_async.log"
   ;;
 *)
-  echo "unknown stage $stage: use decode, decode_lb, e2e_lb, gen_parts or two_gpu" >&2
+  echo "unknown stage $stage: use decode, decode_lb, e2e_lb, gen_parts, update_parts or two_gpu" >&2
   exit 2
   ;;
 esac

@@ -9,6 +9,7 @@
 #   bash bench/gpu_pending.sh e2e_lb OUT_DIR QWEN2.5_TOKENIZER     # one GPU: the step with and without length buckets
 #   bash bench/gpu_pending.sh gen_parts OUT_DIR QWEN2.5_TOKENIZER  # one GPU: where the step's generate phase goes
 #   bash bench/gpu_pending.sh update_parts OUT_DIR QWEN2.5_TOKENIZER [ROWS]  # one GPU: where the update's time goes
+#   bash bench/gpu_pending.sh sampler OUT_DIR QWEN2.5_TOKENIZER    # one GPU: the Triton token draw, tested and timed
 #
 # decode: the kernel's GPU tests, then the decode step with and without it at 128 and 512 rows (prof_decode).
 # two_gpu: the rollout.device GPU test, then three bench_e2e runs of the same settings (T = 1,024, Liger,
@@ -20,7 +21,7 @@
 # e2e_lb: the synchronous step of the two_gpu stage's settings on one GPU, with rollout.length_buckets=4 and 1 (the
 # default), then the decode kernel's GPU tests in the time left.
 set -euo pipefail
-stage="${1:?stage: decode, decode_lb, e2e_lb, gen_parts, update_parts or two_gpu}"
+stage="${1:?stage: decode, decode_lb, e2e_lb, gen_parts, update_parts, sampler or two_gpu}"
 out="${2:?OUT_DIR}"
 tok="${3:?folder of the Qwen2.5 tokenizer}"
 cd "$(dirname "$0")/.."
@@ -72,6 +73,20 @@ update_parts)
   python bench/bench_update.py --tokenizer "$tok" --out "$out/update_parts" --rows "${4:-32}" --hint --no-checkpointing \
     --variants lora_autocast+packed+compiled --commit "$commit" 2>&1 | tee "$out/update_parts.log"
   ;;
+sampler)
+  # rollout.sampler_kernel: the GPU tests of the draw, then the trainer's decode at T = 1,024 (128 and 512 rows)
+  # with the Triton draw (profiled) and the compiled torch draw (timed in the same process), then the step
+  timeout 150 python -m pytest -m gpu -q tests/test_triton_sampling.py tests/test_fused_sampler.py \
+    tests/test_rollout_gpu.py tests/test_sampling_stats.py 2>&1 | tee "$out/gpu_tests_sampler.log" || true
+  for rows in 128 512; do
+    python bench/prof_decode.py --tokenizer "$tok" --out "$out" --rows "$rows" --new 1024 --commit "$commit" \
+      --baseline-attention triton --fuse-baseline --baseline-sampler triton --sampler torch \
+      2>&1 | tee "$out/prof_decode_${rows}_sampler.log"
+  done
+  python bench/bench_e2e.py --tokenizer "$tok" --systems logitless --T 1024 --steps 3 --commit "$commit" \
+    --set model.liger_kernels=true --set train.packed=true --set train.micro_batch_tokens=16384 \
+    --set model.compile_layers=true --out "$out/e2e_sampler" 2>&1 | tee "$out/e2e_sampler.log"
+  ;;
 two_gpu)
   python -m pytest -m gpu -q tests/test_rollout_device.py 2>&1 | tee "$out/gpu_tests_rollout_device.log"
   common=(--tokenizer "$tok" --systems logitless --T 1024 --steps 5 --commit "$commit"
@@ -85,7 +100,7 @@ two_gpu)
     --set objective.sampler_is_clip_max=2.0 2>&1 | tee "$out/e2e_rollout_gpu_async.log"
   ;;
 *)
-  echo "unknown stage $stage: use decode, decode_lb, e2e_lb, gen_parts, update_parts or two_gpu" >&2
+  echo "unknown stage $stage: use decode, decode_lb, e2e_lb, gen_parts, update_parts, sampler or two_gpu" >&2
   exit 2
   ;;
 esac

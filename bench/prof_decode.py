@@ -13,7 +13,10 @@ seconds). `--fuse-baseline` makes the timed and profiled engine decode a copy wi
 trainer's merged decode weights do. The timed and profiled engine decodes with `--baseline-attention` (default
 matmul, named since the engine's own default, auto, takes the Triton kernel for bf16 on CUDA); `--length-buckets N`
 sets rollout.length_buckets for every engine of the run, `--min-rows-per-sm N` the programs per SM below which the
-kernel splits the cache length. `--decode-attention triton` also times the plain model decoding with the
+kernel splits the cache length. `--baseline-sampler` sets the timed engine's rollout.sampler_kernel (default torch, the
+sampler of the runs before the Triton one; the engine's own default, auto, takes triton on CUDA); `--sampler KIND`
+also times the same model with that sampler and the share of tokens equal to the baseline's.
+`--decode-attention triton` also times the plain model decoding with the
 flash-decoding kernel (`logitless/ops/triton_decode.py`) and the share of its sampled tokens that equal the
 baseline's (same seeds; bf16 rounding differs, so a few rows diverge).
 """
@@ -54,6 +57,11 @@ def main() -> None:
     ap.add_argument("--fuse-baseline", action="store_true",
                     help="the timed and profiled engine decodes a copy with fused projections, as the trainer's "
                          "merged decode weights do (rollout.fuse_projections, on by default)")
+    ap.add_argument("--baseline-sampler", default="torch", choices=["torch", "triton"],
+                    help="rollout.sampler_kernel of the timed and profiled engine (its default is auto)")
+    ap.add_argument("--sampler", default=None, choices=["torch", "triton"],
+                    help="also time the timed engine's model with this rollout.sampler_kernel, and the share of "
+                         "its tokens equal to the baseline's")
     ap.add_argument("--min-rows-per-sm", type=int, default=None,
                     help="the decode kernel's MIN_ROWS_PER_SM (ops/triton_decode.py), below which it splits the cache")
     a = ap.parse_args()
@@ -70,7 +78,7 @@ def main() -> None:
 
         triton_decode.MIN_ROWS_PER_SM = a.min_rows_per_sm
     common = {"length_buckets": a.length_buckets}
-    base = {"decode_attention": a.baseline_attention, **common}
+    base = {"decode_attention": a.baseline_attention, "sampler_kernel": a.baseline_sampler, **common}
 
     _, hbm = device_peaks(torch.device("cuda"))
 
@@ -138,6 +146,14 @@ def main() -> None:
     print({"baseline": baseline}, flush=True)
     if kernel is not None:
         kernel["same_tokens"] = float((eng.generate(prompts, opts).completion_ids == alt_ids).float().mean())
+    sampler = None
+    if a.sampler:
+        alt = make_engine("static", decoded, tok, **{**base, "sampler_kernel": a.sampler})
+        sampler = {"kernel": a.sampler, **timed(alt)}
+        sampler["same_tokens"] = float((alt.generate(prompts, opts).completion_ids ==
+                                        eng.generate(prompts, opts).completion_ids).float().mean())
+        del alt
+        print({"sampler": sampler}, flush=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         eng.generate(prompts, opts)
@@ -153,7 +169,7 @@ def main() -> None:
         "workload": f"static engine, Qwen2.5-1.5B shape random init bf16, {a.rows // 8} prompts x G=8 = {a.rows} rows, "
                     f"{a.new} new tokens, EOS ignored, temperature 1, after a warm-up call at the same shapes",
         "rows": a.rows, "new": a.new, "baseline_attention": a.baseline_attention, "length_buckets": a.length_buckets,
-        "min_rows_per_sm": a.min_rows_per_sm,
+        "min_rows_per_sm": a.min_rows_per_sm, "baseline_sampler": a.baseline_sampler, "sampler": sampler,
         "fuse_baseline": a.fuse_baseline, "baseline": baseline,
         "plain_s": plain_s, "tok_s": a.rows * a.new / plain_s,
         "ms_per_step": plain_s / a.new * 1e3, "other_compile_mode": other, "fused_projections": fused, "decode_attention": kernel,
@@ -168,6 +184,7 @@ def main() -> None:
     tag = "" if default else f"_{a.baseline_attention}_lb{a.length_buckets}"
     tag += f"_rps{a.min_rows_per_sm}" if a.min_rows_per_sm is not None else ""
     tag += "_fused" if a.fuse_baseline else ""
+    tag += f"_{a.baseline_sampler}_sampler" if a.baseline_sampler != "torch" else ""
     (out / f"decode_profile_{a.rows}x{a.new}{tag}.json").write_text(json.dumps(res, indent=1))
     print({k: v for k, v in res.items() if not k.startswith("top")})
 

@@ -142,7 +142,9 @@ def test_static_engine_settings_and_their_checks():
     assert b.timing.parts == {}  # profile is off unless asked for
     opts = SamplingOptions(num_generations=1, max_new_tokens=2, seed=0, ignore_eos=True)
     parts = StaticEngine(model, TOK, profile=True).generate(["ab"], opts).timing.parts
-    assert set(parts) == {"prefill", "sample", "forward", "host_checks"} and all(v >= 0 for v in parts.values())
+    around = {"prepare", "weights_sync", "weights_release", "batch"}  # the call's work outside the decode
+    assert set(parts) == {"prefill", "sample", "forward", "host_checks"} | around
+    assert all(v >= 0 for v in parts.values())
     StaticEngine(model, TOK, check_every=1, cache_multiple=1, length_buckets=1)  # the smallest valid values
     for kw in ({"check_every": 0}, {"cache_multiple": 0}):
         with pytest.raises(ValueError) as info:

@@ -16,8 +16,13 @@ Fused sampling pass
 `sample_tokens` computes, in one pass over the [B, V] logits, log_softmax(logits / T) at the sampled token and
 the token itself: argmax(filtered scores + Gumbel) is an exact draw from softmax(filtered scores) (the
 Gumbel-max trick; the same as the exponential race argmax p / Exp(1)). On CUDA it is compiled by torch.compile
-into a few fused kernels instead of a dozen [B, V] passes. Top-k / top-p / min-p and repetition penalty are
-transformers' own processors, applied to the temperature-scaled logits before the race when they are on.
+into a few fused kernels instead of a dozen [B, V] passes, the logits' upcast to fp32 included. Top-k / top-p /
+min-p and repetition penalty are transformers' own processors, applied to the temperature-scaled logits before the
+race when they are on.
+
+`step_sampler` picks how an unfiltered step draws: "torch" (`sample_tokens`, compiled on CUDA) or "triton"
+(`ops.triton_sampling.sample_step`: the same draw, bit for bit in tokens, as two kernels that read the logits
+once in their own dtype and fold the step into the row keys themselves, with no dynamo call per step).
 """
 
 from __future__ import annotations
@@ -94,8 +99,8 @@ def gumbel(keys: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
 
 
 def sample_tokens(
-    logits: torch.Tensor,  # [B, V] fp32 raw logits
-    scores: torch.Tensor | None,  # [B, V] filtered logits / T to draw from, or None: logits / T
+    logits: torch.Tensor,  # [B, V] raw logits (any float dtype; computed in fp32)
+    scores: torch.Tensor | None,  # [B, V] fp32 filtered logits / T to draw from, or None: logits / T
     keys: torch.Tensor,  # [B] int64 step keys (`step_keys`)
     codes: torch.Tensor,  # [V] int64 (`vocab_codes`)
     temperature: float,  # of the recorded logprobs
@@ -103,6 +108,7 @@ def sample_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token [B], logp [B]) with logp = log_softmax(logits / T)[token] and token drawn from softmax(scores)
     (argmax for greedy) by the Gumbel-max trick with the rows' own noise."""
+    logits = logits.float()  # (a no-op for fp32; fused into the compiled pass for bf16)
     scaled = logits / temperature if temperature != 1.0 else logits
     lse = torch.logsumexp(scaled, dim=-1)  # [B]
     draw = scaled if scores is None else scores
@@ -123,6 +129,44 @@ def fused_sampler(device: torch.device, compile: bool) -> Callable:
         # shape) variants than dynamo's recompile limit (8) then runs the extra ones eagerly instead of failing.
         _compiled[True] = torch.compile(sample_tokens)
     return _compiled[True]
+
+
+SAMPLER_KERNELS = ("torch", "triton")
+StepSampler = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, float, bool], tuple[torch.Tensor, torch.Tensor]]
+
+
+def resolve_sampler_kernel(kernel: str, device: torch.device, has_triton: bool) -> str:
+    """How the static engine draws an unfiltered token. "auto": "triton" on a CUDA GPU with triton installed
+    (measured faster, bench/LOG.md), else "torch". "triton" asked for explicitly is refused off CUDA and without
+    triton; any other name is refused."""
+    if kernel not in ("auto", *SAMPLER_KERNELS):
+        raise ValueError(f"rollout.sampler_kernel={kernel!r}: use one of {('auto', *SAMPLER_KERNELS)}")
+    if kernel == "auto":
+        return "triton" if device.type == "cuda" and has_triton else "torch"
+    if kernel == "triton" and (device.type != "cuda" or not has_triton):
+        raise ValueError(f"rollout.sampler_kernel=triton runs Triton kernels on a CUDA GPU, but the rollout decodes "
+                         f"on {device}{'' if device.type != 'cuda' else ' without the triton package'}; set "
+                         "rollout.sampler_kernel=torch (or auto)")
+    return kernel
+
+
+def step_sampler(device: torch.device, kernel: str, compile: bool) -> StepSampler:
+    """draw(logits [B, V], keys [B] row keys, step, codes [V], T, greedy) -> (token [B], logp [B]) of an unfiltered
+    decode step: `sample_tokens` at `step_keys(keys, step)` ("torch"; compiled on CUDA when `compile`), or the
+    Triton kernels computing the same ("triton", CUDA)."""
+    if kernel == "triton":
+        from logitless.ops.triton_sampling import sample_step
+
+        def triton_draw(logits, keys, step, codes, temperature, greedy):
+            return sample_step(logits, keys, mix32_int(step + _GOLDEN), temperature, greedy)
+
+        return triton_draw
+    fn = fused_sampler(device, compile)
+
+    def torch_draw(logits, keys, step, codes, temperature, greedy):
+        return fn(logits, None, step_keys(keys, step), codes, temperature, greedy)
+
+    return torch_draw
 
 
 def apply_filters(filters: list[LogitsProcessor], history: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor | None:

@@ -12,10 +12,10 @@
   With "sdpa" attention, decode attention runs without expanding the KV cache to all query heads
   (`attention.gqa_decode_attention`). With `length_buckets` > 1 attention reads only the filled part of the
   cache rounded up to a bucket; with `compact_finished` ended rows leave the decode batch.
-- Sampling (`sampling.py`): one fused pass (compiled on CUDA) computes log_softmax(logits / T) of the drawn
-  token and draws it by the Gumbel-max trick from each row's own counter-based random stream keyed by (seed,
-  prompt index, sample index, step), so the samples do not depend on the wave split, compaction or batch size
-  (exactly on CPU). Repetition penalty, top-k, top-p and min-p are transformers' processors; finished rows emit
+- Sampling (`sampling.py`): one fused pass (two Triton kernels on CUDA, `rollout.sampler_kernel`; torch,
+  compiled on CUDA, otherwise) computes log_softmax(logits / T) of the drawn token and draws it by the
+  Gumbel-max trick from each row's own counter-based random stream keyed by (seed, prompt index, sample index,
+  step), so the samples do not depend on the wave split, compaction or batch size (exactly on CPU). Repetition penalty, top-k, top-p and min-p are transformers' processors; finished rows emit
   the pad id. Stop strings are checked on the host every `check_every` steps, which is also when the loop exits
   early once every row is done.
 - Weights come from a `WeightSource` (`weights.py`), synced at the start of every call and released at its end:
@@ -60,7 +60,8 @@ from .kv_cache import (
     wave_rows,
 )
 from .layouts import check_layout
-from .sampling import apply_filters, fused_sampler, row_keys, step_keys, vocab_codes
+from .sampling import (apply_filters, resolve_sampler_kernel, row_keys, sample_tokens, step_keys, step_sampler,
+                       vocab_codes)
 from .types import Prompt, RolloutBatch, SamplingOptions
 from .weights import LiveWeights, WeightSource
 
@@ -95,7 +96,7 @@ class _Rows:
     next_pos: torch.Tensor  # [b, 1] position of the next token
     done: torch.Tensor  # [b] bool
     keys: torch.Tensor  # [b] random-stream keys
-    logits: torch.Tensor  # [b, V] fp32 logits of the next token
+    logits: torch.Tensor  # [b, V] logits of the next token (the model's dtype; fp32 after the prefill)
     visible: int  # cache slots attention reads (a length bucket)
 
     @staticmethod
@@ -192,6 +193,7 @@ class StaticEngine:
     one more compiled graph per row count; 1 = the whole cache). compact_finished: when at most half of a wave's
     rows are unfinished at a host check, decode on with fewer rows (`_Rows.compacted`; each row count is one more
     compiled graph). decode_attention: "auto", "matmul" or "triton" (`resolve_decode_attention`).
+    sampler_kernel: how an unfiltered token is drawn, "auto", "torch" or "triton" (`sampling.resolve_sampler_kernel`).
     """
 
     def __init__(
@@ -208,6 +210,7 @@ class StaticEngine:
         length_buckets: int = 1,
         compact_finished: bool = False,
         decode_attention: str = "auto",
+        sampler_kernel: str = "auto",
     ):
         if check_every < 1 or cache_multiple < 1:
             raise ValueError(
@@ -225,6 +228,7 @@ class StaticEngine:
         has_triton = importlib.util.find_spec("triton") is not None
         capability = torch.cuda.get_device_capability(where) if where.type == "cuda" else (0, 0)
         decode_attention = resolve_decode_attention(decode_attention, where, dtype, has_triton, capability)
+        sampler_kernel = resolve_sampler_kernel(sampler_kernel, where, has_triton)
         self.model = model
         self.tokenizer = tokenizer
         self.compile = compile
@@ -235,6 +239,7 @@ class StaticEngine:
         self.length_buckets = length_buckets
         self.compact_finished = compact_finished
         self.decode_attention = decode_attention
+        self.sampler_kernel = sampler_kernel
         self.auto_sync = True  # sync the weights at the start of each generate (off: the caller syncs)
         self._max_len = 0
         self._last_parts: dict[str, float] = {}
@@ -269,7 +274,9 @@ class StaticEngine:
 
     def generate(self, prompts: Sequence[Prompt], options: SamplingOptions) -> RolloutBatch:
         module = self.weights.module
+        t_call = time.perf_counter()
         prep = prepare_prompts(module, self.tokenizer, prompts, options)
+        outside = {"prepare": time.perf_counter() - t_call}  # with profile: the parts around the decode
         G, (n, P), S = options.num_generations, prep.ids.shape, options.max_new_tokens
         B, device = n * G, prep.device
         seed = options.seed if options.seed is not None else int(torch.randint(0, 2**62, ()).item())
@@ -284,7 +291,9 @@ class StaticEngine:
         here = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with here, generation_mode(module), gqa_decode(unwrap_model(module).config, self.decode_attention, device):
             if self.auto_sync:
+                t0 = time.perf_counter()
                 self.weights.sync()
+                self._tick("weights_sync", t0, device, outside)
             try:
                 sync(device)
                 tg = time.perf_counter()
@@ -303,9 +312,13 @@ class StaticEngine:
                 del call
             finally:
                 if self.auto_sync:
+                    t0 = time.perf_counter()
                     self.weights.release()  # a sleeping weight copy frees its memory until the next sync
+                    self._tick("weights_release", t0, device, outside)
+        t0 = time.perf_counter()
         batch = build_batch(self.tokenizer, prep, completion, logps, lens, gen_s)
-        batch.timing.parts = dict(self._last_parts) if self.profile else {}
+        outside["batch"] = time.perf_counter() - t0  # EOS and stop strings, detokenization (host only)
+        batch.timing.parts = {**self._last_parts, **outside} if self.profile else {}
         return batch
 
     def _prefill(self, module: Any, prep: PreparedPrompts, options: SamplingOptions, P: int, S: int) -> _Call:
@@ -323,13 +336,15 @@ class StaticEngine:
         self._tick("prefill", t0, prep.device)
         return call
 
-    def _tick(self, part: str, t0: float, device: torch.device) -> float:
-        """With profile=True: synchronize and add the seconds since t0 to `part`; returns the new start time."""
+    def _tick(self, part: str, t0: float, device: torch.device, parts: dict[str, float] | None = None) -> float:
+        """With profile=True: synchronize and add the seconds since t0 to `part` (of the decode's parts, or of
+        `parts`); returns the new start time."""
         if not self.profile:
             return t0
         sync(device)
         now = time.perf_counter()
-        self._last_parts[part] = self._last_parts.get(part, 0.0) + now - t0
+        parts = self._last_parts if parts is None else parts
+        parts[part] = parts.get(part, 0.0) + now - t0
         return now
 
     def _decode_wave(
@@ -349,16 +364,21 @@ class StaticEngine:
         out_logp = torch.zeros((Bw, S), dtype=torch.float32, device=device)
         live = _Rows.start(call, src, call.keys[rows], L)
         forward, compiled = self._forward(module, device, Bw)
-        # With top-k/top-p/min-p or a repetition penalty the draw runs eagerly: the compiled pass failed the
-        # chi-square test of tests/test_sampling_stats.py on CUDA with filters on (and passed without them).
-        sampler = fused_sampler(device, self._use_compile(device) and not call.filters)
-        steps, T = 0, options.logp_temperature
+        # With top-k/top-p/min-p or a repetition penalty the draw runs eagerly in torch: the compiled pass failed
+        # the chi-square test of tests/test_sampling_stats.py on CUDA with filters on (and passed without them).
+        # The logits stay in the model's dtype (the draw upcasts them as it reads them; the forward's output
+        # buffer is read before the next step's replay overwrites it).
+        draw = step_sampler(device, self.sampler_kernel, self._use_compile(device))  # unfiltered draws
+        steps, T, greedy = 0, options.logp_temperature, options.temperature == 0
         buckets = length_buckets(P, L, self.length_buckets, self.cache_multiple)
         t0 = self._tick("prefill", t0, device)  # the copy into this wave's cache
         for t in range(S):
-            hist = history.index_select(0, live.index)[:, : P + t] if call.filters else None
-            scores = apply_filters(call.filters, hist, live.logits / T) if call.filters else None
-            token, logp = sampler(live.logits, scores, step_keys(live.keys, t), call.codes, T, options.temperature == 0)
+            if call.filters:  # eager: the compiled pass failed the chi-square test with filters on (see above)
+                hist = history.index_select(0, live.index)[:, : P + t]
+                scores = apply_filters(call.filters, hist, live.logits.float() / T)
+                token, logp = sample_tokens(live.logits, scores, step_keys(live.keys, t), call.codes, T, greedy)
+            else:
+                token, logp = draw(live.logits, live.keys, t, call.codes, T, greedy)
             token = torch.where(live.done, prep.pad_id, token)
             history[live.index, P + t] = token
             out_logp[live.index, t] = logp
@@ -378,7 +398,7 @@ class StaticEngine:
             if compiled:
                 torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs were consumed
             live.logits = forward(input_ids=token[:, None], attention_mask=live.visible_mask(), position_ids=live.next_pos,
-                                  past_key_values=live.cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+                                  past_key_values=live.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
             live.next_pos = live.next_pos + 1
             t0 = self._tick("forward", t0, device)
         return history[:w, P : P + steps], out_logp[:w, :steps], steps

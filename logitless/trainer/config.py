@@ -215,7 +215,9 @@ class RolloutConfig:
     # needs decode weights the rollout lays out: a merged-LoRA copy or in-place merge, or a replica (torchrun,
     # train.fsdp_offload). None: wherever they are; false: never; true: as None, and an error where they are not.
     fuse_projections: bool | None = None
-    profile: bool = False  # log the seconds of each part of decoding (prefill, forward, sample); adds syncs
+    # log the seconds of each part of a rollout (prefill, forward, sample, host checks; around them the prompts'
+    # preparation, the weights' sync and release, the batch's detokenization); adds syncs
+    profile: bool = False
     # Decode attention reads only the filled part of the KV cache, rounded up to one of this many lengths
     # (1 = the whole cache). Each length is one more compiled decode graph; 4 suits long completions with
     # decode_attention=matmul (the Triton kernel reads only the filled part by itself).
@@ -228,6 +230,11 @@ class RolloutConfig:
     # bf16/fp16) or "auto" (triton for bf16 weights on a CUDA GPU of compute capability 8.0+ with triton installed,
     # else matmul).
     decode_attention: Literal["auto", "matmul", "triton"] = "auto"
+    # How the static engine draws a token without top-k/top-p/min-p/repetition penalty: "torch" (one pass over the
+    # fp32 logits, compiled on CUDA), "triton" (two kernels reading the logits once in the model's dtype; the same
+    # tokens; CUDA) or "auto" (triton on a CUDA GPU with triton installed, else torch). With those filters on, the
+    # draw is torch's whatever this says.
+    sampler_kernel: Literal["auto", "torch", "triton"] = "auto"
     # Backend "static" only. The device the rollout decodes on, e.g. "cuda:1" (one process): a replica of the policy
     # (merged for LoRA) lives there, synced from the trainer before every rollout, so the KV cache and the decode's
     # weights never take the training GPU's memory, and with train.async_rollout the decode and the update run on
@@ -250,7 +257,8 @@ class RolloutConfig:
                        "weight_copy": self.weight_copy is not None, "fuse_projections": self.fuse_projections is True,
                        "profile": self.profile, "length_buckets": self.length_buckets != 1,
                        "compact_finished": self.compact_finished, "device": self.device is not None,
-                       "decode_attention": self.decode_attention == "triton"}
+                       "decode_attention": self.decode_attention == "triton",
+                       "sampler_kernel": self.sampler_kernel == "triton"}
         for name, used in static_only.items():
             if used and self.backend != "static":
                 raise ValueError(

@@ -142,7 +142,8 @@ def test_static_engine_settings_and_their_checks():
     assert b.timing.parts == {}  # profile is off unless asked for
     opts = SamplingOptions(num_generations=1, max_new_tokens=2, seed=0, ignore_eos=True)
     parts = StaticEngine(model, TOK, profile=True).generate(["ab"], opts).timing.parts
-    around = {"prepare", "weights_sync", "weights_release", "batch"}  # the call's work outside the decode
+    # the call's work outside the decode
+    around = {"prepare", "weights_sync", "weights_release", "release_gc", "release_cache", "batch"}
     assert set(parts) == {"prefill", "sample", "forward", "host_checks"} | around
     assert all(v >= 0 for v in parts.values())
     StaticEngine(model, TOK, check_every=1, cache_multiple=1, length_buckets=1)  # the smallest valid values
@@ -236,3 +237,29 @@ def test_sampling_options_refuse_each_bad_field_by_its_text(field, value, error,
 ])
 def test_sampling_options_accept_each_field_at_its_edge(field, value):
     dataclasses.replace(SamplingOptions(), **{field: value}).validate()
+
+
+def test_a_rollout_runs_a_full_gc_only_when_a_kv_cache_outlives_it(monkeypatch):
+    """The release after a static rollout calls gc.collect() (a good part of a second with compiled graphs) only
+    when one of the call's KV caches is still alive once its locals are gone, i.e. held by a reference cycle."""
+    import logitless.rollout.engine as engine_mod
+    from logitless.rollout import kv_cache, static
+    from logitless.rollout.static import StaticEngine
+    from logitless.rollout.types import SamplingOptions
+
+    calls = []
+    monkeypatch.setattr(engine_mod.gc, "collect", lambda *a: calls.append(a) or 0)
+    model = make_model("llama")
+    opts = SamplingOptions(num_generations=2, max_new_tokens=3, seed=0, ignore_eos=True)
+    parts = StaticEngine(model, TOK, profile=True).generate(["ab", "b"], opts).timing.parts
+    assert calls == [] and parts["release_gc"] >= 0  # no cycle holds the caches: nothing to collect
+    cyclic = kv_cache.decode_cache
+
+    def decode_cache_in_a_cycle(*args, **kwargs):
+        cache = cyclic(*args, **kwargs)
+        cache.myself = cache  # a reference cycle: only a collection frees it
+        return cache
+
+    monkeypatch.setattr(static, "decode_cache", decode_cache_in_a_cycle)
+    StaticEngine(model, TOK).generate(["ab", "b"], opts)
+    assert len(calls) == 1

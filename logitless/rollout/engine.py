@@ -8,7 +8,7 @@ import gc
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -143,9 +143,15 @@ def warn_greedy_duplicates(options: SamplingOptions) -> None:
 
 
 @contextlib.contextmanager
-def generation_mode(model: Any) -> Iterator[None]:
+def generation_mode(model: Any, parts: dict[str, float] | None = None,
+                    held: Callable[[], bool] | None = None) -> Iterator[None]:
     """Eval mode, no grad, gradient checkpointing off, KV cache on; everything restored afterwards and freed
-    memory handed back to the CUDA allocator so training does not pay for generation state."""
+    memory handed back to the CUDA allocator so training does not pay for generation state.
+
+    The release runs a full garbage collection (a reference cycle may hold the KV cache), unless `held` says that
+    nothing the engine allocated is still alive: a full collection of a process holding compiled graphs takes a
+    good part of a second (bench/LOG.md). parts: where to add the seconds of the release ("release_gc",
+    "release_cache"), for a profile."""
     was_training = model.training
     gc_modules = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
     base = unwrap_model(model)
@@ -165,9 +171,15 @@ def generation_mode(model: Any) -> Iterator[None]:
         if cfg is not None and use_cache is not None:
             cfg.use_cache = use_cache
         model.train(was_training)
-        gc.collect()
+        t0 = time.perf_counter()
+        if held is None or held():
+            gc.collect()
+        t1 = time.perf_counter()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        if parts is not None:
+            parts["release_gc"] = parts.get("release_gc", 0.0) + t1 - t0
+            parts["release_cache"] = parts.get("release_cache", 0.0) + time.perf_counter() - t1
 
 
 @contextlib.contextmanager

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -243,6 +244,7 @@ class StaticEngine:
         self.auto_sync = True  # sync the weights at the start of each generate (off: the caller syncs)
         self._max_len = 0
         self._last_parts: dict[str, float] = {}
+        self._caches: list[weakref.ref] = []
 
     def _use_compile(self, device: torch.device) -> bool:
         return device.type == "cuda" if self.compile is None else bool(self.compile)
@@ -289,7 +291,9 @@ class StaticEngine:
         # the decode's GPU is the current one for the call: an eagerly launched Triton kernel runs on the current
         # device, which on another thread or with rollout.device is not the model's
         here = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-        with here, generation_mode(module), gqa_decode(unwrap_model(module).config, self.decode_attention, device):
+        self._caches: list[weakref.ref] = []  # every KV cache of the call: a full gc only if one outlives it
+        held = lambda: any(ref() is not None for ref in self._caches)  # noqa: E731
+        with here, generation_mode(module, outside if self.profile else None, held), gqa_decode(unwrap_model(module).config, self.decode_attention, device):
             if self.auto_sync:
                 t0 = time.perf_counter()
                 self.weights.sync()
@@ -326,6 +330,7 @@ class StaticEngine:
         t0 = time.perf_counter()
         pos = (prep.mask.cumsum(1) - 1).clamp(min=0)
         pre_cache = prefill_cache()
+        self._caches.append(weakref.ref(pre_cache))
         out = module(input_ids=prep.ids, attention_mask=prep.mask, position_ids=pos, past_key_values=pre_cache,
                      use_cache=True, logits_to_keep=1)
         first = out.logits[:, -1].float()  # [n, V]
@@ -363,6 +368,7 @@ class StaticEngine:
         history[:, :P] = prep.ids[src]
         out_logp = torch.zeros((Bw, S), dtype=torch.float32, device=device)
         live = _Rows.start(call, src, call.keys[rows], L)
+        self._caches.append(weakref.ref(live.cache))
         forward, compiled = self._forward(module, device, Bw)
         # With top-k/top-p/min-p or a repetition penalty the draw runs eagerly in torch: the compiled pass failed
         # the chi-square test of tests/test_sampling_stats.py on CUDA with filters on (and passed without them).
@@ -393,6 +399,7 @@ class StaticEngine:
                     break
                 if self.compact_finished:
                     live, token = live.compacted(token)
+                    self._caches.append(weakref.ref(live.cache))
             t0 = self._tick("host_checks", t0, device)
             live.show(next(b for b in buckets if b > P + t))  # this step writes slot P + t
             if compiled:

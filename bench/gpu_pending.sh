@@ -30,6 +30,9 @@ commit="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 export PYTHONUNBUFFERED=1
 # the GPU tests find the tokenizers through LOGITLESS_SHARED (tests/conftest.py) when TOKENIZER is .../tokenizers/NAME
 export LOGITLESS_SHARED="${LOGITLESS_SHARED:-$(cd "$(dirname "$tok")/.." && pwd)}"
+# the GRPO step every bench_e2e stage times: T = 1,024, Liger, packed 16k-token micro-batches, compiled layers
+step=(--tokenizer "$tok" --systems logitless --T 1024 --commit "$commit" --set model.liger_kernels=true
+      --set train.packed=true --set train.micro_batch_tokens=16384 --set model.compile_layers=true)
 case "$stage" in
 decode)
   python -m pytest -m gpu -q tests/test_triton_decode.py tests/test_rollout_gpu.py 2>&1 | tee "$out/gpu_tests_decode.log"
@@ -51,20 +54,18 @@ decode_lb)
   done
   ;;
 e2e_lb)
-  common=(--tokenizer "$tok" --systems logitless --T 1024 --steps 4 --commit "$commit"
-          --set model.liger_kernels=true --set train.packed=true --set train.micro_batch_tokens=16384
-          --set model.compile_layers=true)
-  python bench/bench_e2e.py "${common[@]}" --out "$out/lb4" --set rollout.length_buckets=4 2>&1 | tee "$out/e2e_lb4.log"
-  python bench/bench_e2e.py "${common[@]}" --out "$out/lb1" 2>&1 | tee "$out/e2e_lb1.log"
+  python bench/bench_e2e.py "${step[@]}" --steps 4 --out "$out/lb4" --set rollout.length_buckets=4 2>&1 \
+    | tee "$out/e2e_lb4.log"
+  python bench/bench_e2e.py "${step[@]}" --steps 4 --out "$out/lb1" 2>&1 | tee "$out/e2e_lb1.log"
   timeout 100 python -m pytest -m gpu -q tests/test_triton_decode.py tests/test_rollout_gpu.py 2>&1 \
     | tee "$out/gpu_tests_decode.log" || true
   ;;
 gen_parts)
-  # the step's generate phase is ~0.65 s longer than the decode call alone (LOG, 93bdc2f): rollout.profile=true
-  # splits the engine's call into prefill, forward, sample and host checks (with a sync around each part)
-  python bench/bench_e2e.py --tokenizer "$tok" --systems logitless --T 1024 --steps 3 --commit "$commit" \
-    --set model.liger_kernels=true --set train.packed=true --set train.micro_batch_tokens=16384 \
-    --set model.compile_layers=true --set rollout.profile=true --out "$out/gen_parts" 2>&1 | tee "$out/e2e_gen_parts.log"
+  # rollout.profile=true splits the engine's call into its parts (prefill, forward, sample, host checks, and around
+  # them the prompts, the weights' sync and release, the release of the generation state, the batch), with a sync
+  # around each; their sum against the generate phase shows what lies outside the engine's call
+  python bench/bench_e2e.py "${step[@]}" --steps 3 --set rollout.profile=true --out "$out/gen_parts" 2>&1 \
+    | tee "$out/e2e_gen_parts.log"
   ;;
 update_parts)
   # one packed, compiled LoRA micro-batch of ROWS x 1,024 completion tokens (32 by default: the 32k-token
@@ -83,15 +84,11 @@ sampler)
       --baseline-attention triton --fuse-baseline --baseline-sampler triton --sampler torch \
       2>&1 | tee "$out/prof_decode_${rows}_sampler.log"
   done
-  python bench/bench_e2e.py --tokenizer "$tok" --systems logitless --T 1024 --steps 3 --commit "$commit" \
-    --set model.liger_kernels=true --set train.packed=true --set train.micro_batch_tokens=16384 \
-    --set model.compile_layers=true --out "$out/e2e_sampler" 2>&1 | tee "$out/e2e_sampler.log"
+  python bench/bench_e2e.py "${step[@]}" --steps 3 --out "$out/e2e_sampler" 2>&1 | tee "$out/e2e_sampler.log"
   ;;
 two_gpu)
   python -m pytest -m gpu -q tests/test_rollout_device.py 2>&1 | tee "$out/gpu_tests_rollout_device.log"
-  common=(--tokenizer "$tok" --systems logitless --T 1024 --steps 5 --commit "$commit"
-          --set model.liger_kernels=true --set train.packed=true --set train.micro_batch_tokens=16384
-          --set model.compile_layers=true)
+  common=("${step[@]}" --steps 5)
   python bench/bench_e2e.py "${common[@]}" --out "$out/one_gpu" 2>&1 | tee "$out/e2e_one_gpu.log"
   python bench/bench_e2e.py "${common[@]}" --out "$out/rollout_gpu" --set rollout.device=cuda:1 \
     2>&1 | tee "$out/e2e_rollout_gpu.log"

@@ -29,17 +29,17 @@ def _run_cases() -> dict:
     """Executed inside the TRITON_INTERPRET=1 subprocess; returns {case: metrics}."""
     patch_interpreter()
     from logitless.ops.triton_sampling import sample_step, sample_step_reference
-    from logitless.rollout.sampling import _GOLDEN, mix32_int, row_keys, sample_tokens, step_keys, vocab_codes
+    from logitless.rollout.sampling import row_keys, sample_tokens, step_keys, step_salt, vocab_codes
 
     def case(B, V, T, greedy, dtype, *, block, strided=False, step=3, seed=0):
         g = torch.Generator().manual_seed(seed)
         wide = (torch.randn(B, 2, V, generator=g) * 4).to(dtype)
         logits = wide[:, 1] if strided else wide[:, 1].contiguous()  # strided: rows 2 V apart
         keys = row_keys(seed, torch.arange(B) // 2, torch.arange(B) % 2)
-        token, logp = sample_step(logits, keys, mix32_int(step + _GOLDEN), T, greedy, block=block)
+        token, logp = sample_step(logits, keys, step_salt(step), T, greedy, block=block)
         torch_tok, torch_logp = sample_tokens(logits.float(), None, step_keys(keys, step), vocab_codes(V, "cpu"), T,
                                               greedy)
-        ref_tok, _ = sample_step_reference(logits, keys, mix32_int(step + _GOLDEN), T, greedy)
+        ref_tok, _ = sample_step_reference(logits, keys, step_salt(step), T, greedy)
         exact = torch.log_softmax(logits.double() / T, -1).gather(1, token[:, None])[:, 0]
         return {"same_tokens": torch.equal(token, torch_tok) and torch.equal(token, ref_tok),
                 "logp_err": float((logp.double() - exact).abs().max()),
@@ -156,7 +156,7 @@ def test_gpu_bf16_qwen_vocabulary_matches_the_compiled_torch_sampler():
     is computed by inductor's kernels, so a near-tie may round the other way: at most 1 in 1,000 differ) and
     logprobs within fp32 rounding."""
     from logitless.ops.triton_sampling import sample_step
-    from logitless.rollout.sampling import _GOLDEN, fused_sampler, mix32_int, row_keys, step_keys, vocab_codes
+    from logitless.rollout.sampling import fused_sampler, row_keys, step_keys, step_salt, vocab_codes
 
     dev = torch.device("cuda")
     B, V = 128, 151_936
@@ -166,7 +166,7 @@ def test_gpu_bf16_qwen_vocabulary_matches_the_compiled_torch_sampler():
     same, total, worst = 0, 0, 0.0
     for step, T in enumerate([1.0, 1.0, 0.7, 0.7, 1.0, 1.2, 1.0, 1.0]):
         logits = (torch.randn(B, V, device=dev, generator=g) * 3).to(torch.bfloat16)
-        tok, lp = sample_step(logits, keys, mix32_int(step + _GOLDEN), T, False)
+        tok, lp = sample_step(logits, keys, step_salt(step), T, False)
         ref_tok, ref_lp = torch_draw(logits, None, step_keys(keys, step), codes, T, False)
         same += int((tok == ref_tok).sum())
         total += B

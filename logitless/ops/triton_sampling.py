@@ -14,11 +14,11 @@ Equivalent to (`sample_step_reference`, the static engine's torch sampler in `lo
     token = argmax(z if greedy else z - log(-log(u)), -1)              # the first index of the maximum
     logp = z[token] - logsumexp(z, -1)
 
-with mix32 the lowbias32 integer hash. The draw is exact: the Gumbel-max trick picks token v with probability
-softmax(z)[v]. Each program reads one block of one row's vocabulary once, in the logits' own dtype (no fp32 copy
-of the logits), and writes that block's max, sum of exponentials, best score and its token; the second kernel
-combines a row's blocks. The block size depends on V only, so a row's result does not depend on the other rows of
-the batch (a wave-split rollout equals a single-wave one).
+with mix32 the lowbias32 integer hash (`ops/hash32.py`). The draw is exact: the Gumbel-max trick picks token v
+with probability softmax(z)[v]. Each program reads one block of one row's vocabulary once, in the logits' own dtype
+(no fp32 copy of the logits), and writes that block's max, sum of exponentials, best score and its token; the
+second kernel combines a row's blocks. The block size depends on V only, so a row's result does not depend on the
+other rows of the batch (a wave-split rollout equals a single-wave one).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from logitless.ops.hash32 import mix32
 
 BLOCK_V = 4096  # vocabulary entries per program
 NUM_WARPS = 8
@@ -124,19 +126,6 @@ def sample_step(logits: torch.Tensor, keys: torch.Tensor, salt: int, temperature
     return token, logp
 
 
-def _mix32_torch(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 of int64 tensors holding values in [0, 2**32), in int64 arithmetic (no product overflows)."""
-    m = 0xFFFFFFFF
-
-    def mul(x: torch.Tensor, c: int) -> torch.Tensor:
-        return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & m
-
-    x = x & m
-    x = mul(x ^ (x >> 16), 0x7FEB352D)
-    x = mul(x ^ (x >> 15), 0x846CA68B)
-    return x ^ (x >> 16)
-
-
 def sample_step_reference(logits: torch.Tensor, keys: torch.Tensor, salt: int, temperature: float,
                           greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The naive computation `sample_step` is equivalent to, in torch ([B, V] fp32 buffers)."""
@@ -144,9 +133,9 @@ def sample_step_reference(logits: torch.Tensor, keys: torch.Tensor, salt: int, t
     if greedy:
         token = z.argmax(-1)
     else:
-        k = _mix32_torch(keys.long() ^ (int(salt) & 0xFFFFFFFF))
-        codes = _mix32_torch(torch.arange(z.shape[-1], device=z.device, dtype=torch.long) * 2 + 1)
-        h = _mix32_torch(k[:, None] ^ codes[None, :])
+        k = mix32(keys.long() ^ (int(salt) & 0xFFFFFFFF))
+        codes = mix32(torch.arange(z.shape[-1], device=z.device, dtype=torch.long) * 2 + 1)
+        h = mix32(k[:, None] ^ codes[None, :])
         u = (((h >> 8).to(torch.float32) + 0.5) * (1.0 / 2**24)).clamp(max=1.0 - 2**-24)
         token = (z - torch.log(-torch.log(u))).argmax(-1)
     logp = z.gather(1, token[:, None]).squeeze(1) - torch.logsumexp(z, -1)

@@ -32,40 +32,22 @@ from typing import Callable
 import torch
 from transformers import LogitsProcessor
 
-MASK32 = 0xFFFFFFFF
+from logitless.ops.hash32 import MASK32, mix32, mix32_int
+from logitless.ops.hash32 import mul32 as _mul32  # noqa: F401  (tests check it here, beside mix32)
+
 _GOLDEN = 0x9E3779B9  # 2**32 / golden ratio: spreads consecutive counters
 
 
-def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
-    """(x * m) mod 2**32 for x in [0, 2**32) without int64 overflow: split m into 16-bit halves."""
-    lo, hi = m & 0xFFFF, m >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
-
-
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A bijective 32-bit integer hash (lowbias32) of int64 tensors holding values in [0, 2**32)."""
-    x = x & MASK32
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def mix32_int(x: int) -> int:
-    """`mix32` of one Python int, on the host: equal to mix32(torch.tensor(x)) for 0 <= x < 2**63."""
-    x &= MASK32
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & MASK32
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & MASK32
-    return x ^ (x >> 16)
+def step_salt(step: int) -> int:
+    """The host-side hash a row key is folded with at decode step `step`: step_keys(keys, step) equals
+    mix32(keys ^ step_salt(step)) (what the Triton draw computes in its kernel)."""
+    return mix32_int(step + _GOLDEN)
 
 
 def _fold(h: torch.Tensor, value: torch.Tensor | int) -> torch.Tensor:
     """Hash `value` into the running key `h` (order-dependent). An int value is hashed on the host: a device
     tensor made from it would be a host-to-device copy, which synchronizes the stream (once per decode step)."""
-    mixed = mix32_int(value + _GOLDEN) if isinstance(value, int) else mix32(value.long() + _GOLDEN)
+    mixed = step_salt(value) if isinstance(value, int) else mix32(value.long() + _GOLDEN)
     return mix32((h ^ mixed) & MASK32)
 
 
@@ -158,7 +140,7 @@ def step_sampler(device: torch.device, kernel: str, compile: bool) -> StepSample
         from logitless.ops.triton_sampling import sample_step
 
         def triton_draw(logits, keys, step, codes, temperature, greedy):
-            return sample_step(logits, keys, mix32_int(step + _GOLDEN), temperature, greedy)
+            return sample_step(logits, keys, step_salt(step), temperature, greedy)
 
         return triton_draw
     fn = fused_sampler(device, compile)

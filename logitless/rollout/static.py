@@ -15,9 +15,9 @@
 - Sampling (`sampling.py`): one fused pass (two Triton kernels on CUDA, `rollout.sampler_kernel`; torch,
   compiled on CUDA, otherwise) computes log_softmax(logits / T) of the drawn token and draws it by the
   Gumbel-max trick from each row's own counter-based random stream keyed by (seed, prompt index, sample index,
-  step), so the samples do not depend on the wave split, compaction or batch size (exactly on CPU). Repetition penalty, top-k, top-p and min-p are transformers' processors; finished rows emit
-  the pad id. Stop strings are checked on the host every `check_every` steps, which is also when the loop exits
-  early once every row is done.
+  step), so the samples do not depend on the wave split, compaction or batch size (exactly on CPU). Repetition
+  penalty, top-k, top-p and min-p are transformers' processors; finished rows emit the pad id. Stop strings are
+  checked on the host every `check_every` steps, which is also when the loop exits early once every row is done.
 - Weights come from a `WeightSource` (`weights.py`), synced at the start of every call and released at its end:
   the model itself, or a merged-LoRA inference copy that decodes at plain-model speed (and, sleeping, frees its
   memory between calls).
@@ -244,7 +244,11 @@ class StaticEngine:
         self.auto_sync = True  # sync the weights at the start of each generate (off: the caller syncs)
         self._max_len = 0
         self._last_parts: dict[str, float] = {}
-        self._caches: list[weakref.ref] = []
+        self._caches: list[weakref.ref] = []  # weak references to the KV caches of the call in progress
+
+    def _caches_alive(self) -> bool:
+        """Whether a KV cache of the last call is still alive (only a reference cycle keeps one once it returns)."""
+        return any(ref() is not None for ref in self._caches)
 
     def _use_compile(self, device: torch.device) -> bool:
         return device.type == "cuda" if self.compile is None else bool(self.compile)
@@ -291,9 +295,10 @@ class StaticEngine:
         # the decode's GPU is the current one for the call: an eagerly launched Triton kernel runs on the current
         # device, which on another thread or with rollout.device is not the model's
         here = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-        self._caches: list[weakref.ref] = []  # every KV cache of the call: a full gc only if one outlives it
-        held = lambda: any(ref() is not None for ref in self._caches)  # noqa: E731
-        with here, generation_mode(module, outside if self.profile else None, held), gqa_decode(unwrap_model(module).config, self.decode_attention, device):
+        self._caches = []  # every KV cache of the call: a full gc only if one outlives it
+        release_parts = outside if self.profile else None
+        with here, generation_mode(module, release_parts, self._caches_alive), \
+                gqa_decode(unwrap_model(module).config, self.decode_attention, device):
             if self.auto_sync:
                 t0 = time.perf_counter()
                 self.weights.sync()
@@ -404,8 +409,9 @@ class StaticEngine:
             live.show(next(b for b in buckets if b > P + t))  # this step writes slot P + t
             if compiled:
                 torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs were consumed
-            live.logits = forward(input_ids=token[:, None], attention_mask=live.visible_mask(), position_ids=live.next_pos,
-                                  past_key_values=live.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            live.logits = forward(input_ids=token[:, None], attention_mask=live.visible_mask(),
+                                  position_ids=live.next_pos, past_key_values=live.cache, use_cache=True,
+                                  logits_to_keep=1).logits[:, -1]
             live.next_pos = live.next_pos + 1
             t0 = self._tick("forward", t0, device)
         return history[:w, P : P + steps], out_logp[:w, :steps], steps

@@ -10,6 +10,8 @@
 #   bash bench/gpu_pending.sh gen_parts OUT_DIR QWEN2.5_TOKENIZER  # one GPU: where the step's generate phase goes
 #   bash bench/gpu_pending.sh update_parts OUT_DIR QWEN2.5_TOKENIZER [ROWS]  # one GPU: where the update's time goes
 #   bash bench/gpu_pending.sh sampler OUT_DIR QWEN2.5_TOKENIZER    # one GPU: the Triton token draw, tested and timed
+#   bash bench/gpu_pending.sh step_graph OUT_DIR QWEN2.5_TOKENIZER # one GPU: the decode step as one CUDA graph
+#   bash bench/gpu_pending.sh step_graph_e2e OUT_DIR QWEN2.5_TOKENIZER  # one GPU: the GRPO step with and without it
 #
 # decode: the kernel's GPU tests, then the decode step with and without it at 128 and 512 rows (prof_decode).
 # two_gpu: the rollout.device GPU test, then three bench_e2e runs of the same settings (T = 1,024, Liger,
@@ -21,7 +23,7 @@
 # e2e_lb: the synchronous step of the two_gpu stage's settings on one GPU, with rollout.length_buckets=4 and 1 (the
 # default), then the decode kernel's GPU tests in the time left.
 set -euo pipefail
-stage="${1:?stage: decode, decode_lb, e2e_lb, gen_parts, update_parts, sampler or two_gpu}"
+stage="${1:?stage: decode, decode_lb, e2e_lb, gen_parts, update_parts, sampler, step_graph, step_graph_e2e or two_gpu}"
 out="${2:?OUT_DIR}"
 tok="${3:?folder of the Qwen2.5 tokenizer}"
 cd "$(dirname "$0")/.."
@@ -86,6 +88,26 @@ sampler)
   done
   python bench/bench_e2e.py "${step[@]}" --steps 3 --out "$out/e2e_sampler" 2>&1 | tee "$out/e2e_sampler.log"
   ;;
+step_graph)
+  # rollout.step_graph: its GPU tests with the rollout's, then the trainer's decode at T = 1,024 and 128 rows with the
+  # step graph (profiled) and without it (timed in the same process), then the attention kernel's launch sweep
+  timeout 170 python -m pytest -m gpu -q tests/test_step_graph.py tests/test_triton_sampling.py \
+    tests/test_triton_decode.py tests/test_rollout_gpu.py 2>&1 | tee "$out/gpu_tests_step_graph.log" || true
+  timeout 200 python bench/prof_decode.py --tokenizer "$tok" --out "$out" --rows 128 --new 1024 --commit "$commit" \
+    --baseline-attention triton --fuse-baseline --baseline-sampler triton --baseline-step-graph on --step-graph off \
+    2>&1 | tee "$out/prof_decode_128_step_graph.log" || true
+  timeout 200 python bench/tune_decode_attention.py --out "$out" --commit "$commit" 2>&1 \
+    | tee "$out/tune_decode_attention.log" || true
+  ;;
+step_graph_e2e)
+  # the GRPO step (128 rows) with the step graph (auto: on) and without it, then the decode alone at 512 rows
+  python bench/bench_e2e.py "${step[@]}" --steps 4 --out "$out/e2e_graph" 2>&1 | tee "$out/e2e_graph.log"
+  python bench/bench_e2e.py "${step[@]}" --steps 4 --out "$out/e2e_nograph" --set rollout.step_graph=false 2>&1 \
+    | tee "$out/e2e_nograph.log"
+  timeout 200 python bench/prof_decode.py --tokenizer "$tok" --out "$out" --rows 512 --new 1024 --commit "$commit" \
+    --baseline-attention triton --fuse-baseline --baseline-sampler triton --baseline-step-graph on --step-graph off \
+    2>&1 | tee "$out/prof_decode_512_step_graph.log" || true
+  ;;
 two_gpu)
   python -m pytest -m gpu -q tests/test_rollout_device.py 2>&1 | tee "$out/gpu_tests_rollout_device.log"
   common=("${step[@]}" --steps 5)
@@ -97,7 +119,7 @@ two_gpu)
     --set objective.sampler_is_clip_max=2.0 2>&1 | tee "$out/e2e_rollout_gpu_async.log"
   ;;
 *)
-  echo "unknown stage $stage: use decode, decode_lb, e2e_lb, gen_parts, update_parts, sampler or two_gpu" >&2
+  echo "unknown stage $stage: use decode, decode_lb, e2e_lb, gen_parts, update_parts, sampler, step_graph, step_graph_e2e or two_gpu" >&2
   exit 2
   ;;
 esac

@@ -16,6 +16,9 @@ sets rollout.length_buckets for every engine of the run, `--min-rows-per-sm N` t
 kernel splits the cache length. `--baseline-sampler` sets the timed engine's rollout.sampler_kernel (default torch, the
 sampler of the runs before the Triton one; the engine's own default, auto, takes triton on CUDA); `--sampler KIND`
 also times the same model with that sampler and the share of tokens equal to the baseline's.
+`--baseline-step-graph on|off|auto` sets the timed engine's rollout.step_graph (default off, the decode of the runs
+before it; auto takes it on CUDA); `--step-graph on|off` also times the same model with that setting and the share
+of tokens equal to the baseline's.
 `--decode-attention triton` also times the plain model decoding with the
 flash-decoding kernel (`logitless/ops/triton_decode.py`) and the share of its sampled tokens that equal the
 baseline's (same seeds; bf16 rounding differs, so a few rows diverge).
@@ -62,6 +65,10 @@ def main() -> None:
     ap.add_argument("--sampler", default=None, choices=["torch", "triton"],
                     help="also time the timed engine's model with this rollout.sampler_kernel, and the share of "
                          "its tokens equal to the baseline's")
+    ap.add_argument("--baseline-step-graph", default="off", choices=["auto", "on", "off"],
+                    help="rollout.step_graph of the timed and profiled engine (its default is auto)")
+    ap.add_argument("--step-graph", default=None, choices=["on", "off"],
+                    help="also time the timed engine's model with this rollout.step_graph")
     ap.add_argument("--min-rows-per-sm", type=int, default=None,
                     help="the decode kernel's MIN_ROWS_PER_SM (ops/triton_decode.py), below which it splits the cache")
     a = ap.parse_args()
@@ -78,7 +85,9 @@ def main() -> None:
 
         triton_decode.MIN_ROWS_PER_SM = a.min_rows_per_sm
     common = {"length_buckets": a.length_buckets}
-    base = {"decode_attention": a.baseline_attention, "sampler_kernel": a.baseline_sampler, **common}
+    graph_flag = {"auto": None, "on": True, "off": False}
+    base = {"decode_attention": a.baseline_attention, "sampler_kernel": a.baseline_sampler,
+            "step_graph": graph_flag[a.baseline_step_graph], **common}
 
     _, hbm = device_peaks(torch.device("cuda"))
 
@@ -154,6 +163,14 @@ def main() -> None:
                                         eng.generate(prompts, opts).completion_ids).float().mean())
         del alt
         print({"sampler": sampler}, flush=True)
+    step_graph = None
+    if a.step_graph:
+        alt = make_engine("static", decoded, tok, **{**base, "step_graph": graph_flag[a.step_graph]})
+        step_graph = {"step_graph": a.step_graph, **timed(alt)}
+        step_graph["same_tokens"] = float((alt.generate(prompts, opts).completion_ids ==
+                                           eng.generate(prompts, opts).completion_ids).float().mean())
+        del alt
+        print({"step_graph": step_graph}, flush=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         eng.generate(prompts, opts)
@@ -170,6 +187,7 @@ def main() -> None:
                     f"{a.new} new tokens, EOS ignored, temperature 1, after a warm-up call at the same shapes",
         "rows": a.rows, "new": a.new, "baseline_attention": a.baseline_attention, "length_buckets": a.length_buckets,
         "min_rows_per_sm": a.min_rows_per_sm, "baseline_sampler": a.baseline_sampler, "sampler": sampler,
+        "baseline_step_graph": a.baseline_step_graph, "step_graph": step_graph,
         "fuse_baseline": a.fuse_baseline, "baseline": baseline,
         "plain_s": plain_s, "tok_s": a.rows * a.new / plain_s,
         "ms_per_step": plain_s / a.new * 1e3, "other_compile_mode": other, "fused_projections": fused, "decode_attention": kernel,
@@ -185,6 +203,7 @@ def main() -> None:
     tag += f"_rps{a.min_rows_per_sm}" if a.min_rows_per_sm is not None else ""
     tag += "_fused" if a.fuse_baseline else ""
     tag += f"_{a.baseline_sampler}_sampler" if a.baseline_sampler != "torch" else ""
+    tag += f"_graph_{a.baseline_step_graph}" if a.baseline_step_graph != "off" else ""
     (out / f"decode_profile_{a.rows}x{a.new}{tag}.json").write_text(json.dumps(res, indent=1))
     print({k: v for k, v in res.items() if not k.startswith("top")})
 

@@ -77,6 +77,16 @@ def _run_cases() -> dict:
     tb, lb = sample_step(logits, keys, 4, 0.9, False, block=256)
     ts, ls = sample_step(logits[[3, 1]], keys[[3, 1]], 4, 0.9, False, block=256)
     res["rows_independent"] = {"same": torch.equal(tb[[3, 1]], ts) and torch.equal(lb[[3, 1]], ls)}
+
+    # a step counter read on the device (a replayed CUDA graph's) draws what the host-hashed step draws, for
+    # steps past 2**32 - GOLDEN too (the kernel's uint32 sum wraps as counter_salt's masked one)
+    counted = {}
+    for step in (0, 7, 2**32 - 5):
+        th, lh = sample_step(logits, keys, step_salt(step), 0.9, False, block=256)
+        tc, lc = sample_step(logits, keys, torch.tensor(step), 0.9, False, block=256)
+        tt, _ = sample_tokens(logits, None, step_keys(keys, torch.tensor(step)), vocab_codes(777, "cpu"), 0.9, False)
+        counted[str(step)] = torch.equal(th, tc) and torch.equal(lh, lc) and torch.equal(tc, tt)
+    res["counter_salt"] = counted
     return res
 
 
@@ -113,6 +123,17 @@ def test_ties_go_to_the_first_index_as_torchs_argmax(cases):
 
 def test_a_rows_draw_does_not_depend_on_the_other_rows(cases):
     assert cases["rows_independent"]["same"]
+
+
+def test_a_device_step_counter_draws_the_host_hashed_steps_tokens(cases):
+    assert cases["counter_salt"] == {"0": True, "7": True, str(2**32 - 5): True}
+
+
+def test_a_tensor_salt_must_be_a_0d_int64_counter_on_the_logits_device():
+    from logitless.ops.triton_sampling import sample_step
+
+    with pytest.raises(ValueError, match=r"a tensor salt is a 0-d int64 counter on cpu, got \(1,\) torch.int32"):
+        sample_step(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), torch.zeros(1, dtype=torch.int32), 1.0, False)
 
 
 def test_off_cuda_the_kernel_is_refused_and_auto_is_torch():

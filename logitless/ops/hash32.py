@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 MASK32 = 0xFFFFFFFF
+GOLDEN = 0x9E3779B9  # 2**32 / golden ratio: spreads consecutive counters
 
 
 def mul32(x: torch.Tensor, m: int) -> torch.Tensor:
@@ -33,3 +34,9 @@ def mix32_int(x: int) -> int:
     x ^= x >> 15
     x = (x * 0x846CA68B) & MASK32
     return x ^ (x >> 16)
+
+
+def counter_salt(counter: int) -> int:
+    """The salt of a step counter: mix32((counter + GOLDEN) mod 2**32). The Triton draw computes the same from a
+    counter it reads on the device (`triton_sampling.sample_step` with a tensor salt)."""
+    return mix32_int(counter + GOLDEN)

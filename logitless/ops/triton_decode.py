@@ -97,6 +97,8 @@ def _decode_kernel(
 
 
 BLOCK_L = 64
+NUM_WARPS = 4
+NUM_STAGES = None  # None: Triton's default
 BLOCK_SCAN = 512  # mask slots read per step of the scan for the visible span
 # programs per SM below which the cache length is split: 1, since splitting 256 programs on 132 SMs (the 1.5B shape at
 # 128 rows) made the decode step 1.06x slower than one program per SM on an H200 (bench/LOG.md)
@@ -118,19 +120,22 @@ def num_splits(programs: int, length: int) -> int:
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                     splits: int | None = None) -> torch.Tensor:
+                     splits: int | None = None, block_l: int | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None) -> torch.Tensor:
     """Attention of one query token per row: q [B, kv, g, d], k/v [B, kv, L, d] (any strides, last dim
     contiguous), mask [B, L] (bool or 0/1; None: every slot) -> [B, kv, g, d] in q's dtype. splits: chunks of L
-    per (row, KV head) (None: `num_splits`)."""
+    per (row, KV head) (None: `num_splits`). block_l, num_warps, num_stages: the kernel's launch configuration
+    (None: BLOCK_L, NUM_WARPS, NUM_STAGES; bench/tune_decode_attention.py measures them)."""
     B, KV, G, D = q.shape
     L = k.shape[2]
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("decode_attention needs the head dimension contiguous in q, k and v")
     if mask is not None and mask.stride(-1) != 1:
         mask = mask.contiguous()
+    block_l = block_l or BLOCK_L
     splits = splits if splits is not None else num_splits(B * KV, L)
     chunk = -(-L // splits)
-    chunk = -(-chunk // BLOCK_L) * BLOCK_L  # whole blocks per chunk
+    chunk = -(-chunk // block_l) * block_l  # whole blocks per chunk
     splits = -(-L // chunk)
     block_g = max(16, triton.next_power_of_2(G))  # tl.dot needs 16 rows at least
     block_d = max(16, triton.next_power_of_2(D))
@@ -138,8 +143,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     args = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), m.stride(0) if mask is not None else 0,
             KV, G, L, D, chunk, scale)
-    meta = dict(HAS_MASK=mask is not None, SPLIT=splits > 1, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=BLOCK_L,
-                BLOCK_SCAN=BLOCK_SCAN)
+    meta = dict(HAS_MASK=mask is not None, SPLIT=splits > 1, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l,
+                BLOCK_SCAN=BLOCK_SCAN, num_warps=num_warps or NUM_WARPS)
+    if (num_stages or NUM_STAGES) is not None:
+        meta["num_stages"] = num_stages or NUM_STAGES
     if splits == 1:
         out = torch.empty((B, KV, G, D), dtype=q.dtype, device=q.device)
         unused = torch.empty(0, dtype=torch.float32, device=q.device)  # no max / sum without splits

@@ -3,7 +3,8 @@ Gumbel-max race and the gather in one read of the [B, V] logits.
 
     token, logp = sample_step(logits, keys, salt, temperature, greedy)
     # logits [B, V] bf16/fp16/fp32 (rows any stride, vocabulary contiguous), keys [B] int64 in [0, 2**32),
-    # salt an int in [0, 2**32) -> token [B] int64, logp [B] fp32
+    # salt an int in [0, 2**32), or a 0-d int64 device tensor holding a counter c, whose salt the kernel computes
+    # as counter_salt(c) = mix32((c + GOLDEN) mod 2**32) -> token [B] int64, logp [B] fp32
 
 Equivalent to (`sample_step_reference`, the static engine's torch sampler in `logitless.rollout.sampling`):
 
@@ -14,7 +15,8 @@ Equivalent to (`sample_step_reference`, the static engine's torch sampler in `lo
     token = argmax(z if greedy else z - log(-log(u)), -1)              # the first index of the maximum
     logp = z[token] - logsumexp(z, -1)
 
-with mix32 the lowbias32 integer hash (`ops/hash32.py`). The draw is exact: the Gumbel-max trick picks token v
+with mix32 the lowbias32 integer hash (`ops/hash32.py`). A counter read on the device lets a captured CUDA graph
+draw a new step at each replay without a host-to-device copy. The draw is exact: the Gumbel-max trick picks token v
 with probability softmax(z)[v]. Each program reads one block of one row's vocabulary once, in the logits' own dtype
 (no fp32 copy of the logits), and writes that block's max, sum of exponentials, best score and its token; the
 second kernel combines a row's blocks. The block size depends on V only, so a row's result does not depend on the
@@ -27,10 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-from logitless.ops.hash32 import mix32
+from logitless.ops.hash32 import GOLDEN, counter_salt, mix32
 
 BLOCK_V = 4096  # vocabulary entries per program
 NUM_WARPS = 8
+_GOLDEN = tl.constexpr(GOLDEN)  # a jitted kernel reads only constexpr globals
 
 
 @triton.jit
@@ -46,8 +49,9 @@ def _mix32(x):
 @triton.jit
 def _block_kernel(
     X, KEYS, PM, PS, PB, PZ, PI,  # logits; keys; per-block max, sum of exp, best score, z at best, best token
+    COUNTER,  # a 0-d int64 counter whose salt is drawn with (COUNTED), else unused
     stride_x, V, NB, salt, temperature,
-    SCALE: tl.constexpr, GREEDY: tl.constexpr, BLOCK: tl.constexpr,
+    SCALE: tl.constexpr, GREEDY: tl.constexpr, BLOCK: tl.constexpr, COUNTED: tl.constexpr,
 ):
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -62,6 +66,8 @@ def _block_kernel(
     if GREEDY:
         score = z
     else:
+        if COUNTED:  # counter_salt(c): the uint32 sum wraps modulo 2**32
+            salt = _mix32(tl.load(COUNTER).to(tl.uint32) + tl.full((), _GOLDEN, tl.uint32))
         key = _mix32(tl.load(KEYS + b).to(tl.uint32) ^ salt.to(tl.uint32))
         code = _mix32((cols * 2 + 1).to(tl.uint32))
         h = _mix32(code ^ key)
@@ -96,10 +102,15 @@ def _combine_kernel(PM, PS, PB, PZ, PI, TOKEN, LOGP, NB, BLOCK_NB: tl.constexpr)
     tl.store(LOGP + b, tl.load(PZ + b * NB + c) - lse)
 
 
-def sample_step(logits: torch.Tensor, keys: torch.Tensor, salt: int, temperature: float, greedy: bool,
-                block: int = BLOCK_V) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_step(logits: torch.Tensor, keys: torch.Tensor, salt: int | torch.Tensor, temperature: float,
+                greedy: bool, block: int = BLOCK_V) -> tuple[torch.Tensor, torch.Tensor]:
     """(token [B] int64, logp [B] fp32) of one decode step; see the module docstring. temperature > 0 (the
-    recorded logprobs' temperature; greedy draws the argmax whatever it is)."""
+    recorded logprobs' temperature; greedy draws the argmax whatever it is). salt: an int, or a 0-d int64 counter
+    on the logits' device (read when the kernel runs; its salt is `counter_salt`)."""
+    counted = torch.is_tensor(salt)
+    if counted and (salt.dim() != 0 or salt.dtype != torch.long or salt.device != logits.device):
+        raise ValueError(f"sample_step: a tensor salt is a 0-d int64 counter on {logits.device}, got "
+                         f"{tuple(salt.shape)} {salt.dtype} on {salt.device}")
     if logits.dim() != 2 or keys.shape != logits.shape[:1]:
         raise ValueError(f"sample_step needs logits [B, V] and keys [B], got {tuple(logits.shape)} and "
                          f"{tuple(keys.shape)}")
@@ -118,17 +129,19 @@ def sample_step(logits: torch.Tensor, keys: torch.Tensor, salt: int, temperature
     if B == 0:
         return token, logp
     _block_kernel[(B, nb)](logits, keys.contiguous(), part[0], part[1], part[2], part[3], idx,
-                           logits.stride(0), V, nb, int(salt) & 0xFFFFFFFF, float(temperature),
-                           SCALE=temperature != 1.0, GREEDY=bool(greedy), BLOCK=block,
+                           salt if counted else token, logits.stride(0), V, nb,
+                           0 if counted else int(salt) & 0xFFFFFFFF, float(temperature),
+                           SCALE=temperature != 1.0, GREEDY=bool(greedy), BLOCK=block, COUNTED=counted,
                            num_warps=NUM_WARPS if block >= 1024 else 4)
     _combine_kernel[(B,)](part[0], part[1], part[2], part[3], idx, token, logp, nb,
                           BLOCK_NB=max(2, triton.next_power_of_2(nb)))
     return token, logp
 
 
-def sample_step_reference(logits: torch.Tensor, keys: torch.Tensor, salt: int, temperature: float,
+def sample_step_reference(logits: torch.Tensor, keys: torch.Tensor, salt: int | torch.Tensor, temperature: float,
                           greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The naive computation `sample_step` is equivalent to, in torch ([B, V] fp32 buffers)."""
+    salt = counter_salt(int(salt)) if torch.is_tensor(salt) else salt
     z = logits.float() / temperature if temperature != 1.0 else logits.float()
     if greedy:
         token = z.argmax(-1)

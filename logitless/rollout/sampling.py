@@ -32,22 +32,21 @@ from typing import Callable
 import torch
 from transformers import LogitsProcessor
 
-from logitless.ops.hash32 import MASK32, mix32, mix32_int
+from logitless.ops.hash32 import GOLDEN, MASK32, counter_salt, mix32
 from logitless.ops.hash32 import mul32 as _mul32  # noqa: F401  (tests check it here, beside mix32)
-
-_GOLDEN = 0x9E3779B9  # 2**32 / golden ratio: spreads consecutive counters
 
 
 def step_salt(step: int) -> int:
     """The host-side hash a row key is folded with at decode step `step`: step_keys(keys, step) equals
     mix32(keys ^ step_salt(step)) (what the Triton draw computes in its kernel)."""
-    return mix32_int(step + _GOLDEN)
+    return counter_salt(step)
 
 
 def _fold(h: torch.Tensor, value: torch.Tensor | int) -> torch.Tensor:
     """Hash `value` into the running key `h` (order-dependent). An int value is hashed on the host: a device
-    tensor made from it would be a host-to-device copy, which synchronizes the stream (once per decode step)."""
-    mixed = step_salt(value) if isinstance(value, int) else mix32(value.long() + _GOLDEN)
+    tensor made from it would be a host-to-device copy, which synchronizes the stream (once per decode step). A
+    tensor value (a step counter on the device, as in a replayed CUDA graph) is hashed on the device, the same."""
+    mixed = step_salt(value) if isinstance(value, int) else mix32(value.long() + GOLDEN)
     return mix32((h ^ mixed) & MASK32)
 
 
@@ -59,8 +58,8 @@ def row_keys(seed: int, prompt_index: torch.Tensor, sample_index: torch.Tensor) 
     return _fold(_fold(h, prompt_index.long()), sample_index.long())
 
 
-def step_keys(keys: torch.Tensor, step: int) -> torch.Tensor:
-    """[B] keys of the rows' draws at decode step `step`."""
+def step_keys(keys: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
+    """[B] keys of the rows' draws at decode step `step` (an int, or a 0-d int64 tensor on the keys' device)."""
     return _fold(keys, step)
 
 
@@ -114,7 +113,8 @@ def fused_sampler(device: torch.device, compile: bool) -> Callable:
 
 
 SAMPLER_KERNELS = ("torch", "triton")
-StepSampler = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, float, bool], tuple[torch.Tensor, torch.Tensor]]
+StepSampler = Callable[[torch.Tensor, torch.Tensor, "int | torch.Tensor", torch.Tensor, float, bool],
+                       tuple[torch.Tensor, torch.Tensor]]
 
 
 def resolve_sampler_kernel(kernel: str, device: torch.device, has_triton: bool) -> str:
@@ -135,12 +135,13 @@ def resolve_sampler_kernel(kernel: str, device: torch.device, has_triton: bool) 
 def step_sampler(device: torch.device, kernel: str, compile: bool) -> StepSampler:
     """draw(logits [B, V], keys [B] row keys, step, codes [V], T, greedy) -> (token [B], logp [B]) of an unfiltered
     decode step: `sample_tokens` at `step_keys(keys, step)` ("torch"; compiled on CUDA when `compile`), or the
-    Triton kernels computing the same ("triton", CUDA)."""
+    Triton kernels computing the same ("triton", CUDA). step: an int, or a 0-d int64 device tensor (the draw then
+    reads it on the device, so a captured CUDA graph draws each replay's step)."""
     if kernel == "triton":
         from logitless.ops.triton_sampling import sample_step
 
         def triton_draw(logits, keys, step, codes, temperature, greedy):
-            return sample_step(logits, keys, step_salt(step), temperature, greedy)
+            return sample_step(logits, keys, step if torch.is_tensor(step) else step_salt(step), temperature, greedy)
 
         return triton_draw
     fn = fused_sampler(device, compile)

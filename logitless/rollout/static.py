@@ -7,8 +7,11 @@
   device memory free at the call, each row also counting SAMPLING_BUFFERS [V] fp32 buffers; no cap on CPU). Waves
   are equal-sized; on the compiled path a short last wave is padded, so every wave replays one graph. A budget
   too small for one row is refused, naming rollout.max_kv_gib and the smallest value that works.
-- Each decode step is the model's forward on [B, 1] tokens; on CUDA it is compiled with CUDA graphs
-  (`get_compiled_call`, mode "reduce-overhead"), so a step costs one graph replay instead of ~1000 launches.
+- Each decode step is the model's forward on [B, 1] tokens, then the token draw and the step's writes. On CUDA
+  the whole step is one CUDA graph (`step_graph.py`: the forward compiled without CUDA graphs, captured with the
+  draw once per wave, a counter on the device for the step), so a step costs one replay and almost no host time.
+  With top-k/top-p/min-p, a repetition penalty, length buckets or compaction (or `step_graph=False`) the forward
+  alone is compiled with CUDA graphs (`get_compiled_call`, mode "reduce-overhead") and the rest runs eagerly.
   With "sdpa" attention, decode attention runs without expanding the KV cache to all query heads
   (`attention.gqa_decode_attention`). With `length_buckets` > 1 attention reads only the filled part of the
   cache rounded up to a bucket; with `compact_finished` ended rows leave the decode batch.
@@ -63,6 +66,7 @@ from .kv_cache import (
 from .layouts import check_layout
 from .sampling import (apply_filters, resolve_sampler_kernel, row_keys, sample_tokens, step_keys, step_sampler,
                        vocab_codes)
+from .step_graph import DecodeStep
 from .types import Prompt, RolloutBatch, SamplingOptions
 from .weights import LiveWeights, WeightSource
 
@@ -195,6 +199,10 @@ class StaticEngine:
     rows are unfinished at a host check, decode on with fewer rows (`_Rows.compacted`; each row count is one more
     compiled graph). decode_attention: "auto", "matmul" or "triton" (`resolve_decode_attention`).
     sampler_kernel: how an unfiltered token is drawn, "auto", "torch" or "triton" (`sampling.resolve_sampler_kernel`).
+    step_graph: run each decode step (forward, draw, writes) as one CUDA graph (`step_graph.py`). None: on the
+    compiled CUDA path wherever it applies (no top-k/top-p/min-p/repetition penalty in the call, one length bucket,
+    no compaction); True: as None, refused where it does not apply (off CUDA the same step runs eagerly, not
+    captured); False: never (the forward alone is a CUDA graph).
     """
 
     def __init__(
@@ -212,6 +220,7 @@ class StaticEngine:
         compact_finished: bool = False,
         decode_attention: str = "auto",
         sampler_kernel: str = "auto",
+        step_graph: bool | None = None,
     ):
         if check_every < 1 or cache_multiple < 1:
             raise ValueError(
@@ -220,6 +229,12 @@ class StaticEngine:
         if not isinstance(length_buckets, int) or length_buckets < 1:
             raise ValueError(f"rollout.length_buckets={length_buckets!r} must be an int >= 1 (1 = attend over the "
                              "whole cache)")
+        if step_graph is True and (length_buckets != 1 or compact_finished):
+            set_ = ", ".join(n for n, on in (("rollout.length_buckets=1", length_buckets != 1),
+                                             ("rollout.compact_finished=false", compact_finished)) if on)
+            raise ValueError(f"rollout.step_graph=true captures one decode step for a whole wave, but "
+                             f"{'length buckets' if length_buckets != 1 else 'compaction'} change its shapes "
+                             f"between steps: set {set_}, or unset rollout.step_graph")
         if max_kv_gib is not None and not max_kv_gib > 0:
             raise ValueError(f"rollout.max_kv_gib={max_kv_gib!r} must be > 0 (GiB), or unset for the automatic budget")
         self.weights = weights if weights is not None else LiveWeights(model)
@@ -241,6 +256,8 @@ class StaticEngine:
         self.compact_finished = compact_finished
         self.decode_attention = decode_attention
         self.sampler_kernel = sampler_kernel
+        self.step_graph = step_graph
+        self._streams: dict[torch.device, Any] = {}  # the side stream the step graphs warm up and capture on
         self.auto_sync = True  # sync the weights at the start of each generate (off: the caller syncs)
         self._max_len = 0
         self._last_parts: dict[str, float] = {}
@@ -259,6 +276,28 @@ class StaticEngine:
             allow_recompiles(compiled_variants(rows, self.length_buckets, self.compact_finished))
             return base.get_compiled_call(CompileConfig(fullgraph=False, mode="reduce-overhead", dynamic=False)), True
         return base.__call__, False
+
+    def _graph_step(self, device: torch.device, filters: list) -> bool:
+        """Whether this call's waves decode through `DecodeStep` (see `step_graph` in the class docstring)."""
+        if self.step_graph is False:
+            return False
+        fits = not filters and self.length_buckets == 1 and not self.compact_finished
+        if self.step_graph is None:
+            return fits and device.type == "cuda" and self._use_compile(device)
+        if not fits:
+            raise ValueError("rollout.step_graph=true draws with the fused sampler, but this call samples with "
+                             "top-k/top-p/min-p or a repetition penalty (transformers' processors run eagerly): "
+                             "unset those sampling options, or unset rollout.step_graph")
+        return True
+
+    def _step_forward(self, module: Any, device: torch.device, rows: int):
+        """The forward a `DecodeStep` runs: compiled without CUDA graphs on the compiled path (the step graph
+        captures it), else the model itself."""
+        base = unwrap_model(module)
+        if self._use_compile(device):
+            allow_recompiles(compiled_variants(rows, self.length_buckets, self.compact_finished))
+            return base.get_compiled_call(CompileConfig(fullgraph=False, mode="default", dynamic=False))
+        return base.__call__
 
     def _cache_len(self, P: int, S: int, ctx: int | None) -> int:
         """Slots per row: P + S rounded up to cache_multiple, and never below an earlier call's (so calls with
@@ -374,7 +413,6 @@ class StaticEngine:
         out_logp = torch.zeros((Bw, S), dtype=torch.float32, device=device)
         live = _Rows.start(call, src, call.keys[rows], L)
         self._caches.append(weakref.ref(live.cache))
-        forward, compiled = self._forward(module, device, Bw)
         # With top-k/top-p/min-p or a repetition penalty the draw runs eagerly in torch: the compiled pass failed
         # the chi-square test of tests/test_sampling_stats.py on CUDA with filters on (and passed without them).
         # The logits stay in the model's dtype (the draw upcasts them as it reads them; the forward's output
@@ -383,6 +421,10 @@ class StaticEngine:
         steps, T, greedy = 0, options.logp_temperature, options.temperature == 0
         buckets = length_buckets(P, L, self.length_buckets, self.cache_multiple)
         t0 = self._tick("prefill", t0, device)  # the copy into this wave's cache
+        if self._graph_step(device, call.filters):
+            steps = self._graph_steps(module, call, live, history, out_logp, draw, t0)
+            return history[:w, P : P + steps], out_logp[:w, :steps], steps
+        forward, compiled = self._forward(module, device, Bw)
         for t in range(S):
             if call.filters:  # eager: the compiled pass failed the chi-square test with filters on (see above)
                 hist = history.index_select(0, live.index)[:, : P + t]
@@ -415,6 +457,41 @@ class StaticEngine:
             live.next_pos = live.next_pos + 1
             t0 = self._tick("forward", t0, device)
         return history[:w, P : P + steps], out_logp[:w, :steps], steps
+
+    def _graph_steps(self, module: Any, call: _Call, live: _Rows, history: torch.Tensor, out_logp: torch.Tensor,
+                     draw: Any, t0: float) -> int:
+        """The wave's decode through one `DecodeStep` (rows never compacted: row i is row i of the outputs);
+        returns the steps decoded. Step 0 is drawn from the prefill's fp32 logits, every later one by the step."""
+        prep, options, device = call.prep, call.options, call.prep.device
+        P, S, Bw = prep.ids.shape[1], options.max_new_tokens, len(live.index)
+        T, greedy = options.logp_temperature, options.temperature == 0
+        token, logp = draw(live.logits, live.keys, 0, call.codes, T, greedy)
+        token = torch.where(live.done, prep.pad_id, token)
+        history[:, P] = token
+        out_logp[:, 0] = logp
+        if call.eos.numel():
+            live.done.logical_or_(torch.isin(token, call.eos))
+        t0 = self._tick("sample", t0, device)
+        capture = device.type == "cuda"
+        if capture and device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        step = DecodeStep(self._step_forward(module, device, Bw), draw, live.cache, token=token, mask=live.mask,
+                          next_pos=live.next_pos, done=live.done, keys=live.keys, history=history,
+                          out_logp=out_logp, prompt_len=P, pad_id=prep.pad_id, eos=call.eos, codes=call.codes,
+                          temperature=T, greedy=greedy, stream=self._streams.get(device))
+        steps = 1
+        try:
+            for t in range(1, S):
+                if t % self.check_every == 0:
+                    if self._all_done(live, history, P, t, options):
+                        break
+                    t0 = self._tick("host_checks", t0, device)
+                step.advance()
+                steps = t + 1
+                t0 = self._tick("step", t0, device)
+        finally:
+            step.release()
+        return steps
 
     def _all_done(self, live: _Rows, history: torch.Tensor, P: int, steps: int, options: SamplingOptions) -> bool:
         """Host check (one sync): mark rows whose text contains a stop string as done; True if all rows are."""

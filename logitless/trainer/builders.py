@@ -141,7 +141,8 @@ def make_rollout_engine(cfg: RolloutConfig, model: Any, tokenizer: Any) -> Rollo
                 "rollout.merge_lora=false, or DoRA adapters), whose layout the rollout does not change")
     return make_engine("static", model, tokenizer, weights=weights, max_kv_gib=cfg.max_kv_gib, profile=cfg.profile,
                        length_buckets=cfg.length_buckets, compact_finished=cfg.compact_finished,
-                       decode_attention=cfg.decode_attention, sampler_kernel=cfg.sampler_kernel)
+                       decode_attention=cfg.decode_attention, sampler_kernel=cfg.sampler_kernel,
+                       step_graph=cfg.step_graph)
 
 
 def check_fused(cfg: RolloutConfig, groups: list, why: str) -> None:

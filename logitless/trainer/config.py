@@ -235,6 +235,11 @@ class RolloutConfig:
     # tokens; CUDA) or "auto" (triton on a CUDA GPU with triton installed, else torch). With those filters on, the
     # draw is torch's whatever this says.
     sampler_kernel: Literal["auto", "torch", "triton"] = "auto"
+    # Run each decode step of the static engine (forward, token draw, writes) as one CUDA graph captured per wave,
+    # so a step costs the host one replay. None: on CUDA wherever it applies (no top_k/top_p/min_p/repetition
+    # penalty, length_buckets=1, compact_finished=false), else the forward alone is a CUDA graph; true: as None, and
+    # an error where it does not apply (off CUDA the same step runs eagerly); false: never.
+    step_graph: bool | None = None
     # Backend "static" only. The device the rollout decodes on, e.g. "cuda:1" (one process): a replica of the policy
     # (merged for LoRA) lives there, synced from the trainer before every rollout, so the KV cache and the decode's
     # weights never take the training GPU's memory, and with train.async_rollout the decode and the update run on
@@ -258,13 +263,22 @@ class RolloutConfig:
                        "profile": self.profile, "length_buckets": self.length_buckets != 1,
                        "compact_finished": self.compact_finished, "device": self.device is not None,
                        "decode_attention": self.decode_attention == "triton",
-                       "sampler_kernel": self.sampler_kernel == "triton"}
+                       "sampler_kernel": self.sampler_kernel == "triton", "step_graph": self.step_graph is True}
         for name, used in static_only.items():
             if used and self.backend != "static":
                 raise ValueError(
                     f"rollout.{name}={getattr(self, name)!r} needs rollout.backend=static (got {self.backend!r}): "
                     f"set rollout.backend=static or unset rollout.{name}"
                 )
+        if self.step_graph is True:
+            filters = {"top_p": self.top_p != 1.0, "top_k": self.top_k != 0, "min_p": self.min_p != 0.0,
+                       "repetition_penalty": self.repetition_penalty != 1.0, "length_buckets": self.length_buckets != 1,
+                       "compact_finished": self.compact_finished}
+            on = [name for name, used in filters.items() if used]
+            if on:
+                raise ValueError(f"rollout.step_graph=true captures one fused decode step per wave, which "
+                                 f"rollout.{', rollout.'.join(on)} rule(s) out (eager filters or shapes that change "
+                                 f"between steps): unset rollout.step_graph, or reset {', '.join(on)}")
 
 
 @dataclass

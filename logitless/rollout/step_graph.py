@@ -1,0 +1,107 @@
+"""The static engine's decode step as one CUDA graph: the forward, the token draw and the step's bookkeeping.
+
+Compiled with mode "reduce-overhead", the forward alone is one graph replay, but each step still costs the host
+dynamo's guard check, the CUDA-graph tree's checks of its inputs and transformers' wrapper, then about eight
+eager launches for the draw and the writes: on an H200 at 128 rows about as long as the GPU's own step
+(bench/LOG.md), so the GPU waits on the host and a faster kernel gains nothing. Here the forward is compiled
+without CUDA graphs and the whole step is captured once per wave; a step is one `replay()`.
+
+Every tensor the step reads or writes lives at a fixed address for the wave (the last token, the positions, the
+done flags, the outputs, the KV cache), and the step index is a counter on the device that the step itself
+increments, so one graph serves every step. One step is equivalent to the loop of `StaticEngine._decode_wave`:
+
+    logits = model(token[:, None], mask, next_pos, cache).logits[:, -1]     # [b, V]
+    next_pos += 1; t += 1
+    token, logp = draw(logits, keys, t)                                      # [b], [b]
+    token = where(done, pad, token)
+    history[:, P + t] = token; out_logp[:, t] = logp
+    done |= isin(token, eos)
+
+Off CUDA the same step runs eagerly (no capture), which is what the CPU tests check against the loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+WARMUP_STEPS = 2  # eager steps before the capture (compilation, autotuning, lazy initialization)
+
+
+class DecodeStep:
+    """One wave's decode step over fixed buffers; `advance()` runs the next step (a graph replay once captured).
+
+    forward: the model's forward (compiled without CUDA graphs on CUDA). draw: `sampling.StepSampler`. The buffers
+    are the wave's own and are updated in place: token [b] (the last drawn token), mask [b, L], next_pos [b, 1],
+    done [b], keys [b], history [b, P + S], out_logp [b, S]. stream: the CUDA side stream to warm up and capture
+    on (one per engine and device, so the libraries' per-stream workspaces exist before a capture); None: every
+    step runs eagerly."""
+
+    def __init__(self, forward: Callable, draw: Callable, cache: Any, *, token: torch.Tensor, mask: torch.Tensor,
+                 next_pos: torch.Tensor, done: torch.Tensor, keys: torch.Tensor, history: torch.Tensor,
+                 out_logp: torch.Tensor, prompt_len: int, pad_id: int, eos: torch.Tensor, codes: torch.Tensor,
+                 temperature: float, greedy: bool, stream: Any = None):
+        self.forward, self.draw, self.cache = forward, draw, cache
+        self.token, self.mask, self.next_pos, self.done, self.keys = token, mask, next_pos, done, keys
+        self.history, self.out_logp = history, out_logp
+        self.P, self.pad_id, self.eos, self.codes = prompt_len, pad_id, eos, codes
+        self.T, self.greedy = temperature, greedy
+        self.t = torch.zeros((), dtype=torch.long, device=token.device)  # the step last drawn
+        self.stream = stream
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.steps_run = 0
+
+    def body(self) -> None:
+        logits = self.forward(input_ids=self.token[:, None], attention_mask=self.mask, position_ids=self.next_pos,
+                              past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        self.next_pos.add_(1)
+        self.t.add_(1)
+        token, logp = self.draw(logits, self.keys, self.t, self.codes, self.T, self.greedy)
+        token = torch.where(self.done, self.pad_id, token)
+        b = token.shape[0]
+        self.history.scatter_(1, (self.t + self.P).expand(b, 1), token[:, None])
+        self.out_logp.scatter_(1, self.t.expand(b, 1), logp[:, None])
+        if self.eos.numel():
+            self.done.logical_or_(torch.isin(token, self.eos))
+        self.token.copy_(token)
+
+    def advance(self) -> None:
+        """Decode the next step: eagerly for the first WARMUP_STEPS (on a side stream on CUDA), then captured once
+        and replayed (on CUDA; off CUDA every step runs eagerly)."""
+        self.steps_run += 1
+        if self.stream is None:
+            self.body()
+            return
+        if self.graph is None and self.steps_run <= WARMUP_STEPS:
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                self.body()
+            torch.cuda.current_stream().wait_stream(self.stream)
+            return
+        if self.graph is None:
+            self.graph = capture(self.body, self.stream)
+        self.graph.replay()
+
+    def release(self) -> None:
+        """Free the graph and its memory pool (the wave is over)."""
+        if self.graph is not None:
+            self.graph.reset()
+            self.graph = None
+
+
+def capture(fn: Callable[[], None], side: Any) -> torch.cuda.CUDAGraph:
+    """Capture `fn`'s kernels on the side stream `side` into a graph with a memory pool of its own; nothing runs.
+    Thread-local capture mode: with train.async_rollout another thread keeps using the GPU while this one captures.
+    Unlike `torch.cuda.graph`, no `empty_cache()` first: the update's cached blocks stay cached."""
+    graph = torch.cuda.CUDAGraph()
+    side.wait_stream(torch.cuda.current_stream())
+    side.synchronize()
+    with torch.cuda.stream(side):
+        graph.capture_begin(pool=torch.cuda.graph_pool_handle(), capture_error_mode="thread_local")
+        try:
+            fn()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    return graph

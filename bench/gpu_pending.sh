@@ -12,6 +12,7 @@
 #   bash bench/gpu_pending.sh sampler OUT_DIR QWEN2.5_TOKENIZER    # one GPU: the Triton token draw, tested and timed
 #   bash bench/gpu_pending.sh step_graph OUT_DIR QWEN2.5_TOKENIZER # one GPU: the decode step as one CUDA graph
 #   bash bench/gpu_pending.sh step_graph_e2e OUT_DIR QWEN2.5_TOKENIZER  # one GPU: the GRPO step with and without it
+#   bash bench/gpu_pending.sh attn_rules OUT_DIR QWEN2.5_TOKENIZER # one GPU: the decode kernel's scan and stage rules
 #
 # decode: the kernel's GPU tests, then the decode step with and without it at 128 and 512 rows (prof_decode).
 # two_gpu: the rollout.device GPU test, then three bench_e2e runs of the same settings (T = 1,024, Liger,
@@ -23,7 +24,7 @@
 # e2e_lb: the synchronous step of the two_gpu stage's settings on one GPU, with rollout.length_buckets=4 and 1 (the
 # default), then the decode kernel's GPU tests in the time left.
 set -euo pipefail
-stage="${1:?stage: decode, decode_lb, e2e_lb, gen_parts, update_parts, sampler, step_graph, step_graph_e2e or two_gpu}"
+stage="${1:?stage: decode, decode_lb, e2e_lb, gen_parts, update_parts, sampler, step_graph, step_graph_e2e, attn_rules or two_gpu}"
 out="${2:?OUT_DIR}"
 tok="${3:?folder of the Qwen2.5 tokenizer}"
 cd "$(dirname "$0")/.."
@@ -108,6 +109,17 @@ step_graph_e2e)
     --baseline-attention triton --fuse-baseline --baseline-sampler triton --baseline-step-graph on --step-graph off \
     2>&1 | tee "$out/prof_decode_512_step_graph.log" || true
   ;;
+attn_rules)
+  # the decode kernel's scan and stage rules (a9ea2c5's successor) against the configuration before them, the
+  # trainer's decode at T = 1,024, each row count in two processes one after the other
+  for rows in 128 512; do
+    for legacy in "" "--block-scan 512 --few-stages-from 1000000"; do
+      timeout 240 python bench/prof_decode.py --tokenizer "$tok" --out "$out" --rows "$rows" --new 1024 \
+        --commit "$commit" --baseline-attention triton --fuse-baseline --baseline-sampler triton \
+        --baseline-step-graph on $legacy 2>&1 | tee -a "$out/prof_decode_attn_rules.log" || true
+    done
+  done
+  ;;
 two_gpu)
   python -m pytest -m gpu -q tests/test_rollout_device.py 2>&1 | tee "$out/gpu_tests_rollout_device.log"
   common=("${step[@]}" --steps 5)
@@ -119,7 +131,7 @@ two_gpu)
     --set objective.sampler_is_clip_max=2.0 2>&1 | tee "$out/e2e_rollout_gpu_async.log"
   ;;
 *)
-  echo "unknown stage $stage: use decode, decode_lb, e2e_lb, gen_parts, update_parts, sampler, step_graph, step_graph_e2e or two_gpu" >&2
+  echo "unknown stage $stage: use decode, decode_lb, e2e_lb, gen_parts, update_parts, sampler, step_graph, step_graph_e2e, attn_rules or two_gpu" >&2
   exit 2
   ;;
 esac

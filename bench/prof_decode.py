@@ -69,6 +69,10 @@ def main() -> None:
                     help="rollout.step_graph of the timed and profiled engine (its default is auto)")
     ap.add_argument("--step-graph", default=None, choices=["on", "off"],
                     help="also time the timed engine's model with this rollout.step_graph")
+    ap.add_argument("--block-scan", type=int, default=None,
+                    help="the decode kernel's BLOCK_SCAN (ops/triton_decode.py): its mask scan's most slots per load")
+    ap.add_argument("--few-stages-from", type=int, default=None,
+                    help="the decode kernel's FEW_STAGES_FROM: programs per SM from which it pipelines 2 stages")
     ap.add_argument("--min-rows-per-sm", type=int, default=None,
                     help="the decode kernel's MIN_ROWS_PER_SM (ops/triton_decode.py), below which it splits the cache")
     a = ap.parse_args()
@@ -80,10 +84,14 @@ def main() -> None:
     opts = SamplingOptions(num_generations=8, temperature=1.0, max_new_tokens=a.new, ignore_eos=True, seed=0)
     model = make_model(False, "cuda")
 
-    if a.min_rows_per_sm is not None:
-        from logitless.ops import triton_decode
+    from logitless.ops import triton_decode
 
+    if a.min_rows_per_sm is not None:
         triton_decode.MIN_ROWS_PER_SM = a.min_rows_per_sm
+    if a.block_scan is not None:
+        triton_decode.BLOCK_SCAN = a.block_scan
+    if a.few_stages_from is not None:
+        triton_decode.FEW_STAGES_FROM = a.few_stages_from
     common = {"length_buckets": a.length_buckets}
     graph_flag = {"auto": None, "on": True, "off": False}
     base = {"decode_attention": a.baseline_attention, "sampler_kernel": a.baseline_sampler,
@@ -186,7 +194,8 @@ def main() -> None:
         "workload": f"static engine, Qwen2.5-1.5B shape random init bf16, {a.rows // 8} prompts x G=8 = {a.rows} rows, "
                     f"{a.new} new tokens, EOS ignored, temperature 1, after a warm-up call at the same shapes",
         "rows": a.rows, "new": a.new, "baseline_attention": a.baseline_attention, "length_buckets": a.length_buckets,
-        "min_rows_per_sm": a.min_rows_per_sm, "baseline_sampler": a.baseline_sampler, "sampler": sampler,
+        "min_rows_per_sm": a.min_rows_per_sm, "block_scan": triton_decode.BLOCK_SCAN,
+        "few_stages_from": triton_decode.FEW_STAGES_FROM, "baseline_sampler": a.baseline_sampler, "sampler": sampler,
         "baseline_step_graph": a.baseline_step_graph, "step_graph": step_graph,
         "fuse_baseline": a.fuse_baseline, "baseline": baseline,
         "plain_s": plain_s, "tok_s": a.rows * a.new / plain_s,
@@ -201,6 +210,8 @@ def main() -> None:
     default = (a.baseline_attention, a.length_buckets) == ("matmul", 1)
     tag = "" if default else f"_{a.baseline_attention}_lb{a.length_buckets}"
     tag += f"_rps{a.min_rows_per_sm}" if a.min_rows_per_sm is not None else ""
+    tag += f"_scan{a.block_scan}" if a.block_scan is not None else ""
+    tag += f"_stages{a.few_stages_from}" if a.few_stages_from is not None else ""
     tag += "_fused" if a.fuse_baseline else ""
     tag += f"_{a.baseline_sampler}_sampler" if a.baseline_sampler != "torch" else ""
     tag += f"_graph_{a.baseline_step_graph}" if a.baseline_step_graph != "off" else ""

@@ -8,7 +8,7 @@ per call and the visible keys' and values' bytes per second. Every configuration
 oracle first. Splits > 1 include their combine as eager torch ops (in the compiled decode step inductor fuses
 them into one kernel); `combine_us` is that eager combine alone, to subtract.
 
-    python bench/tune_decode_attention.py --out DIR [--rows 128 512]
+    python bench/tune_decode_attention.py --out DIR [--rows 128 512] [--scan]
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", type=int, nargs="+", default=[128, 512])
     ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--scan", action="store_true",
+                    help="sweep the mask scan's block (BLOCK_SCAN) over a few launch configurations instead")
     a = ap.parse_args()
     td.set_sm_count(torch.device("cuda"))
     hbm = 4.8e12
@@ -83,9 +85,13 @@ def main() -> None:
         masks = {t: mask_at(plen, t, L) for t in POINTS}
         ref = td.decode_attention_reference(q, *caches[0], masks[512], D**-0.5).float()
         default_splits = td.num_splits(rows * KV, L)
-        configs = list(itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4), sorted({1, 2, 4, default_splits})))
-        for block_l, warps, stages, splits in configs:
-            cfg = dict(splits=splits, block_l=block_l, num_warps=warps, num_stages=stages)
+        if a.scan:
+            configs = list(itertools.product((32, 64), (4,), (2, 3), (1,), (256, 512, 1024, 2048)))
+        else:
+            configs = list(itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4), sorted({1, 2, 4, default_splits}),
+                                             (512,)))
+        for block_l, warps, stages, splits, scan in configs:
+            cfg = dict(splits=splits, block_l=block_l, num_warps=warps, num_stages=stages, block_scan=scan)
             try:
                 out = td.decode_attention(q, *caches[0], masks[512], D**-0.5, **cfg).float()
             except Exception as e:  # a configuration the compiler refuses (shared memory)
@@ -109,7 +115,7 @@ def main() -> None:
             results.append(row)
             print(json.dumps(row), flush=True)
         # the eager combine of a split launch, alone (inductor fuses it in the decode step)
-        for splits in sorted({2, 4, default_splits} - {1}):
+        for splits in sorted({2, 4, default_splits} - {1}) if not a.scan else []:
             part = torch.randn(rows, KV, splits, G, D, device="cuda")
             mx = torch.randn(rows, KV, splits, G, device="cuda")
             sm = torch.rand(rows, KV, splits, G, device="cuda")
@@ -125,15 +131,17 @@ def main() -> None:
         torch.cuda.empty_cache()
     ok = [r for r in results if "mean_us" in r and r["max_err"] < 2e-2]
     best = {rows: min((r for r in ok if r["rows"] == rows), key=lambda r: r["mean_us"]) for rows in a.rows}
+    # the configuration before the stages and scan rules (3 stages, scan blocks of 512), as the full sweep ran it
     default = {rows: next((r for r in ok if r["rows"] == rows and r["block_l"] == td.BLOCK_L and r["num_warps"] == 4
-                           and r["num_stages"] == 3 and r["splits"] == td.num_splits(rows * KV, P + NEW)), None)
+                           and r["num_stages"] == 3 and r["splits"] == td.num_splits(rows * KV, P + NEW)
+                           and r["block_scan"] == 512), None)
                for rows in a.rows}
     out = {"info": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "triton": __import__("triton").__version__, "commit": a.commit, "date": time.strftime("%Y-%m-%d")},
            "workload": f"decode attention, {LAYERS} layer caches, KV={KV} G={G} D={D}, L={P + NEW}, prompts 40-{P} "
                        f"tokens left-padded, t in {POINTS}", "best": best, "default_like": default, "all": results}
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    Path(a.out, "tune_decode_attention.json").write_text(json.dumps(out, indent=1))
+    Path(a.out, f"tune_decode_attention{'_scan' if a.scan else ''}.json").write_text(json.dumps(out, indent=1))
     print(json.dumps({"best": best, "default_like": default}, indent=1))
 
 

@@ -45,7 +45,7 @@ def _run_cases() -> dict:
     from logitless.ops.triton_decode import decode_attention, decode_attention_reference
     from logitless.rollout.attention import _matmul_attention
 
-    def case(B, KV, G, D, L, mask_kind, splits, *, spare=9, seed=0):  # fp32 (see the docstring)
+    def case(B, KV, G, D, L, mask_kind, splits, *, spare=9, seed=0, block_scan=None):  # fp32 (see the docstring)
         g = torch.Generator().manual_seed(seed)
         q = torch.randn(B, KV, G, D, generator=g)
         kc = torch.randn(B, KV, L + spare, D, generator=g)  # a longer cache: the kernel reads a view
@@ -53,7 +53,7 @@ def _run_cases() -> dict:
         k, v = kc[:, :, :L], vc[:, :, :L]
         mask = _masks(mask_kind, B, L, g)
         scale = D**-0.5
-        got = decode_attention(q, k, v, mask, scale, splits=splits)
+        got = decode_attention(q, k, v, mask, scale, splits=splits, block_scan=block_scan)
         ref = decode_attention_reference(q.double(), k.double(), v.double(), mask, scale)
         err = ((got.double() - ref).norm() / ref.norm()).item()
         return {"rel": err, "dtype_ok": got.dtype == torch.float32, "shape_ok": tuple(got.shape) == (B, KV, G, D),
@@ -67,8 +67,11 @@ def _run_cases() -> dict:
         "window_chunks": case(2, 2, 4, 32, 257, "window", 4),  # the first chunks see nothing at all
         "head_dim_80_odd_length": case(2, 2, 2, 80, 65, "left_pad", 1),
         "auto_splits": case(1, 1, 6, 32, 300, "holes", None),
+        # the span scan over several steps (a chunk longer than its scan block), with holes and a window
+        "scan_steps_holes": case(2, 2, 6, 32, 200, "holes", 2, block_scan=16),
+        "scan_steps_window": case(2, 2, 4, 32, 257, "window", 1, block_scan=32),
     }
-    def unseen(splits):
+    def unseen(splits, block_scan=None):
         """Slots outside the visible span [150, 231) (a window's past; a static cache's unfilled tail) hold NaN: a
         kernel that reads them, even to multiply them by a probability of 0, returns NaN. The blocks that hold the
         span's ends are read (and masked), so only the slots outside those blocks are poisoned."""
@@ -82,12 +85,13 @@ def _run_cases() -> dict:
         for t in (k, v):
             t[:, :, :128] = float("nan")  # before the block of slot 150 (blocks of 64)
             t[:, :, 231:] = float("nan")  # the block of slot 230 loads nothing past it
-        got = decode_attention(q, k, v, mask, D**-0.5, splits=splits)
+        got = decode_attention(q, k, v, mask, D**-0.5, splits=splits, block_scan=block_scan)
         return {"rel": ((got.double() - ref).norm() / ref.norm()).item(), "dtype_ok": got.dtype == torch.float32,
                 "shape_ok": tuple(got.shape) == (B, KV, G, D), "finite": bool(torch.isfinite(got).all())}
 
     res["unseen_slots_not_read_one_chunk"] = unseen(1)
     res["unseen_slots_not_read_chunks"] = unseen(3)  # chunks [0, 128) and [256, 300) see nothing
+    res["unseen_slots_not_read_scan_steps"] = unseen(1, block_scan=64)
     # the oracle is what the engine computed before: the matmul path with a [B, 1, 1, L] bool mask
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, 2, 3, 16, generator=g)
@@ -107,7 +111,7 @@ def cases() -> dict:
 
 FP32 = ["gqa6_left_pad_one_chunk", "gqa6_left_pad_chunks", "gqa7_head_dim_24_holes", "mha_g1_short",
         "window_chunks", "head_dim_80_odd_length", "auto_splits", "unseen_slots_not_read_one_chunk",
-        "unseen_slots_not_read_chunks"]
+        "unseen_slots_not_read_chunks", "scan_steps_holes", "scan_steps_window", "unseen_slots_not_read_scan_steps"]
 
 
 @pytest.mark.parametrize("name", FP32)

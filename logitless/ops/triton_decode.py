@@ -98,8 +98,13 @@ def _decode_kernel(
 
 BLOCK_L = 64
 NUM_WARPS = 4
-NUM_STAGES = None  # None: Triton's default
-BLOCK_SCAN = 512  # mask slots read per step of the scan for the visible span
+# software-pipeline stages: 2 from FEW_STAGES_FROM programs per SM, else Triton's default (3). On an H200 at the
+# 1.5B shape, 2 stages made the kernel 1.04x faster at 512 rows (7.8 programs per SM) and 3 stages 1.10x faster at
+# 128 rows (1.9 per SM) (bench/tune_decode_attention.py, bench/LOG.md); the threshold lies between the two
+FEW_STAGES_FROM = 4
+# mask slots read per step of the scan for the visible span: a chunk's whole mask in one load up to this many (the
+# scan's steps are dependent loads; one step of 2,048 against three of 512 made the kernel 1.03-1.04x faster)
+BLOCK_SCAN = 2048
 # programs per SM below which the cache length is split: 1, since splitting 256 programs on 132 SMs (the 1.5B shape at
 # 128 rows) made the decode step 1.06x slower than one program per SM on an H200 (bench/LOG.md)
 MIN_ROWS_PER_SM = 1
@@ -121,11 +126,12 @@ def num_splits(programs: int, length: int) -> int:
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
                      splits: int | None = None, block_l: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None) -> torch.Tensor:
+                     num_stages: int | None = None, block_scan: int | None = None) -> torch.Tensor:
     """Attention of one query token per row: q [B, kv, g, d], k/v [B, kv, L, d] (any strides, last dim
     contiguous), mask [B, L] (bool or 0/1; None: every slot) -> [B, kv, g, d] in q's dtype. splits: chunks of L
-    per (row, KV head) (None: `num_splits`). block_l, num_warps, num_stages: the kernel's launch configuration
-    (None: BLOCK_L, NUM_WARPS, NUM_STAGES; bench/tune_decode_attention.py measures them)."""
+    per (row, KV head) (None: `num_splits`). block_l, num_warps, num_stages, block_scan: the kernel's launch
+    configuration (None: BLOCK_L, NUM_WARPS, the FEW_STAGES_FROM rule, a chunk's mask in one scan step up to
+    BLOCK_SCAN; bench/tune_decode_attention.py measures them)."""
     B, KV, G, D = q.shape
     L = k.shape[2]
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -143,10 +149,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     args = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), m.stride(0) if mask is not None else 0,
             KV, G, L, D, chunk, scale)
+    block_scan = block_scan or min(BLOCK_SCAN, max(16, triton.next_power_of_2(chunk)))
     meta = dict(HAS_MASK=mask is not None, SPLIT=splits > 1, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l,
-                BLOCK_SCAN=BLOCK_SCAN, num_warps=num_warps or NUM_WARPS)
-    if (num_stages or NUM_STAGES) is not None:
-        meta["num_stages"] = num_stages or NUM_STAGES
+                BLOCK_SCAN=block_scan, num_warps=num_warps or NUM_WARPS)
+    if num_stages is None and B * KV * splits >= FEW_STAGES_FROM * SMS["count"]:
+        num_stages = 2
+    if num_stages is not None:
+        meta["num_stages"] = num_stages
     if splits == 1:
         out = torch.empty((B, KV, G, D), dtype=q.dtype, device=q.device)
         unused = torch.empty(0, dtype=torch.float32, device=q.device)  # no max / sum without splits

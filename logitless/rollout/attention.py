@@ -104,3 +104,28 @@ def gqa_decode(model_config: Any, kernel: str = "matmul", device: torch.device |
     finally:
         model_config._attn_implementation = impl
         _KERNEL["name"] = before
+
+
+def resolve_decode_attention(kernel: str, device: torch.device, dtype: torch.dtype, has_triton: bool,
+                             capability: tuple[int, int] = (0, 0)) -> str:
+    """The decode attention kernel the static engine runs (`attention.gqa_decode`). "auto": "triton" (one
+    flash-decoding kernel per layer, `ops/triton_decode.py`) for bf16 weights on a CUDA GPU with bf16 tensor cores
+    (compute capability 8.0 or newer: `capability`) and triton installed, where it was measured faster
+    (bench/LOG.md), else "matmul". "triton" asked for explicitly is refused off CUDA, without triton, and for fp32
+    weights (its tensor-core dots would round the scores to TF32); any other name is refused."""
+    if kernel not in ("auto", *KERNELS):
+        raise ValueError(f"rollout.decode_attention={kernel!r}: use one of {('auto', *KERNELS)}")
+    if kernel == "auto":
+        fits = device.type == "cuda" and has_triton and dtype == torch.bfloat16 and capability >= (8, 0)
+        return "triton" if fits else "matmul"
+    if kernel == "matmul":
+        return kernel
+    if device.type != "cuda" or not has_triton:
+        raise ValueError(f"rollout.decode_attention=triton runs a Triton kernel on a CUDA GPU, but the rollout "
+                         f"decodes on {device}{'' if device.type != 'cuda' else ' without the triton package'}; "
+                         "set rollout.decode_attention=matmul (or auto)")
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"rollout.decode_attention=triton computes scores with bf16/fp16 tensor-core dots, but the "
+                         f"rollout decodes in {dtype}; set rollout.decode_attention=matmul (or auto), or load the "
+                         "model in bf16 (model.dtype=bfloat16)")
+    return kernel

@@ -49,7 +49,7 @@ import torch
 from transformers.generation.configuration_utils import CompileConfig
 from transformers.generation.logits_process import TemperatureLogitsWarper
 
-from .attention import KERNELS, gqa_decode
+from .attention import gqa_decode, resolve_decode_attention
 from .engine import PreparedPrompts, build_batch, generation_mode, model_device, prepare_prompts, sync, unwrap_model
 from .hf import sampling_processors
 from .kv_cache import (
@@ -158,31 +158,6 @@ def allow_recompiles(variants: int) -> None:
     need = variants + RECOMPILE_MARGIN
     if torch._dynamo.config.recompile_limit < need:
         torch._dynamo.config.recompile_limit = need
-
-
-def resolve_decode_attention(kernel: str, device: torch.device, dtype: torch.dtype, has_triton: bool,
-                             capability: tuple[int, int] = (0, 0)) -> str:
-    """The decode attention kernel the static engine runs (`attention.gqa_decode`). "auto": "triton" (one
-    flash-decoding kernel per layer, `ops/triton_decode.py`) for bf16 weights on a CUDA GPU with bf16 tensor cores
-    (compute capability 8.0 or newer: `capability`) and triton installed, where it was measured faster
-    (bench/LOG.md), else "matmul". "triton" asked for explicitly is refused off CUDA, without triton, and for fp32
-    weights (its tensor-core dots would round the scores to TF32); any other name is refused."""
-    if kernel not in ("auto", *KERNELS):
-        raise ValueError(f"rollout.decode_attention={kernel!r}: use one of {('auto', *KERNELS)}")
-    if kernel == "auto":
-        fits = device.type == "cuda" and has_triton and dtype == torch.bfloat16 and capability >= (8, 0)
-        return "triton" if fits else "matmul"
-    if kernel == "matmul":
-        return kernel
-    if device.type != "cuda" or not has_triton:
-        raise ValueError(f"rollout.decode_attention=triton runs a Triton kernel on a CUDA GPU, but the rollout "
-                         f"decodes on {device}{'' if device.type != 'cuda' else ' without the triton package'}; "
-                         "set rollout.decode_attention=matmul (or auto)")
-    if dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"rollout.decode_attention=triton computes scores with bf16/fp16 tensor-core dots, but the "
-                         f"rollout decodes in {dtype}; set rollout.decode_attention=matmul (or auto), or load the "
-                         "model in bf16 (model.dtype=bfloat16)")
-    return kernel
 
 
 class StaticEngine:

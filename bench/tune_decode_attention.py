@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.graph_timing import time_graph  # noqa: E402
 from logitless.ops import triton_decode as td  # noqa: E402
 
 LAYERS, KV, G, D, P, NEW = 28, 2, 6, 128, 128, 1024
@@ -44,27 +45,6 @@ def mask_at(plen: torch.Tensor, t: int, L: int) -> torch.Tensor:
     """[rows, L] bool: the left-padded prompt and the t + 1 slots written so far."""
     j = torch.arange(L, device=plen.device)
     return ((j[None] >= P - plen[:, None]) & (j[None] < P)) | ((j[None] >= P) & (j[None] <= P + t))
-
-
-def time_graph(fn, reps: int = 10) -> float:
-    """Median microseconds of one call of `fn` (28 layer calls) replayed in a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / LAYERS)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -107,7 +87,7 @@ def main() -> None:
                     for kc, vc in caches:
                         td.decode_attention(q, kc, vc, m, D**-0.5, **cfg)
 
-                us = time_graph(fn)
+                us = time_graph(fn, LAYERS)
                 row["us"][t] = us
                 row["tb_s"][t] = span_bytes / (us * 1e-6) / 1e12
             row["mean_us"] = statistics.mean(row["us"].values())
@@ -126,7 +106,7 @@ def main() -> None:
                     w = torch.exp(mx - top)
                     ((part * w[..., None]).sum(2) / (sm * w).sum(2)[..., None]).to(torch.bfloat16)
 
-            results.append({"rows": rows, "splits": splits, "combine_us": time_graph(comb)})
+            results.append({"rows": rows, "splits": splits, "combine_us": time_graph(comb, LAYERS)})
         del caches
         torch.cuda.empty_cache()
     ok = [r for r in results if "mean_us" in r and r["max_err"] < 2e-2]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.graph_timing import time_graph  # noqa: E402
 
 LAYERS = 28
 SHAPES = {"qkv": (2048, 1536), "o_proj": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960)}  # (N, K)
@@ -72,26 +73,6 @@ def splitk_linear(x, w, block_m, block_n, block_k, split, warps, stages):
     return y.to(x.dtype)
 
 
-def time_graph(fn, reps: int = 10) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / LAYERS)
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -107,14 +88,14 @@ def main() -> None:
             x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16, generator=gen)
             ref = x.float() @ ws[0].float().T
             bytes_ = N * K * 2
-            cublas = time_graph(lambda: [torch.nn.functional.linear(x, w) for w in ws])
+            cublas = time_graph(lambda: [torch.nn.functional.linear(x, w) for w in ws], LAYERS)
             best = None
             for bm, bn, bk, split, warps, stages in itertools.product(
                     sorted({min(rows, 128), 64}), (64, 128), (64, 128), (1, 2, 4, 8), (4, 8), (3, 4)):
                 cfg = dict(block_m=bm, block_n=bn, block_k=bk, split=split, warps=warps, stages=stages)
                 try:
                     err = float((splitk_linear(x, ws[0], **cfg).float() - ref).abs().max())
-                    us = time_graph(lambda cfg=cfg: [splitk_linear(x, w, **cfg) for w in ws])
+                    us = time_graph(lambda cfg=cfg: [splitk_linear(x, w, **cfg) for w in ws], LAYERS)
                 except Exception as e:  # shared memory or register limits
                     results.append({"shape": name, "rows": rows, **cfg, "error": str(e)[:160]})
                     continue

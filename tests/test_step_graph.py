@@ -89,6 +89,13 @@ def test_several_waves_and_greedy(models, one_thread):
     assert_same(loop, graph)
 
 
+def test_profile_times_the_step_as_one_part(models, one_thread):
+    batch = make_engine("static", models("llama"), TOK, step_graph=True, profile=True).generate(PROMPTS, options())
+    parts = batch.timing.parts
+    assert parts["step"] > 0 and parts["prefill"] > 0 and parts["sample"] > 0, parts
+    assert "forward" not in parts  # the forward runs inside the step
+
+
 def test_refused_where_one_graph_cannot_serve_every_step(models):
     from logitless.trainer.config import load_train_config
 

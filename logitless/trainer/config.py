@@ -215,8 +215,9 @@ class RolloutConfig:
     # needs decode weights the rollout lays out: a merged-LoRA copy or in-place merge, or a replica (torchrun,
     # train.fsdp_offload). None: wherever they are; false: never; true: as None, and an error where they are not.
     fuse_projections: bool | None = None
-    # log the seconds of each part of a rollout (prefill, forward, sample, host checks; around them the prompts'
-    # preparation, the weights' sync and release, the batch's detokenization); adds syncs
+    # log the seconds of each part of a rollout (prefill, forward, sample, host checks, or with step_graph the whole
+    # step's replay; around them the prompts' preparation, the weights' sync and release, the batch's
+    # detokenization); adds syncs
     profile: bool = False
     # Decode attention reads only the filled part of the KV cache, rounded up to one of this many lengths
     # (1 = the whole cache). Each length is one more compiled decode graph; 4 suits long completions with

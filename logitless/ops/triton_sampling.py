@@ -129,7 +129,7 @@ def sample_step(logits: torch.Tensor, keys: torch.Tensor, salt: int | torch.Tens
     if B == 0:
         return token, logp
     _block_kernel[(B, nb)](logits, keys.contiguous(), part[0], part[1], part[2], part[3], idx,
-                           salt if counted else token, logits.stride(0), V, nb,
+                           salt if counted else token, logits.stride(0), V, nb,  # (token: not read)
                            0 if counted else int(salt) & 0xFFFFFFFF, float(temperature),
                            SCALE=temperature != 1.0, GREEDY=bool(greedy), BLOCK=block, COUNTED=counted,
                            num_warps=NUM_WARPS if block >= 1024 else 4)

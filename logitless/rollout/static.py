@@ -439,21 +439,15 @@ class StaticEngine:
         returns the steps decoded. Step 0 is drawn from the prefill's fp32 logits, every later one by the step."""
         prep, options, device = call.prep, call.options, call.prep.device
         P, S, Bw = prep.ids.shape[1], options.max_new_tokens, len(live.index)
-        T, greedy = options.logp_temperature, options.temperature == 0
-        token, logp = draw(live.logits, live.keys, 0, call.codes, T, greedy)
-        token = torch.where(live.done, prep.pad_id, token)
-        history[:, P] = token
-        out_logp[:, 0] = logp
-        if call.eos.numel():
-            live.done.logical_or_(torch.isin(token, call.eos))
-        t0 = self._tick("sample", t0, device)
-        capture = device.type == "cuda"
-        if capture and device not in self._streams:
+        if device.type == "cuda" and device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device)
-        step = DecodeStep(self._step_forward(module, device, Bw), draw, live.cache, token=token, mask=live.mask,
+        step = DecodeStep(self._step_forward(module, device, Bw), draw, live.cache, mask=live.mask,
                           next_pos=live.next_pos, done=live.done, keys=live.keys, history=history,
                           out_logp=out_logp, prompt_len=P, pad_id=prep.pad_id, eos=call.eos, codes=call.codes,
-                          temperature=T, greedy=greedy, stream=self._streams.get(device))
+                          temperature=options.logp_temperature, greedy=options.temperature == 0,
+                          stream=self._streams.get(device))
+        step.first(live.logits)
+        t0 = self._tick("sample", t0, device)
         steps = 1
         try:
             for t in range(1, S):

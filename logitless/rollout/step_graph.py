@@ -33,30 +33,39 @@ class DecodeStep:
     """One wave's decode step over fixed buffers; `advance()` runs the next step (a graph replay once captured).
 
     forward: the model's forward (compiled without CUDA graphs on CUDA). draw: `sampling.StepSampler`. The buffers
-    are the wave's own and are updated in place: token [b] (the last drawn token), mask [b, L], next_pos [b, 1],
-    done [b], keys [b], history [b, P + S], out_logp [b, S]. stream: the CUDA side stream to warm up and capture
-    on (one per engine and device, so the libraries' per-stream workspaces exist before a capture); None: every
-    step runs eagerly."""
+    are the wave's own and are updated in place: mask [b, L], next_pos [b, 1], done [b], keys [b], history
+    [b, P + S], out_logp [b, S]. stream: the CUDA side stream to warm up and capture on (one per engine and
+    device, so the libraries' per-stream workspaces exist before a capture); None: every step runs eagerly.
+    `first(logits)` draws step 0 from the prefill's logits; every `advance()` decodes one more step."""
 
-    def __init__(self, forward: Callable, draw: Callable, cache: Any, *, token: torch.Tensor, mask: torch.Tensor,
-                 next_pos: torch.Tensor, done: torch.Tensor, keys: torch.Tensor, history: torch.Tensor,
-                 out_logp: torch.Tensor, prompt_len: int, pad_id: int, eos: torch.Tensor, codes: torch.Tensor,
-                 temperature: float, greedy: bool, stream: Any = None):
+    def __init__(self, forward: Callable, draw: Callable, cache: Any, *, mask: torch.Tensor, next_pos: torch.Tensor,
+                 done: torch.Tensor, keys: torch.Tensor, history: torch.Tensor, out_logp: torch.Tensor,
+                 prompt_len: int, pad_id: int, eos: torch.Tensor, codes: torch.Tensor, temperature: float,
+                 greedy: bool, stream: Any = None):
         self.forward, self.draw, self.cache = forward, draw, cache
-        self.token, self.mask, self.next_pos, self.done, self.keys = token, mask, next_pos, done, keys
+        self.mask, self.next_pos, self.done, self.keys = mask, next_pos, done, keys
         self.history, self.out_logp = history, out_logp
         self.P, self.pad_id, self.eos, self.codes = prompt_len, pad_id, eos, codes
         self.T, self.greedy = temperature, greedy
-        self.t = torch.zeros((), dtype=torch.long, device=token.device)  # the step last drawn
+        self.token = torch.empty(done.shape, dtype=torch.long, device=done.device)  # [b] the last drawn token
+        self.t = torch.zeros((), dtype=torch.long, device=done.device)  # the step drawn last (or, at 0, next)
         self.stream = stream
         self.graph: torch.cuda.CUDAGraph | None = None
         self.steps_run = 0
+
+    def first(self, logits: torch.Tensor) -> None:
+        """Draw step 0 from `logits` [b, V] (the prefill's), eagerly."""
+        self._emit(logits)
 
     def body(self) -> None:
         logits = self.forward(input_ids=self.token[:, None], attention_mask=self.mask, position_ids=self.next_pos,
                               past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         self.next_pos.add_(1)
         self.t.add_(1)
+        self._emit(logits)
+
+    def _emit(self, logits: torch.Tensor) -> None:
+        """Draw step t from `logits` and write it: the token (the pad id for rows done), its logprob, the flags."""
         token, logp = self.draw(logits, self.keys, self.t, self.codes, self.T, self.greedy)
         token = torch.where(self.done, self.pad_id, token)
         b = token.shape[0]

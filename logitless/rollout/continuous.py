@@ -37,7 +37,10 @@ class ContinuousEngine:
         self.tokenizer = tokenizer
         self.cb_kwargs = cb_kwargs
 
-    def generate(self, prompts: Sequence[Prompt], options: SamplingOptions) -> RolloutBatch:
+    def generate(self, prompts: Sequence[Prompt], options: SamplingOptions, episodes: Any = None) -> RolloutBatch:
+        if episodes is not None:
+            raise ValueError("rollout.backend=continuous cannot run multi-turn episodes (agent.*): use "
+                             "rollout.backend=static (fastest on GPU) or hf")
         for name, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0)):
             if getattr(options, name) != off:
                 raise ValueError(

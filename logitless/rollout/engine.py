@@ -98,6 +98,8 @@ def encode_prompts(
     for i, p in enumerate(prompts):
         if isinstance(p, str):
             ids = tokenizer(p, add_special_tokens=True)["input_ids"]
+        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            ids = list(p)  # already token ids (e.g. a chat template rendered with tools by logitless.agents)
         elif isinstance(p, list) and all(isinstance(m, dict) and "role" in m for m in p):
             if not getattr(tokenizer, "chat_template", None):
                 raise ValueError(
@@ -107,7 +109,8 @@ def encode_prompts(
             text = tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
-            raise TypeError(f"prompts[{i}] must be a string or a list of {{'role', 'content'}} dicts, got {p!r:.80}")
+            raise TypeError(f"prompts[{i}] must be a string, a list of {{'role', 'content'}} dicts or a list of token "
+                            f"ids, got {p!r:.80}")
         if len(ids) == 0:
             raise ValueError(f"prompts[{i}] encodes to zero tokens: pass a non-empty prompt")
         if limit is not None and len(ids) > limit:

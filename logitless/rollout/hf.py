@@ -130,7 +130,9 @@ class HFEngine:
                 "generate fails on chunked-attention layers. Use static_cache=False, or rollout.backend=static"
             )
 
-    def generate(self, prompts: Sequence[Prompt], options: SamplingOptions) -> RolloutBatch:
+    def generate(self, prompts: Sequence[Prompt], options: SamplingOptions, episodes: Any = None) -> RolloutBatch:
+        if episodes is not None:
+            raise NotImplementedError("multi-turn episodes are not implemented yet for this backend")
         prep = prepare_prompts(self.model, self.tokenizer, prompts, options)
         pad_id, eos_ids, device, ids, mask = prep.pad_id, prep.eos_ids, prep.device, prep.ids, prep.mask  # [n, P]
         recorder = LogprobRecorder(options.logp_temperature)

@@ -292,7 +292,9 @@ class StaticEngine:
         budget = auto_kv_budget(call.prep.device, AUTO_KV_FRACTION)
         return wave_rows(B, row, budget, "rollout.max_kv_gib (unset: automatic, from free device memory)")
 
-    def generate(self, prompts: Sequence[Prompt], options: SamplingOptions) -> RolloutBatch:
+    def generate(self, prompts: Sequence[Prompt], options: SamplingOptions, episodes: Any = None) -> RolloutBatch:
+        if episodes is not None:
+            raise NotImplementedError("multi-turn episodes are not implemented yet for this backend")
         module = self.weights.module
         t_call = time.perf_counter()
         prep = prepare_prompts(module, self.tokenizer, prompts, options)

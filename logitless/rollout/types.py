@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, Union, runtime_checkable
+from typing import Any, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 
-Prompt = Union[str, list]  # raw text, or chat messages [{"role": ..., "content": ...}, ...]
+Prompt = Union[str, list]  # raw text, chat messages [{"role": ..., "content": ...}, ...], or token ids [int, ...]
 
 
 @dataclass
@@ -107,6 +107,15 @@ class RolloutBatch:
     prompt_index: torch.Tensor  # [B] long, which prompt each row samples
     completions: list[str]  # decoded completion texts (special tokens skipped; cut after a stop string)
     timing: RolloutTiming
+    # Multi-turn episodes (`episodes.py`); None for single-turn rollouts.
+    env_mask: torch.Tensor | None = None  # [B, T] long, 1 on completion tokens the driver wrote (never trained)
+    episodes: list | None = None  # [B] `episodes.EpisodeRecord` of each row
+
+    def loss_mask(self) -> torch.Tensor:
+        """[B, T] long: the completion tokens the model wrote (all of completion_mask without episodes)."""
+        if self.env_mask is None:
+            return self.completion_mask
+        return self.completion_mask * (1 - self.env_mask)
 
     @property
     def num_generations(self) -> int:
@@ -122,6 +131,9 @@ class RolloutBatch:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """A sampler. A new backend (vLLM, SGLang, ...) implements this one method; the trainer sees nothing else."""
+    """A sampler. A new backend (vLLM, SGLang, ...) implements this one method; the trainer sees nothing else.
 
-    def generate(self, prompts: Sequence[Prompt], options: SamplingOptions) -> RolloutBatch: ...
+    `episodes`: an `episodes.EpisodeDriver` that answers the model between turns (multi-turn episodes); engines
+    that cannot run episodes raise ValueError naming `rollout.backend` when one is given."""
+
+    def generate(self, prompts: Sequence[Prompt], options: SamplingOptions, episodes: Any = None) -> RolloutBatch: ...

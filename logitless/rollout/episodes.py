@@ -79,3 +79,68 @@ class EpisodeDriver(Protocol):
     def finish(self) -> list[EpisodeRecord]:
         """After the last turn: one record per row, in row order."""
         ...
+
+
+@dataclass
+class EpisodeStream:
+    """One row's completion as an engine assembles it: every token after the prompt, in order."""
+
+    ids: list[int] = field(default_factory=list)  # model and driver tokens
+    logp: list[float] = field(default_factory=list)  # sampler logprob of each model token; 0.0 at driver tokens
+    env: list[int] = field(default_factory=list)  # 1 where the driver wrote the token
+    done: bool = False  # the episode is over (the driver returned None, or the budget is used up)
+    truncated: bool = False  # ended by the episode budget rather than by the driver
+
+    def add(self, ids: Sequence[int], logp: Sequence[float] | None, env: bool) -> None:
+        """Append tokens written by the model (`logp` given) or by the driver (`env=True`, logprob 0)."""
+        self.ids.extend(int(i) for i in ids)
+        self.logp.extend([0.0] * len(ids) if logp is None else [float(x) for x in logp])
+        self.env.extend([int(env)] * len(ids))
+
+
+def episode_batch(tokenizer: Any, prep: Any, streams: list[EpisodeStream], records: list[EpisodeRecord],
+                  generate_seconds: float) -> Any:
+    """The `RolloutBatch` of an episode rollout: completion = each row's stream (right-padded), env_mask from the
+    streams, `finished` = the episode ended before its budget, `truncated` = the budget or max_turns ended it
+    (a record's `truncated` or the stream's), texts = the model's turns decoded together (special tokens
+    skipped; the conversation is in `episodes[b].messages`)."""
+    import time
+
+    import torch
+
+    from .types import RolloutBatch, RolloutTiming
+
+    G, B = prep.options.num_generations, len(streams)
+    T = max(1, max(len(s.ids) for s in streams))
+    completion_ids = torch.full((B, T), prep.pad_id, dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.long)
+    env = torch.zeros((B, T), dtype=torch.long)
+    logp = torch.zeros((B, T), dtype=torch.float32)
+    for b, s in enumerate(streams):
+        n = len(s.ids)
+        if n:
+            completion_ids[b, :n] = torch.tensor(s.ids, dtype=torch.long)
+            mask[b, :n] = 1
+            env[b, :n] = torch.tensor(s.env, dtype=torch.long)
+            logp[b, :n] = torch.tensor(s.logp, dtype=torch.float32)
+    logp = logp * (1 - env)
+    truncated = torch.tensor([s.truncated or r.truncated for s, r in zip(streams, records)], dtype=torch.bool)
+    model_ids = [[i for i, e in zip(s.ids, s.env) if not e] for s in streams]
+    texts = tokenizer.batch_decode(model_ids, skip_special_tokens=True)
+    num_tokens = int((mask * (1 - env)).sum())
+    seconds = time.perf_counter() - prep.t_start
+    return RolloutBatch(
+        prompt_ids=prep.ids.detach().cpu().repeat_interleave(G, 0),
+        prompt_mask=prep.mask.detach().cpu().repeat_interleave(G, 0),
+        completion_ids=completion_ids,
+        completion_mask=mask,
+        sampler_logp=logp,
+        finished=~truncated,
+        truncated=truncated,
+        prompt_index=torch.arange(prep.ids.shape[0]).repeat_interleave(G),
+        completions=texts,
+        timing=RolloutTiming(seconds=seconds, num_tokens=num_tokens, tokens_per_s=num_tokens / max(seconds, 1e-9),
+                             generate_seconds=generate_seconds),
+        env_mask=env,
+        episodes=records,
+    )

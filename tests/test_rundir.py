@@ -419,9 +419,9 @@ def test_reward_errors_are_printed_rate_limited_with_the_exception_text():
     # step 1 (t=20 s) at once; steps 2-3 are within 60 s of it and held back; step 4 (t=80 s) reports steps 2-4;
     # step 5 (t=100 s) is held back again
     assert len(shown) == 2
-    assert "step 1: reward function 'flaky' raised on 8 of 8 samples" in shown[0]
+    assert "step 1: reward function 'flaky' failed on 8 of 8 samples" in shown[0]
     assert "ValueError: no number in 'abc'" in shown[0] and "reward.on_error=raise" in shown[0]
-    assert "step 4" in shown[1] and "raised on 24 of 24 samples" in shown[1]
+    assert "step 4" in shown[1] and "failed on 24 of 24 samples" in shown[1]
 
 
 # ---- end to end, with a tiny model
@@ -483,7 +483,7 @@ def test_reward_errors_under_penalty_reach_the_console(tmp_path, tok, monkeypatc
     result = _tiny_train(cfg, tok)
     err = capsys.readouterr().err
     assert result.records[0]["reward/always/errors"] == 8
-    assert err.count("reward function 'always' raised on 8 of 8 samples") == 1  # step 2 is within the rate limit
+    assert err.count("reward function 'always' failed on 8 of 8 samples") == 1  # step 2 is within the rate limit
     assert "ValueError: no digits here" in err and "reward.error_penalty=-1.0" in err
 
 

@@ -59,7 +59,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 class RewardErrorReport:
-    """Console warnings, with the exception text, for reward functions that raise under reward.on_error=penalty.
+    """Console warnings, with the exception text, for reward functions that raise (or run past reward.timeout_s)
+    under reward.on_error=penalty.
 
     The first error of each function is shown at once; later ones at most once per `interval_s` seconds, with
     the count of failed samples since the last warning (so a function that always raises cannot flood the log).
@@ -84,7 +85,7 @@ class RewardErrorReport:
                 continue
             self._last[name], self._pending[name] = now, (0, 0)
             self.emit(
-                f"[yellow]warning:[/] step {step}: reward function '{escape(name)}' raised on {failed} of {scored} "
+                f"[yellow]warning:[/] step {step}: reward function '{escape(name)}' failed on {failed} of {scored} "
                 f"samples (scored reward.error_penalty={self.penalty}): {escape(str(text))[:500]}. Set "
                 f"reward.on_error=raise to stop at the first error; repeats are shown at most every "
                 f"{self.interval_s:.0f} s."

@@ -138,7 +138,7 @@ def score_stage(ctx: TrainContext, ro: Rollout) -> Scored:
     r = ctx.cfg.reward
     scores = score_completions(
         ctx.reward_fns, r.reward_weights, [x.prompt for x in ro.sample_rows], ro.batch.completions, ro.sample_rows,
-        on_error=r.on_error, penalty=r.error_penalty,
+        on_error=r.on_error, penalty=r.error_penalty, timeout_s=r.timeout_s,
     )
     return Scored(scores, compute_advantages(scores.rewards, ctx.cfg.rollout.num_generations, ctx.adv_options))
 

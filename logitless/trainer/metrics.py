@@ -45,9 +45,19 @@ def _parse_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
                 warnings.warn(f"{path}: dropping its last line {i}, which is incomplete (a run stopped while "
                               f"writing it): {line[:80]!r}", stacklevel=3)
                 break
-            raise ValueError(f"{path} line {i} is not a JSON record ({e}); fix or delete that line") from None
+            raise ValueError(f"{path} line {i} is not a JSON record ({e}); fix or delete that line (a record is "
+                             "one JSON object per line), then run again") from None
         out.append((line, record))
     return out
+
+
+def check_metrics_file(path: Path) -> None:
+    """Raise ValueError naming the file and line of a damaged record of a metrics file other than its last (which
+    a resume drops): checked when a run is claimed for --resume, before the model loads."""
+    if path.is_file():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the last line's warning comes when the logger drops it
+            _parse_lines(path)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -11,7 +11,6 @@ import time
 import pytest
 
 from logitless.rewards import RewardFunctionError, get_reward_fn, score_completions
-from logitless.rewards.scoring import bounds_own_time
 from logitless.trainer.config import ConfigError, load_train_config
 from tests.test_rundir import _e2e_cfg, _tiny_train, tok  # noqa: F401  (fixture)
 
@@ -140,6 +139,8 @@ def test_off_the_main_thread_the_call_is_abandoned_at_the_limit():
 
 
 def test_the_builtins_bound_their_own_time_and_are_not_limited():
+    from logitless.rewards.scoring import bounds_own_time
+
     assert bounds_own_time(get_reward_fn("numeric_answer"))
     assert bounds_own_time(get_reward_fn("math_verify", timeout_seconds=1))  # options bound: a partial
     assert not bounds_own_time(Hang())

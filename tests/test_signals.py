@@ -18,7 +18,6 @@ import yaml
 
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer import loop as loop_mod
-from logitless.trainer.signals import StopNow
 from tests.conftest import sigint_handler, start_with_sigint, subprocess_env
 from tests.test_cli import _config, tiny_folder  # noqa: F401  (fixture)
 from tests.test_rundir import _e2e_cfg, _tiny_train, tok  # noqa: F401  (fixture)
@@ -61,7 +60,7 @@ def test_ctrl_c_while_a_reward_hangs_says_at_once_and_the_second_stops(tmp_path,
     (tmp_path / "hung_rewards.py").write_text(HANGING_REWARD.format(marker=str(marker)))
     cfg_path = _config(tmp_path, tiny_folder, max_steps=5)
     cfg = yaml.safe_load(cfg_path.read_text())
-    cfg["reward"] = {"reward_funcs": ["numeric_answer", "hung_rewards:hang"], "timeout_s": None}  # it hangs for good
+    cfg["reward"] = {"reward_funcs": ["numeric_answer", "hung_rewards:hang"]}  # reward.timeout_s: 300 s, not reached
     cfg_path.write_text(yaml.safe_dump(cfg))
     env = subprocess_env(OMP_NUM_THREADS="1")
     env["PYTHONPATH"] += os.pathsep + str(tmp_path)
@@ -105,6 +104,8 @@ def _kill_at(*when: tuple[str, int, int]):
 
 
 def test_a_second_signal_stops_at_once_without_saving(tmp_path, tok, capfd):
+    from logitless.trainer.signals import StopNow
+
     run = tmp_path / "run"
     hook = _kill_at(("after_update", 1, signal.SIGINT), ("after_update", 1, signal.SIGINT))
     with sigint_handler(signal.default_int_handler), pytest.raises(StopNow) as e:
@@ -122,6 +123,8 @@ def test_a_second_signal_stops_at_once_without_saving(tmp_path, tok, capfd):
 
 
 def test_ctrl_c_before_training_starts_stops_at_once(tmp_path, tok, capfd, monkeypatch):
+    from logitless.trainer.signals import StopNow
+
     real = loop_mod.build_context
 
     def interrupted_load(*args, **kw):

@@ -199,8 +199,9 @@ def _train(
             sc = scored.scores
             report_reward_errors(step, sc.names, sc.num_errors, sc.error_texts, len(ro.sample_rows))
             hook("after_rollout", step)
-            stop.requested = agree(stop.commit_step(), ctx.device)  # a signal to any rank stops all of them
-            if stop.requested:  # nothing trained yet: drop this step
+            dropped = agree(stop.commit_step(), ctx.device)  # a signal to any rank before the update began
+            if dropped:  # nothing trained yet: every rank drops this step
+                stop.requested = stop.requested or dropped
                 drop_step(ctx, result, step, rewind)
                 break
             check_empty(ctx, ro, step)
@@ -214,8 +215,9 @@ def _train(
             log_step(ctx, result, step, step_record(ctx, ro, scored, plan, upd, timer), ro, scored)
             if run is not None:
                 run.first_step_done()  # --overwrite: the run it replaces goes now
-            stop.requested = agree(stop.requested, ctx.device)
-            if checkpoint_and_stop(ctx, result, step, bool(stop.requested)):
+            agreed = agree(stop.requested, ctx.device)  # the ranks decide together; a signal that comes meanwhile
+            stop.requested = stop.requested or agreed  # stays requested, for the next decision
+            if checkpoint_and_stop(ctx, result, step, bool(agreed)):
                 break
         result.interrupted = stop.requested
         finished = True

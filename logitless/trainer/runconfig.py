@@ -3,7 +3,7 @@
 A resume may change how long and where the run goes and what it logs: `train.max_steps` (unless the learning-rate
 schedule depends on it: cosine decay or `optim.warmup_ratio`), `train.max_minutes`, `train.output_dir`,
 `train.num_threads`, `rollout.num_threads`, `rollout.profile`, `model.device` and every key of `logging`,
-`checkpoint` and `eval`. Any other change would train the next steps unlike the earlier ones, so it is refused
+`checkpoint` and `eval` (and `train.fsdp_offload`, whose checkpoint layout is checked on its own). Any other change would train the next steps unlike the earlier ones, so it is refused
 unless allowed (`--allow-config-change`; `rundir.claim_run_dir` keeps the run's config and saves the new one
 beside it).
 """
@@ -15,8 +15,9 @@ from typing import Any
 from logitless.configlib import to_dict
 from logitless.trainer.config import OptimConfig, TrainerConfig
 
+# train.fsdp_offload changes how a checkpoint is laid out, which `dcp.check_layout` refuses with its own fix
 FREE_KEYS = ("train.max_minutes", "train.output_dir", "train.num_threads", "rollout.num_threads", "rollout.profile",
-             "model.device")
+             "model.device", "train.fsdp_offload")
 FREE_SECTIONS = ("logging.", "checkpoint.", "eval.")
 _ABSENT = "(not set)"
 

@@ -48,11 +48,12 @@ def _run_config(path: str | None, flag: str) -> Path | None:
         return None
     from logitless.trainer import checkpoint as ckpt
     from logitless.trainer.rundir import run_dir_of_checkpoint
+    from logitless.trainer.runconfig import current_config
 
     folder = run_dir_of_checkpoint(path)
     if not folder.is_dir():
         return None
-    found = ckpt.current_config(folder)
+    found = current_config(folder)
     if found is not None:
         return found
     copies = sorted(folder.glob(f"checkpoints/{ckpt.STEP_PREFIX}*/{ckpt.RUN_CONFIG}"))

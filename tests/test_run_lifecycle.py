@@ -20,6 +20,7 @@ from logitless.trainer import loop as loop_mod
 from logitless.trainer.config import load_train_config, to_yaml
 from logitless.trainer.metrics import read_metrics
 from logitless.trainer.rundir import LOCK_FILE, RunDirError, claim_run_dir
+from logitless.trainer.runconfig import current_config
 from tests.test_cli import _config, tiny_folder  # noqa: F401  (fixture)
 from tests.test_rundir import (  # noqa: F401  (fixtures)
     _cli,
@@ -177,7 +178,7 @@ def test_an_allowed_change_keeps_the_config_and_saves_the_new_one_beside_it(tmp_
     result = _tiny_train(changed, tok, resume=run, allow_config_change=True)
     assert result.step == 2 and (run / "config.yaml").read_text() == original
     saved = load_train_config(run / "config.from-step-000002.yaml")
-    assert saved.optim.learning_rate == 0.001 and ckpt.current_config(run).name == "config.from-step-000002.yaml"
+    assert saved.optim.learning_rate == 0.001 and current_config(run).name == "config.from-step-000002.yaml"
     assert result.records[0]["learning_rate"] == 0.001
     copy = yaml.safe_load((run / "checkpoints" / "step-000002" / "config.yaml").read_text())
     assert copy["optim"]["learning_rate"] == 0.001  # the checkpoint says what its weights were trained with

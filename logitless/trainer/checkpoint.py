@@ -18,9 +18,8 @@ leaves it to the next save, or to `clean_temporaries`) and says why in one line.
 the manifest and falls back to the newest valid checkpoint, with a warning naming the bad file, when the latest one
 (or the `latest` pointer itself) is damaged.
 
-The run's config: `config.yaml` holds the config a run started with; a resume with changed settings
-(`--allow-config-change`) keeps it and writes the new config beside it as `config.from-step-000021.yaml` (the first
-step it trained). `current_config(run)` is the newest of them.
+A checkpoint copies the run's current config (`runconfig.current_config`: config.yaml, or the newest
+config.from-step-N.yaml a resume with changed settings wrote beside it).
 """
 
 from __future__ import annotations
@@ -41,12 +40,11 @@ import numpy as np
 import torch
 
 from logitless.trainer.modeling import is_peft_model
+from logitless.trainer.runconfig import RUN_CONFIG, current_config
 
 LATEST = "latest"
 STEP_PREFIX = "step-"
 MANIFEST = "manifest.json"
-RUN_CONFIG = "config.yaml"
-CHANGED_CONFIG_PREFIX, CHANGED_CONFIG_SUFFIX = "config.from-step-", ".yaml"  # config.from-step-000021.yaml
 TMP_PREFIX, OLD_PREFIX = ".tmp-", ".old-"  # a folder being written; a re-saved step's previous folder
 
 
@@ -56,29 +54,6 @@ class CheckpointError(RuntimeError):
 
 def step_dirname(step: int) -> str:
     return f"{STEP_PREFIX}{step:06d}"
-
-
-def changed_config_name(from_step: int) -> str:
-    """File name of a config that applies from step `from_step` on (a resume with changed settings)."""
-    return f"{CHANGED_CONFIG_PREFIX}{from_step:06d}{CHANGED_CONFIG_SUFFIX}"
-
-
-def config_files(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """(first step, file) of each config of run folder `run_dir`, oldest first: config.yaml (step 1), then each
-    config.from-step-N.yaml."""
-    run_dir = Path(run_dir)
-    out = [(1, run_dir / RUN_CONFIG)] if (run_dir / RUN_CONFIG).is_file() else []
-    for f in run_dir.glob(f"{CHANGED_CONFIG_PREFIX}*{CHANGED_CONFIG_SUFFIX}"):
-        digits = f.name[len(CHANGED_CONFIG_PREFIX):-len(CHANGED_CONFIG_SUFFIX)]
-        if digits.isdigit() and f.is_file():
-            out.append((int(digits), f))
-    return sorted(out)
-
-
-def current_config(run_dir: str | Path) -> Path | None:
-    """The config a run trains with now: its newest config file, None when it has none."""
-    files = config_files(run_dir)
-    return files[-1][1] if files else None
 
 
 def _open_for_write(path: Path):

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.modeling import is_peft_model
 from logitless.trainer.parallel import World
+from logitless.trainer.runconfig import current_config
 
 DCP_DIR = "dcp"
 
@@ -157,7 +158,7 @@ def _finish(
     state = {"step": step, "world_size": world.size, **trainer_state}
     text = json.dumps(state, indent=1).encode()
     ckpt._write_file(tmp / "trainer_state.json", lambda f: f.write(text))
-    run_config = ckpt.current_config(root.parent)
+    run_config = current_config(root.parent)
     if run_config is not None:
         config = run_config.read_bytes()
         ckpt._write_file(tmp / ckpt.RUN_CONFIG, lambda f: f.write(config))

@@ -38,7 +38,15 @@ from typing import Any, NoReturn
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.config import ConfigError, TrainerConfig, load_train_config, to_yaml
 from logitless.trainer.metrics import METRICS_FILE, check_metrics_file
-from logitless.trainer.runconfig import changes_training, config_differences, describe
+from logitless.trainer.runconfig import (
+    CHANGED_CONFIG_PREFIX,
+    CHANGED_CONFIG_SUFFIX,
+    changed_config_name,
+    changes_training,
+    config_differences,
+    current_config,
+    describe,
+)
 
 LOCK_FILE = ".lock"
 # What a `logitless train` run writes into its folder (and config.from-step-N.yaml); only these are replaced by
@@ -51,7 +59,7 @@ BOOKKEEPING = (REPLACED, RESTORING, DISCARDED)
 
 def is_run_file(name: str) -> bool:
     """A file or folder a run writes into its run folder."""
-    return name in RUN_FILES or (name.startswith(ckpt.CHANGED_CONFIG_PREFIX) and name.endswith(ckpt.CHANGED_CONFIG_SUFFIX))
+    return name in RUN_FILES or (name.startswith(CHANGED_CONFIG_PREFIX) and name.endswith(CHANGED_CONFIG_SUFFIX))
 
 
 class RunDirError(RuntimeError):
@@ -345,7 +353,7 @@ def _plan_config(run: RunDir, step: int, allow_change: bool) -> None:
     needs `allow_change` (else RunDirError listing the changes). Model weight keys are left to `check_resume`."""
     from logitless.trainer.preflight import WEIGHT_KEYS
 
-    current = ckpt.current_config(run.path)
+    current = current_config(run.path)
     copy = run.resume_from / ckpt.RUN_CONFIG if run.resume_from is not None else None
     baseline = current or (copy if copy is not None and copy.is_file() else None)
     if baseline is None:  # nothing to compare with: the given config becomes the run's
@@ -363,7 +371,7 @@ def _plan_config(run: RunDir, step: int, allow_change: bool) -> None:
     if not training:
         run.config_file = (current or run.path / ckpt.RUN_CONFIG) if diffs or current is None else None
         return
-    new = run.path / ckpt.changed_config_name(step + 1)
+    new = run.path / changed_config_name(step + 1)
     if not allow_change:
         raise RunDirError(
             f"--resume {run.path}: this config changes what the run trains, against its own config "

@@ -88,8 +88,11 @@ def test_a_killed_overwrite_is_put_back_by_the_next_claim(earlier_run):
     (earlier_run / "config.yaml").write_text("the new run's config\n")  # the new run had started writing
     os.close(run._fd)  # the process dies: its lock goes, nothing is put back
     assert [p.name for p in _overwritten(earlier_run)] and (earlier_run / "config.yaml").read_text() != ""
-    with pytest.warns(UserWarning, match="an earlier --overwrite of this folder stopped before its new run finished"):
+    with pytest.warns(UserWarning) as said:
         claim_run_dir(_run_cfg(earlier_run, "train.max_steps=4"), resume=earlier_run).release()
+    said = [str(w.message) for w in said]
+    assert len(said) == 2 and "taking over the stale lock" in said[0]
+    assert "an earlier --overwrite of this folder stopped before its new run finished a step" in said[1]
     assert _snapshot(earlier_run) == before and not _overwritten(earlier_run)
 
 

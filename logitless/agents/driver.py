@@ -26,7 +26,7 @@ from logitless.agents.runner import Outcome, run_tasks
 from logitless.agents.templates import (CHAT_FORMATS, ChatBridge, detect_format, is_special, load_template,
                                         renders_tools, tool_call_message)
 from logitless.agents.tools import (Tool, ToolResult, ToolSet, calculator_tool, check_arguments, cut_middle,
-                                    error_text, function_tool, run_call)
+                                    error_text, function_tool, load_function, run_call)
 from logitless.rollout.episodes import EpisodeRecord, TurnEnd
 
 RAW_STOP = "</call>"
@@ -41,6 +41,8 @@ class Agent:
         self.tokenizer, self.options = tokenizer, options
         self.toolset = ToolSet()
         for spec in options.tools:
+            if spec not in ("calculator", "python"):
+                spec = load_function(spec, "agent.tools")
             name = spec if isinstance(spec, str) else getattr(spec, "__name__", "")
             opts = dict(options.tool_options.get(name, {}))
             if spec == "calculator":

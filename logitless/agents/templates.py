@@ -168,7 +168,8 @@ class ChatBridge:
             call = {"type": "function", "function": {"name": name, "arguments": {"x": "2 + 3"}}, "id": "call00001"}
             steps.append(([{"role": "assistant", "content": "", "tool_calls": [call]}], "model"))
             steps.append(([{"role": "tool", "name": name, "content": "5", "tool_call_id": "call00001"}], "driver"))
-        steps.append(([{"role": "assistant", "content": "The answer is 5."}], "model"))
+        # reasoning in the answer: templates that drop earlier reasoning once a user message follows are refused
+        steps.append(([{"role": "assistant", "content": "<think>\n2 + 3 = 5\n</think>\n\nThe answer is 5."}], "model"))
         if user_turns:
             steps.append(([{"role": "user", "content": "Correct. Now 4 + 4?"}], "driver"))
             steps.append(([{"role": "assistant", "content": "8"}], "model"))

@@ -137,7 +137,8 @@ def _describe(v: Any) -> str:
 
 
 def check_value(value: Any, schema: dict[str, Any], where: str) -> tuple[Any, str | None]:
-    """(value, None) when `value` fits the schema (integers given as 3.0 become 3), else (value, the reason)."""
+    """(value, None) when `value` fits the schema (integers given as 3.0 become 3), else (value, the reason);
+    `where` names the value in the reason (e.g. "tags[0]")."""
     if value is None and schema.get("nullable"):
         return None, None
     if "anyOf" in schema:
@@ -145,22 +146,22 @@ def check_value(value: Any, schema: dict[str, Any], where: str) -> tuple[Any, st
             v, err = check_value(value, option, where)
             if err is None:
                 return v, None
-        return value, f"{where} must match one of {[o.get('type', 'any') for o in schema['anyOf']]}, got {_describe(value)}"
+        return value, f"'{where}' must match one of {[o.get('type', 'any') for o in schema['anyOf']]}, got {_describe(value)}"
     if "enum" in schema and value not in schema["enum"]:
-        return value, f"{where} must be one of {schema['enum']}, got {_describe(value)}"
+        return value, f"'{where}' must be one of {schema['enum']}, got {_describe(value)}"
     kinds = schema.get("type")
     if kinds is None:
         return value, None
     kinds = [kinds] if isinstance(kinds, str) else list(kinds)
     kind = next((k for k in kinds if _JSON_TYPES.get(k, lambda v: False)(value)), None)
     if kind is None:
-        return value, f"{where} must be {' or '.join(kinds)}, got {_describe(value)}"
+        return value, f"'{where}' must be {' or '.join(kinds)}, got {_describe(value)}"
     if kind == "integer" and isinstance(value, float):
         value = int(value)
     if kind == "array":
         items, prefix = schema.get("items"), schema.get("prefixItems")
         if prefix is not None and len(value) != len(prefix):
-            return value, f"{where} must have {len(prefix)} items, got {len(value)}"
+            return value, f"'{where}' must have {len(prefix)} items, got {len(value)}"
         out = []
         for i, item in enumerate(value):
             sub = prefix[i] if prefix is not None else items
@@ -204,9 +205,9 @@ def check_arguments(tool: Tool, arguments: dict[str, Any], positional: list[Any]
     if missing:
         return args, f"{tool.name}() is missing the required argument '{missing[0]}'"
     for k in list(args):
-        args[k], err = check_value(args[k], props[k], f"argument '{k}' of {tool.name}()")
+        args[k], err = check_value(args[k], props[k], k)
         if err:
-            return args, err
+            return args, f"{tool.name}(): argument {err}"
     return args, None
 
 

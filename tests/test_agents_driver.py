@@ -325,6 +325,18 @@ def test_raw_protocol_with_a_base_model_tokenizer(gpt2_tokenizer):
     assert (recs[1].tool_calls, recs[1].tool_errors) == (1, 1)
 
 
+def test_raw_calls_continue_only_when_call_ended_the_turn():
+    tok = byte_tokenizer(["<|endoftext|>"], eos="<|endoftext|>")
+    driver = _agent(tok, tools=["calculator"]).driver([PromptRow("Q: ")], 3)
+    driver.begin(3, 3)
+    out = driver.respond([TurnEnd(0, ids(tok, '<call>calculator(expression="1+1")'), "eos", 99),
+                          TurnEnd(1, ids(tok, "<call>calculator(expression="), "length", 99),
+                          TurnEnd(2, ids(tok, "<call>calculator(1+)</call>"), "stop", 9999)])
+    assert out[:2] == [None, None] and tok.decode(out[2]).startswith("<result>Error: cannot read the call")
+    recs = [e.record for e in driver.episodes]
+    assert [r.truncated for r in recs] == [False, True, False] and [r.tool_calls for r in recs] == [0, 0, 1]
+
+
 def test_raw_environment_appends_observations_as_text():
     tok = byte_tokenizer(["<|endoftext|>"], eos="<|endoftext|>")
     agent = _agent(tok, environment="tests.test_agents_driver:CountDown", env_options={"start": 2})

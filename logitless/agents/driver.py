@@ -23,8 +23,8 @@ from logitless.agents.options import AgentOptions
 from logitless.agents.parsing import PARSERS, ParsedTurn, ToolCall
 from logitless.agents.python_tool import python_tool
 from logitless.agents.runner import Outcome, run_tasks
-from logitless.agents.templates import (CHAT_FORMATS, ChatBridge, detect_format, is_special, load_template,
-                                        renders_tools, tool_call_message)
+from logitless.agents.templates import (CHAT_FORMATS, ChatBridge, detect_format, load_template, renders_tools,
+                                        special_ids, tool_call_message)
 from logitless.agents.tools import (Tool, ToolResult, ToolSet, calculator_tool, check_arguments, cut_middle,
                                     error_text, function_tool, load_function, run_call)
 from logitless.rollout.episodes import EpisodeRecord, TurnEnd
@@ -93,7 +93,8 @@ class Agent:
             else:
                 where = "agent.chat_template" if opts.chat_template else "the tokenizer's chat template"
                 raise ValueError(f"{where} cannot render tools ({missing}); set agent.chat_template to a "
-                                 "tool-capable jinja file (for ChatML/Qwen models: qwen2.5)")
+                                 "tool-capable jinja file (for ChatML/Qwen models: qwen2.5), or agent.format=raw "
+                                 "for raw-text prompts")
         try:
             bridge = ChatBridge(tok, template, self.toolset.schemas, fmt)
             bridge.check(tools=tools, user_turns=self.env is not None)
@@ -146,7 +147,8 @@ class _Plan:
     parsed: ParsedTurn
     continuable: bool
     results: list[ToolResult | None] = field(default_factory=list)  # one per call
-    step: Any = None  # the environment's (observation, reward, done), or an Outcome that failed
+    step_text: str = ""  # what the environment's step() reads (a turn without calls)
+    step_out: Outcome | None = None  # how step() ended
 
 
 class AgentDriver:
@@ -162,6 +164,7 @@ class AgentDriver:
         self.max_turn_tokens: int | None = self.options.max_turn_tokens
         self._ids = (f"{n:09d}" for n in itertools.count())  # call ids where the model wrote none (9 digits)
         self._warned = False
+        self._special = special_ids(tok)
         keys = ["observation_tokens", "tool_timeouts", "tool_outputs_cut"] + (["env_errors"] if agent.env else [])
         self.episodes = [_Episode(EpisodeRecord(metrics=dict.fromkeys(keys, 0.0)))
                          for _ in range(len(self.rows) * num_generations)]
@@ -224,7 +227,7 @@ class AgentDriver:
     def finish(self) -> list[EpisodeRecord]:
         env = self.agent.env
         if env is not None and (env.has_reward or env.has_close):
-            outs = run_tasks([lambda e=ep.env: _end(e, env.has_reward, env.has_close) for ep in self.episodes],
+            outs = run_tasks([lambda e=ep.env: _final_reward(e, env.has_reward, env.has_close) for ep in self.episodes],
                              [self.options.tool_timeout_s] * len(self.episodes), self.options.max_parallel_tools)
             for ep, out in zip(self.episodes, outs):
                 if out.error is not None or out.timed_out:
@@ -246,7 +249,7 @@ class AgentDriver:
         tok = self.agent.tokenizer
         ids = list(t.ids)
         closed = bool(ids) and ids[-1] in self.turn_end_ids
-        body = ids[:-1] if ids and is_special(tok, ids[-1]) else ids
+        body = ids[:-1] if ids and ids[-1] in self._special else ids
         text = tok.decode(body, skip_special_tokens=False)
         if t.ended in ("length", "budget"):  # cut by a budget: a half-written turn is not a call
             ep.record.messages.append({"role": "assistant", "content": text.strip()})
@@ -259,7 +262,9 @@ class AgentDriver:
         if good:
             message["tool_calls"] = [tool_call_message(c.name, c.arguments, c.id) for c in good]  # type: ignore[arg-type]
         ep.record.messages.append(message)
-        continuable = self.format == "raw" or closed
+        # chat: only a turn closed by the template's end-of-turn token continues token-exactly; raw: a call
+        # continues only when its </call> ended the turn (an EOS after an unclosed call ends the episode)
+        continuable = closed if self.format != "raw" else (t.ended == "stop" or not parsed.calls)
         if parsed.calls:
             if not continuable:  # ended by another EOS or a stop string: the model ended the conversation
                 return self._end(ep)
@@ -269,7 +274,7 @@ class AgentDriver:
         if self.agent.env is None:
             return self._end(ep)
         content = tok.decode(body, skip_special_tokens=True)
-        return _Plan(t, ParsedTurn(content, []), continuable, step=content)
+        return _Plan(t, ParsedTurn(content, []), continuable, step_text=content)
 
     def _run(self, plans: list[_Plan | None]) -> None:
         """Run every call and environment step of these turns concurrently (see runner.run_tasks)."""
@@ -280,9 +285,9 @@ class AgentDriver:
                 continue
             ep = self.episodes[p.turn.row]
             if not p.parsed.calls:  # an environment step
-                tasks.append(lambda e=ep.env, text=p.step: e.step(text))
+                tasks.append(lambda e=ep.env, text=p.step_text: e.step(text))
                 timeouts.append(self.options.tool_timeout_s)
-                sinks.append(lambda out, p=p: setattr(p, "step", out))
+                sinks.append(lambda out, p=p: setattr(p, "step_out", out))
                 continue
             chain = []  # environment-method calls of this episode: one after another, in the model's order
             for k, call in enumerate(p.parsed.calls):
@@ -356,8 +361,9 @@ class AgentDriver:
                          for c in p.parsed.calls]  # type: ignore[arg-type]
                 ids = self.agent.bridge.tool_suffix(calls, msgs)  # type: ignore[union-attr]
         else:
-            out = p.step
-            if isinstance(out, Outcome) and (out.error is not None or out.timed_out):
+            out = p.step_out
+            assert out is not None
+            if out.error is not None or out.timed_out:
                 self._env_error(ep, "step", out)
                 return self._end(ep)
             obs, reward, done = check_step(self.agent.env.name, out.value)  # type: ignore[union-attr]
@@ -395,7 +401,8 @@ class AgentDriver:
                           "episode metric env_errors; further errors of this rollout are not warned)", stacklevel=3)
 
 
-def _end(env: Any, reward: bool, close: bool) -> float | None:
+def _final_reward(env: Any, reward: bool, close: bool) -> float | None:
+    """`env.reward()` (None without one), then `env.close()` if it has one."""
     try:
         return env.reward() if reward else None
     finally:

@@ -59,10 +59,15 @@ def detect_format(template: str | None, tokenizer: Any) -> str | None:
     return None
 
 
+def special_ids(tokenizer: Any) -> set[int]:
+    """The ids of the tokenizer's special tokens (added tokens marked special, and bos/eos/pad/...)."""
+    ids = {int(i) for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return ids | {int(i) for i in tokenizer.all_special_ids}
+
+
 def is_special(tokenizer: Any, token_id: int) -> bool:
     """Whether `token_id` is a special token (never produced by encoding ordinary text)."""
-    added = tokenizer.added_tokens_decoder.get(int(token_id))
-    return bool(added is not None and added.special) or int(token_id) in set(tokenizer.all_special_ids)
+    return int(token_id) in special_ids(tokenizer)
 
 
 class ChatBridge:

@@ -1,4 +1,4 @@
-"""Tokenizers and chat templates of the agent tests, built here (no files needed).
+"""Tokenizers, chat templates, tools and environments of the agent tests, built here (no files needed).
 
 `byte_tokenizer` is a byte-level BPE without merges (one token per byte) plus the given special tokens: every
 text has one encoding, so it tests the bridge's logic; the real Qwen2.5 tokenizer (shared/) tests BPE seams.
@@ -6,6 +6,8 @@ text has one encoding, so it tests the bridge's logic; the real Qwen2.5 tokenize
 
 from __future__ import annotations
 
+import json
+import threading
 from typing import Any
 
 CHATML_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
@@ -151,3 +153,167 @@ def chatml_tokenizer(template: str = CHATML_TEMPLATE) -> Any:
 def ids(tok: Any, text: str) -> list[int]:
     """`text` as the model would sample it (special tokens written out become their ids)."""
     return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def make_agent(tok: Any = None, **kw: Any) -> Any:
+    """An Agent with these AgentOptions (default tokenizer: byte-level ChatML)."""
+    from logitless.agents import Agent, AgentOptions
+
+    return Agent(tok or chatml_tokenizer(), AgentOptions(**kw))
+
+
+def call_text(name: str | None, args: dict | None = None, raw: str | None = None) -> str:
+    """A sampled Hermes turn calling `name` with `args` (or the call body `raw`), ending with <|im_end|>."""
+    body = raw if raw is not None else '{"name": "%s", "arguments": %s}' % (name, json.dumps(args or {}))
+    return f"<tool_call>\n{body}\n</tool_call><|im_end|>"
+
+
+def run_turns(driver: Any, tok: Any, texts: list, room: int = 100_000, ended: str = "eos") -> list:
+    """One respond() for all rows at once: texts[row] is the sampled text of that row's turn."""
+    from logitless.rollout.episodes import TurnEnd
+
+    turns = [TurnEnd(r, ids(tok, t), ended, room) for r, t in enumerate(texts) if t is not None]
+    return driver.respond(turns)
+
+
+def tool_text(driver: Any, row: int = 0, k: int = -1) -> str:
+    """The content of a row's k-th tool message."""
+    return [m for m in driver.episodes[row].record.messages if m["role"] == "tool"][k]["content"]
+
+
+# ---------------------------------------------------------------------------------------------- tools and environments
+
+HANG = threading.Event()  # never set while a test runs: a tool waiting on it hangs
+
+
+class CountDown:
+    """Say the numbers from `start` down to 1, one per turn; +1 per right number, 0.5 at the end."""
+
+    def __init__(self, start: int = 3) -> None:
+        self.start = start
+        self.closed = False
+
+    def reset(self, row: dict) -> str:
+        self.next = self.start
+        return f"Start at {self.start}."
+
+    def step(self, text: str) -> tuple[str | None, float | None, bool]:
+        if text.strip() != str(self.next):
+            return "Wrong.", -1.0, True
+        self.next -= 1
+        return (None, 1.0, True) if self.next == 0 else (f"Now {self.next}.", 1.0, False)
+
+    def reward(self) -> float:
+        return 0.5
+
+
+class Vault:
+    """A per-episode secret the model finds with a tool; `step` ends the episode, rewarding the right guess."""
+
+    tools = ["peek"]
+
+    def __init__(self, secret: int = 7) -> None:
+        self.secret, self.peeks = secret, 0
+
+    def reset(self, row: dict) -> None:
+        self.secret = int(row.get("secret", self.secret))
+        return None
+
+    def peek(self, digit: int) -> str:
+        """Whether the secret is above a number.
+
+        Args:
+            digit: The number to compare with.
+        """
+        self.peeks += 1
+        return "above" if self.secret > digit else "not above"
+
+    def step(self, text: str) -> tuple[str | None, float | None, bool]:
+        return None, float(text.strip() == str(self.secret)), True
+
+
+def slow(seconds: float) -> str:
+    """Wait.
+
+    Args:
+        seconds: How long.
+    """
+    HANG.wait(seconds)
+    return "done"
+
+
+def huge(n: int) -> str:
+    """A long text.
+
+    Args:
+        n: Its length.
+    """
+    return "x" * n
+
+
+def boom(x: int) -> int:
+    """Fail.
+
+    Args:
+        x: Anything.
+    """
+    raise RuntimeError(f"no {x}")
+
+
+class NoStep:
+    def reset(self, row):
+        return None
+
+
+class BadTools(Vault):
+    tools = ["peak"]
+
+
+class UndocumentedTool(Vault):
+    def peek(self, digit):  # no hints, no docstring
+        return "?"
+
+
+class Random:
+    def __init__(self) -> None:
+        import random
+
+        self.first = str(random.random())
+
+    def reset(self, row):
+        return self.first
+
+    def step(self, text):
+        return None, None, True
+
+
+class RaisingReset(CountDown):
+    def reset(self, row):
+        raise KeyError("id")
+
+
+class BadStep(CountDown):
+    def step(self, text):
+        return "only an observation"
+
+
+class RaisingStep(CountDown):
+    def step(self, text):
+        raise KeyError("broken")
+
+
+class HangingStep(CountDown):
+    def step(self, text):
+        HANG.wait(60)
+        return None, None, True
+
+
+class Quiet(CountDown):
+    def step(self, text):
+        return None, None, True
+
+    def reward(self):
+        return None
+
+    def close(self):
+        self.closed = True

@@ -77,7 +77,7 @@ def test_format_detection_and_tool_rendering_probe():
 def test_the_plain_chatml_template_is_replaced_by_the_shipped_one_only_when_tools_need_it():
     tok = chatml_tokenizer()
     assert Agent(tok, AgentOptions(tools=["calculator"])).bridge.template == load_template("qwen2.5")
-    env_only = Agent(tok, AgentOptions(environment="tests.test_agents_driver:CountDown"))
+    env_only = Agent(tok, AgentOptions(environment="tests.agent_fixtures:CountDown"))
     assert env_only.bridge.template == tok.chat_template and env_only.bridge.turn_end_texts == ["<|im_end|>"]
 
 
@@ -94,11 +94,11 @@ def test_turn_end_ids_per_family():
 
 def test_templates_that_are_not_append_only_are_refused():
     with pytest.raises(ValueError, match="agent.chat_template: the chat template is not append-only"):
-        Agent(chatml_tokenizer(COUNTING_TEMPLATE), AgentOptions(environment="tests.test_agents_driver:CountDown"))
+        Agent(chatml_tokenizer(COUNTING_TEMPLATE), AgentOptions(environment="tests.agent_fixtures:CountDown"))
     # dropping earlier reasoning matters once a user message (an environment observation) follows
     with pytest.raises(ValueError, match="not append-only"):
         Agent(chatml_tokenizer(DROPS_REASONING_TEMPLATE),
-              AgentOptions(environment="tests.test_agents_driver:CountDown"))
+              AgentOptions(environment="tests.agent_fixtures:CountDown"))
 
 
 def test_templates_that_cannot_render_tools_or_turn_ends_are_refused(tmp_path):
@@ -115,7 +115,7 @@ def test_templates_that_cannot_render_tools_or_turn_ends_are_refused(tmp_path):
     tok = chatml_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     with pytest.raises(ValueError, match="holds no special token"):
-        Agent(tok, AgentOptions(environment="tests.test_agents_driver:CountDown", format="hermes"))
+        Agent(tok, AgentOptions(environment="tests.agent_fixtures:CountDown", format="hermes"))
 
 
 # ---------------------------------------------------------------------------------------------- token exactness
@@ -176,7 +176,7 @@ def test_prompt_turns_and_observations_equal_the_whole_conversation_rendered(fam
 def test_environment_observations_are_exact_user_turns(family):
     tok = chatml_tokenizer() if family == "chatml" else llama_tokenizer()
     end = "<|im_end|>" if family == "chatml" else "<|eot_id|>"
-    agent = Agent(tok, AgentOptions(environment="tests.test_agents_driver:CountDown", env_options={"start": 2}))
+    agent = Agent(tok, AgentOptions(environment="tests.agent_fixtures:CountDown", env_options={"start": 2}))
     prompt = [{"role": "user", "content": "Count down."}]
     driver = agent.driver([PromptRow(prompt, {"id": 1})], 1)
     driver.begin(1, 1)

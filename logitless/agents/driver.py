@@ -165,6 +165,7 @@ class AgentDriver:
         self._ids = (f"{n:09d}" for n in itertools.count())  # call ids where the model wrote none (9 digits)
         self._warned = False
         self._special = special_ids(tok)
+        self._records: list[EpisodeRecord] | None = None  # set by finish()
         keys = ["observation_tokens", "tool_timeouts", "tool_outputs_cut"] + (["env_errors"] if agent.env else [])
         self.episodes = [_Episode(EpisodeRecord(metrics=dict.fromkeys(keys, 0.0)))
                          for _ in range(len(self.rows) * num_generations)]
@@ -196,10 +197,15 @@ class AgentDriver:
         G, firsts = self.num_generations, []
         for g in range(G):
             ep = self.episodes[i * G + g]
-            ep.env = env.make()
             fields = dict(getattr(row, "fields", {}) or {})
             fields.setdefault("prompt", row.prompt)
-            firsts.append(check_first(env.name, ep.env.reset(fields)))
+            try:
+                ep.env = env.make()
+                first = ep.env.reset(fields)
+            except Exception as e:
+                raise RuntimeError(f"agent.environment: building or resetting {env.name} for prompt {i} failed "
+                                   f"({type(e).__name__}: {e})") from e
+            firsts.append(check_first(env.name, first))
         if any(f != firsts[0] for f in firsts):
             raise ValueError(f"agent.environment: {env.name}.reset() gave the {G} episodes of prompt {i} different "
                              "first observations; GRPO compares samples of one state, so seed any randomness of "
@@ -225,6 +231,8 @@ class AgentDriver:
         return [None if p is None else self._answer(p) for p in plans]
 
     def finish(self) -> list[EpisodeRecord]:
+        if self._records is not None:
+            return self._records
         env = self.agent.env
         if env is not None and (env.has_reward or env.has_close):
             outs = run_tasks([lambda e=ep.env: _final_reward(e, env.has_reward, env.has_close) for ep in self.episodes],
@@ -241,6 +249,7 @@ class AgentDriver:
             ep.record.reward = sum(ep.rewards) if ep.rewards else None
             ep.done, ep.env = True, None
             records.append(ep.record)
+        self._records = records
         return records
 
     # -- one turn --------------------------------------------------------------------------------------------
@@ -335,6 +344,8 @@ class AgentDriver:
 
     @staticmethod
     def _store_batch(items: list[tuple[_Plan, int, dict[str, Any]]], tool: Tool, out: Outcome) -> None:
+        if out.error is not None:  # the tool's machinery (the sandbox) failed, not the model's programs
+            raise RuntimeError(f"the {tool.name} tool failed ({type(out.error).__name__}: {out.error})") from out.error
         values = out.value if isinstance(out.value, list) and len(out.value) == len(items) else None
         for j, (p, k, _) in enumerate(items):
             p.results[k] = values[j] if values is not None and not out.timed_out else _failed(tool, out)

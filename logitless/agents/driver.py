@@ -72,6 +72,8 @@ class Agent:
         if opts.format == "raw":
             return None, None
         own = getattr(tok, "chat_template", None)
+        if isinstance(own, dict):  # named templates: the tool-use one when there are tools
+            own = (self.toolset and own.get("tool_use")) or own.get("default")
         own = own if isinstance(own, str) and own else None
         template = load_template(opts.chat_template) if opts.chat_template else own
         if template is None:

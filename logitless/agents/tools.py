@@ -235,7 +235,7 @@ def calculator_tool(options: dict[str, Any], timeout_s: float) -> Tool:
     calc = Calculator(**options)
 
     def calculator(expression: str) -> str:
-        """Evaluate an arithmetic expression exactly (integers of any size, exact decimals and fractions).
+        """Evaluate an arithmetic expression exactly (big integers, exact decimals and fractions).
 
         Args:
             expression: The expression, using numbers, + - * / // % ** and parentheses, e.g. "123 * (45 + 6)".

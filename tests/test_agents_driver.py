@@ -308,3 +308,25 @@ def test_python_tool_runs_code_in_the_sandbox():
     assert "Error: the program ran longer than 2 s" in texts[3]
     recs = [e.record for e in driver.episodes]
     assert [r.tool_errors for r in recs] == [0, 0, 1, 1] and recs[3].metrics["tool_timeouts"] == 1
+
+
+def test_what_the_model_reads_of_each_program_outcome():
+    from types import SimpleNamespace
+
+    from logitless.agents.python_tool import program_result
+    from logitless.rewards.sandbox import SandboxOptions
+
+    limits = SandboxOptions(timeout_seconds=2, memory_mb=256, output_kb=8)
+    cases = {
+        ("ok", "285\n", ""): ("285\n", False),
+        ("ok", "", ""): ("(the program printed nothing; use print() to show a value)", False),
+        ("error", "partial\n", "ZeroDivisionError: division by zero"): (
+            "partial\nError: ZeroDivisionError: division by zero", True),
+        ("timeout", "", ""): ("Error: the program ran longer than 2 s and was stopped", True),
+        ("memory", "", ""): ("Error: the program used more than 256 MB of memory and was stopped", True),
+        ("output_limit", "xxx", ""): ("xxx\nError: the program printed more than 8 KB and was stopped", True),
+        ("crashed", "", ""): ("Error: the sandbox running the program crashed", True),
+    }
+    for (status, stdout, error), (text, is_error) in cases.items():
+        r = program_result(SimpleNamespace(status=status, stdout=stdout, error=error), limits)
+        assert (r.text, r.error, r.timed_out) == (text, is_error, status == "timeout")

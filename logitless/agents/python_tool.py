@@ -68,23 +68,24 @@ class PythonTool:
 
     def batch(self, calls: list[dict[str, Any]]) -> list[ToolResult]:
         results = self.pool.execute([c["code"] for c in calls])
-        return [self.result(r) for r in results]
+        return [program_result(r, self.sandbox) for r in results]
 
-    def result(self, r: Any) -> ToolResult:
-        """What the model reads of one `ExecResult(status, stdout, error)`."""
-        out = r.stdout or ""
-        if r.status == "ok":
-            return ToolResult(out if out else "(the program printed nothing; use print() to show a value)")
-        limits = self.sandbox
-        why = {
-            "error": (r.error or "the program failed").rstrip(),
-            "timeout": f"the program ran longer than {limits.timeout_seconds:g} s and was stopped",
-            "memory": f"the program used more than {limits.memory_mb} MB of memory and was stopped",
-            "output_limit": f"the program printed more than {limits.output_kb} KB and was stopped",
-            "crashed": "the sandbox running the program crashed",
-        }.get(r.status, f"the program ended with status {r.status!r}")
-        text = (out.rstrip("\n") + "\n" if out else "") + error_text(why)
-        return ToolResult(text, error=True, timed_out=r.status == "timeout")
+
+def program_result(r: Any, limits: Any) -> ToolResult:
+    """What the model reads of one `ExecResult(status, stdout, error)` run under `limits` (SandboxOptions): the
+    output, and for a program that did not end well its output so far then `Error: <why>`."""
+    out = r.stdout or ""
+    if r.status == "ok":
+        return ToolResult(out if out else "(the program printed nothing; use print() to show a value)")
+    why = {
+        "error": (r.error or "the program failed").rstrip(),
+        "timeout": f"the program ran longer than {limits.timeout_seconds:g} s and was stopped",
+        "memory": f"the program used more than {limits.memory_mb} MB of memory and was stopped",
+        "output_limit": f"the program printed more than {limits.output_kb} KB and was stopped",
+        "crashed": "the sandbox running the program crashed",
+    }.get(r.status, f"the program ended with status {r.status!r}")
+    text = (out.rstrip("\n") + "\n" if out else "") + error_text(why)
+    return ToolResult(text, error=True, timed_out=r.status == "timeout")
 
 
 def python_tool(options: dict[str, Any], default_timeout: float) -> Tool:

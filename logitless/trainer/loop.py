@@ -31,7 +31,7 @@ from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.accounting import PhaseTimer
 from logitless.trainer.config import TrainerConfig
 from logitless.trainer.context import TrainContext, build_context
-from logitless.trainer.metrics import RewardErrorReport
+from logitless.trainer.metrics import MismatchReport, RewardErrorReport, mismatch_causes
 from logitless.trainer.modeling import attention_backends
 from logitless.trainer.parallel import (
     World,
@@ -170,6 +170,7 @@ def _train(
     ctx = build_context(cfg, world, resume=resume, model=model, tokenizer=tokenizer)
     result = TrainResult(run_dir=ctx.run_dir, step=ctx.start)
     report_reward_errors = RewardErrorReport(ctx.logger.print, cfg.reward.error_penalty)
+    report_mismatch = MismatchReport(ctx.logger.print, cfg.logging.mismatch_warning, mismatch_causes(cfg))
     try:
         with StopRequest() as stop:
             for step in range(ctx.start + 1, cfg.train.max_steps + 1):
@@ -195,7 +196,9 @@ def _train(
                     with timer("train"):
                         upd = update_stage(ctx, plan, oldref)
                 hook("after_update", step)
-                log_step(ctx, result, step, step_record(ctx, ro, scored, plan, upd, timer), ro, scored)
+                record = step_record(ctx, ro, scored, plan, upd, timer)
+                log_step(ctx, result, step, record, ro, scored)
+                report_mismatch(step, record)
                 stop.requested = agree(stop.requested, ctx.device)
                 if checkpoint_and_stop(ctx, result, step, bool(stop.requested)):
                     break

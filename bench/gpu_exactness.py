@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import subprocess
@@ -181,7 +182,7 @@ class Compiles:
             reason = getattr(m, "recompile_reason", None)
             if reason:
                 out.recompiles += 1
-                out.reasons = (out.reasons + [reason.splitlines()[0][:200]])[:3]
+                out.reasons = (out.reasons + [f"{m.co_name}: {reason.splitlines()[0][:200]}"])[:3]
             fail = getattr(m, "fail_type", None)
             if fail:
                 out.failures = (out.failures + [f"{fail}: {str(getattr(m, 'fail_reason', ''))[:200]}"])[:3]
@@ -267,11 +268,14 @@ def measure(family: str, variant: str, model: torch.nn.Module, tok: Any) -> Resu
 
 def run_family(family: str, make_config: Callable[[], Any], variants: tuple[str, ...], tok: Any,
                device: str = "cuda") -> list[Result]:
-    """Every variant of one family, each on its own copy of the same weights (so one variant's compiled graphs
-    never count as another's recompilation); a variant that raises is recorded with its error."""
+    """Every variant of one family, each on its own copy of the same weights and from a clean dynamo state (its
+    compiled frames, recompile counts and limits are its own, not those of the variants or families before it, with
+    which it shares code objects); a variant that raises is recorded with its error."""
     out = []
     for variant in variants:
         t0 = time.perf_counter()
+        gc.collect()  # the models before (transformers' compiled call keeps each in a reference cycle)
+        torch._dynamo.reset()
         try:
             model = build(make_config, device, lora=variant in ("hf_lora", "merged_lora"))
             out.append(measure(family, variant, model, tok))

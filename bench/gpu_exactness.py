@@ -71,7 +71,8 @@ def _families(eos: int) -> dict[str, Callable[[], Any]]:
     return {
         "llama": lambda: tf.LlamaConfig(**c),
         # layers >= max_window_layers slide: 0-1 full, 2-3 sliding
-        "qwen2_window": lambda: tf.Qwen2Config(**c, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2),
+        "qwen2_window": lambda: tf.Qwen2Config(**c, use_sliding_window=True, sliding_window=WINDOW,
+                                               max_window_layers=2),
         "qwen3": lambda: tf.Qwen3Config(**c, head_dim=64),
         "mistral_window": lambda: tf.MistralConfig(**c, sliding_window=WINDOW),
         "phi3_window": lambda: tf.Phi3Config(**c, sliding_window=WINDOW),
@@ -107,7 +108,8 @@ def _wide(eos: int) -> dict[str, Callable[[], Any]]:
                                              num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
                                              sliding_window=WINDOW, final_logit_softcapping=None,
                                              layer_types=ALTERNATING[:2]),
-        "gpt_oss_20b": lambda: tf.GptOssConfig(**{**c, "max_position_embeddings": 131_072}, hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
+        "gpt_oss_20b": lambda: tf.GptOssConfig(**{**c, "max_position_embeddings": 131_072}, hidden_size=2880,
+                                               intermediate_size=2880, num_attention_heads=64,
                                                num_key_value_heads=8, head_dim=64, num_local_experts=4,
                                                num_experts_per_tok=2, sliding_window=WINDOW,
                                                layer_types=ALTERNATING[:2]),
@@ -134,7 +136,8 @@ def prompts() -> list[str]:
             for n in (12, 16, 20, 24)][:PROMPTS]
 
 
-def build(make_config: Callable[[], Any], device: str | torch.device, lora: bool = False, seed: int = 0) -> torch.nn.Module:
+def build(make_config: Callable[[], Any], device: str | torch.device, lora: bool = False,
+          seed: int = 0) -> torch.nn.Module:
     """The bf16 model of `make_config` on `device`, random init from `seed` (the same weights on every call); with
     `lora`, wrapped in LoRA adapters (r 16, all linear layers, as the trainer's defaults) whose B is random too, so
     the merged weights differ from the base."""
@@ -250,8 +253,10 @@ def measure(family: str, variant: str, model: torch.nn.Module, tok: Any) -> Resu
     t0 = time.perf_counter()
     Compiles.start()
     engine, keep = engine_of(variant, model, tok)
-    opts = lambda seed: SamplingOptions(num_generations=SAMPLES, temperature=1.0, max_new_tokens=NEW_TOKENS,  # noqa: E731
-                                        seed=seed, ignore_eos=True)
+    def opts(seed: int) -> SamplingOptions:
+        return SamplingOptions(num_generations=SAMPLES, temperature=1.0, max_new_tokens=NEW_TOKENS, seed=seed,
+                               ignore_eos=True)
+
     engine.generate(prompts(), opts(1))
     first = Compiles.read()
     Compiles.start()
@@ -346,7 +351,8 @@ def main() -> None:
         sys.exit(f"--variants: unknown {unknown}; choose from {VARIANTS}")
     cases = [(n, f, variants) for n, f in configs(tok.eos_token_id).items()]
     if a.wide:
-        cases += [(n, f, tuple(v for v in variants if v in WIDE_VARIANTS)) for n, f in configs(tok.eos_token_id, True).items()]
+        wide = tuple(v for v in variants if v in WIDE_VARIANTS)
+        cases += [(n, f, wide) for n, f in configs(tok.eos_token_id, True).items()]
     if a.families:
         names = a.families.split(",")
         cases = [c for c in cases if c[0] in names]
@@ -360,8 +366,9 @@ def main() -> None:
     commit = a.commit or _commit()
     device = torch.cuda.get_device_name(0)
     card = next((w for w in device.split() if w[:1].isalpha() and w[1:].isdigit()), "gpu").lower()  # "h100"
-    info = {"device": device, "gpus": torch.cuda.device_count(), "torch": torch.__version__, "triton": triton.__version__,
-            "transformers": transformers.__version__, "commit": commit, "date": time.strftime("%Y-%m-%d"),
+    info = {"device": device, "gpus": torch.cuda.device_count(), "torch": torch.__version__,
+            "triton": triton.__version__, "transformers": transformers.__version__, "commit": commit,
+            "date": time.strftime("%Y-%m-%d"),
             "setup": {"window": WINDOW, "new_tokens": NEW_TOKENS, "prompts": PROMPTS, "samples": SAMPLES,
                       "temperature": 1.0, "dtype": "bfloat16", "bound": {"mean": BOUND_MEAN, "max": BOUND_MAX}}}
     rows = [{**dataclasses.asdict(r), "within_bound": within_bound(r, results)} for r in results]

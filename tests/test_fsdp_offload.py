@@ -25,7 +25,8 @@ from logitless.trainer import checkpoint as ckpt
 from logitless.trainer import dcp
 from logitless.trainer.fsdp_offload import check_fsdp_offload
 from logitless.trainer.loop import train
-from logitless.trainer.parallel import init_distributed, reduces_host_tensors
+from logitless.trainer.fsdp_offload import reduces_host_tensors
+from logitless.trainer.parallel import init_distributed
 from tests import dist_worker as w
 from tests.test_parallel import close, weights
 
@@ -175,8 +176,8 @@ def test_offload_on_a_group_without_a_host_backend_is_refused_before_the_run_sta
     the fix, before the run folder is claimed. "cuda:gloo" stands for an nccl-only group (no CPU backend)."""
     dist.init_process_group("cuda:gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        with pytest.raises(ValueError, match=r"train.fsdp_offload=true keeps the gradients on the host, but .*"
-                                             r"\(backend 'cuda:gloo', made before the run\).*backend='cpu:gloo,cuda:nccl'"):
+        with pytest.raises(ValueError, match=r"train.fsdp_offload=true keeps the gradients on the host, but .*\(backend "
+                                             r"'cuda:gloo', made before the run\).*backend='cpu:gloo,cuda:nccl'"):
             _run(tmp_path / "run", tok, "model.lora=false", OFFLOAD)
         assert not (tmp_path / "run").exists()
     finally:

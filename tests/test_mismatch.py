@@ -36,7 +36,8 @@ def test_stats_merge_over_micro_batches_to_the_direct_computation():
     parts = merge_metrics([sampler_mismatch(logp[a:b], samp[a:b], mask[a:b]) for a, b in ((0, 2), (2, 3), (3, 7))])
     want = direct(logp, samp, mask)
     for k in KEYS:
-        assert whole[k] == pytest.approx(want[k], rel=1e-12) and mismatch_summary(parts)[k] == pytest.approx(want[k], rel=1e-12)
+        assert whole[k] == pytest.approx(want[k], rel=1e-12)
+        assert mismatch_summary(parts)[k] == pytest.approx(want[k], rel=1e-12)
     # the masked-out positions may hold anything (padding's 0, -inf)
     junk = torch.where(mask.bool(), samp, -math.inf)
     assert mismatch_summary(sampler_mismatch(logp, junk, mask)) == pytest.approx(whole, rel=1e-12)

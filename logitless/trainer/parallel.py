@@ -58,7 +58,7 @@ from logitless.rollout.weights import fresh_copy, lora_layers, merge_refusal
 from logitless.trainer.batching import MicroBatch
 from logitless.trainer.config import TrainerConfig
 from logitless.trainer.distributed import is_distributed
-from logitless.trainer.fsdp_offload import device_full_tensor, offload_policy, one_rank_group
+from logitless.trainer.fsdp_offload import check_host_backend, device_full_tensor, offload_policy, one_rank_group
 from logitless.trainer.fsdp_offload import backend as offload_backend
 
 T = TypeVar("T")
@@ -123,29 +123,6 @@ def init_distributed(device: str, offload: bool = False) -> World:
         torch.cuda.set_device(world.local_rank)
     dist.init_process_group(offload_backend(torch.device("cuda" if cuda else "cpu")), timeout=TIMEOUT)
     return world
-
-
-def reduces_host_tensors(config: str) -> bool:
-    """Whether a process group of backend config `config` (`dist.get_backend_config()`: "nccl", "gloo",
-    "cpu:gloo,cuda:nccl", ...) has a backend for CPU tensors."""
-    for part in config.lower().replace(" ", "").split(","):
-        device, _, name = part.rpartition(":")
-        if device == "cpu" or (not device and "cpu" in dist.Backend.backend_capability.get(name, [])):
-            return True
-    return False
-
-
-def check_host_backend(offload: bool) -> None:
-    """Refuse train.fsdp_offload on an existing process group that cannot reduce host tensors (FSDP2 CPU offload
-    keeps the gradients, whose norm is all-reduced, on the host), naming the fix."""
-    config = dist.get_backend_config()
-    if offload and not reduces_host_tensors(config):
-        raise ValueError(
-            f"train.fsdp_offload=true keeps the gradients on the host, but this process's process group "
-            f"(backend {config!r}, made before the run) has no backend for CPU tensors; make it with "
-            f"backend='cpu:gloo,cuda:nccl' (or let the run make it: do not call init_process_group first), or set "
-            f"train.fsdp_offload=false"
-        )
 
 
 @contextmanager

@@ -8,14 +8,13 @@ only and never loads `ctypes`. Protocol on stdin/stdout: 4-byte big-endian lengt
            tests null: {"status": "ok" | "error" | "timeout" | "memory" | "output_limit" | "crashed",
                         "stdout": str, "error": str}
 
-Per job the worker forks one child (the only process that runs untrusted code) in a fresh work directory. The
-child confines itself (descriptors, resource limits, audit hook), then runs all untrusted code, the program and
-then each test, in a second thread. Its main thread only waits for that thread to finish each piece and, for
-each test that raised nothing, writes that test's token (128 random bits per test, drawn by the worker) to the
-report pipe; the worker counts a test as passed only if its token arrives. The tokens live only in the main
-thread's frames, which untrusted code cannot reach: no frame object can be obtained (the audit hook refuses every
-way to one, and signal handlers, which receive frames, cannot be installed from a thread other than the main
-one), and the main thread never calls an object untrusted code could have touched.
+Per job the worker forks one child (the only process that runs untrusted code) in a fresh work directory and
+draws a random 128-bit token per test. The child confines itself (descriptors, resource limits, audit hook), then
+runs all untrusted code, the program and then each test, in a second thread, whose bottom frame (the harness)
+writes a test's token to the report pipe when the test raised nothing; the worker counts a test as passed only
+if its token arrives. Untrusted code cannot reach that frame: no frame object can be obtained (the audit hook
+refuses every way to one), signal handlers (which receive the interrupted frame) can be neither installed nor run
+outside the main thread, and the main thread runs no Python code once untrusted code runs.
 See docs/rewards.md for the threat model.
 """
 
@@ -40,9 +39,7 @@ import types
 NOBODY = 65534
 REPORT_FD = 777  # above RLIMIT_NOFILE: a program can write to it but cannot put another file in its place
 THREAD_STACK = 16 << 20  # stack of the thread that runs untrusted code
-TIMED_OUT = 124  # exit status of a job's child that stopped waiting for its untrusted thread at the deadline
-# set by main(): sandbox_audit.py, the state tests start from (_prepare), gc.disable (jobs cannot import gc)
-AUDIT = SNAPSHOT = GC_DISABLE = None
+AUDIT = SNAPSHOT = None  # set by main(): sandbox_audit.py, and the state tests start from (_prepare)
 UNAUDITED = ("mkfifo", "mknod")  # os functions that create files without an audit event: removed in the child
 # Imported before the worker drops privileges (the interpreter's files may not be readable by nobody) and so
 # that a job's imports of them cost nothing; every built-in module too (a job cannot create them afresh).
@@ -148,16 +145,16 @@ def _prepare():
 
 def _runner(go, work, snapshot):
     """The body of the thread that runs all untrusted code, once `go` is released (work[0] holds its codes,
-    results, done, report and namespace): codes[0], the program, in `namespace`, then, if it ran to completion,
-    each test codes[k] (None: it did not compile) in a namespace of its own: the program's names but those of
-    builtins, and a fresh copy of the genuine builtins whose `__import__` gives each module loaded before the
-    program as it was then. results[k] says whether codes[k] raised nothing; then done[k] is released. With
-    `report` >= 0 (a job without tests) the program's outcome is written there. Everything is bound now, before
-    any untrusted code runs: the thread does no global or builtin lookup, so a program cannot put its own code
-    in the harness's way."""
+    tokens, report pipe, whether the job has tests, and the program's namespace): codes[0], the program, in
+    `namespace`, then, if it ran to completion, each test codes[k] (None: it did not compile) in a namespace of
+    its own: the program's names but those of builtins, and a fresh copy of the genuine builtins whose
+    `__import__` gives each module loaded before the program as it was then. For each test that raised nothing,
+    its token goes to the report pipe; for a job without tests, the program's outcome. Then the process ends.
+    Everything is bound now, before any untrusted code runs: this frame looks up no global or builtin name, so a
+    program cannot put its own code in the harness's way."""
     exec_, dict_, type_, str_, isinstance_, fmt, write = exec, dict, type, str, isinstance, \
         traceback.format_exception_only, os.write
-    base, memory_error, system_exit, len_ = BaseException, MemoryError, SystemExit, len
+    base, memory_error, system_exit, len_, exit_ = BaseException, MemoryError, SystemExit, len, os._exit
     bdict, real_import = builtins.__dict__, builtins.__import__
     saved, pristine, names, modules = snapshot
     known = modules.get
@@ -191,22 +188,22 @@ def _runner(go, work, snapshot):
 
     def run():
         go.acquire()
-        codes, results, done, report, namespace = work.pop()
+        codes, tokens, report, has_tests, namespace = work.pop()
         count, ok, message = len_(codes), False, b"\0ok\0"
         try:
             exec_(codes[0], namespace)
             ok = True
         except base as e:
-            message = outcome(e) if report >= 0 else None
-        if report >= 0:
+            message = None if has_tests else outcome(e)
+        if not has_tests:
             try:
                 write(report, message)
             except base:
                 pass
-        message = None
-        results[0] = ok
-        done[0].release()
-        k = 1 if ok else count
+            exit_(0)
+        if not ok:
+            exit_(0)  # the program did not run to completion: no test runs
+        k = 1
         while k < count:
             ok = test = own = None
             try:
@@ -225,45 +222,28 @@ def _runner(go, work, snapshot):
             except base:
                 pass
             test = own = name = value = None
-            results[k] = ok is True
-            done[k].release()
+            try:
+                if ok is True:
+                    write(report, tokens[k - 1])
+            except base:
+                exit_(0)
             k += 1
+        exit_(0)
 
     return run
 
 
-def _sequence(go, done, results, tokens, count, deadline, monotonic, write, report, gc_disable, exit_, base,
-              timed_out):
-    """The child's main thread once the untrusted thread exists: let it start, then, as it finishes each piece
-    of code, write the token of each test that raised nothing, until all are done or the deadline nears; then
-    end the process (with status `timed_out` at the deadline). The untrusted thread never waits for it. Only its
-    arguments are used (no global or builtin lookup), nothing it touches is reachable by untrusted code, and it
-    never raises."""
-    status = 0
-    try:
-        go.release()
-        k = 0
-        while k < count:
-            left = deadline - monotonic()
-            if left <= 0 or not done[k].acquire(True, left):
-                status = timed_out
-                break
-            gc_disable()  # a program may have turned the collector on: its finalizers must not run in this thread
-            if results[k] is not True:
-                if k == 0:
-                    break  # the program did not run to completion: no test ran
-            elif k > 0:
-                write(report, tokens[k - 1])
-            k += 1
-    except base:
-        pass
-    exit_(status)
+def _wait(go, park):
+    """The child's main thread once the untrusted thread exists: let it start, then wait, running no Python code,
+    until the untrusted thread ends the process or the worker kills it. Signal handlers, which receive the frame
+    they interrupt, run only in the main thread and only it can install them: untrusted code can do neither."""
+    go.release()
+    park.acquire()
 
 
 def _child(job, tokens, report_fd, out_fd, workdir):
-    """The job's child: confine, compile, start the untrusted thread, install the audit hook, then sequence. The
+    """The job's child: confine, compile, start the untrusted thread, install the audit hook, then wait. The
     thread starts last: a thread waiting for the interpreter lock would make this one hand it over and wait."""
-    GC_DISABLE()
     report = _confine(job, report_fd, out_fd, workdir)
     exec_mode = job["tests"] is None
     try:
@@ -278,24 +258,21 @@ def _child(job, tokens, report_fd, out_fd, workdir):
             codes.append(compile(source, f"<test {i}>", "exec"))
         except BaseException:  # a test that does not compile fails alone
             codes.append(None)
-    # the main thread stops waiting a little before the worker stops reading: tokens of finished tests arrive
-    deadline = float(job["deadline"]) - min(0.2, max(0.02, 0.05 * float(job["timeout"])))
     job.clear()
     module = types.ModuleType("__main__")  # `import __main__` in the program gives its own module
     module.__dict__["__builtins__"] = builtins
-    go, done, results = _thread.allocate_lock(), [_thread.allocate_lock() for _ in codes], [None] * len(codes)
-    for lock in [go] + done:
-        lock.acquire()
+    go, park = _thread.allocate_lock(), _thread.allocate_lock()
+    go.acquire()
+    park.acquire()
     sys.modules["__main__"] = module
+    work = [(codes, [b"\n" + t + b"\n" for t in tokens], report, not exec_mode, module.__dict__)]
+    codes = tokens = job = None
     _thread.stack_size(THREAD_STACK)
-    _thread.start_new_thread(_runner(go, [(codes, results, done, report if exec_mode else -1, module.__dict__)],
-                                     SNAPSHOT), ())
-    codes = None
+    _thread.start_new_thread(_runner(go, work, SNAPSHOT), ())
+    work = None
     _limit(resource.RLIMIT_NPROC, 0)  # no process or thread from here on
     sys.addaudithook(AUDIT.audit_hook(workdir))
-    lines = [b"\n" + t + b"\n" for t in tokens]
-    _sequence(go, done, results, lines, len(done), deadline, time.monotonic, os.write, report, GC_DISABLE,
-              os._exit, BaseException, TIMED_OUT)
+    _wait(go, park)
 
 
 def _collect(read_fd, deadline, wanted):
@@ -348,7 +325,7 @@ def _run_job(job, root):
     out_fd = os.open(os.path.join(workdir, "output.txt"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     read_fd, write_fd = os.pipe()
     exit_ = os._exit
-    deadline = job["deadline"] = time.monotonic() + float(job["timeout"])
+    deadline = time.monotonic() + float(job["timeout"])
     pid = os.fork()
     if pid == 0:
         try:
@@ -381,7 +358,6 @@ def _run_job(job, root):
     os.close(out_fd)
     shutil.rmtree(workdir, ignore_errors=True)
     code = os.waitstatus_to_exitcode(status)
-    timed_out = timed_out or code == TIMED_OUT
     if tests is None:
         return _exec_reply(job, timed_out, code, tail, output)
     return {"passed": sorted(passed), "status": "timeout" if timed_out else ("ok" if code == 0 else "killed")}
@@ -401,8 +377,8 @@ def _drop_root():
 def main():
     import gc
 
-    global AUDIT, SNAPSHOT, GC_DISABLE
-    AUDIT, GC_DISABLE = _load_audit(), gc.disable
+    global AUDIT, SNAPSHOT
+    AUDIT = _load_audit()
     features = [a for a in sys.argv[1:] if not a.startswith("-")]
     for name in PRELOAD + tuple(sys.builtin_module_names):
         try:

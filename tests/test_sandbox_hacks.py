@@ -189,12 +189,12 @@ def _lookups(code: types.CodeType) -> list[tuple[str, str]]:
 
 def test_harness_code_that_runs_beside_untrusted_code_looks_up_no_global_name():
     """A program can edit any module's globals and the builtins. The harness code that runs once untrusted code
-    has started (the untrusted thread's loop, the main thread's wait, the audit hook and its path helpers) binds
-    everything it calls beforehand, so no edit can put the program's code in its way."""
+    has started (the loop over the program and its tests, the audit hook and its path helpers) binds everything
+    it calls beforehand, so no edit can put the program's code in its way."""
     def nested(factory):
         return [c for c in factory.__code__.co_consts if isinstance(c, types.CodeType)]
 
-    codes = [sandbox_worker._wait.__code__] + nested(sandbox_worker._runner)
+    codes = nested(sandbox_worker._runner)
     codes += nested(sandbox_audit.audit_hook) + nested(sandbox_audit.path_reader) + nested(sandbox_audit.resolver)
-    assert {c.co_name for c in codes} >= {"_wait", "run", "genuine_import", "hook", "inside", "read", "resolve"}
+    assert {c.co_name for c in codes} >= {"run", "genuine_import", "outcome", "hook", "inside", "read", "resolve"}
     assert [name for c in codes for name in _lookups(c)] == []

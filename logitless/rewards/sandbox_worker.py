@@ -10,16 +10,15 @@ only and never loads `ctypes`. Protocol on stdin/stdout: 4-byte big-endian lengt
 
 Per job the worker forks one child (the only process that runs untrusted code) in a fresh work directory and
 draws a random 128-bit token per test. The child confines itself (descriptors, resource limits, audit hook), then
-runs all untrusted code, the program and then each test, in a second thread, whose bottom frame (the harness)
-writes a test's token to the report pipe when the test raised nothing; the worker counts a test as passed only
-if its token arrives. Untrusted code cannot reach that frame: no frame object can be obtained (the audit hook
-refuses every way to one), signal handlers (which receive the interrupted frame) can be neither installed nor run
-outside the main thread, and the main thread runs no Python code once untrusted code runs.
+runs the program and each test from a harness frame that writes a test's token to the report pipe when the test
+raised nothing; the worker counts a test as passed only if its token arrives. Untrusted code cannot reach that
+frame: no frame object can be obtained (the audit hook refuses every way to one, and the worker removes the only
+function that installs a Python signal handler, which would receive the interrupted frame).
 See docs/rewards.md for the threat model.
 """
 
 import _imp
-import _thread
+import _signal
 import builtins
 import io
 import json
@@ -38,7 +37,6 @@ import types
 
 NOBODY = 65534
 REPORT_FD = 777  # above RLIMIT_NOFILE: a program can write to it but cannot put another file in its place
-THREAD_STACK = 16 << 20  # stack of the thread that runs untrusted code
 AUDIT = SNAPSHOT = None  # set by main(): sandbox_audit.py, and the state tests start from (_prepare)
 UNAUDITED = ("mkfifo", "mknod")  # os functions that create files without an audit event: removed in the child
 # Imported before the worker drops privileges (the interpreter's files may not be readable by nobody) and so
@@ -88,8 +86,8 @@ def _limit(kind, soft, hard=None):
 
 def _confine(job, report_fd, out_fd, workdir):
     """In the job's child: work directory, stdin from /dev/null, stdout/stderr to the capped output file, every
-    other descriptor closed but the report pipe (returned), resource limits (all but the process count, which
-    must wait for the thread), empty environment, temporary files in the work directory."""
+    other descriptor closed but the report pipe (returned), resource limits, empty environment, temporary files
+    in the work directory."""
     os.chdir(workdir)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -104,6 +102,7 @@ def _confine(job, report_fd, out_fd, workdir):
     _limit(resource.RLIMIT_FSIZE, (int(job["output_kb"]) << 10) + 1)  # one byte over the cap tells it was hit
     _limit(resource.RLIMIT_NOFILE, int(job["files"]))
     _limit(resource.RLIMIT_CORE, 0)
+    _limit(resource.RLIMIT_NPROC, 0)  # no new process or thread
     os.environ.clear()
     os.environ["TMPDIR"] = workdir  # tempfile's directory (the worker never asked tempfile for one)
     return report
@@ -115,14 +114,22 @@ def _prepare():
     that compile sources (a path that never exists as the bytecode cache: no marshal.loads), no os function that
     creates files unaudited, no way to create fresh copies of built-in modules. Returns the snapshot that tests
     get their builtins and modules from: (builtins dict, its items, its names, {module name: (module, its dict,
-    copy of its dict)}). Also: every signal handled by default (SIGXFSZ ignored: output over the cap makes writes
-    fail instead of killing; SIGPIPE ignored as Python has it), and no module a job may not import loaded."""
+    copy of its dict)}). Also: no module a job may not import loaded, every signal handled by default (SIGXFSZ
+    ignored: output over the cap makes writes fail instead of killing; SIGPIPE ignored as Python has it), and no
+    way left to install a Python signal handler: a handler receives the frame it interrupts, and the harness's
+    frames are below every frame of untrusted code."""
     for s in signal.valid_signals():
         if s not in (signal.SIGKILL, signal.SIGSTOP):
             try:
                 signal.signal(s, signal.SIG_IGN if s in (signal.SIGXFSZ, signal.SIGPIPE) else signal.SIG_DFL)
             except (OSError, ValueError, RuntimeError):
                 pass
+    install = _signal.signal  # the only function that installs Python signal handlers
+    del _signal.signal
+    signal.__dict__.pop("signal", None)  # the wrapper that calls it
+    if sys.getrefcount(install) != 2:  # this name and the call's argument: nothing else can reach the function
+        raise RuntimeError("sandbox worker: signal.signal is still reachable after its removal on this Python")
+    install = None
     for name in list(sys.modules):
         if name.startswith(AUDIT.BLOCKED_MODULES):
             del sys.modules[name]
@@ -143,10 +150,9 @@ def _prepare():
     return saved, tuple(saved.items()), frozenset(saved), modules
 
 
-def _runner(go, work, snapshot):
-    """The body of the thread that runs all untrusted code, once `go` is released (work[0] holds its codes,
-    tokens, report pipe, whether the job has tests, and the program's namespace): codes[0], the program, in
-    `namespace`, then, if it ran to completion, each test codes[k] (None: it did not compile) in a namespace of
+def _runner(work, snapshot):
+    """The harness that runs all untrusted code (work[0] holds the codes, the tokens, the report pipe, whether the
+    job has tests, and the program's namespace): codes[0], the program, in `namespace`, then, if it ran to completion, each test codes[k] (None: it did not compile) in a namespace of
     its own: the program's names but those of builtins, and a fresh copy of the genuine builtins whose
     `__import__` gives each module loaded before the program as it was then. For each test that raised nothing,
     its token goes to the report pipe; for a job without tests, the program's outcome. Then the process ends.
@@ -187,7 +193,6 @@ def _runner(go, work, snapshot):
             return kind + b"the exception could not be formatted"
 
     def run():
-        go.acquire()
         codes, tokens, report, has_tests, namespace = work.pop()
         count, ok, message = len_(codes), False, b"\0ok\0"
         try:
@@ -233,17 +238,8 @@ def _runner(go, work, snapshot):
     return run
 
 
-def _wait(go, park):
-    """The child's main thread once the untrusted thread exists: let it start, then wait, running no Python code,
-    until the untrusted thread ends the process or the worker kills it. Signal handlers, which receive the frame
-    they interrupt, run only in the main thread and only it can install them: untrusted code can do neither."""
-    go.release()
-    park.acquire()
-
-
 def _child(job, tokens, report_fd, out_fd, workdir):
-    """The job's child: confine, compile, start the untrusted thread, install the audit hook, then wait. The
-    thread starts last: a thread waiting for the interpreter lock would make this one hand it over and wait."""
+    """The job's child: confine, compile, install the audit hook, then run the program and its tests."""
     report = _confine(job, report_fd, out_fd, workdir)
     exec_mode = job["tests"] is None
     try:
@@ -261,18 +257,13 @@ def _child(job, tokens, report_fd, out_fd, workdir):
     job.clear()
     module = types.ModuleType("__main__")  # `import __main__` in the program gives its own module
     module.__dict__["__builtins__"] = builtins
-    go, park = _thread.allocate_lock(), _thread.allocate_lock()
-    go.acquire()
-    park.acquire()
     sys.modules["__main__"] = module
     work = [(codes, [b"\n" + t + b"\n" for t in tokens], report, not exec_mode, module.__dict__)]
-    codes = tokens = job = None
-    _thread.stack_size(THREAD_STACK)
-    _thread.start_new_thread(_runner(go, work, SNAPSHOT), ())
-    work = None
-    _limit(resource.RLIMIT_NPROC, 0)  # no process or thread from here on
+    tokens[:] = []
+    codes = tokens = job = module = None
+    run = _runner(work, SNAPSHOT)
     sys.addaudithook(AUDIT.audit_hook(workdir))
-    _wait(go, park)
+    run()
 
 
 def _collect(read_fd, deadline, wanted):

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dis
 import os
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -198,3 +200,16 @@ def test_harness_code_that_runs_beside_untrusted_code_looks_up_no_global_name():
     codes += nested(sandbox_audit.audit_hook) + nested(sandbox_audit.path_reader) + nested(sandbox_audit.resolver)
     assert {c.co_name for c in codes} >= {"run", "genuine_import", "outcome", "hook", "inside", "read", "resolve"}
     assert [name for c in codes for name in _lookups(c)] == []
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_worker_starts_only_if_no_signal_handler_can_be_installed(keep):
+    """Signal handlers receive the frame they interrupt. The worker removes signal.signal and refuses to start if
+    anything still references it (here: a name kept on purpose)."""
+    code = (f"import _signal, sys\nsys.path.insert(0, {str(Path(sandbox_worker.__file__).parent)!r})\n"
+            "import sandbox_worker as w\nw.AUDIT = w._load_audit()\n"
+            f"keep = _signal.signal if {keep} else None\nw._prepare()\nimport signal\n"
+            "assert not hasattr(signal, 'signal') and not hasattr(_signal, 'signal')\n")
+    r = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=60)
+    assert (r.returncode != 0) == keep, r.stderr
+    assert ("signal.signal is still reachable" in r.stderr) == keep, r.stderr

@@ -118,6 +118,8 @@ def _prepare():
     ignored: output over the cap makes writes fail instead of killing; SIGPIPE ignored as Python has it), and no
     way left to install a Python signal handler: a handler receives the frame it interrupts, and the harness's
     frames are below every frame of untrusted code."""
+    import gc
+
     for s in signal.valid_signals():
         if s not in (signal.SIGKILL, signal.SIGSTOP):
             try:
@@ -127,7 +129,7 @@ def _prepare():
     install = _signal.signal  # the only function that installs Python signal handlers
     del _signal.signal
     signal.__dict__.pop("signal", None)  # the wrapper that calls it
-    if sys.getrefcount(install) != 2:  # this name and the call's argument: nothing else can reach the function
+    if [r for r in gc.get_referrers(install) if type(r) is not types.FrameType]:
         raise RuntimeError("sandbox worker: signal.signal is still reachable after its removal on this Python")
     install = None
     for name in list(sys.modules):

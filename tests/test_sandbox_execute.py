@@ -29,6 +29,7 @@ def test_output_and_outcomes(pool):
         "print('before')\nraise ValueError('boom')",
         "def f(:\n    pass",
         "import sys\nprint('bye')\nsys.exit(0)",
+        "try:\n    int('x')\nexcept ValueError:\n    raise KeyError('y')",
         "import sys\nsys.exit(2)",
         "if __name__ == '__main__':\n    print('main')",
         "import sys\nsys.stdout.buffer.write(b'\\xff\\xfe ok\\n')",
@@ -40,10 +41,11 @@ def test_output_and_outcomes(pool):
     assert results[2].status == "error" and results[2].error.endswith("SyntaxError: invalid syntax"), results[2]
     assert '"<program>", line 1' in results[2].error
     assert results[3] == ExecResult("ok", "bye\n", "")
-    assert results[4] == ExecResult("error", "", "SystemExit: 2")
-    assert results[5] == ExecResult("ok", "main\n", "")
-    assert results[6] == ExecResult("ok", "\ufffd\ufffd ok\n", "")
-    assert results[7] == ExecResult("crashed", "", "killed by SIGABRT")
+    assert results[4] == ExecResult("error", "", "KeyError: 'y'")  # raised while handling another exception
+    assert results[5] == ExecResult("error", "", "SystemExit: 2")
+    assert results[6] == ExecResult("ok", "main\n", "")
+    assert results[7] == ExecResult("ok", "\ufffd\ufffd ok\n", "")
+    assert results[8] == ExecResult("crashed", "", "killed by SIGABRT")
     assert pool.execute([]) == []
 
 
@@ -140,3 +142,29 @@ def test_the_kernel_keeps_the_file_system_read_only_and_proc_hidden(pool, tmp_pa
     visible = not os.path.realpath(tmp_path).startswith("/tmp/")  # pytest's tmp_path is usually below /tmp
     assert r.status == "ok", r
     assert r.stdout.splitlines() == ["True False", f"False {visible} True"]
+
+
+REFUSED = {  # operation -> the exception a program sees
+    "import sys\nsys.settrace(lambda *a: None)": "PermissionError",
+    "import sys\nsys.setprofile(lambda *a: None)": "PermissionError",
+    "import sys\nsys._getframe()": "ValueError",
+    "try:\n    1 / 0\nexcept ZeroDivisionError as e:\n    e.__traceback__.tb_frame": "AttributeError",
+    "def g():\n    yield\ng().gi_frame": "AttributeError",
+    "(lambda: 0).__code__.replace(co_name='x')": "PermissionError",
+    "import marshal\nmarshal.loads(marshal.dumps(compile('1', 'x', 'eval')))": "PermissionError",
+    "import gc": "PermissionError",
+    "import ctypes": "PermissionError",
+    "import signal\nsignal.signal(signal.SIGUSR1, print)": "AttributeError",
+    "import os\nos.chdir('/')": "PermissionError",
+    "import os\nos.mkfifo('fifo')": "AttributeError",
+    "import os\nos.open('/', os.O_RDONLY)": "PermissionError",
+    # RLIMIT_NPROC 0 (Python audits thread creation only from 3.13)
+    "import threading\nthreading.Thread(target=print).start()": ("PermissionError", "RuntimeError"),
+}
+
+
+def test_refused_operations(pool):
+    results = pool.execute(list(REFUSED))
+    for (program, errors), r in zip(REFUSED.items(), results):
+        errors = (errors,) if isinstance(errors, str) else errors
+        assert r.status == "error" and r.error.startswith(tuple(e + ": " for e in errors)), (program, r)

@@ -190,7 +190,15 @@ def _runner(work, snapshot):
             return b"\0ok\0"
         kind = b"\0memory\0" if isinstance_(e, memory_error) else b"\0error\0"
         try:
-            return kind + "".join(fmt(type_(e), e)).strip("\n").encode("utf-8", "replace").replace(b"\0", b"")
+            e.__suppress_context__ = True  # the tracebacks of a chain would need frames, which the hook refuses
+            text = "".join(fmt(type_(e), e)).strip("\n")
+        except base:
+            try:
+                text = type_(e).__name__ + ": " + str_(e)
+            except base:
+                text = "the exception could not be formatted"
+        try:
+            return kind + text.encode("utf-8", "replace").replace(b"\0", b"")
         except base:
             return kind + b"the exception could not be formatted"
 

@@ -154,12 +154,13 @@ def _prepare():
 
 def _runner(work, snapshot):
     """The harness that runs all untrusted code (work[0] holds the codes, the tokens, the report pipe, whether the
-    job has tests, and the program's namespace): codes[0], the program, in `namespace`, then, if it ran to completion, each test codes[k] (None: it did not compile) in a namespace of
-    its own: the program's names but those of builtins, and a fresh copy of the genuine builtins whose
-    `__import__` gives each module loaded before the program as it was then. For each test that raised nothing,
-    its token goes to the report pipe; for a job without tests, the program's outcome. Then the process ends.
-    Everything is bound now, before any untrusted code runs: this frame looks up no global or builtin name, so a
-    program cannot put its own code in the harness's way."""
+    job has tests, and the program's namespace): codes[0], the program, in `namespace`, then, if it ran to
+    completion, each test codes[k] (None: it did not compile) in a namespace of its own: the program's names but
+    those of builtins, and a fresh copy of the genuine builtins whose `__import__` gives each module loaded before
+    the program as it was then. For each test that raised nothing, its token goes to the report pipe; for a job
+    without tests, the program's outcome. Then the process ends. Everything is bound now, before any untrusted
+    code runs: these functions look up no global or builtin name, so a program cannot put its own code in the
+    harness's way."""
     exec_, dict_, type_, str_, isinstance_, fmt, write = exec, dict, type, str, isinstance, \
         traceback.format_exception_only, os.write
     base, memory_error, system_exit, len_, exit_ = BaseException, MemoryError, SystemExit, len, os._exit

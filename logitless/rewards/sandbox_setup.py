@@ -44,9 +44,21 @@ def _write(path, text):
         f.write(text)
 
 
+def _mapped(name, ids):
+    """Whether every id in `ids` is mapped in this process's user namespace (/proc/self/uid_map or gid_map)."""
+    try:
+        with open(f"/proc/self/{name}") as f:
+            ranges = [tuple(int(x) for x in line.split()) for line in f if line.strip()]
+    except (OSError, ValueError):
+        return False
+    return all(any(inside <= i < inside + count for inside, _, count in ranges) for i in ids)
+
+
 def _unshare(libc, flags):
     """unshare(flags) in this process, with uid/gid maps written; True on success."""
     pid, uid, gid = os.getpid(), os.geteuid(), os.getegid()
+    if uid == 0 and not (_mapped("uid_map", (0, NOBODY)) and _mapped("gid_map", (0, NOBODY))):
+        return False  # e.g. a container mapping too few ids: no namespaces rather than a root without `nobody`
     if uid != 0:
         if libc.unshare(flags) != 0:
             return False

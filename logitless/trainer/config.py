@@ -172,8 +172,13 @@ class RewardConfig:
     on_error: Literal["raise", "penalty"] = "raise"  # "penalty": a sample whose reward function raises scores error_penalty
     error_penalty: float = 0.0
     accuracy_reward: str | None = None  # the reward whose value 1.0 means "correct" (default: the first)
+    # Seconds one call of a `module:function` reward may take (null: no limit); the built-ins bound their own time.
+    # A call past it is stopped (rewards/deadline.py) and its samples are handled by on_error: "raise" stops the
+    # run naming the function, "penalty" scores them error_penalty and counts them as errors.
+    timeout_s: float | None = 300.0
 
     def __post_init__(self):
+        _positive("reward", timeout_s=self.timeout_s)
         if not self.reward_funcs:
             raise ValueError("reward.reward_funcs is empty; name at least one reward function (e.g. numeric_answer)")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
@@ -228,9 +233,9 @@ class RolloutConfig:
     compact_finished: bool = False
     # How the static engine's decode attends over the cache: "matmul" (two matmuls around an fp32 softmax, fused by
     # inductor), "triton" (one flash-decoding kernel per layer: scores, online softmax and p v in one pass; CUDA,
-    # bf16/fp16) or "auto" (triton for bf16 weights on a CUDA GPU of compute capability 8.0+ with triton installed,
-    # else matmul).
-    decode_attention: Literal["auto", "matmul", "triton"] = "auto"
+    # bf16/fp16), "sdpa" (torch's scaled_dot_product_attention on the grouped query, also when compiled) or "auto"
+    # (triton for bf16 weights on a CUDA GPU of compute capability 8.0+ with triton installed, else matmul).
+    decode_attention: Literal["auto", "matmul", "triton", "sdpa"] = "auto"
     # How the static engine draws a token without top-k/top-p/min-p/repetition penalty: "torch" (one pass over the
     # fp32 logits, compiled on CUDA), "triton" (two kernels reading the logits once in the model's dtype; the same
     # tokens; CUDA) or "auto" (triton on a CUDA GPU with triton installed, else torch). With those filters on, the
@@ -367,11 +372,15 @@ class LoggingConfig:
     # Device peaks for rollout/ceiling_fraction and train/mfu (None: the datasheet value of a known GPU).
     peak_tflops: float | None = None  # dense bf16 TFLOP/s
     hbm_tbs: float | None = None  # memory bandwidth, TB/s
+    # Warn when rollout/mismatch_mean (mean |trainer logp - sampler logp| per sampled token, nats) exceeds this,
+    # naming the likely cause and the fix; once, then again each time it doubles (None: never). bf16 rounding alone
+    # gives about 0.005-0.02 (logitless/objectives/mismatch.py).
+    mismatch_warning: float | None = 0.05
 
     def __post_init__(self):
         _positive(
             "logging", logging_steps=self.logging_steps, completions_steps=self.completions_steps,
-            peak_tflops=self.peak_tflops, hbm_tbs=self.hbm_tbs,
+            peak_tflops=self.peak_tflops, hbm_tbs=self.hbm_tbs, mismatch_warning=self.mismatch_warning,
         )
 
 

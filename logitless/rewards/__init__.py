@@ -13,11 +13,12 @@ from logitless.rewards.builtin import (
     reward_name,
 )
 from logitless.rewards.code import code_tests, extract_program
-from logitless.rewards.sandbox import SandboxOptions, SandboxPool, SandboxResult
+from logitless.rewards.sandbox import ExecResult, SandboxOptions, SandboxPool, SandboxResult
 from logitless.rewards.scoring import RewardFunctionError, RewardScores, score_completions
 
 __all__ = [
     "REWARDS",
+    "ExecResult",
     "RewardFunctionError",
     "RewardScores",
     "SandboxOptions",

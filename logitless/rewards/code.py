@@ -64,10 +64,11 @@ def code_tests(
     `extract_program`); with all_or_nothing=True, 1.0 only when every test passes, else 0.0.
 
     `tests` is Python source (one test, e.g. several `assert` lines) or a list of sources, each counted
-    separately; None or empty means "not applicable" (None). A test passes only if the program and the test
-    ran to completion without raising, reported through a per-job secret the program cannot see. A program that
-    raises, exits, times out (`timeout_seconds` wall time for the program and all its tests) or exceeds
-    `memory_mb` passes nothing. Completions are scored in parallel by `num_workers` workers (default: CPUs).
+    separately, in a namespace of its own with genuine builtins; None or empty means "not applicable" (None).
+    A test passes only if the program and the test ran to completion without raising, as reported by a per-test
+    token the program cannot reach. A program that raises, exits, times out (`timeout_seconds` wall time for the
+    program and all its tests) or exceeds `memory_mb` passes nothing. Completions are scored in parallel by
+    `num_workers` workers (default: CPUs). See docs/rewards.md for what the sandbox promises.
     """
     if "tests" not in row_fields:
         raise ValueError(

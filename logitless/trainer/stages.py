@@ -169,18 +169,22 @@ def plan_update(ctx: TrainContext, ro: Rollout, scored: Scored) -> UpdatePlan:
     trained = torch.arange(b.completion_mask.shape[0], device=ctx.device)
     if cfg.train.skip_zero_advantage and o.beta == 0 and not (entropy_grad or top_entropy):
         trained = (adv != 0).nonzero().view(-1)
+    # Multi-turn episodes: only the model's tokens are trained (observations stay in the sequence as context)
+    loss = b.loss_mask()  # [B, T] (completion_mask itself without episodes)
+    episodes = None if b.env_mask is None else loss
     micro = make_micro_batches(
         b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, b.sampler_logp, b.truncated, adv,
         cfg.train.micro_batch_size, rows=trained, max_tokens=cfg.train.micro_batch_tokens, packed=cfg.train.packed,
+        loss_mask=episodes,
     )
     spare = lambda: make_micro_batches(  # noqa: E731  (a rank that trains no row still pads with row 0)
         b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, b.sampler_logp, b.truncated, adv, 1,
-        rows=torch.zeros(1, dtype=torch.long, device=ctx.device),
+        rows=torch.zeros(1, dtype=torch.long, device=ctx.device), loss_mask=episodes,
     )[0]
     padding = padding_micro_batches(micro, spare, ctx.device)  # none on one process
-    n_local = int(b.completion_mask.sum())
+    n_local = int(loss.sum())
     n_tokens = int(all_reduce_sum(n_local, ctx.device))
-    normalizer = all_reduce_sum(loss_normalizer(o, [b.completion_mask], [b.truncated]) if n_local else 0.0, ctx.device)
+    normalizer = all_reduce_sum(loss_normalizer(o, [loss], [b.truncated]) if n_local else 0.0, ctx.device)
     return UpdatePlan(micro + padding, trained, normalizer, n_tokens, ro.options.logp_temperature, len(padding))
 
 
@@ -197,19 +201,20 @@ def logprob_stage(ctx: TrainContext, plan: UpdatePlan) -> OldRef:
             if mu > 1 or top_entropy:
                 with ctx.lora_compute.forward():
                     logp, ent = model_logprobs(*args, temperature=plan.temperature, with_entropy=top_entropy,
-                                               packed=packed)
+                                               packed=packed, logp_mask=m.loss_mask)
                 old[i] = logp if mu > 1 else None
                 entropies += [ent] if top_entropy else []
             if ctx.reference is not None:
                 with ctx.reference.use(ctx.model) as ref_model, ctx.lora_compute.forward():
-                    ref[i] = model_logprobs(ref_model, *args[1:], temperature=plan.temperature, packed=packed)[0]
+                    ref[i] = model_logprobs(ref_model, *args[1:], temperature=plan.temperature, packed=packed,
+                                            logp_mask=m.loss_mask)[0]
     real = plan.micro[: len(plan.micro) - plan.padding]  # padding passes (torchrun) keep collectives in step only
     threshold = None  # one threshold over the whole step's tokens
     if top_entropy:
         q = ctx.cfg.objective.top_entropy_quantile
-        threshold = entropy_quantile_threshold(entropies[: len(real)], [m.completion_mask for m in real], q)
+        threshold = entropy_quantile_threshold(entropies[: len(real)], [m.loss_mask for m in real], q)
     bonus_normalizer = all_reduce_sum(entropy_bonus_normalizer(
-        ctx.cfg.objective, [m.completion_mask for m in real], [m.truncated for m in real],
+        ctx.cfg.objective, [m.loss_mask for m in real], [m.truncated for m in real],
         entropies=entropies[: len(real)] or None, threshold=threshold), ctx.device)
     return OldRef(old, ref, threshold, bonus_normalizer)
 
@@ -223,7 +228,7 @@ def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i:
     # On-policy without KL/IS/entropy terms d loss / d logp is known before the forward, so the fused op can form
     # its gradients there (a speed hint; None otherwise).
     hint = None if ctx.cfg.train.num_iterations > 1 else on_policy_logp_grad(
-        m.completion_mask, m.advantages, o, plan.normalizer, sampler_logp=m.sampler_logp, truncated=m.truncated,
+        m.loss_mask, m.advantages, o, plan.normalizer, sampler_logp=m.sampler_logp, truncated=m.truncated,
         entropy_coef=ctx.entropy_coef.effective if entropy_grad else 0.0,
     )
     # Activation offload: the tensors this forward saves for backward wait in host memory (trainer/offload.py).
@@ -232,9 +237,10 @@ def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i:
         logp, entropy = model_logprobs(
             ctx.model, m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask,
             temperature=plan.temperature, with_entropy=True, grad_hint=hint, packed=ctx.cfg.train.packed,
+            logp_mask=m.loss_mask,
         )
     out = policy_loss(
-        logp, m.completion_mask, m.advantages, o, plan.normalizer, old_logp=oldref.old_logp[i],
+        logp, m.loss_mask, m.advantages, o, plan.normalizer, old_logp=oldref.old_logp[i],
         ref_logp=oldref.ref_logp[i], sampler_logp=m.sampler_logp, entropy=entropy if entropy_grad else entropy.detach(),
         truncated=m.truncated, entropy_coef=ctx.entropy_coef.effective, entropy_threshold=oldref.threshold,
         entropy_normalizer=oldref.bonus_normalizer,
@@ -300,9 +306,14 @@ def efficiency_metrics(ctx: TrainContext, ro: Rollout, plan: UpdatePlan, timer: 
         return {}
     b, dev, world = ro.batch, ctx.device, ctx.world.size
     p_lens, t_lens = b.prompt_mask.sum(1).tolist(), b.completion_mask.sum(1).tolist()
-    ideal = all_reduce_sum(decode_ideal_seconds(ctx.shape, p_lens, t_lens, ctx.peaks[1]), dev)
+    env = getattr(b, "env_mask", None)  # multi-turn episodes: the model's tokens; all completion tokens otherwise
+    m_lens = t_lens if env is None else (b.completion_mask * (1 - env)).sum(1).tolist()
+    # the decode ideal counts the model's tokens as decoded, each row's observations as prefilled context
+    ideal = all_reduce_sum(decode_ideal_seconds(ctx.shape, [p + t - m for p, t, m in zip(p_lens, t_lens, m_lens)],
+                                                m_lens, ctx.peaks[1]), dev)
     trained = plan.trained.tolist()
-    flops = update_flops(ctx.shape, [(p_lens[i], t_lens[i]) for i in trained]) * ctx.cfg.train.num_iterations
+    flops = update_flops(ctx.shape, [(p_lens[i], t_lens[i]) for i in trained],
+                         head_lens=[m_lens[i] for i in trained]) * ctx.cfg.train.num_iterations
     flops = all_reduce_sum(flops, dev)
     train_s = timer.seconds.get("train", math.nan)
     return {
@@ -317,7 +328,7 @@ def efficiency_metrics(ctx: TrainContext, ro: Rollout, plan: UpdatePlan, timer: 
 def step_record(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan, upd: UpdateResult, timer: PhaseTimer) -> dict[str, Any]:
     """The step's metrics: rewards, advantages, objective, lengths, time and memory per phase, efficiency."""
     s, b, dev = scored.scores, ro.batch, ctx.device  # every per-row value gathered over the ranks (rank order)
-    lengths = gather_rows(b.completion_mask.sum(1).float(), dev)
+    lengths = gather_rows(b.loss_mask().sum(1).float(), dev)  # the model's tokens (multi-turn: not observations)
     empty = gather_rows(torch.tensor([float(not c.strip()) for c in b.completions]), dev)
     record: dict[str, Any] = reward_metrics(gather_rows(s.rewards, dev), gather_rows(s.total, dev), s.names, ctx.acc_col)
     record.update({f"reward/{n}/errors": e for n, e in zip(s.names, [int(all_reduce_sum(e, dev)) for e in s.num_errors]) if e})

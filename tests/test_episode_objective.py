@@ -62,8 +62,9 @@ def step(opts: ObjectiveOptions, leaves: dict, mask: torch.Tensor, adv, truncate
     normalizer = loss_normalizer(opts, [mask[r, :t] for r, t in parts], [truncated[r] for r, _ in parts])
     valid = mask.bool() & ~truncated[:, None] if opts.mask_truncated_completions else mask.bool()
     threshold = entropy_quantile_threshold(leaves["entropy"].detach(), valid, opts.top_entropy_quantile)
+    entropies = [leaves["entropy"].detach()[r, :t] for r, t in parts]
     bonus = entropy_bonus_normalizer(opts, [mask[r, :t] for r, t in parts], [truncated[r] for r, _ in parts],
-                                     entropies=[leaves["entropy"].detach()[r, :t] for r, t in parts], threshold=threshold)
+                                     entropies=entropies, threshold=threshold)
     total, metrics, hints = 0.0, [], []
     for rows, t in parts:
         kw = {k: v[rows, :t] for k, v in leaves.items() if k != "logp"}

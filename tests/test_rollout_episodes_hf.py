@@ -106,8 +106,8 @@ def test_turn_endings_follow_the_contract(models, one_thread):
             else:
                 assert t.room == 0
     assert {"eos", "stop", "length"} <= endings
-    assert batch.completions[0] == TOK.decode([i for i, e in zip(batch.completion_ids[0].tolist(),
-                                                                batch.env_mask[0].tolist()) if not e and i != TOK.pad_token_id])
+    ids, env = batch.completion_ids[0].tolist(), batch.env_mask[0].tolist()
+    assert batch.completions[0] == TOK.decode([i for i, e in zip(ids, env) if not e and i != TOK.pad_token_id])
 
 
 def test_budgets_cut_turns_and_observations_and_mark_truncation(models, one_thread):

@@ -167,7 +167,8 @@ def test_hand_built_dapo_oracle(episode_ctx):
     with ctx.lora_compute.stage():
         logits = ctx.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
         P, W = b.prompt_ids.shape[1], b.completion_ids.shape[1]
-        lp = torch.log_softmax(logits[:, P - 1 : P + W - 1].float() / T, -1).gather(-1, b.completion_ids[..., None])[..., 0]
+        lp = torch.log_softmax(logits[:, P - 1 : P + W - 1].float() / T, -1)
+        lp = lp.gather(-1, b.completion_ids[..., None])[..., 0]
         model_tokens = (b.completion_mask * (1 - b.env_mask)).bool()
         loss = -(scored.adv.advantages[:, None] * lp)[model_tokens].sum() / model_tokens.sum()
         loss.backward()

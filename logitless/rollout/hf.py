@@ -21,6 +21,7 @@ from logitless.models import UnsupportedModelError
 
 from .attention import gqa_decode
 from .engine import build_batch, generation_mode, prepare_prompts, seeded, sync, unwrap_model
+from .hf_turns import generate_episodes
 from .layouts import CHUNKED, layer_types, text_config
 from .types import Prompt, RolloutBatch, SamplingOptions
 
@@ -149,6 +150,12 @@ class HFEngine:
             disable_compile=not self.compile,
         )
 
+    @staticmethod
+    def processors(options: SamplingOptions) -> tuple[LogprobRecorder, LogitsProcessorList]:
+        """A fresh logprob recorder, and the processor list that runs it first, then the sampling transforms."""
+        recorder = LogprobRecorder(options.logp_temperature)
+        return recorder, LogitsProcessorList([recorder, *sampling_processors(options)])
+
     @contextlib.contextmanager
     def sampling(self, options: SamplingOptions, device: torch.device) -> Iterator[None]:
         """Everything `generate` runs under: generation mode, the seed, a blank generation config, GQA decode."""
@@ -158,13 +165,10 @@ class HFEngine:
 
     def generate(self, prompts: Sequence[Prompt], options: SamplingOptions, episodes: Any = None) -> RolloutBatch:
         if episodes is not None:
-            from .hf_turns import generate_episodes
-
             return generate_episodes(self, prompts, options, episodes)
         prep = prepare_prompts(self.model, self.tokenizer, prompts, options)
         pad_id, eos_ids, device, ids, mask = prep.pad_id, prep.eos_ids, prep.device, prep.ids, prep.mask  # [n, P]
-        recorder = LogprobRecorder(options.logp_temperature)
-        processors = LogitsProcessorList([recorder, *sampling_processors(options)])
+        recorder, processors = self.processors(options)
         cfg = self.generation_config(options, options.max_new_tokens, pad_id,
                                      None if options.ignore_eos else eos_ids, list(options.stop))
         extra = {"tokenizer": self.tokenizer} if options.stop else {}

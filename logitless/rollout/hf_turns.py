@@ -19,18 +19,14 @@ another turn.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import torch
-from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteria, StoppingCriteriaList
 
-from .engine import left_pad, prepare_prompts, sync
+from .engine import left_pad, prepare_prompts, sync, unwrap_model
 from .episodes import EpisodeDriver, EpisodeStream, TurnEnd, TurnEnding, episode_batch
-from .hf import LogprobRecorder, sampling_processors
 from .types import Prompt, RolloutBatch, SamplingOptions
-
-if TYPE_CHECKING:
-    from .hf import HFEngine
 
 
 class TurnStops(StoppingCriteria):
@@ -89,9 +85,10 @@ def _check_reply(reply: Any, row: int, vocab: int) -> list[int] | None:
     return list(reply)
 
 
-def generate_episodes(engine: HFEngine, prompts: Sequence[Prompt], options: SamplingOptions,
+def generate_episodes(engine: Any, prompts: Sequence[Prompt], options: SamplingOptions,
                       driver: EpisodeDriver) -> RolloutBatch:
-    """One episode per row (G per prompt), turn by turn, assembled by `episode_batch`."""
+    """One episode per row (G per prompt), turn by turn, assembled by `episode_batch`. `engine`: the `HFEngine`
+    (its model, tokenizer, `generation_config`, `processors` and `sampling` context)."""
     prep = prepare_prompts(engine.model, engine.tokenizer, prompts, options)
     G, budget, cap = options.num_generations, options.max_new_tokens, driver.max_turn_tokens
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
@@ -99,7 +96,7 @@ def generate_episodes(engine: HFEngine, prompts: Sequence[Prompt], options: Samp
     B = len(prep.encoded) * G
     end_ids = sorted({*([] if options.ignore_eos else prep.eos_ids), *(int(i) for i in driver.turn_end_ids)})
     stops = list(dict.fromkeys([*options.stop, *driver.turn_stops]))
-    vocab = engine.model.get_input_embeddings().weight.shape[0]
+    vocab = unwrap_model(engine.model).get_input_embeddings().weight.shape[0]
     streams = [EpisodeStream() for _ in range(B)]
     driver.begin(B, G)
     gen_s = 0.0
@@ -110,12 +107,12 @@ def generate_episodes(engine: HFEngine, prompts: Sequence[Prompt], options: Samp
             ids, mask = left_pad([prep.encoded[b // G] + streams[b].ids for b in live], prep.pad_id, prep.device)
             stopper = TurnStops(ids.shape[1], limits, [lim == room for lim, room in zip(limits, rooms)], end_ids,
                                 stops, engine.tokenizer, prep.device)
-            recorder = LogprobRecorder(options.logp_temperature)
+            recorder, processors = engine.processors(options)
             cfg = engine.generation_config(options, max(limits), prep.pad_id, None, None)
             sync(prep.device)
             t0 = time.perf_counter()
             out = engine.model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg,
-                                        logits_processor=LogitsProcessorList([recorder, *sampling_processors(options)]),
+                                        logits_processor=processors,
                                         stopping_criteria=StoppingCriteriaList([stopper]))
             turn = out[:, ids.shape[1]:]  # [b, S]
             logp = recorder.finish(turn).cpu()
@@ -130,8 +127,9 @@ def generate_episodes(engine: HFEngine, prompts: Sequence[Prompt], options: Samp
                                     room=budget - len(streams[b].ids)))
             replies = driver.respond(ends)
             if not isinstance(replies, Sequence) or len(replies) != len(ends):
-                raise ValueError(f"the episode driver answered {len(replies) if isinstance(replies, Sequence) else replies!r}"
-                                 f" replies to {len(ends)} turns; it must return one (token ids or None) per turn")
+                got = len(replies) if isinstance(replies, Sequence) else repr(replies)
+                raise ValueError(f"the episode driver answered {got} replies to {len(ends)} turns; it must return one "
+                                 "(token ids or None) per turn")
             for end, reply in zip(ends, replies):
                 s, reply = streams[end.row], _check_reply(reply, end.row, vocab)
                 if end.ended == "budget":  # the model was cut: the episode is over whatever the driver says

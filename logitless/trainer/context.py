@@ -35,6 +35,7 @@ from logitless.trainer.builders import (
     weight_copy,
 )
 from logitless.trainer.config import ModelConfig, TrainerConfig, to_yaml
+from logitless.trainer.episodes import environment_weight
 from logitless.trainer.metrics import MetricsLogger
 from logitless.trainer.modeling import (
     LoraCompute,
@@ -116,8 +117,12 @@ def seed_everything(seed: int) -> None:
 
 
 def advantage_options(cfg: TrainerConfig) -> AdvantageOptions:
-    """The advantage options with the reward weights of `reward.reward_weights` (checked by `preflight`)."""
+    """The advantage options with the reward weights of `reward.reward_weights` (checked by `preflight`), and
+    `agent.environment_reward_weight` for the environment's reward column when an agent has an environment."""
     weights = tuple(cfg.reward.reward_weights) if cfg.reward.reward_weights else None
+    env = environment_weight(cfg)
+    if env is not None:
+        weights = (*(weights or (1.0,) * len(cfg.reward.reward_funcs)), env)
     return dataclasses.replace(cfg.advantage, reward_weights=weights)
 
 

@@ -31,13 +31,20 @@ from logitless.objectives import (
     summarize,
     update_entropy_coef,
 )
-from logitless.rewards import RewardScores, score_completions
+from logitless.rewards import RewardScores, add_reward_column, score_completions
 from logitless.rollout import RolloutBatch, SamplingOptions
 from logitless.trainer.accounting import PhaseTimer, decode_ideal_seconds, update_flops
 from logitless.trainer.batching import MicroBatch, make_micro_batches
 from logitless.trainer.builders import clip_offloaded_grads, sampling_options, torch_threads
 from logitless.trainer.context import TrainContext
 from logitless.trainer.distributed import all_reduce_metrics, all_reduce_sum, gather_rows
+from logitless.trainer.episodes import (
+    ENVIRONMENT_REWARD,
+    environment_rewards,
+    environment_weight,
+    episode_metrics,
+    reward_completions,
+)
 from logitless.trainer.offload import ActivationOffload, optimizer_state
 from logitless.trainer.parallel import (
     clip_grad_norm,
@@ -136,10 +143,14 @@ def parked_state(ctx: TrainContext) -> Iterator[None]:
 def score_stage(ctx: TrainContext, ro: Rollout) -> Scored:
     """Rewards [B, R] of every sample and group advantages [B]."""
     r = ctx.cfg.reward
-    scores = score_completions(
-        ctx.reward_fns, r.reward_weights, [x.prompt for x in ro.sample_rows], ro.batch.completions, ro.sample_rows,
+    prompts = [x.prompt for x in ro.sample_rows]
+    scores = score_completions(  # multi-turn episodes: the whole conversation (trainer/episodes.py)
+        ctx.reward_fns, r.reward_weights, prompts, reward_completions(ctx.tokenizer, ro.batch, prompts), ro.sample_rows,
         on_error=r.on_error, penalty=r.error_penalty,
     )
+    weight = environment_weight(ctx.cfg)
+    if weight is not None:  # the environment's own episode rewards: one more column (ctx.adv_options weighs it)
+        scores = add_reward_column(scores, ENVIRONMENT_REWARD, environment_rewards(ro.batch), weight)
     return Scored(scores, compute_advantages(scores.rewards, ctx.cfg.rollout.num_generations, ctx.adv_options))
 
 
@@ -343,6 +354,7 @@ def step_record(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan
         "grad_norm": sum(upd.grad_norms) / len(upd.grad_norms) if upd.grad_norms else math.nan,
         "learning_rate": ctx.optimizer.param_groups[0]["lr"],
         "entropy_coef": ctx.entropy_coef.effective,
+        **episode_metrics(b, dev),  # multi-turn episodes only
         "completion/length_mean": float(lengths.mean()),
         "completion/length_max": float(lengths.max()),
         "completion/truncated": float(gather_rows(b.truncated.float(), dev).mean()),

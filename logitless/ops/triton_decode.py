@@ -38,7 +38,7 @@ def _decode_kernel(
     stride_vb, stride_vh, stride_vl,
     stride_mb,
     KV, G, L, D, chunk, scale,
-    HAS_MASK: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, EXACT_P: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_SCAN: tl.constexpr,
 ):
     bh = tl.program_id(0)  # b * KV + h
@@ -84,7 +84,10 @@ def _decode_kernel(
         p = tl.exp(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_row + ol[:, None] * stride_vl + od[None, :], mask=ld, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        p_hi = p.to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p_hi, v)
+        if EXACT_P:  # p = p_hi + p_lo to ~16 bits: the p v product as if p were not rounded to v's dtype
+            acc += tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v)
         m_i = m_new
     if SPLIT:  # partial results [B * KV, splits, G, D] and [B * KV, splits, G], combined by the caller
         base = (bh * tl.num_programs(1) + s) * G
@@ -108,6 +111,10 @@ BLOCK_SCAN = 2048
 # programs per SM below which the cache length is split: 1, since splitting 256 programs on 132 SMs (the 1.5B shape at
 # 128 rows) made the decode step 1.06x slower than one program per SM on an H200 (bench/LOG.md)
 MIN_ROWS_PER_SM = 1
+# the p v product with p split into two bf16 halves (p_hi + p_lo, ~16 bits): the kernel then matches fp64 attention to
+# the output's own rounding, where rounding p to bf16 (as flash attention does) adds about half as much error again.
+# Read when the kernel is launched (or traced); bench/gpu_exactness.py measures both against the trainer.
+EXACT = {"p": False}
 SMS = {"count": 132}  # the GPU's SM count, set eagerly by `set_sm_count` (a compiled graph reads it as a constant)
 
 
@@ -150,7 +157,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
             v.stride(0), v.stride(1), v.stride(2), m.stride(0) if mask is not None else 0,
             KV, G, L, D, chunk, scale)
     block_scan = block_scan or min(BLOCK_SCAN, max(16, triton.next_power_of_2(chunk)))
-    meta = dict(HAS_MASK=mask is not None, SPLIT=splits > 1, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l,
+    meta = dict(HAS_MASK=mask is not None, SPLIT=splits > 1, EXACT_P=EXACT["p"], BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l,
                 BLOCK_SCAN=block_scan, num_warps=num_warps or NUM_WARPS)
     if num_stages is None and B * KV * splits >= FEW_STAGES_FROM * SMS["count"]:
         num_stages = 2

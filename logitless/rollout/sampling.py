@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 from transformers import LogitsProcessor
 
+from logitless.models.compiled import EAGER_NUMERICS
 from logitless.ops.hash32 import GOLDEN, MASK32, counter_salt, mix32
 from logitless.ops.hash32 import mul32 as _mul32  # noqa: F401  (tests check it here, beside mix32)
 
@@ -108,7 +109,7 @@ def fused_sampler(device: torch.device, compile: bool) -> Callable:
     if True not in _compiled:
         # dynamic after a second row count. Not fullgraph: a process that samples at more (temperature, greedy,
         # shape) variants than dynamo's recompile limit (8) then runs the extra ones eagerly instead of failing.
-        _compiled[True] = torch.compile(sample_tokens)
+        _compiled[True] = torch.compile(sample_tokens, options=EAGER_NUMERICS)
     return _compiled[True]
 
 

@@ -49,6 +49,8 @@ import torch
 from transformers.generation.configuration_utils import CompileConfig
 from transformers.generation.logits_process import TemperatureLogitsWarper
 
+from logitless.models.compiled import inductor_options
+
 from .attention import gqa_decode, resolve_decode_attention
 from .engine import PreparedPrompts, build_batch, generation_mode, model_device, prepare_prompts, sync, unwrap_model
 from .hf import sampling_processors
@@ -249,7 +251,8 @@ class StaticEngine:
         base = unwrap_model(module)
         if self._use_compile(device):
             allow_recompiles(compiled_variants(rows, self.length_buckets, self.compact_finished))
-            return base.get_compiled_call(CompileConfig(fullgraph=False, mode="reduce-overhead", dynamic=False)), True
+            config = CompileConfig(fullgraph=False, mode=None, dynamic=False, options=inductor_options(cudagraphs=True))
+            return base.get_compiled_call(config), True
         return base.__call__, False
 
     def _graph_step(self, device: torch.device, filters: list) -> bool:
@@ -271,7 +274,8 @@ class StaticEngine:
         base = unwrap_model(module)
         if self._use_compile(device):
             allow_recompiles(compiled_variants(rows, self.length_buckets, self.compact_finished))
-            return base.get_compiled_call(CompileConfig(fullgraph=False, mode="default", dynamic=False))
+            return base.get_compiled_call(CompileConfig(fullgraph=False, mode=None, dynamic=False,
+                                                        options=inductor_options(cudagraphs=False)))
         return base.__call__
 
     def _cache_len(self, P: int, S: int, ctx: int | None) -> int:

@@ -22,6 +22,7 @@ Off CUDA the same step runs eagerly (no capture), which is what the CPU tests ch
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -51,6 +52,7 @@ class DecodeStep:
         self.t = torch.zeros((), dtype=torch.long, device=done.device)  # the step drawn last (or, at 0, next)
         self.stream = stream
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.uncapturable: str | None = None  # why the capture failed, if it did (the step then runs eagerly)
         self.steps_run = 0
 
     def first(self, logits: torch.Tensor) -> None:
@@ -89,7 +91,15 @@ class DecodeStep:
             torch.cuda.current_stream().wait_stream(self.stream)
             return
         if self.graph is None:
-            self.graph = capture(self.body, self.stream)
+            if self.uncapturable is None:
+                try:
+                    self.graph = capture(self.body, self.stream)
+                except RuntimeError as e:  # the model's forward does something a graph cannot hold
+                    self.uncapturable = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+                    warn_uncapturable(self.uncapturable)
+            if self.graph is None:  # decode on without a graph (each step relaunches its kernels)
+                self.body()
+                return
         self.graph.replay()
 
     def release(self) -> None:
@@ -97,6 +107,18 @@ class DecodeStep:
         if self.graph is not None:
             self.graph.reset()
             self.graph = None
+
+
+_warned: set[str] = set()
+
+
+def warn_uncapturable(reason: str) -> None:
+    """Say once per reason that the decode step could not be captured and runs as separate launches."""
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"rollout.step_graph: the decode step could not be captured as one CUDA graph ({reason}); it "
+                      "runs its compiled forward and draw as separate launches instead (same tokens, slower). Set "
+                      "rollout.step_graph=false to skip the attempt", stacklevel=3)
 
 
 def capture(fn: Callable[[], None], side: Any) -> torch.cuda.CUDAGraph:

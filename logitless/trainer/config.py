@@ -228,9 +228,9 @@ class RolloutConfig:
     compact_finished: bool = False
     # How the static engine's decode attends over the cache: "matmul" (two matmuls around an fp32 softmax, fused by
     # inductor), "triton" (one flash-decoding kernel per layer: scores, online softmax and p v in one pass; CUDA,
-    # bf16/fp16) or "auto" (triton for bf16 weights on a CUDA GPU of compute capability 8.0+ with triton installed,
-    # else matmul).
-    decode_attention: Literal["auto", "matmul", "triton"] = "auto"
+    # bf16/fp16), "sdpa" (torch's scaled_dot_product_attention on the grouped query, also when compiled) or "auto"
+    # (triton for bf16 weights on a CUDA GPU of compute capability 8.0+ with triton installed, else matmul).
+    decode_attention: Literal["auto", "matmul", "triton", "sdpa"] = "auto"
     # How the static engine draws a token without top-k/top-p/min-p/repetition penalty: "torch" (one pass over the
     # fp32 logits, compiled on CUDA), "triton" (two kernels reading the logits once in the model's dtype; the same
     # tokens; CUDA) or "auto" (triton on a CUDA GPU with triton installed, else torch). With those filters on, the

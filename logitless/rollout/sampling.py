@@ -64,6 +64,15 @@ def step_keys(keys: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
     return _fold(keys, step)
 
 
+TURN_TAG = 0x7475726E  # folded into a row key before a turn index, so turn keys never equal step keys
+
+
+def turn_keys(keys: torch.Tensor, turn: int) -> torch.Tensor:
+    """[B] row keys of turn `turn` of multi-turn episodes: the keys themselves for turn 0 (a one-turn episode draws
+    what a single-turn rollout draws), a fold of (TURN_TAG, turn) after it."""
+    return keys if turn == 0 else _fold(_fold(keys, TURN_TAG), turn)
+
+
 def vocab_codes(vocab: int, device: torch.device) -> torch.Tensor:
     """[V] int64 hashed vocabulary indices, computed once per call and reused at every step."""
     return mix32(torch.arange(vocab, dtype=torch.long, device=device) * 2 + 1)

@@ -42,7 +42,7 @@ class DecodeStep:
     def __init__(self, forward: Callable, draw: Callable, cache: Any, *, mask: torch.Tensor, next_pos: torch.Tensor,
                  done: torch.Tensor, keys: torch.Tensor, history: torch.Tensor, out_logp: torch.Tensor,
                  prompt_len: int, pad_id: int, eos: torch.Tensor, codes: torch.Tensor, temperature: float,
-                 greedy: bool, stream: Any = None):
+                 greedy: bool, stream: Any = None, limit: torch.Tensor | None = None):
         self.forward, self.draw, self.cache = forward, draw, cache
         self.mask, self.next_pos, self.done, self.keys = mask, next_pos, done, keys
         self.history, self.out_logp = history, out_logp
@@ -50,6 +50,7 @@ class DecodeStep:
         self.T, self.greedy = temperature, greedy
         self.token = torch.empty(done.shape, dtype=torch.long, device=done.device)  # [b] the last drawn token
         self.t = torch.zeros((), dtype=torch.long, device=done.device)  # the step drawn last (or, at 0, next)
+        self.limit = limit  # [b] long or None: a row is done once it has drawn this many tokens (episode turns)
         self.stream = stream
         self.graph: torch.cuda.CUDAGraph | None = None
         self.uncapturable: str | None = None  # why the capture failed, if it did (the step then runs eagerly)
@@ -75,6 +76,8 @@ class DecodeStep:
         self.out_logp.scatter_(1, self.t.expand(b, 1), logp[:, None])
         if self.eos.numel():
             self.done.logical_or_(torch.isin(token, self.eos))
+        if self.limit is not None:
+            self.done.logical_or_(self.t + 1 >= self.limit)
         self.token.copy_(token)
 
     def advance(self) -> None:

@@ -93,7 +93,6 @@ def test_environment_weight_follows_the_agent_section():
         return SimpleNamespace(agent=SimpleNamespace(**{"enabled": True, "environment": None,
                                                         "environment_reward_weight": 1.0, **agent}))
 
-    assert environment_weight(SimpleNamespace()) is None  # no agent section
     assert environment_weight(cfg(enabled=False)) is None
     assert environment_weight(cfg()) is None  # tools only: no environment reward
     assert environment_weight(cfg(environment="m:Env", environment_reward_weight=0.5)) == 0.5

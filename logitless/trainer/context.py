@@ -12,6 +12,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from logitless.agents import Agent
 from logitless.data import PromptRow, PromptSampler
 from logitless.models.varlen import NAME as VARLEN_ATTENTION
 from logitless.objectives import AdvantageOptions, EntropyCoef, initial_entropy_coef
@@ -89,6 +90,7 @@ class TrainContext:
     empty_steps: int = 0  # consecutive steps whose completions were all empty
     parked: ParkedState = field(default_factory=ParkedState)  # train.offload_during_rollout's host buffers
     prefetch: AsyncRollout | None = None  # train.async_rollout: the next step's rollout in flight
+    agent: Agent | None = None  # agent.tools / agent.environment: what answers the model between turns
     t_start: float = field(default_factory=time.perf_counter)  # for the wall-time budget
 
     @property
@@ -199,6 +201,7 @@ def build_context(
     sampler = PromptSampler(rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     reward_fns, acc_col = reward_functions(cfg.reward), accuracy_index(cfg.reward)
     model, tokenizer, device = _model(cfg, model, tokenizer, host=world.offload)
+    agent = Agent(tokenizer, cfg.agent) if cfg.agent.enabled else None  # tools, environment, template: checked here
     check_prompt_lengths(rows, tokenizer, model, sampling_options(cfg.rollout, seed=None), f"data.task={cfg.data.task!r}")
     if cfg.train.packed:
         check_packed_attention(model)
@@ -238,10 +241,11 @@ def build_context(
     prefetch = None
     if cfg.train.async_rollout:
         prefetch = AsyncRollout(engine, sampler, cfg.train.prompts_per_step, device,
-                                sync=_replica_sync(replica, model, engine) if replica is not None else None)
+                                sync=_replica_sync(replica, model, engine) if replica is not None else None,
+                                agent=agent)
         prefetch.restore(state)
     return TrainContext(
-        cfg=cfg, model=model, tokenizer=tokenizer, device=device, engine=engine, prefetch=prefetch,
+        cfg=cfg, model=model, tokenizer=tokenizer, device=device, engine=engine, prefetch=prefetch, agent=agent,
         params=params, optimizer=optimizer, scheduler=scheduler, sampler=sampler, reward_fns=reward_fns,
         acc_col=acc_col, adv_options=adv_options,
         reference=reference,

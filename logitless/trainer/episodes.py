@@ -24,10 +24,10 @@ ENVIRONMENT_REWARD = "environment"  # name of the environment's reward column
 
 
 def environment_weight(cfg: Any) -> float | None:
-    """The weight of the `environment` reward column, or None when the run has no such column (no agent, or an
-    agent with tools only)."""
-    agent = getattr(cfg, "agent", None)
-    if agent is None or not agent.enabled or agent.environment is None:
+    """The weight of the `environment` reward column of a run (`TrainerConfig`), or None when it has no such
+    column (no agent, or an agent with tools only)."""
+    agent = cfg.agent
+    if not agent.enabled or agent.environment is None:
         return None
     return float(agent.environment_reward_weight)
 
@@ -60,9 +60,22 @@ def environment_rewards(batch: RolloutBatch) -> list[float | None]:
 
 
 def episode_metrics(batch: RolloutBatch, device: torch.device) -> dict[str, float]:
-    """Means per episode over the step (all ranks): turns, tool calls, tool errors, the truncated share, model and
-    observation tokens, and each `EpisodeRecord.metrics` entry (over the episodes that report it). Empty for a
-    single-turn rollout."""
+    """Means per episode over the step (all ranks) of `episode_stats`. Empty for a single-turn rollout (no
+    collective then: every rank runs episodes or none)."""
+    if batch.episodes is None:
+        return {}
+    return stat_means(all_reduce_metrics(episode_stats(batch), device))
+
+
+def stat_means(stats: dict[str, Stat]) -> dict[str, float]:
+    """{name: mean} of the stats that counted anything."""
+    return {name: float(s.mean) for name, s in stats.items() if float(s.count) > 0}
+
+
+def episode_stats(batch: RolloutBatch) -> dict[str, Stat]:
+    """Per-episode values of this process's rows, as mergeable stats: turns, tool calls, tool errors, the
+    truncated share, model and observation tokens, and each `EpisodeRecord.metrics` entry (over the episodes
+    that report it). Empty for a single-turn rollout."""
     if batch.episodes is None:
         return {}
     recs = batch.episodes
@@ -81,5 +94,4 @@ def episode_metrics(batch: RolloutBatch, device: torch.device) -> dict[str, floa
     }
     for key in sorted({k for r in recs for k in r.metrics}):
         stats[f"episode/{key}"] = stat([float(r.metrics[key]) for r in recs if key in r.metrics])
-    merged = all_reduce_metrics(stats, device)
-    return {name: float(s.mean) for name, s in merged.items() if float(s.count) > 0}
+    return stats

@@ -106,7 +106,9 @@ def _entropy_terms(ctx: TrainContext) -> tuple[bool, bool]:
 
 def rollout_stage(ctx: TrainContext, step: int) -> Rollout:
     """G samples for each of the step's prompts, with the sampler's logprobs. With train.async_rollout they were
-    started during the step before, and the next step's rollout starts here (trainer/async_rollout.py)."""
+    started during the step before, and the next step's rollout starts here (trainer/async_rollout.py). With an
+    agent each sample is a multi-turn episode: the agent renders the prompts (tools in the chat template, an
+    environment's first observation) and answers the model between turns."""
     cfg = ctx.cfg
     options = sampling_options(cfg.rollout, seed=rank_seed(cfg.train.seed * 1_000_003 + step, ctx.world))
     if ctx.prefetch is not None:  # single process only (refused under torchrun)
@@ -119,7 +121,11 @@ def rollout_stage(ctx: TrainContext, step: int) -> Rollout:
     else:
         rows = rank_share(ctx.sampler.next_batch(cfg.train.prompts_per_step), ctx.world)  # all of them on one process
         with torch_threads(cfg.rollout.num_threads), rollout_weights(ctx.model, ctx.replica), parked_state(ctx):
-            batch = ctx.engine.generate([r.prompt for r in rows], options).to(ctx.device)
+            if ctx.agent is not None:
+                driver = ctx.agent.driver(rows, cfg.rollout.num_generations)
+                batch = ctx.engine.generate(driver.prompt_ids, options, episodes=driver).to(ctx.device)
+            else:
+                batch = ctx.engine.generate([r.prompt for r in rows], options).to(ctx.device)
     return Rollout(rows, [rows[i] for i in batch.prompt_index.tolist()], batch, options)
 
 

@@ -16,6 +16,7 @@ import torch
 
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.evaluate import evaluate
+from logitless.trainer.loop import train
 from logitless.trainer.preflight import validate_config
 from tests.conftest import tiny_qwen2
 from tests.test_trainer import VOCAB, _cfg, _lora, _train, _untimed, rewards_module, tok  # noqa: F401 (fixtures)
@@ -145,3 +146,38 @@ def test_advantages_weigh_the_environment_column(tmp_path, rewards_module):  # n
     assert advantage_options(_cfg(tmp_path / "b", *AGENT, "reward.reward_weights=[2.0, 3.0]")).reward_weights == (
         2.0, 3.0, 0.5)
     assert advantage_options(_cfg(tmp_path / "c", "agent.tools=[calculator]")).reward_weights is None  # no column
+
+
+CHAT_REWARDS = '''
+SEEN = []
+
+def assistant_turns(prompts, completions, **fields):
+    """The number of assistant messages of each conversation (the completions are message lists)."""
+    SEEN.extend(completions)
+    return [float(sum(m["role"] == "assistant" for m in c)) for c in completions]
+'''
+
+
+def test_chat_prompts_reward_the_messages(tmp_path, qwen_tokenizer, env_module, monkeypatch):
+    """Chat prompts (Qwen2.5's template): reward functions get the messages after the prompt, the built-ins score
+    the last assistant message."""
+    (tmp_path / "chat_rewards.py").write_text(textwrap.dedent(CHAT_REWARDS))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "chat_rewards", raising=False)
+    cfg = _cfg(tmp_path / "run", *AGENT, "train.max_steps=1", "data.options={difficulty: 1, n: 40, chat: true}",
+               "reward.reward_funcs=[numeric_answer, chat_rewards:assistant_turns]", "rollout.stop=[]",
+               "agent.max_turn_tokens=3", "rollout.max_completion_length=64")
+    model = tiny_qwen2(vocab_size=len(qwen_tokenizer), hidden=32, layers=1, tie=False)
+    head = torch.nn.Linear(32, len(qwen_tokenizer), bias=True)  # a bias (the fused op takes it too) that makes
+    with torch.no_grad():  # <|im_end|> about every other token: turns end at the template's end of turn
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.zero_()[qwen_tokenizer.convert_tokens_to_ids("<|im_end|>")] = 12.0
+    model.lm_head = head
+    (r,) = train(cfg, model=model, tokenizer=qwen_tokenizer).records
+    import chat_rewards
+
+    assert len(chat_rewards.SEEN) == 8 and all(isinstance(c, list) for c in chat_rewards.SEEN)
+    roles = [m["role"] for c in chat_rewards.SEEN for m in c]
+    assert roles.count("assistant") > 8 and "user" in roles  # several turns, the environment's observations
+    assert r["reward/assistant_turns/mean"] == pytest.approx(r["episode/turns_mean"]) and r["episode/turns_mean"] > 1
+    assert r["accuracy"] == r["reward/numeric_answer/mean"]  # the built-in scored every conversation

@@ -208,7 +208,8 @@ def test_sigterm_and_resume_on_two_ranks_continue_like_an_uninterrupted_run(resu
     # a resume on another number of ranks is refused, naming the fix
     tok = w.tokenizer(tok_dir)
     with pytest.raises(ckpt.CheckpointError, match=r"written by 2 rank\(s\) but this run has 1.*--nproc-per-node 2"):
-        train(w.config(tmp_path / "cut", "train.max_steps=4"), model=w.model(), tokenizer=tok, resume=tmp_path / "cut")
+        train(w.config(tmp_path / "cut", "train.max_steps=4", "objective.beta=0.04"), model=w.model(), tokenizer=tok,
+              resume=tmp_path / "cut")  # the run's own settings: only the number of ranks differs
 
 
 def test_a_failure_on_one_rank_ends_every_rank(tmp_path, tok_dir):

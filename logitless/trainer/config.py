@@ -177,8 +177,13 @@ class RewardConfig:
     on_error: Literal["raise", "penalty"] = "raise"  # "penalty": a sample whose reward function raises scores error_penalty
     error_penalty: float = 0.0
     accuracy_reward: str | None = None  # the reward whose value 1.0 means "correct" (default: the first)
+    # Seconds one call of a `module:function` reward may take (null: no limit); the built-ins bound their own time.
+    # A call past it is stopped (rewards/deadline.py) and its samples are handled by on_error: "raise" stops the
+    # run naming the function, "penalty" scores them error_penalty and counts them as errors.
+    timeout_s: float | None = 300.0
 
     def __post_init__(self):
+        _positive("reward", timeout_s=self.timeout_s)
         if not self.reward_funcs:
             raise ValueError("reward.reward_funcs is empty; name at least one reward function (e.g. numeric_answer)")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):

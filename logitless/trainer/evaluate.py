@@ -97,6 +97,7 @@ def evaluate(model: Any, tokenizer: Any, rows: list[PromptRow], cfg: TrainerConf
         scores = score_completions(
             fns, cfg.reward.reward_weights, prompts, completions, per_sample,
             on_error=cfg.reward.on_error, penalty=cfg.reward.error_penalty,
+            timeout_s=cfg.reward.timeout_s,
         )
         if env_weight is not None:
             scores = add_reward_column(scores, ENVIRONMENT_REWARD, environment_rewards(batch), env_weight)

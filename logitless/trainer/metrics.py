@@ -45,9 +45,19 @@ def _parse_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
                 warnings.warn(f"{path}: dropping its last line {i}, which is incomplete (a run stopped while "
                               f"writing it): {line[:80]!r}", stacklevel=3)
                 break
-            raise ValueError(f"{path} line {i} is not a JSON record ({e}); fix or delete that line") from None
+            raise ValueError(f"{path} line {i} is not a JSON record ({e}); fix or delete that line (a record is "
+                             "one JSON object per line), then run again") from None
         out.append((line, record))
     return out
+
+
+def check_metrics_file(path: Path) -> None:
+    """Raise ValueError naming the file and line of a damaged record of a metrics file other than its last (which
+    a resume drops): checked when a run is claimed for --resume, before the model loads."""
+    if path.is_file():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the last line's warning comes when the logger drops it
+            _parse_lines(path)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -59,7 +69,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 class RewardErrorReport:
-    """Console warnings, with the exception text, for reward functions that raise under reward.on_error=penalty.
+    """Console warnings, with the exception text, for reward functions that raise (or run past reward.timeout_s)
+    under reward.on_error=penalty.
 
     The first error of each function is shown at once; later ones at most once per `interval_s` seconds, with
     the count of failed samples since the last warning (so a function that always raises cannot flood the log).
@@ -84,7 +95,7 @@ class RewardErrorReport:
                 continue
             self._last[name], self._pending[name] = now, (0, 0)
             self.emit(
-                f"[yellow]warning:[/] step {step}: reward function '{escape(name)}' raised on {failed} of {scored} "
+                f"[yellow]warning:[/] step {step}: reward function '{escape(name)}' failed on {failed} of {scored} "
                 f"samples (scored reward.error_penalty={self.penalty}): {escape(str(text))[:500]}. Set "
                 f"reward.on_error=raise to stop at the first error; repeats are shown at most every "
                 f"{self.interval_s:.0f} s."

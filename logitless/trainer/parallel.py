@@ -183,22 +183,23 @@ def check_distributed(cfg: TrainerConfig, world: World) -> None:
 
 
 @contextmanager
-def claimed_on_rank0(world: World, claim: Callable[[], Any]) -> Iterator[tuple[TrainerConfig, Any]]:
+def claimed_on_rank0(world: World, claim: Callable[[], Any]) -> Iterator[tuple[TrainerConfig, Any, Any]]:
     """Rank 0 claims the run folder (`claim()`, a context manager giving `.cfg` and `.resume_from`) for the whole
-    run; every rank gets its config (absolute paths) and checkpoint. One process: just `claim()`."""
+    run; every rank gets its config (absolute paths) and checkpoint, and rank 0 the claim itself (None on the other
+    ranks). One process: just `claim()`."""
     if not world.distributed:
         with claim() as run:
-            yield run.cfg, run.resume_from
+            yield run.cfg, run.resume_from, run
         return
     if world.main:
         with claim() as run:
             shared = [run.cfg, run.resume_from]
             dist.broadcast_object_list(shared, src=0)
-            yield run.cfg, run.resume_from
+            yield run.cfg, run.resume_from, run
         return
     shared = [None, None]  # rank 0 fails alone if the claim fails; torchrun then ends this rank
     dist.broadcast_object_list(shared, src=0)
-    yield shared[0], shared[1]
+    yield shared[0], shared[1], None
 
 
 def rank_share(rows: Sequence[T], world: World) -> list[T]:

@@ -152,7 +152,7 @@ def score_stage(ctx: TrainContext, ro: Rollout) -> Scored:
     prompts = [x.prompt for x in ro.sample_rows]
     scores = score_completions(  # multi-turn episodes: the whole conversation (trainer/episodes.py)
         ctx.reward_fns, r.reward_weights, prompts, reward_completions(ctx.tokenizer, ro.batch, prompts), ro.sample_rows,
-        on_error=r.on_error, penalty=r.error_penalty,
+        on_error=r.on_error, penalty=r.error_penalty, timeout_s=r.timeout_s,
     )
     weight = environment_weight(ctx.cfg)
     if weight is not None:  # the environment's own episode rewards: one more column (ctx.adv_options weighs it)

@@ -103,6 +103,7 @@ def check_equivalence(out: Path, single: dict[str, list[dict]], mode: str, atol:
     assert not diff
     assert one[0]["train/tflop"] > 0  # the update's FLOPs are counted over every rank's rows, not rank 0's
     assert one[0]["grad_norm"] > 0.05  # clipping was active (max_grad_norm=0.05)
+    assert one[0]["rollout/mismatch_mean"] > 0.005  # the planted offset (w.PLANTED): a reduction that can fail
     if mode == "lora":  # only rank 1's 8 rows train: rank 0 ran zero-gradient padding passes, and nothing hung
         assert ranks[0]["trained_rows"] == 8.0 and ranks[0]["zero_variance_groups"] > 0
     elif mode.startswith("full"):

@@ -276,8 +276,10 @@ def test_skipping_zero_advantage_rows_does_not_change_training(tmp_path, tok, re
     assert [r["trained_rows"] for r in full.records] == [8.0] * 3 and 0 < sum(trained) < 24, trained
     assert [r["loss"] for r in skip.records] == pytest.approx([r["loss"] for r in full.records], rel=1e-5, abs=1e-7)
     a, b = _lora(tmp_path / "skip"), _lora(tmp_path / "full")
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    for k in a:  # the same updates up to fp32 summation order (other micro-batches), over 6 Adam steps at lr 0.05:
+        # within 2e-5 of each tensor's own scale (2.2e-6 absolute was seen on a 2-core machine; a wrong skip
+        # moves the weights by the learning rate, ~1e-2)
+        assert (a[k] - b[k]).abs().max() <= 2e-5 * a[k].abs().max() + 1e-7, k
 
 
 def test_max_minutes_stops_after_the_current_step_with_a_checkpoint(tmp_path, tok, rewards_module):

@@ -19,6 +19,7 @@ from logitless.objectives import (
     entropy_quantile_threshold,
     initial_entropy_coef,
     loss_normalizer,
+    merge_metrics,
     policy_loss,
 )
 from logitless.trainer.builders import sampling_options
@@ -92,14 +93,15 @@ def trainer_gradient(ctx, ro, scored):
         oldref = logprob_stage(ctx, plan)
         seen.clear()
         ctx.model.train()
+        metrics = []
         with ctx.lora_compute.stage():
             for i in range(len(plan.micro)):
-                micro_batch_backward(ctx, plan, oldref, i)
+                metrics.append(micro_batch_backward(ctx, plan, oldref, i, first=True)[1])
     finally:
         logprobs_module.token_logprobs = real
     grads = [p.grad.clone() for p in ctx.params]
     ctx.optimizer.zero_grad(set_to_none=True)
-    return grads, plan, sum(seen)
+    return grads, plan, sum(seen), merge_metrics(metrics)
 
 
 def oracle_gradient(ctx, ro, scored, o: ObjectiveOptions):
@@ -135,7 +137,7 @@ def test_stages_train_only_the_models_tokens(case, episode_ctx):
     ctx.cfg = dataclasses.replace(ctx.cfg, train=cfg.train, objective=o)
     ctx.entropy_coef = initial_entropy_coef(o)
     try:
-        grads, plan, computed = trainer_gradient(ctx, ro, scored)
+        grads, plan, computed, metrics = trainer_gradient(ctx, ro, scored)
     finally:
         ctx.cfg, ctx.entropy_coef = saved
     b = ro.batch
@@ -144,6 +146,9 @@ def test_stages_train_only_the_models_tokens(case, episode_ctx):
     assert plan.n_tokens == int(loss_mask.sum())  # the step's token count: the model's tokens
     # only the model's tokens of the trained rows went through the lm_head (observations cost no FLOPs there)
     assert computed == int(loss_mask[plan.trained].sum())
+    # the sampler-trainer mismatch: over the same tokens, where the hf sampler is the trainer's policy
+    mismatch = metrics["rollout/mismatch"]
+    assert int(mismatch.count) == computed and float(mismatch.max) < 1e-4
     expected = oracle_gradient(ctx, ro, scored, o)
     assert sum(float(g.abs().sum()) for g in expected) > 0
     for g, e in zip(grads, expected):
@@ -157,7 +162,7 @@ def test_hand_built_dapo_oracle(episode_ctx):
     saved = ctx.cfg
     ctx.cfg = dataclasses.replace(ctx.cfg, objective=dataclasses.replace(ctx.cfg.objective, beta=0.0))
     try:
-        grads, _, _ = trainer_gradient(ctx, ro, scored)
+        grads, _, _, _ = trainer_gradient(ctx, ro, scored)
     finally:
         ctx.cfg = saved
     b = ro.batch

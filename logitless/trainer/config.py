@@ -377,11 +377,15 @@ class LoggingConfig:
     # Device peaks for rollout/ceiling_fraction and train/mfu (None: the datasheet value of a known GPU).
     peak_tflops: float | None = None  # dense bf16 TFLOP/s
     hbm_tbs: float | None = None  # memory bandwidth, TB/s
+    # Warn when rollout/mismatch_mean (mean |trainer logp - sampler logp| per sampled token, nats) exceeds this,
+    # naming the likely cause and the fix; once, then again each time it doubles (None: never). bf16 rounding alone
+    # gives about 0.005-0.02 (logitless/objectives/mismatch.py).
+    mismatch_warning: float | None = 0.05
 
     def __post_init__(self):
         _positive(
             "logging", logging_steps=self.logging_steps, completions_steps=self.completions_steps,
-            peak_tflops=self.peak_tflops, hbm_tbs=self.hbm_tbs,
+            peak_tflops=self.peak_tflops, hbm_tbs=self.hbm_tbs, mismatch_warning=self.mismatch_warning,
         )
 
 

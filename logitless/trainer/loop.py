@@ -34,7 +34,7 @@ from logitless.trainer.accounting import PhaseTimer
 from logitless.trainer.config import TrainerConfig
 from logitless.trainer.context import TrainContext, build_context
 from logitless.trainer.episodes import conversation_texts
-from logitless.trainer.metrics import RewardErrorReport
+from logitless.trainer.metrics import MismatchReport, RewardErrorReport, mismatch_causes
 from logitless.trainer.modeling import attention_backends
 from logitless.trainer.parallel import (
     World,
@@ -187,6 +187,7 @@ def _train(
     ctx = build_context(cfg, world, resume=resume, model=model, tokenizer=tokenizer, run=run)
     result = TrainResult(run_dir=ctx.run_dir, step=ctx.start)
     report_reward_errors = RewardErrorReport(ctx.logger.print, cfg.reward.error_penalty)
+    report_mismatch = MismatchReport(ctx.logger.print, cfg.logging.mismatch_warning, mismatch_causes(cfg))
     finished = False
     try:
         for step in range(ctx.start + 1, cfg.train.max_steps + 1):
@@ -214,7 +215,9 @@ def _train(
                 with timer("train"):
                     upd = update_stage(ctx, plan, oldref)
             hook("after_update", step)
-            log_step(ctx, result, step, step_record(ctx, ro, scored, plan, upd, timer), ro, scored)
+            record = step_record(ctx, ro, scored, plan, upd, timer)
+            log_step(ctx, result, step, record, ro, scored)
+            report_mismatch(step, record)
             if run is not None:
                 run.first_step_done()  # --overwrite: the run it replaces goes now
             agreed = agree(stop.requested, ctx.device)  # the ranks decide together; a signal that comes meanwhile

@@ -2,6 +2,7 @@
 
 from logitless.rewards.builtin import (
     REWARDS,
+    completion_text,
     extract_numeric_answer,
     format_tags,
     get_reward_fn,
@@ -14,7 +15,7 @@ from logitless.rewards.builtin import (
 )
 from logitless.rewards.code import code_tests, extract_program
 from logitless.rewards.sandbox import ExecResult, SandboxOptions, SandboxPool, SandboxResult
-from logitless.rewards.scoring import RewardFunctionError, RewardScores, score_completions
+from logitless.rewards.scoring import RewardFunctionError, RewardScores, add_reward_column, score_completions
 
 __all__ = [
     "REWARDS",
@@ -24,7 +25,9 @@ __all__ = [
     "SandboxOptions",
     "SandboxPool",
     "SandboxResult",
+    "add_reward_column",
     "code_tests",
+    "completion_text",
     "extract_program",
     "extract_numeric_answer",
     "format_tags",

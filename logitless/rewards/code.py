@@ -3,7 +3,8 @@
     code_tests(prompts, completions, tests=[["assert add(1, 2) == 3", "assert add(0, 0) == 0"], ...])
     -> [fraction of tests passed, ...]
 
-The program is the last fenced python block of the completion (```python / ```py / ```), else the whole text.
+The program is the last fenced python block of the completion (```python / ```py / ```), else the whole text; of
+a conversation (multi-turn episodes), of its last assistant message.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import re
 import threading
 from typing import Any
 
-from logitless.rewards.builtin import register_reward
+from logitless.rewards.builtin import completion_text, register_reward
 from logitless.rewards.sandbox import SandboxOptions, SandboxPool
 
 _FENCE_RE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\r?\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -82,7 +83,7 @@ def code_tests(
                         num_workers)
     parsed = [_tests_of(t, i) for i, t in enumerate(tests)]
     todo = [i for i, t in enumerate(parsed) if t is not None]
-    results = pool.run([(extract_program(completions[i]), parsed[i]) for i in todo])
+    results = pool.run([(extract_program(completion_text(completions[i])), parsed[i]) for i in todo])
     out: list[float | None] = [None] * len(completions)
     for i, res in zip(todo, results):
         out[i] = float(all(res.passed)) if all_or_nothing else res.fraction

@@ -112,9 +112,8 @@ def test_reward_completions_are_conversations(episodes):
     prompts = ["one", "one", [{"role": "user", "content": "two"}], [{"role": "user", "content": "two"}]]
     comps = reward_completions(TOK, b, prompts)
     texts = conversation_texts(TOK, b)
-    assert comps[0] == texts[0] and comps[1] == texts[1]  # raw-text prompts: model turns and observations
+    assert all(comps[i] == b.episodes[i].messages for i in range(4))  # chat and raw-text prompts: the messages
     assert "<obs 1>" in texts[1] and "<obs 1>" not in b.completions[1]  # the batch's own texts: the model's turns
-    assert comps[2] == b.episodes[2].messages and comps[3] == b.episodes[3].messages  # chat prompts: the messages
     assert environment_rewards(b) == [0.0, None, 2.0, 3.0]
     single = SimpleNamespace(episodes=None, completions=["a", "b"])
     assert reward_completions(TOK, single, ["x", "y"]) == ["a", "b"]

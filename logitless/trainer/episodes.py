@@ -1,11 +1,11 @@
 """The trainer's side of multi-turn episodes (`logitless.rollout.episodes`, `logitless.agents`): what reward
 functions see, the environment's reward column, and the step's episode metrics.
 
-Rewards see the whole episode. `completions` passed to reward functions are, for chat prompts, the messages
-after the prompt (`EpisodeRecord.messages`: assistant turns with their tool calls, tool results, environment
-messages; TRL's convention), and for raw-text prompts the completion's whole text (the model's turns and the
-observations between them, special tokens skipped). The built-in rewards score a message list by its last
-assistant message (`rewards.builtin.completion_text`). An environment's own episode reward
+Rewards see the whole episode. `completions` passed to reward functions are the messages after the prompt
+(`EpisodeRecord.messages`: assistant turns with their tool calls, tool results, environment messages; TRL's
+convention), after a chat prompt and after a raw-text prompt alike, so a reward can tell the model's words from a
+tool's. The built-in rewards score a message list by its last assistant message (`rewards.builtin.completion_text`):
+a number in a tool result is not the model's answer. An environment's own episode reward
 (`EpisodeRecord.reward`) is one more reward column, named `environment`, weighted by
 `agent.environment_reward_weight`; an episode without one is NaN there, as a reward function's None.
 """
@@ -40,18 +40,10 @@ def conversation_texts(tokenizer: Any, batch: RolloutBatch) -> list[str]:
 
 def reward_completions(tokenizer: Any, batch: RolloutBatch, prompts: Sequence[Any]) -> list[str | list[dict]]:
     """[B] what reward functions get as `completions`: the completion texts of a single-turn rollout; of an
-    episode rollout, the messages after a chat prompt and the conversation's text after a raw-text prompt."""
+    episode rollout, each episode's messages after the prompt (raw-text prompts too)."""
     if batch.episodes is None:
         return list(batch.completions)
-    texts = None
-    out: list[str | list[dict]] = []
-    for b, prompt in enumerate(prompts):
-        if isinstance(prompt, list):
-            out.append(list(batch.episodes[b].messages))
-        else:
-            texts = texts if texts is not None else conversation_texts(tokenizer, batch)
-            out.append(texts[b])
-    return out
+    return [list(batch.episodes[b].messages) for b in range(len(prompts))]
 
 
 def environment_rewards(batch: RolloutBatch) -> list[float | None]:

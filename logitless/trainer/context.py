@@ -34,7 +34,7 @@ from logitless.trainer.builders import (
     sync_offloaded_params,
     weight_copy,
 )
-from logitless.trainer.config import ModelConfig, TrainerConfig, to_yaml
+from logitless.trainer.config import ModelConfig, TrainerConfig, to_dict, to_yaml
 from logitless.trainer.metrics import MetricsLogger
 from logitless.trainer.modeling import (
     LoraCompute,
@@ -45,6 +45,7 @@ from logitless.trainer.modeling import (
     trainable_parameters,
 )
 from logitless.trainer.offload import ParkedState
+from logitless.trainer.tracking import open_trackers, resolve_report_to
 from logitless.trainer.parallel import (
     COPY_BACKENDS,
     MergedRolloutCopy,
@@ -166,8 +167,12 @@ def _logger(cfg: TrainerConfig, run_dir: Path, world: World, start: int) -> Metr
         return QuietLogger()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    return MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
-                         total_steps=cfg.train.max_steps, resume_step=start)
+    log = cfg.logging
+    names, required = resolve_report_to(log.report_to, log.tensorboard)
+    trackers = open_trackers(names, run_dir, config=to_dict(cfg), project=log.project, run_name=log.run_name,
+                             options=log.tracker_options, resume_step=start, required=required)
+    return MetricsLogger(run_dir, progress=log.progress, total_steps=cfg.train.max_steps, resume_step=start,
+                         trackers=trackers)
 
 
 def _shape(model: torch.nn.Module, engine: Any) -> ModelShape:

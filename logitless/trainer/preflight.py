@@ -22,6 +22,7 @@ from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.builders import accuracy_index, reward_functions, sampling_options
 from logitless.trainer.config import TrainerConfig
 from logitless.trainer.fsdp_offload import check_fsdp_offload
+from logitless.trainer.tracking import check_report_to
 
 # Model keys that change the weights a checkpoint holds (or what they mean): they must match on resume / eval.
 WEIGHT_KEYS = ("name_or_path", "gguf_file", "revision", "lora", "lora_r", "lora_alpha", "lora_target_modules")
@@ -79,6 +80,7 @@ def _check_training(cfg: TrainerConfig) -> None:
             "those, or train.async_rollout=false"
         )
     check_rollout_device(cfg)
+    check_report_to(cfg.logging.report_to, cfg.logging.tensorboard)
 
 
     if cfg.train.async_rollout and cfg.train.offload_during_rollout:

@@ -34,6 +34,7 @@ from logitless.trainer.builders import (
     sync_offloaded_params,
     weight_copy,
 )
+from logitless.trainer.evaluate import eval_options
 from logitless.trainer.config import ModelConfig, TrainerConfig, to_dict, to_yaml
 from logitless.trainer.metrics import MetricsLogger
 from logitless.trainer.modeling import (
@@ -90,6 +91,7 @@ class TrainContext:
     parked: ParkedState = field(default_factory=ParkedState)  # train.offload_during_rollout's host buffers
     prefetch: AsyncRollout | None = None  # train.async_rollout: the next step's rollout in flight
     t_start: float = field(default_factory=time.perf_counter)  # for the wall-time budget
+    eval_rows: list[PromptRow] | None = None  # held-out rows of the eval during training (eval.every_steps, on_start)
 
     @property
     def ckpt_root(self) -> Path:
@@ -197,9 +199,15 @@ def build_context(
     adv_options = advantage_options(cfg)
     rows: list[PromptRow] = load_rows(cfg.data)
     sampler = PromptSampler(rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+    eval_rows = None
+    if cfg.eval.every_steps or cfg.eval.on_start:
+        eval_rows = load_rows(cfg.data, cfg.eval.split or cfg.data.eval_split, eval=True)[: cfg.eval.num_prompts]
     reward_fns, acc_col = reward_functions(cfg.reward), accuracy_index(cfg.reward)
     model, tokenizer, device = _model(cfg, model, tokenizer, host=world.offload)
-    check_prompt_lengths(rows, tokenizer, model, sampling_options(cfg.rollout, seed=None), f"data.task={cfg.data.task!r}")
+    check_prompt_lengths(rows, tokenizer, model, sampling_options(
+        cfg.rollout, seed=None, chat_template_kwargs=cfg.data.chat_template_kwargs), f"data.task={cfg.data.task!r}")
+    if eval_rows is not None:
+        check_prompt_lengths(eval_rows, tokenizer, model, eval_options(cfg), "eval during training (eval.every_steps)")
     if cfg.train.packed:
         check_packed_attention(model)
     # before a resume loads trained weights
@@ -249,6 +257,7 @@ def build_context(
         run_dir=run_dir, logger=logger, start=start, entropy_coef=coef, world=world, replica=replica,
         lora_compute=LoraCompute(model, cfg.model),
         rollout_device=None if rollout_device is None or same_device(rollout_device, device) else rollout_device,
+        eval_rows=eval_rows,
     )
 
 

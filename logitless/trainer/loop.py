@@ -31,6 +31,7 @@ from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.accounting import PhaseTimer
 from logitless.trainer.config import TrainerConfig
 from logitless.trainer.context import TrainContext, build_context
+from logitless.trainer.evaluate import eval_due, eval_in_run
 from logitless.trainer.metrics import RewardErrorReport
 from logitless.trainer.modeling import attention_backends
 from logitless.trainer.parallel import (
@@ -84,7 +85,7 @@ def log_step(ctx: TrainContext, result: TrainResult, step: int, record: dict[str
     """Metrics JSONL / TensorBoard / progress bar, and every K steps a table of sample completions."""
     cfg = ctx.cfg.logging
     result.step = step
-    if step % cfg.logging_steps == 0 or step == ctx.cfg.train.max_steps:
+    if step % cfg.logging_steps == 0 or step == ctx.cfg.train.max_steps or any(k.startswith("eval/") for k in record):
         ctx.logger.log(step, {**record, "time/elapsed": time.perf_counter() - ctx.t_start})
         result.records.append({"step": step, **record})
     ctx.logger.advance(step, record)
@@ -171,6 +172,11 @@ def _train(
     result = TrainResult(run_dir=ctx.run_dir, step=ctx.start)
     report_reward_errors = RewardErrorReport(ctx.logger.print, cfg.reward.error_penalty)
     try:
+        if cfg.eval.on_start and ctx.start == 0:  # the policy before training, logged at step 0
+            t0 = time.perf_counter()
+            record = {**eval_in_run(ctx), "time/eval": time.perf_counter() - t0}
+            ctx.logger.log(0, record)
+            result.records.append({"step": 0, **record})
         with StopRequest() as stop:
             for step in range(ctx.start + 1, cfg.train.max_steps + 1):
                 hook("step_start", step)
@@ -195,7 +201,12 @@ def _train(
                     with timer("train"):
                         upd = update_stage(ctx, plan, oldref)
                 hook("after_update", step)
-                log_step(ctx, result, step, step_record(ctx, ro, scored, plan, upd, timer), ro, scored)
+                record = step_record(ctx, ro, scored, plan, upd, timer)
+                if eval_due(cfg, step):  # held-out eval (eval.every_steps)
+                    with timer("eval"):
+                        record.update(eval_in_run(ctx))
+                    record["time/eval"] = timer.seconds["eval"]
+                log_step(ctx, result, step, record, ro, scored)
                 stop.requested = agree(stop.requested, ctx.device)
                 if checkpoint_and_stop(ctx, result, step, bool(stop.requested)):
                     break

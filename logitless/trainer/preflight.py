@@ -80,6 +80,11 @@ def _check_training(cfg: TrainerConfig) -> None:
             "those, or train.async_rollout=false"
         )
     check_rollout_device(cfg)
+    if cfg.train.async_rollout and (cfg.eval.every_steps or cfg.eval.on_start):
+        raise ValueError(
+            "eval.every_steps / eval.on_start evaluate with the run's rollout engine, which train.async_rollout=true "
+            "keeps busy with the next step's rollout; set eval.every_steps=0 and eval.on_start=false (and run "
+            "`logitless eval --checkpoint RUN` on the checkpoints), or train.async_rollout=false")
     check_report_to(cfg.logging.report_to, cfg.logging.tensorboard)
 
 

@@ -97,17 +97,24 @@ def _entropy_terms(ctx: TrainContext) -> tuple[bool, bool]:
     return o.top_entropy_quantile < 1.0, o.entropy_coef > 0 or o.use_adaptive_entropy
 
 
-def rollout_stage(ctx: TrainContext, step: int) -> Rollout:
+def rollout_seed(cfg: Any, step: int, round: int = 0) -> int:
+    """The sampling seed of a step's rollout (`round` > 0: the extra rollouts of train.dynamic_sampling)."""
+    return cfg.train.seed * 1_000_003 + step + round * 2**40
+
+
+def rollout_stage(ctx: TrainContext, step: int, round: int = 0) -> Rollout:
     """G samples for each of the step's prompts, with the sampler's logprobs. With train.async_rollout they were
-    started during the step before, and the next step's rollout starts here (trainer/async_rollout.py)."""
+    started during the step before, and the next step's rollout starts here (trainer/async_rollout.py). `round`:
+    which rollout of the step this is (train.dynamic_sampling draws more than one)."""
     cfg = ctx.cfg
-    options = sampling_options(cfg.rollout, seed=rank_seed(cfg.train.seed * 1_000_003 + step, ctx.world))
+    templated = {"chat_template_kwargs": cfg.data.chat_template_kwargs}
+    options = sampling_options(cfg.rollout, seed=rank_seed(rollout_seed(cfg, step, round), ctx.world), **templated)
     if ctx.prefetch is not None:  # single process only (refused under torchrun)
         if ctx.prefetch.pending is None:  # the first step of a run
             ctx.prefetch.start(step, options)
         rows, batch, options = ctx.prefetch.take(step)
         if step < cfg.train.max_steps:
-            ctx.prefetch.start(step + 1, sampling_options(cfg.rollout, seed=cfg.train.seed * 1_000_003 + step + 1))
+            ctx.prefetch.start(step + 1, sampling_options(cfg.rollout, seed=rollout_seed(cfg, step + 1), **templated))
         batch = batch.to(ctx.device)
     else:
         rows = rank_share(ctx.sampler.next_batch(cfg.train.prompts_per_step), ctx.world)  # all of them on one process

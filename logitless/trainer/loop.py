@@ -31,6 +31,7 @@ from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.accounting import PhaseTimer
 from logitless.trainer.config import TrainerConfig
 from logitless.trainer.context import TrainContext, build_context
+from logitless.trainer.dynamic import sample_step
 from logitless.trainer.evaluate import eval_due, eval_in_run
 from logitless.trainer.metrics import RewardErrorReport
 from logitless.trainer.modeling import attention_backends
@@ -54,8 +55,6 @@ from logitless.trainer.stages import (
     check_empty,
     logprob_stage,
     plan_update,
-    rollout_stage,
-    score_stage,
     step_record,
     update_stage,
 )
@@ -182,12 +181,9 @@ def _train(
                 hook("step_start", step)
                 rewind = (ctx.sampler.state_dict(), ckpt.rng_state())
                 timer = PhaseTimer(ctx.device, ctx.rollout_device)
-                with timer("generate"):
-                    ro = rollout_stage(ctx, step)
-                with timer("score"):
-                    scored = score_stage(ctx, ro)
-                sc = scored.scores
-                report_reward_errors(step, sc.names, sc.num_errors, sc.error_texts, len(ro.sample_rows))
+                # generate and score (with train.dynamic_sampling: until the step has its informative groups)
+                ro, scored, sc, sampled = sample_step(ctx, step, timer)
+                report_reward_errors(step, sc.names, sc.num_errors, sc.error_texts, len(sc.total))
                 hook("after_rollout", step)
                 stop.requested = agree(stop.requested, ctx.device)  # a signal to any rank stops all of them
                 if stop.requested:  # nothing trained yet: drop this step
@@ -201,7 +197,7 @@ def _train(
                     with timer("train"):
                         upd = update_stage(ctx, plan, oldref)
                 hook("after_update", step)
-                record = step_record(ctx, ro, scored, plan, upd, timer)
+                record = {**step_record(ctx, ro, scored, plan, upd, timer), **sampled}
                 if eval_due(cfg, step):  # held-out eval (eval.every_steps)
                     with timer("eval"):
                         record.update(eval_in_run(ctx))

@@ -1,7 +1,15 @@
-"""Run several reward functions over a batch of completions and check what they return."""
+"""Run several reward functions over a batch of completions and check what they return.
+
+`async def` reward functions run concurrently (asyncio.gather in one event loop, as TRL runs them), beside the sync
+ones, which run in order. A function may return an exception object in place of a sample's value: that sample
+failed alone (an LLM judge whose reply holds no score), handled as reward.on_error says.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
@@ -75,6 +83,60 @@ def _check_values(name: str, values: Any, expected: int) -> list[float]:
     return out
 
 
+def is_async(fn: Any) -> bool:
+    """Whether calling `fn` returns a coroutine (an `async def` function, a partial of one, or an object whose
+    __call__ is one)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+async def _gather(calls: list[tuple[Any, tuple, dict]]) -> list[Any]:
+    """Await every call concurrently; each result is the value or the exception it raised."""
+    return await asyncio.gather(*(fn(*args, **kw) for fn, args, kw in calls), return_exceptions=True)
+
+
+def run_async(calls: list[tuple[Any, tuple, dict]]) -> concurrent.futures.Future:
+    """Start the async calls in an event loop of their own (a worker thread, so that a caller inside a running
+    loop, e.g. a notebook, works too); the future's result lists each call's value or exception."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="logitless-rewards")
+    future = pool.submit(asyncio.run, _gather(calls))
+    pool.shutdown(wait=False)
+    return future
+
+
+def _call_all(fns: Sequence[Any], args: tuple, kw: dict) -> list[Any]:
+    """Each function's batch result (or the exception it raised): the async ones concurrently, in a worker
+    thread, while the sync ones run here in order."""
+    asynchronous = [i for i, fn in enumerate(fns) if is_async(fn)]
+    pending = run_async([(fns[i], args, kw) for i in asynchronous]) if asynchronous else None
+    out: list[Any] = [None] * len(fns)
+    for i, fn in enumerate(fns):
+        if i in asynchronous:
+            continue
+        try:
+            out[i] = fn(*args, **kw)
+        except Exception as e:
+            out[i] = e
+    if pending is not None:
+        for i, result in zip(asynchronous, pending.result()):
+            out[i] = result
+    return out
+
+
+def _one_by_one(fn: Any, prompts: list, completions: list, fields: dict[str, list]) -> list[Any]:
+    """`fn` on each sample alone: the value list or the exception of each (async functions concurrently)."""
+    calls = [(fn, (prompts[i : i + 1], completions[i : i + 1]), {k: v[i : i + 1] for k, v in fields.items()})
+             for i in range(len(completions))]
+    if is_async(fn):
+        return run_async(calls).result()
+    out = []
+    for f, args, kw in calls:
+        try:
+            out.append(f(*args, **kw))
+        except Exception as e:
+            out.append(e)
+    return out
+
+
 def score_completions(
     fns: Sequence[RewardFn | str],
     weights: Sequence[float] | None,
@@ -110,26 +172,39 @@ def score_completions(
     names = [reward_name(f) for f in fns]
     B = len(completions)
     columns, num_none, num_errors, error_texts = [], [], [], []
-    for fn, name in zip(fns, names):
+    results = _call_all(fns, (prompts, completions), fields)
+    for fn, name, result in zip(fns, names, results):
         errors, first_error = 0, None
-        try:
-            values = _check_values(name, fn(prompts, completions, **fields), B)
-        except RewardFunctionError:
-            raise
-        except Exception as batch_error:
+
+        def failed(i: int, e: BaseException) -> float:
+            nonlocal errors, first_error
+            if on_error == "raise":
+                raise RewardFunctionError(
+                    f"reward function '{name}' raised {type(e).__name__}: {e} on sample {i} "
+                    f"(completion {_short(completions[i])})"
+                ) from e
+            errors += 1
+            first_error = first_error or f"{type(e).__name__}: {e}"
+            return float(penalty)
+
+        if isinstance(result, RewardFunctionError):
+            raise result
+        if not isinstance(result, BaseException):
+            if isinstance(result, (list, tuple)) and any(isinstance(v, BaseException) for v in result):
+                _check_values(name, [0.0 if isinstance(v, BaseException) else v for v in result], B)  # the rest
+                values = [failed(i, v) if isinstance(v, BaseException) else _check_values(name, [v], 1)[0]
+                          for i, v in enumerate(result)]
+            else:
+                values = _check_values(name, result, B)
+        else:
+            batch_error = result
             values = []
-            for i in range(B):
-                try:
-                    one = fn(prompts[i : i + 1], completions[i : i + 1], **{k: v[i : i + 1] for k, v in fields.items()})
-                except Exception as e:
-                    if on_error == "raise":
-                        raise RewardFunctionError(
-                            f"reward function '{name}' raised {type(e).__name__}: {e} on sample {i} "
-                            f"(completion {_short(completions[i])})"
-                        ) from e
-                    errors += 1
-                    first_error = first_error or f"{type(e).__name__}: {e}"
-                    values.append(float(penalty))
+            for i, one in enumerate(_one_by_one(fn, prompts, completions, fields)):
+                if isinstance(one, BaseException):
+                    values.append(failed(i, one))
+                    continue
+                if isinstance(one, (list, tuple)) and len(one) == 1 and isinstance(one[0], BaseException):
+                    values.append(failed(i, one[0]))
                     continue
                 values.extend(_check_values(name, one, 1))
             if errors == 0:  # every sample passes alone: the batch call itself is broken

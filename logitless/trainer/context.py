@@ -15,6 +15,7 @@ import torch
 from logitless.data import PromptRow, PromptSampler
 from logitless.models.varlen import NAME as VARLEN_ATTENTION
 from logitless.objectives import AdvantageOptions, EntropyCoef, initial_entropy_coef
+from logitless.rewards.models import load_reward_models
 from logitless.rollout import RolloutEngine
 from logitless.rollout.engine import same_device
 from logitless.trainer import checkpoint as ckpt
@@ -204,6 +205,7 @@ def build_context(
         eval_rows = load_rows(cfg.data, cfg.eval.split or cfg.data.eval_split, eval=True)[: cfg.eval.num_prompts]
     reward_fns, acc_col = reward_functions(cfg.reward), accuracy_index(cfg.reward)
     model, tokenizer, device = _model(cfg, model, tokenizer, host=world.offload)
+    load_reward_models(reward_fns, device)  # model:/judge: rewards, on the training device unless they name one
     check_prompt_lengths(rows, tokenizer, model, sampling_options(
         cfg.rollout, seed=None, chat_template_kwargs=cfg.data.chat_template_kwargs), f"data.task={cfg.data.task!r}")
     if eval_rows is not None:

@@ -228,7 +228,8 @@ def build_context(
             seed_everything(cfg.train.seed + world.rank)  # per-rank streams from here on (dropout, rewards)
     params = trainable_parameters(model)
     optimizer = make_optimizer(params, cfg.optim, host=world.offload)
-    scheduler = make_scheduler(optimizer, cfg.train.max_steps * cfg.train.num_iterations, cfg.optim)
+    steps_per_rollout = cfg.train.num_iterations * cfg.train.steps_per_rollout  # optimizer steps per rollout batch
+    scheduler = make_scheduler(optimizer, cfg.train.max_steps * steps_per_rollout, cfg.optim)
     run_dir = Path(cfg.train.output_dir)
     state = _resumed_state(resume, world, model, optimizer, scheduler) if resume is not None else {}
     start = int(state.get("step", 0))

@@ -54,6 +54,8 @@ from logitless.trainer.stages import (
     UpdateResult,
     check_empty,
     logprob_stage,
+    merge_plans,
+    part_rows,
     plan_update,
     step_record,
     update_stage,
@@ -190,12 +192,13 @@ def _train(
                     drop_step(ctx, result, step, rewind)
                     break
                 check_empty(ctx, ro, step)
-                plan, upd = plan_update(ctx, ro, scored), UpdateResult()
+                plans = [plan_update(ctx, ro, scored, rows) for rows in part_rows(ro, cfg.train.steps_per_rollout)]
+                plan, upd = merge_plans(plans), UpdateResult()
                 if plan.n_tokens > 0:  # (0 only if the engine returned no token at all, not even EOS)
                     with timer("logprobs"):
-                        oldref = logprob_stage(ctx, plan)
+                        oldrefs = [logprob_stage(ctx, p) for p in plans]
                     with timer("train"):
-                        upd = update_stage(ctx, plan, oldref)
+                        upd = update_stage(ctx, plans, oldrefs)
                 hook("after_update", step)
                 record = {**step_record(ctx, ro, scored, plan, upd, timer), **sampled}
                 if eval_due(cfg, step):  # held-out eval (eval.every_steps)

@@ -3,7 +3,9 @@
     rollout_stage → score_stage → plan_update → logprob_stage → update_stage → step_record
 
 `loop.train` runs them in order; each can be called (and tested) alone on a `TrainContext`. The update stage
-is the one place that knows how micro-batches become optimizer steps.
+is the one place that knows how micro-batches become optimizer steps. With train.steps_per_rollout = k the step's
+rows are split into k parts of whole prompt groups (`part_rows`), each planned on its own (its own normalizer) and
+trained by its own optimizer step.
 """
 
 from __future__ import annotations
@@ -165,17 +167,38 @@ def check_empty(ctx: TrainContext, ro: Rollout, step: int) -> None:
         )
 
 
-def plan_update(ctx: TrainContext, ro: Rollout, scored: Scored) -> UpdatePlan:
-    """Micro-batches of the rows worth training, and the step's global loss normalizer."""
+def part_rows(ro: Rollout, k: int) -> list[torch.Tensor | None]:
+    """The rows of each of k optimizer steps on one rollout batch (train.steps_per_rollout): k parts of whole prompt
+    groups in order, [B / k] long each; [None] (all rows) for k = 1."""
+    if k == 1:
+        return [None]
+    B, G = ro.batch.prompt_index.numel(), ro.options.num_generations
+    groups = torch.arange(B // G).tensor_split(k)  # k parts (a short dynamic-sampling step: some may be empty)
+    return [(g.view(-1, 1) * G + torch.arange(G)).view(-1) for g in groups]
+
+
+def merge_plans(plans: list[UpdatePlan]) -> UpdatePlan:
+    """One plan standing for the parts of a step (for its metrics): every trained row and token."""
+    if len(plans) == 1:
+        return plans[0]
+    return UpdatePlan([m for p in plans for m in p.micro], torch.cat([p.trained for p in plans]),
+                      sum(p.normalizer for p in plans), sum(p.n_tokens for p in plans), plans[0].temperature,
+                      sum(p.padding for p in plans))
+
+
+def plan_update(ctx: TrainContext, ro: Rollout, scored: Scored, rows: torch.Tensor | None = None) -> UpdatePlan:
+    """Micro-batches of the rows worth training, and the global loss normalizer of one optimizer step; `rows`: the
+    part of the batch that step trains on (train.steps_per_rollout), default all."""
     cfg, b = ctx.cfg, ro.batch
     o = cfg.objective
     top_entropy, entropy_grad = _entropy_terms(ctx)
     adv = scored.adv.advantages.to(ctx.device)
     # Rows with advantage 0 add exactly 0 to the loss and its gradient when there is no KL or entropy term, so
     # they are not run (they still count in the normalizer, which is taken over all rows).
-    trained = torch.arange(b.completion_mask.shape[0], device=ctx.device)
+    part = torch.arange(b.completion_mask.shape[0], device=ctx.device) if rows is None else rows.to(ctx.device)
+    trained = part
     if cfg.train.skip_zero_advantage and o.beta == 0 and not (entropy_grad or top_entropy):
-        trained = (adv != 0).nonzero().view(-1)
+        trained = part[adv[part] != 0]
     micro = make_micro_batches(
         b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, b.sampler_logp, b.truncated, adv,
         cfg.train.micro_batch_size, rows=trained, max_tokens=cfg.train.micro_batch_tokens, packed=cfg.train.packed,
@@ -185,16 +208,19 @@ def plan_update(ctx: TrainContext, ro: Rollout, scored: Scored) -> UpdatePlan:
         rows=torch.zeros(1, dtype=torch.long, device=ctx.device),
     )[0]
     padding = padding_micro_batches(micro, spare, ctx.device)  # none on one process
-    n_local = int(b.completion_mask.sum())
+    mask, truncated = (b.completion_mask, b.truncated) if rows is None else (b.completion_mask[part], b.truncated[part])
+    n_local = int(mask.sum())
     n_tokens = int(all_reduce_sum(n_local, ctx.device))
-    normalizer = all_reduce_sum(loss_normalizer(o, [b.completion_mask], [b.truncated]) if n_local else 0.0, ctx.device)
+    normalizer = all_reduce_sum(loss_normalizer(o, [mask], [truncated]) if n_local else 0.0, ctx.device)
     return UpdatePlan(micro + padding, trained, normalizer, n_tokens, ro.options.logp_temperature, len(padding))
 
 
 @torch.no_grad()
 def logprob_stage(ctx: TrainContext, plan: UpdatePlan) -> OldRef:
-    """Old-policy (μ > 1, or the entropies of the top-entropy mask) and reference (β > 0) logprobs, no grad."""
-    mu, top_entropy, packed = ctx.cfg.train.num_iterations, _entropy_terms(ctx)[0], ctx.cfg.train.packed
+    """Old-policy (μ > 1 or several optimizer steps per rollout, or the entropies of the top-entropy mask) and
+    reference (β > 0) logprobs, no grad."""
+    mu = ctx.cfg.train.num_iterations * ctx.cfg.train.steps_per_rollout  # optimizer steps on this rollout
+    top_entropy, packed = _entropy_terms(ctx)[0], ctx.cfg.train.packed
     old: list[torch.Tensor | None] = [None] * len(plan.micro)
     ref: list[torch.Tensor | None] = [None] * len(plan.micro)
     entropies = []
@@ -229,7 +255,8 @@ def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i:
     entropy_grad = _entropy_terms(ctx)[1]
     # On-policy without KL/IS/entropy terms d loss / d logp is known before the forward, so the fused op can form
     # its gradients there (a speed hint; None otherwise).
-    hint = None if ctx.cfg.train.num_iterations > 1 else on_policy_logp_grad(
+    off_policy = ctx.cfg.train.num_iterations > 1 or ctx.cfg.train.steps_per_rollout > 1
+    hint = None if off_policy else on_policy_logp_grad(
         m.completion_mask, m.advantages, o, plan.normalizer, sampler_logp=m.sampler_logp, truncated=m.truncated,
         entropy_coef=ctx.entropy_coef.effective if entropy_grad else 0.0,
     )
@@ -264,11 +291,13 @@ def optimizer_step(ctx: TrainContext) -> float:
     return norm
 
 
-def update_stage(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef) -> UpdateResult:
-    """μ optimizer steps, each over all micro-batches; adapts the entropy coefficient after each."""
+def update_stage(ctx: TrainContext, plan: UpdatePlan | list[UpdatePlan], oldref: OldRef | list[OldRef]) -> UpdateResult:
+    """μ passes, each one optimizer step over all micro-batches of each plan (one plan, or one per part of the
+    batch with train.steps_per_rollout); adapts the entropy coefficient after each optimizer step."""
     res = UpdateResult()
     ctx.model.train()
-    for _ in range(ctx.cfg.train.num_iterations):
+    plans, oldrefs = (plan, oldref) if isinstance(plan, list) else ([plan], [oldref])
+    for _, (plan, oldref) in ((it, po) for it in range(ctx.cfg.train.num_iterations) for po in zip(plans, oldrefs)):
         step_loss = torch.zeros((), dtype=torch.float64, device=ctx.device)  # on device: no host sync per micro-batch
         parts = []
         with ctx.lora_compute.stage():  # forwards and backwards (recomputes) alike

@@ -1,4 +1,4 @@
-"""`logitless train|eval|plot`: the command line.
+"""`logitless train|eval|plot|export`: the command line.
 
     logitless train [CONFIG.yaml] [section.key=value ...] [--resume RUN_DIR | --overwrite] [--dry-run]
     logitless eval  [CONFIG.yaml] [section.key=value ...] [--checkpoint RUN_DIR] [--output eval.json]

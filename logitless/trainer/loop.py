@@ -10,9 +10,12 @@
             logp = completion_logprobs(policy)                                  logitless.models
             policy_loss(logp, ..., normalizer of the whole step).backward()     logitless.objectives
         clip gradients, AdamW step, LR schedule                                 trainer.builders
-        metrics, sample table, checkpoint                                       trainer.metrics / checkpoint
+        held-out eval every eval.every_steps                                    trainer.evaluate
+        metrics (and trackers), sample table, checkpoint                        trainer.metrics / tracking
 
-One step is one rollout batch; with μ = train.num_iterations > 1 it makes μ optimizer steps on it. Ctrl-C or
+One step is one rollout batch; with μ = train.num_iterations > 1 it makes μ optimizer steps on it, with
+k = train.steps_per_rollout one per part of it (μ·k in all). With train.dynamic_sampling the rollout and scoring
+repeat until the step has prompts_per_step informative groups (trainer/dynamic.py). Ctrl-C or
 SIGTERM stops at the next safe point with a checkpoint: before the first optimizer step of a step, the step is
 dropped (its data position and RNG are rewound, so a resumed run is identical); after it, the step finishes.
 """

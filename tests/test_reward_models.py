@@ -197,3 +197,15 @@ def test_reward_model_judge_and_async_functions_score_a_training_run(saved, gpt2
         assert r["reward/mean"] == pytest.approx(
             r["reward/numeric_answer/mean"] + 0.5 * r["reward/rm/mean"] + 2.0 * r["reward/judge/mean"], abs=1e-5)
         assert r["reward/pong/mean"] == 1.0 and r["grad_norm"] > 0
+
+
+@pytest.mark.gpu
+def test_reward_model_and_judge_run_in_bf16_on_the_gpu(saved):
+    """On CUDA the models load in bf16 on the named device; scores stay close to the fp32 CPU ones."""
+    rm_cpu, rm_gpu = RewardModel(str(saved / "rm"), device="cpu"), RewardModel(str(saved / "rm"), device="cuda")
+    judge_cpu, judge_gpu = Judge(str(saved / "judge"), device="cpu"), Judge(str(saved / "judge"), device="cuda")
+    for fn in (rm_gpu, judge_gpu):
+        fn.load("cpu")  # the option wins over the training device
+        assert fn.device.type == "cuda" and next(fn.model.parameters()).dtype == torch.bfloat16
+    assert rm_gpu(PROMPTS, COMPLETIONS) == pytest.approx(rm_cpu(PROMPTS, COMPLETIONS), abs=0.05)
+    assert judge_gpu(PROMPTS, COMPLETIONS) == pytest.approx(judge_cpu(PROMPTS, COMPLETIONS), abs=0.02)

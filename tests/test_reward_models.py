@@ -209,3 +209,17 @@ def test_reward_model_and_judge_run_in_bf16_on_the_gpu(saved):
         assert fn.device.type == "cuda" and next(fn.model.parameters()).dtype == torch.bfloat16
     assert rm_gpu(PROMPTS, COMPLETIONS) == pytest.approx(rm_cpu(PROMPTS, COMPLETIONS), abs=0.05)
     assert judge_gpu(PROMPTS, COMPLETIONS) == pytest.approx(judge_cpu(PROMPTS, COMPLETIONS), abs=0.02)
+
+
+def test_a_missing_reward_model_is_refused_before_anything_loads(tmp_path, monkeypatch):
+    from logitless.trainer.sources import SourceError, check_sources
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    missing = tmp_path / "nowhere" / "rm"
+    cfg = load_train_config(None, [f"reward.reward_funcs=[numeric_answer, 'model:{missing}']"])
+    with pytest.raises(SourceError, match=rf"reward.reward_funcs 'model:{missing}': '{missing}': no such folder"):
+        check_sources(cfg)
+    cfg = load_train_config(None, ["reward.reward_funcs=[numeric_answer, 'judge:nobody/no-such-judge-model']"])
+    with pytest.raises(SourceError, match=r"reward.reward_funcs 'judge:nobody/no-such-judge-model': model "
+                                          r"'nobody/no-such-judge-model' is not in the local Hugging Face cache"):
+        check_sources(cfg)

@@ -137,6 +137,10 @@ async def pong(prompts, completions, **fields):
     await asyncio.wait_for(a.wait(), 5)
     return [1.0] * len(completions)
 
+async def slow(prompts, completions, **fields):
+    await asyncio.sleep(60)  # a call that hangs (a judging API that never answers)
+    return [0.0] * len(completions)
+
 async def flaky(prompts, completions, **fields):
     """Raises for the batch and for completions holding 'x': the per-sample rerun finds them."""
     CALLS.append(len(completions))
@@ -174,6 +178,15 @@ def test_async_reward_errors_follow_on_error(async_module):
         return score_completions(fn, None, PROMPTS, COMPLETIONS, [{}] * 4, on_error="penalty", penalty=-2.0)
 
     assert asyncio.run(main()).rewards.view(-1).tolist() == [0.5, 0.5, -2.0, 0.5]
+
+
+def test_async_reward_past_reward_timeout_is_cancelled(async_module):
+    fn = [get_reward_fn("async_rewards:slow"), get_reward_fn("async_rewards:pong")]
+    with pytest.raises(RewardFunctionError, match=r"'slow' did not return within reward.timeout_s=0.2 s on a batch "
+                                                  r"of 4 completions"):
+        score_completions(fn[:1], None, PROMPTS, COMPLETIONS, [{}] * 4, timeout_s=0.2)
+    s = score_completions(fn[:1], None, PROMPTS, COMPLETIONS, [{}] * 4, on_error="penalty", penalty=-1.0, timeout_s=0.2)
+    assert s.rewards.view(-1).tolist() == [-1.0] * 4 and s.num_errors == [4] and "timeout_s" in s.error_texts[0]
 
 
 def test_reward_model_judge_and_async_functions_score_a_training_run(saved, gpt2_tokenizer, async_module, tmp_path,

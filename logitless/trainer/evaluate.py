@@ -108,6 +108,7 @@ def evaluate(
         scores = score_completions(
             fns, cfg.reward.reward_weights, [r.prompt for r in per_sample], batch.completions, per_sample,
             on_error=cfg.reward.on_error, penalty=cfg.reward.error_penalty,
+            timeout_s=cfg.reward.timeout_s,
         )
         correct = (scores.rewards[:, acc_col] == 1.0).view(len(chunk), k)  # [n, k]
         solved.extend(correct.any(1).tolist())

@@ -191,5 +191,8 @@ def test_default_and_older_switch(tmp_path):
     assert tracking.resolve_report_to(None, False) == ([], False)
     assert tracking.resolve_report_to([], None) == ([], True)
     assert tracking.resolve_report_to(["wandb", "wandb"], None) == (["wandb"], True)
+    assert tracking.resolve_report_to(["none"], None) == ([], True)
+    assert tracking.resolve_report_to(["all"], None) == ([t for t in tracking.TRACKERS if tracking.installed(t)], False)
+    assert _cfg(tmp_path / "run", "logging.report_to=tensorboard").logging.report_to == ["tensorboard"]  # as TRL
     validate_config(_cfg(tmp_path / "run", "logging.tensorboard=false"))  # an older config still loads
     validate_config(_cfg(tmp_path / "run", "logging.report_to=[]", "logging.tensorboard=false"))

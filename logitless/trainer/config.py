@@ -400,8 +400,8 @@ class LoggingConfig:
     progress: bool = True  # rich progress bar (off when not a terminal)
     # Experiment trackers (TRL's report_to): any of tensorboard, wandb, trackio, each logging the metrics.jsonl names
     # and the run's config (trainer/tracking.py; `pip install 'logitless[wandb]'` / `[trackio]`). Unset: TensorBoard
-    # when installed, unless logging.tensorboard=false; [] = none.
-    report_to: list[str] | None = None
+    # when installed, unless logging.tensorboard=false; [] or [none]: none; [all]: every installed one.
+    report_to: list[str] | str | None = None  # one name may be given alone: report_to=wandb
     tensorboard: bool | None = None  # the older switch: unset/true = TensorBoard when installed (with report_to unset)
     project: str = "logitless"  # W&B / Trackio project
     run_name: str | None = None  # W&B / Trackio run name (default: the run folder's name)
@@ -417,6 +417,8 @@ class LoggingConfig:
     mismatch_warning: float | None = 0.05
 
     def __post_init__(self):
+        if isinstance(self.report_to, str):
+            self.report_to = [self.report_to]
         _positive(
             "logging", logging_steps=self.logging_steps, completions_steps=self.completions_steps,
             peak_tflops=self.peak_tflops, hbm_tbs=self.hbm_tbs, mismatch_warning=self.mismatch_warning,

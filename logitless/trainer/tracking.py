@@ -51,16 +51,23 @@ def installed(name: str) -> bool:
 def resolve_report_to(report_to: list[str] | None, tensorboard: bool | None) -> tuple[list[str], bool]:
     """(trackers to open, whether a missing package is an error). `logging.report_to` unset keeps the behaviour of
     `logging.tensorboard` (default true): TensorBoard when the package is installed, silently skipped otherwise.
-    Trackers named in `report_to` must be installed."""
+    Trackers named in `report_to` must be installed; as in TRL, ["none"] is none and ["all"] every installed one."""
     if report_to is None:
         return (["tensorboard"] if tensorboard is not False else []), False
+    if report_to == ["none"]:
+        return [], True
+    if report_to == ["all"]:
+        return [t for t in TRACKERS if installed(t)], False
     return list(dict.fromkeys(report_to)), True
 
 
 def check_report_to(report_to: list[str] | None, tensorboard: bool | None) -> None:
     """Refuse an unknown tracker, a contradiction with `logging.tensorboard`, or a named tracker whose package is
     missing, naming the key and the install command (before the model loads)."""
-    if report_to is None:
+    if report_to is None or report_to in (["none"], ["all"]):
+        if tensorboard is not None and report_to is not None:
+            raise ValueError(f"logging.tensorboard={str(tensorboard).lower()} is set beside logging.report_to="
+                             f"{report_to}: logging.report_to names every tracker now; unset logging.tensorboard")
         return
     import difflib
 
@@ -68,8 +75,8 @@ def check_report_to(report_to: list[str] | None, tensorboard: bool | None) -> No
         if name not in TRACKERS:
             close = difflib.get_close_matches(name, TRACKERS, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ValueError(f"logging.report_to: unknown tracker {name!r}{hint} Use any of {list(TRACKERS)}, or [] "
-                             "for none")
+            raise ValueError(f"logging.report_to: unknown tracker {name!r}{hint} Use any of {list(TRACKERS)}, [all] "
+                             "for every installed one, or [] / [none] for none")
     if tensorboard is not None and tensorboard != ("tensorboard" in report_to):
         raise ValueError(
             f"logging.tensorboard={str(tensorboard).lower()} contradicts logging.report_to={report_to}: "

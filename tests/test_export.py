@@ -19,12 +19,8 @@ from tests.conftest import TINY_LORA_QUIET, tiny_qwen2
 VOCAB = 50_257
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, gpt2_tokenizer):
-    """A tiny model saved as a user's base model folder, trained 2 steps with LoRA from that folder."""
-    root = tmp_path_factory.mktemp("export")
-    tok = copy.deepcopy(gpt2_tokenizer)
-    tok.pad_token = tok.eos_token
+def _train_from_folder(root, tok, *overrides):
+    """A tiny model saved as a user's base model folder `root/base`, trained 2 steps from that folder in `root/run`."""
     tiny_qwen2(vocab_size=VOCAB, hidden=32, layers=2, tie=False).save_pretrained(root / "base")
     tok.save_pretrained(root / "base")
     cfg = load_train_config(None, [
@@ -32,10 +28,18 @@ def trained(tmp_path_factory, gpt2_tokenizer):
         "train.max_steps=2", "train.prompts_per_step=2", "train.micro_batch_size=8", "rollout.num_generations=4",
         "rollout.max_completion_length=5", "data.options={difficulty: 1, n: 40, chat: false}",
         "reward.reward_funcs=[length_target]", "reward.reward_options={length_target: {target: 30}}",
-        "optim.learning_rate=0.05", *TINY_LORA_QUIET, "checkpoint.save_steps=0",
+        "optim.learning_rate=0.05", *TINY_LORA_QUIET, "checkpoint.save_steps=0", *overrides,
     ])
     train(cfg)
     return root
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, gpt2_tokenizer):
+    """LoRA adapters trained from a base model folder."""
+    tok = copy.deepcopy(gpt2_tokenizer)
+    tok.pad_token = tok.eos_token
+    return _train_from_folder(tmp_path_factory.mktemp("export"), tok)
 
 
 def _ids(tok):
@@ -102,3 +106,22 @@ def test_push_is_refused_before_any_work_when_the_hub_cannot_be_used(trained, tm
     with pytest.raises(ValueError, match=match):
         export_run(trained / "run", output=tmp_path / "out", merged=True, push_to_hub="me/model")
     assert not (tmp_path / "out").exists()
+
+
+def test_full_fine_tuning_exports_the_merged_model_only(tmp_path, gpt2_tokenizer, one_thread):
+    from transformers import AutoModelForCausalLM
+
+    tok = copy.deepcopy(gpt2_tokenizer)
+    tok.pad_token = tok.eos_token
+    root = _train_from_folder(tmp_path, tok, "model.lora=false", "optim.learning_rate=0.001")
+    result = export_run(root / "run")
+    assert result.adapter is None and result.merged == root / "run" / "export" / "merged"
+    checkpoint = ckpt.resolve_checkpoint(root / "run")
+    policy, _ = load_policy(run_config(checkpoint), checkpoint)
+    merged = AutoModelForCausalLM.from_pretrained(result.merged, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(root / "base").eval()
+    for ids in _ids(tok):
+        want = _policy_logprobs(policy, ids)
+        assert torch.allclose(_plain_logprobs(merged, ids), want, rtol=0, atol=1e-5)
+        assert (_plain_logprobs(base, ids) - want).abs().max() > 1e-4
+    assert "full fine-tuning" in (result.merged / "README.md").read_text()

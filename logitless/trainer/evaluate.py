@@ -6,19 +6,20 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable
 
 import torch
 
+from logitless.agents import Agent
 from logitless.data import PromptRow
-from logitless.rewards import score_completions
+from logitless.objectives import merge_metrics
+from logitless.rewards import add_reward_column, score_completions
 from logitless.rollout import make_engine
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.builders import (
@@ -30,6 +31,14 @@ from logitless.trainer.builders import (
     torch_threads,
 )
 from logitless.trainer.config import TrainerConfig
+from logitless.trainer.episodes import (
+    ENVIRONMENT_REWARD,
+    environment_rewards,
+    environment_weight,
+    episode_stats,
+    reward_completions,
+    stat_means,
+)
 from logitless.trainer.modeling import attention_backends, load_model_and_tokenizer, prepare_for_training
 
 
@@ -44,21 +53,28 @@ class EvalResult:
     samples: list[dict[str, Any]] = field(default_factory=list)  # prompt, completion, reward, correct
     sample_accuracy: float = math.nan  # share of samples that are correct (pass@1 estimated from k samples)
     mean_length: float = math.nan  # completion tokens per sample
+    # multi-turn episodes (agent.*): means per episode of `trainer.episodes.episode_stats` (turns, ...); else empty
+    episodes: dict[str, float] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, float]:
         """The `eval/*` metrics of a run: eval/accuracy (share of correct samples: the greedy accuracy, or pass@1
-        estimated from k samples), eval/pass@k (k > 1), eval/reward, eval/completion_length."""
+        estimated from k samples), eval/pass@k (k > 1), eval/reward, eval/completion_length, and with an agent
+        eval/episode/* (turns, tool calls, ... per episode)."""
         out = {"eval/accuracy": self.sample_accuracy, "eval/reward": self.mean_reward,
                "eval/completion_length": self.mean_length}
         if self.pass_k > 1:
             out[f"eval/pass@{self.pass_k}"] = self.accuracy
+        out.update({f"eval/{k}": v for k, v in self.episodes.items()})
         return out
 
     def summary(self) -> str:
         what = "greedy accuracy" if self.pass_k == 1 else f"pass@{self.pass_k}"
+        e = self.episodes
+        turns = (f", {e['episode/turns_mean']:.2f} turns and {e['episode/tool_calls_mean']:.2f} tool calls per "
+                 "episode" if e else "")
         return (
             f"{what} {100 * self.accuracy:.1f}% on {self.num_prompts} prompts of split '{self.split}' "
-            f"(mean reward {self.mean_reward:.3f}, {self.seconds:.0f} s)"
+            f"(mean reward {self.mean_reward:.3f}{turns}, {self.seconds:.0f} s)"
         )
 
 
@@ -80,15 +96,16 @@ def eval_options(cfg: TrainerConfig) -> Any:
 
 def evaluate(
     model: Any, tokenizer: Any, rows: list[PromptRow], cfg: TrainerConfig, *, split: str = "", engine: Any = None,
-    fns: list[Callable[..., Any]] | None = None, weights: Callable[[], ContextManager[Any]] | None = None,
+    fns: list[Callable[..., Any]] | None = None, agent: Any = None,
 ) -> EvalResult:
     """Accuracy of `model` on `rows` with the reward functions of `cfg.reward`.
 
     Greedy when `cfg.eval.pass_k == 1` (unless eval.temperature says otherwise); otherwise k samples per prompt at
     the eval temperature and a prompt counts as solved when any sample is correct (pass@k with n = k). Correct =
-    the accuracy reward equals 1. `engine`: the rollout engine to generate with (default: a new one of
-    rollout.backend); `fns`: the reward functions (default: built from cfg.reward); `weights`: a context the
-    generate calls run in (the run's `rollout_weights`).
+    the accuracy reward equals 1. With `cfg.agent` enabled each sample is a multi-turn episode with the agent's
+    tools / environment, scored as in training (the whole conversation, the environment's reward column).
+    `engine`: the rollout engine to generate with (default: a new one of rollout.backend); `fns`: the reward
+    functions (default: built from cfg.reward); `agent`: the run's agent (default: one built from cfg.agent).
     """
     k = cfg.eval.pass_k
     rows = rows[: cfg.eval.num_prompts]
@@ -97,25 +114,36 @@ def evaluate(
     options = eval_options(cfg)
     check_prompt_lengths(rows, tokenizer, model, options, f"eval split {split!r}")
     engine = make_engine(cfg.rollout.backend, model, tokenizer) if engine is None else engine
+    agent = (Agent(tokenizer, cfg.agent) if cfg.agent.enabled else None) if agent is None else agent
+    env_weight = environment_weight(cfg)
     t0 = time.perf_counter()
-    solved, rewards, samples, lengths = [], [], [], []
+    solved, rewards, samples, episodes, lengths = [], [], [], [], []
     for start in range(0, len(rows), cfg.eval.batch_size):
         chunk = rows[start : start + cfg.eval.batch_size]
-        with torch_threads(cfg.rollout.num_threads), (weights() if weights is not None else contextlib.nullcontext()):
-            batch = engine.generate([r.prompt for r in chunk], options)
-        lengths.extend(batch.completion_mask.sum(1).tolist())
+        with torch_threads(cfg.rollout.num_threads):
+            if agent is not None:
+                driver = agent.driver(chunk, k)
+                batch = engine.generate(driver.prompt_ids, options, episodes=driver)
+            else:
+                batch = engine.generate([r.prompt for r in chunk], options)
+        lengths.extend(batch.loss_mask().sum(1).tolist())
         per_sample = [chunk[i] for i in batch.prompt_index.tolist()]
+        prompts = [r.prompt for r in per_sample]
+        completions = reward_completions(tokenizer, batch, prompts)
         scores = score_completions(
-            fns, cfg.reward.reward_weights, [r.prompt for r in per_sample], batch.completions, per_sample,
+            fns, cfg.reward.reward_weights, prompts, completions, per_sample,
             on_error=cfg.reward.on_error, penalty=cfg.reward.error_penalty,
             timeout_s=cfg.reward.timeout_s,
         )
+        if env_weight is not None:
+            scores = add_reward_column(scores, ENVIRONMENT_REWARD, environment_rewards(batch), env_weight)
+        episodes.append(episode_stats(batch))
         correct = (scores.rewards[:, acc_col] == 1.0).view(len(chunk), k)  # [n, k]
         solved.extend(correct.any(1).tolist())
         rewards.extend(scores.total.tolist())
         for b, row in enumerate(per_sample):
             samples.append({
-                "prompt": row.prompt, "completion": batch.completions[b], "answer": row.fields.get("answer"),
+                "prompt": row.prompt, "completion": completions[b], "answer": row.fields.get("answer"),
                 "reward": None if math.isnan(scores.total[b].item()) else scores.total[b].item(),
                 "correct": bool(correct.view(-1)[b]),
             })
@@ -124,6 +152,7 @@ def evaluate(
         accuracy=sum(solved) / len(solved), mean_reward=sum(finite) / max(len(finite), 1), num_prompts=len(rows),
         pass_k=k, split=split, seconds=time.perf_counter() - t0, samples=samples,
         sample_accuracy=sum(s["correct"] for s in samples) / len(samples), mean_length=sum(lengths) / len(lengths),
+        episodes=stat_means(merge_metrics(episodes)),
     )
 
 
@@ -166,7 +195,8 @@ def eval_in_run(ctx: Any) -> dict[str, float]:
     rows = ctx.eval_rows[world.rank :: world.size] if world.size > 1 else ctx.eval_rows
     split = cfg.eval.split or cfg.data.eval_split
     with rollout_weights(ctx.model, ctx.replica):
-        result = evaluate(ctx.model, ctx.tokenizer, rows, cfg, split=split, engine=ctx.engine, fns=ctx.reward_fns)
+        result = evaluate(ctx.model, ctx.tokenizer, rows, cfg, split=split, engine=ctx.engine, fns=ctx.reward_fns,
+                          agent=ctx.agent)
     if world.size == 1:
         return result.metrics()
     n_samples = len(result.samples)

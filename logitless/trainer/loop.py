@@ -10,9 +10,12 @@
             logp = completion_logprobs(policy)                                  logitless.models
             policy_loss(logp, ..., normalizer of the whole step).backward()     logitless.objectives
         clip gradients, AdamW step, LR schedule                                 trainer.builders
-        metrics, sample table, checkpoint                                       trainer.metrics / checkpoint
+        held-out eval every eval.every_steps                                    trainer.evaluate
+        metrics (and trackers), sample table, checkpoint                        trainer.metrics / tracking
 
-One step is one rollout batch; with μ = train.num_iterations > 1 it makes μ optimizer steps on it. Ctrl-C or
+One step is one rollout batch; with μ = train.num_iterations > 1 it makes μ optimizer steps on it, with
+k = train.steps_per_rollout one per part of it (μ·k in all). With train.dynamic_sampling the rollout and scoring
+repeat until the step has prompts_per_step informative groups (trainer/dynamic.py). Ctrl-C or
 SIGTERM stops at the next safe point with a checkpoint: before the first optimizer step of a step, the step is
 dropped (its data position and RNG are rewound, so a resumed run is identical); after it, the step finishes. The
 signal says so at once; a second one stops at once (`signals.py`). Before each step's metrics and checkpoint are
@@ -33,7 +36,9 @@ from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.accounting import PhaseTimer
 from logitless.trainer.config import TrainerConfig
 from logitless.trainer.context import TrainContext, build_context
+from logitless.trainer.dynamic import sample_step
 from logitless.trainer.episodes import conversation_texts
+from logitless.trainer.evaluate import eval_due, eval_in_run
 from logitless.trainer.metrics import MismatchReport, RewardErrorReport, mismatch_causes
 from logitless.trainer.modeling import attention_backends
 from logitless.trainer.parallel import (
@@ -55,9 +60,9 @@ from logitless.trainer.stages import (
     UpdateResult,
     check_empty,
     logprob_stage,
+    merge_plans,
+    part_rows,
     plan_update,
-    rollout_stage,
-    score_stage,
     step_record,
     update_stage,
 )
@@ -89,7 +94,7 @@ def log_step(ctx: TrainContext, result: TrainResult, step: int, record: dict[str
     if ctx.run is not None:
         ctx.run.check_alive()
     result.step = step
-    if step % cfg.logging_steps == 0 or step == ctx.cfg.train.max_steps:
+    if step % cfg.logging_steps == 0 or step == ctx.cfg.train.max_steps or any(k.startswith("eval/") for k in record):
         ctx.logger.log(step, {**record, "time/elapsed": time.perf_counter() - ctx.t_start})
         result.records.append({"step": step, **record})
     ctx.logger.advance(step, record)
@@ -190,17 +195,19 @@ def _train(
     report_mismatch = MismatchReport(ctx.logger.print, cfg.logging.mismatch_warning, mismatch_causes(cfg))
     finished = False
     try:
+        if cfg.eval.on_start and ctx.start == 0:  # the policy before training, logged at step 0
+            t0 = time.perf_counter()
+            record = {**eval_in_run(ctx), "time/eval": time.perf_counter() - t0}
+            ctx.logger.log(0, record)
+            result.records.append({"step": 0, **record})
         for step in range(ctx.start + 1, cfg.train.max_steps + 1):
             stop.step, stop.updating = step, False
             hook("step_start", step)
             rewind = (ctx.sampler.state_dict(), ckpt.rng_state())
             timer = PhaseTimer(ctx.device, ctx.rollout_device)
-            with timer("generate"):
-                ro = rollout_stage(ctx, step)
-            with timer("score"):
-                scored = score_stage(ctx, ro)
-            sc = scored.scores
-            report_reward_errors(step, sc.names, sc.num_errors, sc.error_texts, len(ro.sample_rows))
+            # generate and score (with train.dynamic_sampling: until the step has its informative groups)
+            ro, scored, sc, sampled = sample_step(ctx, step, timer)
+            report_reward_errors(step, sc.names, sc.num_errors, sc.error_texts, len(sc.total))
             hook("after_rollout", step)
             dropped = agree(stop.commit_step(), ctx.device)  # a signal to any rank before the update began
             if dropped:  # nothing trained yet: every rank drops this step
@@ -208,14 +215,19 @@ def _train(
                 drop_step(ctx, result, step, rewind)
                 break
             check_empty(ctx, ro, step)
-            plan, upd = plan_update(ctx, ro, scored), UpdateResult()
+            plans = [plan_update(ctx, ro, scored, rows) for rows in part_rows(ro, cfg.train.steps_per_rollout)]
+            plan, upd = merge_plans(plans), UpdateResult()
             if plan.n_tokens > 0:  # (0 only if the engine returned no token at all, not even EOS)
                 with timer("logprobs"):
-                    oldref = logprob_stage(ctx, plan)
+                    oldrefs = [logprob_stage(ctx, p) for p in plans]
                 with timer("train"):
-                    upd = update_stage(ctx, plan, oldref)
+                    upd = update_stage(ctx, plans, oldrefs)
             hook("after_update", step)
-            record = step_record(ctx, ro, scored, plan, upd, timer)
+            record = {**step_record(ctx, ro, scored, plan, upd, timer), **sampled}
+            if eval_due(cfg, step):  # held-out eval (eval.every_steps)
+                with timer("eval"):
+                    record.update(eval_in_run(ctx))
+                record["time/eval"] = timer.seconds["eval"]
             log_step(ctx, result, step, record, ro, scored)
             report_mismatch(step, record)
             if run is not None:

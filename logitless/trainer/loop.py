@@ -31,7 +31,7 @@ from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.accounting import PhaseTimer
 from logitless.trainer.config import TrainerConfig
 from logitless.trainer.context import TrainContext, build_context
-from logitless.trainer.metrics import RewardErrorReport
+from logitless.trainer.metrics import RewardErrorReport, RewardNoneReport
 from logitless.trainer.modeling import attention_backends
 from logitless.trainer.parallel import (
     World,
@@ -170,6 +170,7 @@ def _train(
     ctx = build_context(cfg, world, resume=resume, model=model, tokenizer=tokenizer)
     result = TrainResult(run_dir=ctx.run_dir, step=ctx.start)
     report_reward_errors = RewardErrorReport(ctx.logger.print, cfg.reward.error_penalty)
+    report_none = RewardNoneReport(ctx.logger.print)
     try:
         with StopRequest() as stop:
             for step in range(ctx.start + 1, cfg.train.max_steps + 1):
@@ -182,6 +183,8 @@ def _train(
                     scored = score_stage(ctx, ro)
                 sc = scored.scores
                 report_reward_errors(step, sc.names, sc.num_errors, sc.error_texts, len(ro.sample_rows))
+                fields = sorted(ro.sample_rows[0].fields) if ro.sample_rows else []
+                report_none(step, sc.names, sc.num_none, len(ro.sample_rows), fields)
                 hook("after_rollout", step)
                 stop.requested = agree(stop.requested, ctx.device)  # a signal to any rank stops all of them
                 if stop.requested:  # nothing trained yet: drop this step

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from rich.console import Console
 
 from logitless.data import PromptRow, PromptSampler
 from logitless.models.varlen import NAME as VARLEN_ATTENTION
@@ -160,14 +161,15 @@ def _resumed_state(resume: str | Path, world: World, model: torch.nn.Module, opt
     return state
 
 
-def _logger(cfg: TrainerConfig, run_dir: Path, world: World, start: int) -> MetricsLogger | QuietLogger:
+def _logger(cfg: TrainerConfig, run_dir: Path, world: World, start: int,
+            console: Console | None = None) -> MetricsLogger | QuietLogger:
     """Only rank 0 writes the run folder's files, prints and plots."""
     if not world.main:
         return QuietLogger()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     return MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
-                         total_steps=cfg.train.max_steps, resume_step=start)
+                         total_steps=cfg.train.max_steps, resume_step=start, console=console)
 
 
 def _shape(model: torch.nn.Module, engine: Any) -> ModelShape:
@@ -190,7 +192,8 @@ def build_context(
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)  # the same on every rank: the model's random init (LoRA) must agree
     adv_options = advantage_options(cfg)
-    rows: list[PromptRow] = load_rows(cfg.data)
+    console = Console(stderr=True) if world.main else None  # the run's console (MetricsLogger prints there too)
+    rows: list[PromptRow] = load_rows(cfg.data, console=console)
     sampler = PromptSampler(rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     reward_fns, acc_col = reward_functions(cfg.reward), accuracy_index(cfg.reward)
     model, tokenizer, device = _model(cfg, model, tokenizer, host=world.offload)
@@ -219,7 +222,7 @@ def build_context(
     start = int(state.get("step", 0))
     if state:
         sampler.load_state_dict(state["sampler"])
-    logger = _logger(cfg, run_dir, world, start)
+    logger = _logger(cfg, run_dir, world, start, console)
     coef = EntropyCoef(*state["entropy_coef"]) if "entropy_coef" in state else initial_entropy_coef(cfg.objective)
     engine_changes: dict[str, Any] = {}
     if replica is not None:  # the replica merged (a plain model), fused its projections and sleeps by itself

@@ -146,7 +146,7 @@ def check_rollout_device(cfg: TrainerConfig) -> None:
 def check_task_options(task: str, options: dict[str, Any], where: str) -> None:
     """Refuse an option the task's loader does not take, naming `where`.<option> and the valid ones."""
     if task == "jsonl":
-        fn, skip = load_jsonl_prompts, ()
+        fn, skip = load_jsonl_prompts, ("progress",)
     elif task == "hub":
         fn, skip = load_hf_prompts, ("split",)
     elif task in TASKS:

@@ -6,8 +6,9 @@
 
 With no CONFIG the embedded demo config is used: LoRA-GRPO on SmolLM2-135M-Instruct learning two-digit arithmetic
 on CPU. `--resume RUN_DIR` / `--checkpoint RUN_DIR` without a CONFIG reuse the run's saved config.yaml.
-Everything that can be checked without the model (options, run folder, sources, output paths) is checked first;
-errors are one line naming the config key or file and the fix; Ctrl-C at any point exits with one line.
+Everything that can be checked without the model (options, the model's config, the first data rows against the
+rewards, run folder, sources, output paths) is checked first; errors are one line naming the config key or file and
+the fix; Ctrl-C at any point exits with one line.
 """
 
 from __future__ import annotations
@@ -58,15 +59,26 @@ def _load(items: list[str], run_dir: str | None):
     return load_train_config(config, overrides)
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def _dry_run(cfg, *, training: bool) -> int:
+    """Every check a run makes before its model loads, then the resolved config (stdout) and what was checked
+    (stderr, one line each)."""
     from logitless.trainer.config import to_yaml
+    from logitless.trainer.preflight import preflight
+
+    checked = preflight(cfg, training=training)
+    print(to_yaml(cfg), end="")
+    for line in checked:
+        print(f"checked: {line}", file=sys.stderr)
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
     from logitless.trainer.preflight import validate_config
 
     cfg = _load(args.args, args.resume)
-    validate_config(cfg)
     if args.dry_run:
-        print(to_yaml(cfg), end="")
-        return 0
+        return _dry_run(cfg, training=True)
+    validate_config(cfg)
     from logitless.trainer.loop import train
     from logitless.trainer.parallel import launched_world, shutdown
 
@@ -81,22 +93,19 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from logitless.trainer import checkpoint as ckpt
-    from logitless.trainer.config import to_yaml
-    from logitless.trainer.preflight import check_output_file, check_resume, validate_config
-    from logitless.trainer.sources import check_sources
+    from logitless.trainer.preflight import check_output_file, check_resume, preflight, validate_config
 
     cfg = _load(args.args, args.checkpoint)
     validate_config(cfg, training=False)
-    if args.dry_run:
-        print(to_yaml(cfg), end="")
-        return 0
     if args.output:
         check_output_file(args.output, "--output")
     checkpoint = None
     if args.checkpoint is not None:
         checkpoint = ckpt.resolve_checkpoint(args.checkpoint, flag="--checkpoint")
         check_resume(cfg, checkpoint, flag="--checkpoint", training=False)
-    check_sources(cfg, eval=True)
+    if args.dry_run:
+        return _dry_run(cfg, training=False)
+    preflight(cfg, training=False)  # sources, the model's config, the eval rows
     from logitless.trainer.evaluate import evaluate_config, write_eval
 
     result = evaluate_config(cfg, checkpoint)
@@ -120,13 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs="*", metavar="CONFIG|section.key=value", help="a YAML config, then overrides")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run, in its folder, from its newest intact checkpoint")
     p.add_argument("--overwrite", action="store_true", help="delete the run already in train.output_dir and start anew")
-    p.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, then exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run every check made before the model loads, print the resolved config and what was checked")
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("eval", help="accuracy on the eval split (greedy, or pass@k with eval.pass_k=k)")
     p.add_argument("args", nargs="*", metavar="CONFIG|section.key=value", help="a YAML config, then overrides")
     p.add_argument("--checkpoint", metavar="RUN_DIR", help="evaluate the weights of this run/checkpoint")
     p.add_argument("--output", metavar="FILE", help="write the result and every sample as JSON")
-    p.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, then exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run every check made before the model loads, print the resolved config and what was checked")
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("plot", help="PNG of the training curves of a run")
     p.add_argument("run_dir", metavar="RUN_DIR")
@@ -147,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    except (ValueError, TypeError, OSError, RuntimeError) as e:
+    except (ValueError, TypeError, OSError, RuntimeError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

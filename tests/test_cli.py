@@ -47,10 +47,12 @@ def _config(tmp_path, folder, **train) -> Path:
 
 def test_dry_run_prints_the_resolved_config(tmp_path, capsys):
     assert main(["train", "--dry-run", "rollout.num_generations=3", "optim.learning_rate=1e-5"]) == 0
-    out = capsys.readouterr().out
-    (tmp_path / "printed.yaml").write_text(out)
+    captured = capsys.readouterr()
+    (tmp_path / "printed.yaml").write_text(captured.out)
     expected = demo_config(["rollout.num_generations=3", "optim.learning_rate=1e-5"])  # no CONFIG: the demo
     assert load_train_config(tmp_path / "printed.yaml") == expected
+    # what it checked, on stderr: the demo's model config comes from its GGUF's metadata
+    assert "checked: model config of the demo model: LlamaForCausalLM, 30 layers, 8192 positions" in captured.err
 
 
 def test_bad_config_exits_2_naming_the_nearest_key(capsys):

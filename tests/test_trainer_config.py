@@ -50,6 +50,8 @@ def test_yaml_file_then_overrides(tmp_path):
         ("optim.lr_scheduler_type=linear", r"optim.lr_scheduler_type' expects one of 'constant', 'cosine'"),
         ("reward.reward_weights=[1.0, 2.0]", r"reward_weights has 2 entries for 1 reward_funcs"),
         ("model.dtype=fp32", r"model.dtype' expects one of 'auto', 'float32'"),
+        ("optim.adam_beta2=1", r"optim.adam_beta2 must be in \[0, 1\) .*got 1.0; typical: adam_beta1=0.9"),
+        ("optim.weight_decay=-1e-2", r"optim.weight_decay must be >= 0 .*got -0.01; 0 turns it off"),
     ],
 )
 def test_bad_config_is_refused_with_the_key(override, match):
@@ -157,3 +159,4 @@ def test_micro_batches_of_a_row_subset():
 def test_trainer_key_typos_name_the_real_key(override, suggestion):
     with pytest.raises(ConfigError, match=f"did you mean '{suggestion}'"):
         load_train_config(None, [override])
+

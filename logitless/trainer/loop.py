@@ -42,9 +42,8 @@ from logitless.trainer.parallel import (
     process_group,
 )
 from logitless.trainer.plot import plot_run
-from logitless.trainer.preflight import check_resume, validate_config
+from logitless.trainer.preflight import check_resume, preflight
 from logitless.trainer.rundir import claim_run_dir
-from logitless.trainer.sources import check_sources
 from logitless.trainer.signals import StopRequest
 from logitless.trainer.stages import (
     Rollout,
@@ -140,18 +139,17 @@ def train(
 ) -> TrainResult:
     """Run GRPO-family training as configured; `model`/`tokenizer` (optional) replace cfg.model's loading.
 
-    Before anything slow: the config is checked (`preflight`), the run folder is locked for this process and must
-    be new, or `resume`d (the run continues in the resumed run's folder), or `overwrite`n (`rundir`).
+    Before anything slow: the config is checked against the sources, the model's config and the first data rows
+    (`preflight`), then the run folder is locked for this process and must be new, or `resume`d (the run continues
+    in the resumed run's folder), or `overwrite`n (`rundir`).
     """
-    validate_config(cfg)
+    preflight(cfg, model_given=model is not None)
     check_distributed(cfg, launched_world())
     device = cfg.model.device if model is None else str(next(model.parameters()).device)
     with process_group(device, offload=cfg.train.fsdp_offload) as world, \
             claimed_on_rank0(world, lambda: claim_run_dir(cfg, resume=resume, overwrite=overwrite)) as (run_cfg, start):
         if start is not None:
             check_resume(run_cfg, start)
-        if model is None:
-            check_sources(run_cfg)
         with attention_backends(run_cfg.model):
             return _train(run_cfg, world, resume=start, model=model, tokenizer=tokenizer, hook=hook)
 

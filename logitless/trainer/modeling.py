@@ -194,20 +194,26 @@ def prepare_for_training(model, cfg: ModelConfig):
         if cfg.lora:
             model.enable_input_require_grads()
     if cfg.lora:
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
-        target = cfg.lora_target_modules
-        lora = LoraConfig(
-            r=cfg.lora_r,
-            lora_alpha=cfg.lora_alpha,
-            lora_dropout=cfg.lora_dropout,
-            target_modules=target if isinstance(target, str) else list(target),
-            task_type="CAUSAL_LM",
-        )
-        model = get_peft_model(model, lora)
+        model = get_peft_model(model, lora_config(cfg))
     if cfg.compile_layers:
         compile_layers(model)
     return model
+
+
+def lora_config(cfg: ModelConfig):
+    """peft's LoraConfig of `cfg` (model.lora_r, lora_alpha, lora_dropout, lora_target_modules)."""
+    from peft import LoraConfig
+
+    target = cfg.lora_target_modules
+    return LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=target if isinstance(target, str) else list(target),
+        task_type="CAUSAL_LM",
+    )
 
 
 def compile_layers(model) -> None:

@@ -153,7 +153,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     from logitless.trainer.plot import plot_run
 
-    print(plot_run(args.run_dir, args.output))
+    print(plot_run(args.run_dir, args.output))  # checks --output's folder and format before drawing
     return 0
 
 

@@ -200,3 +200,23 @@ def test_config_dash_from_a_terminal_says_to_pipe(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", Terminal())
     assert main(["train", "--config", "-", "--dry-run"]) == 2
     assert "nothing is piped in" in capsys.readouterr().err
+
+
+def test_plot_output_is_checked_before_anything_is_drawn(tmp_path, capsys, monkeypatch):
+    from logitless.trainer import plot as plot_mod
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+
+    def drawn(*a, **k):
+        raise AssertionError("the metrics were read before --output was checked")
+
+    monkeypatch.setattr(plot_mod, "read_metrics", drawn)
+    missing = tmp_path / "missing" / "dir" / "x.png"
+    assert main(["plot", str(run), "--output", str(missing)]) == 1
+    err = capsys.readouterr().err
+    assert f"--output '{missing}': the folder {missing.parent} does not exist; create it" in err
+    assert main(["plot", str(run), "--output", str(tmp_path / "curves.txt")]) == 1
+    assert "matplotlib cannot write .txt files; end the name with one of" in capsys.readouterr().err
+    assert not missing.parent.exists()

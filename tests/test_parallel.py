@@ -75,7 +75,8 @@ def run_equivalence(out: Path, tok_dir: Path) -> dict[str, list[dict]]:
     single = {}
     for mode, overrides in w.MODES.items():
         real = w.context.make_rollout_engine
-        w.use_engine(lambda engine, mode=mode: w.Recording(engine, out / f"rollout_{mode}.pt"))
+        w.use_engine(lambda engine, mode=mode: w.Recording(w.Episodes(engine) if "episodes" in mode else engine,
+                                                           out / f"rollout_{mode}.pt"))
         try:
             with w.offload_every_saved_tensor():
                 single[mode] = train(w.config(out / f"{mode}_single", *overrides), model=w.model(), tokenizer=tok).records
@@ -102,10 +103,13 @@ def check_equivalence(out: Path, single: dict[str, list[dict]], mode: str, atol:
     assert not diff
     assert one[0]["train/tflop"] > 0  # the update's FLOPs are counted over every rank's rows, not rank 0's
     assert one[0]["grad_norm"] > 0.05  # clipping was active (max_grad_norm=0.05)
+    assert one[0]["rollout/mismatch_mean"] > 0.005  # the planted offset (w.PLANTED): a reduction that can fail
     if mode == "lora":  # only rank 1's 8 rows train: rank 0 ran zero-gradient padding passes, and nothing hung
         assert ranks[0]["trained_rows"] == 8.0 and ranks[0]["zero_variance_groups"] > 0
     elif mode.startswith("full"):
         assert ranks[0]["kl"] > 0  # the reference copy and the second optimizer step took part
+    elif mode == "lora_episodes":  # several turns with observations between them, gathered over the ranks
+        assert ranks[0]["episode/turns_mean"] > 1.5 and ranks[0]["tokens/env_mean"] > 1
     else:
         assert ranks[0]["trained_rows"] == 16.0  # every row trained, in packed token-budget micro-batches
 
@@ -205,7 +209,8 @@ def test_sigterm_and_resume_on_two_ranks_continue_like_an_uninterrupted_run(resu
     # a resume on another number of ranks is refused, naming the fix
     tok = w.tokenizer(tok_dir)
     with pytest.raises(ckpt.CheckpointError, match=r"written by 2 rank\(s\) but this run has 1.*--nproc-per-node 2"):
-        train(w.config(tmp_path / "cut", "train.max_steps=4"), model=w.model(), tokenizer=tok, resume=tmp_path / "cut")
+        train(w.config(tmp_path / "cut", "train.max_steps=4", "objective.beta=0.04"), model=w.model(), tokenizer=tok,
+              resume=tmp_path / "cut")  # the run's own settings: only the number of ranks differs
 
 
 def test_a_failure_on_one_rank_ends_every_rank(tmp_path, tok_dir):

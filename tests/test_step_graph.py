@@ -157,3 +157,30 @@ def test_captured_step_equals_the_compiled_loop_on_cuda():
                              graph.completion_mask.cuda(), temperature=opts.temperature)[0]
     m = graph.completion_mask.bool()
     assert (lp.float().cpu()[m] - graph.sampler_logp[m]).abs().max() < 0.1  # bf16 forward, padded vs decode
+
+
+@pytest.mark.gpu
+def test_a_forward_that_cannot_be_captured_decodes_on_without_the_graph(tiny_qwen2_model, gpt2_tokenizer):
+    """A model whose forward copies a pageable host tensor to the GPU (what failed the capture on OLMo-2, Granite
+    and GPT-OSS in some setups) decodes the same tokens as the loop, with one warning, instead of crashing."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from logitless.rollout.static import StaticEngine
+
+    model = tiny_qwen2_model.to("cuda", torch.bfloat16)
+    inner = model.model.forward
+
+    def host_copy_forward(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        out.last_hidden_state = out.last_hidden_state + torch.zeros(1).to(out.last_hidden_state.device)
+        return out
+
+    model.model.forward = host_copy_forward
+    try:
+        opts = SamplingOptions(num_generations=2, max_new_tokens=24, seed=5, ignore_eos=True)
+        with pytest.warns(UserWarning, match="could not be captured as one CUDA graph"):
+            graph = StaticEngine(model, gpt2_tokenizer, compile=False, step_graph=True).generate(["hi there"], opts)
+        loop = StaticEngine(model, gpt2_tokenizer, compile=False, step_graph=False).generate(["hi there"], opts)
+    finally:
+        model.model.forward = inner
+    assert torch.equal(graph.completion_ids, loop.completion_ids)

@@ -146,6 +146,7 @@ def test_auto_takes_the_kernel_only_for_bf16_on_a_cuda_gpu_with_triton_and_trito
            (cuda, torch.float16, True, (9, 0)), (cuda, bf16, True, (7, 5))]  # CPU, fp32, no triton, fp16, Turing
     assert [pick("auto", *a) for a in off] == ["matmul"] * 5
     assert pick("matmul", cuda, bf16, True) == "matmul" and pick("triton", cuda, torch.float16, True) == "triton"
+    assert pick("sdpa", cpu, fp32, False) == "sdpa"  # torch's own kernel: anywhere
     with pytest.raises(ValueError, match=r"rollout\.decode_attention=triton computes scores with bf16/fp16 "
                                          r"tensor-core dots, but the rollout decodes in torch\.float32; set "
                                          r"rollout\.decode_attention=matmul \(or auto\), or load the model in bf16"):

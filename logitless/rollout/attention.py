@@ -53,10 +53,10 @@ def gqa_decode_attention(
 
         mask = None if attention_mask is None else attention_mask[:, 0, 0, :]  # [B, L]
         out = decode_attention(grouped, key, value, mask, scale)
-    elif torch.compiler.is_compiling():
-        out = _matmul_attention(grouped, key, value, attention_mask, scale)
-    else:
+    elif _KERNEL["name"] == "sdpa" or not torch.compiler.is_compiling():
         out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
+    else:
+        out = _matmul_attention(grouped, key, value, attention_mask, scale)
     # out: [B, kv, H/kv, d]
     return out.reshape(B, H, 1, d).transpose(1, 2).contiguous(), None  # [B, 1, H, d]
 
@@ -73,7 +73,7 @@ def _matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 
 
 _registered = False
-KERNELS = ("matmul", "triton")
+KERNELS = ("matmul", "triton", "sdpa")
 _KERNEL = {"name": "matmul"}  # read while tracing: a compiled decode step keeps the kernel it was traced with
 
 
@@ -118,7 +118,7 @@ def resolve_decode_attention(kernel: str, device: torch.device, dtype: torch.dty
     if kernel == "auto":
         fits = device.type == "cuda" and has_triton and dtype == torch.bfloat16 and capability >= (8, 0)
         return "triton" if fits else "matmul"
-    if kernel == "matmul":
+    if kernel in ("matmul", "sdpa"):
         return kernel
     if device.type != "cuda" or not has_triton:
         raise ValueError(f"rollout.decode_attention=triton runs a Triton kernel on a CUDA GPU, but the rollout "

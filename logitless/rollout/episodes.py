@@ -13,8 +13,9 @@ prompt: model turns and observations, in order. The episode budget `SamplingOpti
 whole completion (model and observation tokens together, as TRL's `max_completion_length`); `max_turn_tokens`
 bounds one model turn.
 
-A turn ends when the model samples an EOS id or one of `driver.turn_end_ids`, when a stop string appears, when
-the turn reaches `max_turn_tokens`, or when the episode's budget is used up. The driver then returns, per row,
+A turn ends when the model samples an EOS id or one of `driver.turn_end_ids`, when one of
+`SamplingOptions.stop` or `driver.turn_stops` appears in the turn's text (the token completing it is the turn's
+last), when the turn reaches `max_turn_tokens`, or when the episode's budget is used up. The driver then returns, per row,
 either the observation's token ids (the episode goes on) or None (the episode is over). The engine ends an
 episode by itself only when its budget is used up (the row is then `truncated`); a driver that returns more
 observation tokens than `TurnEnd.room` allows has them cut by the engine and the episode ends truncated.
@@ -60,11 +61,13 @@ class EpisodeRecord:
 class EpisodeDriver(Protocol):
     """Answers the model between turns. One driver per `generate` call, with one episode per row.
 
-    `turn_end_ids`: token ids that end a model turn besides the EOS ids (e.g. Llama 3's `<|eom_id|>`).
+    `turn_end_ids`: token ids that end a model turn besides the EOS ids (e.g. ChatML's `<|im_end|>`, Llama 3's
+    `<|eom_id|>`). `turn_stops`: strings that end a model turn (e.g. `</call>` of a raw-text tool protocol).
     `max_turn_tokens`: the most tokens of one model turn (None: the episode budget alone).
     """
 
     turn_end_ids: Sequence[int]
+    turn_stops: Sequence[str]
     max_turn_tokens: int | None
 
     def begin(self, num_rows: int, num_generations: int) -> None:

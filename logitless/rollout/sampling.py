@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 from transformers import LogitsProcessor
 
+from logitless.models.compiled import EAGER_NUMERICS
 from logitless.ops.hash32 import GOLDEN, MASK32, counter_salt, mix32
 from logitless.ops.hash32 import mul32 as _mul32  # noqa: F401  (tests check it here, beside mix32)
 
@@ -61,6 +62,15 @@ def row_keys(seed: int, prompt_index: torch.Tensor, sample_index: torch.Tensor) 
 def step_keys(keys: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
     """[B] keys of the rows' draws at decode step `step` (an int, or a 0-d int64 tensor on the keys' device)."""
     return _fold(keys, step)
+
+
+TURN_TAG = 0x7475726E  # folded into a row key before a turn index, so turn keys never equal step keys
+
+
+def turn_keys(keys: torch.Tensor, turn: int) -> torch.Tensor:
+    """[B] row keys of turn `turn` of multi-turn episodes: the keys themselves for turn 0 (a one-turn episode draws
+    what a single-turn rollout draws), a fold of (TURN_TAG, turn) after it."""
+    return keys if turn == 0 else _fold(_fold(keys, TURN_TAG), turn)
 
 
 def vocab_codes(vocab: int, device: torch.device) -> torch.Tensor:
@@ -108,7 +118,7 @@ def fused_sampler(device: torch.device, compile: bool) -> Callable:
     if True not in _compiled:
         # dynamic after a second row count. Not fullgraph: a process that samples at more (temperature, greedy,
         # shape) variants than dynamo's recompile limit (8) then runs the extra ones eagerly instead of failing.
-        _compiled[True] = torch.compile(sample_tokens)
+        _compiled[True] = torch.compile(sample_tokens, options=EAGER_NUMERICS)
     return _compiled[True]
 
 

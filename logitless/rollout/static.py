@@ -49,6 +49,8 @@ import torch
 from transformers.generation.configuration_utils import CompileConfig
 from transformers.generation.logits_process import TemperatureLogitsWarper
 
+from logitless.models.compiled import inductor_options
+
 from .attention import gqa_decode, resolve_decode_attention
 from .engine import PreparedPrompts, build_batch, generation_mode, model_device, prepare_prompts, sync, unwrap_model
 from .hf import sampling_processors
@@ -66,6 +68,7 @@ from .kv_cache import (
 from .layouts import check_layout
 from .sampling import (apply_filters, resolve_sampler_kernel, row_keys, sample_tokens, step_keys, step_sampler,
                        vocab_codes)
+from .static_turns import check_episode_options, generate_episodes
 from .step_graph import DecodeStep
 from .types import Prompt, RolloutBatch, SamplingOptions
 from .weights import LiveWeights, WeightSource
@@ -249,7 +252,8 @@ class StaticEngine:
         base = unwrap_model(module)
         if self._use_compile(device):
             allow_recompiles(compiled_variants(rows, self.length_buckets, self.compact_finished))
-            return base.get_compiled_call(CompileConfig(fullgraph=False, mode="reduce-overhead", dynamic=False)), True
+            config = CompileConfig(fullgraph=False, mode=None, dynamic=False, options=inductor_options(cudagraphs=True))
+            return base.get_compiled_call(config), True
         return base.__call__, False
 
     def _graph_step(self, device: torch.device, filters: list) -> bool:
@@ -271,7 +275,8 @@ class StaticEngine:
         base = unwrap_model(module)
         if self._use_compile(device):
             allow_recompiles(compiled_variants(rows, self.length_buckets, self.compact_finished))
-            return base.get_compiled_call(CompileConfig(fullgraph=False, mode="default", dynamic=False))
+            return base.get_compiled_call(CompileConfig(fullgraph=False, mode=None, dynamic=False,
+                                                        options=inductor_options(cudagraphs=False)))
         return base.__call__
 
     def _cache_len(self, P: int, S: int, ctx: int | None) -> int:
@@ -293,21 +298,15 @@ class StaticEngine:
         return wave_rows(B, row, budget, "rollout.max_kv_gib (unset: automatic, from free device memory)")
 
     def generate(self, prompts: Sequence[Prompt], options: SamplingOptions, episodes: Any = None) -> RolloutBatch:
-        if episodes is not None:
-            raise NotImplementedError("multi-turn episodes are not implemented yet for this backend")
+        """G samples of each prompt; with `episodes` (an `episodes.EpisodeDriver`) multi-turn episodes
+        (`static_turns.py`)."""
         module = self.weights.module
         t_call = time.perf_counter()
         prep = prepare_prompts(module, self.tokenizer, prompts, options)
+        if episodes is not None:
+            check_episode_options(self, options, episodes)
         outside = {"prepare": time.perf_counter() - t_call}  # with profile: the parts around the decode
-        G, (n, P), S = options.num_generations, prep.ids.shape, options.max_new_tokens
-        B, device = n * G, prep.device
-        seed = options.seed if options.seed is not None else int(torch.randint(0, 2**62, ()).item())
-        prompt_of_row = torch.arange(n, device=device).repeat_interleave(G)  # [B]
-        filters = [p for p in sampling_processors(options) if not isinstance(p, TemperatureLogitsWarper)]
-        eos = torch.tensor(prep.eos_ids if not options.ignore_eos else [], dtype=torch.long, device=device)
-        completion = torch.full((B, S), prep.pad_id, dtype=torch.long)
-        logps = torch.zeros((B, S), dtype=torch.float32)
-        lens = torch.zeros(B, dtype=torch.long)
+        device = prep.device
         # the decode's GPU is the current one for the call: an eagerly launched Triton kernel runs on the current
         # device, which on another thread or with rollout.device is not the model's
         here = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -320,33 +319,67 @@ class StaticEngine:
                 self.weights.sync()
                 self._tick("weights_sync", t0, device, outside)
             try:
-                sync(device)
-                tg = time.perf_counter()
-                call = self._prefill(module, prep, options, P, S)
-                call.keys = row_keys(seed, prompt_of_row, torch.arange(B, device=device) % G)
-                call.codes, call.filters, call.eos = vocab_codes(call.first_logits.shape[-1], device), filters, eos
-                wave = self._wave_size(call, B)
-                for r0 in range(0, B, wave):
-                    rows = torch.arange(r0, min(r0 + wave, B), device=device)
-                    ids, lp, steps = self._decode_wave(module, call, rows, prompt_of_row, pad_to=wave)
-                    completion[r0 : r0 + len(rows), :steps] = ids.cpu()
-                    logps[r0 : r0 + len(rows), :steps] = lp.cpu()
-                    lens[r0 : r0 + len(rows)] = steps
-                sync(device)
-                gen_s = time.perf_counter() - tg
-                del call
+                if episodes is not None:
+                    batch = generate_episodes(self, prep, options, episodes)
+                else:
+                    raw = self._generate_rows(module, prep, options)
             finally:
                 if self.auto_sync:
                     t0 = time.perf_counter()
                     self.weights.release()  # a sleeping weight copy frees its memory until the next sync
                     self._tick("weights_release", t0, device, outside)
         t0 = time.perf_counter()
-        batch = build_batch(self.tokenizer, prep, completion, logps, lens, gen_s)
+        if episodes is None:
+            batch = build_batch(self.tokenizer, prep, *raw)
         outside["batch"] = time.perf_counter() - t0  # EOS and stop strings, detokenization (host only)
         batch.timing.parts = {**self._last_parts, **outside} if self.profile else {}
         return batch
 
-    def _prefill(self, module: Any, prep: PreparedPrompts, options: SamplingOptions, P: int, S: int) -> _Call:
+    def _generate_rows(self, module: Any, prep: PreparedPrompts, options: SamplingOptions):
+        """The single-turn decode of every row: (tokens [B, S], logps [B, S], lengths [B], seconds), on the host."""
+        G, (n, P), S = options.num_generations, prep.ids.shape, options.max_new_tokens
+        B, device = n * G, prep.device
+        completion = torch.full((B, S), prep.pad_id, dtype=torch.long)
+        logps = torch.zeros((B, S), dtype=torch.float32)
+        lens = torch.zeros(B, dtype=torch.long)
+        sync(device)
+        tg = time.perf_counter()
+        call, prompt_of_row = self._start_call(module, prep, options, self._cache_len(P, S, prep.context))
+        wave = self._wave_size(call, B)
+        for r0 in range(0, B, wave):
+            rows = torch.arange(r0, min(r0 + wave, B), device=device)
+            ids, lp, steps = self._decode_wave(module, call, rows, prompt_of_row, pad_to=wave)
+            completion[r0 : r0 + len(rows), :steps] = ids.cpu()
+            logps[r0 : r0 + len(rows), :steps] = lp.cpu()
+            lens[r0 : r0 + len(rows)] = steps
+        sync(device)
+        return completion, logps, lens, time.perf_counter() - tg
+
+    def _start_call(self, module: Any, prep: PreparedPrompts, options: SamplingOptions, cache_len: int,
+                    extra_eos: Sequence[int] = ()) -> tuple[_Call, torch.Tensor]:
+        """Prefill the prompts and set up what every wave shares: (the call, the prompt of each row [B]).
+        extra_eos: more ids that end a row's decode (an episode's turn-end ids)."""
+        G, n, device = options.num_generations, prep.ids.shape[0], prep.device
+        B = n * G
+        seed = options.seed if options.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        prompt_of_row = torch.arange(n, device=device).repeat_interleave(G)  # [B]
+        filters = [p for p in sampling_processors(options) if not isinstance(p, TemperatureLogitsWarper)]
+        eos = sorted({*(prep.eos_ids if not options.ignore_eos else []), *extra_eos})
+        call = self._prefill(module, prep, options, cache_len)
+        call.keys = row_keys(seed, prompt_of_row, torch.arange(B, device=device) % G)
+        call.codes, call.filters = vocab_codes(call.first_logits.shape[-1], device), filters
+        call.eos = torch.tensor(eos, dtype=torch.long, device=device)
+        return call, prompt_of_row
+
+    def _start_rows(self, call: _Call, src: torch.Tensor, keys: torch.Tensor, cache_len: int) -> _Rows:
+        """A wave's rows (`_Rows.start`), for the episode decode of `static_turns.py`."""
+        return _Rows.start(call, src, keys, cache_len)
+
+    def _draw(self, device: torch.device):
+        """The unfiltered token draw of this engine's decode steps (`sampling.step_sampler`)."""
+        return step_sampler(device, self.sampler_kernel, self._use_compile(device))
+
+    def _prefill(self, module: Any, prep: PreparedPrompts, options: SamplingOptions, cache_len: int) -> _Call:
         """Prefill the n distinct prompts once; every wave copies its rows' prompt keys/values from this."""
         t0 = time.perf_counter()
         pos = (prep.mask.cumsum(1) - 1).clamp(min=0)
@@ -356,8 +389,7 @@ class StaticEngine:
                      use_cache=True, logits_to_keep=1)
         first = out.logits[:, -1].float()  # [n, V]
         del out
-        L = self._cache_len(P, S, prep.context)
-        call = _Call(prep, options, L, pre_cache, first, keys=None, codes=None, filters=[], eos=None)
+        call = _Call(prep, options, cache_len, pre_cache, first, keys=None, codes=None, filters=[], eos=None)
         self._last_parts = {}
         self._tick("prefill", t0, prep.device)
         return call
@@ -394,7 +426,7 @@ class StaticEngine:
         # the chi-square test of tests/test_sampling_stats.py on CUDA with filters on (and passed without them).
         # The logits stay in the model's dtype (the draw upcasts them as it reads them; the forward's output
         # buffer is read before the next step's replay overwrites it).
-        draw = step_sampler(device, self.sampler_kernel, self._use_compile(device))  # unfiltered draws
+        draw = self._draw(device)  # unfiltered draws
         steps, T, greedy = 0, options.logp_temperature, options.temperature == 0
         buckets = length_buckets(P, L, self.length_buckets, self.cache_multiple)
         t0 = self._tick("prefill", t0, device)  # the copy into this wave's cache

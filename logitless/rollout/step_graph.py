@@ -22,6 +22,7 @@ Off CUDA the same step runs eagerly (no capture), which is what the CPU tests ch
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -41,7 +42,7 @@ class DecodeStep:
     def __init__(self, forward: Callable, draw: Callable, cache: Any, *, mask: torch.Tensor, next_pos: torch.Tensor,
                  done: torch.Tensor, keys: torch.Tensor, history: torch.Tensor, out_logp: torch.Tensor,
                  prompt_len: int, pad_id: int, eos: torch.Tensor, codes: torch.Tensor, temperature: float,
-                 greedy: bool, stream: Any = None):
+                 greedy: bool, stream: Any = None, limit: torch.Tensor | None = None):
         self.forward, self.draw, self.cache = forward, draw, cache
         self.mask, self.next_pos, self.done, self.keys = mask, next_pos, done, keys
         self.history, self.out_logp = history, out_logp
@@ -49,8 +50,10 @@ class DecodeStep:
         self.T, self.greedy = temperature, greedy
         self.token = torch.empty(done.shape, dtype=torch.long, device=done.device)  # [b] the last drawn token
         self.t = torch.zeros((), dtype=torch.long, device=done.device)  # the step drawn last (or, at 0, next)
+        self.limit = limit  # [b] long or None: a row is done once it has drawn this many tokens (episode turns)
         self.stream = stream
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.uncapturable: str | None = None  # why the capture failed, if it did (the step then runs eagerly)
         self.steps_run = 0
 
     def first(self, logits: torch.Tensor) -> None:
@@ -73,6 +76,8 @@ class DecodeStep:
         self.out_logp.scatter_(1, self.t.expand(b, 1), logp[:, None])
         if self.eos.numel():
             self.done.logical_or_(torch.isin(token, self.eos))
+        if self.limit is not None:
+            self.done.logical_or_(self.t + 1 >= self.limit)
         self.token.copy_(token)
 
     def advance(self) -> None:
@@ -89,7 +94,15 @@ class DecodeStep:
             torch.cuda.current_stream().wait_stream(self.stream)
             return
         if self.graph is None:
-            self.graph = capture(self.body, self.stream)
+            if self.uncapturable is None:
+                try:
+                    self.graph = capture(self.body, self.stream)
+                except RuntimeError as e:  # the model's forward does something a graph cannot hold
+                    self.uncapturable = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+                    warn_uncapturable(self.uncapturable)
+            if self.graph is None:  # decode on without a graph (each step relaunches its kernels)
+                self.body()
+                return
         self.graph.replay()
 
     def release(self) -> None:
@@ -97,6 +110,18 @@ class DecodeStep:
         if self.graph is not None:
             self.graph.reset()
             self.graph = None
+
+
+_warned: set[str] = set()
+
+
+def warn_uncapturable(reason: str) -> None:
+    """Say once per reason that the decode step could not be captured and runs as separate launches."""
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"rollout.step_graph: the decode step could not be captured as one CUDA graph ({reason}); it "
+                      "runs its compiled forward and draw as separate launches instead (same tokens, slower). Set "
+                      "rollout.step_graph=false to skip the attempt", stacklevel=3)
 
 
 def capture(fn: Callable[[], None], side: Any) -> torch.cuda.CUDAGraph:

@@ -41,6 +41,9 @@ Names follow TRL's `GRPOConfig` / `ModelConfig` wherever the concept is the same
 | logging.logging_steps                | logging_steps                             |                                           |
 | logging.log_completions / ...        | log_completions, num_completions_to_print |                                           |
 | checkpoint.save_steps / ..._limit    | save_steps / save_total_limit             |                                           |
+| agent.tools                          | GRPOTrainer(tools=...)                    | built-ins or "module:function"            |
+| agent.environment                    | GRPOTrainer(environment_factory=...)      | "module:Class", one instance per episode  |
+| agent.max_turns                      | max_tool_calling_iterations               | model turns; TRL counts tool rounds (-1)  |
 """
 
 from __future__ import annotations
@@ -52,10 +55,12 @@ from typing import Any, Literal
 
 import yaml
 
+from logitless.agents.options import AgentOptions
 from logitless.configlib import ConfigError, apply_overrides, from_dict, load_config, to_dict, to_yaml
 from logitless.objectives import AdvantageOptions, ObjectiveOptions
 
 __all__ = [
+    "AgentOptions",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
@@ -173,8 +178,13 @@ class RewardConfig:
     on_error: Literal["raise", "penalty"] = "raise"  # "penalty": a sample whose reward function raises scores error_penalty
     error_penalty: float = 0.0
     accuracy_reward: str | None = None  # the reward whose value 1.0 means "correct" (default: the first)
+    # Seconds one call of a `module:function` reward may take (null: no limit); the built-ins bound their own time.
+    # A call past it is stopped (rewards/deadline.py) and its samples are handled by on_error: "raise" stops the
+    # run naming the function, "penalty" scores them error_penalty and counts them as errors.
+    timeout_s: float | None = 300.0
 
     def __post_init__(self):
+        _positive("reward", timeout_s=self.timeout_s)
         if not self.reward_funcs:
             raise ValueError("reward.reward_funcs is empty; name at least one reward function (e.g. numeric_answer)")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
@@ -229,9 +239,9 @@ class RolloutConfig:
     compact_finished: bool = False
     # How the static engine's decode attends over the cache: "matmul" (two matmuls around an fp32 softmax, fused by
     # inductor), "triton" (one flash-decoding kernel per layer: scores, online softmax and p v in one pass; CUDA,
-    # bf16/fp16) or "auto" (triton for bf16 weights on a CUDA GPU of compute capability 8.0+ with triton installed,
-    # else matmul).
-    decode_attention: Literal["auto", "matmul", "triton"] = "auto"
+    # bf16/fp16), "sdpa" (torch's scaled_dot_product_attention on the grouped query, also when compiled) or "auto"
+    # (triton for bf16 weights on a CUDA GPU of compute capability 8.0+ with triton installed, else matmul).
+    decode_attention: Literal["auto", "matmul", "triton", "sdpa"] = "auto"
     # How the static engine draws a token without top-k/top-p/min-p/repetition penalty: "torch" (one pass over the
     # fp32 logits, compiled on CUDA), "triton" (two kernels reading the logits once in the model's dtype; the same
     # tokens; CUDA) or "auto" (triton on a CUDA GPU with triton installed, else torch). With those filters on, the
@@ -378,11 +388,15 @@ class LoggingConfig:
     # Device peaks for rollout/ceiling_fraction and train/mfu (None: the datasheet value of a known GPU).
     peak_tflops: float | None = None  # dense bf16 TFLOP/s
     hbm_tbs: float | None = None  # memory bandwidth, TB/s
+    # Warn when rollout/mismatch_mean (mean |trainer logp - sampler logp| per sampled token, nats) exceeds this,
+    # naming the likely cause and the fix; once, then again each time it doubles (None: never). bf16 rounding alone
+    # gives about 0.005-0.02 (logitless/objectives/mismatch.py).
+    mismatch_warning: float | None = 0.05
 
     def __post_init__(self):
         _positive(
             "logging", logging_steps=self.logging_steps, completions_steps=self.completions_steps,
-            peak_tflops=self.peak_tflops, hbm_tbs=self.hbm_tbs,
+            peak_tflops=self.peak_tflops, hbm_tbs=self.hbm_tbs, mismatch_warning=self.mismatch_warning,
         )
 
 
@@ -423,6 +437,9 @@ class TrainerConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # Multi-turn episodes: tools and/or an environment answering the model between turns (logitless.agents,
+    # docs/agents.md); off unless agent.tools or agent.environment is set. Only the model's tokens are trained.
+    agent: AgentOptions = field(default_factory=AgentOptions)
 
 
 # The embedded CPU demo (`logitless train` without a config file): LoRA-GRPO on SmolLM2-135M-Instruct learning

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from rich.console import Console
 
+from logitless.agents import Agent
 from logitless.data import PromptRow, PromptSampler
 from logitless.models.varlen import NAME as VARLEN_ATTENTION
 from logitless.objectives import AdvantageOptions, EntropyCoef, initial_entropy_coef
@@ -36,6 +37,7 @@ from logitless.trainer.builders import (
     weight_copy,
 )
 from logitless.trainer.config import ModelConfig, TrainerConfig, to_yaml
+from logitless.trainer.episodes import environment_weight
 from logitless.trainer.metrics import MetricsLogger
 from logitless.trainer.modeling import (
     LoraCompute,
@@ -55,6 +57,7 @@ from logitless.trainer.parallel import (
     make_replica,
     shard_model,
 )
+from logitless.trainer.rundir import RunDir, write_atomic
 
 
 @dataclass
@@ -89,6 +92,8 @@ class TrainContext:
     empty_steps: int = 0  # consecutive steps whose completions were all empty
     parked: ParkedState = field(default_factory=ParkedState)  # train.offload_during_rollout's host buffers
     prefetch: AsyncRollout | None = None  # train.async_rollout: the next step's rollout in flight
+    agent: Agent | None = None  # agent.tools / agent.environment: what answers the model between turns
+    run: RunDir | None = None  # the claimed run folder (rank 0): checked before each write
     t_start: float = field(default_factory=time.perf_counter)  # for the wall-time budget
 
     @property
@@ -97,6 +102,8 @@ class TrainContext:
 
     def save(self, step: int) -> Path:
         """Write an atomic checkpoint of this step (model, optimizer, schedule, data position, RNG, entropy coef)."""
+        if self.run is not None:
+            self.run.check_alive()
         state = {"sampler": self.sampler.state_dict(), "entropy_coef": list(self.entropy_coef),
                  **(self.prefetch.state() if self.prefetch is not None else {})}
         if self.world.sharded:  # sharded (DCP), every rank
@@ -117,8 +124,12 @@ def seed_everything(seed: int) -> None:
 
 
 def advantage_options(cfg: TrainerConfig) -> AdvantageOptions:
-    """The advantage options with the reward weights of `reward.reward_weights` (checked by `preflight`)."""
+    """The advantage options with the reward weights of `reward.reward_weights` (checked by `preflight`), and
+    `agent.environment_reward_weight` for the environment's reward column when an agent has an environment."""
     weights = tuple(cfg.reward.reward_weights) if cfg.reward.reward_weights else None
+    env = environment_weight(cfg)
+    if env is not None:
+        weights = (*(weights or (1.0,) * len(cfg.reward.reward_funcs)), env)
     return dataclasses.replace(cfg.advantage, reward_weights=weights)
 
 
@@ -153,23 +164,52 @@ def _resumed_state(resume: str | Path, world: World, model: torch.nn.Module, opt
     path = ckpt.resolve_checkpoint(resume)
     dcp.check_world_size(path, world)
     dcp.check_layout(path, world)
+    configured = [{k: g[k] for k in OPTIM_SETTINGS if k in g} for g in optimizer.param_groups]
     if world.sharded:
         state = dcp.load_sharded(resume, model=model, optimizer=optimizer, scheduler=scheduler, world=world)
     else:
         state = ckpt.load_checkpoint(resume, model=model, optimizer=optimizer, scheduler=scheduler)
+    _keep_configured(optimizer, scheduler, configured)
     sync_offloaded_params(optimizer)  # adamw_cpu_offload keeps host copies of the weights
     return state
 
 
-def _logger(cfg: TrainerConfig, run_dir: Path, world: World, start: int,
+OPTIM_SETTINGS = ("initial_lr", "weight_decay", "betas", "eps")  # of the config, in a fresh optimizer's param groups
+
+
+def _keep_configured(optimizer: Any, scheduler: Any, configured: list[dict[str, Any]]) -> None:
+    """The config's optimizer settings (base learning rate, weight decay, betas, epsilon) over those the
+    checkpoint's optimizer and schedule state brought back. They are equal, and nothing is touched, unless the
+    resume changed them (`--allow-config-change`); then the schedule goes on from its step at the new base rate."""
+    changed = False
+    for group, want in zip(optimizer.param_groups, configured):
+        for k, v in want.items():
+            if group.get(k) != v:
+                group[k], changed = v, True
+    if changed and scheduler is not None:
+        scheduler.base_lrs = [g["initial_lr"] for g in optimizer.param_groups]
+        for g, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            g["lr"] = base * factor(scheduler.last_epoch)
+        scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
+def _logger(cfg: TrainerConfig, run_dir: Path, world: World, start: int, run: RunDir | None,
             console: Console | None = None) -> MetricsLogger | QuietLogger:
-    """Only rank 0 writes the run folder's files, prints and plots."""
+    """Only rank 0 writes the run folder's files (its config where the claim says: `RunDir.save_config`), prints
+    and plots."""
     if not world.main:
         return QuietLogger()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    return MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
-                         total_steps=cfg.train.max_steps, resume_step=start, console=console)
+    if run is not None:
+        run.check_alive()
+        run.save_config(cfg)
+    else:  # a context built outside `train` (no claim): config.yaml as given
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(run_dir / "config.yaml", to_yaml(cfg))
+    logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
+                           total_steps=cfg.train.max_steps, resume_step=start, console=console)
+    if run is not None and run.config_note:
+        logger.console.print(run.config_note, highlight=False, markup=False, soft_wrap=True)
+    return logger
 
 
 def _shape(model: torch.nn.Module, engine: Any) -> ModelShape:
@@ -184,10 +224,11 @@ def _shape(model: torch.nn.Module, engine: Any) -> ModelShape:
 
 def build_context(
     cfg: TrainerConfig, world: World, *, resume: str | Path | None = None, model: torch.nn.Module | None = None,
-    tokenizer: Any = None,
+    tokenizer: Any = None, run: RunDir | None = None,
 ) -> TrainContext:
     """Data and rewards first (their errors need no model), then model, engine, optimizer, and the resumed state.
-    `world`: this process's place, its process group already made (`parallel.process_group`)."""
+    `world`: this process's place, its process group already made (`parallel.process_group`); `run`: the claimed
+    run folder (rank 0)."""
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)  # the same on every rank: the model's random init (LoRA) must agree
@@ -197,6 +238,7 @@ def build_context(
     sampler = PromptSampler(rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     reward_fns, acc_col = reward_functions(cfg.reward), accuracy_index(cfg.reward)
     model, tokenizer, device = _model(cfg, model, tokenizer, host=world.offload)
+    agent = Agent(tokenizer, cfg.agent) if cfg.agent.enabled else None  # tools, environment, template: checked here
     check_prompt_lengths(rows, tokenizer, model, sampling_options(cfg.rollout, seed=None), f"data.task={cfg.data.task!r}")
     if cfg.train.packed:
         check_packed_attention(model)
@@ -222,7 +264,7 @@ def build_context(
     start = int(state.get("step", 0))
     if state:
         sampler.load_state_dict(state["sampler"])
-    logger = _logger(cfg, run_dir, world, start, console)
+    logger = _logger(cfg, run_dir, world, start, run, console)
     coef = EntropyCoef(*state["entropy_coef"]) if "entropy_coef" in state else initial_entropy_coef(cfg.objective)
     engine_changes: dict[str, Any] = {}
     if replica is not None:  # the replica merged (a plain model), fused its projections and sleeps by itself
@@ -236,15 +278,16 @@ def build_context(
     prefetch = None
     if cfg.train.async_rollout:
         prefetch = AsyncRollout(engine, sampler, cfg.train.prompts_per_step, device,
-                                sync=_replica_sync(replica, model, engine) if replica is not None else None)
+                                sync=_replica_sync(replica, model, engine) if replica is not None else None,
+                                agent=agent)
         prefetch.restore(state)
     return TrainContext(
-        cfg=cfg, model=model, tokenizer=tokenizer, device=device, engine=engine, prefetch=prefetch,
+        cfg=cfg, model=model, tokenizer=tokenizer, device=device, engine=engine, prefetch=prefetch, agent=agent,
         params=params, optimizer=optimizer, scheduler=scheduler, sampler=sampler, reward_fns=reward_fns,
         acc_col=acc_col, adv_options=adv_options,
         reference=reference,
         shape=_shape(model, engine), peaks=device_peaks(device, cfg.logging.peak_tflops, cfg.logging.hbm_tbs),
-        run_dir=run_dir, logger=logger, start=start, entropy_coef=coef, world=world, replica=replica,
+        run_dir=run_dir, logger=logger, start=start, entropy_coef=coef, world=world, replica=replica, run=run,
         lora_compute=LoraCompute(model, cfg.model),
         rollout_device=None if rollout_device is None or same_device(rollout_device, device) else rollout_device,
     )

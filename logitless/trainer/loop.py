@@ -14,7 +14,9 @@
 
 One step is one rollout batch; with μ = train.num_iterations > 1 it makes μ optimizer steps on it. Ctrl-C or
 SIGTERM stops at the next safe point with a checkpoint: before the first optimizer step of a step, the step is
-dropped (its data position and RNG are rewound, so a resumed run is identical); after it, the step finishes.
+dropped (its data position and RNG are rewound, so a resumed run is identical); after it, the step finishes. The
+signal says so at once; a second one stops at once (`signals.py`). Before each step's metrics and checkpoint are
+written, the run folder is checked to still be there (`RunDir.check_alive`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.accounting import PhaseTimer
 from logitless.trainer.config import TrainerConfig
 from logitless.trainer.context import TrainContext, build_context
-from logitless.trainer.metrics import RewardErrorReport, RewardNoneReport
+from logitless.trainer.episodes import conversation_texts
+from logitless.trainer.metrics import MismatchReport, RewardErrorReport, RewardNoneReport, mismatch_causes
 from logitless.trainer.modeling import attention_backends
 from logitless.trainer.parallel import (
     World,
@@ -43,8 +46,8 @@ from logitless.trainer.parallel import (
 )
 from logitless.trainer.plot import plot_run
 from logitless.trainer.preflight import check_resume, preflight
-from logitless.trainer.rundir import claim_run_dir
-from logitless.trainer.signals import StopRequest
+from logitless.trainer.rundir import RunDir, claim_run_dir, restart_advice
+from logitless.trainer.signals import StopSignals, label
 from logitless.trainer.stages import (
     Rollout,
     Scored,
@@ -82,6 +85,8 @@ def prompt_text(prompt: str | list[dict[str, str]]) -> str:
 def log_step(ctx: TrainContext, result: TrainResult, step: int, record: dict[str, Any], ro: Rollout, scored: Scored) -> None:
     """Metrics JSONL / TensorBoard / progress bar, and every K steps a table of sample completions."""
     cfg = ctx.cfg.logging
+    if ctx.run is not None:
+        ctx.run.check_alive()
     result.step = step
     if step % cfg.logging_steps == 0 or step == ctx.cfg.train.max_steps:
         ctx.logger.log(step, {**record, "time/elapsed": time.perf_counter() - ctx.t_start})
@@ -90,7 +95,8 @@ def log_step(ctx: TrainContext, result: TrainResult, step: int, record: dict[str
     if cfg.log_completions and (step % cfg.completions_steps == 0 or step == 1):
         totals = [None if math.isnan(v) else v for v in scored.scores.total.tolist()]
         prompts = [prompt_text(r.prompt) for r in ro.sample_rows]
-        ctx.logger.completions_table(step, prompts, ro.batch.completions, totals, cfg.num_completions_to_print)
+        texts = ro.batch.completions if ro.batch.episodes is None else conversation_texts(ctx.tokenizer, ro.batch)
+        ctx.logger.completions_table(step, prompts, texts, totals, cfg.num_completions_to_print)
 
 
 def checkpoint_and_stop(ctx: TrainContext, result: TrainResult, step: int, stop_requested: bool) -> bool:
@@ -125,7 +131,7 @@ def drop_step(ctx: TrainContext, result: TrainResult, step: int, rewind: tuple[A
     ctx.sampler.load_state_dict(rewind[0])
     ckpt.set_rng_state(*rewind[1])
     if step - 1 > 0:
-        result.checkpoint = ctx.save(step - 1)
+        result.checkpoint = ctx.save(step - 1)  # (a resumed run re-saves the step it started from)
 
 
 def train(
@@ -133,6 +139,7 @@ def train(
     *,
     resume: str | Path | None = None,
     overwrite: bool = False,
+    allow_config_change: bool = False,
     model: torch.nn.Module | None = None,
     tokenizer: Any = None,
     hook: Hook | None = None,
@@ -141,72 +148,94 @@ def train(
 
     Before anything slow: the config is checked against the sources, the model's config and the first data rows
     (`preflight`), then the run folder is locked for this process and must be new, or `resume`d (the run continues
-    in the resumed run's folder), or `overwrite`n (`rundir`).
+    in the resumed run's folder; a change of what it trains needs `allow_config_change`), or `overwrite`n
+    (`rundir`). From here on Ctrl-C and SIGTERM say what they do (`signals`); a second one raises
+    `signals.StopNow` (a KeyboardInterrupt).
     """
     preflight(cfg, model_given=model is not None)
     check_distributed(cfg, launched_world())
     device = cfg.model.device if model is None else str(next(model.parameters()).device)
-    with process_group(device, offload=cfg.train.fsdp_offload) as world, \
-            claimed_on_rank0(world, lambda: claim_run_dir(cfg, resume=resume, overwrite=overwrite)) as (run_cfg, start):
+    stop = StopSignals(quiet=not launched_world().main)
+    stop.advice = lambda: restart_advice(stop.run_dir)
+    claim = lambda: claim_run_dir(cfg, resume=resume, overwrite=overwrite,  # noqa: E731
+                                  allow_config_change=allow_config_change)
+    with stop, process_group(device, offload=cfg.train.fsdp_offload) as world, \
+            claimed_on_rank0(world, claim) as (run_cfg, start, run):
+        stop.run_dir = Path(run_cfg.train.output_dir)
         if start is not None:
             check_resume(run_cfg, start)
         with attention_backends(run_cfg.model):
-            return _train(run_cfg, world, resume=start, model=model, tokenizer=tokenizer, hook=hook)
+            return _train(run_cfg, world, stop, run=run, resume=start, model=model, tokenizer=tokenizer, hook=hook)
 
 
 def _train(
     cfg: TrainerConfig,
     world: World,
+    stop: StopSignals,
     *,
+    run: RunDir | None = None,
     resume: str | Path | None = None,
     model: torch.nn.Module | None = None,
     tokenizer: Any = None,
     hook: Hook | None = None,
 ) -> TrainResult:
-    """The training run of `train`, in its claimed run folder (cfg.train.output_dir is absolute)."""
+    """The training run of `train`, in its claimed run folder (cfg.train.output_dir is absolute; `run`: the claim,
+    on rank 0 only)."""
     hook = hook or (lambda event, step: None)
-    ctx = build_context(cfg, world, resume=resume, model=model, tokenizer=tokenizer)
+    ctx = build_context(cfg, world, resume=resume, model=model, tokenizer=tokenizer, run=run)
     result = TrainResult(run_dir=ctx.run_dir, step=ctx.start)
     report_reward_errors = RewardErrorReport(ctx.logger.print, cfg.reward.error_penalty)
+    report_mismatch = MismatchReport(ctx.logger.print, cfg.logging.mismatch_warning, mismatch_causes(cfg))
     report_none = RewardNoneReport(ctx.logger.print)
+    finished = False
     try:
-        with StopRequest() as stop:
-            for step in range(ctx.start + 1, cfg.train.max_steps + 1):
-                hook("step_start", step)
-                rewind = (ctx.sampler.state_dict(), ckpt.rng_state())
-                timer = PhaseTimer(ctx.device, ctx.rollout_device)
-                with timer("generate"):
-                    ro = rollout_stage(ctx, step)
-                with timer("score"):
-                    scored = score_stage(ctx, ro)
-                sc = scored.scores
-                report_reward_errors(step, sc.names, sc.num_errors, sc.error_texts, len(ro.sample_rows))
-                fields = sorted(ro.sample_rows[0].fields) if ro.sample_rows else []
-                report_none(step, sc.names, sc.num_none, len(ro.sample_rows), fields)
-                hook("after_rollout", step)
-                stop.requested = agree(stop.requested, ctx.device)  # a signal to any rank stops all of them
-                if stop.requested:  # nothing trained yet: drop this step
-                    drop_step(ctx, result, step, rewind)
-                    break
-                check_empty(ctx, ro, step)
-                plan, upd = plan_update(ctx, ro, scored), UpdateResult()
-                if plan.n_tokens > 0:  # (0 only if the engine returned no token at all, not even EOS)
-                    with timer("logprobs"):
-                        oldref = logprob_stage(ctx, plan)
-                    with timer("train"):
-                        upd = update_stage(ctx, plan, oldref)
-                hook("after_update", step)
-                log_step(ctx, result, step, step_record(ctx, ro, scored, plan, upd, timer), ro, scored)
-                stop.requested = agree(stop.requested, ctx.device)
-                if checkpoint_and_stop(ctx, result, step, bool(stop.requested)):
-                    break
-            result.interrupted = stop.requested
+        for step in range(ctx.start + 1, cfg.train.max_steps + 1):
+            stop.step, stop.updating = step, False
+            hook("step_start", step)
+            rewind = (ctx.sampler.state_dict(), ckpt.rng_state())
+            timer = PhaseTimer(ctx.device, ctx.rollout_device)
+            with timer("generate"):
+                ro = rollout_stage(ctx, step)
+            with timer("score"):
+                scored = score_stage(ctx, ro)
+            sc = scored.scores
+            report_reward_errors(step, sc.names, sc.num_errors, sc.error_texts, len(ro.sample_rows))
+            fields = sorted(ro.sample_rows[0].fields) if ro.sample_rows else []
+            report_none(step, sc.names, sc.num_none, len(ro.sample_rows), fields)
+            hook("after_rollout", step)
+            dropped = agree(stop.commit_step(), ctx.device)  # a signal to any rank before the update began
+            if dropped:  # nothing trained yet: every rank drops this step
+                stop.requested = stop.requested or dropped
+                drop_step(ctx, result, step, rewind)
+                break
+            check_empty(ctx, ro, step)
+            plan, upd = plan_update(ctx, ro, scored), UpdateResult()
+            if plan.n_tokens > 0:  # (0 only if the engine returned no token at all, not even EOS)
+                with timer("logprobs"):
+                    oldref = logprob_stage(ctx, plan)
+                with timer("train"):
+                    upd = update_stage(ctx, plan, oldref)
+            hook("after_update", step)
+            record = step_record(ctx, ro, scored, plan, upd, timer)
+            log_step(ctx, result, step, record, ro, scored)
+            report_mismatch(step, record)
+            if run is not None:
+                run.first_step_done()  # --overwrite: the run it replaces goes now
+            agreed = agree(stop.requested, ctx.device)  # the ranks decide together; a signal that comes meanwhile
+            stop.requested = stop.requested or agreed  # stays requested, for the next decision
+            if checkpoint_and_stop(ctx, result, step, bool(agreed)):
+                break
+        result.interrupted = stop.requested
+        finished = True
     finally:
         ctx.logger.close()
         if ctx.prefetch is not None:
-            ctx.prefetch.close()
+            ctx.prefetch.close(wait=finished)  # on an error or a stop-at-once, the rollout in flight is not awaited
     if result.interrupted:
-        ctx.logger.console.print(f"stopped by signal {result.interrupted} after step {result.step}; resume with --resume {ctx.run_dir}")
+        sig = result.interrupted
+        when = f"after step {result.step}" if result.step > ctx.start else f"before step {ctx.start + 1} finished"
+        ctx.logger.console.print(f"stopped by signal {sig} ({label(sig)}) {when}; {restart_advice(ctx.run_dir)}",
+                                 highlight=False, markup=False, soft_wrap=True)
     elif cfg.logging.plot and result.records and ctx.world.main:
         plot_run(ctx.run_dir)
     return result

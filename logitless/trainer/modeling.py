@@ -14,6 +14,7 @@ from typing import Iterator
 
 import torch
 
+from logitless.models.compiled import EAGER_NUMERICS
 from logitless.models.lm_head import decoder_layers
 from logitless.models.varlen import NAME as VARLEN_ATTENTION
 from logitless.models.varlen import register as register_varlen_attention
@@ -237,9 +238,9 @@ def adapter_base_name(model) -> str | None:
 def compile_layers(model) -> None:
     """`torch.compile` every decoder layer of `model` in place (`nn.Module.compile`, dynamic shapes). Gradient
     checkpointing wraps the compiled call, so the recompute runs the compiled graph too. Equivalent to the
-    uncompiled model (same gradients to float rounding)."""
+    uncompiled model (same gradients to float rounding: inductor keeps eager's bf16 roundings, `models.compiled`)."""
     for layer in decoder_layers(model):
-        layer.compile(dynamic=True)
+        layer.compile(dynamic=True, options=EAGER_NUMERICS)
 
 
 LIGER_INSTALL_HINT = "pip install 'logitless[liger]'  (liger-kernel)"

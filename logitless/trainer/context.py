@@ -15,7 +15,6 @@ from rich.console import Console
 
 from logitless.agents import Agent
 from logitless.data import PromptRow, PromptSampler
-from logitless.models.varlen import NAME as VARLEN_ATTENTION
 from logitless.objectives import AdvantageOptions, EntropyCoef, initial_entropy_coef
 from logitless.rollout import RolloutEngine
 from logitless.rollout.engine import same_device
@@ -39,6 +38,7 @@ from logitless.trainer.builders import (
 from logitless.trainer.config import ModelConfig, TrainerConfig, to_yaml
 from logitless.trainer.episodes import environment_weight
 from logitless.trainer.metrics import MetricsLogger
+from logitless.trainer.model_checks import model_config
 from logitless.trainer.modeling import (
     LoraCompute,
     ReferencePolicy,
@@ -131,15 +131,6 @@ def advantage_options(cfg: TrainerConfig) -> AdvantageOptions:
     if env is not None:
         weights = (*(weights or (1.0,) * len(cfg.reward.reward_funcs)), env)
     return dataclasses.replace(cfg.advantage, reward_weights=weights)
-
-
-def model_config(cfg: TrainerConfig) -> ModelConfig:
-    """cfg.model as loaded for the run: with `train.packed` and no attention named, `logitless_varlen` (varlen
-    flash attention on CUDA, one sdpa call per row on CPU), whose cost follows the rows' own lengths; transformers'
-    sdpa would compute a dense [S, S] block-diagonal mask over the packed sequence."""
-    if cfg.train.packed and cfg.model.attn_implementation is None:
-        return dataclasses.replace(cfg.model, attn_implementation=VARLEN_ATTENTION)
-    return cfg.model
 
 
 def _model(cfg: TrainerConfig, model: torch.nn.Module | None, tokenizer: Any,

@@ -13,6 +13,7 @@ added to it as the run adds it (`peft.get_peft_model`), so the targets match exa
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from typing import Any
 
@@ -27,6 +28,15 @@ from logitless.trainer.modeling import lora_config, resolve_dtype, resolve_devic
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0].rstrip('.') if text else ''}"
+
+
+def model_config(cfg: TrainerConfig) -> ModelConfig:
+    """cfg.model as loaded for the run: with `train.packed` and no attention named, `logitless_varlen` (varlen
+    flash attention on CUDA, one sdpa call per row on CPU), whose cost follows the rows' own lengths; transformers'
+    sdpa would compute a dense [S, S] block-diagonal mask over the packed sequence."""
+    if cfg.train.packed and cfg.model.attn_implementation is None:
+        return dataclasses.replace(cfg.model, attn_implementation=VARLEN_ATTENTION)
+    return cfg.model
 
 
 def read_model_config(cfg: ModelConfig, *, cached: bool = False) -> Any:

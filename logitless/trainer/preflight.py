@@ -30,7 +30,7 @@ from logitless.trainer.config import TrainerConfig
 from logitless.trainer.data_checks import FIRST_ROWS, check_reward_fields
 from logitless.trainer.episodes import ENVIRONMENT_REWARD, environment_weight
 from logitless.trainer.fsdp_offload import check_fsdp_offload
-from logitless.trainer.model_checks import check_model, read_model_config
+from logitless.trainer.model_checks import check_model, model_config, read_model_config
 from logitless.trainer.modeling import LIGER_INSTALL_HINT, QLORA_INSTALL_HINT, require_cuda_package, resolve_device
 from logitless.trainer.sources import check_sources, model_cached
 
@@ -65,8 +65,6 @@ def preflight(cfg: TrainerConfig, *, training: bool = True, model_given: bool = 
     `validate_config`, the model and dataset sources (cached or reachable), the model's config (positions, attention
     implementation, LoRA targets; skipped for a model passed in, `model_given`), then the split's first rows against
     the fields the rewards read. Raises naming the config key and the fix; returns one line per check."""
-    from logitless.trainer.context import model_config as run_model_config
-
     validate_config(cfg, training=training)
     lines = ["every config key and value, sampling options, rollout backend, devices, task options, reward functions"]
     if not model_given:
@@ -75,7 +73,7 @@ def preflight(cfg: TrainerConfig, *, training: bool = True, model_given: bool = 
         lines.append(f"sources: model {name} and the data of data.task={cfg.data.task!r} are local, in the hub cache "
                      "or reachable")
         config = read_model_config(cfg.model, cached=model_cached(cfg.model))
-        attn = run_model_config(cfg).attn_implementation if training else cfg.model.attn_implementation
+        attn = model_config(cfg).attn_implementation if training else cfg.model.attn_implementation
         lines += check_model(cfg, config, training=training, attn=attn)
     split = cfg.data.split if training else (cfg.eval.split or cfg.data.eval_split)
     rows = load_rows(cfg.data, split, eval=not training, limit=FIRST_ROWS)

@@ -95,7 +95,7 @@ def test_function_tool_from_a_module_path_and_bad_paths():
     assert tool.name == "add"
     with pytest.raises(ValueError, match=r"has no attribute 'ad'; did you mean 'tests.test_agents_tools:add'"):
         function_tool("tests.test_agents_tools:ad", {}, 1.0)
-    with pytest.raises(ValueError, match="cannot import module 'no_such_module_xyz'"):
+    with pytest.raises(ValueError, match=r"no module 'no_such_module_xyz' in the current folder"):
         function_tool("no_such_module_xyz:f", {}, 1.0)
     with pytest.raises(ValueError, match="neither a built-in tool"):
         function_tool("calculater", {}, 1.0)

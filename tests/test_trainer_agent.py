@@ -182,3 +182,19 @@ def test_chat_prompts_reward_the_messages(tmp_path, qwen_tokenizer, env_module, 
     assert roles.count("assistant") > 8 and "user" in roles  # several turns, the environment's observations
     assert r["reward/assistant_turns/mean"] == pytest.approx(r["episode/turns_mean"]) and r["episode/turns_mean"] > 1
     assert r["accuracy"] == r["reward/numeric_answer/mean"]  # the built-in scored every conversation
+
+
+def test_an_environment_reward_alone_needs_no_reward_function(monkeypatch):
+    """examples/guess_number.yaml: `reward.reward_funcs: []` with an environment (its module imported from the
+    current folder, as `python -m` would); without an environment an empty list is refused, naming the key."""
+    from pathlib import Path
+
+    from logitless.trainer.config import load_train_config
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    cfg = load_train_config(root / "examples" / "guess_number.yaml")
+    validate_config(cfg)
+    with pytest.raises(ValueError, match=r"reward\.reward_funcs is empty; name at least one reward function"):
+        validate_config(load_train_config(root / "examples" / "guess_number.yaml",
+                                          ["agent.environment=null", "agent.env_options={}", "agent.tools=[calculator]"]))

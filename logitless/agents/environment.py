@@ -25,7 +25,7 @@ observation from `reset` (GRPO compares samples of one state): seed any randomne
 from __future__ import annotations
 
 import difflib
-import importlib
+from logitless.rewards.builtin import import_user_module
 import inspect
 import math
 from dataclasses import dataclass, field
@@ -106,11 +106,7 @@ def _import_class(spec: str | type) -> type:
     if isinstance(spec, type):
         return spec
     module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"agent.environment: cannot import module '{module_name}' ({e}); is it in the current "
-                         "folder or installed?") from e
+    module = import_user_module(module_name, f"agent.environment '{spec}'")
     cls = getattr(module, attr, None)
     if cls is None:
         public = [n for n in dir(module) if not n.startswith("_") and isinstance(getattr(module, n), type)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import difflib
-import importlib
+from logitless.rewards.builtin import import_user_module
 import inspect
 import json
 import math
@@ -257,11 +257,7 @@ def load_function(spec: str | Callable[..., Any], where: str) -> Callable[..., A
     if not sep or not module_name or not attr:
         raise ValueError(f"{where}: '{spec}' is neither a built-in tool ('calculator', 'python') nor "
                          "'module:function'; write e.g. 'mytools:search' (the current folder is importable)")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{where}: cannot import module '{module_name}' of the tool '{spec}' ({e}); is it in the "
-                         "current folder or installed?") from e
+    module = import_user_module(module_name, f"{where} '{spec}'")
     if not hasattr(module, attr):
         public = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
         close = difflib.get_close_matches(attr, public, n=1)

@@ -250,11 +250,12 @@ def reward_name(fn: Any) -> str:
     return getattr(fn, "__name__", None) or repr(fn)
 
 
-def import_reward_module(module_name: str, spec: str) -> Any:
-    """Import the module of reward `spec` ("module:function"). The current folder is searched first, as
-    `python -m` and `python script.py` do (a console script such as `logitless` would otherwise search only its
-    own folder): `my_rewards:score` finds `./my_rewards.py` in the folder `logitless` runs from, then PYTHONPATH
-    and the installed packages."""
+def import_user_module(module_name: str, what: str) -> Any:
+    """Import a user's module (of a reward's or a tool's "module:function", an environment's "module:Class"; `what`
+    names it in errors, e.g. "reward 'my_rewards:score'"). The current folder is searched first, as `python -m` and
+    `python script.py` do (a console script such as `logitless` would otherwise search only its own folder):
+    `my_rewards:score` finds `./my_rewards.py` in the folder `logitless` runs from, then PYTHONPATH and the installed
+    packages."""
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
         sys.path.insert(0, cwd)
@@ -263,13 +264,13 @@ def import_reward_module(module_name: str, spec: str) -> Any:
     except ModuleNotFoundError as e:
         if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
             raise ValueError(
-                f"reward '{spec}': no module '{module_name}' in the current folder ({cwd}), on PYTHONPATH or among "
+                f"{what}: no module '{module_name}' in the current folder ({cwd}), on PYTHONPATH or among "
                 f"the installed packages; put {module_name.replace('.', '/')}.py in the folder you run logitless "
                 "from, or add its folder to PYTHONPATH"
             ) from None
-        raise ValueError(f"reward '{spec}': importing module '{module_name}' failed: {_where(e)}") from e
+        raise ValueError(f"{what}: importing module '{module_name}' failed: {_where(e)}") from e
     except Exception as e:  # the module itself raised: a syntax error, a missing dependency, ...
-        raise ValueError(f"reward '{spec}': importing module '{module_name}' failed: {_where(e)}") from e
+        raise ValueError(f"{what}: importing module '{module_name}' failed: {_where(e)}") from e
 
 
 def _where(e: BaseException) -> str:
@@ -295,7 +296,7 @@ def get_reward_fn(spec: str | RewardFn, **options: Any) -> RewardFn:
         raise TypeError(f"reward spec must be a name, 'module:function' or a callable, got {type(spec).__name__}")
     elif ":" in spec:
         module_name, _, attr = spec.partition(":")
-        module = import_reward_module(module_name, spec)
+        module = import_user_module(module_name, f"reward '{spec}'")
         if not hasattr(module, attr):
             public = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
             close = difflib.get_close_matches(attr, public, n=1)

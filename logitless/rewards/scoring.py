@@ -224,8 +224,6 @@ def score_completions(
             f"score_completions needs one prompt and one row per completion; got {len(prompts)} prompts, "
             f"{len(completions)} completions, {len(rows)} rows"
         )
-    if len(fns) == 0:
-        raise ValueError("score_completions needs at least one reward function")
     fns = [get_reward_fn(f) if isinstance(f, str) else f for f in fns]
     weights = [1.0] * len(fns) if weights is None else list(weights)
     if len(weights) != len(fns):

@@ -199,8 +199,6 @@ class RewardConfig:
 
     def __post_init__(self):
         _positive("reward", timeout_s=self.timeout_s)
-        if not self.reward_funcs:
-            raise ValueError("reward.reward_funcs is empty; name at least one reward function (e.g. numeric_answer)")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ValueError(
                 f"reward.reward_weights has {len(self.reward_weights)} entries for {len(self.reward_funcs)} "

@@ -56,6 +56,9 @@ def validate_config(cfg: TrainerConfig, *, training: bool = True) -> None:
     check_device(cfg.model.device)
     check_task_options(cfg.data.task, cfg.data.options, "data.options")
     check_task_options(cfg.data.task, {**cfg.data.options, **cfg.data.eval_options}, "data.eval_options")
+    if not cfg.reward.reward_funcs and not (cfg.agent.enabled and cfg.agent.environment):
+        raise ValueError("reward.reward_funcs is empty; name at least one reward function (e.g. numeric_answer), "
+                         "or an agent.environment whose episodes give the reward")
     reward_functions(cfg.reward)
     accuracy_index(cfg.reward)
     check_agent(cfg)

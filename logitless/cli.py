@@ -65,7 +65,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = _load(args.args, args.resume)
     validate_config(cfg)
     if args.dry_run:
+        from logitless.trainer.auto import print_dry_run
+
         print(to_yaml(cfg), end="")
+        print_dry_run(cfg)  # the settings "auto" decides here and the memory plan, from the model's config
         return 0
     from logitless.trainer.loop import train
     from logitless.trainer.parallel import launched_world, shutdown
@@ -120,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs="*", metavar="CONFIG|section.key=value", help="a YAML config, then overrides")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run, in its folder, from its newest intact checkpoint")
     p.add_argument("--overwrite", action="store_true", help="delete the run already in train.output_dir and start anew")
-    p.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, then exit")
+    p.add_argument("--dry-run", action="store_true", help="validate and print the config, the settings auto decides here and the memory plan, then exit")
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("eval", help="accuracy on the eval split (greedy, or pass@k with eval.pass_k=k)")
     p.add_argument("args", nargs="*", metavar="CONFIG|section.key=value", help="a YAML config, then overrides")

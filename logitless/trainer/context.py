@@ -45,6 +45,7 @@ from logitless.trainer.modeling import (
     trainable_parameters,
 )
 from logitless.trainer.offload import ParkedState
+from logitless.trainer.oom import MemoryState
 from logitless.trainer.parallel import (
     COPY_BACKENDS,
     MergedRolloutCopy,
@@ -88,6 +89,8 @@ class TrainContext:
     empty_steps: int = 0  # consecutive steps whose completions were all empty
     parked: ParkedState = field(default_factory=ParkedState)  # train.offload_during_rollout's host buffers
     prefetch: AsyncRollout | None = None  # train.async_rollout: the next step's rollout in flight
+    memory: MemoryState | None = None  # the memory plan's model and settings (trainer/oom.py), where one is made
+    on_micro_batch: Callable[[int], None] | None = None  # called before each micro-batch's forward (a test hook)
     t_start: float = field(default_factory=time.perf_counter)  # for the wall-time budget
 
     @property
@@ -125,7 +128,7 @@ def model_config(cfg: TrainerConfig) -> ModelConfig:
     """cfg.model as loaded for the run: with `train.packed` and no attention named, `logitless_varlen` (varlen
     flash attention on CUDA, one sdpa call per row on CPU), whose cost follows the rows' own lengths; transformers'
     sdpa would compute a dense [S, S] block-diagonal mask over the packed sequence."""
-    if cfg.train.packed and cfg.model.attn_implementation is None:
+    if cfg.train.packed is True and cfg.model.attn_implementation is None:
         return dataclasses.replace(cfg.model, attn_implementation=VARLEN_ATTENTION)
     return cfg.model
 
@@ -161,7 +164,7 @@ def _resumed_state(resume: str | Path, world: World, model: torch.nn.Module, opt
 
 
 def _logger(cfg: TrainerConfig, run_dir: Path, world: World, start: int) -> MetricsLogger | QuietLogger:
-    """Only rank 0 writes the run folder's files, prints and plots."""
+    """Only rank 0 writes the run folder's files (config.yaml: `cfg` as given, "auto" kept), prints and plots."""
     if not world.main:
         return QuietLogger()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -182,10 +185,11 @@ def _shape(model: torch.nn.Module, engine: Any) -> ModelShape:
 
 def build_context(
     cfg: TrainerConfig, world: World, *, resume: str | Path | None = None, model: torch.nn.Module | None = None,
-    tokenizer: Any = None,
+    tokenizer: Any = None, given: TrainerConfig | None = None,
 ) -> TrainContext:
     """Data and rewards first (their errors need no model), then model, engine, optimizer, and the resumed state.
-    `world`: this process's place, its process group already made (`parallel.process_group`)."""
+    `world`: this process's place, its process group already made (`parallel.process_group`). `cfg`: the run's
+    settings, "auto" decided (`trainer.auto`); `given`: the config as written (saved as config.yaml)."""
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)  # the same on every rank: the model's random init (LoRA) must agree
@@ -219,7 +223,7 @@ def build_context(
     start = int(state.get("step", 0))
     if state:
         sampler.load_state_dict(state["sampler"])
-    logger = _logger(cfg, run_dir, world, start)
+    logger = _logger(given or cfg, run_dir, world, start)
     coef = EntropyCoef(*state["entropy_coef"]) if "entropy_coef" in state else initial_entropy_coef(cfg.objective)
     engine_changes: dict[str, Any] = {}
     if replica is not None:  # the replica merged (a plain model), fused its projections and sleeps by itself

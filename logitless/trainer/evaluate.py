@@ -61,7 +61,12 @@ def evaluate(model: Any, tokenizer: Any, rows: list[PromptRow], cfg: TrainerConf
         max_new_tokens=cfg.eval.max_completion_length,
     )
     check_prompt_lengths(rows, tokenizer, model, options, f"eval split {split!r}")
-    engine = make_engine(cfg.rollout.backend, model, tokenizer)
+    backend = cfg.rollout.backend
+    if backend == "auto":
+        from logitless.trainer.auto import rollout_backend
+
+        backend = rollout_backend(cfg, next(model.parameters()).device, model)[0]
+    engine = make_engine(backend, model, tokenizer)
     t0 = time.perf_counter()
     solved, rewards, samples = [], [], []
     for start in range(0, len(rows), cfg.eval.batch_size):

@@ -15,6 +15,10 @@
 One step is one rollout batch; with μ = train.num_iterations > 1 it makes μ optimizer steps on it. Ctrl-C or
 SIGTERM stops at the next safe point with a checkpoint: before the first optimizer step of a step, the step is
 dropped (its data position and RNG are rewound, so a resumed run is identical); after it, the step finishes.
+
+Before the model loads, every setting left "auto" is decided (`trainer/auto.py`: the fast exact path for this
+device and model, and the memory plan), printed and saved as resolved.json. A rollout or update that runs out of
+device memory is retried once with leaner settings (`trainer/oom.py`).
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from typing import Any, Callable
 import torch
 
 from logitless.trainer import checkpoint as ckpt
+from logitless.trainer import oom
 from logitless.trainer.accounting import PhaseTimer
+from logitless.trainer.auto import resolve_run, save_resolved
 from logitless.trainer.config import TrainerConfig
 from logitless.trainer.context import TrainContext, build_context
 from logitless.trainer.metrics import RewardErrorReport
@@ -49,6 +55,7 @@ from logitless.trainer.signals import StopRequest
 from logitless.trainer.stages import (
     Rollout,
     Scored,
+    UpdatePlan,
     UpdateResult,
     check_empty,
     logprob_stage,
@@ -59,7 +66,9 @@ from logitless.trainer.stages import (
     update_stage,
 )
 
-Hook = Callable[[str, int], None]  # hook(event, step); events: "step_start", "after_rollout", "after_update"
+# hook(event, step); events: "step_start", "generate" (the rollout starts), "after_rollout", "micro_batch" (before
+# each micro-batch's forward in the update), "after_update"
+Hook = Callable[[str, int], None]
 
 
 @dataclass
@@ -118,15 +127,45 @@ def checkpoint_and_stop(ctx: TrainContext, result: TrainResult, step: int, stop_
     return stop_requested or out_of_time
 
 
+def rewind_step(ctx: TrainContext, rewind: tuple[Any, Any]) -> None:
+    """The data position and RNG as they were when the step started."""
+    ctx.sampler.load_state_dict(rewind[0])
+    ckpt.set_rng_state(*rewind[1])
+
+
 def drop_step(ctx: TrainContext, result: TrainResult, step: int, rewind: tuple[Any, Any]) -> None:
     """A stop before the first optimizer step of `step`: rewind its data position and RNG (so a resumed run
     redoes it identically) and checkpoint the step before."""
     if ctx.prefetch is not None:
         ctx.prefetch.put_back()  # its rollout is the checkpoint's pending one
-    ctx.sampler.load_state_dict(rewind[0])
-    ckpt.set_rng_state(*rewind[1])
+    rewind_step(ctx, rewind)
     if step - 1 > 0:
         result.checkpoint = ctx.save(step - 1)
+
+
+def _rollout(ctx: TrainContext, step: int, hook: Hook) -> Rollout:
+    hook("generate", step)
+    return rollout_stage(ctx, step)
+
+
+def _update(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan | None, timer: PhaseTimer, hook: Hook,
+            step: int) -> tuple[UpdatePlan, UpdateResult]:
+    """Old/reference logprobs and the μ optimizer steps of a step, over `plan`'s micro-batches (None: planned
+    with the current settings, after a retry)."""
+    plan = plan or plan_update(ctx, ro, scored)
+    ctx.on_micro_batch = lambda i: hook("micro_batch", step)
+    ctx.memory.phase = "logprobs"
+    with timer("logprobs"):
+        oldref = logprob_stage(ctx, plan)
+    ctx.memory.phase = "train"
+    with timer("train"):
+        return plan, update_stage(ctx, plan, oldref)
+
+
+def _reset_update(ctx: TrainContext, rng: Any) -> None:
+    """The state before the update of a step that ran out of memory: no gradients, the same RNG."""
+    ctx.optimizer.zero_grad(set_to_none=True)
+    ckpt.set_rng_state(*rng)
 
 
 def train(
@@ -167,7 +206,11 @@ def _train(
 ) -> TrainResult:
     """The training run of `train`, in its claimed run folder (cfg.train.output_dir is absolute)."""
     hook = hook or (lambda event, step: None)
-    ctx = build_context(cfg, world, resume=resume, model=model, tokenizer=tokenizer)
+    resolved = resolve_run(cfg, world, model=model)
+    ctx = build_context(resolved.cfg, world, resume=resume, model=model, tokenizer=tokenizer, given=cfg)
+    ctx.memory = oom.memory_state(ctx, resolved)
+    if world.main:
+        save_resolved(resolved, ctx.run_dir)  # beside config.yaml, both written once the model has loaded
     result = TrainResult(run_dir=ctx.run_dir, step=ctx.start)
     report_reward_errors = RewardErrorReport(ctx.logger.print, cfg.reward.error_penalty)
     try:
@@ -176,8 +219,10 @@ def _train(
                 hook("step_start", step)
                 rewind = (ctx.sampler.state_dict(), ckpt.rng_state())
                 timer = PhaseTimer(ctx.device, ctx.rollout_device)
+                ctx.memory.retries = 0
                 with timer("generate"):
-                    ro = rollout_stage(ctx, step)
+                    ro = oom.retry_on_oom(ctx, step, "generate", lambda: _rollout(ctx, step, hook),
+                                          reset=lambda: rewind_step(ctx, rewind))
                 with timer("score"):
                     scored = score_stage(ctx, ro)
                 sc = scored.scores
@@ -190,12 +235,14 @@ def _train(
                 check_empty(ctx, ro, step)
                 plan, upd = plan_update(ctx, ro, scored), UpdateResult()
                 if plan.n_tokens > 0:  # (0 only if the engine returned no token at all, not even EOS)
-                    with timer("logprobs"):
-                        oldref = logprob_stage(ctx, plan)
-                    with timer("train"):
-                        upd = update_stage(ctx, plan, oldref)
+                    rng, plans = ckpt.rng_state(), [plan]  # a retry plans its micro-batches anew
+                    plan, upd = oom.retry_on_oom(
+                        ctx, step, "update", lambda: _update(ctx, ro, scored, plans[-1], timer, hook, step),
+                        reset=lambda: (_reset_update(ctx, rng), plans.append(None)))
                 hook("after_update", step)
-                log_step(ctx, result, step, step_record(ctx, ro, scored, plan, upd, timer), ro, scored)
+                record = step_record(ctx, ro, scored, plan, upd, timer)
+                record.update(oom.memory_metrics(ctx, ro, plan))
+                log_step(ctx, result, step, record, ro, scored)
                 stop.requested = agree(stop.requested, ctx.device)
                 if checkpoint_and_stop(ctx, result, step, bool(stop.requested)):
                     break

@@ -31,7 +31,7 @@ from logitless.trainer.config import TrainerConfig
 
 LOCK_FILE = ".lock"
 # What a `logitless train` run writes into its folder; only these are removed by --overwrite.
-RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "tensorboard", "curves.png", LOCK_FILE)
+RUN_FILES = ("config.yaml", "resolved.json", "metrics.jsonl", "checkpoints", "tensorboard", "curves.png", LOCK_FILE)
 
 
 class RunDirError(RuntimeError):

@@ -217,6 +217,8 @@ def logprob_stage(ctx: TrainContext, plan: UpdatePlan) -> OldRef:
 def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i: int) -> tuple[torch.Tensor, dict[str, Stat]]:
     """Loss of micro-batch i (already divided by the step's normalizer), back-propagated; (loss, metrics)."""
     o, m = ctx.cfg.objective, plan.micro[i]
+    if ctx.on_micro_batch is not None:
+        ctx.on_micro_batch(i)
     if i >= len(plan.micro) - plan.padding:
         return padding_backward(ctx.model, m, plan.temperature, forward=ctx.lora_compute.forward), {}
     entropy_grad = _entropy_terms(ctx)[1]

@@ -376,6 +376,10 @@ class StaticEngine:
         call.eos = torch.tensor(eos, dtype=torch.long, device=device)
         return call, prompt_of_row
 
+    def _start_rows(self, call: _Call, src: torch.Tensor, keys: torch.Tensor, cache_len: int) -> _Rows:
+        """A wave's rows (`_Rows.start`), for the episode decode of `static_turns.py`."""
+        return _Rows.start(call, src, keys, cache_len)
+
     def _draw(self, device: torch.device):
         """The unfiltered token draw of this engine's decode steps (`sampling.step_sampler`)."""
         return step_sampler(device, self.sampler_kernel, self._use_compile(device))

@@ -136,13 +136,11 @@ def decode_episodes(engine: Any, module: Any, call: Any, rows: torch.Tensor, pro
                     driver: EpisodeDriver, streams: list[EpisodeStream], draw: Any, t0: float, real: int) -> None:
     """Run the episodes of rows `rows` [w] (one wave; only the first `real` are rows of their own, the others pad
     the wave to the compiled shape) to their end, appending to `streams` (indexed by row)."""
-    from .static import _Rows  # (the engine imports this module)
-
     prep, options, device = call.prep, call.options, call.prep.device
     P, S, L, pad = prep.ids.shape[1], options.max_new_tokens, call.cache_len, prep.pad_id
     W = min(driver.max_turn_tokens or S, S)  # the longest turn
     src = prompt_of_row[rows]
-    live = _Rows.start(call, src, call.keys[rows], L)
+    live = engine._start_rows(call, src, call.keys[rows], L)
     live.mask[:, P:] = 1
     engine._caches.append(__import__("weakref").ref(live.cache))
     b = len(rows)

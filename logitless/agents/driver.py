@@ -1,0 +1,436 @@
+"""`Agent` and its `AgentDriver`: what answers the model between turns (logitless.rollout.episodes).
+
+    agent = Agent(tokenizer, AgentOptions(tools=["calculator"]))      # every bad option refused here
+    driver = agent.driver(rows, num_generations=8)                     # one per rollout
+    batch = engine.generate(driver.prompt_ids, sampling, episodes=driver)
+
+Per model turn the driver decodes the turn's ids (only to read them), parses tool calls, runs them (or steps the
+environment), and returns the token ids of the answer: the chat template's suffix for the tool or user messages
+and the next generation prompt, or `<result>...</result>` in the raw protocol. The model's own ids are never
+re-encoded. An episode ends when the model answers without a tool call (and the environment, if any, says done),
+at `max_turns`, when a turn is cut by a budget, or when an observation would not fit the episode's budget.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from logitless.agents.environment import check_first, check_reward, check_step, load_environment
+from logitless.agents.options import AgentOptions
+from logitless.agents.parsing import PARSERS, ParsedTurn, ToolCall
+from logitless.agents.python_tool import python_tool
+from logitless.agents.runner import Outcome, run_tasks
+from logitless.agents.templates import (CHAT_FORMATS, ChatBridge, detect_format, load_template, renders_tools,
+                                        special_ids, tool_call_message)
+from logitless.agents.tools import (Tool, ToolResult, ToolSet, calculator_tool, check_arguments, cut_middle,
+                                    error_text, function_tool, load_function, run_call)
+from logitless.rollout.episodes import EpisodeRecord, TurnEnd
+
+RAW_STOP = "</call>"
+
+
+class Agent:
+    """Tools, an environment class, a parser and a chat-template bridge, loaded and checked once."""
+
+    def __init__(self, tokenizer: Any, options: AgentOptions) -> None:
+        if not isinstance(options, AgentOptions):
+            raise TypeError(f"Agent options must be an AgentOptions, got {type(options).__name__}")
+        self.tokenizer, self.options = tokenizer, options
+        self.toolset = ToolSet()
+        for spec in options.tools:
+            if spec not in ("calculator", "python"):
+                spec = load_function(spec, "agent.tools")
+            name = spec if isinstance(spec, str) else getattr(spec, "__name__", "")
+            opts = dict(options.tool_options.get(name, {}))
+            if spec == "calculator":
+                try:
+                    tool = calculator_tool(opts, options.tool_timeout_s)
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"agent.tool_options.calculator: {e}") from None
+            elif spec == "python":
+                tool = python_tool(opts, options.tool_timeout_s)
+            else:
+                tool = function_tool(spec, opts, options.tool_timeout_s)
+            self.toolset.add(tool, "agent.tools")
+        self.env = None
+        if options.environment is not None:
+            self.env = load_environment(options.environment, options.env_options, options.tool_timeout_s)
+            for tool in self.env.tools:
+                self.toolset.add(tool, f"agent.environment ({self.env.name}.tools)")
+        for key in options.tool_options:
+            if key not in self.toolset:
+                raise ValueError(f"agent.tool_options.{key}: no tool is named '{key}'; the tools are "
+                                 f"{list(self.toolset.tools) or 'none'}")
+        self.chat_format, self.bridge = self._chat_side()
+
+    def _chat_side(self) -> tuple[str | None, ChatBridge | None]:
+        """The chat format and bridge for chat prompts (None, None: raw-text prompts only)."""
+        opts, tok = self.options, self.tokenizer
+        if opts.format == "raw":
+            return None, None
+        own = getattr(tok, "chat_template", None)
+        if isinstance(own, dict):  # named templates: the tool-use one when there are tools
+            own = (self.toolset and own.get("tool_use")) or own.get("default")
+        own = own if isinstance(own, str) and own else None
+        template = load_template(opts.chat_template) if opts.chat_template else own
+        if template is None:
+            if opts.format == "auto":
+                return None, None
+            raise ValueError(f"agent.format={opts.format} needs a chat template, but the tokenizer has none: set "
+                             "agent.chat_template (a jinja file or 'qwen2.5'), or agent.format=raw for raw prompts")
+        tools = bool(self.toolset)
+        fmt = opts.format if opts.format != "auto" else detect_format(template, tok)
+        if fmt is None:
+            if tools:
+                raise ValueError("agent.format=auto cannot tell the tool-call format from the tokenizer's chat "
+                                 f"template; set agent.format to one of {list(CHAT_FORMATS)} (or raw)")
+            fmt = "hermes"  # no tools: the format only names the parser, which never runs
+        if tools and (missing := renders_tools(tok, template)) is not None:
+            vocab = tok.get_vocab()
+            if fmt == "hermes" and opts.chat_template is None and "<|im_start|>" in vocab and "<|im_end|>" in vocab:
+                template = load_template("qwen2.5")
+            else:
+                where = "agent.chat_template" if opts.chat_template else "the tokenizer's chat template"
+                raise ValueError(f"{where} cannot render tools ({missing}); set agent.chat_template to a "
+                                 "tool-capable jinja file (for ChatML/Qwen models: qwen2.5), or agent.format=raw "
+                                 "for raw-text prompts")
+        try:
+            bridge = ChatBridge(tok, template, self.toolset.schemas, fmt)
+            bridge.check(tools=tools, user_turns=self.env is not None)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 (jinja errors of a template that cannot render the probe)
+            raise ValueError(f"agent.chat_template: rendering a probe conversation failed ({type(e).__name__}: "
+                             f"{e}); give a template that renders user, assistant (with tool_calls) and tool "
+                             "messages") from e
+        return fmt, bridge
+
+    @property
+    def tools(self) -> dict[str, Tool]:
+        return self.toolset.tools
+
+    def driver(self, rows: Sequence[Any], num_generations: int) -> AgentDriver:
+        """A driver for one rollout of `rows` (PromptRow) with `num_generations` episodes each."""
+        if not rows:
+            raise ValueError("Agent.driver: no rows")
+        if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 1:
+            raise ValueError(f"Agent.driver: num_generations must be an int >= 1, got {num_generations!r}")
+        chat = [isinstance(r.prompt, list) for r in rows]
+        if all(chat):
+            if self.bridge is None:
+                why = ("agent.format=raw" if self.options.format == "raw" else "the tokenizer has no chat template")
+                raise ValueError(f"the prompts are chat messages but {why}: use raw-text prompts (data chat=false) or "
+                                 "set agent.format/agent.chat_template for a chat format")
+            return AgentDriver(self, rows, num_generations, self.chat_format)
+        if not any(chat):
+            if self.options.format in CHAT_FORMATS:
+                raise ValueError(f"agent.format={self.options.format} needs chat prompts but the prompts are raw "
+                                 "text: set data chat=true, or agent.format=raw (or auto) for the raw protocol")
+            return AgentDriver(self, rows, num_generations, "raw")
+        raise ValueError("the prompts mix raw text and chat messages; give one kind per run")
+
+
+@dataclass
+class _Episode:
+    record: EpisodeRecord = field(default_factory=EpisodeRecord)
+    env: Any = None
+    done: bool = False
+    rewards: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Plan:
+    """What one turn needs before its answer can be written."""
+
+    turn: TurnEnd
+    parsed: ParsedTurn
+    continuable: bool
+    results: list[ToolResult | None] = field(default_factory=list)  # one per call
+    step_text: str = ""  # what the environment's step() reads (a turn without calls)
+    step_out: Outcome | None = None  # how step() ended
+
+
+class AgentDriver:
+    """Implements `logitless.rollout.episodes.EpisodeDriver` for one rollout (rows i*G + g of prompt i)."""
+
+    def __init__(self, agent: Agent, rows: Sequence[Any], num_generations: int, fmt: str) -> None:
+        self.agent, self.options, self.format = agent, agent.options, fmt
+        self.rows, self.num_generations = list(rows), num_generations
+        tok = agent.tokenizer
+        self.parse = PARSERS[fmt] if fmt in PARSERS else PARSERS["hermes"]
+        self.turn_end_ids: list[int] = list(agent.bridge.turn_end_ids) if fmt != "raw" else []
+        self.turn_stops: list[str] = [RAW_STOP] if fmt == "raw" and agent.toolset else []
+        self.max_turn_tokens: int | None = self.options.max_turn_tokens
+        self._ids = (f"{n:09d}" for n in itertools.count())  # call ids where the model wrote none (9 digits)
+        self._warned = False
+        self._special = special_ids(tok)
+        self._records: list[EpisodeRecord] | None = None  # set by finish()
+        keys = ["observation_tokens", "tool_timeouts", "tool_outputs_cut"] + (["env_errors"] if agent.env else [])
+        self.episodes = [_Episode(EpisodeRecord(metrics=dict.fromkeys(keys, 0.0)))
+                         for _ in range(len(self.rows) * num_generations)]
+        self.prompts: list[Any] = []  # each prompt as given to the model (with the environment's first observation)
+        self.prompt_ids: list[list[int]] = []
+        for i, row in enumerate(self.rows):
+            first = self._reset(i, row)
+            prompt = row.prompt
+            if fmt == "raw":
+                prompt = prompt + (first or "")
+                ids = list(tok(prompt, add_special_tokens=True)["input_ids"])
+            else:
+                prompt = [dict(m) for m in prompt]
+                if first is not None:
+                    if prompt and prompt[-1]["role"] == "user":
+                        text = prompt[-1]["content"]
+                        prompt[-1]["content"] = f"{text}\n\n{first}" if text else first
+                    else:
+                        prompt.append({"role": "user", "content": first})
+                ids = agent.bridge.prompt_ids(prompt)
+            self.prompts.append(prompt)
+            self.prompt_ids.append(ids)
+
+    def _reset(self, i: int, row: Any) -> str | None:
+        """Build and reset the environments of prompt i's episodes; their common first observation."""
+        env = self.agent.env
+        if env is None:
+            return None
+        G, firsts = self.num_generations, []
+        for g in range(G):
+            ep = self.episodes[i * G + g]
+            fields = dict(getattr(row, "fields", {}) or {})
+            fields.setdefault("prompt", row.prompt)
+            try:
+                ep.env = env.make()
+                first = ep.env.reset(fields)
+            except Exception as e:
+                raise RuntimeError(f"agent.environment: building or resetting {env.name} for prompt {i} failed "
+                                   f"({type(e).__name__}: {e})") from e
+            firsts.append(check_first(env.name, first))
+        if any(f != firsts[0] for f in firsts):
+            raise ValueError(f"agent.environment: {env.name}.reset() gave the {G} episodes of prompt {i} different "
+                             "first observations; GRPO compares samples of one state, so seed any randomness of "
+                             "reset from the row (e.g. random.Random(row['id']))")
+        return firsts[0]
+
+    # -- the episode protocol --------------------------------------------------------------------------------
+
+    def begin(self, num_rows: int, num_generations: int) -> None:
+        if num_generations != self.num_generations or num_rows != len(self.episodes):
+            raise ValueError(f"AgentDriver.begin({num_rows}, {num_generations}): this driver was made for "
+                             f"{len(self.rows)} prompts x {self.num_generations} generations")
+
+    def respond(self, turns: list[TurnEnd]) -> list[list[int] | None]:
+        plans: list[_Plan | None] = []
+        for t in turns:
+            ep = self.episodes[t.row]
+            if ep.done:
+                raise ValueError(f"AgentDriver.respond: row {t.row}'s episode has already ended")
+            ep.record.turns += 1
+            plans.append(self._plan(t, ep))
+        self._run(plans)
+        return [None if p is None else self._answer(p) for p in plans]
+
+    def finish(self) -> list[EpisodeRecord]:
+        if self._records is not None:
+            return self._records
+        env = self.agent.env
+        if env is not None and (env.has_reward or env.has_close):
+            outs = run_tasks([lambda e=ep.env: _final_reward(e, env.has_reward, env.has_close) for ep in self.episodes],
+                             [self.options.tool_timeout_s] * len(self.episodes), self.options.max_parallel_tools)
+            for ep, out in zip(self.episodes, outs):
+                if out.error is not None or out.timed_out:
+                    self._env_error(ep, "reward", out)
+                elif env.has_reward:
+                    value = check_reward(f"{env.name}.reward()", out.value)
+                    if value is not None:
+                        ep.rewards.append(value)
+        records = []
+        for ep in self.episodes:
+            ep.record.reward = sum(ep.rewards) if ep.rewards else None
+            ep.done, ep.env = True, None
+            records.append(ep.record)
+        self._records = records
+        return records
+
+    # -- one turn --------------------------------------------------------------------------------------------
+
+    def _plan(self, t: TurnEnd, ep: _Episode) -> _Plan | None:
+        tok = self.agent.tokenizer
+        ids = list(t.ids)
+        closed = bool(ids) and ids[-1] in self.turn_end_ids
+        body = ids[:-1] if ids and ids[-1] in self._special else ids
+        text = tok.decode(body, skip_special_tokens=False)
+        if t.ended in ("length", "budget"):  # cut by a budget: a half-written turn is not a call
+            ep.record.messages.append({"role": "assistant", "content": text.strip()})
+            return self._end(ep, truncated=True)
+        parsed = self.parse(text) if self.agent.toolset else ParsedTurn(text.strip(), [])
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        for c in parsed.calls:
+            c.id = c.id or next(self._ids)
+        good = [c for c in parsed.calls if c.error is None and c.name is not None]
+        if good:
+            message["tool_calls"] = [tool_call_message(c.name, c.arguments, c.id) for c in good]  # type: ignore[arg-type]
+        ep.record.messages.append(message)
+        # chat: only a turn closed by the template's end-of-turn token continues token-exactly; raw: a call
+        # continues only when its </call> ended the turn (an EOS after an unclosed call ends the episode)
+        continuable = closed if self.format != "raw" else (t.ended == "stop" or not parsed.calls)
+        if parsed.calls:
+            if not continuable:  # ended by another EOS or a stop string: the model ended the conversation
+                return self._end(ep)
+            if ep.record.turns >= self.options.max_turns:
+                return self._end(ep, truncated=True)
+            return _Plan(t, parsed, continuable, results=[None] * len(parsed.calls))
+        if self.agent.env is None:
+            return self._end(ep)
+        content = tok.decode(body, skip_special_tokens=True)
+        return _Plan(t, ParsedTurn(content, []), continuable, step_text=content)
+
+    def _run(self, plans: list[_Plan | None]) -> None:
+        """Run every call and environment step of these turns concurrently (see runner.run_tasks)."""
+        tasks, timeouts, sinks = [], [], []  # sink(outcome) stores a task's outcome
+        batches: dict[str, list[tuple[_Plan, int, dict[str, Any]]]] = {}
+        for p in plans:
+            if p is None:
+                continue
+            ep = self.episodes[p.turn.row]
+            if not p.parsed.calls:  # an environment step
+                tasks.append(lambda e=ep.env, text=p.step_text: e.step(text))
+                timeouts.append(self.options.tool_timeout_s)
+                sinks.append(lambda out, p=p: setattr(p, "step_out", out))
+                continue
+            chain = []  # environment-method calls of this episode: one after another, in the model's order
+            for k, call in enumerate(p.parsed.calls):
+                tool, args, err = self._check(call)
+                if err is not None:
+                    p.results[k] = ToolResult(error_text(err), error=True)
+                elif tool.batch is not None:
+                    batches.setdefault(tool.name, []).append((p, k, args))
+                elif tool.method:
+                    chain.append((k, tool, args))
+                else:
+                    tasks.append(lambda tool=tool, args=args: [run_call(tool, args, None)])
+                    timeouts.append(tool.timeout_s)
+                    sinks.append(lambda out, p=p, ks=[k], tools=[tool]: self._store(p, ks, tools, out))
+            if chain:
+                tasks.append(lambda chain=chain, e=ep.env: [run_call(tool, args, e) for _, tool, args in chain])
+                timeouts.append(sum(tool.timeout_s for _, tool, _ in chain))
+                sinks.append(lambda out, p=p, c=chain: self._store(p, [k for k, _, _ in c], [t for _, t, _ in c], out))
+        for name, items in batches.items():
+            tool = self.agent.toolset[name]
+            tasks.append(lambda tool=tool, items=items: tool.batch([a for _, _, a in items]))  # type: ignore[misc]
+            timeouts.append(tool.batch_timeout(len(items)) if tool.batch_timeout else tool.timeout_s)
+            sinks.append(lambda out, items=items, tool=tool: self._store_batch(items, tool, out))
+        for sink, out in zip(sinks, run_tasks(tasks, timeouts, self.options.max_parallel_tools)):
+            sink(out)
+
+    def _check(self, call: ToolCall) -> tuple[Tool | None, dict[str, Any], str | None]:
+        """The tool and checked arguments of a call, or the error the model reads."""
+        if call.error is not None:
+            return None, {}, call.error
+        names = list(self.agent.toolset.tools)
+        if call.name not in self.agent.toolset:
+            return None, {}, f"unknown tool '{call.name}'; the tools are: {', '.join(names)}"
+        tool = self.agent.toolset[call.name]  # type: ignore[index]
+        args, err = check_arguments(tool, call.arguments, call.positional)
+        return tool, args, err
+
+    @staticmethod
+    def _store(p: _Plan, ks: list[int], tools: list[Tool], out: Outcome) -> None:
+        for j, (k, tool) in enumerate(zip(ks, tools)):
+            if out.timed_out or out.error is not None or not isinstance(out.value, list) or j >= len(out.value):
+                p.results[k] = _failed(tool, out)
+            else:
+                p.results[k] = out.value[j]
+
+    @staticmethod
+    def _store_batch(items: list[tuple[_Plan, int, dict[str, Any]]], tool: Tool, out: Outcome) -> None:
+        if out.error is not None:  # the tool's machinery (the sandbox) failed, not the model's programs
+            raise RuntimeError(f"the {tool.name} tool failed ({type(out.error).__name__}: {out.error})") from out.error
+        values = out.value if isinstance(out.value, list) and len(out.value) == len(items) else None
+        for j, (p, k, _) in enumerate(items):
+            p.results[k] = values[j] if values is not None and not out.timed_out else _failed(tool, out)
+
+    def _answer(self, p: _Plan) -> list[int] | None:
+        """The ids to append after a turn whose calls / step have run, or None (episode over)."""
+        ep, opts, t = self.episodes[p.turn.row], self.options, p.turn
+        rec = ep.record
+        if p.parsed.calls:
+            msgs = []
+            for call, res in zip(p.parsed.calls, p.results):
+                assert res is not None
+                text, cut = cut_middle(res.text, opts.max_tool_output_chars)
+                rec.tool_calls += 1
+                rec.tool_errors += int(res.error)
+                _count(rec, "tool_timeouts", res.timed_out)
+                _count(rec, "tool_outputs_cut", cut or res.cut)
+                msgs.append({"role": "tool", "name": call.name or "invalid_call", "content": text,
+                             "tool_call_id": call.id})
+            if self.format == "raw":
+                ids = self._encode("".join(f"<result>{m['content']}</result>" for m in msgs))
+            else:
+                calls = [tool_call_message(c.name or "invalid_call", c.arguments if c.error is None else {}, c.id)
+                         for c in p.parsed.calls]  # type: ignore[arg-type]
+                ids = self.agent.bridge.tool_suffix(calls, msgs)  # type: ignore[union-attr]
+        else:
+            out = p.step_out
+            assert out is not None
+            if out.error is not None or out.timed_out:
+                self._env_error(ep, "step", out)
+                return self._end(ep)
+            obs, reward, done = check_step(self.agent.env.name, out.value)  # type: ignore[union-attr]
+            if reward is not None:
+                ep.rewards.append(reward)
+            if done or obs is None or not p.continuable:
+                return self._end(ep)
+            if rec.turns >= opts.max_turns:
+                return self._end(ep, truncated=True)
+            msgs = [{"role": "user", "content": obs}]
+            ids = self._encode(obs) if self.format == "raw" else self.agent.bridge.user_suffix(obs)  # type: ignore[union-attr]
+        if len(ids) >= t.room:  # the observation and one more model token would not fit the episode's budget
+            return self._end(ep, truncated=True)
+        rec.messages.extend(msgs)
+        _count(rec, "observation_tokens", len(ids))
+        return ids
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.agent.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    @staticmethod
+    def _end(ep: _Episode, truncated: bool = False) -> None:
+        ep.done = True
+        ep.record.truncated = ep.record.truncated or truncated
+        return None
+
+    def _env_error(self, ep: _Episode, what: str, out: Outcome) -> None:
+        name = self.agent.env.name  # type: ignore[union-attr]
+        _count(ep.record, "env_errors", True)
+        if not self._warned:
+            self._warned = True
+            why = (f"did not return within {self.options.tool_timeout_s:g} s (agent.tool_timeout_s)" if out.timed_out
+                   else f"raised {type(out.error).__name__}: {out.error}")
+            warnings.warn(f"agent.environment: {name}.{what}() {why}; the episode ended there (counted in the "
+                          "episode metric env_errors; further errors of this rollout are not warned)", stacklevel=3)
+
+
+def _final_reward(env: Any, reward: bool, close: bool) -> float | None:
+    """`env.reward()` (None without one), then `env.close()` if it has one."""
+    try:
+        return env.reward() if reward else None
+    finally:
+        if close:
+            env.close()
+
+
+def _failed(tool: Tool, out: Outcome) -> ToolResult:
+    if out.timed_out:
+        return ToolResult(error_text(f"{tool.name} did not finish within {out.seconds:.3g} s and was abandoned"),
+                          error=True, timed_out=True)
+    if out.error is not None:
+        return ToolResult(error_text(f"{tool.name} failed: {type(out.error).__name__}: {out.error}"), error=True)
+    return ToolResult(error_text(f"{tool.name} returned no result"), error=True)
+
+
+def _count(rec: EpisodeRecord, key: str, value: int | bool) -> None:
+    rec.metrics[key] = rec.metrics.get(key, 0.0) + float(value)

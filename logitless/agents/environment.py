@@ -1,0 +1,151 @@
+"""Environments: tasks where the model acts over several turns and something other than a tool call answers.
+
+An environment is a class, given as `agent.environment: module:Class`; each episode gets its own instance,
+built with `agent.env_options` as keyword arguments, so episodes never share state:
+
+    class GuessNumber:
+        tools = ["hint"]                       # optional: methods the model may call as tools
+
+        def __init__(self, high: int = 100): ...
+        def reset(self, row: dict) -> str | None:
+            '''Start the episode for a dataset row (its fields, and "prompt"); the first observation, appended
+            to the prompt (None: nothing).'''
+        def step(self, text: str) -> tuple[str | None, float | None, bool]:
+            '''After each model turn that makes no tool call: (observation, reward, done).'''
+        def hint(self, guess: int) -> str:     # a tool: typed, with a Google-style docstring
+            '''...'''
+        def reward(self) -> float | None:      # optional: a final reward when the episode ends
+        def close(self) -> None:               # optional: release resources after reward()
+
+The episode's reward (`EpisodeRecord.reward`) is the sum of the rewards `step` returned plus `reward()`,
+None when none of them gave a number. All `num_generations` episodes of one prompt must get the same first
+observation from `reset` (GRPO compares samples of one state): seed any randomness from the row.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from logitless.agents.tools import Tool, function_schema
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """The protocol an environment class implements (see the module docstring); `tools`, `reward` and `close`
+    are optional."""
+
+    def reset(self, row: dict[str, Any]) -> str | None: ...
+
+    def step(self, text: str) -> tuple[str | None, float | None, bool]: ...
+
+
+@dataclass
+class EnvironmentClass:
+    """A checked environment class: how to build an instance, and its methods exposed as tools."""
+
+    cls: type
+    options: dict[str, Any]
+    tools: list[Tool] = field(default_factory=list)
+    has_reward: bool = False
+    has_close: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.cls.__name__
+
+    def make(self) -> Any:
+        """A fresh instance for one episode."""
+        return self.cls(**self.options)
+
+
+def load_environment(spec: str | type, options: dict[str, Any], timeout_s: float) -> EnvironmentClass:
+    """Import and check an environment class; refuses, naming agent.environment / agent.env_options and the fix,
+    a class that does not implement the protocol or cannot be built with the options."""
+    cls = _import_class(spec)
+    name = cls.__name__
+    for method in ("reset", "step"):
+        if not callable(getattr(cls, method, None)):
+            raise ValueError(f"agent.environment: {name} has no method {method}(); an environment implements "
+                             "reset(row) -> first observation and step(text) -> (observation, reward, done)")
+    for method, count in (("reset", 1), ("step", 1)):
+        params = [p for p in inspect.signature(getattr(cls, method)).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]  # after self
+        if len(params) < count and not any(p.kind is p.VAR_POSITIONAL
+                                           for p in inspect.signature(getattr(cls, method)).parameters.values()):
+            raise ValueError(f"agent.environment: {name}.{method}() must take one argument "
+                             f"({'the row: dict' if method == 'reset' else 'the model turn text: str'})")
+    try:
+        inspect.signature(cls).bind(**options)
+    except TypeError as e:
+        raise ValueError(f"agent.env_options: {name}({', '.join(f'{k}=...' for k in options)}) cannot be called "
+                         f"({e}); its constructor takes {inspect.signature(cls)}") from None
+    names = getattr(cls, "tools", None) or []
+    if isinstance(names, str) or not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"agent.environment: {name}.tools must be a list of method names, got {names!r}")
+    tools = []
+    for tool_name in names:
+        fn = getattr(cls, tool_name, None)
+        if not callable(fn) or tool_name.startswith("_") or tool_name in ("reset", "step", "reward", "close"):
+            methods = [m for m in dir(cls) if not m.startswith("_") and callable(getattr(cls, m))]
+            close = difflib.get_close_matches(tool_name, methods, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ValueError(f"agent.environment: {name}.tools names '{tool_name}', which is not a public method "
+                             f"of {name} other than reset/step/reward/close{hint}")
+        schema = function_schema(fn, f"agent.environment ({name}.tools)")
+        tools.append(Tool(tool_name, schema, fn=fn, method=True, timeout_s=timeout_s))
+    return EnvironmentClass(cls, dict(options), tools, callable(getattr(cls, "reward", None)),
+                            callable(getattr(cls, "close", None)))
+
+
+def _import_class(spec: str | type) -> type:
+    if isinstance(spec, type):
+        return spec
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"agent.environment: cannot import module '{module_name}' ({e}); is it in the current "
+                         "folder or installed?") from e
+    cls = getattr(module, attr, None)
+    if cls is None:
+        public = [n for n in dir(module) if not n.startswith("_") and isinstance(getattr(module, n), type)]
+        close = difflib.get_close_matches(attr, public, n=1)
+        hint = f"; did you mean '{module_name}:{close[0]}'?" if close else ""
+        raise ValueError(f"agent.environment: module '{module_name}' has no class '{attr}'{hint}")
+    if not isinstance(cls, type):
+        raise ValueError(f"agent.environment: '{spec}' is a {type(cls).__name__}, not a class; an environment is "
+                         "a class whose instances hold one episode's state")
+    return cls
+
+
+def check_step(env_name: str, value: Any) -> tuple[str | None, float | None, bool]:
+    """A `step` return value as (observation, reward, done); a wrong shape is a bug in the environment and
+    raises TypeError naming it."""
+    if not isinstance(value, tuple) or len(value) != 3:
+        raise TypeError(f"{env_name}.step() must return (observation: str | None, reward: float | None, "
+                        f"done: bool), got {value!r:.100}")
+    obs, reward, done = value
+    if obs is not None and not isinstance(obs, str):
+        raise TypeError(f"{env_name}.step() returned an observation of type {type(obs).__name__}; return a str "
+                        "or None")
+    return obs, check_reward(f"{env_name}.step()", reward), bool(done)
+
+
+def check_reward(where: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"{where} returned the reward {value!r}; return a finite number or None")
+    return float(value)
+
+
+def check_first(env_name: str, value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{env_name}.reset() returned {type(value).__name__}; return the first observation (a "
+                        "str) or None")
+    return value

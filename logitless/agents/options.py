@@ -1,0 +1,114 @@
+"""`AgentOptions`: the `agent` config section (tools, an environment, the tool-call format and the budgets).
+
+Cheap checks (types, ranges) run when the section is built; everything that needs the tokenizer or imports
+user code (tools, the environment class, the chat template) is checked by `Agent(tokenizer, options)`, before
+anything slow. Every error names the key as `agent.<key>` and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+ToolFormat = Literal["auto", "hermes", "llama3_json", "mistral", "raw"]
+FORMATS = ("auto", "hermes", "llama3_json", "mistral", "raw")
+BUILTIN_TOOLS = ("calculator", "python")
+
+
+@dataclass
+class AgentOptions:
+    """Multi-turn episodes: the model may call tools and/or act in an environment over several turns.
+
+    Nothing here is on unless `tools` or `environment` is set (`enabled`).
+    """
+
+    # Tools the model may call: the built-ins "calculator" (exact arithmetic) and "python" (runs code in the
+    # code sandbox), or "module:function" for your own (the current folder is importable). A function needs type
+    # hints and a Google-style docstring with an `Args:` section (its JSON schema is what the chat template
+    # shows the model). [] = no tools. From Python you may also pass the functions themselves.
+    tools: list[str] = field(default_factory=list)
+    # An environment class "module:Class" for tasks that are not tool calls (docs/agents.md, "Environments"):
+    # one instance per episode, `reset(row) -> first observation`, `step(text) -> (observation, reward, done)`.
+    # None = no environment: an episode ends at the first model turn without a tool call.
+    environment: str | None = None
+    env_options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the environment's constructor
+    # Options of each tool, by tool name. "python": timeout_seconds (default tool_timeout_s), memory_mb (512),
+    # output_kb (64), num_workers (null = CPU count). "calculator": max_digits (1000). A function tool: values of
+    # its parameters, bound and hidden from the model (e.g. an API key or a data folder).
+    tool_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # How tool calls are written. auto: from the tokenizer's chat template (Qwen/Hermes `<tool_call>` JSON,
+    # Llama 3.1/3.2 bare JSON, Mistral `[TOOL_CALLS]`), and the raw-text protocol for raw-text prompts.
+    # hermes | llama3_json | mistral: that chat format. raw: `<call>name(arg=value)</call>` answered by
+    # `<result>...</result>`, for base models and raw prompts (docs/agents.md, "The raw protocol").
+    format: ToolFormat = "auto"
+    # A chat template that replaces the tokenizer's: a path to a jinja file or a shipped name ("qwen2.5": the
+    # Qwen2.5 tool template). None: the tokenizer's, or "qwen2.5" when the format is hermes and the tokenizer's
+    # ChatML template cannot render tools. It must be append-only (messages added later never change how
+    # earlier ones render); this is checked when the agent is built.
+    chat_template: str | None = None
+    max_turns: int = 8  # model turns per episode; an episode still calling tools after this many is truncated
+    max_turn_tokens: int | None = None  # most tokens of one model turn (None: only the episode budget)
+    tool_timeout_s: float = 10.0  # wall time of one tool call (a hung call is abandoned and answered by an error)
+    max_tool_output_chars: int = 4000  # longer tool results are cut in the middle (marked) before the model sees them
+    max_parallel_tools: int = 8  # tool calls of one turn batch run concurrently in this many threads
+    # Weight of the environment's own episode reward (EpisodeRecord.reward) in the total reward, beside the
+    # reward functions of `reward.reward_funcs`.
+    environment_reward_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        def bad(key: str, fix: str) -> ValueError:
+            return ValueError(f"agent.{key}={getattr(self, key)!r} is invalid: {fix}")
+
+        if isinstance(self.tools, (str, bytes)) or not isinstance(self.tools, (list, tuple)):
+            raise bad("tools", 'give a list, e.g. agent.tools=[calculator] or ["mytools:search"]')
+        for t in self.tools:
+            if not (callable(t) or (isinstance(t, str) and t.strip())):
+                raise bad("tools", f"{t!r} is neither a built-in name {list(BUILTIN_TOOLS)}, 'module:function' "
+                                   "nor a function")
+        names = [t for t in self.tools if isinstance(t, str)]
+        dupes = sorted({t for t in names if names.count(t) > 1})
+        if dupes:
+            raise bad("tools", f"{dupes} listed twice; list each tool once")
+        if self.environment is not None and not (
+            isinstance(self.environment, type) or (isinstance(self.environment, str) and ":" in self.environment)
+        ):
+            raise bad("environment", "give the class as 'module:Class' (e.g. 'mygame:GuessEnv'), or null for none")
+        if not isinstance(self.env_options, dict):
+            raise bad("env_options", "give a mapping of constructor keyword arguments, e.g. {size: 5}")
+        if self.env_options and self.environment is None:
+            raise bad("env_options", "options for an environment, but agent.environment is null: set "
+                                     "agent.environment='module:Class' or remove agent.env_options")
+        if not isinstance(self.tool_options, dict) or not all(
+            isinstance(k, str) and isinstance(v, dict) for k, v in self.tool_options.items()
+        ):
+            raise bad("tool_options", "give {tool name: {option: value}}, e.g. {python: {timeout_seconds: 5}}")
+        if self.format not in FORMATS:
+            raise bad("format", f"use one of {list(FORMATS)}")
+        if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template):
+            raise bad("chat_template", "give a path to a jinja file, a shipped name ('qwen2.5'), or null")
+        if not _int(self.max_turns) or self.max_turns < 1:
+            raise bad("max_turns", "use an int >= 1 (model turns per episode)")
+        if self.max_turn_tokens is not None and (not _int(self.max_turn_tokens) or self.max_turn_tokens < 1):
+            raise bad("max_turn_tokens", "use an int >= 1, or null for the episode budget alone")
+        if not _number(self.tool_timeout_s) or not 0 < self.tool_timeout_s <= 3600:
+            raise bad("tool_timeout_s", "use seconds in (0, 3600]")
+        if not _int(self.max_tool_output_chars) or self.max_tool_output_chars < 64:
+            raise bad("max_tool_output_chars", "use an int >= 64 (characters of a tool result the model sees)")
+        if not _int(self.max_parallel_tools) or self.max_parallel_tools < 1:
+            raise bad("max_parallel_tools", "use an int >= 1 (threads running tool calls)")
+        if not _number(self.environment_reward_weight):
+            raise bad("environment_reward_weight", "use a finite number (1.0 = as much as one reward function)")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether episodes are multi-turn: tools or an environment is configured."""
+        return bool(self.tools) or self.environment is not None
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

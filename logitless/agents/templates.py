@@ -1,0 +1,234 @@
+"""The chat-template bridge: prompts and observations as token ids, exactly as the chat template writes them.
+
+Token in, token out. The model's sampled ids are never decoded and re-encoded into the sequence; what the
+driver appends after a model turn is the *suffix* the chat template adds after that turn: the tool (or user)
+messages and the next generation prompt. It is computed as TRL's `_get_tool_suffix_ids` and verl's continuous
+tokens do: render a short conversation ending with an assistant turn, render it again with the new messages and
+the generation prompt, and keep what the second adds after the assistant turn's end-of-turn token. The
+separator the template writes after that token (ChatML's "\\n" after `<|im_end|>`) belongs to the suffix, since
+the model's turn ends at the token itself.
+
+This is exact only for *append-only* templates: adding messages never changes how earlier ones render (Qwen3's
+template, which drops earlier reasoning, is not). `ChatBridge.check` renders a probe conversation turn by turn
+and refuses a template that is not append-only, in text or in tokens, naming agent.chat_template.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+TEMPLATE_DIR = Path(__file__).with_name("chat_templates")
+SHIPPED = {"qwen2.5": "qwen2.5.jinja"}
+CHAT_FORMATS = ("hermes", "llama3_json", "mistral")
+_SENTINEL = "SENTINEL_ANSWER_7f3a"
+
+
+def load_template(spec: str) -> str:
+    """A chat template from a shipped name ("qwen2.5") or a path to a jinja file."""
+    if spec in SHIPPED:
+        return (TEMPLATE_DIR / SHIPPED[spec]).read_text(encoding="utf-8")
+    path = Path(spec)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    raise ValueError(f"agent.chat_template={spec!r} is neither a shipped template ({sorted(SHIPPED)}) nor an "
+                     "existing jinja file; give the path of a .jinja file or a shipped name")
+
+
+def detect_format(template: str | None, tokenizer: Any) -> str | None:
+    """The tool-call format a chat template (else the tokenizer's vocabulary) points to, or None."""
+    text = template or ""
+    if "<tool_call>" in text:
+        return "hermes"
+    if "[TOOL_CALLS]" in text or "[AVAILABLE_TOOLS]" in text:
+        return "mistral"
+    if "<|start_header_id|>" in text or "<|eot_id|>" in text:
+        return "llama3_json"
+    if "<|im_start|>" in text:
+        return "hermes"  # ChatML: the Qwen2.5 tool template if this one cannot render tools
+    if not text:
+        return None
+    vocab = tokenizer.get_vocab()
+    if "<|im_start|>" in vocab and "<|im_end|>" in vocab:
+        return "hermes"
+    if "<|eot_id|>" in vocab:
+        return "llama3_json"
+    if "[TOOL_CALLS]" in vocab:
+        return "mistral"
+    return None
+
+
+def special_ids(tokenizer: Any) -> set[int]:
+    """The ids of the tokenizer's special tokens (added tokens marked special, and bos/eos/pad/...)."""
+    ids = {int(i) for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return ids | {int(i) for i in tokenizer.all_special_ids}
+
+
+def is_special(tokenizer: Any, token_id: int) -> bool:
+    """Whether `token_id` is a special token (never produced by encoding ordinary text)."""
+    return int(token_id) in special_ids(tokenizer)
+
+
+class ChatBridge:
+    """Renders prompts and observations of one chat template with one set of tool schemas, as token ids."""
+
+    def __init__(self, tokenizer: Any, template: str, tools: list[dict[str, Any]] | None, fmt: str) -> None:
+        self.tokenizer = tokenizer
+        self.template = template
+        self.tools = tools or None  # None, not []: some templates print tool instructions for an empty list
+        self.format = fmt
+        self.turn_end_texts: list[str] = []
+        self.turn_end_ids: list[int] = []
+        self._find_turn_ends()
+
+    # -- rendering -------------------------------------------------------------------------------------------
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, chat_template=self.template, tokenize=False,
+            add_generation_prompt=add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The prompt with the tool schemas and the generation prompt (what the engine is given)."""
+        return self.encode(self.render(messages, add_generation_prompt=True))
+
+    def suffix_ids(self, assistant: dict[str, Any], new: list[dict[str, Any]]) -> list[int]:
+        """The ids the template adds after the end-of-turn token of `assistant` for the messages `new`, with the
+        next generation prompt."""
+        base = [{"role": "user", "content": "Hi"}, assistant]
+        before = self.render(base, add_generation_prompt=False)
+        after = self.render(base + new, add_generation_prompt=True)
+        if not after.startswith(before):
+            raise ValueError(self._not_append_only(f"adding {[m['role'] for m in new]} messages after an "
+                                                   "assistant turn changed how the earlier turns render"))
+        return self.encode(after[self._cut(before):])
+
+    def tool_suffix(self, calls: list[dict[str, Any]], results: list[dict[str, Any]]) -> list[int]:
+        """Observation ids of one turn's tool messages (`results`, answering the `calls` in transformers'
+        `tool_calls` format)."""
+        return self.suffix_ids({"role": "assistant", "content": "", "tool_calls": calls}, results)
+
+    def user_suffix(self, content: str) -> list[int]:
+        """Observation ids of a user message (an environment's observation) after a plain assistant turn."""
+        return self.suffix_ids({"role": "assistant", "content": "Done."}, [{"role": "user", "content": content}])
+
+    # -- checks ----------------------------------------------------------------------------------------------
+
+    def _cut(self, rendered: str) -> int:
+        """Where the last assistant turn of `rendered` ends: right after its last end-of-turn token."""
+        ends = [rendered.rfind(t) + len(t) for t in self.turn_end_texts if t in rendered]
+        if not ends:
+            raise ValueError(self._not_append_only("an assistant turn renders without its end-of-turn token"))
+        return max(ends)
+
+    def _find_turn_ends(self) -> None:
+        """The special token(s) that end an assistant turn: the last special token the template writes after a
+        plain answer, and after a tool call."""
+        convs = [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _SENTINEL}]]
+        if self.tools:
+            call = tool_call_message(_SENTINEL, {"x": 1}, "a1b2c3d4e")
+            convs.append([{"role": "user", "content": "Hi"},
+                          {"role": "assistant", "content": "", "tool_calls": [call]}])
+        for conv in convs:
+            what = "tool call" if conv[-1].get("tool_calls") else "answer"
+            text = self.render(conv, add_generation_prompt=False)
+            at = text.rfind(_SENTINEL)
+            if at < 0:
+                raise ValueError(f"agent.chat_template: the template drops the assistant's {what}; give a template "
+                                 "that renders assistant messages and their tool_calls")
+            tail = text[at + len(_SENTINEL):]
+            end = next((i for i in reversed(self.encode(tail)) if is_special(self.tokenizer, i)), None)
+            if end is None:
+                raise ValueError(
+                    f"agent.chat_template: an assistant {what} ends with {tail[:60]!r}, which holds no special "
+                    "token, so a turn's end cannot be told from its tokens; use a chat template whose assistant "
+                    "turns end with an end-of-turn token (e.g. <|im_end|>, <|eot_id|>)")
+            if end not in self.turn_end_ids:
+                self.turn_end_ids.append(int(end))
+                self.turn_end_texts.append(self.tokenizer.convert_ids_to_tokens(int(end)))
+        if self.format == "llama3_json":  # Llama 3.1 ends a tool-call turn with <|eom_id|> after <|python_tag|>
+            eom = self.tokenizer.convert_tokens_to_ids("<|eom_id|>")
+            if isinstance(eom, int) and eom != self.tokenizer.unk_token_id and eom not in self.turn_end_ids:
+                self.turn_end_ids.append(eom)
+                self.turn_end_texts.append("<|eom_id|>")
+
+    def _not_append_only(self, what: str) -> str:
+        return (f"agent.chat_template: the chat template is not append-only ({what}), so the tokens appended "
+                "after a model turn would differ from what the template renders for the whole conversation; give "
+                "an append-only template (agent.chat_template=<file.jinja>; for ChatML models the shipped "
+                "'qwen2.5')")
+
+    def check(self, tools: bool, user_turns: bool, first_user: str = "What is 2 + 3?") -> None:
+        """Render a probe conversation turn by turn (prompt, a tool call, its result, a plain answer, a user
+        message) and check that each step only appends, in text and in tokens. Raises ValueError naming
+        agent.chat_template otherwise."""
+        msgs: list[dict[str, Any]] = [{"role": "user", "content": first_user}]
+        steps: list[tuple[list[dict[str, Any]], str]] = []
+        if tools and self.tools:
+            name = self.tools[0]["function"]["name"]
+            call = {"type": "function", "function": {"name": name, "arguments": {"x": "2 + 3"}}, "id": "call00001"}
+            steps.append(([{"role": "assistant", "content": "", "tool_calls": [call]}], "model"))
+            steps.append(([{"role": "tool", "name": name, "content": "5", "tool_call_id": "call00001"}], "driver"))
+        # reasoning in the answer: templates that drop earlier reasoning once a user message follows are refused
+        steps.append(([{"role": "assistant", "content": "<think>\n2 + 3 = 5\n</think>\n\nThe answer is 5."}], "model"))
+        if user_turns:
+            steps.append(([{"role": "user", "content": "Correct. Now 4 + 4?"}], "driver"))
+            steps.append(([{"role": "assistant", "content": "8"}], "model"))
+        text = self.render(msgs, add_generation_prompt=True)
+        ids = self.encode(text)
+        for new, who in steps:
+            msgs = msgs + new
+            if who == "model":  # the model's turn: everything up to and including its end-of-turn token
+                full = self.render(msgs, add_generation_prompt=False)
+                full = full[: self._cut(full)]
+            else:
+                full = self.render(msgs, add_generation_prompt=True)
+            if not full.startswith(text):
+                raise ValueError(self._not_append_only(f"the conversation changed before a new {new[0]['role']} "
+                                                       "message"))
+            piece = self.encode(full[len(text):])
+            if who == "driver":  # what the driver computes from a short conversation must be this same piece
+                alone = (self.tool_suffix(steps[0][0][0]["tool_calls"], new) if new[0]["role"] == "tool"
+                         else self.user_suffix(new[0]["content"]))
+                if alone != piece:
+                    raise ValueError(self._not_append_only(
+                        f"the tokens added for a {new[0]['role']} message depend on the earlier conversation"))
+            if self.encode(full) != ids + piece:
+                raise ValueError(self._not_append_only(f"the tokens before a {new[0]['role']} message change "
+                                                       "when it is added (a BPE merge across the seam)"))
+            text, ids = full, ids + piece
+            if who == "model" and ids[-1] not in self.turn_end_ids:
+                raise ValueError(self._not_append_only("an assistant turn does not end with its end-of-turn "
+                                                       "token"))
+
+
+def tool_call_message(name: str, arguments: dict[str, Any], call_id: str) -> dict[str, Any]:
+    """One entry of an assistant message's `tool_calls` (transformers' format, arguments as a dict)."""
+    return {"type": "function", "id": call_id, "function": {"name": name, "arguments": arguments}}
+
+
+def renders_tools(tokenizer: Any, template: str) -> str | None:
+    """None when the template renders tool schemas, calls (name and arguments) and tool results; else what it
+    drops (as TRL's `supports_tool_calling`)."""
+    schema = {"type": "function", "function": {"name": "probe_tool_name_71", "description": "Probe.",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "value": {"type": "string", "description": "A value."}}}}}
+    call = tool_call_message("probe_call_name_72", {"value": "probe_argument_73"}, "a1b2c3d4e")
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "probe_call_name_72", "content": "probe_result_74", "tool_call_id": "a1b2c3d4e"}]
+    try:
+        text = tokenizer.apply_chat_template(msgs, tools=[schema], chat_template=template, tokenize=False)
+    except Exception as e:  # noqa: BLE001 (a template that raises on tools cannot render them)
+        return f"it raises on tool messages ({type(e).__name__}: {e})"
+    missing = [what for what, s in (("the tool schemas", "probe_tool_name_71"), ("the call's name", "probe_call_name_72"),
+                                    ("the call's arguments", "probe_argument_73"), ("the tool result", "probe_result_74"))
+               if s not in text]
+    return f"it drops {', '.join(missing)}" if missing else None
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)

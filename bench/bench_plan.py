@@ -10,6 +10,8 @@ against hand-tuned settings, one process each, on random-init Qwen2.5 shapes wit
     # no GPU: the plan's predicted longest T, and predicted against measured for every run in bench/results
     python bench/bench_plan.py --predict-max-T --shape 1.5b --memory-budget 24
     python bench/bench_plan.py --check-recorded
+    # variants run by separate commands (one command may not hold them all): the checks over their result files
+    python bench/bench_plan.py --compare DIR/plan_7b_auto.json DIR/plan_7b_hand.json ...
 
 Every variant gets the same step: LoRA r16, 16 prompts x G = 8, GSM8K prompts of the packaged sample in the chat
 template, DAPO, beta = 0, reward = distinct characters / 100 (it varies on random text, so every row trains), and
@@ -20,9 +22,10 @@ steps. Step times are medians of the steps after the first (which compiles). Var
     hand         examples/gsm8k.yaml's hand-tuned settings: static, checkpointing, compiled layers, packed 16k-token
                  micro-batches
     fast         the fastest measured on an H200 (bench/LOG.md): as hand without checkpointing, 32k-token micro-batches
+    fast16k      the same with 16k-token micro-batches (half the activations: the fastest that fits a 7B model)
     lean         the 24 GiB longest-T setting of bench/LOG.md: static, checkpointing, activation offload,
                  micro-batches of max(16384, the longest row) tokens
-    NAME=a=1,b=2 any other set of overrides ({longest}: the longest row's tokens, 512 + T)
+    --custom NAME=a=1,b=2   any other set of overrides ({longest}: the longest row's tokens, 512 + T)
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ VARIANTS = {
     "fast": ["rollout.backend=static", "model.gradient_checkpointing=false", "model.compile_layers=true",
              "train.packed=true", "train.micro_batch_tokens=max({longest},32768)", "model.liger_kernels=false",
              "model.activation_offload=false", "train.offload_during_rollout=false"],
+    "fast16k": ["rollout.backend=static", "model.gradient_checkpointing=false", "model.compile_layers=true",
+                "train.packed=true", "train.micro_batch_tokens=max({longest},16384)", "model.liger_kernels=false",
+                "model.activation_offload=false", "train.offload_during_rollout=false"],
     "lean": ["rollout.backend=static", "model.gradient_checkpointing=true", "model.activation_offload=true",
              "train.micro_batch_tokens=max({longest},16384)", "model.compile_layers=false", "train.packed=false",
              "model.liger_kernels=false", "train.offload_during_rollout=false"],
@@ -197,6 +203,21 @@ def verdict(runs: list[dict[str, Any]], budget: float | None) -> dict[str, Any]:
                                     "within_15_percent": abs(measured / plan_peak - 1) <= 0.15,
                                     "fits_budget": budget is None or measured <= budget}
     return out
+
+
+def compare(paths: list[str]) -> dict[str, Any]:
+    """`verdict` over the runs of several result files (same shape, budget and step), per T."""
+    results = [json.loads(Path(p).read_text()) for p in paths]
+    keys = ("shape", "prompts", "G", "memory_budget_gib")
+    if len({tuple(r["config"].get(k) for k in keys) for r in results}) > 1:
+        raise SystemExit(f"--compare: the files differ in {keys}; compare runs of one configuration")
+    budget = results[0]["config"].get("memory_budget_gib")
+    by_T: dict[int, list[dict[str, Any]]] = {}
+    for r in results:
+        for run in r.get("runs", []):
+            by_T.setdefault(run["T"], []).append(run)
+    devices = sorted({r["info"]["device"] for r in results})
+    return {"devices": devices, "checks": {T: verdict(runs, budget) for T, runs in sorted(by_T.items())}}
 
 
 def find_max_T(a: argparse.Namespace, spec: str, model_dir: Path, lo: int, hi: int) -> dict[str, Any]:
@@ -362,7 +383,9 @@ def main() -> None:
     ap.add_argument("--out", help="folder for the results JSON")
     ap.add_argument("--shape", default="1.5b", choices=sorted(SHAPES))
     ap.add_argument("--T", default="1024", help="completion lengths, comma-separated")
-    ap.add_argument("--variants", default="auto,hand,fast", help="comma-separated (see the docstring)")
+    ap.add_argument("--variants", default="auto,hand,fast,fast16k", help="comma-separated names (see the docstring)")
+    ap.add_argument("--custom", action="append", default=[], metavar="NAME=key=value,...",
+                    help="one more variant: its name and overrides (repeatable)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--G", type=int, default=8)
@@ -370,6 +393,7 @@ def main() -> None:
     ap.add_argument("--find-max-T", action="store_true")
     ap.add_argument("--predict-max-T", action="store_true", help="no GPU: the plan's own longest T in the budget")
     ap.add_argument("--check-recorded", action="store_true", help="no GPU: predicted vs measured of bench/results")
+    ap.add_argument("--compare", nargs="+", metavar="JSON", help="the checks over results of several commands")
     ap.add_argument("--probe-steps", type=int, default=1)
     ap.add_argument("--resolution", type=int, default=1024)
     ap.add_argument("--max-T-cap", type=int, default=32_256, help="the bench shapes' context is 32,768 tokens")
@@ -391,6 +415,9 @@ def main() -> None:
                               longest_prompt(a.tokenizer))
         print_recorded(rows)
         return None
+    if a.compare:
+        print(json.dumps(compare(a.compare), indent=1))
+        return None
     if a.predict_max_T:
         if not a.memory_budget:
             ap.error("--predict-max-T needs --memory-budget")
@@ -400,17 +427,17 @@ def main() -> None:
         ap.error("--tokenizer and --out are required")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    specs = [v for v in a.variants.split(",") if v] + a.custom
     model_dir = make_model_dir(a.shape, a.tokenizer, Path(tempfile.mkdtemp()))
     result: dict[str, Any] = {
         "info": {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                  "versions": versions(), "commit": a.commit or commit(), "date": time.strftime("%Y-%m-%d")},
         "config": {"shape": f"Qwen2.5-{a.shape} shape, random init, bf16", "tuning": "LoRA r16 all-linear",
                    "prompts": a.prompts, "G": a.G, "steps": a.steps, "memory_budget_gib": a.memory_budget or None,
-                   "overrides": a.set, "variants": {v.split("=")[0]: v for v in a.variants.split(",")},
+                   "overrides": a.set, "variants": {v.split("=")[0]: v for v in specs},
                    "loss": "dapo, beta=0", "reward": "distinct_chars", "data": "gsm8k packaged sample, chat template"},
         "runs": [], "max_T": {},
     }
-    specs = a.variants.split(",")
     if a.find_max_T:
         for spec in specs:
             result["max_T"][spec.split("=")[0]] = find_max_T(a, spec, model_dir, a.lo_T, a.hi_T)
@@ -423,7 +450,8 @@ def main() -> None:
             result.setdefault("checks", {})[str(T)] = checks
             print(f"T={T}: {json.dumps(checks)}", flush=True)
     budget = f"_budget{a.memory_budget:g}" if a.memory_budget else ""
-    name = f"plan_{a.shape}{budget}{'_maxT' if a.find_max_T else ''}{('_' + a.tag) if a.tag else ''}.json"
+    names = "-".join(s.split("=")[0] for s in specs)
+    name = f"plan_{a.shape}{budget}{'_maxT' if a.find_max_T else ''}_{names}{('_' + a.tag) if a.tag else ''}.json"
     (out / name).write_text(json.dumps(result, indent=1, default=str))
     print(f"wrote {out / name}")
 

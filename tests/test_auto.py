@@ -98,6 +98,21 @@ def test_layouts_the_static_engine_refuses_go_to_hf_and_windows_are_not_packed()
     assert "sliding_attention" in _reason(res, "train.packed")
 
 
+def test_a_given_model_is_packed_only_if_its_own_attention_runs_varlen():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from logitless.models.varlen import NAME, register
+
+    register()
+    small = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    for impl, packed in (("sdpa", False), (NAME, True)):
+        with torch.device("meta"):
+            model = Qwen2ForCausalLM(Qwen2Config(**small, attn_implementation=impl)).to(torch.bfloat16)
+        res = auto.resolve(_cfg("train.memory_budget_gib=24"), device=CUDA, model=model)
+        assert res.cfg.train.packed is packed, _reason(res, "train.packed")
+
+
 def test_fp32_models_and_torchrun_get_no_packing_compile_or_plan():
     res = auto.resolve(_cfg("model.dtype=float32", "train.max_steps=500"), device=CUDA,
                        skeleton=bench_plan.skeleton("1.5b"), free_gib=80.0)
@@ -119,7 +134,17 @@ def test_dry_run_prints_the_plan_from_the_model_config_alone(tmp_path, capsys):
     assert "memory plan: predicted peak per phase (GiB), budget 24.0" in out and "train.micro_batch_tokens" in out
     missing = _cfg(f"model.name_or_path={tmp_path / 'nowhere'}", "model.device=cpu", "train.memory_budget_gib=24")
     auto.print_dry_run(missing, Console(width=200, force_terminal=False, stderr=True))
-    assert "not decided without the model's config" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "the model's config could not be read without weights (" in err and "predicted peak" not in err
+
+
+def test_a_model_whose_config_cannot_be_read_takes_the_plain_path_on_cuda(tmp_path):
+    res = auto.resolve(_cfg(f"model.name_or_path={tmp_path / 'nowhere'}", "train.max_steps=500"), device=CUDA,
+                       free_gib=80.0)
+    c = res.cfg
+    assert (c.rollout.backend, c.train.packed, c.model.liger_kernels) == ("hf", False, False) and res.plan is None
+    assert c.model.gradient_checkpointing is False and c.train.micro_batch_tokens is None
+    assert "could not be read without weights" in res.notes[0]
 
 
 def test_cli_dry_run_prints_the_settings_and_plan_on_stderr(capsys):

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from logitless.models import UnsupportedModelError
+from logitless.rollout.engine import same_device
 from logitless.rollout.kv_cache import STATIC_LAYER_TYPES, auto_kv_budget
 from logitless.rollout.layouts import FULL, check_layout, layer_types, text_config
 from logitless.trainer import memory_plan as mp
@@ -53,13 +54,14 @@ class Resolved:
 
     cfg: TrainerConfig
     choices: list[Choice] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what could not be decided as usual, and why
     plan: mp.Plan | None = None
     model: mp.ModelMemory | None = None
     step: mp.StepShape | None = None
     facts: mp.RunFacts | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"choices": [dataclasses.asdict(c) for c in self.choices],
+        return {"choices": [dataclasses.asdict(c) for c in self.choices], "notes": self.notes,
                 "plan": mp.to_json(self.plan) if self.plan is not None else None}
 
 
@@ -159,8 +161,11 @@ def compute_dtype(cfg: ModelConfig, device: torch.device, model: Any = None) -> 
     return resolve_dtype(cfg.dtype, device)
 
 
+UNREAD = "the model's config could not be read"
+
+
 def rollout_backend(cfg: TrainerConfig, device: torch.device, model: Any) -> tuple[str, str]:
-    """(backend, why) for rollout.backend=auto; `model`: the model, loaded or a skeleton."""
+    """(backend, why) for rollout.backend=auto; `model`: the model, loaded or a skeleton (None: unknown)."""
     static_set = cfg.rollout.static_settings()
     if static_set:
         return "static", f"rollout.{static_set[0]} is set, which only the static engine reads"
@@ -168,6 +173,8 @@ def rollout_backend(cfg: TrainerConfig, device: torch.device, model: Any) -> tup
         return "static", "train.async_rollout=true samples from the static engine"
     if device.type != "cuda":
         return "hf", f"{device.type}: transformers generate (the static engine's compiled decode step needs CUDA)"
+    if model is None:
+        return "hf", f"{UNREAD}: transformers generate runs every layout"
     try:
         check_layout(_base(model), "static", STATIC_LAYER_TYPES)
     except UnsupportedModelError as e:
@@ -175,15 +182,22 @@ def rollout_backend(cfg: TrainerConfig, device: torch.device, model: Any) -> tup
     return "static", "CUDA, and the static engine decodes this model's attention layout exactly"
 
 
-def _packed(cfg: TrainerConfig, device: torch.device, dtype: torch.dtype, model: Any) -> tuple[bool, str]:
-    base = _base(model)
+def _packed(cfg: TrainerConfig, device: torch.device, dtype: torch.dtype, model: Any,
+            loaded: bool = False) -> tuple[bool, str]:
+    """`loaded`: `model` is the run's own (given to `train`), whose attention is what it is; a skeleton's is what
+    the run loads (`context.model_config`: logitless_varlen when packed and none is named)."""
     impl = cfg.model.attn_implementation
+    if loaded:
+        impl = getattr(_base(model).config, "_attn_implementation", None)
     if device.type != "cuda":
         return False, f"{device.type}: padded micro-batches (the varlen path runs one attention call per row here)"
+    if model is None:
+        return False, UNREAD
+    base = _base(model)
     if dtype not in (torch.bfloat16, torch.float16):
         return False, f"the model computes in {str(dtype).removeprefix('torch.')}; varlen flash attention needs bf16/fp16"
     if impl not in PACKED_ATTENTION:
-        return False, f"model.attn_implementation={impl} packs rows with a dense [S, S] mask, slower than padding"
+        return False, f"attention {impl!r} packs rows with a dense [S, S] mask, slower than padding"
     if not getattr(type(base), "_supports_attention_backend", False):
         return False, f"{type(base).__name__} does not run transformers' attention interface"
     kinds = sorted(set(layer_types(text_config(base))) - {FULL})
@@ -205,7 +219,7 @@ def _compile(cfg: TrainerConfig, device: torch.device, single: bool) -> tuple[bo
     return True, f"train.max_steps >= {COMPILE_MIN_STEPS} repays the first step's compile (about 45 s)"
 
 
-def _liger(cfg: TrainerConfig, device: torch.device, single: bool, compiled: bool, model: Any) -> tuple[bool, str]:
+def _liger(device: torch.device, single: bool, compiled: bool, model: Any) -> tuple[bool, str]:
     if device.type != "cuda":
         return False, f"{device.type}: Liger's kernels are for CUDA"
     if not single:
@@ -214,6 +228,8 @@ def _liger(cfg: TrainerConfig, device: torch.device, single: bool, compiled: boo
         return False, "compiled layers run the model's own code (Liger added nothing beside them: bench/LOG.md)"
     if importlib.util.find_spec("liger_kernel") is None:
         return False, "liger-kernel is not installed (pip install 'logitless[liger]')"
+    if model is None:
+        return False, UNREAD
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
     model_type = getattr(text_config(_base(model)), "model_type", None)
@@ -222,8 +238,43 @@ def _liger(cfg: TrainerConfig, device: torch.device, single: bool, compiled: boo
     return True, f"installed, with kernels for {model_type}"
 
 
-def _set(value: Any) -> bool:
-    return value != "auto"
+class _Choices:
+    """Collects the decisions of `resolve`: a setting given in the config is kept, an "auto" one decided."""
+
+    def __init__(self, out: Resolved):
+        self.out = out
+        self.changes: dict[str, dict[str, Any]] = {"model": {}, "train": {}, "rollout": {}}
+
+    def __call__(self, key: str, given: Any, decide) -> Any:
+        if given != "auto":
+            self.out.choices.append(Choice(key, given, "set in the config", False))
+            return given
+        value, why = decide()
+        self.add(key, value, why)
+        return value
+
+    def add(self, key: str, value: Any, why: str) -> None:
+        self.out.choices.append(Choice(key, value, why, True))
+        section, name = key.split(".", 1)
+        self.changes[section][name] = value
+
+    def config(self, cfg: TrainerConfig) -> TrainerConfig:
+        return dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **v)
+                                           for s, v in self.changes.items() if v})
+
+
+def _fixed_knobs(cfg: TrainerConfig, packed: bool) -> mp.Knobs:
+    """The plan's settings as the config gives them (None where it says auto)."""
+    t, m = cfg.train, cfg.model
+    given = lambda v: None if v == "auto" else v  # noqa: E731
+    fixed = mp.Knobs(
+        gradient_checkpointing=given(m.gradient_checkpointing), activation_offload=given(m.activation_offload),
+        micro_batch_tokens=t.micro_batch_tokens if isinstance(t.micro_batch_tokens, int) else None,
+        by_rows=t.micro_batch_tokens is None, micro_batch_size=t.micro_batch_size, packed=packed,
+        max_kv_gib=cfg.rollout.max_kv_gib, offload_during_rollout=given(t.offload_during_rollout))
+    if fixed.activation_offload and fixed.gradient_checkpointing is None:  # offload needs checkpointing
+        fixed = dataclasses.replace(fixed, gradient_checkpointing=True)
+    return fixed
 
 
 def resolve(cfg: TrainerConfig, *, world_size: int = 1, model: Any = None, device: torch.device | None = None,
@@ -235,82 +286,60 @@ def resolve(cfg: TrainerConfig, *, world_size: int = 1, model: Any = None, devic
     dtype = compute_dtype(cfg.model, device, model)
     single = world_size == 1 and not cfg.train.fsdp_offload
     budget_set = cfg.train.memory_budget_gib is not None
-    planned = single and (device.type == "cuda" or budget_set)
     r, t, m = cfg.rollout, cfg.train, cfg.model
+    out = Resolved(cfg)
     subject = model if model is not None else skeleton
     if subject is None and (device.type == "cuda" or budget_set):  # CPU without a budget decides without it
-        subject = model_skeleton(m, dtype)
-    out = Resolved(cfg)
-    model_ch: dict[str, Any] = {}
-    train_ch: dict[str, Any] = {}
-    rollout_ch: dict[str, Any] = {}
-
-    def choose(section: dict[str, Any], key: str, given: Any, decide) -> Any:
-        if _set(given):
-            out.choices.append(Choice(key, given, "set in the config", False))
-            return given
-        value, why = decide()
-        out.choices.append(Choice(key, value, why, True))
-        section[key.split(".", 1)[1]] = value
-        return value
-
-    backend = choose(rollout_ch, "rollout.backend", r.backend, lambda: rollout_backend(cfg, device, subject))
-    packed = choose(train_ch, "train.packed", t.packed, lambda: _packed(cfg, device, dtype, subject)
-                    if subject is not None else (False, f"{device.type}: padded micro-batches"))
-    compiled = choose(model_ch, "model.compile_layers", m.compile_layers, lambda: _compile(cfg, device, single))
-    liger = choose(model_ch, "model.liger_kernels", m.liger_kernels,
-                   lambda: _liger(cfg, device, single, compiled is True, subject))
+        try:
+            subject = model_skeleton(m, dtype)
+        except Exception as e:  # noqa: BLE001 - without it only the decisions that read the model fall back
+            out.notes.append(f"{UNREAD} without weights ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}); the settings that read it fall back to "
+                             "the plain path (hf rollout, padded micro-batches) and no memory plan is made")
+    choose = _Choices(out)
+    backend = choose("rollout.backend", r.backend, lambda: rollout_backend(cfg, device, subject))
+    packed = choose("train.packed", t.packed, lambda: _packed(cfg, device, dtype, subject, loaded=model is not None))
+    compiled = choose("model.compile_layers", m.compile_layers, lambda: _compile(cfg, device, single))
+    liger = choose("model.liger_kernels", m.liger_kernels, lambda: _liger(device, single, compiled is True, subject))
     kernels = "compiled" if compiled is True else "liger" if liger is True else "eager"
 
-    fixed = mp.Knobs(
-        gradient_checkpointing=m.gradient_checkpointing if _set(m.gradient_checkpointing) else None,
-        activation_offload=m.activation_offload if _set(m.activation_offload) else None,
-        micro_batch_tokens=t.micro_batch_tokens if isinstance(t.micro_batch_tokens, int) else None,
-        by_rows=t.micro_batch_tokens is None, micro_batch_size=t.micro_batch_size, packed=packed is True,
-        max_kv_gib=r.max_kv_gib, offload_during_rollout=t.offload_during_rollout
-        if _set(t.offload_during_rollout) else None,
-    )
-    if fixed.activation_offload and fixed.gradient_checkpointing is None:
-        fixed = dataclasses.replace(fixed, gradient_checkpointing=True)
-    if planned and subject is not None:
+    fixed = _fixed_knobs(cfg, packed is True)
+    if single and subject is not None and (device.type == "cuda" or budget_set):
         out.model = model_memory(subject, m, dtype)
         out.step = step_shape(cfg, subject, world_size)
         out.facts = run_facts(cfg, backend, kernels, device)
         budget = budget_bytes(cfg, device) if free_gib is None or budget_set else free_gib * mp.GIB
         out.plan = mp.plan(out.model, out.step, out.facts, fixed, budget)
-        knobs, why = out.plan.knobs, f"memory plan: fits {budget / mp.GIB:.1f} GiB"
-        if not out.plan.fits:
-            why = "memory plan: the leanest (nothing fits the budget)"
+        knobs = out.plan.knobs
+        why = (f"memory plan: fits {budget / mp.GIB:.1f} GiB" if out.plan.fits else
+               "memory plan: the leanest (nothing fits the budget)")
+        off = {"model.gradient_checkpointing": "memory plan: the activations fit without it",
+               "model.activation_offload": "memory plan: the layer inputs fit on the device",
+               "train.offload_during_rollout": "memory plan: the rollout fits beside the optimizer states"}
     else:
-        knobs = dataclasses.replace(
-            fixed, gradient_checkpointing=bool(fixed.gradient_checkpointing),
-            activation_offload=bool(fixed.activation_offload),
-            offload_during_rollout=bool(fixed.offload_during_rollout))
-        why = ("no memory plan: " + ("CPU without train.memory_budget_gib" if single else
-                                     "not made under torchrun or train.fsdp_offload") + "; off")
-    choose(model_ch, "model.gradient_checkpointing", m.gradient_checkpointing,
-           lambda: (knobs.gradient_checkpointing, why if knobs.gradient_checkpointing or not planned else
-                    "memory plan: the activations fit without it"))
-    choose(model_ch, "model.activation_offload", m.activation_offload,
-           lambda: (knobs.activation_offload, why if knobs.activation_offload or not planned else
-                    "memory plan: the layer inputs fit on the device"))
-    choose(train_ch, "train.micro_batch_tokens", t.micro_batch_tokens,
-           lambda: (knobs.micro_batch_tokens, why if planned else
-                    f"no memory plan: micro-batches of train.micro_batch_size={t.micro_batch_size} rows"))
-    choose(train_ch, "train.offload_during_rollout", t.offload_during_rollout,
-           lambda: (knobs.offload_during_rollout, why if knobs.offload_during_rollout or not planned else
-                    "memory plan: the rollout fits beside the optimizer states"))
-    if r.max_kv_gib is None and out.plan is not None and knobs.max_kv_gib is not None:
-        out.choices.append(Choice("rollout.max_kv_gib", knobs.max_kv_gib,
-                                  f"memory plan: {out.plan.rows_per_wave} rows per wave, {out.plan.waves} wave(s)", True))
-        rollout_ch["max_kv_gib"] = knobs.max_kv_gib
+        knobs = dataclasses.replace(fixed, gradient_checkpointing=bool(fixed.gradient_checkpointing),
+                                    activation_offload=bool(fixed.activation_offload),
+                                    offload_during_rollout=bool(fixed.offload_during_rollout))
+        why = "no memory plan: " + ("not made under torchrun or train.fsdp_offload" if not single else
+                                    UNREAD if subject is None and (device.type == "cuda" or budget_set) else
+                                    "CPU without train.memory_budget_gib")
+        off = dict.fromkeys(("model.gradient_checkpointing", "model.activation_offload",
+                             "train.offload_during_rollout"), why + "; off")
+    for key, given, value in (("model.gradient_checkpointing", m.gradient_checkpointing, knobs.gradient_checkpointing),
+                              ("model.activation_offload", m.activation_offload, knobs.activation_offload),
+                              ("train.offload_during_rollout", t.offload_during_rollout, knobs.offload_during_rollout)):
+        choose(key, given, lambda value=value, key=key: (value, why if value else off[key]))
+    choose("train.micro_batch_tokens", t.micro_batch_tokens,
+           lambda: (knobs.micro_batch_tokens, why if out.plan is not None else
+                    f"{why}: micro-batches of train.micro_batch_size={t.micro_batch_size} rows"))
     if out.plan is not None:
+        if r.max_kv_gib is None and knobs.max_kv_gib is not None:
+            choose.add("rollout.max_kv_gib", knobs.max_kv_gib,
+                       f"memory plan: {out.plan.rows_per_wave} rows per wave, {out.plan.waves} wave(s)")
         out.choices.append(Choice("train.memory_budget_gib", round(out.plan.budget / mp.GIB, 2),
                                   "set in the config" if budget_set else "the device's free memory at start",
                                   not budget_set))
-    out.cfg = dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, **model_ch), train=dataclasses.replace(cfg.train, **train_ch),
-        rollout=dataclasses.replace(cfg.rollout, **rollout_ch))
+    out.cfg = choose.config(cfg)
     return out
 
 
@@ -340,7 +369,7 @@ def run_facts(cfg: TrainerConfig, backend: str, kernels: str, device: torch.devi
     merged = backend == "static" and m.lora and r.merge_lora is not False
     mode = r.weight_copy or ("resident" if cfg.train.async_rollout or device.type != "cuda" else
                              "sleep" if m.load_in_4bit else "in_place")
-    elsewhere = r.device is not None and torch.device(r.device) != device
+    elsewhere = r.device is not None and not same_device(torch.device(r.device), device)
     return mp.RunFacts(
         backend=backend, decode_copy=merged and mode in ("resident", "sleep") and not elsewhere, kernels=kernels,
         optimizer=cfg.optim.optimizer,
@@ -370,6 +399,8 @@ def print_resolved(res: Resolved, console: Any = None) -> None:
     for c in res.choices:
         table.add_row(c.key, _fmt(c.value), "auto" if c.auto else "set", c.reason)
     console.print(table)
+    for note in res.notes:
+        console.print(f"[yellow]warning:[/] {note}", highlight=False)
     if res.plan is not None:
         plan_table = Table(title=f"memory plan: predicted peak per phase (GiB), budget {res.plan.budget / mp.GIB:.1f}",
                            title_justify="left", show_edge=False, pad_edge=False)
@@ -412,14 +443,8 @@ def world_device(cfg: TrainerConfig, model: Any = None) -> torch.device:
 def print_dry_run(cfg: TrainerConfig, console: Any = None) -> None:
     """`logitless train --dry-run`: the settings "auto" would decide on this machine and the memory plan, from the
     model's config alone (no weights are read), on stderr (stdout keeps the config as YAML). A model whose config
-    cannot be read (offline, a typo) is named with the reason instead; the preflight checks report real errors."""
+    cannot be read (offline, a typo) is named with the reason; the model load reports the real error."""
     from rich.console import Console
 
     console = console or Console(stderr=True)
-    try:
-        res = resolve(cfg, device=run_device(cfg))
-    except (OSError, ValueError, ImportError, KeyError) as e:
-        console.print(f"settings of this run: not decided without the model's config ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0] if str(e) else e})", highlight=False)
-        return
-    print_resolved(res, console)
+    print_resolved(resolve(cfg, device=run_device(cfg)), console)

@@ -128,7 +128,8 @@ def test_is_4bit_names_bitsandbytes_params_with_a_quant_state():
 @pytest.mark.parametrize("extra, match", [
     (["rollout.backend=static", "rollout.weight_copy=sleep"], r"rollout\.weight_copy=sleep cannot apply: it needs a CUDA "
      r"device \(got cpu\)"),
-    (["rollout.weight_copy=in_place"], r"rollout\.weight_copy='in_place' needs rollout\.backend=static"),
+    (["rollout.backend=hf", "rollout.weight_copy=in_place"],  # (with backend auto it means static)
+     r"rollout\.weight_copy='in_place' needs rollout\.backend=static"),
     (["rollout.backend=static", "rollout.weight_copy=in_place", "rollout.merge_lora=false"],
      r"rollout\.weight_copy=in_place cannot apply: the engine decodes with the training model itself"),
     (["rollout.backend=static", "rollout.weight_copy=in_place", "train.async_rollout=true"],

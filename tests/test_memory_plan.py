@@ -188,3 +188,22 @@ def test_per_step_prediction_uses_the_step_s_own_sizes():
     small = dataclasses.replace(plan.knobs, micro_batch_tokens=4 * 1124)
     assert out["memory/predicted_gb/train"] == pytest.approx(sum(mp.train_bytes(mem, step, facts, small).values()) / GIB)
     assert math.isfinite(out["memory/predicted_gb/generate"])
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"], ".*mlp.*proj"])
+def test_adapters_counted_from_the_config_are_peft_s(targets):
+    """The plan counts LoRA adapters before peft adds them (a skeleton): the same as peft's own, for its three
+    kinds of target_modules, and the same model read after peft wrapped it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from logitless.trainer.config import ModelConfig
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    cfg = ModelConfig(lora_r=4, lora_target_modules=targets)
+    before = model_memory(model, cfg, torch.float32)
+    peft = get_peft_model(model, LoraConfig(r=4, target_modules=targets))
+    assert before.trainable == sum(p.numel() for p in peft.parameters() if p.requires_grad) > 0
+    assert model_memory(peft, cfg, torch.float32) == before

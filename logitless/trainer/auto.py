@@ -30,6 +30,7 @@ from logitless.models import UnsupportedModelError
 from logitless.rollout.engine import same_device
 from logitless.rollout.kv_cache import STATIC_LAYER_TYPES, auto_kv_budget
 from logitless.rollout.layouts import FULL, check_layout, layer_types, text_config
+from logitless.rollout.weights import is_4bit
 from logitless.trainer import memory_plan as mp
 from logitless.trainer.config import ModelConfig, TrainerConfig
 
@@ -122,6 +123,10 @@ def model_memory(model: Any, cfg: ModelConfig, dtype: torch.dtype) -> mp.ModelMe
         if "lora_" in name:
             lora_params += p.numel()
             continue
+        if is_4bit(p):  # a loaded QLoRA model: packed already, its storage is what it takes
+            params += 2 * p.numel() * p.element_size()
+            weight_bytes += int(p.numel() * p.element_size() * mp.NF4_BYTES / 0.5)
+            continue
         params += p.numel()
         weight_bytes += int(p.numel() * (mp.NF4_BYTES if id(p) in quantized else width))
     trainable, copy = lora_params, 0
@@ -131,8 +136,8 @@ def model_memory(model: Any, cfg: ModelConfig, dtype: torch.dtype) -> mp.ModelMe
                 trainable += cfg.lora_r * (m.in_features + m.out_features)
                 copy += m.in_features * m.out_features * width
     elif cfg.lora:
-        copy = sum(m.weight.numel() * width for name, m in base.named_modules()
-                   if hasattr(m, "lora_A") and hasattr(m, "weight"))
+        copy = sum(m.in_features * m.out_features * width for name, m in base.named_modules()
+                   if hasattr(m, "lora_A") and hasattr(m, "in_features"))
     return mp.ModelMemory(
         layers=tc.num_hidden_layers, hidden=tc.hidden_size, intermediate=inter, q_dim=heads * head_dim,
         kv_dim=kv_heads * head_dim, vocab=base.get_input_embeddings().weight.shape[0], dtype_bytes=width,

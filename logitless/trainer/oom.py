@@ -9,7 +9,8 @@ update, and an update is retried only if no optimizer step of it was taken. The 
 of the run; a warning names them and the step's record counts the retry (`memory/oom_retries`).
 
 One process only: under torchrun one rank's retry would leave the others waiting in a collective, so the error
-ends the run there as before (and with train.async_rollout, whose rollout runs on another thread).
+ends the run there as before (and with train.async_rollout, whose rollout runs on another thread, and with
+train.fsdp_offload).
 """
 
 from __future__ import annotations
@@ -157,6 +158,8 @@ def _no_retry(ctx: Any, state: MemoryState | None, where: str, steps_before: int
         return "no memory plan"
     if ctx.world.size > 1:
         return "under torchrun the other ranks would wait in a collective"
+    if ctx.world.sharded:
+        return "train.fsdp_offload's sharded model keeps its settings"
     if ctx.prefetch is not None:
         return "train.async_rollout runs the rollout on another thread"
     if state.retries:

@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--compile-mode", default=None, help="also time the decode step compiled with this mode")
     ap.add_argument("--fuse-projections", action="store_true",
                     help="also time a copy with fused QKV and gate-up projections (logitless/rollout/fused.py)")
-    ap.add_argument("--baseline-attention", default="matmul", choices=["matmul", "triton"],
+    ap.add_argument("--baseline-attention", default="matmul", choices=["matmul", "triton", "sdpa"],
                     help="rollout.decode_attention of the timed and profiled engine (its default is auto)")
     ap.add_argument("--decode-attention", default=None, choices=["matmul", "triton"],
                     help="also time this rollout.decode_attention against the baseline's")

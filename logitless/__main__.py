@@ -1,7 +1,5 @@
 """`python -m logitless ...` is `logitless ...`."""
 
-import sys
+from logitless.cli import run
 
-from logitless.cli import main
-
-sys.exit(main())
+run()

@@ -1,20 +1,24 @@
 """`logitless train|eval|plot`: the command line.
 
-    logitless train [CONFIG.yaml] [section.key=value ...] [--resume RUN_DIR | --overwrite] [--dry-run]
+    logitless train [CONFIG.yaml] [section.key=value ...] [--resume RUN_DIR [--allow-config-change] | --overwrite]
+                    [--dry-run]
     logitless eval  [CONFIG.yaml] [section.key=value ...] [--checkpoint RUN_DIR] [--output eval.json]
     logitless plot  RUN_DIR [--output curves.png]
 
 With no CONFIG the embedded demo config is used: LoRA-GRPO on SmolLM2-135M-Instruct learning two-digit arithmetic
-on CPU. `--resume RUN_DIR` / `--checkpoint RUN_DIR` without a CONFIG reuse the run's saved config.yaml.
-Everything that can be checked without the model (options, run folder, sources, output paths) is checked first;
-errors are one line naming the config key or file and the fix; Ctrl-C at any point exits with one line.
+on CPU. `--resume RUN_DIR` / `--checkpoint RUN_DIR` without a CONFIG reuse the run's saved config (a run folder
+without one is refused; `eval --checkpoint` then takes the checkpoint's copy). Everything that can be checked
+without the model (options, run folder, sources, output paths) is checked first; errors are one line naming the
+config key or file and the fix. Ctrl-C says at once what it does (trainer/signals.py); the second one stops.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from logitless.configlib import ConfigError
@@ -36,33 +40,70 @@ def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
     return config, overrides
 
 
-def _run_config(path: str | None) -> Path | None:
-    """config.yaml saved in a run folder (given as run folder, checkpoints folder or step folder)."""
+def _run_config(path: str | None, flag: str) -> Path | None:
+    """The config a run folder trains with now (given as run folder, checkpoints folder or step folder), for
+    `flag` (--resume, --checkpoint). A folder without one is refused (--resume), or gives its checkpoint's copy
+    (--checkpoint); None when the folder does not exist (the claim or checkpoint lookup names it)."""
     if path is None:
         return None
+    from logitless.trainer import checkpoint as ckpt
     from logitless.trainer.rundir import run_dir_of_checkpoint
+    from logitless.trainer.runconfig import current_config
 
-    candidate = run_dir_of_checkpoint(path) / "config.yaml"
-    return candidate if candidate.is_file() else None
+    folder = run_dir_of_checkpoint(path)
+    if not folder.is_dir():
+        return None
+    found = current_config(folder)
+    if found is not None:
+        return found
+    copies = sorted(folder.glob(f"checkpoints/{ckpt.STEP_PREFIX}*/{ckpt.RUN_CONFIG}"))
+    if flag == "--checkpoint":
+        try:
+            copy = ckpt.resolve_checkpoint(path, flag=flag) / ckpt.RUN_CONFIG
+        except ckpt.CheckpointError:
+            copy = None
+        if copy is not None and copy.is_file():
+            return copy
+    hint = f" Its newest checkpoint holds a copy: cp {copies[-1]} {folder / ckpt.RUN_CONFIG}." if copies else ""
+    command = "train" if flag == "--resume" else "eval"
+    raise ConfigError(
+        f"{flag} {path}: {folder} has no {ckpt.RUN_CONFIG} (the config the run was started with), so there is "
+        f"nothing to continue with.{hint} Or give the run's config file: logitless {command} CONFIG.yaml {flag} {path}"
+    )
 
 
-def _load(items: list[str], run_dir: str | None):
-    """The run's config.yaml (for --resume/--checkpoint) or the given CONFIG, else the embedded demo; then overrides."""
+def _load(items: list[str], run_dir: str | None, flag: str):
+    """The run's config (for --resume/--checkpoint) or the given CONFIG, else the embedded demo; then overrides."""
     from logitless.trainer.config import demo_config, load_train_config
 
     config, overrides = _split_args(items)
     if config is None:
-        config = _run_config(run_dir)
+        config = _run_config(run_dir, flag)
     if config is None:
         return demo_config(overrides)
     return load_train_config(config, overrides)
+
+
+_stopped_now = False  # a run was stopped at once: `run` exits without the interpreter's shutdown
+
+
+def _exit_now(signum: int, frame: object) -> None:
+    os._exit(128 + signum)
+
+
+def _end_of_run(now: bool = False) -> None:
+    """The run is over and said so: a further Ctrl-C ends the process at once (130), without more output."""
+    global _stopped_now
+    _stopped_now = _stopped_now or now
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
+        signal.signal(signal.SIGINT, _exit_now)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from logitless.trainer.config import to_yaml
     from logitless.trainer.preflight import validate_config
 
-    cfg = _load(args.args, args.resume)
+    cfg = _load(args.args, args.resume, "--resume")
     validate_config(cfg)
     if args.dry_run:
         from logitless.trainer.auto import print_dry_run
@@ -72,9 +113,21 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     from logitless.trainer.loop import train
     from logitless.trainer.parallel import launched_world, shutdown
+    from logitless.trainer.rundir import restart_advice, run_dir_of_checkpoint
+    from logitless.trainer.signals import StopNow
 
+    if args.allow_config_change and args.resume is None:
+        raise ConfigError("--allow-config-change goes with --resume: it lets a resumed run train with changed settings")
     try:  # under torchrun: one rank of a sharded run (trainer/parallel.py)
-        result = train(cfg, resume=args.resume, overwrite=args.overwrite)
+        result = train(cfg, resume=args.resume, overwrite=args.overwrite, allow_config_change=args.allow_config_change)
+    except StopNow as e:  # its message was printed when the signal came
+        _end_of_run(now=True)
+        return e.exit_code
+    except KeyboardInterrupt:  # one that came before the run's own handlers (or in place of them)
+        _end_of_run()
+        run_dir = run_dir_of_checkpoint(args.resume) if args.resume else Path(cfg.train.output_dir).expanduser()
+        print(f"interrupted (Ctrl-C); {restart_advice(run_dir.resolve())}", file=sys.stderr)
+        return 130
     finally:
         shutdown()
     if not result.interrupted and launched_world().main:
@@ -88,7 +141,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from logitless.trainer.preflight import check_output_file, check_resume, validate_config
     from logitless.trainer.sources import check_sources
 
-    cfg = _load(args.args, args.checkpoint)
+    cfg = _load(args.args, args.checkpoint, "--checkpoint")
     validate_config(cfg, training=False)
     if args.dry_run:
         print(to_yaml(cfg), end="")
@@ -122,8 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model (no arguments: the embedded CPU demo)")
     p.add_argument("args", nargs="*", metavar="CONFIG|section.key=value", help="a YAML config, then overrides")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run, in its folder, from its newest intact checkpoint")
-    p.add_argument("--overwrite", action="store_true", help="delete the run already in train.output_dir and start anew")
-    p.add_argument("--dry-run", action="store_true", help="validate and print the config, the settings auto decides here and the memory plan, then exit")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in train.output_dir (deleted once the new run has finished a step)")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="with --resume: continue with settings that change what is trained (saved beside the run's "
+                        "config, which is kept)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate and print the config, the settings auto decides here and the memory plan, then exit")
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("eval", help="accuracy on the eval split (greedy, or pass@k with eval.pass_k=k)")
     p.add_argument("args", nargs="*", metavar="CONFIG|section.key=value", help="a YAML config, then overrides")
@@ -143,9 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the process is ending: a second Ctrl-C must not print more
-        print("interrupted (Ctrl-C); a run keeps its last complete checkpoint (continue it with --resume)",
-              file=sys.stderr)
+        _end_of_run()
+        print("interrupted (Ctrl-C)", file=sys.stderr)
         return 130
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
@@ -155,5 +212,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def run() -> None:
+    """The `logitless` command: `main()`, then exit with its code. After a run stopped at once (a second stop
+    signal) the process ends without the interpreter's shutdown, which would wait for a thread still in native
+    code (an async rollout's decode): what it wrote is complete already."""
+    code = main()
+    if _stopped_now:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    run()

@@ -14,7 +14,9 @@ The schema is a dataclass whose fields are dataclass *sections* (nested to any d
 
     cfg = load_config(Config, "run.yaml", ["optim.lr=1e-4", "seed=3"])
 
-Values of overrides are parsed with `yaml.safe_load` (`x=null`, `xs=[a,b]`, `flag=true`). Unknown keys and
+Values of overrides are parsed with `yaml.safe_load` (`x=null`, `xs=[a,b]`, `flag=true`). A key given twice in one
+mapping (a section twice, or a key twice in a section), which YAML would resolve by keeping the last, is refused
+naming the key and both lines. Unknown keys and
 values of the wrong type are refused with a `ConfigError` that names the key, the expected type and the
 nearest valid key. Supported field types: int, float (int accepted; strings such as "1e-4" accepted), bool,
 str, Any, Optional/unions, Literal, list[...], tuple[..., ...], dict[str, ...] and nested dataclasses.
@@ -235,6 +237,56 @@ def _build(cls: type[T], data: dict[str, Any], prefix: str, root: type) -> T:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# YAML
+
+
+def _duplicate_key(node: yaml.Node, path: str = "", seen: set[int] | None = None) -> tuple[str, int, int] | None:
+    """(dotted key, line, line of its first occurrence) of the first key given twice in one mapping of the
+    composed YAML `node` (1-based lines), else None. Merge keys (`<<`) are YAML's own overriding, not duplicates."""
+    seen = set() if seen is None else seen
+    if id(node) in seen:  # an alias of a node already walked
+        return None
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first: dict[tuple[str, str], int] = {}
+        for key, value in node.value:
+            if key.tag == "tag:yaml.org,2002:merge":
+                continue
+            name = key.value if isinstance(key, yaml.ScalarNode) else None
+            dotted = f"{path}.{name}" if path else str(name)
+            if name is not None:
+                if (key.tag, name) in first:
+                    return dotted, key.start_mark.line + 1, first[(key.tag, name)]
+                first[(key.tag, name)] = key.start_mark.line + 1
+            found = _duplicate_key(value, dotted, seen)
+            if found:
+                return found
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            found = _duplicate_key(item, f"{path}[{i}]", seen)
+            if found:
+                return found
+    return None
+
+
+def load_yaml(text: str, where: str, key: str = "") -> Any:
+    """`yaml.safe_load(text)`, refusing a key given twice in one mapping (ConfigError naming it, its line and
+    `where`, e.g. "config file 'run.yaml'"; `key`: the dotted key the text is the value of)."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        dup = _duplicate_key(node, key) if node is not None else None
+        if dup is not None:
+            key, line, first = dup
+            raise ConfigError(
+                f"{where}: line {line} gives '{key}' again (first at line {first}); YAML would silently keep only "
+                "the last one. Merge them into one"
+            )
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where} is not valid YAML: {e}") from e
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Public API
 
 
@@ -279,9 +331,11 @@ def apply_overrides(cls: type, data: dict[str, Any], overrides: list[str]) -> di
             raise ConfigError(f"config override {item!r} has an empty key; use 'section.key=value'")
         tp = _leaf_type(cls, parts, key)
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config override '{key}': cannot parse value {raw!r} as YAML: {e}") from e
+            value = load_yaml(raw, f"config override '{key}'", key) if raw.strip() else ""
+        except ConfigError as e:
+            if not isinstance(e.__cause__, yaml.YAMLError):
+                raise
+            raise ConfigError(f"config override '{key}': cannot parse value {raw!r} as YAML: {e.__cause__}") from e
         if _section_type(tp) is None:
             try:
                 value = _check(value, tp, key, cls)
@@ -314,10 +368,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file '{p}' does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from e
+        loaded = load_yaml(p.read_text(), f"config file '{p}'")
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):

@@ -6,8 +6,12 @@ Real tokenizers and data come from the `shared/` folder that sits beside a check
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -21,6 +25,29 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env = {**os.environ, **extra}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     return env
+
+
+def start_with_sigint(args: list[str], **popen) -> subprocess.Popen:
+    """Popen whose child starts with SIGINT's default action however this test process was started: a background
+    job of a non-interactive shell (`pytest ... &`) and some runners start it with SIGINT ignored, which a child
+    inherits (and then, by design, keeps ignoring). Handled signals, unlike ignored ones, go back to their default
+    action at exec, so SIGINT is handled here while the child starts."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(args, **popen)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def sigint_handler(handler) -> Iterator[None]:
+    """SIGINT handled by `handler` (e.g. signal.default_int_handler, or signal.SIG_IGN) in this process for the
+    block, whatever it was when the test run started."""
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _shared_dir() -> Path | None:

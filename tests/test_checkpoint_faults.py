@@ -1,9 +1,10 @@
 """Fault injection at every write and rename of a checkpoint save.
 
-Each fault is raised either as an error the save sees (an OSError: a full disk, an I/O error) or as a crash (the
-process dies there: nothing is cleaned up, a file may be half-written). After each one the previous checkpoint
-must still be the latest and load exactly, and the next save must succeed. A crash is followed by what the next
-run's owner does first, `clean_temporaries`.
+Each fault is raised either as an error the save sees (an OSError: a full disk, an I/O error), as a stop-at-once
+signal (a KeyboardInterrupt: the save removes what it wrote, then lets it through) or as a crash (the process dies
+there: nothing is cleaned up, a file may be half-written). After each one the previous checkpoint must still be the
+latest and load exactly, and the next save must succeed. A crash is followed by what the next run's owner does
+first, `clean_temporaries`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ class _Crash(BaseException):
 
 
 def _fault(mode: str) -> BaseException:
-    return OSError(errno.ENOSPC, "No space left on device") if mode == "error" else _Crash()
+    return {"error": OSError(errno.ENOSPC, "No space left on device"), "interrupt": KeyboardInterrupt()}.get(mode, _Crash())
+
+
+RAISED = {"error": ckpt.CheckpointError, "interrupt": KeyboardInterrupt, "crash": _Crash}
 
 
 class _HalfThenFail(io.FileIO):
@@ -121,7 +125,7 @@ NEW_STEP_POINTS = ["model", "optimizer.pt", "rng.pt", "trainer_state.json", "con
 RESAVE_POINTS = ["rename:old", "rename:tmp", "latest.tmp", "replace"]  # re-saving a step that exists (after a resume)
 
 
-@pytest.mark.parametrize("mode", ["error", "crash"])
+@pytest.mark.parametrize("mode", ["error", "interrupt", "crash"])
 @pytest.mark.parametrize("point", NEW_STEP_POINTS)
 def test_fault_while_saving_a_new_step_keeps_the_previous_latest(tmp_path, monkeypatch, point, mode):
     model, opt, sched, root = _setup(tmp_path)
@@ -129,7 +133,7 @@ def test_fault_while_saving_a_new_step_keeps_the_previous_latest(tmp_path, monke
     first = _lora(model)
     _step(model, opt, sched)
     _inject(monkeypatch, model, point, _fault(mode))
-    with pytest.raises(ckpt.CheckpointError if mode == "error" else _Crash):
+    with pytest.raises(RAISED[mode]):
         _save(root, 2, model, opt, sched)
     monkeypatch.undo()
     if mode == "crash":
@@ -142,7 +146,7 @@ def test_fault_while_saving_a_new_step_keeps_the_previous_latest(tmp_path, monke
     _assert_latest_loads(root, 2, _lora(model))
 
 
-@pytest.mark.parametrize("mode", ["error", "crash"])
+@pytest.mark.parametrize("mode", ["error", "interrupt", "crash"])
 @pytest.mark.parametrize("point", RESAVE_POINTS)
 def test_fault_while_re_saving_a_step_keeps_its_previous_version(tmp_path, monkeypatch, point, mode):
     model, opt, sched, root = _setup(tmp_path)
@@ -152,7 +156,7 @@ def test_fault_while_re_saving_a_step_keeps_its_previous_version(tmp_path, monke
     second = _lora(model)
     _step(model, opt, sched)  # a resumed run redoes step 2 with other weights
     _inject(monkeypatch, model, point, _fault(mode))
-    with pytest.raises(ckpt.CheckpointError if mode == "error" else _Crash):
+    with pytest.raises(RAISED[mode]):
         _save(root, 2, model, opt, sched)
     monkeypatch.undo()
     if mode == "crash":
@@ -164,3 +168,24 @@ def test_fault_while_re_saving_a_step_keeps_its_previous_version(tmp_path, monke
         _assert_latest_loads(root, 2, _lora(model))
     _save(root, 2, model, opt, sched)
     _assert_latest_loads(root, 2, _lora(model))
+
+
+def test_a_full_disk_inside_safetensors_is_one_short_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """safetensors reports a failed write as its own exception type (not an OSError), the OS error in its text; the
+    save names the error in a few words, removes its half-written folder and keeps the previous checkpoint."""
+    from safetensors import SafetensorError
+
+    model, opt, sched, root = _setup(tmp_path)
+    _save(root, 1, model, opt, sched)
+    first = _lora(model)
+    _step(model, opt, sched)
+    full = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    _inject(monkeypatch, model, "model", full)  # the adapter file is half-written, then the write fails
+    with pytest.raises(ckpt.CheckpointError) as e:
+        _save(root, 2, model, opt, sched)
+    monkeypatch.undo()
+    assert str(e.value) == (f"could not write checkpoint step-000002 in {root}: No space left on device (ENOSPC). The "
+                            "previous checkpoint step-000001 is still the latest. Free space on that disk (or lower "
+                            "checkpoint.save_total_limit).")
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000001"]  # no .tmp folder left
+    _assert_latest_loads(root, 1, first)

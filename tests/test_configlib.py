@@ -182,3 +182,30 @@ def test_to_dict_and_yaml_round_trip(tmp_path):
 def test_valid_keys_lists_sections_and_leaves():
     keys = valid_keys(Cfg)
     assert "model.lora.r" in keys and "model.lora" in keys and "optim.lr" in keys and "seed" in keys
+
+
+@pytest.mark.parametrize(
+    "text, key, line, first",
+    [
+        ("optim:\n  lr: 0.1\nseed: 1\noptim:\n  fused: true\n", "optim", 4, 1),  # a section twice: YAML drops the first
+        ("optim:\n  lr: 0.1\n  fused: true\n  lr: 0.2\n", "optim.lr", 4, 2),  # a key twice in a section
+        ("extra: {a: 1, b: 2, a: 3}\n", "extra.a", 1, 1),
+        ("seed: 1\n'seed': 2\n", "seed", 2, 1),  # quoted or not, the same key
+    ],
+)
+def test_a_key_given_twice_is_refused_naming_it_and_its_lines(tmp_path, text, key, line, first):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=rf"config file '{p}': line {line} gives '{key}' again \(first at line "
+                                          rf"{first}\); YAML would silently keep only the last one\. Merge them"):
+        load_config(Cfg, p)
+    with pytest.raises(ConfigError, match=r"config override 'extra': line 1 gives 'extra.a' again"):
+        load_config(Cfg, None, ["extra={a: 1, a: 2}"])
+
+
+def test_merge_keys_and_equal_values_under_other_keys_are_not_duplicates(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("base: &b {r: 4}\nmodel:\n  lora:\n    <<: *b\n    r: 8\noptim: {lr: 0.1}\nseed: 1\n"
+                 .replace("base: &b {r: 4}\n", "extra: &b {r: 4}\n"))
+    cfg = load_config(Cfg, p)
+    assert cfg.model.lora.r == 8 and cfg.extra == {"r": 4} and cfg.seed == 1

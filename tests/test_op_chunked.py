@@ -93,3 +93,17 @@ def test_default_chunk_size_is_an_int():
             c = default_chunk_size(v, device)
             assert type(c) is int, (v, device, c)
     assert default_chunk_size(1_000_000) == 16 and default_chunk_size(1_100_000) == 15  # rounding only from 16 up
+
+
+@pytest.mark.parametrize("need", [(True, False, False), (True, True, True)], ids=["frozen_head", "trainable_head"])
+@pytest.mark.parametrize("with_entropy", [False, True], ids=["logp", "entropy"])
+def test_a_callers_autocast_does_not_round_the_ops_gemms(need, with_entropy):
+    """bf16 inputs under torch.autocast (the trainer's LoRA forwards, model.lora_compute=autocast): the same outputs
+    and gradients, bit for bit, as without it. Autocast used to run the fp32 GEMMs in bf16 (logp 0.05 nats off)."""
+    args = _inputs(torch.bfloat16)
+    kw = dict(need=need, temperature=0.7, with_entropy=with_entropy, backend="chunked", chunk_size=CHUNK)
+    plain = _grads(token_logprobs, *args, **kw)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = _grads(token_logprobs, *args, **kw)
+    assert torch.equal(plain[0], cast[0]) and (not with_entropy or torch.equal(plain[1], cast[1]))
+    assert all(torch.equal(a, b) for a, b in zip(plain[2], cast[2], strict=True))

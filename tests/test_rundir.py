@@ -29,7 +29,7 @@ from logitless.trainer.metrics import RewardErrorReport, read_metrics
 from logitless.trainer.modeling import prepare_for_training
 from logitless.trainer.preflight import validate_config
 from logitless.trainer.rundir import LOCK_FILE, RunDirError, claim_run_dir
-from tests.conftest import subprocess_env, tiny_qwen2
+from tests.conftest import start_with_sigint, subprocess_env, tiny_qwen2
 
 evaluate_mod = importlib.import_module("logitless.trainer.evaluate")  # the package exports a function of that name
 context_mod = importlib.import_module("logitless.trainer.context")  # where train() loads the model
@@ -112,9 +112,13 @@ def test_new_run_into_a_finished_run_is_refused_and_overwrite_replaces_it(earlie
     assert "train.output_dir=" in err and "already holds a run" in err and "step-000002" in err
     assert f"--resume {earlier_run}" in err and "--overwrite" in err and "nothing was changed" in err
     assert _snapshot(earlier_run) == before
-    with pytest.raises(AssertionError, match="model was loaded"):  # --overwrite clears the folder, then loads
+    # --overwrite sets the old run aside, then loads; the new run failed before its first step: the old one is back
+    with pytest.raises(AssertionError, match="model was loaded"), \
+            pytest.warns(UserWarning, match=rf"the new run ended before finishing its first step, so the run it was "
+                                            rf"to replace is back in {earlier_run}"):
         main(["train", str(cfg_file), "--overwrite"])
-    assert sorted(p.name for p in earlier_run.iterdir()) == [LOCK_FILE]
+    assert _snapshot(earlier_run) == before and sorted(p.name for p in earlier_run.iterdir()) == [
+        LOCK_FILE, "checkpoints", "config.yaml", "metrics.jsonl"]
 
 
 def test_overwrite_never_clears_foreign_files(tmp_path, capsys, no_model_load):
@@ -419,9 +423,9 @@ def test_reward_errors_are_printed_rate_limited_with_the_exception_text():
     # step 1 (t=20 s) at once; steps 2-3 are within 60 s of it and held back; step 4 (t=80 s) reports steps 2-4;
     # step 5 (t=100 s) is held back again
     assert len(shown) == 2
-    assert "step 1: reward function 'flaky' raised on 8 of 8 samples" in shown[0]
+    assert "step 1: reward function 'flaky' failed on 8 of 8 samples" in shown[0]
     assert "ValueError: no number in 'abc'" in shown[0] and "reward.on_error=raise" in shown[0]
-    assert "step 4" in shown[1] and "raised on 24 of 24 samples" in shown[1]
+    assert "step 4" in shown[1] and "failed on 24 of 24 samples" in shown[1]
 
 
 # ---- end to end, with a tiny model
@@ -483,15 +487,15 @@ def test_reward_errors_under_penalty_reach_the_console(tmp_path, tok, monkeypatc
     result = _tiny_train(cfg, tok)
     err = capsys.readouterr().err
     assert result.records[0]["reward/always/errors"] == 8
-    assert err.count("reward function 'always' raised on 8 of 8 samples") == 1  # step 2 is within the rate limit
+    assert err.count("reward function 'always' failed on 8 of 8 samples") == 1  # step 2 is within the rate limit
     assert "ValueError: no digits here" in err and "reward.error_penalty=-1.0" in err
 
 
 def test_ctrl_c_twice_during_startup_prints_one_line(tmp_path, tiny_folder):
     cfg = _config(tmp_path, tiny_folder, max_steps=50)
     env = subprocess_env(OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "logitless", "train", str(cfg)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_with_sigint([sys.executable, "-m", "logitless", "train", str(cfg)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lock = tmp_path / "run" / LOCK_FILE
     deadline = time.monotonic() + 120
     while not (lock.is_file() and lock.read_text().strip()) and proc.poll() is None:
@@ -504,4 +508,8 @@ def test_ctrl_c_twice_during_startup_prints_one_line(tmp_path, tiny_folder):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
-    assert len([line for line in out.splitlines() if "interrupted" in line or "stopped by signal" in line]) == 1, out
+    said = [line for line in out.splitlines() if "Ctrl-C" in line or "interrupted" in line]
+    assert "stopping now" in said[0] and "training had not started" in said[0], out
+    assert said[1:] in ([], ["Ctrl-C again: exiting at once"]), out  # (if it came while the first was unwinding)
+    # nothing was saved: no --resume that would fail, but how to start again
+    assert "nothing to resume" in said[0] and "--resume" not in said[0], out

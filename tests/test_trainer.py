@@ -17,7 +17,7 @@ from logitless.rewards import RewardFunctionError
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.config import load_train_config
 from logitless.trainer.loop import train
-from tests.conftest import TINY_LORA_QUIET, tiny_qwen2
+from tests.conftest import TINY_LORA_QUIET, sigint_handler, tiny_qwen2
 from tests.pngcheck import curve_cells
 
 VOCAB = 50_257  # GPT-2 tokenizer
@@ -133,7 +133,7 @@ def test_end_to_end_outputs(tmp_path, tok, rewards_module):
     assert lora_b and any(v.abs().max() > 0 for v in lora_b)  # LoRA B starts at zero: training moved it
 
 
-def test_resume_after_sigterm_reproduces_uninterrupted_run(tmp_path, tok, rewards_module):
+def test_resume_after_sigterm_reproduces_uninterrupted_run(tmp_path, tok, rewards_module, capfd):
     full = _train(_cfg(tmp_path / "full"), tok)
     assert full.step == 4
 
@@ -143,6 +143,9 @@ def test_resume_after_sigterm_reproduces_uninterrupted_run(tmp_path, tok, reward
 
     cut = _train(_cfg(tmp_path / "cut"), tok, hook=hook)
     assert cut.interrupted == signal.SIGTERM and cut.exit_code == 143
+    assert (f"SIGTERM: stopping. Step 3 has not begun its update, so it is dropped (a resumed run redoes it) and a "
+            f"checkpoint of step 2 is saved. Continue later with: logitless train --resume {tmp_path / 'cut'}. "
+            "SIGTERM again stops at once, without saving.") in capfd.readouterr().err
     assert cut.step == 2 and ckpt.read_latest(tmp_path / "cut" / "checkpoints").name == "step-000002"
     resumed = _train(_cfg(tmp_path / "cut"), tok, resume=tmp_path / "cut")
     assert resumed.step == 4
@@ -153,15 +156,21 @@ def test_resume_after_sigterm_reproduces_uninterrupted_run(tmp_path, tok, reward
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4]
 
 
-def test_sigint_during_update_finishes_step_then_checkpoints(tmp_path, tok, rewards_module):
+def test_sigint_during_update_finishes_step_then_checkpoints(tmp_path, tok, rewards_module, capfd):
     def hook(event, step):
         if event == "after_update" and step == 1:
             os.kill(os.getpid(), signal.SIGINT)
 
-    result = _train(_cfg(tmp_path / "run", "checkpoint.save_steps=0"), tok, hook=hook)
+    with sigint_handler(signal.default_int_handler):  # as in a terminal, however pytest was started
+        result = _train(_cfg(tmp_path / "run", "checkpoint.save_steps=0"), tok, hook=hook)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
     assert result.interrupted == signal.SIGINT and result.exit_code == 130 and result.step == 1
     assert ckpt.read_latest(tmp_path / "run" / "checkpoints").name == "step-000001"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    err = capfd.readouterr().err  # the signal's line (written to fd 2 by the handler), then the run's last line
+    assert f"Ctrl-C: stopping after step 1: its update finishes, then a checkpoint of step 1 is saved. Continue " \
+           f"later with: logitless train --resume {tmp_path / 'run'}. Ctrl-C again stops at once" in err
+    assert f"stopped by signal 2 (Ctrl-C) after step 1; the run keeps its checkpoint step-000001; continue it " \
+           f"with: logitless train --resume {tmp_path / 'run'}" in err
 
 
 @pytest.mark.parametrize("cudnn", [False, True])
@@ -268,8 +277,10 @@ def test_skipping_zero_advantage_rows_does_not_change_training(tmp_path, tok, re
     assert [r["trained_rows"] for r in full.records] == [8.0] * 3 and 0 < sum(trained) < 24, trained
     assert [r["loss"] for r in skip.records] == pytest.approx([r["loss"] for r in full.records], rel=1e-5, abs=1e-7)
     a, b = _lora(tmp_path / "skip"), _lora(tmp_path / "full")
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    for k in a:  # the same updates up to fp32 summation order (other micro-batches), over 6 Adam steps at lr 0.05:
+        # within 2e-5 of each tensor's own scale (2.2e-6 absolute was seen on a 2-core machine; a wrong skip
+        # moves the weights by the learning rate, ~1e-2)
+        assert (a[k] - b[k]).abs().max() <= 2e-5 * a[k].abs().max() + 1e-7, k
 
 
 def test_max_minutes_stops_after_the_current_step_with_a_checkpoint(tmp_path, tok, rewards_module):

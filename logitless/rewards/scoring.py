@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
 import torch
 
-from logitless.rewards.builtin import RewardFn, get_reward_fn, reward_name
+from logitless.rewards.builtin import REWARDS, RewardFn, get_reward_fn, reward_name
+from logitless.rewards.deadline import call_with_timeout
 
 
 class RewardFunctionError(ValueError):
@@ -21,7 +23,7 @@ class RewardScores:
     total: torch.Tensor  # [B] float32, sum over r of weights[r] * rewards[:, r], skipping NaN (0 if all NaN)
     names: list[str]  # [R] function names
     num_none: list[int]  # [R] samples each function returned None for
-    num_errors: list[int]  # [R] samples each function raised on (scored `penalty`; on_error="penalty" only)
+    num_errors: list[int]  # [R] samples each function raised or ran out of time on (scored `penalty`; on_error="penalty")
     error_texts: list[str | None] = field(default_factory=list)  # [R] first exception of each function, as text
 
 
@@ -39,6 +41,17 @@ def _row_fields(rows: Sequence[Any]) -> dict[str, list[Any]]:
 
 def _short(text: str, n: int = 200) -> str:
     return repr(text if len(text) <= n else text[:n] + "...")
+
+
+def bounds_own_time(fn: Any) -> bool:
+    """True for a built-in reward (options bound or not): each bounds its own time per sample (math_verify's and
+    code_tests' `timeout_seconds`; the others are linear in the text), so `timeout_s` does not apply to it."""
+    base = fn.func if isinstance(fn, functools.partial) else fn
+    return any(base is r for r in REWARDS.values()) and getattr(base, "__module__", "").startswith("logitless.")
+
+
+def _late(name: str, timeout_s: float | None, what: str, fate: str) -> str:
+    return f"reward function '{name}' did not return within reward.timeout_s={timeout_s:g} s on {what}; {fate}"
 
 
 def _check_values(name: str, values: Any, expected: int) -> list[float]:
@@ -83,17 +96,25 @@ def score_completions(
     rows: Sequence[Any],
     on_error: Literal["raise", "penalty"] = "raise",
     penalty: float = 0.0,
+    timeout_s: float | None = None,
 ) -> RewardScores:
     """Rewards [B, R] of R reward functions on B completions, and their weighted total [B].
 
-    `rows[b]` is the PromptRow (or fields dict) of sample b; its fields are passed as keyword lists. A function
-    that raises is re-run sample by sample to find the failing sample: with on_error="raise" a
-    RewardFunctionError names the function, the sample index and its text; with on_error="penalty" the
-    failing samples score `penalty` and are counted in `num_errors`. A wrong-length result, a non-number or
-    NaN always raises (those are bugs of the function, not of a sample).
+    `rows[b]` is the PromptRow (or fields dict) of sample b; its fields are passed as keyword lists. Each function
+    is called once on the whole batch. A function that raises is re-run sample by sample to find the failing
+    sample: with on_error="raise" a RewardFunctionError names the function, the sample index and its text; with
+    on_error="penalty" the failing samples score `penalty` and are counted in `num_errors`. A wrong-length result,
+    a non-number or NaN always raises (those are bugs of the function, not of a sample).
+
+    `timeout_s` (None: no limit) bounds each call of a function that is not a built-in (`deadline.py`: the call is
+    stopped, or off the main thread abandoned). A batch call past it fails all B samples; a one-sample re-run past
+    it fails that sample and, without calling the function again, the samples not yet re-run (so that a hanging
+    function costs at most two limits per batch). Failed samples are handled by `on_error` as above.
     """
     if on_error not in ("raise", "penalty"):
         raise ValueError(f"on_error must be 'raise' or 'penalty', got {on_error!r}")
+    if timeout_s is not None and not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0 seconds or None (no limit), got {timeout_s!r}")
     if not (len(prompts) == len(completions) == len(rows)):
         raise ValueError(
             f"score_completions needs one prompt and one row per completion; got {len(prompts)} prompts, "
@@ -111,32 +132,8 @@ def score_completions(
     B = len(completions)
     columns, num_none, num_errors, error_texts = [], [], [], []
     for fn, name in zip(fns, names):
-        errors, first_error = 0, None
-        try:
-            values = _check_values(name, fn(prompts, completions, **fields), B)
-        except RewardFunctionError:
-            raise
-        except Exception as batch_error:
-            values = []
-            for i in range(B):
-                try:
-                    one = fn(prompts[i : i + 1], completions[i : i + 1], **{k: v[i : i + 1] for k, v in fields.items()})
-                except Exception as e:
-                    if on_error == "raise":
-                        raise RewardFunctionError(
-                            f"reward function '{name}' raised {type(e).__name__}: {e} on sample {i} "
-                            f"(completion {_short(completions[i])})"
-                        ) from e
-                    errors += 1
-                    first_error = first_error or f"{type(e).__name__}: {e}"
-                    values.append(float(penalty))
-                    continue
-                values.extend(_check_values(name, one, 1))
-            if errors == 0:  # every sample passes alone: the batch call itself is broken
-                raise RewardFunctionError(
-                    f"reward function '{name}' raised {type(batch_error).__name__}: {batch_error} on the batch of "
-                    f"{B} completions, but not on any single sample"
-                ) from batch_error
+        limit = None if bounds_own_time(fn) else timeout_s
+        values, errors, first_error = _score_one(fn, name, prompts, completions, fields, on_error, penalty, limit)
         columns.append(values)
         num_none.append(sum(math.isnan(v) for v in values))
         num_errors.append(errors)
@@ -146,3 +143,71 @@ def score_completions(
     total = torch.nansum(rewards * w, dim=1)  # [B]
     return RewardScores(rewards=rewards, total=total, names=names, num_none=num_none, num_errors=num_errors,
                         error_texts=error_texts)
+
+
+def _score_one(fn: RewardFn, name: str, prompts: list[str], completions: list[str], fields: dict[str, list[Any]],
+               on_error: str, penalty: float, timeout_s: float | None) -> tuple[list[float], int, str | None]:
+    """(values [B], failed samples, first failure as text) of one reward function (see `score_completions`)."""
+    B = len(completions)
+    try:
+        out, fate = call_with_timeout(fn, (prompts, completions), fields, timeout_s)
+    except RewardFunctionError:
+        raise
+    except Exception as batch_error:
+        return _score_each(fn, name, prompts, completions, fields, on_error, penalty, timeout_s, batch_error)
+    if fate is None:
+        return _check_values(name, out, B), 0, None
+    text = _late(name, timeout_s, f"a batch of {B} completions", fate)
+    if on_error == "raise":
+        raise RewardFunctionError(
+            f"{text}. Make it faster, raise reward.timeout_s (null: no limit), or set reward.on_error=penalty to "
+            "score such samples reward.error_penalty"
+        )
+    return [float(penalty)] * B, B, text
+
+
+def _score_each(fn: RewardFn, name: str, prompts: list[str], completions: list[str], fields: dict[str, list[Any]],
+                on_error: str, penalty: float, timeout_s: float | None,
+                batch_error: Exception) -> tuple[list[float], int, str | None]:
+    """The batch call raised: each sample alone, to find the ones that fail."""
+    values: list[float] = []
+    errors, first_error, out_of_time = 0, None, False
+    for i in range(len(completions)):
+        if out_of_time:  # a re-run already hung: the rest fail without another call
+            errors += 1
+            values.append(float(penalty))
+            continue
+        try:
+            one, fate = call_with_timeout(
+                fn, (prompts[i : i + 1], completions[i : i + 1]), {k: v[i : i + 1] for k, v in fields.items()},
+                timeout_s,
+            )
+        except Exception as e:
+            if on_error == "raise":
+                raise RewardFunctionError(
+                    f"reward function '{name}' raised {type(e).__name__}: {e} on sample {i} "
+                    f"(completion {_short(completions[i])})"
+                ) from e
+            errors += 1
+            first_error = first_error or f"{type(e).__name__}: {e}"
+            values.append(float(penalty))
+            continue
+        if fate is not None:
+            text = _late(name, timeout_s, f"sample {i} alone (completion {_short(completions[i])})", fate)
+            if on_error == "raise":
+                raise RewardFunctionError(
+                    f"{text}; the batch call had raised {type(batch_error).__name__}: {batch_error}. Make it faster, "
+                    "raise reward.timeout_s (null: no limit), or set reward.on_error=penalty"
+                ) from batch_error
+            errors += 1
+            first_error = first_error or text
+            values.append(float(penalty))
+            out_of_time = True
+            continue
+        values.extend(_check_values(name, one, 1))
+    if errors == 0:  # every sample passes alone: the batch call itself is broken
+        raise RewardFunctionError(
+            f"reward function '{name}' raised {type(batch_error).__name__}: {batch_error} on the batch of "
+            f"{len(completions)} completions, but not on any single sample"
+        ) from batch_error
+    return values, errors, first_error

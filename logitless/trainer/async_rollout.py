@@ -153,6 +153,7 @@ class AsyncRollout:
         done.set_result(batch_from_json(p["batch"]))
         self.pending = Prefetched(int(p["step"]), p["sampler_before"], rows, SamplingOptions(**p["options"]), done)
 
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
+    def close(self, wait: bool = True) -> None:
+        """Stop the worker (wait=False: without waiting for a rollout in flight, on an error or a stop-at-once)."""
+        self.pool.shutdown(wait=wait, cancel_futures=not wait)
         torch._dynamo.config.error_on_nested_fx_trace = self._nested_fx

@@ -7,24 +7,30 @@ Layout under `<output_dir>/checkpoints/`:
         optimizer.pt       {"optimizer": ..., "scheduler": ...} state dicts (torch.save)
         rng.pt             torch CPU (and CUDA) generator states
         trainer_state.json step, data sampler position, python/numpy RNG, anything else the loop stores
-        config.yaml        copy of the run's config.yaml (when the run folder has one): what the weights were trained with
+        config.yaml        copy of the run's current config (`current_config`): what the weights were trained with
         manifest.json      size and sha256 of every other file: a checkpoint checks itself before it is loaded
     latest                 text file holding the name of the newest complete checkpoint ("step-000020")
 
 A checkpoint is written into a hidden temp folder, every file is fsync'ed, the folder is renamed into place and
 only then is `latest` replaced (write `latest.tmp`, fsync, `os.replace`). A crash or a full disk at any point
-leaves the previous checkpoint as `latest`, intact; the next save (or `clean_temporaries`) removes what the crash
-left behind. Loading resolves `latest`, checks the manifest and falls back to the newest valid checkpoint, with a
-warning naming the bad file, when the latest one is damaged.
+leaves the previous checkpoint as `latest`, intact; a failed or interrupted save removes its temp folder (a crash
+leaves it to the next save, or to `clean_temporaries`) and says why in one line. Loading resolves `latest`, checks
+the manifest and falls back to the newest valid checkpoint, with a warning naming the bad file, when the latest one
+(or the `latest` pointer itself) is damaged.
+
+A checkpoint copies the run's current config (`runconfig.current_config`: config.yaml, or the newest
+config.from-step-N.yaml a resume with changed settings wrote beside it).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
 import os
 import random
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -34,11 +40,11 @@ import numpy as np
 import torch
 
 from logitless.trainer.modeling import is_peft_model
+from logitless.trainer.runconfig import RUN_CONFIG, current_config
 
 LATEST = "latest"
 STEP_PREFIX = "step-"
 MANIFEST = "manifest.json"
-RUN_CONFIG = "config.yaml"
 TMP_PREFIX, OLD_PREFIX = ".tmp-", ".old-"  # a folder being written; a re-saved step's previous folder
 
 
@@ -119,13 +125,29 @@ def set_rng_state(py: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
 # Save
 
 
+def _pointer(pointer: Path) -> tuple[str, str | None]:
+    """(the name `latest` holds, what is wrong with the file or None); ("", None) when there is none."""
+    if not pointer.is_file():
+        return "", None
+    raw = pointer.read_bytes()
+    try:
+        name = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        return "", f"{pointer} is not a checkpoint name (undecodable bytes {raw[:20]!r})"
+    if "/" in name or "\\" in name or name in (".", ".."):
+        return "", f"{pointer} names {name[:80]!r}, which is not a checkpoint folder name"
+    return name, None if name else f"{pointer} is empty"
+
+
 def read_latest(root: str | Path) -> Path | None:
     """The checkpoint `root/latest` names (`root` is the `checkpoints` folder), or None without a pointer."""
     root = Path(root)
     pointer = root / LATEST
     if not pointer.is_file():
         return None
-    name = pointer.read_text().strip()
+    name, bad = _pointer(pointer)
+    if bad is not None:
+        raise CheckpointError(bad)
     path = root / name
     if not name or not (path / "trainer_state.json").is_file():
         raise CheckpointError(f"{pointer} names '{name}', which is not a complete checkpoint in {root}")
@@ -241,7 +263,8 @@ def save_checkpoint(
     state = {"step": step, "rng": py_rng, **(trainer_state or {})}
     old = None
     try:
-        _write_files(tmp, model, optimizer, scheduler, state, torch_rng, root.parent / RUN_CONFIG)
+        config = current_config(root.parent) or root.parent / RUN_CONFIG
+        _write_files(tmp, model, optimizer, scheduler, state, torch_rng, config)
         if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
             old = root / f"{OLD_PREFIX}{final.name}-{os.getpid()}"
             os.rename(final, old)
@@ -253,25 +276,55 @@ def save_checkpoint(
         _fsync_dir(root)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except (OSError, RuntimeError, TypeError, ValueError) as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        (root / (LATEST + ".tmp")).unlink(missing_ok=True)
-        if old is not None and old.exists():  # a re-save: keep exactly one complete version of the step
-            if final.exists():  # the new version is complete and in place (only the pointer write failed)
-                shutil.rmtree(old, ignore_errors=True)
-            else:  # the previous version goes back where `latest` expects it
-                os.rename(old, final)
+    except KeyboardInterrupt:  # a stop-at-once signal: leave no half-written folder behind
+        _undo_save(root, tmp, final, old)
+        raise
+    except Exception as e:  # any error of any writer (torch, safetensors, json, the OS) is one clear line
+        _undo_save(root, tmp, final, old)
         try:
             prev = read_latest(root)
         except CheckpointError:
             prev = None
+        code = _errno(e)
+        full = code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
         raise CheckpointError(
-            f"could not write checkpoint {final.name} in {root}: {e}. "
+            f"could not write checkpoint {final.name} in {root}: {failure_reason(e)}. "
             + (f"The previous checkpoint {prev.name} is still the latest." if prev else "No earlier checkpoint exists.")
+            + (" Free space on that disk (or lower checkpoint.save_total_limit)." if full else "")
         ) from e
     if keep is not None:
         prune(root, keep)
     return final
+
+
+def _undo_save(root: Path, tmp: Path, final: Path, old: Path | None) -> None:
+    """What a failed save wrote goes; `latest` keeps naming a complete checkpoint."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    (root / (LATEST + ".tmp")).unlink(missing_ok=True)
+    if old is not None and old.exists():  # a re-save: keep exactly one complete version of the step
+        if final.exists():  # the new version is complete and in place (only the pointer write failed)
+            shutil.rmtree(old, ignore_errors=True)
+        else:  # the previous version goes back where `latest` expects it
+            os.rename(old, final)
+
+
+def _errno(e: BaseException) -> int | None:
+    """The OS error number of `e`, also when a library wrapped it in its own text ("... (os error 28)")."""
+    code = getattr(e, "errno", None)
+    if isinstance(code, int):
+        return code
+    m = re.search(r"\(os error (\d+)\)", str(e))
+    return int(m.group(1)) if m else None
+
+
+def failure_reason(e: BaseException) -> str:
+    """What made a write fail, in a few words: the OS error when there is one (`No space left on device
+    (ENOSPC)`), else the exception's type and the first line of its text."""
+    code = _errno(e)
+    if code:
+        return f"{os.strerror(code)} ({errno.errorcode.get(code, code)})"
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
 
 
 def prune(root: Path, keep: int) -> None:
@@ -292,14 +345,14 @@ def _newest_valid(root: Path, flag: str) -> Path:
     naming what is wrong with the skipped ones."""
     problems = []
     pointer = root / LATEST
-    named = pointer.read_text().strip() if pointer.is_file() else ""
+    named, bad_pointer = _pointer(pointer)
     if named:
         bad = validate_checkpoint(root / named) if (root / named).is_dir() else f"{root / named} does not exist"
         if bad is None:
             return root / named
         problems.append(f"{pointer} names '{named}', which is not a complete checkpoint: {bad}")
-    elif pointer.is_file():
-        problems.append(f"{pointer} is empty")
+    elif bad_pointer is not None:
+        problems.append(bad_pointer)
     for step_dir in sorted((p for p in root.glob(STEP_PREFIX + "*") if p.is_dir()), reverse=True):
         if step_dir.name == named:
             continue
@@ -341,13 +394,13 @@ def resolve_checkpoint(path: str | Path, flag: str = "--resume") -> Path:
 def checkpoint_config(path: str | Path) -> dict[str, Any] | None:
     """The run config (as a dict) checkpoint folder `path` was trained with, or None if it holds none.
 
-    Checkpoints carry a copy of the run's config.yaml; older ones fall back to the run folder's config.yaml.
+    Checkpoints carry a copy of the run's config; older ones fall back to the run folder's current config.
     """
     import yaml
 
     path = Path(path)
-    for f in (path / RUN_CONFIG, path.parent.parent / RUN_CONFIG):
-        if f.is_file():
+    for f in (path / RUN_CONFIG, current_config(path.parent.parent)):
+        if f is not None and f.is_file():
             try:
                 loaded = yaml.safe_load(f.read_text())
             except yaml.YAMLError as e:

@@ -180,8 +180,13 @@ class RewardConfig:
     on_error: Literal["raise", "penalty"] = "raise"  # "penalty": a sample whose reward function raises scores error_penalty
     error_penalty: float = 0.0  # the reward of a sample whose reward function raised (on_error="penalty")
     accuracy_reward: str | None = None  # the reward whose value 1.0 means "correct" (default: the first)
+    # Seconds one call of a `module:function` reward may take (null: no limit); the built-ins bound their own time.
+    # A call past it is stopped (rewards/deadline.py) and its samples are handled by on_error: "raise" stops the
+    # run naming the function, "penalty" scores them error_penalty and counts them as errors.
+    timeout_s: float | None = 300.0
 
     def __post_init__(self):
+        _positive("reward", timeout_s=self.timeout_s)
         if not self.reward_funcs:
             raise ValueError("reward.reward_funcs is empty; name at least one reward function (e.g. numeric_answer)")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
@@ -398,11 +403,15 @@ class LoggingConfig:
     # Device peaks for rollout/ceiling_fraction and train/mfu (None: the datasheet value of a known GPU).
     peak_tflops: float | None = None  # dense bf16 TFLOP/s
     hbm_tbs: float | None = None  # memory bandwidth, TB/s
+    # Warn when rollout/mismatch_mean (mean |trainer logp - sampler logp| per sampled token, nats) exceeds this,
+    # naming the likely cause and the fix; once, then again each time it doubles (None: never). bf16 rounding alone
+    # gives about 0.005-0.02 (logitless/objectives/mismatch.py).
+    mismatch_warning: float | None = 0.05
 
     def __post_init__(self):
         _positive(
             "logging", logging_steps=self.logging_steps, completions_steps=self.completions_steps,
-            peak_tflops=self.peak_tflops, hbm_tbs=self.hbm_tbs,
+            peak_tflops=self.peak_tflops, hbm_tbs=self.hbm_tbs, mismatch_warning=self.mismatch_warning,
         )
 
 

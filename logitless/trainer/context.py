@@ -55,6 +55,7 @@ from logitless.trainer.parallel import (
     make_replica,
     shard_model,
 )
+from logitless.trainer.rundir import RunDir, write_atomic
 
 
 @dataclass
@@ -91,6 +92,7 @@ class TrainContext:
     prefetch: AsyncRollout | None = None  # train.async_rollout: the next step's rollout in flight
     memory: MemoryState | None = None  # the memory plan's model and settings (trainer/oom.py), where one is made
     on_micro_batch: Callable[[int], None] | None = None  # called before each micro-batch's forward (a test hook)
+    run: RunDir | None = None  # the claimed run folder (rank 0): checked before each write
     t_start: float = field(default_factory=time.perf_counter)  # for the wall-time budget
 
     @property
@@ -99,6 +101,8 @@ class TrainContext:
 
     def save(self, step: int) -> Path:
         """Write an atomic checkpoint of this step (model, optimizer, schedule, data position, RNG, entropy coef)."""
+        if self.run is not None:
+            self.run.check_alive()
         state = {"sampler": self.sampler.state_dict(), "entropy_coef": list(self.entropy_coef),
                  **(self.prefetch.state() if self.prefetch is not None else {})}
         if self.world.sharded:  # sharded (DCP), every rank
@@ -155,22 +159,52 @@ def _resumed_state(resume: str | Path, world: World, model: torch.nn.Module, opt
     path = ckpt.resolve_checkpoint(resume)
     dcp.check_world_size(path, world)
     dcp.check_layout(path, world)
+    configured = [{k: g[k] for k in OPTIM_SETTINGS if k in g} for g in optimizer.param_groups]
     if world.sharded:
         state = dcp.load_sharded(resume, model=model, optimizer=optimizer, scheduler=scheduler, world=world)
     else:
         state = ckpt.load_checkpoint(resume, model=model, optimizer=optimizer, scheduler=scheduler)
+    _keep_configured(optimizer, scheduler, configured)
     sync_offloaded_params(optimizer)  # adamw_cpu_offload keeps host copies of the weights
     return state
 
 
-def _logger(cfg: TrainerConfig, run_dir: Path, world: World, start: int) -> MetricsLogger | QuietLogger:
-    """Only rank 0 writes the run folder's files (config.yaml: `cfg` as given, "auto" kept), prints and plots."""
+OPTIM_SETTINGS = ("initial_lr", "weight_decay", "betas", "eps")  # of the config, in a fresh optimizer's param groups
+
+
+def _keep_configured(optimizer: Any, scheduler: Any, configured: list[dict[str, Any]]) -> None:
+    """The config's optimizer settings (base learning rate, weight decay, betas, epsilon) over those the
+    checkpoint's optimizer and schedule state brought back. They are equal, and nothing is touched, unless the
+    resume changed them (`--allow-config-change`); then the schedule goes on from its step at the new base rate."""
+    changed = False
+    for group, want in zip(optimizer.param_groups, configured):
+        for k, v in want.items():
+            if group.get(k) != v:
+                group[k], changed = v, True
+    if changed and scheduler is not None:
+        scheduler.base_lrs = [g["initial_lr"] for g in optimizer.param_groups]
+        for g, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            g["lr"] = base * factor(scheduler.last_epoch)
+        scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
+def _logger(cfg: TrainerConfig, run_dir: Path, world: World, start: int,
+            run: RunDir | None) -> MetricsLogger | QuietLogger:
+    """Only rank 0 writes the run folder's files (its config as given, "auto" kept, where the claim says:
+    `RunDir.save_config`), prints and plots."""
     if not world.main:
         return QuietLogger()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    return MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
-                         total_steps=cfg.train.max_steps, resume_step=start)
+    if run is not None:
+        run.check_alive()
+        run.save_config(cfg)
+    else:  # a context built outside `train` (no claim): config.yaml as given
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(run_dir / "config.yaml", to_yaml(cfg))
+    logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
+                           total_steps=cfg.train.max_steps, resume_step=start)
+    if run is not None and run.config_note:
+        logger.console.print(run.config_note, highlight=False, markup=False, soft_wrap=True)
+    return logger
 
 
 def _shape(model: torch.nn.Module, engine: Any) -> ModelShape:
@@ -185,11 +219,12 @@ def _shape(model: torch.nn.Module, engine: Any) -> ModelShape:
 
 def build_context(
     cfg: TrainerConfig, world: World, *, resume: str | Path | None = None, model: torch.nn.Module | None = None,
-    tokenizer: Any = None, given: TrainerConfig | None = None,
+    tokenizer: Any = None, run: RunDir | None = None, given: TrainerConfig | None = None,
 ) -> TrainContext:
     """Data and rewards first (their errors need no model), then model, engine, optimizer, and the resumed state.
-    `world`: this process's place, its process group already made (`parallel.process_group`). `cfg`: the run's
-    settings, "auto" decided (`trainer.auto`); `given`: the config as written (saved as config.yaml)."""
+    `world`: this process's place, its process group already made (`parallel.process_group`); `run`: the claimed
+    run folder (rank 0). `cfg`: the run's settings, "auto" decided (`trainer.auto`); `given`: the config as
+    written (saved as the run's config)."""
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)  # the same on every rank: the model's random init (LoRA) must agree
@@ -223,7 +258,7 @@ def build_context(
     start = int(state.get("step", 0))
     if state:
         sampler.load_state_dict(state["sampler"])
-    logger = _logger(given or cfg, run_dir, world, start)
+    logger = _logger(given or cfg, run_dir, world, start, run)
     coef = EntropyCoef(*state["entropy_coef"]) if "entropy_coef" in state else initial_entropy_coef(cfg.objective)
     engine_changes: dict[str, Any] = {}
     if replica is not None:  # the replica merged (a plain model), fused its projections and sleeps by itself
@@ -245,7 +280,7 @@ def build_context(
         acc_col=acc_col, adv_options=adv_options,
         reference=reference,
         shape=_shape(model, engine), peaks=device_peaks(device, cfg.logging.peak_tflops, cfg.logging.hbm_tbs),
-        run_dir=run_dir, logger=logger, start=start, entropy_coef=coef, world=world, replica=replica,
+        run_dir=run_dir, logger=logger, start=start, entropy_coef=coef, world=world, replica=replica, run=run,
         lora_compute=LoraCompute(model, cfg.model),
         rollout_device=None if rollout_device is None or same_device(rollout_device, device) else rollout_device,
     )

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.modeling import is_peft_model
 from logitless.trainer.parallel import World
+from logitless.trainer.runconfig import current_config
 
 DCP_DIR = "dcp"
 
@@ -128,19 +129,19 @@ def save_sharded(
             py_rng, torch_rng = ckpt.rng_state()
             rng = ckpt._serialized({"py": py_rng, "torch": torch_rng})
             ckpt._write_file(tmp / rng_file(world.rank), lambda f: f.write(rng))
-        except (OSError, RuntimeError, ValueError) as e:
+        except Exception as e:  # safetensors' errors too: every rank must reach the agreement below
             error = e
     if _agree_ok(error is None, device) and world.main:
         try:
             _finish(root, tmp, final, step, scheduler, trainer_state, world)
-        except (OSError, RuntimeError, TypeError, ValueError) as e:
+        except Exception as e:
             error = e
     if not _agree_ok(error is None, device):
         if world.main:
             shutil.rmtree(tmp, ignore_errors=True)
         raise ckpt.CheckpointError(
             f"could not write checkpoint {final.name} in {root}"
-            + (f": {error}" if error else " (another rank failed; see its error)")
+            + (f": {ckpt.failure_reason(error)}" if error else " (another rank failed; see its error)")
             + ". The previous checkpoint is still the latest."
         )
     if keep is not None and world.main:
@@ -157,8 +158,9 @@ def _finish(
     state = {"step": step, "world_size": world.size, **trainer_state}
     text = json.dumps(state, indent=1).encode()
     ckpt._write_file(tmp / "trainer_state.json", lambda f: f.write(text))
-    if (root.parent / ckpt.RUN_CONFIG).is_file():
-        config = (root.parent / ckpt.RUN_CONFIG).read_bytes()
+    run_config = current_config(root.parent)
+    if run_config is not None:
+        config = run_config.read_bytes()
         ckpt._write_file(tmp / ckpt.RUN_CONFIG, lambda f: f.write(config))
     manifest = json.dumps(ckpt._manifest(tmp), indent=1).encode()  # every rank's files, checked before a resume
     ckpt._write_file(tmp / ckpt.MANIFEST, lambda f: f.write(manifest))

@@ -77,6 +77,7 @@ def evaluate(model: Any, tokenizer: Any, rows: list[PromptRow], cfg: TrainerConf
         scores = score_completions(
             fns, cfg.reward.reward_weights, [r.prompt for r in per_sample], batch.completions, per_sample,
             on_error=cfg.reward.on_error, penalty=cfg.reward.error_penalty,
+            timeout_s=cfg.reward.timeout_s,
         )
         correct = (scores.rewards[:, acc_col] == 1.0).view(len(chunk), k)  # [n, k]
         solved.extend(correct.any(1).tolist())

@@ -72,6 +72,29 @@ def backend(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
+def reduces_host_tensors(config: str) -> bool:
+    """Whether a process group of backend config `config` (`dist.get_backend_config()`: "nccl", "gloo",
+    "cpu:gloo,cuda:nccl", ...) has a backend for CPU tensors."""
+    for part in config.lower().replace(" ", "").split(","):
+        device, _, name = part.rpartition(":")
+        if device == "cpu" or (not device and "cpu" in dist.Backend.backend_capability.get(name, [])):
+            return True
+    return False
+
+
+def check_host_backend(offload: bool) -> None:
+    """Refuse train.fsdp_offload on an existing process group that cannot reduce host tensors (FSDP2 CPU offload
+    keeps the gradients, whose norm is all-reduced, on the host), naming the fix."""
+    config = dist.get_backend_config()
+    if offload and not reduces_host_tensors(config):
+        raise ValueError(
+            f"train.fsdp_offload=true keeps the gradients on the host, but this process's process group "
+            f"(backend {config!r}, made before the run) has no backend for CPU tensors; make it with "
+            f"backend='cpu:gloo,cuda:nccl' (or let the run make it: do not call init_process_group first), or set "
+            f"train.fsdp_offload=false"
+        )
+
+
 def one_rank_group(device: torch.device, timeout: timedelta) -> None:
     """Make this process a process group of its own (rank 0 of 1, an in-memory store) on `device`, so that FSDP2
     can shard without torchrun."""

@@ -14,7 +14,9 @@
 
 One step is one rollout batch; with μ = train.num_iterations > 1 it makes μ optimizer steps on it. Ctrl-C or
 SIGTERM stops at the next safe point with a checkpoint: before the first optimizer step of a step, the step is
-dropped (its data position and RNG are rewound, so a resumed run is identical); after it, the step finishes.
+dropped (its data position and RNG are rewound, so a resumed run is identical); after it, the step finishes. The
+signal says so at once; a second one stops at once (`signals.py`). Before each step's metrics and checkpoint are
+written, the run folder is checked to still be there (`RunDir.check_alive`).
 
 Before the model loads, every setting left "auto" is decided (`trainer/auto.py`: the fast exact path for this
 device and model, and the memory plan), printed and saved as resolved.json. A rollout or update that runs out of
@@ -37,7 +39,7 @@ from logitless.trainer.accounting import PhaseTimer
 from logitless.trainer.auto import resolve_run, save_resolved
 from logitless.trainer.config import TrainerConfig
 from logitless.trainer.context import TrainContext, build_context
-from logitless.trainer.metrics import RewardErrorReport
+from logitless.trainer.metrics import MismatchReport, RewardErrorReport, mismatch_causes
 from logitless.trainer.modeling import attention_backends
 from logitless.trainer.parallel import (
     World,
@@ -49,9 +51,9 @@ from logitless.trainer.parallel import (
 )
 from logitless.trainer.plot import plot_run
 from logitless.trainer.preflight import check_resume, validate_config
-from logitless.trainer.rundir import claim_run_dir
+from logitless.trainer.rundir import RunDir, claim_run_dir, restart_advice
+from logitless.trainer.signals import StopSignals, label
 from logitless.trainer.sources import check_sources
-from logitless.trainer.signals import StopRequest
 from logitless.trainer.stages import (
     Rollout,
     Scored,
@@ -92,6 +94,8 @@ def prompt_text(prompt: str | list[dict[str, str]]) -> str:
 def log_step(ctx: TrainContext, result: TrainResult, step: int, record: dict[str, Any], ro: Rollout, scored: Scored) -> None:
     """Metrics JSONL / TensorBoard / progress bar, and every K steps a table of sample completions."""
     cfg = ctx.cfg.logging
+    if ctx.run is not None:
+        ctx.run.check_alive()
     result.step = step
     if step % cfg.logging_steps == 0 or step == ctx.cfg.train.max_steps:
         ctx.logger.log(step, {**record, "time/elapsed": time.perf_counter() - ctx.t_start})
@@ -140,7 +144,7 @@ def drop_step(ctx: TrainContext, result: TrainResult, step: int, rewind: tuple[A
         ctx.prefetch.put_back()  # its rollout is the checkpoint's pending one
     rewind_step(ctx, rewind)
     if step - 1 > 0:
-        result.checkpoint = ctx.save(step - 1)
+        result.checkpoint = ctx.save(step - 1)  # (a resumed run re-saves the step it started from)
 
 
 def _rollout(ctx: TrainContext, step: int, hook: Hook) -> Rollout:
@@ -173,6 +177,7 @@ def train(
     *,
     resume: str | Path | None = None,
     overwrite: bool = False,
+    allow_config_change: bool = False,
     model: torch.nn.Module | None = None,
     tokenizer: Any = None,
     hook: Hook | None = None,
@@ -180,79 +185,100 @@ def train(
     """Run GRPO-family training as configured; `model`/`tokenizer` (optional) replace cfg.model's loading.
 
     Before anything slow: the config is checked (`preflight`), the run folder is locked for this process and must
-    be new, or `resume`d (the run continues in the resumed run's folder), or `overwrite`n (`rundir`).
+    be new, or `resume`d (the run continues in the resumed run's folder; a change of what it trains needs
+    `allow_config_change`), or `overwrite`n (`rundir`). From here on Ctrl-C and SIGTERM say what they do
+    (`signals`); a second one raises `signals.StopNow` (a KeyboardInterrupt).
     """
     validate_config(cfg)
     check_distributed(cfg, launched_world())
     device = cfg.model.device if model is None else str(next(model.parameters()).device)
-    with process_group(device, offload=cfg.train.fsdp_offload) as world, \
-            claimed_on_rank0(world, lambda: claim_run_dir(cfg, resume=resume, overwrite=overwrite)) as (run_cfg, start):
+    stop = StopSignals(quiet=not launched_world().main)
+    stop.advice = lambda: restart_advice(stop.run_dir)
+    claim = lambda: claim_run_dir(cfg, resume=resume, overwrite=overwrite,  # noqa: E731
+                                  allow_config_change=allow_config_change)
+    with stop, process_group(device, offload=cfg.train.fsdp_offload) as world, \
+            claimed_on_rank0(world, claim) as (run_cfg, start, run):
+        stop.run_dir = Path(run_cfg.train.output_dir)
         if start is not None:
             check_resume(run_cfg, start)
         if model is None:
             check_sources(run_cfg)
         with attention_backends(run_cfg.model):
-            return _train(run_cfg, world, resume=start, model=model, tokenizer=tokenizer, hook=hook)
+            return _train(run_cfg, world, stop, run=run, resume=start, model=model, tokenizer=tokenizer, hook=hook)
 
 
 def _train(
     cfg: TrainerConfig,
     world: World,
+    stop: StopSignals,
     *,
+    run: RunDir | None = None,
     resume: str | Path | None = None,
     model: torch.nn.Module | None = None,
     tokenizer: Any = None,
     hook: Hook | None = None,
 ) -> TrainResult:
-    """The training run of `train`, in its claimed run folder (cfg.train.output_dir is absolute)."""
+    """The training run of `train`, in its claimed run folder (cfg.train.output_dir is absolute; `run`: the claim,
+    on rank 0 only)."""
     hook = hook or (lambda event, step: None)
     resolved = resolve_run(cfg, world, model=model)
-    ctx = build_context(resolved.cfg, world, resume=resume, model=model, tokenizer=tokenizer, given=cfg)
+    ctx = build_context(resolved.cfg, world, resume=resume, model=model, tokenizer=tokenizer, run=run, given=cfg)
     ctx.memory = oom.memory_state(ctx, resolved)
     if world.main:
         save_resolved(resolved, ctx.run_dir)  # beside config.yaml, both written once the model has loaded
     result = TrainResult(run_dir=ctx.run_dir, step=ctx.start)
     report_reward_errors = RewardErrorReport(ctx.logger.print, cfg.reward.error_penalty)
+    report_mismatch = MismatchReport(ctx.logger.print, cfg.logging.mismatch_warning, mismatch_causes(cfg))
+    finished = False
     try:
-        with StopRequest() as stop:
-            for step in range(ctx.start + 1, cfg.train.max_steps + 1):
-                hook("step_start", step)
-                rewind = (ctx.sampler.state_dict(), ckpt.rng_state())
-                timer = PhaseTimer(ctx.device, ctx.rollout_device)
-                ctx.memory.retries = 0
-                with timer("generate"):
-                    ro = oom.retry_on_oom(ctx, step, "generate", lambda: _rollout(ctx, step, hook),
-                                          reset=lambda: rewind_step(ctx, rewind))
-                with timer("score"):
-                    scored = score_stage(ctx, ro)
-                sc = scored.scores
-                report_reward_errors(step, sc.names, sc.num_errors, sc.error_texts, len(ro.sample_rows))
-                hook("after_rollout", step)
-                stop.requested = agree(stop.requested, ctx.device)  # a signal to any rank stops all of them
-                if stop.requested:  # nothing trained yet: drop this step
-                    drop_step(ctx, result, step, rewind)
-                    break
-                check_empty(ctx, ro, step)
-                plan, upd = plan_update(ctx, ro, scored), UpdateResult()
-                if plan.n_tokens > 0:  # (0 only if the engine returned no token at all, not even EOS)
-                    rng, plans = ckpt.rng_state(), [plan]  # a retry plans its micro-batches anew
-                    plan, upd = oom.retry_on_oom(
-                        ctx, step, "update", lambda: _update(ctx, ro, scored, plans[-1], timer, hook, step),
-                        reset=lambda: (_reset_update(ctx, rng), plans.append(None)))
-                hook("after_update", step)
-                record = step_record(ctx, ro, scored, plan, upd, timer)
-                record.update(oom.memory_metrics(ctx, ro, plan))
-                log_step(ctx, result, step, record, ro, scored)
-                stop.requested = agree(stop.requested, ctx.device)
-                if checkpoint_and_stop(ctx, result, step, bool(stop.requested)):
-                    break
-            result.interrupted = stop.requested
+        for step in range(ctx.start + 1, cfg.train.max_steps + 1):
+            stop.step, stop.updating = step, False
+            hook("step_start", step)
+            rewind = (ctx.sampler.state_dict(), ckpt.rng_state())
+            timer = PhaseTimer(ctx.device, ctx.rollout_device)
+            ctx.memory.retries = 0
+            with timer("generate"):
+                ro = oom.retry_on_oom(ctx, step, "generate", lambda: _rollout(ctx, step, hook),
+                                      reset=lambda: rewind_step(ctx, rewind))
+            with timer("score"):
+                scored = score_stage(ctx, ro)
+            sc = scored.scores
+            report_reward_errors(step, sc.names, sc.num_errors, sc.error_texts, len(ro.sample_rows))
+            hook("after_rollout", step)
+            dropped = agree(stop.commit_step(), ctx.device)  # a signal to any rank before the update began
+            if dropped:  # nothing trained yet: every rank drops this step
+                stop.requested = stop.requested or dropped
+                drop_step(ctx, result, step, rewind)
+                break
+            check_empty(ctx, ro, step)
+            plan, upd = plan_update(ctx, ro, scored), UpdateResult()
+            if plan.n_tokens > 0:  # (0 only if the engine returned no token at all, not even EOS)
+                rng, plans = ckpt.rng_state(), [plan]  # a retry plans its micro-batches anew
+                plan, upd = oom.retry_on_oom(
+                    ctx, step, "update", lambda: _update(ctx, ro, scored, plans[-1], timer, hook, step),
+                    reset=lambda: (_reset_update(ctx, rng), plans.append(None)))
+            hook("after_update", step)
+            record = step_record(ctx, ro, scored, plan, upd, timer)
+            record.update(oom.memory_metrics(ctx, ro, plan))
+            log_step(ctx, result, step, record, ro, scored)
+            report_mismatch(step, record)
+            if run is not None:
+                run.first_step_done()  # --overwrite: the run it replaces goes now
+            agreed = agree(stop.requested, ctx.device)  # the ranks decide together; a signal that comes meanwhile
+            stop.requested = stop.requested or agreed  # stays requested, for the next decision
+            if checkpoint_and_stop(ctx, result, step, bool(agreed)):
+                break
+        result.interrupted = stop.requested
+        finished = True
     finally:
         ctx.logger.close()
         if ctx.prefetch is not None:
-            ctx.prefetch.close()
+            ctx.prefetch.close(wait=finished)  # on an error or a stop-at-once, the rollout in flight is not awaited
     if result.interrupted:
-        ctx.logger.console.print(f"stopped by signal {result.interrupted} after step {result.step}; resume with --resume {ctx.run_dir}")
+        sig = result.interrupted
+        when = f"after step {result.step}" if result.step > ctx.start else f"before step {ctx.start + 1} finished"
+        ctx.logger.console.print(f"stopped by signal {sig} ({label(sig)}) {when}; {restart_advice(ctx.run_dir)}",
+                                 highlight=False, markup=False, soft_wrap=True)
     elif cfg.logging.plot and result.records and ctx.world.main:
         plot_run(ctx.run_dir)
     return result

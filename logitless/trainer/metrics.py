@@ -11,12 +11,15 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from logitless.trainer.config import TrainerConfig
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -45,9 +48,19 @@ def _parse_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
                 warnings.warn(f"{path}: dropping its last line {i}, which is incomplete (a run stopped while "
                               f"writing it): {line[:80]!r}", stacklevel=3)
                 break
-            raise ValueError(f"{path} line {i} is not a JSON record ({e}); fix or delete that line") from None
+            raise ValueError(f"{path} line {i} is not a JSON record ({e}); fix or delete that line (a record is "
+                             "one JSON object per line), then run again") from None
         out.append((line, record))
     return out
+
+
+def check_metrics_file(path: Path) -> None:
+    """Raise ValueError naming the file and line of a damaged record of a metrics file other than its last (which
+    a resume drops): checked when a run is claimed for --resume, before the model loads."""
+    if path.is_file():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the last line's warning comes when the logger drops it
+            _parse_lines(path)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -59,7 +72,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 class RewardErrorReport:
-    """Console warnings, with the exception text, for reward functions that raise under reward.on_error=penalty.
+    """Console warnings, with the exception text, for reward functions that raise (or run past reward.timeout_s)
+    under reward.on_error=penalty.
 
     The first error of each function is shown at once; later ones at most once per `interval_s` seconds, with
     the count of failed samples since the last warning (so a function that always raises cannot flood the log).
@@ -84,11 +98,64 @@ class RewardErrorReport:
                 continue
             self._last[name], self._pending[name] = now, (0, 0)
             self.emit(
-                f"[yellow]warning:[/] step {step}: reward function '{escape(name)}' raised on {failed} of {scored} "
+                f"[yellow]warning:[/] step {step}: reward function '{escape(name)}' failed on {failed} of {scored} "
                 f"samples (scored reward.error_penalty={self.penalty}): {escape(str(text))[:500]}. Set "
                 f"reward.on_error=raise to stop at the first error; repeats are shown at most every "
                 f"{self.interval_s:.0f} s."
             )
+
+
+def mismatch_causes(cfg: TrainerConfig) -> str:
+    """What in this run's settings can make the sampler's logprobs differ from the trainer's, each with its fix
+    (for `MismatchReport`), most likely first."""
+    r, causes = cfg.rollout, []
+    if cfg.train.async_rollout:
+        causes.append("train.async_rollout=true samples each step from the policy one optimizer step before, so "
+                      "the gap includes the last update (it grows with optim.learning_rate); expected, correct for it "
+                      "with objective.sampler_is_mode, or set train.async_rollout=false")
+    if r.backend == "static":
+        causes.append("rollout.backend=static decodes with its own compiled forward, which can round bf16 "
+                      "differently: run a step with rollout.backend=hf (transformers' eager forward); if the mismatch "
+                      "drops there, the compiled decode is the cause and rollout.backend=hf avoids it")
+        if cfg.model.lora and r.merge_lora is not False:
+            causes.append("the static engine decodes LoRA from merged weights W + BA rounded to the model's dtype "
+                          "(QLoRA: dequantized first) while the trainer computes W x + B A x; rollout.merge_lora=false "
+                          "decodes the adapters unmerged")
+    else:
+        causes.append(f"rollout.backend={r.backend} runs the model's forward with its own attention and caching; "
+                      "check model.attn_implementation and model.dtype")
+    fix = ("objective.sampler_is_mode (e.g. token_truncate) corrects the update for it by importance weights" if
+           cfg.objective.sampler_is_mode is None else
+           f"objective.sampler_is_mode={cfg.objective.sampler_is_mode} already corrects the update for it")
+    return "; ".join(causes) + f". Whatever the cause, {fix} (is/ratio shows the weights)"
+
+
+class MismatchReport:
+    """A console warning when the sampler drifts from the policy: `rollout/mismatch_mean` of a step above
+    `threshold` (logging.mismatch_warning), the first time, then again whenever it reaches twice the value last
+    warned about. `causes`: `mismatch_causes` of the run."""
+
+    def __init__(self, emit: Callable[[str], None], threshold: float | None, causes: str):
+        self.emit, self.threshold, self.causes = emit, threshold, causes
+        self.warned: float | None = None  # the mean of the last warning
+
+    def __call__(self, step: int, record: dict[str, Any]) -> bool:
+        """Warn if due for this step's record; True when it warned."""
+        mean = record.get("rollout/mismatch_mean")
+        if self.threshold is None or mean is None or not math.isfinite(mean) or mean <= self.threshold:
+            return False
+        if self.warned is not None and mean < 2 * self.warned:
+            return False
+        again = "" if self.warned is None else f" (up from {self.warned:.3g} when last reported)"
+        self.warned = mean
+        self.emit(
+            f"[yellow]warning:[/] step {step}: the sampler's logprobs differ from the trainer's by {mean:.3g} nats "
+            f"per token on average{again} (max {record.get('rollout/mismatch_max', math.nan):.3g}, KL "
+            f"{record.get('rollout/mismatch_kl', math.nan):.3g}), above logging.mismatch_warning={self.threshold} "
+            f"(bf16 rounding alone gives about 0.005-0.02). The samples are then not quite the policy's, which can "
+            f"make a run drift or collapse. Likely: {escape(self.causes)}. Shown again if it doubles."
+        )
+        return True
 
 
 class MetricsLogger:
@@ -149,11 +216,10 @@ class MetricsLogger:
                     self.tb.add_scalar(k, v, step)
 
     def advance(self, step: int, metrics: dict[str, Any]) -> None:
-        """Move the progress bar to `step` and show the live reward / accuracy."""
-        reward, acc = metrics.get("reward/mean"), metrics.get("accuracy")
-        text = " ".join(
-            f"{name} {v:.3f}" for name, v in (("reward", reward), ("acc", acc)) if isinstance(v, (int, float))
-        )
+        """Move the progress bar to `step` and show the live reward / accuracy / sampler-trainer mismatch."""
+        shown = (("reward", metrics.get("reward/mean")), ("acc", metrics.get("accuracy")),
+                 ("mismatch", metrics.get("rollout/mismatch_mean")))  # nats per token, sampler vs trainer
+        text = " ".join(f"{name} {v:.3f}" for name, v in shown if isinstance(v, (int, float)))
         if self.progress is not None:
             self.progress.update(self._task, completed=step, description=text)
         elif text:

@@ -58,7 +58,7 @@ from logitless.rollout.weights import fresh_copy, lora_layers, merge_refusal
 from logitless.trainer.batching import MicroBatch
 from logitless.trainer.config import TrainerConfig
 from logitless.trainer.distributed import is_distributed
-from logitless.trainer.fsdp_offload import device_full_tensor, offload_policy, one_rank_group
+from logitless.trainer.fsdp_offload import check_host_backend, device_full_tensor, offload_policy, one_rank_group
 from logitless.trainer.fsdp_offload import backend as offload_backend
 
 T = TypeVar("T")
@@ -101,11 +101,19 @@ def launched_world() -> World:
 
 
 def init_distributed(device: str, offload: bool = False) -> World:
-    """Join torchrun's process group: nccl with one GPU per local rank on CUDA, gloo on CPU (`device` is
-    model.device), plus gloo for host tensors on CUDA with `offload` (train.fsdp_offload). Without torchrun
-    (WORLD_SIZE unset or 1) nothing is initialized, except with `offload`: a 1-rank group of this process."""
+    """Join torchrun's process group: on CUDA nccl for device tensors, one GPU per local rank, and gloo for host
+    tensors; gloo on CPU (`device` is model.device). Without torchrun (WORLD_SIZE unset or 1) nothing is
+    initialized, except with `offload` (train.fsdp_offload): a 1-rank group of this process.
+
+    The group outlives the run (until `shutdown`), so a later run in the same process finds it as this run made
+    it: gloo is joined even when this run keeps every tensor on the GPU, since a later one with train.fsdp_offload
+    reduces its host gradients through it (an nccl-only group fails there: "No backend type associated with device
+    type cpu"). A group the caller made is checked instead (`check_host_backend`)."""
     world = dataclasses.replace(launched_world(), offload=offload)
-    if not world.sharded or dist.is_initialized():
+    if not world.sharded:
+        return world
+    if dist.is_initialized():
+        check_host_backend(offload)
         return world
     cuda = device != "cpu" and torch.cuda.is_available()
     if not world.distributed:
@@ -113,8 +121,7 @@ def init_distributed(device: str, offload: bool = False) -> World:
         return world
     if cuda:
         torch.cuda.set_device(world.local_rank)
-    backend = offload_backend(torch.device("cuda" if cuda else "cpu")) if offload else "nccl" if cuda else "gloo"
-    dist.init_process_group(backend, timeout=TIMEOUT)
+    dist.init_process_group(offload_backend(torch.device("cuda" if cuda else "cpu")), timeout=TIMEOUT)
     return world
 
 
@@ -183,22 +190,23 @@ def check_distributed(cfg: TrainerConfig, world: World) -> None:
 
 
 @contextmanager
-def claimed_on_rank0(world: World, claim: Callable[[], Any]) -> Iterator[tuple[TrainerConfig, Any]]:
+def claimed_on_rank0(world: World, claim: Callable[[], Any]) -> Iterator[tuple[TrainerConfig, Any, Any]]:
     """Rank 0 claims the run folder (`claim()`, a context manager giving `.cfg` and `.resume_from`) for the whole
-    run; every rank gets its config (absolute paths) and checkpoint. One process: just `claim()`."""
+    run; every rank gets its config (absolute paths) and checkpoint, and rank 0 the claim itself (None on the other
+    ranks). One process: just `claim()`."""
     if not world.distributed:
         with claim() as run:
-            yield run.cfg, run.resume_from
+            yield run.cfg, run.resume_from, run
         return
     if world.main:
         with claim() as run:
             shared = [run.cfg, run.resume_from]
             dist.broadcast_object_list(shared, src=0)
-            yield run.cfg, run.resume_from
+            yield run.cfg, run.resume_from, run
         return
     shared = [None, None]  # rank 0 fails alone if the claim fails; torchrun then ends this rank
     dist.broadcast_object_list(shared, src=0)
-    yield shared[0], shared[1]
+    yield shared[0], shared[1], None
 
 
 def rank_share(rows: Sequence[T], world: World) -> list[T]:

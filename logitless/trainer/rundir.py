@@ -5,10 +5,19 @@
   kernel drops the lock when its process dies, so a lock left by a crashed or killed run is stale and is taken
   over; a live owner is named in the error;
 - refuses a new run into a folder that already holds a run, unless `--resume` (continue it) or `--overwrite`
-  (delete the old run's files first); nothing of an old run is deleted without `--overwrite`, and a folder
-  holding files that no run writes is never cleared;
+  (replace it); nothing of an old run is deleted without `--overwrite`, and a folder holding files that no run
+  writes is never cleared;
+- `--overwrite` moves the old run aside into `<run>/.replaced-<time>/` and deletes it only once the new run has
+  finished its first step (`RunDir.first_step_done`). A new run that ends before that (an error, a stop signal)
+  puts the old run back (`RunDir.release`, with a warning); one that was killed leaves it for the next claim of
+  the folder, which puts it back first. Every move is a rename inside the run folder;
 - for `--resume`, continues in the run folder of the checkpoint, recorded as an absolute path (a warning says so
-  when `train.output_dir` names another folder), and resolves the newest intact checkpoint.
+  when `train.output_dir` names another folder), resolves the newest intact checkpoint, checks `metrics.jsonl`,
+  and compares the config with the run's own (`runconfig.py`): a change of what is trained is refused unless
+  allowed (`--allow-config-change`), and then saved beside the run's config, which is kept.
+
+While the run trains, `RunDir.check_alive` (every step, before anything is written) stops it with an error
+naming the folder when the folder was removed, moved or made unwritable.
 """
 
 from __future__ import annotations
@@ -27,11 +36,30 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from logitless.trainer import checkpoint as ckpt
-from logitless.trainer.config import TrainerConfig
+from logitless.trainer.config import ConfigError, TrainerConfig, load_train_config, to_yaml
+from logitless.trainer.metrics import METRICS_FILE, check_metrics_file
+from logitless.trainer.runconfig import (
+    CHANGED_CONFIG_PREFIX,
+    CHANGED_CONFIG_SUFFIX,
+    changed_config_name,
+    changes_training,
+    config_differences,
+    current_config,
+    describe,
+)
 
 LOCK_FILE = ".lock"
-# What a `logitless train` run writes into its folder; only these are removed by --overwrite.
+# What a `logitless train` run writes into its folder (and config.from-step-N.yaml); only these are replaced by
+# --overwrite.
 RUN_FILES = ("config.yaml", "resolved.json", "metrics.jsonl", "checkpoints", "tensorboard", "curves.png", LOCK_FILE)
+# --overwrite's folders inside the run folder: the old run set aside, being put back, being deleted
+REPLACED, RESTORING, DISCARDED, PARTIAL = ".replaced-", ".restoring-", ".discarded-", ".partial"
+BOOKKEEPING = (REPLACED, RESTORING, DISCARDED)
+
+
+def is_run_file(name: str) -> bool:
+    """A file or folder a run writes into its run folder."""
+    return name in RUN_FILES or (name.startswith(CHANGED_CONFIG_PREFIX) and name.endswith(CHANGED_CONFIG_SUFFIX))
 
 
 class RunDirError(RuntimeError):
@@ -44,22 +72,163 @@ class RunDir:
     path: Path  # absolute run folder
     resume_from: Path | None  # intact checkpoint folder to continue from (--resume), else None
     _fd: int | None = None
+    replaced: Path | None = None  # --overwrite: the old run, set aside until the new one finishes a step
+    config_file: Path | None = None  # where the run's config is written when it starts (None: it is unchanged)
+    config_note: str | None = None  # what changed (--allow-config-change), said when the run starts
+
+    def save_config(self, cfg: TrainerConfig) -> None:
+        """Write the run's config into `config_file` (atomically), and say what changed."""
+        if self.config_file is not None:
+            write_atomic(self.config_file, to_yaml(cfg))
+
+    def first_step_done(self) -> None:
+        """The new run finished a step: the old run it replaces (--overwrite) is deleted."""
+        if self.replaced is not None:
+            doomed = self.path / (DISCARDED + self.replaced.name[len(REPLACED):])
+            os.rename(self.replaced, doomed)  # first out of the way, so a crash here never puts it back
+            self.replaced = None
+            shutil.rmtree(doomed, ignore_errors=True)
+
+    def check_alive(self) -> None:
+        """Raise RunDirError naming the folder when it was removed, moved, replaced or made unwritable since the
+        claim (nothing this run writes could be kept there)."""
+        if self._fd is None:
+            return
+        held = os.fstat(self._fd)
+        try:
+            now = os.stat(self.path / LOCK_FILE)
+        except OSError:
+            now = None
+        if held.st_nlink == 0 or now is None:
+            why = "was removed (or moved away)"
+        elif (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            why = "was replaced by another folder"
+        elif not os.access(self.path, os.W_OK | os.X_OK):
+            why = "is no longer writable"
+        else:
+            return
+        raise RunDirError(
+            f"the run folder {self.path} (train.output_dir) {why} while the run was training; stopping now, since "
+            "its metrics and checkpoints can no longer be written there. If you moved it, continue it from its new "
+            "place with --resume <folder>; otherwise start the run again"
+        )
 
     def release(self) -> None:
-        """Give up the lock (the lock file stays: unlinking it would let two later runs lock different files)."""
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            try:
-                os.ftruncate(fd, 0)
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            finally:
-                os.close(fd)
+        """Put back an old run that --overwrite set aside if the new run never finished a step (with a warning),
+        then give up the lock (the lock file stays: unlinking it would let two later runs lock different files)."""
+        try:
+            if self.replaced is not None and self.replaced.is_dir():
+                replaced, self.replaced = self.replaced, None
+                _put_back(self.path, replaced)
+                warnings.warn(f"--overwrite: the new run ended before finishing its first step, so the run it was "
+                              f"to replace is back in {self.path}, as it was", stacklevel=2)
+        finally:
+            if self._fd is not None:
+                fd, self._fd = self._fd, None
+                try:
+                    os.ftruncate(fd, 0)
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                finally:
+                    os.close(fd)
 
     def __enter__(self) -> RunDir:
         return self
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """`path` holds `text` or its previous content, never a part (a temp file in the same folder, fsync, rename)."""
+    tmp = path.with_name(f"{ckpt.TMP_PREFIX}{path.name}-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _set_aside(path: Path, entries: list[Path]) -> Path:
+    """Move the old run's `entries` into `<run>/.replaced-<time>` (complete once that name exists)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    partial = path / f"{REPLACED}{stamp}{PARTIAL}"
+    partial.mkdir()
+    for e in entries:
+        os.rename(e, partial / e.name)
+    aside = path / f"{REPLACED}{stamp}"
+    os.rename(partial, aside)
+    return aside
+
+
+def _put_back(path: Path, aside: Path) -> None:
+    """The new run's files go (into `.discarded-*`, then deleted), then the set-aside old run's come back; each
+    phase is marked by a folder name, so that a crash at any point is finished by the next claim (`_recover`)."""
+    stamp = aside.name[len(REPLACED):]
+    discard = path / f"{DISCARDED}{stamp}"
+    shutil.rmtree(discard, ignore_errors=True)
+    discard.mkdir()
+    for e in list(path.iterdir()):
+        if is_run_file(e.name) and e.name != LOCK_FILE:
+            os.rename(e, discard / e.name)
+    restoring = path / f"{RESTORING}{stamp}"
+    os.rename(aside, restoring)
+    _finish_put_back(path, restoring)
+
+
+def _finish_put_back(path: Path, restoring: Path) -> None:
+    for e in list(restoring.iterdir()):
+        if not (path / e.name).exists():
+            os.rename(e, path / e.name)
+    shutil.rmtree(restoring)
+    for d in path.glob(f"{DISCARDED}*"):
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _recover(path: Path) -> None:
+    """Finish what an earlier owner of the folder left half done: an --overwrite whose new run never finished a
+    step (its old run is put back, with a warning), a put-back or a deletion cut short, a config being written."""
+    for p in sorted(path.iterdir()):
+        name = p.name
+        if name.startswith(REPLACED) and name.endswith(PARTIAL):  # the claim stopped while setting aside
+            for e in list(p.iterdir()):
+                os.rename(e, path / e.name)
+            p.rmdir()
+        elif name.startswith(REPLACED):
+            _put_back(path, p)
+            warnings.warn(f"{path}: an earlier --overwrite of this folder stopped before its new run finished a step; "
+                          "the run it was to replace was put back", stacklevel=3)
+        elif name.startswith(RESTORING):
+            _finish_put_back(path, p)
+        elif name.startswith(DISCARDED):
+            shutil.rmtree(p, ignore_errors=True)
+        elif name.startswith(ckpt.TMP_PREFIX) and p.is_file():  # a config being written (`write_atomic`)
+            p.unlink()
+
+
+def restart_advice(path: str | Path | None) -> str:
+    """What to run after a run in folder `path` stopped: --resume when it has a checkpoint, else how to start
+    again (no --resume that would fail)."""
+    if path is None:
+        return "nothing was written"
+    path = Path(path)
+    root = path / "checkpoints"
+    try:
+        latest = ckpt.read_latest(root)
+    except ckpt.CheckpointError:  # a damaged pointer: resume falls back to an intact step folder, if any
+        latest = None
+    steps = sorted(p.name for p in root.glob(ckpt.STEP_PREFIX + "*") if p.is_dir()) if root.is_dir() else []
+    if latest is not None or steps:
+        name = latest.name if latest is not None else steps[-1]
+        return f"the run keeps its checkpoint {name}; continue it with: logitless train --resume {path}"
+    written = path.is_dir() and any(is_run_file(e.name) and e.name != LOCK_FILE for e in path.iterdir())
+    if written:
+        return (f"no checkpoint was saved, so there is nothing to resume: start again with --overwrite (it replaces "
+                f"what {path} holds now), or set train.output_dir to a new folder")
+    return "no checkpoint was saved, so there is nothing to resume: start again with the same command"
 
 
 def run_dir_of_checkpoint(path: str | Path) -> Path:
@@ -157,12 +326,13 @@ def _describe(path: Path, entries: list[Path]) -> str:
     return ", ".join(parts) or ", ".join(sorted(e.name for e in entries))
 
 
-def _check_fresh(path: Path, overwrite: bool) -> None:
-    """Refuse a new run into a folder that holds an earlier run (or foreign files); clear it on --overwrite."""
+def _check_fresh(path: Path, overwrite: bool) -> Path | None:
+    """Refuse a new run into a folder that holds an earlier run (or foreign files); on --overwrite set the earlier
+    run aside (returned) until the new one has finished a step."""
     entries = [e for e in path.iterdir() if e.name != LOCK_FILE]
     if not entries:
-        return
-    foreign = sorted(e.name for e in entries if e.name not in RUN_FILES)
+        return None
+    foreign = sorted(e.name for e in entries if not is_run_file(e.name))
     if foreign:
         raise RunDirError(
             f"train.output_dir={str(path)!r} holds files that no logitless run writes ({', '.join(foreign[:5])}); "
@@ -173,11 +343,50 @@ def _check_fresh(path: Path, overwrite: bool) -> None:
             f"train.output_dir={str(path)!r} already holds a run ({_describe(path, entries)}); nothing was changed. "
             f"Continue it with --resume {path}, replace it with --overwrite, or set train.output_dir=<a new folder>"
         )
-    for e in entries:
-        shutil.rmtree(e) if e.is_dir() and not e.is_symlink() else e.unlink()
+    return _set_aside(path, entries)
 
 
-def claim_run_dir(cfg: TrainerConfig, *, resume: str | Path | None = None, overwrite: bool = False) -> RunDir:
+def _plan_config(run: RunDir, step: int, allow_change: bool) -> None:
+    """On resume: compare the config with the run's own (its current config file, else the checkpoint's copy) and
+    decide where the config is written (`RunDir.config_file`): nowhere when equal; in place when only keys that
+    may change freely changed; a new `config.from-step-N.yaml` beside the kept one when training changes, which
+    needs `allow_change` (else RunDirError listing the changes). Model weight keys are left to `check_resume`."""
+    from logitless.trainer.preflight import WEIGHT_KEYS
+
+    current = current_config(run.path)
+    copy = run.resume_from / ckpt.RUN_CONFIG if run.resume_from is not None else None
+    baseline = current or (copy if copy is not None and copy.is_file() else None)
+    if baseline is None:  # nothing to compare with: the given config becomes the run's
+        run.config_file = run.path / ckpt.RUN_CONFIG
+        return
+    try:
+        saved = _absolute_paths(load_train_config(baseline), run.path)
+    except ConfigError as e:
+        raise RunDirError(f"{baseline} (the config the run was trained with) is not a valid config: {e}. Fix that "
+                          "file, or continue the run with a config file of your own and --allow-config-change") from e
+    diffs = config_differences(saved, run.cfg)
+    training = [d for d in diffs if changes_training(d[0], run.cfg)]
+    if any(k in {f"model.{w}" for w in WEIGHT_KEYS} for k, _, _ in training):
+        return  # check_resume names them: the checkpoint's weights cannot change
+    if not training:
+        run.config_file = (current or run.path / ckpt.RUN_CONFIG) if diffs or current is None else None
+        return
+    new = run.path / changed_config_name(step + 1)
+    if not allow_change:
+        raise RunDirError(
+            f"--resume {run.path}: this config changes what the run trains, against its own config "
+            f"({baseline.name}):{describe(training)}\nSteps from {step + 1} on would train unlike steps 1-{step}. "
+            f"To continue with these settings anyway, add --allow-config-change ({baseline.name} is kept as it is; "
+            f"the new config is saved beside it as {new.name}). Otherwise drop these changes (what may change "
+            "freely: train.max_steps, train.max_minutes, logging.*, checkpoint.*, eval.* and a few more)"
+        )
+    run.config_file = new
+    run.config_note = (f"--allow-config-change: from step {step + 1} on the run trains with changed settings, saved "
+                       f"as {new.name} ({baseline.name} is kept):{describe(training)}")
+
+
+def claim_run_dir(cfg: TrainerConfig, *, resume: str | Path | None = None, overwrite: bool = False,
+                  allow_config_change: bool = False) -> RunDir:
     """Lock the run folder of `cfg` (or of the resumed run) for this process and check it may be written.
 
     Returns the RunDir (a context manager releasing the lock) with the config whose train.output_dir is the
@@ -200,12 +409,16 @@ def claim_run_dir(cfg: TrainerConfig, *, resume: str | Path | None = None, overw
     fd = _lock(path)
     run = RunDir(cfg=_absolute_paths(cfg, path), path=path, resume_from=None, _fd=fd)
     try:
+        _recover(path)
         if resume is None:
-            _check_fresh(path, overwrite)
+            run.replaced = _check_fresh(path, overwrite)
+            run.config_file = path / ckpt.RUN_CONFIG
         else:
             ckpt.clean_temporaries(path / "checkpoints")
             given = Path(resume)
             run.resume_from = ckpt.resolve_checkpoint(given if given.name.startswith(ckpt.STEP_PREFIX) else path)
+            check_metrics_file(path / METRICS_FILE)  # a damaged record, found before the model loads
+            _plan_config(run, ckpt.checkpoint_step(run.resume_from), allow_config_change)
     except BaseException:
         run.release()
         raise

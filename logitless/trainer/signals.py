@@ -1,34 +1,153 @@
-"""Graceful stop on Ctrl-C / SIGTERM: the first signal asks the loop to checkpoint and exit at the next safe
-point; a second Ctrl-C interrupts at once."""
+"""Ctrl-C (SIGINT) and SIGTERM while `train` runs: every signal says at once what it does.
+
+    before the first step (loading, checks): the first signal stops at once (StopNow): nothing was trained yet.
+    during the steps: the first signal asks the loop to stop at its next safe point: the step in progress is
+        finished (its update has begun) or dropped (it has not: a resumed run redoes it), a checkpoint is saved,
+        and the line says how to resume. A second signal stops at once, without saving (StopNow).
+    after a StopNow, one more signal exits at once (os._exit); so does the process itself when it is still
+        unwinding GRACE_S seconds after the StopNow (a thread busy in native code).
+
+Each message goes straight to stderr's file descriptor from the handler, so it appears even while the main thread
+is inside a reward function or a model load. A StopNow is a KeyboardInterrupt whose message was already printed:
+the command line prints nothing more. What is written stays whole: checkpoints are atomic (an interrupted save
+removes its temp folder), the config is replaced atomically and a metrics record is one write.
+
+A process started with SIGINT ignored (a background job of a non-interactive shell, `cmd &` in a script, and some
+schedulers) keeps ignoring it: the shell asked that the terminal's Ctrl-C not reach that job, and CPython itself
+raises no KeyboardInterrupt there. One line says so when the run starts; SIGTERM (`kill PID`) stops such a run in
+the same way.
+"""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+from pathlib import Path
 from types import FrameType
+from typing import Callable
+
+GRACE_S = 10.0  # after a StopNow, the longest the process may take to unwind before it exits by force
 
 
-class StopRequest:
-    """Context manager that turns SIGINT/SIGTERM into a flag (`requested` holds the signal number)."""
+class StopNow(KeyboardInterrupt):
+    """A stop signal that stops the run at once, without a checkpoint; what it means was printed already."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def label(signum: int) -> str:
+    """How a user names the signal: Ctrl-C for SIGINT, else its name."""
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+def say(text: str) -> None:
+    """One line to stderr, written to its file descriptor (a buffered stream is not re-entrant, and the main
+    thread may be printing when the signal arrives)."""
+    data = (text.rstrip("\n") + "\n").encode(errors="replace")
+    try:
+        while data:
+            data = data[os.write(2, data):]
+    except OSError:
+        pass
+
+
+class StopSignals:
+    """Context manager installing the handlers (main thread only; the previous ones come back on exit).
+
+    The loop keeps `step` (the step in progress, 0 before the first) and `updating` (its update has begun) up to
+    date, and reads `requested` (the first signal's number) at its safe points; `commit_step` moves a step from
+    "dropped on a stop" to "finished on a stop" atomically with respect to signals. `advice()` says what to run
+    after a stop (`rundir.restart_advice` of the run folder).
+    """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self):
+    def __init__(self, advice: Callable[[], str] = lambda: "", *, quiet: bool = False):
+        self.advice, self.quiet = advice, quiet
         self.requested: int | None = None
+        self.step = 0
+        self.updating = False
+        self.run_dir: Path | None = None
+        self.sigint_ignored = False
         self._previous: dict[int, object] = {}
+        self._stopping_now = False
+        self._unwound = threading.Event()
+
+    def _say(self, text: str) -> None:
+        if not self.quiet:
+            say(text)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.requested is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # second Ctrl-C: stop now, without a checkpoint
-        self.requested = signum
+        name = label(signum)
+        if self._stopping_now:
+            self._say(f"{name} again: exiting at once")
+            os._exit(128 + signum)
+        if self.requested is None and self.step > 0:
+            self.requested = signum
+            self._say(self.first_message(name))
+            return
+        again = self.requested is not None
+        self._stopping_now = True
+        threading.Thread(target=self._force_exit, args=(signum,), name="logitless-stop", daemon=True).start()
+        self._say(f"{name}{' again' if again else ''}: stopping now, without saving"
+                  f"{'' if self.step else ' (training had not started)'}; {self.advice()}")
+        raise StopNow(signum)
 
-    def __enter__(self) -> StopRequest:
-        if threading.current_thread() is threading.main_thread():  # signal handlers only install there
-            for s in self.SIGNALS:
-                self._previous[s] = signal.signal(s, self._handle)
+    def first_message(self, name: str) -> str:
+        """What the first signal during the steps does, with how to resume."""
+        run, step = self.run_dir, self.step
+        resume = f"Continue later with: logitless train --resume {run}."
+        if self.updating:
+            what = (f"stopping after step {step}: its update finishes, then a checkpoint of step {step} is saved. "
+                    f"{resume}")
+        elif step > 1:
+            what = (f"stopping. Step {step} has not begun its update, so it is dropped (a resumed run redoes it) and "
+                    f"a checkpoint of step {step - 1} is saved. {resume}")
+        else:
+            what = (f"stopping. Step 1 has not begun its update, so it is dropped: nothing was trained, no checkpoint "
+                    f"is saved and there is nothing to resume; start again with --overwrite, or set "
+                    f"train.output_dir to a new folder.")
+        return f"{name}: {what} {name} again stops at once, without saving."
+
+    def _force_exit(self, signum: int) -> None:
+        if not self._unwound.wait(GRACE_S):
+            say(f"{label(signum)}: still stopping after {GRACE_S:.0f} s (a thread is busy in native code); exiting")
+            os._exit(128 + signum)
+
+    def commit_step(self) -> int | None:
+        """From now on a stop finishes the step in progress; returns the signal that came before (the step is
+        then dropped). Signals are held back for the switch, so the message and the decision agree."""
+        held = threading.current_thread() is threading.main_thread() and bool(self._previous)
+        if held:
+            signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)
+        try:
+            before, self.updating = self.requested, True
+        finally:
+            if held:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)
+        return before
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is not threading.main_thread():  # signal handlers only install there
+            return self
+        for s in self.SIGNALS:
+            if s == signal.SIGINT and signal.getsignal(s) == signal.SIG_IGN:
+                self.sigint_ignored = True
+                self._say(f"note: this process ignores Ctrl-C (SIGINT was ignored when it started, as for a "
+                          f"background job); stop it with SIGTERM: kill {os.getpid()}")
+                continue
+            self._previous[s] = signal.signal(s, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
+        self._unwound.set()
         for s, h in self._previous.items():
             signal.signal(s, h)
         self._previous.clear()

@@ -31,6 +31,8 @@ from logitless.objectives import (
     summarize,
     update_entropy_coef,
 )
+from logitless.objectives.mismatch import ABS as MISMATCH
+from logitless.objectives.mismatch import mismatch_summary, sampler_mismatch
 from logitless.rewards import RewardScores, score_completions
 from logitless.rollout import RolloutBatch, SamplingOptions
 from logitless.trainer.accounting import PhaseTimer, decode_ideal_seconds, update_flops
@@ -138,7 +140,7 @@ def score_stage(ctx: TrainContext, ro: Rollout) -> Scored:
     r = ctx.cfg.reward
     scores = score_completions(
         ctx.reward_fns, r.reward_weights, [x.prompt for x in ro.sample_rows], ro.batch.completions, ro.sample_rows,
-        on_error=r.on_error, penalty=r.error_penalty,
+        on_error=r.on_error, penalty=r.error_penalty, timeout_s=r.timeout_s,
     )
     return Scored(scores, compute_advantages(scores.rewards, ctx.cfg.rollout.num_generations, ctx.adv_options))
 
@@ -214,8 +216,10 @@ def logprob_stage(ctx: TrainContext, plan: UpdatePlan) -> OldRef:
     return OldRef(old, ref, threshold, bonus_normalizer)
 
 
-def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i: int) -> tuple[torch.Tensor, dict[str, Stat]]:
-    """Loss of micro-batch i (already divided by the step's normalizer), back-propagated; (loss, metrics)."""
+def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i: int,
+                         first: bool = False) -> tuple[torch.Tensor, dict[str, Stat]]:
+    """Loss of micro-batch i (already divided by the step's normalizer), back-propagated; (loss, metrics). In the
+    step's first optimizer pass (`first`) the metrics also hold the sampler–trainer mismatch of its tokens."""
     o, m = ctx.cfg.objective, plan.micro[i]
     if ctx.on_micro_batch is not None:
         ctx.on_micro_batch(i)
@@ -242,6 +246,8 @@ def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i:
         entropy_normalizer=oldref.bonus_normalizer,
     )
     out.loss.backward()
+    if first:  # the policy the rollout sampled from (no optimizer step yet), against the engine's logprobs
+        return out.loss.detach(), {**out.metrics, **sampler_mismatch(logp, m.sampler_logp, m.completion_mask)}
     return out.loss.detach(), out.metrics
 
 
@@ -263,12 +269,12 @@ def update_stage(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef) -> UpdateR
     """μ optimizer steps, each over all micro-batches; adapts the entropy coefficient after each."""
     res = UpdateResult()
     ctx.model.train()
-    for _ in range(ctx.cfg.train.num_iterations):
+    for it in range(ctx.cfg.train.num_iterations):
         step_loss = torch.zeros((), dtype=torch.float64, device=ctx.device)  # on device: no host sync per micro-batch
         parts = []
         with ctx.lora_compute.stage():  # forwards and backwards (recomputes) alike
             for i in range(len(plan.micro)):
-                loss, metrics = micro_batch_backward(ctx, plan, oldref, i)
+                loss, metrics = micro_batch_backward(ctx, plan, oldref, i, first=it == 0)
                 step_loss += loss
                 parts += [metrics] if i < len(plan.micro) - plan.padding else []
         res.grad_norms.append(optimizer_step(ctx))
@@ -326,8 +332,10 @@ def step_record(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan
     record.update({f"reward/{n}/none": c for n, c in zip(s.names, [int(all_reduce_sum(c, dev)) for c in s.num_none]) if c})
     adv = summarize(all_reduce_metrics(scored.adv.metrics, dev))
     record.update({k: v for k, v in adv.items() if k.startswith(("advantage", "zero_var", "unscorable"))})
-    obj = summarize(merge_metrics(upd.metrics)) if upd.metrics else {}
+    merged = merge_metrics(upd.metrics)  # the mismatch Stats come from the first optimizer pass only
+    obj = summarize({k: v for k, v in merged.items() if not k.startswith(MISMATCH)})
     record.update({k: v for k, v in obj.items() if not k.startswith("completion_length")})
+    record.update(mismatch_summary(merged))  # rollout/mismatch_{mean,max,kl}, over the trained rows' tokens
     train_s = timer.seconds.get("logprobs", 0.0) + timer.seconds.get("train", 0.0)
     record.update({
         "loss": sum(upd.losses) / len(upd.losses) if upd.losses else math.nan,

@@ -1,0 +1,398 @@
+"""How exactly each rollout backend samples the trainer's policy on GPU: per model family and engine variant, the
+engine's sampler logprobs against the trainer's `completion_logprobs` on the same model and batch, bf16.
+
+    python bench/gpu_exactness.py --out DIR [--tokenizer GPT2_TOKENIZER] [--families llama,gemma2] [--wide]
+
+Tiny random models (hidden 256, 4 layers, GPT-2's 50,257-token vocabulary, sliding windows of 24 tokens, which
+96 new tokens always exceed), 4 prompts x 4 samples at temperature 1, EOS ignored; `--wide` adds real-shape widths
+(hidden 2,304-4,096, 2 layers, the real head dims), so the Triton kernels run their real tiles. Variants (`VARIANTS`):
+
+    hf                    transformers `generate` (the reference: its bf16 forward is the trainer's up to rounding)
+    static                the static engine at its defaults (compiled, Triton decode attention and draw, step graph)
+    static_no_step_graph  the same with rollout.step_graph=false (the forward alone a CUDA graph)
+    static_eager          the same uncompiled (the eager decode; a diagnosis column, not a trainer setting)
+    hf_lora               `hf` on a LoRA model (random adapters, B != 0): the reference of merged_lora
+    merged_lora           the trainer's one-GPU LoRA decode weights (rollout/weights.py MergedLoraWeights: merged
+                          in place, fused q/k/v and gate/up projections), static at its defaults
+    rollout_device        the trainer's replica for rollout.device (trainer/parallel.py RolloutCopy, fused
+                          projections) on cuda:1 when there is one, else cuda:0, static at its defaults
+    static_sdpa, static_matmul, static_exact_p
+                          diagnosis columns: static at its defaults with rollout.decode_attention=sdpa, =matmul,
+                          or the Triton kernel's p v product with p in two bf16 halves (ops/triton_decode.EXACT)
+
+Each variant decodes twice (the first call compiles); the second call is measured: mean and max |Δ logp| over
+its completion tokens. Dynamo's compilations are counted in each call (frames compiled, recompilations of a frame
+compiled before, frames that failed, e.g. on the recompile limit) from torch._dynamo's compilation metrics; the
+table shows them as first+second.
+The table is printed and saved as DIR/gpu_exactness_<device>_<commit>.json. The GPU test
+tests/test_gpu_exactness.py runs the same measurement and holds every static variant to its reference:
+mean <= 1.5x and max <= 2x those of `hf` on the same model (`BOUND_MEAN`, `BOUND_MAX`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from logitless.models import completion_logprobs  # noqa: E402
+from logitless.rollout import SamplingOptions, make_engine  # noqa: E402
+
+WINDOW = 24  # tokens of every sliding window: prompts of 12-24 tokens + 96 new tokens always exceed it
+NEW_TOKENS = 96
+PROMPTS, SAMPLES = 4, 4
+BOUND_MEAN, BOUND_MAX = 1.5, 2.0  # a static variant against its hf reference on the same model
+ALTERNATING = ["sliding_attention", "full_attention"] * 2
+REFERENCE = {"static": "hf", "static_no_step_graph": "hf", "static_eager": "hf", "merged_lora": "hf_lora",
+             "rollout_device": "hf", "static_sdpa": "hf", "static_matmul": "hf", "static_exact_p": "hf"}
+VARIANTS = ("hf", "static", "static_no_step_graph", "static_eager", "hf_lora", "merged_lora", "rollout_device",
+            "static_sdpa", "static_matmul", "static_exact_p")
+WIDE_VARIANTS = ("hf", "static", "static_sdpa", "static_matmul", "static_exact_p")
+
+
+def _tiny(eos: int) -> dict[str, Any]:
+    return dict(vocab_size=50_257, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.05, pad_token_id=eos,
+                bos_token_id=None, eos_token_id=eos)
+
+
+def _families(eos: int) -> dict[str, Callable[[], Any]]:
+    """Tiny config of each family the README lists for `static` (windows that bite where the family has one)."""
+    import transformers as tf
+
+    c = _tiny(eos)
+    return {
+        "llama": lambda: tf.LlamaConfig(**c),
+        # layers >= max_window_layers slide: 0-1 full, 2-3 sliding
+        "qwen2_window": lambda: tf.Qwen2Config(**c, use_sliding_window=True, sliding_window=WINDOW,
+                                               max_window_layers=2),
+        "qwen3": lambda: tf.Qwen3Config(**c, head_dim=64),
+        "mistral_window": lambda: tf.MistralConfig(**c, sliding_window=WINDOW),
+        "phi3_window": lambda: tf.Phi3Config(**c, sliding_window=WINDOW),
+        "gemma2": lambda: tf.Gemma2Config(**c, head_dim=64, sliding_window=WINDOW, final_logit_softcapping=None,
+                                          layer_types=ALTERNATING),
+        "gemma3_text": lambda: tf.Gemma3TextConfig(**c, head_dim=64, sliding_window=WINDOW, layer_types=ALTERNATING),
+        # Granite 3's multipliers (embedding, residual, attention, logits)
+        "granite": lambda: tf.GraniteConfig(**c, embedding_multiplier=12.0, residual_multiplier=0.22,
+                                            attention_multiplier=1 / 64, logits_scaling=8.0),
+        # attention sinks, mixture of experts, alternating sliding/full
+        "gpt_oss": lambda: tf.GptOssConfig(**{**c, "max_position_embeddings": 131_072}, head_dim=64,  # its YaRN's
+                                           sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
+                                           layer_types=ALTERNATING),
+        "olmo2": lambda: tf.Olmo2Config(**c),
+    }
+
+
+def _wide(eos: int) -> dict[str, Callable[[], Any]]:
+    """Real-shape widths (2 layers): the head dims, GQA ratios and projections of the named models."""
+    import transformers as tf
+
+    c = dict(vocab_size=50_257, num_hidden_layers=2, max_position_embeddings=4096, pad_token_id=eos, bos_token_id=None,
+             eos_token_id=eos)
+    return {
+        "llama_3b": lambda: tf.LlamaConfig(**c, hidden_size=3072, intermediate_size=8192, num_attention_heads=24,
+                                           num_key_value_heads=8, head_dim=128),
+        "qwen3_4b": lambda: tf.Qwen3Config(**c, hidden_size=2560, intermediate_size=9728, num_attention_heads=32,
+                                           num_key_value_heads=8, head_dim=128),
+        "mistral_7b_window": lambda: tf.MistralConfig(**c, hidden_size=4096, intermediate_size=14336,
+                                                      num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                                      sliding_window=WINDOW),
+        "gemma2_2b": lambda: tf.Gemma2Config(**c, hidden_size=2304, intermediate_size=9216, num_attention_heads=8,
+                                             num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+                                             sliding_window=WINDOW, final_logit_softcapping=None,
+                                             layer_types=ALTERNATING[:2]),
+        "gpt_oss_20b": lambda: tf.GptOssConfig(**{**c, "max_position_embeddings": 131_072}, hidden_size=2880,
+                                               intermediate_size=2880, num_attention_heads=64,
+                                               num_key_value_heads=8, head_dim=64, num_local_experts=4,
+                                               num_experts_per_tok=2, sliding_window=WINDOW,
+                                               layer_types=ALTERNATING[:2]),
+    }
+
+
+def configs(eos: int, wide: bool = False) -> dict[str, Callable[[], Any]]:
+    return _wide(eos) if wide else _families(eos)
+
+
+def tokenizer(path: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    tok.pad_token = tok.pad_token or tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def prompts() -> list[str]:
+    g = torch.Generator().manual_seed(0)
+    words = ["alpha", "beta", "gamma", "delta", "sum", "of", "the", "numbers", "is", "42", "+", "="]
+    return [" ".join(words[i] for i in torch.randint(0, len(words), (n,), generator=g).tolist())
+            for n in (12, 16, 20, 24)][:PROMPTS]
+
+
+def build(make_config: Callable[[], Any], device: str | torch.device, lora: bool = False,
+          seed: int = 0) -> torch.nn.Module:
+    """The bf16 model of `make_config` on `device`, random init from `seed` (the same weights on every call); with
+    `lora`, wrapped in LoRA adapters (r 16, all linear layers, as the trainer's defaults) whose B is random too, so
+    the merged weights differ from the base."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = tf.AutoModelForCausalLM.from_config(make_config(), dtype=torch.bfloat16)  # the trainer's attention
+    model.eval()
+    if not lora:
+        return model
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
+
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
+    for layer in model.modules():
+        if isinstance(layer, LoraLayer):
+            for b in layer.lora_B.values():
+                torch.nn.init.normal_(b.weight, std=0.02)
+    return model.eval()
+
+
+@dataclasses.dataclass
+class Compiles:
+    """Dynamo's frame compilations while a block ran (torch._dynamo.utils' compilation metrics)."""
+
+    frames: int = 0  # frames compiled (a first compilation or a recompilation)
+    recompiles: int = 0  # compilations of a frame compiled before, whose guards failed
+    failures: list[str] = dataclasses.field(default_factory=list)  # e.g. the recompile limit hit
+    reasons: list[str] = dataclasses.field(default_factory=list)  # the first recompile reasons
+
+    @classmethod
+    def start(cls) -> None:
+        from torch._dynamo import utils
+
+        utils.clear_compilation_metrics()
+
+    @classmethod
+    def read(cls) -> Compiles:
+        from torch._dynamo import utils
+
+        out = cls()
+        for m in utils.get_compilation_metrics():
+            out.frames += 1
+            reason = getattr(m, "recompile_reason", None)
+            if reason:
+                out.recompiles += 1
+                out.reasons = (out.reasons + [f"{m.co_name}: {reason.splitlines()[0][:200]}"])[:3]
+            fail = getattr(m, "fail_type", None)
+            if fail:
+                out.failures = (out.failures + [f"{fail}: {str(getattr(m, 'fail_reason', ''))[:200]}"])[:3]
+        return out
+
+
+@dataclasses.dataclass
+class Result:
+    family: str
+    variant: str
+    mean: float  # mean |sampler logp - trainer logp| over the measured call's completion tokens (nats)
+    max: float
+    tokens: int
+    min_length: int  # the shortest row's prompt + completion tokens (> WINDOW: the window bites)
+    seconds: float  # both calls
+    first: Compiles  # dynamo's compilations in the first call (the engine's compile)
+    second: Compiles  # in the measured call, at the same shapes: none for a decode of a bounded number of graphs
+    error: str | None = None
+
+
+def engine_of(variant: str, model: torch.nn.Module, tok: Any) -> tuple[Any, Any]:
+    """(engine, what it keeps alive) of `variant` decoding `model` (the trainer's model for that variant; off CUDA
+    the static variants run eagerly and rollout_device's replica stays on the host)."""
+    from logitless.trainer.builders import make_rollout_engine
+    from logitless.trainer.config import RolloutConfig
+
+    if variant in ("hf", "hf_lora"):
+        return make_engine("hf", model, tok), None
+    if variant == "static":
+        return make_engine("static", model, tok), None
+    if variant == "static_no_step_graph":
+        return make_engine("static", model, tok, step_graph=False), None
+    if variant == "static_eager":
+        return make_engine("static", model, tok, compile=False), None
+    if variant in ("static_sdpa", "static_matmul"):
+        return make_engine("static", model, tok, decode_attention=variant.split("_")[1]), None
+    if variant == "static_exact_p":
+        from logitless.ops import triton_decode
+
+        triton_decode.EXACT["p"] = True  # read when the decode step is traced (measure() resets it)
+        return make_engine("static", model, tok, decode_attention="triton"), None
+    if variant == "merged_lora":  # as trainer/context.py builds it on one GPU: in place, fused projections
+        return make_rollout_engine(RolloutConfig(backend="static"), model, tok), None
+    if variant == "rollout_device":  # as trainer/context.py builds it for rollout.device
+        from logitless.trainer.parallel import make_replica
+
+        here = model.get_input_embeddings().weight.device
+        device = torch.device("cuda", 1 if torch.cuda.device_count() > 1 else 0) if here.type == "cuda" else here
+        replica = make_replica(model, None, device=device, fuse=True)
+        replica.sync(model)
+        cfg = RolloutConfig(backend="static", device=str(device), weight_copy="resident")
+        return make_rollout_engine(cfg, replica.model, tok), replica
+    raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
+
+
+def trainer_logprobs(model: torch.nn.Module, batch: Any, temperature: float) -> torch.Tensor:
+    """[B, T] fp32 on the host: `completion_logprobs` as the trainer's update computes it (LoRA under the default
+    model.lora_compute, autocast in the model's dtype)."""
+    from logitless.trainer.config import ModelConfig
+    from logitless.trainer.modeling import LoraCompute
+
+    device = model.get_input_embeddings().weight.device
+    args = [x.to(device) for x in (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)]
+    compute = LoraCompute(model, ModelConfig())
+    with torch.no_grad(), compute.stage(), compute.forward():
+        return completion_logprobs(model, *args, temperature=temperature)[0].float().cpu()
+
+
+def measure(family: str, variant: str, model: torch.nn.Module, tok: Any) -> Result:
+    """Decode the prompts twice with `variant`'s engine over `model` (compiles in the first call) and compare the
+    second call's sampler logprobs with the trainer's on the same batch."""
+    t0 = time.perf_counter()
+    Compiles.start()
+    engine, keep = engine_of(variant, model, tok)
+    def opts(seed: int) -> SamplingOptions:
+        return SamplingOptions(num_generations=SAMPLES, temperature=1.0, max_new_tokens=NEW_TOKENS, seed=seed,
+                               ignore_eos=True)
+
+    engine.generate(prompts(), opts(1))
+    first = Compiles.read()
+    Compiles.start()
+    batch = engine.generate(prompts(), opts(0))
+    second = Compiles.read()
+    from logitless.ops import triton_decode
+
+    triton_decode.EXACT["p"] = False
+    lp = trainer_logprobs(model, batch, 1.0)
+    m = batch.completion_mask.bool()
+    diff = (batch.sampler_logp - lp)[m].abs()
+    del engine, keep
+    return Result(family, variant, float(diff.mean()), float(diff.max()), int(m.sum()),
+                  int((batch.prompt_mask.sum(1) + batch.completion_mask.sum(1)).min()), time.perf_counter() - t0,
+                  first, second)
+
+
+def run_family(family: str, make_config: Callable[[], Any], variants: tuple[str, ...], tok: Any,
+               device: str = "cuda") -> list[Result]:
+    """Every variant of one family, each on its own copy of the same weights and from a clean dynamo state (its
+    compiled frames, recompile counts and limits are its own, not those of the variants or families before it, with
+    which it shares code objects); a variant that raises is recorded with its error."""
+    out = []
+    for variant in variants:
+        t0 = time.perf_counter()
+        gc.collect()  # the models before (transformers' compiled call keeps each in a reference cycle)
+        torch._dynamo.reset()
+        try:
+            model = build(make_config, device, lora=variant in ("hf_lora", "merged_lora"))
+            out.append(measure(family, variant, model, tok))
+        except Exception as e:  # noqa: BLE001  (the table records it and goes on)
+            out.append(Result(family, variant, float("nan"), float("nan"), 0, 0, time.perf_counter() - t0,
+                              Compiles.read(), Compiles(), error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
+        finally:
+            model = None
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        print(row(out[-1], out), flush=True)
+    return out
+
+
+def within_bound(r: Result, results: list[Result]) -> bool | None:
+    """Whether static variant `r` meets the bound against its reference among `results` (None: no reference)."""
+    ref = next((x for x in results if x.family == r.family and x.variant == REFERENCE.get(r.variant)), None)
+    if ref is None or ref.error or r.error:
+        return None if ref is None or ref.error else False
+    return r.mean <= BOUND_MEAN * ref.mean and r.max <= BOUND_MAX * ref.max
+
+
+def row(r: Result, results: list[Result]) -> str:
+    if r.error:
+        return f"{r.family:18s} {r.variant:21s} ERROR {r.error}"
+    ok = within_bound(r, results)
+    c, fails = r.first, r.first.failures + r.second.failures
+    return (f"{r.family:18s} {r.variant:21s} mean {r.mean:.4f} max {r.max:.3f}  frames {c.frames:2d}+{r.second.frames} "
+            f"recompiles {c.recompiles:2d}+{r.second.recompiles}{' FAILED ' + fails[0] if fails else ''}  "
+            f"{r.seconds:5.1f} s"
+            f"{'' if ok is None else '  within bound' if ok else '  OUT OF BOUND'}")
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _default_tokenizer() -> str | None:
+    for root in (os.environ.get("LOGITLESS_SHARED"), Path(__file__).resolve().parents[1] / "shared",
+                 Path(__file__).resolve().parents[2] / "shared"):
+        if root and Path(root, "tokenizers", "gpt2").is_dir():
+            return str(Path(root, "tokenizers", "gpt2"))
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokenizer", default=_default_tokenizer(),
+                    help="GPT-2's tokenizer folder (default: tokenizers/gpt2 under $LOGITLESS_SHARED or shared/)")
+    ap.add_argument("--families", default=None, help="comma-separated (default: all)")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--wide", action="store_true", help="also the real-shape widths (hf and static)")
+    ap.add_argument("--commit", default=None)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("gpu_exactness measures the CUDA decode: no CUDA device here")
+    if a.tokenizer is None:
+        sys.exit("--tokenizer: GPT-2's tokenizer folder (none found under $LOGITLESS_SHARED/tokenizers/gpt2)")
+    tok = tokenizer(a.tokenizer)
+    variants = tuple(v for v in a.variants.split(",") if v)
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        sys.exit(f"--variants: unknown {unknown}; choose from {VARIANTS}")
+    cases = [(n, f, variants) for n, f in configs(tok.eos_token_id).items()]
+    if a.wide:
+        wide = tuple(v for v in variants if v in WIDE_VARIANTS)
+        cases += [(n, f, wide) for n, f in configs(tok.eos_token_id, True).items()]
+    if a.families:
+        names = a.families.split(",")
+        cases = [c for c in cases if c[0] in names]
+    results: list[Result] = []
+    for name, make_config, vs in cases:
+        results += run_family(name, make_config, vs, tok)
+    print("\n" + "\n".join(row(r, results) for r in results))
+    import transformers
+    import triton
+
+    commit = a.commit or _commit()
+    device = torch.cuda.get_device_name(0)
+    card = next((w for w in device.split() if w[:1].isalpha() and w[1:].isdigit()), "gpu").lower()  # "h100"
+    info = {"device": device, "gpus": torch.cuda.device_count(), "torch": torch.__version__,
+            "triton": triton.__version__, "transformers": transformers.__version__, "commit": commit,
+            "date": time.strftime("%Y-%m-%d"),
+            "setup": {"window": WINDOW, "new_tokens": NEW_TOKENS, "prompts": PROMPTS, "samples": SAMPLES,
+                      "temperature": 1.0, "dtype": "bfloat16", "bound": {"mean": BOUND_MEAN, "max": BOUND_MAX}}}
+    rows = [{**dataclasses.asdict(r), "within_bound": within_bound(r, results)} for r in results]
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    part = f"_{a.families.replace(',', '_')}" if a.families else ""
+    path = out / f"gpu_exactness_{card}_{commit}{part}.json"
+    path.write_text(json.dumps({"info": info, "results": rows}, indent=1))
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -228,7 +228,7 @@ def _train(
         save_resolved(resolved, ctx.run_dir)  # beside config.yaml, both written once the model has loaded
     result = TrainResult(run_dir=ctx.run_dir, step=ctx.start)
     report_reward_errors = RewardErrorReport(ctx.logger.print, cfg.reward.error_penalty)
-    report_mismatch = MismatchReport(ctx.logger.print, cfg.logging.mismatch_warning, mismatch_causes(cfg))
+    report_mismatch = MismatchReport(ctx.logger.print, cfg.logging.mismatch_warning, mismatch_causes(ctx.cfg))  # (decided settings)
     finished = False
     try:
         for step in range(ctx.start + 1, cfg.train.max_steps + 1):

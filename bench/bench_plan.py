@@ -222,7 +222,7 @@ def compare(paths: list[str]) -> dict[str, Any]:
 
 def find_max_T(a: argparse.Namespace, spec: str, model_dir: Path, lo: int, hi: int) -> dict[str, Any]:
     """Longest T (to --resolution) whose one-step probe runs under the budget: from `lo` (which must fit), double
-    while it fits, then bisect."""
+    while it fits (up to --max-T-cap, the context window less the prompt), then bisect."""
     probes = []
 
     def fits(T: int) -> bool:
@@ -234,9 +234,14 @@ def find_max_T(a: argparse.Namespace, spec: str, model_dir: Path, lo: int, hi: i
 
     if not fits(lo):
         return {"max_T": None, "probes": probes}
-    while hi <= a.max_T_cap and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, a.max_T_cap * 2)
+    while True:  # double up to the cap (the context window): fitting there ends the search
+        if lo >= a.max_T_cap:
+            return {"max_T": lo, "capped": True, "probes": probes}
+        nxt = min(hi, a.max_T_cap)
+        if not fits(nxt):
+            hi = nxt
+            break
+        lo, hi = nxt, nxt * 2
     while hi - lo > a.resolution:
         mid = (lo + hi) // 2 // a.resolution * a.resolution
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)

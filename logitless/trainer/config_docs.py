@@ -9,6 +9,7 @@ section included) is documented by running the command again.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
 import io
@@ -39,8 +40,6 @@ def field_comments(cls: type) -> dict[str, str]:
             comments[tok.start[0]] = tok.string.lstrip("#").strip()
         elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER):
             code_lines.update(range(tok.start[0], tok.end[0] + 1))
-    import ast
-
     body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
     out: dict[str, str] = {}
     for node in body:

@@ -57,6 +57,49 @@ def distinct_chars(prompts: list[Any], completions: list[Any], **row_fields: Any
     return [len(set(t)) / 100 for t in texts]
 
 
+class SyntheticAgent:
+    """`--turns N`: every sample is an N-turn episode whose turns end after a fixed number of tokens (the completion
+    length split evenly, `rollout.max_completion_length` grown by the observations) and whose environment answers
+    each turn but the last with the same `--obs-tokens` tokens. It stands in for `logitless.agents.Agent` in the
+    worker process (the trainer builds it from `agent.*`), so the step runs the trainer's real episode path: the
+    static engine's multi-turn decode, the loss mask, the rewards over the conversation."""
+
+    def __init__(self, tokenizer: Any, options: Any) -> None:
+        self.tok, self.turns, self.turn_tokens = tokenizer, int(os.environ["BENCH_TURNS"]), int(os.environ["BENCH_TURN_TOKENS"])
+        text = " The environment observed the last action and reports its state in this fixed-length message." * 8
+        self.obs = tokenizer(text, add_special_tokens=False)["input_ids"][: int(os.environ["BENCH_OBS_TOKENS"])]
+
+    def driver(self, rows: list[Any], num_generations: int) -> Any:
+        from logitless.rollout.episodes import EpisodeRecord
+
+        agent = self
+
+        class Driver:
+            turn_end_ids, turn_stops, max_turn_tokens = [], [], agent.turn_tokens
+            prompt_ids = [agent.tok.apply_chat_template(r.prompt, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False) for r in rows]
+
+            def begin(self, num_rows: int, G: int) -> None:
+                self.records = [EpisodeRecord() for _ in range(num_rows)]
+
+            def respond(self, turns: list[Any]) -> list[Any]:
+                out = []
+                for te in turns:
+                    rec = self.records[te.row]
+                    rec.turns += 1
+                    rec.messages.append({"role": "assistant", "content": agent.tok.decode(te.ids)})
+                    last = rec.turns >= agent.turns
+                    if not last:
+                        rec.messages.append({"role": "user", "content": agent.tok.decode(agent.obs)})
+                    out.append(None if last else list(agent.obs))
+                return out
+
+            def finish(self) -> list[Any]:
+                return self.records
+
+        return Driver()
+
+
 def make_model_dir(shape: str, tokenizer_dir: str, root: Path) -> Path:
     """A random-init Qwen2.5-shaped model with the real tokenizer, saved as a local folder."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
@@ -124,6 +167,13 @@ def run_logitless(a: argparse.Namespace, model_dir: Path, out_dir: Path) -> list
         "logging.tensorboard=false", "logging.plot=false", "logging.log_completions=false",
         "checkpoint.save_steps=0", "checkpoint.save_at_end=false", *a.set,
     ]
+    if a.turns > 1:  # the episode path with a synthetic environment (SyntheticAgent)
+        import logitless.trainer.context as context
+
+        os.environ.update(BENCH_TURNS=str(a.turns), BENCH_TURN_TOKENS=str(a.T // a.turns), BENCH_OBS_TOKENS=str(a.obs_tokens))
+        context.Agent = SyntheticAgent
+        sets += ["agent.tools=[calculator]", f"agent.max_turns={a.turns}",
+                 f"rollout.max_completion_length={a.T + (a.turns - 1) * a.obs_tokens}"]
     res = train(load_train_config(None, sets))
     steps = []
     for r in res.records:
@@ -139,6 +189,8 @@ def run_logitless(a: argparse.Namespace, model_dir: Path, out_dir: Path) -> list
             "weights_copy_gib": r.get("rollout/weights_copy_gib"),
             "replica_gib": r.get("rollout/replica_gib"),  # the static backend's replica (sharded, rollout.device)
             "rollout_device_peak_gib": r.get("memory/rollout_device_peak_gb"),  # rollout.device: that GPU's peak
+            "mismatch_mean": r.get("rollout/mismatch_mean"), "mismatch_max": r.get("rollout/mismatch_max"),
+            "turns_mean": r.get("episode/turns_mean"), "env_tokens_mean": r.get("tokens/env_mean"),
         })
     return steps
 
@@ -268,7 +320,8 @@ def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
     out["step_tokens_per_s"] = out["completion_tokens"] / total
     rollout_gpu = [s["rollout_device_peak_gib"] for s in steps if s.get("rollout_device_peak_gib") is not None]
     out["rollout_device_peak_gib"] = max(rollout_gpu) if rollout_gpu else None  # rollout.device: its own GPU
-    for k in ("rollout_tokens_per_s", "ceiling_fraction", "mfu"):
+    for k in ("rollout_tokens_per_s", "ceiling_fraction", "mfu", "mismatch_mean", "mismatch_max", "turns_mean",
+              "env_tokens_mean"):
         vals = [s[k] for s in steady if s.get(k) is not None]
         out[k] = statistics.median(vals) if vals else None
     return out
@@ -281,6 +334,7 @@ def run_config(a: argparse.Namespace, system: str, T: int, model_dir: Path, step
            "--worker-out", str(path), "--steps", str(steps or a.steps), "--prompts", str(a.prompts), "--G", str(a.G),
            "--micro", str(a.micro), "--backend", a.backend, "--memory-budget", str(a.memory_budget or 0)]
     cmd += ["--full"] if a.full else []
+    cmd += ["--turns", str(a.turns), "--obs-tokens", str(a.obs_tokens)]
     for s in a.set:
         cmd += ["--set", s]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -372,6 +426,9 @@ def main() -> None:
     ap.add_argument("--probes-from", action="append", default=[], metavar="JSON",
                     help="earlier results of the same configuration whose probes --find-max-T reuses (repeatable)")
     ap.add_argument("--set", action="append", default=[], help="extra logitless config override key=value")
+    ap.add_argument("--turns", type=int, default=1, help="logitless: N-turn episodes of T // N model tokens a turn "
+                    "(SyntheticAgent), with --obs-tokens environment tokens after each turn but the last")
+    ap.add_argument("--obs-tokens", type=int, default=64)
     ap.add_argument("--tag", default="")
     ap.add_argument("--commit", default="", help="the code's commit, where the checkout has no git metadata of its own")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -394,6 +451,7 @@ def main() -> None:
         "config": {"shape": f"Qwen2.5-{a.shape} shape, random init, bf16", "tuning": "full" if a.full else "LoRA r16 all-linear",
                    "prompts": a.prompts, "G": a.G, "micro_batch": a.micro, "steps": a.steps, "backend": a.backend,
                    "memory_budget_gib": a.memory_budget or None, "overrides": a.set,
+                   "turns": a.turns, "obs_tokens": a.obs_tokens if a.turns > 1 else 0,
                    "gradient_checkpointing": "model.gradient_checkpointing=false" not in a.set,
                    "loss": "dapo, beta=0", "reward": "distinct_chars", "data": "gsm8k packaged sample, chat template"},
         "runs": [], "max_T": {},

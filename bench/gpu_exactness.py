@@ -16,9 +16,8 @@ Tiny random models (hidden 256, 4 layers, GPT-2's 50,257-token vocabulary, slidi
                           in place, fused q/k/v and gate/up projections), static at its defaults
     rollout_device        the trainer's replica for rollout.device (trainer/parallel.py RolloutCopy, fused
                           projections) on cuda:1 when there is one, else cuda:0, static at its defaults
-    static_sdpa, static_matmul, static_exact_p
-                          diagnosis columns: static at its defaults with rollout.decode_attention=sdpa, =matmul,
-                          or the Triton kernel's p v product with p in two bf16 halves (ops/triton_decode.EXACT)
+    static_sdpa, static_matmul
+                          diagnosis columns: static at its defaults with rollout.decode_attention=sdpa or =matmul
 
 Each variant decodes twice (the first call compiles); the second call is measured: mean and max |Δ logp| over
 its completion tokens. Dynamo's compilations are counted in each call (frames compiled, recompilations of a frame
@@ -55,10 +54,10 @@ PROMPTS, SAMPLES = 4, 4
 BOUND_MEAN, BOUND_MAX = 1.5, 2.0  # a static variant against its hf reference on the same model
 ALTERNATING = ["sliding_attention", "full_attention"] * 2
 REFERENCE = {"static": "hf", "static_no_step_graph": "hf", "static_eager": "hf", "merged_lora": "hf_lora",
-             "rollout_device": "hf", "static_sdpa": "hf", "static_matmul": "hf", "static_exact_p": "hf"}
+             "rollout_device": "hf", "static_sdpa": "hf", "static_matmul": "hf"}
 VARIANTS = ("hf", "static", "static_no_step_graph", "static_eager", "hf_lora", "merged_lora", "rollout_device",
-            "static_sdpa", "static_matmul", "static_exact_p")
-WIDE_VARIANTS = ("hf", "static", "static_sdpa", "static_matmul", "static_exact_p")
+            "static_sdpa", "static_matmul")
+WIDE_VARIANTS = ("hf", "static", "static_sdpa", "static_matmul")
 
 
 def _tiny(eos: int) -> dict[str, Any]:
@@ -226,11 +225,6 @@ def engine_of(variant: str, model: torch.nn.Module, tok: Any) -> tuple[Any, Any]
         return make_engine("static", model, tok, compile=False), None
     if variant in ("static_sdpa", "static_matmul"):
         return make_engine("static", model, tok, decode_attention=variant.split("_")[1]), None
-    if variant == "static_exact_p":
-        from logitless.ops import triton_decode
-
-        triton_decode.EXACT["p"] = True  # read when the decode step is traced (measure() resets it)
-        return make_engine("static", model, tok, decode_attention="triton"), None
     if variant == "merged_lora":  # as trainer/context.py builds it on one GPU: in place, fused projections
         return make_rollout_engine(RolloutConfig(backend="static"), model, tok), None
     if variant == "rollout_device":  # as trainer/context.py builds it for rollout.device
@@ -273,9 +267,6 @@ def measure(family: str, variant: str, model: torch.nn.Module, tok: Any) -> Resu
     Compiles.start()
     batch = engine.generate(prompts(), opts(0))
     second = Compiles.read()
-    from logitless.ops import triton_decode
-
-    triton_decode.EXACT["p"] = False
     lp = trainer_logprobs(model, batch, 1.0)
     m = batch.completion_mask.bool()
     diff = (batch.sampler_logp - lp)[m].abs()

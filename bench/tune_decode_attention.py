@@ -112,7 +112,7 @@ def main() -> None:
     ok = [r for r in results if "mean_us" in r and r["max_err"] < 2e-2]
     best = {rows: min((r for r in ok if r["rows"] == rows), key=lambda r: r["mean_us"]) for rows in a.rows}
     # the configuration before the stages and scan rules (3 stages, scan blocks of 512), as the full sweep ran it
-    default = {rows: next((r for r in ok if r["rows"] == rows and r["block_l"] == td.BLOCK_L and r["num_warps"] == 4
+    default = {rows: next((r for r in ok if r["rows"] == rows and r["block_l"] == td.block_keys(128) and r["num_warps"] == 4
                            and r["num_stages"] == 3 and r["splits"] == td.num_splits(rows * KV, P + NEW)
                            and r["block_scan"] == 512), None)
                for rows in a.rows}

@@ -22,11 +22,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from logitless.rollout import RolloutBatch  # noqa: E402
+from logitless.rollout.episodes import EpisodeRecord  # noqa: E402
 from logitless.rollout.types import RolloutTiming  # noqa: E402
 from logitless.trainer import context, offload  # noqa: E402
 from logitless.trainer.config import load_train_config  # noqa: E402
 from logitless.trainer.loop import train  # noqa: E402
 from tests.conftest import TINY_LORA_QUIET, tiny_qwen2  # noqa: E402
+from tests.episode_driver import ScriptedDriver  # noqa: E402
 
 VOCAB = 50_257  # GPT-2 tokenizer
 # metrics that depend on the clock; train/tflop (a FLOP count) stays and must match across world sizes
@@ -98,7 +100,7 @@ class Recording:
         FIRST_HALF.clear()
         FIRST_HALF.update(prompts[: len(prompts) // 2])
         batch = self.engine.generate(prompts, options)
-        batch.sampler_logp = batch.sampler_logp + PLANTED * (batch.completion_ids % 5) * batch.completion_mask
+        batch.sampler_logp = batch.sampler_logp + PLANTED * (batch.completion_ids % 5) * batch.loss_mask()
         torch.save({"prompts": list(prompts), "batch": dataclasses.asdict(batch)}, self.path)
         return batch
 
@@ -119,8 +121,23 @@ class Replay:
         rows = ((f["prompt_index"] >= off) & (f["prompt_index"] < off + k)).nonzero().view(-1)
         out = {n: (v[rows] if isinstance(v, torch.Tensor) else v) for n, v in f.items() if n not in ("completions", "timing")}
         out["prompt_index"] = out["prompt_index"] - off
+        if out.get("episodes") is not None:
+            out["episodes"] = [EpisodeRecord(**out["episodes"][i]) for i in rows.tolist()]
         texts = [f["completions"][i] for i in rows.tolist()]
         return RolloutBatch(completions=texts, timing=RolloutTiming(**f["timing"]), **out)
+
+
+class Episodes:
+    """The real engine running multi-turn episodes of a scripted driver: 1-3 turns of at most 4 tokens, each
+    followed by 1-3 observation tokens."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def generate(self, prompts, options):
+        driver = ScriptedDriver(lambda b: 1 + b % 3, lambda b, k: [50 + b % 7, 60 + k][: 1 + (b + k) % 2],
+                                max_turn_tokens=4, reward=lambda b: float(b % 2))
+        return self.engine.generate(prompts, options, episodes=driver)
 
 
 def use_engine(make):
@@ -140,6 +157,10 @@ MODES = {
     "lora_packed_offload": ["train.packed=true", "rollout.max_prompt_length=48", "train.micro_batch_tokens=160",
                             "model.gradient_checkpointing=true",
                             "model.activation_offload=true", "model.compile_layers=true"],
+    # multi-turn episodes (the `Episodes` engine): only the model's tokens trained, packed in token-budget
+    # micro-batches, the per-sequence normalizer and the entropy bonus over the model's tokens of every rank
+    "lora_episodes": ["rollout.max_completion_length=20", "rollout.max_prompt_length=48", "train.packed=true",
+                      "train.micro_batch_tokens=80", "objective.loss_type=grpo", "objective.entropy_coef=0.01"],
     # "full" with FSDP2 CPU offload: one process shards over a 1-rank group of its own, 2 ranks over torchrun's
     "full_fsdp_offload": ["model.lora=false", "optim.learning_rate=0.002", "model.gradient_checkpointing=true",
                           "objective.beta=0.04", "train.num_iterations=2", "train.fsdp_offload=true"],

@@ -64,6 +64,18 @@ def test_model_memory_of_a_skeleton_counts_weights_adapters_and_cache():
     assert q4.weight_bytes == pytest.approx(mem.weight_bytes - linear * (2 - mp.NF4_BYTES), rel=1e-3)
 
 
+def test_episode_cache_length_is_the_static_engine_s():
+    from logitless.rollout.static_turns import episode_cache_len
+
+    for P, T in ((166, 1024), (512, 300), (7, 5)):
+        step = mp.StepShape(prompts=1, rows=8, prompt_len=P, completion_len=T, episodes=True)
+        assert step.cache_len == episode_cache_len(P, T, mp.CACHE_MULTIPLE)
+    res = _qwen("1.5b", "agent.tools=[calculator]")[0]
+    from logitless.trainer.auto import step_shape
+
+    assert step_shape(res, bench_plan.skeleton("1.5b")).episodes
+
+
 @pytest.mark.parametrize("rows,cap", [(128, None), (128, 1.0), (128, 1.5), (7, 0.1), (512, 17.3), (96, 4.0)])
 def test_waves_are_the_static_engine_s(rows, cap):
     """rows_per_wave splits the rows as the engine's wave_rows does under the same cap."""

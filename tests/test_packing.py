@@ -227,3 +227,33 @@ def test_varlen_attention_finds_the_rows_without_the_packed_kwargs(one_thread):
         one_row = final_hidden_states(model, ids, None, torch.arange(ids.shape[1])[None])
     torch.testing.assert_close(found, given, atol=1e-6, rtol=0)
     assert not torch.allclose(one_row, given, atol=1e-3)  # the boundaries matter
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_logp_mask_computes_only_its_positions(packed, one_thread, monkeypatch):
+    """completion_logprobs(logp_mask=...) (multi-turn: the model's tokens, observations left out): the same values at
+    those positions as without it, 0 elsewhere, and only those rows through the fused op; gradients equal a
+    weighting of the full result by the mask."""
+    from logitless.models import logprobs as logprobs_module
+
+    model = tiny("llama")
+    pi, pm, ci, cm = batch(seed=3)
+    sub = cm * (torch.rand(cm.shape, generator=torch.Generator().manual_seed(4)) < 0.6).long()
+    seen = []
+    real = logprobs_module.token_logprobs
+    monkeypatch.setattr(logprobs_module, "token_logprobs", lambda h, *a, **k: seen.append(h.shape[0]) or real(h, *a, **k))
+    full, full_ent = completion_logprobs(model, pi, pm, ci, cm, with_entropy=True, packed=packed)
+    part, part_ent = completion_logprobs(model, pi, pm, ci, cm, with_entropy=True, packed=packed, logp_mask=sub)
+    assert seen == [int(cm.sum()), int(sub.sum())]
+    torch.testing.assert_close(part, full * sub, atol=1e-6, rtol=0)
+    torch.testing.assert_close(part_ent, full_ent * sub, atol=1e-6, rtol=0)
+    w = torch.randn(cm.shape, generator=torch.Generator().manual_seed(5))
+    model.zero_grad()
+    completion_logprobs(model, pi, pm, ci, cm, packed=packed)[0].mul(sub * w).sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    completion_logprobs(model, pi, pm, ci, cm, packed=packed, logp_mask=sub)[0].mul(w).sum().backward()
+    for p, e in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, e, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="logp_mask selects positions outside completion_mask"):
+        completion_logprobs(model, pi, pm, ci, cm, logp_mask=torch.ones_like(cm))

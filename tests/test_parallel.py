@@ -75,7 +75,8 @@ def run_equivalence(out: Path, tok_dir: Path) -> dict[str, list[dict]]:
     single = {}
     for mode, overrides in w.MODES.items():
         real = w.context.make_rollout_engine
-        w.use_engine(lambda engine, mode=mode: w.Recording(engine, out / f"rollout_{mode}.pt"))
+        w.use_engine(lambda engine, mode=mode: w.Recording(w.Episodes(engine) if "episodes" in mode else engine,
+                                                           out / f"rollout_{mode}.pt"))
         try:
             with w.offload_every_saved_tensor():
                 single[mode] = train(w.config(out / f"{mode}_single", *overrides), model=w.model(), tokenizer=tok).records
@@ -107,6 +108,8 @@ def check_equivalence(out: Path, single: dict[str, list[dict]], mode: str, atol:
         assert ranks[0]["trained_rows"] == 8.0 and ranks[0]["zero_variance_groups"] > 0
     elif mode.startswith("full"):
         assert ranks[0]["kl"] > 0  # the reference copy and the second optimizer step took part
+    elif mode == "lora_episodes":  # several turns with observations between them, gathered over the ranks
+        assert ranks[0]["episode/turns_mean"] > 1.5 and ranks[0]["tokens/env_mean"] > 1
     else:
         assert ranks[0]["trained_rows"] == 16.0  # every row trained, in packed token-budget micro-batches
 

@@ -25,8 +25,10 @@ TIMING = ("time/", "tokens_per_s", "train_tokens_per_s", "memory/")
 
 REWARDS_MODULE = '''
 def digits(prompts, completions, **fields):
-    """Share of characters that are digits: varies between samples, so advantages are non-zero."""
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) + 0.01 * len(c) for c in completions]
+    """Share of characters that are digits: varies between samples, so advantages are non-zero. (An episode's
+    completion is its messages: the text of all of them.)"""
+    texts = [c if isinstance(c, str) else "".join(m["content"] for m in c) for c in completions]
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) + 0.01 * len(c) for c in texts]
 
 CALLS = [0]
 

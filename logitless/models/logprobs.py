@@ -54,6 +54,7 @@ def completion_logprobs(
     with_entropy: bool = False,
     grad_hint: Tensor | None = None,  # [B, T] expected d loss / d logp (see `token_logprobs`)
     packed: bool = False,
+    logp_mask: Tensor | None = None,  # [B, T] the completion positions to compute (within completion_mask)
 ) -> tuple[Tensor, Tensor | None]:  # logp [B, T] fp32 (0 at padding), entropy [B, T] fp32 or None
     """Log-probability (and entropy) of each completion token under `model` at `temperature`.
 
@@ -85,6 +86,12 @@ def completion_logprobs(
         )
     pmask = _check_mask(prompt_mask, tuple(prompt_ids.shape), "prompt_mask", "prompt_ids")
     cmask = _check_mask(completion_mask, tuple(completion_ids.shape), "completion_mask", "completion_ids")
+    tmask = cmask
+    if logp_mask is not None and logp_mask is not completion_mask:
+        tmask = _check_mask(logp_mask, tuple(completion_ids.shape), "logp_mask", "completion_ids")
+        if bool((tmask & ~cmask).any()):
+            raise ValueError("logp_mask selects positions outside completion_mask: pass a subset of the completion "
+                             "tokens (e.g. completion_mask & ~env_mask)")
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
     (B, P), T = prompt_ids.shape, completion_ids.shape[1]
@@ -111,16 +118,18 @@ def completion_logprobs(
     attention_mask = torch.cat([pmask, cmask], 1)  # [B, L]
     if packed:
         hidden, flat = _packed_hidden(model, input_ids, attention_mask, P)  # [1, S, H], [N]
+        if tmask is not cmask:
+            flat = flat[tmask[cmask]]  # [n] of the N completion tokens
     else:
         hidden = final_hidden_states(model, input_ids, attention_mask.long())  # [B, L, H]
         L = hidden.shape[1]
         src = (P - 1 + torch.arange(T, device=device)).expand(B, T).clone()  # [B, T]
         src[:, 0] = last_prompt
-        flat = (torch.arange(B, device=device)[:, None] * L + src)[cmask]  # [N]
-    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat)  # [N, H]
+        flat = (torch.arange(B, device=device)[:, None] * L + src)[tmask]  # [n]
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat)  # [n, H]
     if h.dtype != head.weight.dtype:
         h = h.to(head.weight.dtype)
-    targets = completion_ids[cmask]  # [N]
+    targets = completion_ids[tmask]  # [n]
     logp, entropy = token_logprobs(
         h,
         head.weight,
@@ -128,11 +137,11 @@ def completion_logprobs(
         bias=head.bias,
         temperature=temperature / head.logit_multiplier,
         with_entropy=with_entropy,
-        grad_hint=None if grad_hint is None else grad_hint.detach()[cmask].float(),
+        grad_hint=None if grad_hint is None else grad_hint.detach()[tmask].float(),
     )
-    logp = scatter_positions(logp.float(), cmask)
+    logp = scatter_positions(logp.float(), tmask)
     if entropy is not None:
-        entropy = scatter_positions(entropy.float(), cmask)
+        entropy = scatter_positions(entropy.float(), tmask)
     return logp, entropy
 
 

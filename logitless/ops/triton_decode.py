@@ -15,9 +15,13 @@ One program reads one (row, KV head)'s cache once for all g query heads of the g
 softmax, p v) become one. With a mask it reads only the visible span of the cache: it first scans the row's mask
 (one byte per slot, against 4 * d bytes of keys and values per KV head) for the first and last visible slot, so the
 unfilled end of a static cache (and what a sliding window hides) costs nothing, with no recompile as it fills.
-When B * kv programs would leave SMs idle, the cache length is split over more programs (`splits`), each writing
-its unnormalized partial output with its max and sum, and a second step combines them (torch ops over
-[B, kv, splits, g, d], which inductor fuses inside the compiled decode step).
+The cache length can be split over more programs (`splits`, or MIN_ROWS_PER_SM), each writing its unnormalized
+partial output with its max and sum, and a second step combines them (torch ops over [B, kv, splits, g, d], which
+inductor fuses inside the compiled decode step); off by default, since a chunk's own running max rounds p otherwise
+than the trainer's attention does.
+
+Keys are read in blocks of `block_keys(d)`, the blocks of torch's memory-efficient attention (the trainer's padded
+sdpa): the online softmax then rounds p at the same running maxima, and the output equals sdpa's to its last bits.
 
 The scores are accumulated in fp32 from the bf16 inputs (not rounded to bf16 as the matmul path's q k^T is); the
 probabilities are rounded to v's dtype for the p v product, as flash attention does.
@@ -38,7 +42,7 @@ def _decode_kernel(
     stride_vb, stride_vh, stride_vl,
     stride_mb,
     KV, G, L, D, chunk, scale,
-    HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, EXACT_P: tl.constexpr,
+    HAS_MASK: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_SCAN: tl.constexpr,
 ):
     bh = tl.program_id(0)  # b * KV + h
@@ -84,10 +88,7 @@ def _decode_kernel(
         p = tl.exp(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_row + ol[:, None] * stride_vl + od[None, :], mask=ld, other=0.0)
-        p_hi = p.to(v.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p_hi, v)
-        if EXACT_P:  # p = p_hi + p_lo to ~16 bits: the p v product as if p were not rounded to v's dtype
-            acc += tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     if SPLIT:  # partial results [B * KV, splits, G, D] and [B * KV, splits, G], combined by the caller
         base = (bh * tl.num_programs(1) + s) * G
@@ -99,7 +100,15 @@ def _decode_kernel(
         tl.store(O + (bh * G + og[:, None]) * D + od[None, :], out.to(O.dtype.element_ty), mask=gd)
 
 
-BLOCK_L = 64
+# Keys per block: those of torch's memory-efficient attention (64 for head dims up to 64, 128 above), the trainer's
+# padded sdpa. The online softmax rounds p to bf16 relative to the running max of the blocks seen so far, so the same
+# partition of the keys gives the trainer's roundings: measured on an H200, this kernel's output equals sdpa's to
+# 1e-10 (d 64) and 3e-6 (d 128), against 4.8e-4 with 64-key blocks at d 128, about the error of either against fp64
+# (bench/LOG.md, "The decode kernel rounds as the trainer does").
+def block_keys(head_dim: int) -> int:
+    return 64 if head_dim <= 64 else 128
+
+
 NUM_WARPS = 4
 # software-pipeline stages: 2 from FEW_STAGES_FROM programs per SM, else Triton's default (3). On an H200 at the
 # 1.5B shape, 2 stages made the kernel 1.04x faster at 512 rows (7.8 programs per SM) and 3 stages 1.10x faster at
@@ -108,13 +117,10 @@ FEW_STAGES_FROM = 4
 # mask slots read per step of the scan for the visible span: a chunk's whole mask in one load up to this many (the
 # scan's steps are dependent loads; one step of 2,048 against three of 512 made the kernel 1.03-1.04x faster)
 BLOCK_SCAN = 2048
-# programs per SM below which the cache length is split: 1, since splitting 256 programs on 132 SMs (the 1.5B shape at
-# 128 rows) made the decode step 1.06x slower than one program per SM on an H200 (bench/LOG.md)
-MIN_ROWS_PER_SM = 1
-# the p v product with p split into two bf16 halves (p_hi + p_lo, ~16 bits): the kernel then matches fp64 attention to
-# the output's own rounding, where rounding p to bf16 (as flash attention does) adds about half as much error again.
-# Read when the kernel is launched (or traced); bench/gpu_exactness.py measures both against the trainer.
-EXACT = {"p": False}
+# programs per SM below which the cache length is split; 0: never. Splitting gives each chunk a running max of its own,
+# so p is rounded differently from the trainer's attention (3x hf's sampler-trainer mismatch at 16 rows of a tiny
+# model, bench/LOG.md), and at the trainer's 128+ rows there is more than a program per SM anyway
+MIN_ROWS_PER_SM = 0
 SMS = {"count": 132}  # the GPU's SM count, set eagerly by `set_sm_count` (a compiled graph reads it as a constant)
 
 
@@ -128,7 +134,7 @@ def num_splits(programs: int, length: int) -> int:
     """How many chunks of the cache length each (row, KV head) is split into: enough programs to give every SM
     MIN_ROWS_PER_SM, never chunks shorter than BLOCK_L."""
     want = -(-MIN_ROWS_PER_SM * SMS["count"] // programs)
-    return max(1, min(want, -(-length // BLOCK_L)))
+    return max(1, min(want, -(-length // 64)))
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -137,7 +143,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     """Attention of one query token per row: q [B, kv, g, d], k/v [B, kv, L, d] (any strides, last dim
     contiguous), mask [B, L] (bool or 0/1; None: every slot) -> [B, kv, g, d] in q's dtype. splits: chunks of L
     per (row, KV head) (None: `num_splits`). block_l, num_warps, num_stages, block_scan: the kernel's launch
-    configuration (None: BLOCK_L, NUM_WARPS, the FEW_STAGES_FROM rule, a chunk's mask in one scan step up to
+    configuration (None: `block_keys` of the head dim, NUM_WARPS, the FEW_STAGES_FROM rule, a chunk's mask in one scan step up to
     BLOCK_SCAN; bench/tune_decode_attention.py measures them)."""
     B, KV, G, D = q.shape
     L = k.shape[2]
@@ -145,7 +151,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         raise ValueError("decode_attention needs the head dimension contiguous in q, k and v")
     if mask is not None and mask.stride(-1) != 1:
         mask = mask.contiguous()
-    block_l = block_l or BLOCK_L
+    block_l = block_l or block_keys(D)
     splits = splits if splits is not None else num_splits(B * KV, L)
     chunk = -(-L // splits)
     chunk = -(-chunk // block_l) * block_l  # whole blocks per chunk
@@ -157,7 +163,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
             v.stride(0), v.stride(1), v.stride(2), m.stride(0) if mask is not None else 0,
             KV, G, L, D, chunk, scale)
     block_scan = block_scan or min(BLOCK_SCAN, max(16, triton.next_power_of_2(chunk)))
-    meta = dict(HAS_MASK=mask is not None, SPLIT=splits > 1, EXACT_P=EXACT["p"], BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l,
+    meta = dict(HAS_MASK=mask is not None, SPLIT=splits > 1, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l,
                 BLOCK_SCAN=block_scan, num_warps=num_warps or NUM_WARPS)
     if num_stages is None and B * KV * splits >= FEW_STAGES_FROM * SMS["count"]:
         num_stages = 2

@@ -2,6 +2,7 @@
 
 from logitless.rewards.builtin import (
     REWARDS,
+    completion_text,
     extract_numeric_answer,
     format_tags,
     get_reward_fn,
@@ -13,17 +14,20 @@ from logitless.rewards.builtin import (
     reward_name,
 )
 from logitless.rewards.code import code_tests, extract_program
-from logitless.rewards.sandbox import SandboxOptions, SandboxPool, SandboxResult
-from logitless.rewards.scoring import RewardFunctionError, RewardScores, score_completions
+from logitless.rewards.sandbox import ExecResult, SandboxOptions, SandboxPool, SandboxResult
+from logitless.rewards.scoring import RewardFunctionError, RewardScores, add_reward_column, score_completions
 
 __all__ = [
     "REWARDS",
+    "ExecResult",
     "RewardFunctionError",
     "RewardScores",
     "SandboxOptions",
     "SandboxPool",
     "SandboxResult",
+    "add_reward_column",
     "code_tests",
+    "completion_text",
     "extract_program",
     "extract_numeric_answer",
     "format_tags",

@@ -5,7 +5,9 @@ A reward function computes one score per completion:
     fn(prompts: list[str], completions: list[str], **row_fields: list[Any]) -> list[float | None]
 
 `row_fields` are the dataset row fields as lists aligned with `completions` (e.g. `answer=[...]`); `None`
-means "not applicable to this sample" (as in TRL). Options of a built-in are keyword-only parameters with
+means "not applicable to this sample" (as in TRL). After multi-turn episodes with chat prompts a completion is
+the list of messages after the prompt (TRL's convention); the built-ins then score the content of its last
+assistant message (`completion_text`). Options of a built-in are keyword-only parameters with
 defaults (`get_reward_fn("format_tags", tags=["reason", "answer"])` binds them).
 """
 
@@ -32,6 +34,24 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
         return fn
 
     return deco
+
+
+def completion_text(completion: Any) -> str:
+    """The text a built-in reward scores: the completion itself, or for a conversation (a list of messages, as
+    multi-turn episodes give them) the content of its last assistant message ("" when it has none or only tool
+    calls). Content given as a list of parts keeps its text parts."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, (list, tuple)) and all(isinstance(m, dict) for m in completion):
+        for message in reversed(completion):
+            if message.get("role") == "assistant":
+                content = message.get("content")
+                if isinstance(content, list):
+                    return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+                return "" if content is None else str(content)
+        return ""
+    raise TypeError(f"a completion must be a string or a list of chat messages (dicts), got "
+                    f"{type(completion).__name__} {completion!r:.80}")
 
 
 def _answers(fn_name: str, n: int, row_fields: dict[str, list[Any]]) -> list[Any]:
@@ -96,7 +116,7 @@ def numeric_answer(prompts: list[str], completions: list[str], **row_fields: lis
         gold = parse_number(answer)
         if gold is None:
             raise ValueError(f"reward 'numeric_answer': the row answer {answer!r} is not a number; use math_verify")
-        pred = extract_numeric_answer(completion)
+        pred = extract_numeric_answer(completion_text(completion))
         out.append(1.0 if pred is not None and pred == gold else 0.0)
     return out
 
@@ -132,6 +152,7 @@ def math_verify(
         if not gold:
             out.append(None)
             continue
+        completion = completion_text(completion)
         last_box = completion.rfind("\\boxed")
         pred = parse(completion[max(last_box, 0) :], parsing_timeout=timeout)
         out.append(1.0 if pred and verify(gold, pred, timeout_seconds=timeout) else 0.0)
@@ -166,7 +187,7 @@ def format_tags(
         raise ValueError(f"format_tags: tags must be a non-empty list of tag names, got {tags!r}")
     pattern = _tags_pattern(tuple(tags), strict)
     match = pattern.match if strict else pattern.search
-    return [1.0 if match(c) else 0.0 for c in completions]
+    return [1.0 if match(completion_text(c)) else 0.0 for c in completions]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -190,7 +211,7 @@ def length_target(
     if unit not in ("chars", "words"):
         raise ValueError(f"length_target: unit must be 'chars' or 'words', got {unit!r}")
     out: list[float | None] = []
-    for c in completions:
+    for c in map(completion_text, completions):
         length = len(c) if unit == "chars" else len(c.split())
         excess = max(length - target, 0) if only_longer else abs(length - target)
         out.append(-min(1.0, excess / target))

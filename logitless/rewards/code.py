@@ -3,7 +3,8 @@
     code_tests(prompts, completions, tests=[["assert add(1, 2) == 3", "assert add(0, 0) == 0"], ...])
     -> [fraction of tests passed, ...]
 
-The program is the last fenced python block of the completion (```python / ```py / ```), else the whole text.
+The program is the last fenced python block of the completion (```python / ```py / ```), else the whole text; of
+a conversation (multi-turn episodes), of its last assistant message.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import re
 import threading
 from typing import Any
 
-from logitless.rewards.builtin import register_reward
+from logitless.rewards.builtin import completion_text, register_reward
 from logitless.rewards.sandbox import SandboxOptions, SandboxPool
 
 _FENCE_RE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\r?\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -64,10 +65,11 @@ def code_tests(
     `extract_program`); with all_or_nothing=True, 1.0 only when every test passes, else 0.0.
 
     `tests` is Python source (one test, e.g. several `assert` lines) or a list of sources, each counted
-    separately; None or empty means "not applicable" (None). A test passes only if the program and the test
-    ran to completion without raising, reported through a per-job secret the program cannot see. A program that
-    raises, exits, times out (`timeout_seconds` wall time for the program and all its tests) or exceeds
-    `memory_mb` passes nothing. Completions are scored in parallel by `num_workers` workers (default: CPUs).
+    separately, in a namespace of its own with genuine builtins; None or empty means "not applicable" (None).
+    A test passes only if the program and the test ran to completion without raising, as reported by a per-test
+    token the program cannot reach. A program that raises, exits, times out (`timeout_seconds` wall time for the
+    program and all its tests) or exceeds `memory_mb` passes nothing. Completions are scored in parallel by
+    `num_workers` workers (default: CPUs). See docs/rewards.md for what the sandbox promises.
     """
     if "tests" not in row_fields:
         raise ValueError(
@@ -81,7 +83,7 @@ def code_tests(
                         num_workers)
     parsed = [_tests_of(t, i) for i, t in enumerate(tests)]
     todo = [i for i, t in enumerate(parsed) if t is not None]
-    results = pool.run([(extract_program(completions[i]), parsed[i]) for i in todo])
+    results = pool.run([(extract_program(completion_text(completions[i])), parsed[i]) for i in todo])
     out: list[float | None] = [None] * len(completions)
     for i, res in zip(todo, results):
         out[i] = float(all(res.passed)) if all_or_nothing else res.fraction

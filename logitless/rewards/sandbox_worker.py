@@ -1,25 +1,29 @@
-"""Sandbox worker: a pre-warmed interpreter that runs untrusted programs with their tests, one job at a time.
+"""Sandbox worker: a pre-warmed interpreter that runs untrusted programs, with or without tests, one job at a time.
 
-Run by `logitless.rewards.sandbox` as `python -I -S -B sandbox_worker.py` with an empty environment; it uses
-the standard library only. Protocol on stdin/stdout: 4-byte big-endian length + JSON.
-    job    {"program": str, "tests": [str], "timeout": s, "cpu": s, "memory_mb": n, "output_kb": n, "files": n}
-    result {"passed": [test indices], "status": "ok" | "timeout" | "killed"}
+Started as `python -I -S -B sandbox_worker.py [FEATURE ...]` with an empty environment, by `sandbox_setup.py` once
+it has entered the namespaces (the features it names) or directly without them. It uses the standard library
+only and never loads `ctypes`. Protocol on stdin/stdout: 4-byte big-endian length + JSON.
+    job    {"program": str, "tests": [str] | null, "timeout": s, "cpu": s, "memory_mb": n, "output_kb": n, "files": n}
+    reply  with tests: {"passed": [test indices], "status": "ok" | "timeout" | "killed"}
+           tests null: {"status": "ok" | "error" | "timeout" | "memory" | "output_limit" | "crashed",
+                        "stdout": str, "error": str}
 
-The worker serves as PID 1 of its own PID namespace when permitted. Per job it forks one child in a new
-session, the only process running untrusted code; after the job it kills that process group and, as PID 1,
-every other process in its namespace. The child sets resource limits, enters a fresh work directory, closes
-every inherited file descriptor except a report pipe, installs an audit hook, runs the program, then each test.
-After each test that raised nothing, the child writes "<secret> <index>" to the report pipe; the worker counts
-only lines with this job's secret, so exiting early, closing or flooding the pipe can only lose credit.
-See docs/rewards.md.
+Per job the worker forks one child (the only process that runs untrusted code) in a fresh work directory and
+draws a random 128-bit token per test. The child confines itself (descriptors, resource limits, audit hook), then
+runs the program and each test from a harness frame that writes a test's token to the report pipe when the test
+raised nothing; the worker counts a test as passed only if its token arrives. Untrusted code cannot reach that
+frame: no frame object can be obtained (the audit hook refuses every way to one, and the worker removes the only
+function that installs a Python signal handler, which would receive the interrupted frame).
+See docs/rewards.md for the threat model.
 """
 
+import _imp
+import _signal
 import builtins
-import ctypes
-import ctypes.util
-import gc
+import io
 import json
 import os
+import posix
 import resource
 import select
 import shutil
@@ -28,64 +32,32 @@ import struct
 import sys
 import tempfile
 import time
+import traceback
+import types
 
-CLONE_NEWUSER, CLONE_NEWNET, CLONE_NEWPID = 0x10000000, 0x40000000, 0x20000000
 NOBODY = 65534
-PR_SET_PDEATHSIG = 1
-MAX_WRITTEN_FILES = 100  # per job; each file is also capped by RLIMIT_FSIZE
-BLOCKED_EVENTS = (  # audit events refused to untrusted code (defence in depth behind the OS limits)
-    "os.fork", "os.forkpty", "os.posix_spawn", "os.posix_spawnp", "os.exec", "os.spawn", "os.system",
-    "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg", "signal.pthread_kill", "socket.__new__",
-    "socket.connect", "socket.bind", "socket.getaddrinfo", "sys._current_frames", "sys._current_exceptions",
-    "gc.get_objects", "gc.get_referrers", "gc.get_referents", "ctypes.dlopen", "ctypes.cdata", "os.chroot",
-    "os.setuid", "sys.addaudithook", "sys.remote_exec", "_thread.start_new_thread",
-)
-# Frames hold the harness's state: every way to reach one is refused (as AttributeError / ValueError, which
-# the standard library already handles where it asks for a caller's frame, e.g. collections.namedtuple).
-FRAME_ATTRS = ("tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back")
-FRAME_EVENTS = ("sys._getframe", "sys._getframemodulename")
-BLOCKED_MODULES = ("ctypes", "_ctypes", "_posixsubprocess", "_xxsubinterpreters", "gc")
-FS_EVENTS = ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink", "os.link", "os.chmod", "os.chown",
-             "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile", "os.chdir", "os.mknod")
-LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+REPORT_FD = 777  # above RLIMIT_NOFILE: a program can write to it but cannot put another file in its place
+AUDIT = SNAPSHOT = None  # set by main(): sandbox_audit.py, and the state tests start from (_prepare)
+UNAUDITED = ("mkfifo", "mknod")  # os functions that create files without an audit event: removed in the child
 # Imported before the worker drops privileges (the interpreter's files may not be readable by nobody) and so
-# that a job's imports of them cost nothing. Other standard-library modules are imported on demand.
+# that a job's imports of them cost nothing; every built-in module too (a job cannot create them afresh).
 PRELOAD = (
     "abc", "array", "bisect", "cmath", "collections", "collections.abc", "copy", "dataclasses", "datetime",
     "decimal", "enum", "fractions", "functools", "hashlib", "heapq", "io", "itertools", "json", "math",
     "numbers", "operator", "random", "re", "statistics", "string", "textwrap", "time", "typing", "unicodedata",
     "queue", "struct", "contextlib", "types", "warnings", "inspect", "traceback", "pprint", "calendar",
+    "base64", "binascii", "csv", "difflib", "fnmatch", "glob", "graphlib", "zlib", "pathlib", "shlex", "threading",
 )
 
 
-def _write_file(path, text):
-    with open(path, "w") as f:
-        f.write(text)
-
-
-def _isolate_worker(namespaces=True):
-    """Once per worker: drop root to nobody, then enter new user, network and PID namespaces when the kernel
-    permits. Returns the isolation features in place; with "pid_namespace" the caller must fork once and serve
-    from the child, which is PID 1 of the new namespace."""
-    features = []
-    if os.geteuid() == 0:
-        os.setgroups([])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
-        features.append("uid_nobody")
-    uid, gid = os.geteuid(), os.getegid()
-    for flags, names in ((CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID, ["net_namespace", "pid_namespace"]),
-                         (CLONE_NEWUSER | CLONE_NEWNET, ["net_namespace"])):
-        if namespaces and LIBC.unshare(flags) == 0:
-            try:
-                _write_file("/proc/self/setgroups", "deny")
-                _write_file("/proc/self/uid_map", f"{uid} {uid} 1")
-                _write_file("/proc/self/gid_map", f"{gid} {gid} 1")
-            except OSError:
-                pass
-            features += names
-            break
-    return features
+def _load_audit():
+    """sandbox_audit.py, beside this file, as a module (the worker runs without this package on its path)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_audit.py")
+    module = types.ModuleType("sandbox_audit")
+    module.__file__ = path
+    with open(path) as f:
+        exec(compile(f.read(), path, "exec"), module.__dict__)
+    return module
 
 
 def _read_exact(fd, n):
@@ -112,176 +84,261 @@ def _limit(kind, soft, hard=None):
         pass
 
 
-def _audit_hook(workdir):
-    """Refuse process creation, signals, sockets, introspection that could reach the harness, /proc, and file
-    changes outside `workdir`."""
-    blocked, modules, fs_events = set(BLOCKED_EVENTS), set(BLOCKED_MODULES), set(FS_EVENTS)
-    attrs, frame_events = set(FRAME_ATTRS), set(FRAME_EVENTS)
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-    opened = [0]
-    root = workdir.rstrip("/") + "/"
-    realpath, fspath, isinstance_, str_, bytes_ = os.path.realpath, os.fspath, isinstance, str, bytes
-    perm = PermissionError
-
-    def inside(path):
-        if isinstance_(path, int):
-            return True
-        p = fspath(path)
-        p = p.decode(errors="replace") if isinstance_(p, bytes_) else str_(p)
-        full = realpath(p)
-        return full == workdir or full.startswith(root)
-
-    def hook(event, args):
-        if event in blocked:
-            raise perm(f"sandbox: {event} is not permitted")
-        if event == "object.__getattr__" and args[1] in attrs:
-            raise AttributeError(f"sandbox: attribute {args[1]} is not permitted")
-        if event in frame_events:
-            raise ValueError(f"sandbox: {event} is not permitted")
-        if event == "import" and args[0].split(".")[0] in modules:
-            raise perm(f"sandbox: import of {args[0]} is not permitted")
-        if event == "open":
-            path, mode = args[0], args[1]
-            name = path if isinstance_(path, int) else fspath(path)
-            name = name.decode(errors="replace") if isinstance_(name, bytes_) else str_(name)
-            if name.startswith("/proc") or realpath(name).startswith("/proc"):
-                raise perm("sandbox: /proc is not readable")
-            flags = args[2] if len(args) > 2 and isinstance_(args[2], int) else 0
-            writes = bool(flags & write_flags) if mode is None else any(c in str_(mode) for c in "wax+")
-            if writes and not inside(path):
-                raise perm("sandbox: writing outside the work directory is not permitted")
-            if writes:
-                opened[0] += 1
-                if opened[0] > MAX_WRITTEN_FILES:
-                    raise perm(f"sandbox: more than {MAX_WRITTEN_FILES} files opened for writing")
-        elif event in fs_events:
-            for a in args:
-                if isinstance_(a, (str_, bytes_)) or hasattr(a, "__fspath__"):
-                    if not inside(a):
-                        raise perm(f"sandbox: {event} outside the work directory is not permitted")
-
-    return hook
-
-
-def _confine(job, report_fd, workdir):
-    """In the job's child: work directory, standard streams to a capped file, every other descriptor closed
-    but the report pipe (returned), resource limits, empty environment."""
+def _confine(job, report_fd, out_fd, workdir):
+    """In the job's child: work directory, stdin from /dev/null, stdout/stderr to the capped output file, every
+    other descriptor closed but the report pipe (returned), resource limits, empty environment, temporary files
+    in the work directory."""
     os.chdir(workdir)
-    out = os.open("output.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    os.dup2(out, 1)
-    os.dup2(out, 2)
-    report = os.dup2(report_fd, 777)  # any number: the pipe is not secret, the per-job line prefix is
+    os.dup2(out_fd, 1)
+    os.dup2(out_fd, 2)
+    report = os.dup2(report_fd, REPORT_FD)
     os.closerange(3, report)
     os.closerange(report + 1, 65536)
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # output over the cap: writes fail instead of killing
     cpu = int(job["cpu"])
     _limit(resource.RLIMIT_CPU, cpu, cpu + 1)
     _limit(resource.RLIMIT_AS, int(job["memory_mb"]) << 20)
-    _limit(resource.RLIMIT_FSIZE, int(job["output_kb"]) << 10)
+    _limit(resource.RLIMIT_FSIZE, (int(job["output_kb"]) << 10) + 1)  # one byte over the cap tells it was hit
     _limit(resource.RLIMIT_NOFILE, int(job["files"]))
-    _limit(resource.RLIMIT_NPROC, 0)
     _limit(resource.RLIMIT_CORE, 0)
+    _limit(resource.RLIMIT_NPROC, 0)  # no new process or thread
     os.environ.clear()
+    os.environ["TMPDIR"] = workdir  # tempfile's directory (the worker never asked tempfile for one)
     return report
 
 
-def _restorer():
-    """A function that undoes what a program may have left to fake a pass: monkeypatched builtins, trace and
-    profile hooks, signal handlers and timers, pending finalizers (collected now; the collector is then off)."""
-    saved, current = dict(builtins.__dict__), builtins.__dict__
-    settrace, setprofile, setitimer, sig, collect, disable = (sys.settrace, sys.setprofile, signal.setitimer,
-                                                               signal.signal, gc.collect, gc.disable)
-    timers = (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)
-    signals = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
+def _prepare():
+    """Once per worker, after its imports: the interpreter state every job starts from. Unbuffered stdout and
+    stderr (what was printed before a timeout is kept; the worker itself writes replies with os.write), imports
+    that compile sources (a path that never exists as the bytecode cache: no marshal.loads), no os function that
+    creates files unaudited, no way to create fresh copies of built-in modules. Returns the snapshot that tests
+    get their builtins and modules from: (builtins dict, its items, its names, {module name: (module, its dict,
+    copy of its dict)}). Also: no module a job may not import loaded, every signal handled by default (SIGXFSZ
+    ignored: output over the cap makes writes fail instead of killing; SIGPIPE ignored as Python has it), and no
+    way left to install a Python signal handler: a handler receives the frame it interrupts, and the harness's
+    frames are below every frame of untrusted code."""
+    import gc
 
-    def restore():
-        for t in timers:
-            setitimer(t, 0)
-        for s in signals:
+    for s in signal.valid_signals():
+        if s not in (signal.SIGKILL, signal.SIGSTOP):
             try:
-                sig(s, signal.SIG_IGN if s == signal.SIGXFSZ else signal.SIG_DFL)
+                signal.signal(s, signal.SIG_IGN if s in (signal.SIGXFSZ, signal.SIGPIPE) else signal.SIG_DFL)
             except (OSError, ValueError, RuntimeError):
                 pass
-        settrace(None)
-        setprofile(None)
-        collect()
-        disable()
-        current.clear()
-        current.update(saved)
+    install = _signal.signal  # the only function that installs Python signal handlers
+    del _signal.signal
+    signal.__dict__.pop("signal", None)  # the wrapper that calls it
+    if [r for r in gc.get_referrers(install) if type(r) is not types.FrameType]:
+        raise RuntimeError("sandbox worker: signal.signal is still reachable after its removal on this Python")
+    install = None
+    for name in list(sys.modules):
+        if name.startswith(AUDIT.BLOCKED_MODULES):
+            del sys.modules[name]
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+                                  write_through=True)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+    sys.pycache_prefix = os.devnull + "/pycache"
+    for name in UNAUDITED:
+        for owner in (os, posix):
+            owner.__dict__.pop(name, None)
+    for name in ("create_builtin", "exec_builtin"):  # every built-in module is imported already
+        _imp.__dict__.pop(name, None)
+    saved = dict(builtins.__dict__)
+    modules = {k: (m, m.__dict__, dict(m.__dict__)) for k, m in sys.modules.items()
+               if type(m) is types.ModuleType and k not in ("__main__", "builtins")}
+    return saved, tuple(saved.items()), frozenset(saved), modules
 
-    return restore
 
+def _runner(work, snapshot):
+    """The harness that runs all untrusted code (work[0] holds the codes, the tokens, the report pipe, whether the
+    job has tests, and the program's namespace): codes[0], the program, in `namespace`, then, if it ran to
+    completion, each test codes[k] (None: it did not compile) in a namespace of its own: the program's names but
+    those of builtins, and a fresh copy of the genuine builtins whose `__import__` gives each module loaded before
+    the program as it was then. For each test that raised nothing, its token goes to the report pipe; for a job
+    without tests, the program's outcome. Then the process ends. Everything is bound now, before any untrusted
+    code runs: these functions look up no global or builtin name, so a program cannot put its own code in the
+    harness's way."""
+    exec_, dict_, type_, str_, isinstance_, fmt, write = exec, dict, type, str, isinstance, \
+        traceback.format_exception_only, os.write
+    base, memory_error, system_exit, len_, exit_ = BaseException, MemoryError, SystemExit, len, os._exit
+    bdict, real_import = builtins.__dict__, builtins.__import__
+    saved, pristine, names, modules = snapshot
+    known = modules.get
 
-def _run_untrusted(job, report_fd, workdir):
-    """The job's child: confine, run the program, then each test; report each test that raised nothing."""
-    report = _confine(job, report_fd, workdir)
-    secret = job.pop("secret").encode()
-    try:
-        program_code = compile(job.pop("program"), "<program>", "exec")
-        test_codes = [compile(t, f"<test {i}>", "exec") for i, t in enumerate(job.pop("tests"))]
-    except BaseException:
-        os._exit(0)
-    write, exec_, exit_, restore = os.write, exec, os._exit, _restorer()
-    for name in BLOCKED_MODULES:
-        sys.modules.pop(name, None)
-    sys.addaudithook(_audit_hook(workdir))
-    namespace = {"__name__": "__main__", "__builtins__": builtins}
-    try:
-        exec_(program_code, namespace)
-    except BaseException:
-        exit_(0)  # a program that raises (or calls sys.exit) passes no test
-    for i, code in enumerate(test_codes):
+    def genuine_import(name, globals=None, locals=None, fromlist=(), level=0):
+        result = real_import(name, globals, locals, fromlist, level)
+        if level != 0 or type_(name) is not str_:
+            return result
+        key, first = "", None
+        for part in name.split("."):
+            key = key + "." + part if key else part
+            entry = known(key)
+            if entry is None:
+                break
+            entry[1].clear()
+            entry[1].update(entry[2])
+            first = entry[0] if first is None else first
+        if fromlist:
+            entry = known(name)
+            return entry[0] if entry is not None else result
+        return first if first is not None else result
+
+    def outcome(e):
+        if isinstance_(e, system_exit) and (e.code is None or e.code == 0):
+            return b"\0ok\0"
+        kind = b"\0memory\0" if isinstance_(e, memory_error) else b"\0error\0"
         try:
-            restore()
-            exec_(code, namespace)
-        except BaseException:
-            continue
+            e.__suppress_context__ = True  # the tracebacks of a chain would need frames, which the hook refuses
+            text = "".join(fmt(type_(e), e)).strip("\n")
+        except base:
+            try:
+                text = type_(e).__name__ + ": " + str_(e)
+            except base:
+                text = "the exception could not be formatted"
         try:
-            write(report, secret + b" %d\n" % i)
-        except BaseException:
+            return kind + text.encode("utf-8", "replace").replace(b"\0", b"")
+        except base:
+            return kind + b"the exception could not be formatted"
+
+    def run():
+        codes, tokens, report, has_tests, namespace = work.pop()
+        count, ok, message = len_(codes), False, b"\0ok\0"
+        try:
+            exec_(codes[0], namespace)
+            ok = True
+        except base as e:
+            message = None if has_tests else outcome(e)
+        if not has_tests:
+            try:
+                write(report, message)
+            except base:
+                pass
             exit_(0)
-    exit_(0)
+        if not ok:
+            exit_(0)  # the program did not run to completion: no test runs
+        k = 1
+        while k < count:
+            ok = test = own = None
+            try:
+                if codes[k] is not None:
+                    bdict.clear()
+                    bdict.update(saved)
+                    test = dict_()
+                    for name, value in namespace.items():
+                        if name not in names:
+                            test[name] = value
+                    own = dict_(pristine)
+                    own["__import__"] = genuine_import
+                    test["__builtins__"], test["__name__"] = own, "__main__"
+                    exec_(codes[k], test)
+                    ok = True
+            except base:
+                pass
+            test = own = name = value = None
+            try:
+                if ok is True:
+                    write(report, tokens[k - 1])
+            except base:
+                exit_(0)
+            k += 1
+        exit_(0)
+
+    return run
 
 
-def _collect(read_fd, pid, secret, deadline):
-    """Read report lines until B closes the pipe or the deadline passes; returns (passed indices, timed_out)."""
-    buf, timed_out = b"", False
+def _child(job, tokens, report_fd, out_fd, workdir):
+    """The job's child: confine, compile, install the audit hook, then run the program and its tests."""
+    report = _confine(job, report_fd, out_fd, workdir)
+    exec_mode = job["tests"] is None
+    try:
+        codes = [compile(job.pop("program"), "<program>", "exec")]
+    except BaseException as e:  # SyntaxError, ValueError (NUL bytes), RecursionError, MemoryError
+        if exec_mode:
+            os.write(report, b"\0error\0" + "".join(traceback.format_exception_only(type(e), e)).strip("\n").encode(
+                "utf-8", "replace").replace(b"\0", b""))
+        os._exit(0)
+    for i, source in enumerate(job.pop("tests") or ()):
+        try:
+            codes.append(compile(source, f"<test {i}>", "exec"))
+        except BaseException:  # a test that does not compile fails alone
+            codes.append(None)
+    job.clear()
+    module = types.ModuleType("__main__")  # `import __main__` in the program gives its own module
+    module.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = module
+    work = [(codes, [b"\n" + t + b"\n" for t in tokens], report, not exec_mode, module.__dict__)]
+    tokens[:] = []
+    codes = tokens = job = module = None
+    run = _runner(work, SNAPSHOT)
+    sys.addaudithook(AUDIT.audit_hook(workdir))
+    run()
+
+
+def _collect(read_fd, deadline, wanted):
+    """Read the report pipe until the child closes it or the deadline passes. Returns (indices of the `wanted`
+    lines seen, the last 64 KiB read, timed_out)."""
+    seen, tail, partial = set(), b"", b""
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            timed_out = True
-            break
-        ready, _, _ = select.select([read_fd], [], [], left)
-        if not ready:
+            return seen, tail, True
+        if not select.select([read_fd], [], [], left)[0]:
             continue
         chunk = os.read(read_fd, 65536)
         if not chunk:
-            break
-        buf = (buf + chunk)[-(1 << 20):]
-    passed = set()
-    for line in buf.split(b"\n"):
-        head, _, index = line.partition(b" ")
-        if head == secret and index.isdigit():
-            passed.add(int(index))
-    return passed, timed_out
+            return seen, tail, False
+        tail = (tail + chunk)[-(64 << 10):]
+        *lines, partial = (partial + chunk).split(b"\n")
+        partial = partial[-64:]  # a token line is 32 characters
+        for line in lines:
+            if line in wanted:
+                seen.add(wanted[line])
+
+
+def _exec_reply(job, timed_out, code, tail, output):
+    """The reply for a job without tests, from what the worker saw (the child's own report only says how the
+    program ended; a program can forge that, but only for itself)."""
+    cap = int(job["output_kb"]) << 10
+    stdout = output[:cap].decode("utf-8", errors="replace")
+    head, _, message = tail.rpartition(b"\0")
+    kind = head.rpartition(b"\0")[2]
+    message = message.decode("utf-8", errors="replace")
+    if timed_out or code == -signal.SIGXCPU:
+        return {"status": "timeout", "stdout": stdout, "error": f"timed out after {job['timeout']:g} s"
+                if timed_out else f"CPU time limit of {job['cpu']} s exceeded"}
+    if len(output) > cap:
+        return {"status": "output_limit", "stdout": stdout, "error": f"output over {job['output_kb']} KiB, cut"}
+    if kind in (b"memory", b"error"):
+        return {"status": kind.decode(), "stdout": stdout, "error": message}
+    if kind == b"ok" or code == 0:
+        return {"status": "ok", "stdout": stdout, "error": ""}
+    if code > 0:
+        return {"status": "error", "stdout": stdout, "error": f"the program exited with status {code}"}
+    return {"status": "crashed", "stdout": stdout, "error": f"killed by {signal.Signals(-code).name}"}
 
 
 def _run_job(job, root):
-    secret = os.urandom(16).hex()
-    job["secret"] = secret
+    tests = job["tests"]
+    tokens = [os.urandom(16).hex().encode() for _ in tests or ()]
     workdir = os.path.realpath(tempfile.mkdtemp(dir=root))
+    out_fd = os.open(os.path.join(workdir, "output.txt"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     read_fd, write_fd = os.pipe()
+    exit_ = os._exit
+    deadline = time.monotonic() + float(job["timeout"])
     pid = os.fork()
     if pid == 0:
         try:
             os.setsid()  # one process group to kill
-            _run_untrusted(job, write_fd, workdir)
+            os.close(read_fd)
+            _child(job, tokens, write_fd, out_fd, workdir)
         finally:
-            os._exit(1)
+            exit_(1)
     os.close(write_fd)
-    passed, timed_out = _collect(read_fd, pid, secret.encode(), time.monotonic() + float(job["timeout"]))
+    wanted = {t: i for i, t in enumerate(tokens)}
+    passed, tail, timed_out = _collect(read_fd, deadline, wanted)
     os.close(read_fd)
     try:
         os.killpg(pid, signal.SIGKILL)  # the job's whole process group
@@ -299,30 +356,49 @@ def _run_job(job, root):
                     break
             except ChildProcessError:
                 break
+    output = os.pread(out_fd, (int(job["output_kb"]) << 10) + 1, 0) if tests is None else b""
+    os.close(out_fd)
     shutil.rmtree(workdir, ignore_errors=True)
     code = os.waitstatus_to_exitcode(status)
-    n = len(job["tests"])
-    status_name = "timeout" if timed_out else ("ok" if code == 0 else "killed")
-    return {"passed": sorted(i for i in passed if i < n), "status": status_name}
+    if tests is None:
+        return _exec_reply(job, timed_out, code, tail, output)
+    return {"passed": sorted(passed), "status": "timeout" if timed_out else ("ok" if code == 0 else "killed")}
+
+
+def _drop_root():
+    """Root becomes nobody (uid/gid 65534, no supplementary groups): in the user namespace when the setup mapped
+    it there, else on the host. Returns the feature names in place."""
+    if os.geteuid() != 0:
+        return []
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+    return ["uid_nobody"]
 
 
 def main():
-    for name in PRELOAD:
+    import gc
+
+    global AUDIT, SNAPSHOT
+    AUDIT = _load_audit()
+    features = [a for a in sys.argv[1:] if not a.startswith("-")]
+    for name in PRELOAD + tuple(sys.builtin_module_names):
         try:
             __import__(name)
         except ImportError:
             pass
-    features = _isolate_worker(namespaces="--no-namespaces" not in sys.argv)
+    features += _drop_root()
     if "pid_namespace" in features:
         server = os.fork()
         if server != 0:  # this process only waits: the server is PID 1 of the namespace
             _, status = os.waitpid(server, 0)
             os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
-        LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    gc.freeze()  # the interpreter's objects stay out of the jobs' collections: fewer copy-on-write faults
     shm = "/dev/shm"  # tmpfs: creating and removing a work directory costs microseconds instead of milliseconds
     base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
     root = tempfile.mkdtemp(prefix="logitless-sandbox-", dir=base)
+    tempfile.tempdir = None  # jobs' tempfile calls find TMPDIR = their work directory
+    SNAPSHOT = _prepare()
+    gc.freeze()  # the interpreter's objects stay out of the jobs' collections: fewer copy-on-write faults
     _send({"ready": True, "features": features})
     try:
         while True:

@@ -39,7 +39,8 @@ def _row_fields(rows: Sequence[Any]) -> dict[str, list[Any]]:
     return {k: [d.get(k) for d in dicts] for k in keys}
 
 
-def _short(text: str, n: int = 200) -> str:
+def _short(text: Any, n: int = 200) -> str:
+    text = text if isinstance(text, str) else str(text)  # a conversation (message list) of multi-turn episodes
     return repr(text if len(text) <= n else text[:n] + "...")
 
 
@@ -92,7 +93,7 @@ def score_completions(
     fns: Sequence[RewardFn | str],
     weights: Sequence[float] | None,
     prompts: Sequence[str],
-    completions: Sequence[str],
+    completions: Sequence[str | list[dict]],
     rows: Sequence[Any],
     on_error: Literal["raise", "penalty"] = "raise",
     penalty: float = 0.0,
@@ -211,3 +212,17 @@ def _score_each(fn: RewardFn, name: str, prompts: list[str], completions: list[s
             f"{len(completions)} completions, but not on any single sample"
         ) from batch_error
     return values, errors, first_error
+
+
+def add_reward_column(scores: RewardScores, name: str, values: Sequence[float | None], weight: float) -> RewardScores:
+    """`scores` with one more reward column `name` (e.g. an environment's own episode rewards; None where there is
+    none, NaN in the column) added to the total with `weight`. Values are checked as a reward function's are."""
+    B = scores.rewards.shape[0]
+    if name in scores.names:
+        raise ValueError(f"a reward function is already named {name!r}; rename it (the {name!r} column is built in)")
+    column = torch.tensor(_check_values(name, values, B), dtype=torch.float32)  # [B]
+    rewards = torch.cat([scores.rewards, column[:, None]], 1)  # [B, R + 1]
+    total = torch.nansum(torch.stack([scores.total, column * weight]), 0)  # [B]
+    return RewardScores(rewards=rewards, total=total, names=[*scores.names, name],
+                        num_none=[*scores.num_none, sum(math.isnan(v) for v in column.tolist())],
+                        num_errors=[*scores.num_errors, 0], error_texts=[*scores.error_texts, None])

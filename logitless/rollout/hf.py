@@ -21,6 +21,7 @@ from logitless.models import UnsupportedModelError
 
 from .attention import gqa_decode
 from .engine import build_batch, generation_mode, prepare_prompts, seeded, sync, unwrap_model
+from .hf_turns import generate_episodes
 from .layouts import CHUNKED, layer_types, text_config
 from .types import Prompt, RolloutBatch, SamplingOptions
 
@@ -130,30 +131,48 @@ class HFEngine:
                 "generate fails on chunked-attention layers. Use static_cache=False, or rollout.backend=static"
             )
 
-    def generate(self, prompts: Sequence[Prompt], options: SamplingOptions, episodes: Any = None) -> RolloutBatch:
-        if episodes is not None:
-            raise NotImplementedError("multi-turn episodes are not implemented yet for this backend")
-        prep = prepare_prompts(self.model, self.tokenizer, prompts, options)
-        pad_id, eos_ids, device, ids, mask = prep.pad_id, prep.eos_ids, prep.device, prep.ids, prep.mask  # [n, P]
-        recorder = LogprobRecorder(options.logp_temperature)
-        processors = LogitsProcessorList([recorder, *sampling_processors(options)])
-        cfg = GenerationConfig(
+    def generation_config(self, options: SamplingOptions, max_new_tokens: int, pad_id: int,
+                          eos_ids: list[int] | None, stops: list[str] | None) -> GenerationConfig:
+        """`generate`'s config: sampling (the processors of `sampling_processors` do the transforms), lengths,
+        special tokens and the cache."""
+        return GenerationConfig(
             do_sample=options.temperature > 0,
-            temperature=1.0,  # the processors above do the sampling transforms
+            temperature=1.0,  # the processors do the sampling transforms
             top_k=0 if options.temperature > 0 else None,
             top_p=1.0 if options.temperature > 0 else None,
             repetition_penalty=1.0,
-            max_new_tokens=options.max_new_tokens,
+            max_new_tokens=max_new_tokens,
             pad_token_id=pad_id,
-            eos_token_id=None if options.ignore_eos else eos_ids,
-            stop_strings=list(options.stop) or None,
+            eos_token_id=eos_ids,
+            stop_strings=stops or None,
             use_cache=True,
             cache_implementation="static" if self.static_cache else None,
             disable_compile=not self.compile,
         )
-        extra = {"tokenizer": self.tokenizer} if options.stop else {}
+
+    @staticmethod
+    def processors(options: SamplingOptions) -> tuple[LogprobRecorder, LogitsProcessorList]:
+        """A fresh logprob recorder, and the processor list that runs it first, then the sampling transforms."""
+        recorder = LogprobRecorder(options.logp_temperature)
+        return recorder, LogitsProcessorList([recorder, *sampling_processors(options)])
+
+    @contextlib.contextmanager
+    def sampling(self, options: SamplingOptions, device: torch.device) -> Iterator[None]:
+        """Everything `generate` runs under: generation mode, the seed, a blank generation config, GQA decode."""
         gqa = gqa_decode(unwrap_model(self.model).config) if self.fast_gqa else contextlib.nullcontext()
         with generation_mode(self.model), seeded(options.seed, device), _blank_generation_config(self.model), gqa:
+            yield
+
+    def generate(self, prompts: Sequence[Prompt], options: SamplingOptions, episodes: Any = None) -> RolloutBatch:
+        if episodes is not None:
+            return generate_episodes(self, prompts, options, episodes)
+        prep = prepare_prompts(self.model, self.tokenizer, prompts, options)
+        pad_id, eos_ids, device, ids, mask = prep.pad_id, prep.eos_ids, prep.device, prep.ids, prep.mask  # [n, P]
+        recorder, processors = self.processors(options)
+        cfg = self.generation_config(options, options.max_new_tokens, pad_id,
+                                     None if options.ignore_eos else eos_ids, list(options.stop))
+        extra = {"tokenizer": self.tokenizer} if options.stop else {}
+        with self.sampling(options, device):
             sync(device)
             tg = time.perf_counter()
             G = options.num_generations  # rows i*G+g; tokenized once, expanded here (greedy allows no

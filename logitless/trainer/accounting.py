@@ -147,10 +147,12 @@ def _linear_flops(params: int, trainable: int, tokens: int) -> float:
     return tokens * (4 * (params - trainable) + 6 * trainable)
 
 
-def update_flops(shape: ModelShape, seq_lens: list[tuple[int, int]]) -> float:
-    """FLOPs of one forward + backward over sequences given as (prompt_len, completion_len), counted once."""
+def update_flops(shape: ModelShape, seq_lens: list[tuple[int, int]], head_lens: list[int] | None = None) -> float:
+    """FLOPs of one forward + backward over sequences given as (prompt_len, completion_len), counted once.
+    head_lens: the tokens of each sequence that go through the lm_head (multi-turn episodes: the model's; default:
+    the whole completion)."""
     tokens = sum(p + t for p, t in seq_lens)
-    completion = sum(t for _, t in seq_lens)
+    completion = sum(t for _, t in seq_lens) if head_lens is None else sum(head_lens)
     body = _linear_flops(shape.body_params + shape.lora_params, shape.body_trainable + shape.lora_params, tokens)
     head = _linear_flops(shape.head_params, shape.head_trainable, completion)
     attn_fwd = sum(4 * shape.layers * shape.d_attn * (n * (n + 1) / 2) for n in (p + t for p, t in seq_lens))

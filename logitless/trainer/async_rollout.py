@@ -16,14 +16,18 @@ called on the other thread (the decode step, the sampler, `model.compile_layers`
 "Detected that you are using FX to symbolically trace a dynamo-optimized function"; during an async run such a
 call runs its function uncompiled instead (dynamo's `error_on_nested_fx_trace=False`): the same math, once.
 
-A checkpoint holds the prefetched rollout (its prompts' sampler position and the batch), so a resumed run takes
-exactly the samples the uninterrupted run took; a step dropped by a stop signal puts its rollout back.
+A checkpoint holds the prefetched rollout (its prompts' sampler position and the batch, with its episode records),
+so a resumed run takes exactly the samples the uninterrupted run took; a step dropped by a stop signal puts its
+rollout back.
+
+With an agent (multi-turn episodes) the step's driver is made on the main thread when its rollout starts (the
+prompts rendered, environments reset) and answers the model between turns on the rollout's thread.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import torch
@@ -31,6 +35,7 @@ import torch
 from logitless.data import PromptRow, PromptSampler
 from logitless.rollout import RolloutBatch, RolloutEngine, RolloutTiming, SamplingOptions
 from logitless.rollout.engine import model_device, same_device
+from logitless.rollout.episodes import EpisodeRecord
 from logitless.rollout.weights import LiveWeights
 
 ROLLOUT_STREAM_PRIORITY = -1  # CUDA stream priority of the rollout (lower runs first; -1 is torch's "high")
@@ -53,12 +58,19 @@ def batch_to_json(b: RolloutBatch) -> dict[str, Any]:
     out["dtypes"] = {k: str(getattr(b, k).dtype).removeprefix("torch.") for k in BATCH_TENSORS}
     out["completions"] = list(b.completions)
     out["timing"] = dict(b.timing.__dict__)
+    if b.env_mask is not None:  # multi-turn episodes
+        out["env_mask"] = b.env_mask.cpu().tolist()
+        out["episodes"] = [asdict(r) for r in b.episodes]
     return out
 
 
 def batch_from_json(d: dict[str, Any]) -> RolloutBatch:
     tensors = {k: torch.tensor(d[k], dtype=getattr(torch, d["dtypes"][k])) for k in BATCH_TENSORS}
-    return RolloutBatch(**tensors, completions=list(d["completions"]), timing=RolloutTiming(**d["timing"]))
+    episodes = {}
+    if "env_mask" in d:
+        episodes = {"env_mask": torch.tensor(d["env_mask"], dtype=torch.long),
+                    "episodes": [EpisodeRecord(**r) for r in d["episodes"]]}
+    return RolloutBatch(**tensors, completions=list(d["completions"]), timing=RolloutTiming(**d["timing"]), **episodes)
 
 
 class AsyncRollout:
@@ -69,7 +81,7 @@ class AsyncRollout:
     own (the engine's weights elsewhere than `device`) the rollout shares neither memory nor SMs with the update."""
 
     def __init__(self, engine: RolloutEngine, sampler: PromptSampler, prompts_per_step: int, device: torch.device,
-                 sync: Callable[[], None] | None = None):
+                 sync: Callable[[], None] | None = None, agent: Any = None):
         weights = getattr(engine, "weights", None)
         if sync is None and (weights is None or isinstance(weights, LiveWeights)):
             raise ValueError(
@@ -88,7 +100,7 @@ class AsyncRollout:
                 "decode on another GPU (rollout.device)"
             )
         engine.auto_sync = False  # synced here, on the main thread, before each rollout starts
-        self.engine, self.sampler, self.n = engine, sampler, prompts_per_step
+        self.engine, self.sampler, self.n, self.agent = engine, sampler, prompts_per_step, agent
         self.sync: Callable[[], None] = sync or weights.sync
         self.device = where
         self.stream = torch.cuda.Stream(where, priority=ROLLOUT_STREAM_PRIORITY) if where.type == "cuda" else None
@@ -107,16 +119,20 @@ class AsyncRollout:
         if self.stream is not None:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))  # after the sync's copies (from another GPU too)
-        future = self.pool.submit(self._generate, [r.prompt for r in rows], options, ready)
+        driver = None if self.agent is None else self.agent.driver(rows, options.num_generations)
+        prompts = [r.prompt for r in rows] if driver is None else driver.prompt_ids
+        future = self.pool.submit(self._generate, prompts, options, ready, driver)
         self.pending = Prefetched(step, before, rows, options, future)
 
-    def _generate(self, prompts: list, options: SamplingOptions, ready: torch.cuda.Event | None) -> RolloutBatch:
+    def _generate(self, prompts: list, options: SamplingOptions, ready: torch.cuda.Event | None,
+                  driver: Any) -> RolloutBatch:
+        episodes = {} if driver is None else {"episodes": driver}
         with torch._dynamo.config.patch(error_on_nested_fx_trace=False):  # dynamo's config can be per thread
             if self.stream is None:
-                return self.engine.generate(prompts, options)
+                return self.engine.generate(prompts, options, **episodes)
             self.stream.wait_event(ready)
             with torch.cuda.stream(self.stream):
-                batch = self.engine.generate(prompts, options)
+                batch = self.engine.generate(prompts, options, **episodes)
             self.stream.synchronize()
             return batch
 

@@ -364,8 +364,10 @@ def step_shape(cfg: TrainerConfig, model: Any, world_size: int = 1) -> mp.StepSh
     context = getattr(text_config(_base(model)), "max_position_embeddings", None)
     prompt = r.max_prompt_length if r.max_prompt_length is not None else max((context or 0) - r.max_completion_length, 1)
     prompts = max(cfg.train.prompts_per_step // max(world_size, 1), 1)
+    agent = getattr(cfg, "agent", None)
     return mp.StepShape(prompts=prompts, rows=prompts * r.num_generations, prompt_len=prompt,
-                        completion_len=r.max_completion_length, context=context)
+                        completion_len=r.max_completion_length, context=context,
+                        episodes=bool(agent is not None and agent.enabled))
 
 
 def run_facts(cfg: TrainerConfig, backend: str, kernels: str, device: torch.device) -> mp.RunFacts:

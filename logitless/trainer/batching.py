@@ -14,14 +14,22 @@ class MicroBatch:
     prompt_ids: torch.Tensor  # [b, p] left-padded (p <= P: all-padding columns trimmed)
     prompt_mask: torch.Tensor  # [b, p]
     completion_ids: torch.Tensor  # [b, t] right-padded (t <= T)
-    completion_mask: torch.Tensor  # [b, t]
+    completion_mask: torch.Tensor  # [b, t] every completion token (attended to)
     sampler_logp: torch.Tensor  # [b, t] fp32
     truncated: torch.Tensor  # [b] bool
     advantages: torch.Tensor  # [b] fp32
+    # [b, t] the completion tokens that are trained: the model's (completion_mask less the observation tokens of
+    # multi-turn episodes, RolloutBatch.env_mask); the same tensor as completion_mask without episodes
+    loss_mask: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = self.completion_mask
 
     @property
     def num_tokens(self) -> int:
-        return int(self.completion_mask.sum())
+        """Trained (model) tokens."""
+        return int(self.loss_mask.sum())
 
 
 def make_micro_batches(
@@ -37,6 +45,7 @@ def make_micro_batches(
     *,
     max_tokens: int | None = None,
     packed: bool = False,
+    loss_mask: torch.Tensor | None = None,  # [B, T] the trained tokens (default: completion_mask)
 ) -> list[MicroBatch]:
     """Split the B rows (or the given `rows`) into micro-batches, longest sequences first.
 
@@ -45,7 +54,8 @@ def make_micro_batches(
     the sum of the rows' prompt + completion tokens when `packed`. Sorting by total length (prompt +
     completion) groups similar lengths so little padding is computed; each micro-batch keeps only the columns
     some of its rows use. Row order and split do not change any result: the objective's normalizer is global
-    and its per-row terms are independent.
+    and its per-row terms are independent. Lengths and budgets count every completion token (observations of
+    multi-turn episodes are computed as context); `loss_mask` only says which of them are trained.
     """
     if size < 1:
         raise ValueError(f"micro-batch size must be >= 1, got {size}")
@@ -74,6 +84,7 @@ def make_micro_batches(
                 sampler_logp=sampler_logp[chunk][:, :t],
                 truncated=truncated[chunk],
                 advantages=advantages[chunk],
+                loss_mask=None if loss_mask is None else loss_mask[chunk][:, :t],
             )
         )
     return out

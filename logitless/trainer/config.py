@@ -41,6 +41,9 @@ Names follow TRL's `GRPOConfig` / `ModelConfig` wherever the concept is the same
 | logging.logging_steps                | logging_steps                             |                                           |
 | logging.log_completions / ...        | log_completions, num_completions_to_print |                                           |
 | checkpoint.save_steps / ..._limit    | save_steps / save_total_limit             |                                           |
+| agent.tools                          | GRPOTrainer(tools=...)                    | built-ins or "module:function"            |
+| agent.environment                    | GRPOTrainer(environment_factory=...)      | "module:Class", one instance per episode  |
+| agent.max_turns                      | max_tool_calling_iterations               | model turns; TRL counts tool rounds (-1)  |
 """
 
 from __future__ import annotations
@@ -52,10 +55,12 @@ from typing import Any, Literal
 
 import yaml
 
+from logitless.agents.options import AgentOptions
 from logitless.configlib import ConfigError, apply_overrides, from_dict, load_config, to_dict, to_yaml
 from logitless.objectives import AdvantageOptions, ObjectiveOptions
 
 __all__ = [
+    "AgentOptions",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
@@ -452,6 +457,9 @@ class TrainerConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # Multi-turn episodes: tools and/or an environment answering the model between turns (logitless.agents,
+    # docs/agents.md); off unless agent.tools or agent.environment is set. Only the model's tokens are trained.
+    agent: AgentOptions = field(default_factory=AgentOptions)
 
 
 # The embedded CPU demo (`logitless train` without a config file): LoRA-GRPO on SmolLM2-135M-Instruct learning

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from logitless.agents import Agent
 from logitless.data import PromptRow, PromptSampler
 from logitless.models.varlen import NAME as VARLEN_ATTENTION
 from logitless.objectives import AdvantageOptions, EntropyCoef, initial_entropy_coef
@@ -35,6 +36,7 @@ from logitless.trainer.builders import (
     weight_copy,
 )
 from logitless.trainer.config import ModelConfig, TrainerConfig, to_yaml
+from logitless.trainer.episodes import environment_weight
 from logitless.trainer.metrics import MetricsLogger
 from logitless.trainer.modeling import (
     LoraCompute,
@@ -92,6 +94,7 @@ class TrainContext:
     prefetch: AsyncRollout | None = None  # train.async_rollout: the next step's rollout in flight
     memory: MemoryState | None = None  # the memory plan's model and settings (trainer/oom.py), where one is made
     on_micro_batch: Callable[[int], None] | None = None  # called before each micro-batch's forward (a test hook)
+    agent: Agent | None = None  # agent.tools / agent.environment: what answers the model between turns
     run: RunDir | None = None  # the claimed run folder (rank 0): checked before each write
     t_start: float = field(default_factory=time.perf_counter)  # for the wall-time budget
 
@@ -123,8 +126,12 @@ def seed_everything(seed: int) -> None:
 
 
 def advantage_options(cfg: TrainerConfig) -> AdvantageOptions:
-    """The advantage options with the reward weights of `reward.reward_weights` (checked by `preflight`)."""
+    """The advantage options with the reward weights of `reward.reward_weights` (checked by `preflight`), and
+    `agent.environment_reward_weight` for the environment's reward column when an agent has an environment."""
     weights = tuple(cfg.reward.reward_weights) if cfg.reward.reward_weights else None
+    env = environment_weight(cfg)
+    if env is not None:
+        weights = (*(weights or (1.0,) * len(cfg.reward.reward_funcs)), env)
     return dataclasses.replace(cfg.advantage, reward_weights=weights)
 
 
@@ -233,6 +240,7 @@ def build_context(
     sampler = PromptSampler(rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     reward_fns, acc_col = reward_functions(cfg.reward), accuracy_index(cfg.reward)
     model, tokenizer, device = _model(cfg, model, tokenizer, host=world.offload)
+    agent = Agent(tokenizer, cfg.agent) if cfg.agent.enabled else None  # tools, environment, template: checked here
     check_prompt_lengths(rows, tokenizer, model, sampling_options(cfg.rollout, seed=None), f"data.task={cfg.data.task!r}")
     if cfg.train.packed:
         check_packed_attention(model)
@@ -272,10 +280,11 @@ def build_context(
     prefetch = None
     if cfg.train.async_rollout:
         prefetch = AsyncRollout(engine, sampler, cfg.train.prompts_per_step, device,
-                                sync=_replica_sync(replica, model, engine) if replica is not None else None)
+                                sync=_replica_sync(replica, model, engine) if replica is not None else None,
+                                agent=agent)
         prefetch.restore(state)
     return TrainContext(
-        cfg=cfg, model=model, tokenizer=tokenizer, device=device, engine=engine, prefetch=prefetch,
+        cfg=cfg, model=model, tokenizer=tokenizer, device=device, engine=engine, prefetch=prefetch, agent=agent,
         params=params, optimizer=optimizer, scheduler=scheduler, sampler=sampler, reward_fns=reward_fns,
         acc_col=acc_col, adv_options=adv_options,
         reference=reference,

@@ -12,8 +12,10 @@ from typing import Any
 
 import torch
 
+from logitless.agents import Agent
 from logitless.data import PromptRow
-from logitless.rewards import score_completions
+from logitless.objectives import merge_metrics
+from logitless.rewards import add_reward_column, score_completions
 from logitless.rollout import make_engine
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.builders import (
@@ -25,6 +27,14 @@ from logitless.trainer.builders import (
     torch_threads,
 )
 from logitless.trainer.config import TrainerConfig
+from logitless.trainer.episodes import (
+    ENVIRONMENT_REWARD,
+    environment_rewards,
+    environment_weight,
+    episode_stats,
+    reward_completions,
+    stat_means,
+)
 from logitless.trainer.modeling import attention_backends, load_model_and_tokenizer, prepare_for_training
 
 
@@ -37,12 +47,17 @@ class EvalResult:
     split: str
     seconds: float
     samples: list[dict[str, Any]] = field(default_factory=list)  # prompt, completion, reward, correct
+    # multi-turn episodes (agent.*): means per episode of `trainer.episodes.episode_stats` (turns, ...); else empty
+    episodes: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> str:
         what = "greedy accuracy" if self.pass_k == 1 else f"pass@{self.pass_k}"
+        e = self.episodes
+        turns = (f", {e['episode/turns_mean']:.2f} turns and {e['episode/tool_calls_mean']:.2f} tool calls per "
+                 "episode" if e else "")
         return (
             f"{what} {100 * self.accuracy:.1f}% on {self.num_prompts} prompts of split '{self.split}' "
-            f"(mean reward {self.mean_reward:.3f}, {self.seconds:.0f} s)"
+            f"(mean reward {self.mean_reward:.3f}{turns}, {self.seconds:.0f} s)"
         )
 
 
@@ -51,6 +66,8 @@ def evaluate(model: Any, tokenizer: Any, rows: list[PromptRow], cfg: TrainerConf
 
     Greedy when `cfg.eval.pass_k == 1`; otherwise k samples per prompt at `cfg.rollout.temperature` and a prompt
     counts as solved when any sample is correct (pass@k with n = k). Correct = the accuracy reward equals 1.
+    With `cfg.agent` enabled each sample is a multi-turn episode with the agent's tools / environment, scored as
+    in training (the whole conversation, the environment's reward column).
     """
     k = cfg.eval.pass_k
     rows = rows[: cfg.eval.num_prompts]
@@ -67,24 +84,35 @@ def evaluate(model: Any, tokenizer: Any, rows: list[PromptRow], cfg: TrainerConf
 
         backend = rollout_backend(cfg, next(model.parameters()).device, model)[0]
     engine = make_engine(backend, model, tokenizer)
+    agent = Agent(tokenizer, cfg.agent) if cfg.agent.enabled else None
+    env_weight = environment_weight(cfg)
     t0 = time.perf_counter()
-    solved, rewards, samples = [], [], []
+    solved, rewards, samples, episodes = [], [], [], []
     for start in range(0, len(rows), cfg.eval.batch_size):
         chunk = rows[start : start + cfg.eval.batch_size]
         with torch_threads(cfg.rollout.num_threads):
-            batch = engine.generate([r.prompt for r in chunk], options)
+            if agent is not None:
+                driver = agent.driver(chunk, k)
+                batch = engine.generate(driver.prompt_ids, options, episodes=driver)
+            else:
+                batch = engine.generate([r.prompt for r in chunk], options)
         per_sample = [chunk[i] for i in batch.prompt_index.tolist()]
+        prompts = [r.prompt for r in per_sample]
+        completions = reward_completions(tokenizer, batch, prompts)
         scores = score_completions(
-            fns, cfg.reward.reward_weights, [r.prompt for r in per_sample], batch.completions, per_sample,
+            fns, cfg.reward.reward_weights, prompts, completions, per_sample,
             on_error=cfg.reward.on_error, penalty=cfg.reward.error_penalty,
             timeout_s=cfg.reward.timeout_s,
         )
+        if env_weight is not None:
+            scores = add_reward_column(scores, ENVIRONMENT_REWARD, environment_rewards(batch), env_weight)
+        episodes.append(episode_stats(batch))
         correct = (scores.rewards[:, acc_col] == 1.0).view(len(chunk), k)  # [n, k]
         solved.extend(correct.any(1).tolist())
         rewards.extend(scores.total.tolist())
         for b, row in enumerate(per_sample):
             samples.append({
-                "prompt": row.prompt, "completion": batch.completions[b], "answer": row.fields.get("answer"),
+                "prompt": row.prompt, "completion": completions[b], "answer": row.fields.get("answer"),
                 "reward": None if math.isnan(scores.total[b].item()) else scores.total[b].item(),
                 "correct": bool(correct.view(-1)[b]),
             })
@@ -92,6 +120,7 @@ def evaluate(model: Any, tokenizer: Any, rows: list[PromptRow], cfg: TrainerConf
     return EvalResult(
         accuracy=sum(solved) / len(solved), mean_reward=sum(finite) / max(len(finite), 1), num_prompts=len(rows),
         pass_k=k, split=split, seconds=time.perf_counter() - t0, samples=samples,
+        episodes=stat_means(merge_metrics(episodes)),
     )
 
 

@@ -39,6 +39,7 @@ from logitless.trainer.accounting import PhaseTimer
 from logitless.trainer.auto import resolve_run, save_resolved
 from logitless.trainer.config import TrainerConfig
 from logitless.trainer.context import TrainContext, build_context
+from logitless.trainer.episodes import conversation_texts
 from logitless.trainer.metrics import MismatchReport, RewardErrorReport, mismatch_causes
 from logitless.trainer.modeling import attention_backends
 from logitless.trainer.parallel import (
@@ -104,7 +105,8 @@ def log_step(ctx: TrainContext, result: TrainResult, step: int, record: dict[str
     if cfg.log_completions and (step % cfg.completions_steps == 0 or step == 1):
         totals = [None if math.isnan(v) else v for v in scored.scores.total.tolist()]
         prompts = [prompt_text(r.prompt) for r in ro.sample_rows]
-        ctx.logger.completions_table(step, prompts, ro.batch.completions, totals, cfg.num_completions_to_print)
+        texts = ro.batch.completions if ro.batch.episodes is None else conversation_texts(ctx.tokenizer, ro.batch)
+        ctx.logger.completions_table(step, prompts, texts, totals, cfg.num_completions_to_print)
 
 
 def checkpoint_and_stop(ctx: TrainContext, result: TrainResult, step: int, stop_requested: bool) -> bool:

@@ -98,6 +98,7 @@ class StepShape:
     prompt_len: int  # the longest prompt, tokens
     completion_len: int  # rollout.max_completion_length
     context: int | None = None  # the model's context window (caps the cache length)
+    episodes: bool = False  # multi-turn episodes (agent.*): the static engine's cache holds P + 2 T + 1 slots
 
     @property
     def longest_row(self) -> int:
@@ -105,6 +106,9 @@ class StepShape:
 
     @property
     def cache_len(self) -> int:
+        """Slots per row of the static engine's decode cache (`StaticEngine._cache_len`, `episode_cache_len`)."""
+        if self.episodes:
+            return -(-(self.longest_row + self.completion_len + 1) // CACHE_MULTIPLE) * CACHE_MULTIPLE
         length = -(-self.longest_row // CACHE_MULTIPLE) * CACHE_MULTIPLE
         return max(min(length, self.context), self.longest_row) if self.context else length
 

@@ -216,10 +216,13 @@ class MetricsLogger:
                     self.tb.add_scalar(k, v, step)
 
     def advance(self, step: int, metrics: dict[str, Any]) -> None:
-        """Move the progress bar to `step` and show the live reward / accuracy / sampler-trainer mismatch."""
-        shown = (("reward", metrics.get("reward/mean")), ("acc", metrics.get("accuracy")),
-                 ("mismatch", metrics.get("rollout/mismatch_mean")))  # nats per token, sampler vs trainer
-        text = " ".join(f"{name} {v:.3f}" for name, v in shown if isinstance(v, (int, float)))
+        """Move the progress bar to `step` and show the live reward / accuracy / sampler-trainer mismatch (and
+        turns per episode and tool calls, for multi-turn episodes)."""
+        shown = (("reward", "reward/mean", 3), ("acc", "accuracy", 3), ("turns", "episode/turns_mean", 2),
+                 ("tools", "episode/tool_calls_mean", 2),
+                 ("mismatch", "rollout/mismatch_mean", 3))  # nats per token, sampler vs trainer
+        text = " ".join(f"{name} {metrics[key]:.{digits}f}" for name, key, digits in shown
+                        if isinstance(metrics.get(key), (int, float)))
         if self.progress is not None:
             self.progress.update(self._task, completed=step, description=text)
         elif text:

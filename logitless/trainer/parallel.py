@@ -436,7 +436,7 @@ def padding_backward(model: nn.Module, m: MicroBatch, temperature: float,
     is exactly zero; returns the zero loss."""
     ids = (m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask)
     with forward():
-        logp, _ = model_logprobs(model, *ids, temperature=temperature)
+        logp, _ = model_logprobs(model, *ids, temperature=temperature, logp_mask=m.loss_mask)
     loss = logp.sum() * 0.0
     loss.backward()
     return loss.detach()

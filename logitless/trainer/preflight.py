@@ -1,7 +1,7 @@
 """Checks of a config that need no model: run by `--dry-run`, `logitless train` and `logitless eval` before the
 (slow) model load, so that a bad option fails in a second, naming its config key and the fix.
 
-    validate_config(cfg, training=True)   options, sampling, backend, device, task options, reward functions
+    validate_config(cfg, training=True)   options, sampling, backend, device, task options, reward functions, agent
     check_resume(cfg, checkpoint)         the checkpoint fits the config (model keys, train.max_steps)
 """
 
@@ -17,10 +17,12 @@ import torch
 
 from logitless.data import TASKS, load_hf_prompts, load_jsonl_prompts
 from logitless.objectives.options import ADVANTAGE_ESTIMATORS
+from logitless.rewards import reward_name
 from logitless.rollout import BACKENDS
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.builders import accuracy_index, reward_functions, sampling_options
 from logitless.trainer.config import TrainerConfig
+from logitless.trainer.episodes import ENVIRONMENT_REWARD, environment_weight
 from logitless.trainer.fsdp_offload import check_fsdp_offload
 
 # Model keys that change the weights a checkpoint holds (or what they mean): they must match on resume / eval.
@@ -45,6 +47,7 @@ def validate_config(cfg: TrainerConfig, *, training: bool = True) -> None:
     check_task_options(cfg.data.task, {**cfg.data.options, **cfg.data.eval_options}, "data.eval_options")
     reward_functions(cfg.reward)
     accuracy_index(cfg.reward)
+    check_agent(cfg)
 
 
 def _check_training(cfg: TrainerConfig) -> None:
@@ -93,6 +96,23 @@ def _check_training(cfg: TrainerConfig) -> None:
             "train.async_rollout=true samples from them while the update runs; set rollout.weight_copy=resident (or "
             "unset it) for async rollouts"
         )
+
+
+def check_agent(cfg: TrainerConfig) -> None:
+    """Refuse settings that cannot run multi-turn episodes (agent.tools / agent.environment), naming both keys and
+    the fix. What needs the tokenizer or imports user code (tools, the environment, the chat template) is checked
+    when the run builds its `Agent`."""
+    agent = cfg.agent
+    if not agent.enabled:
+        return
+    on = f"agent.tools={list(agent.tools)}" if agent.tools else f"agent.environment={agent.environment!r}"
+    if cfg.rollout.backend == "continuous":
+        raise ValueError(f"{on} runs multi-turn episodes, which rollout.backend=continuous cannot: set "
+                         "rollout.backend=hf (or static)")
+    names = [reward_name(f) for f in reward_functions(cfg.reward)]
+    if environment_weight(cfg) is not None and ENVIRONMENT_REWARD in names:
+        raise ValueError(f"reward.reward_funcs names a function {ENVIRONMENT_REWARD!r}, the name of the column of "
+                         f"agent.environment={agent.environment!r}'s own rewards: rename the function")
 
 
 def check_device(name: str, key: str = "model.device") -> None:

@@ -33,13 +33,20 @@ from logitless.objectives import (
 )
 from logitless.objectives.mismatch import ABS as MISMATCH
 from logitless.objectives.mismatch import mismatch_summary, sampler_mismatch
-from logitless.rewards import RewardScores, score_completions
+from logitless.rewards import RewardScores, add_reward_column, score_completions
 from logitless.rollout import RolloutBatch, SamplingOptions
 from logitless.trainer.accounting import PhaseTimer, decode_ideal_seconds, update_flops
 from logitless.trainer.batching import MicroBatch, make_micro_batches
 from logitless.trainer.builders import clip_offloaded_grads, sampling_options, torch_threads
 from logitless.trainer.context import TrainContext
 from logitless.trainer.distributed import all_reduce_metrics, all_reduce_sum, gather_rows
+from logitless.trainer.episodes import (
+    ENVIRONMENT_REWARD,
+    environment_rewards,
+    environment_weight,
+    episode_metrics,
+    reward_completions,
+)
 from logitless.trainer.offload import ActivationOffload, optimizer_state
 from logitless.trainer.parallel import (
     clip_grad_norm,
@@ -101,7 +108,9 @@ def _entropy_terms(ctx: TrainContext) -> tuple[bool, bool]:
 
 def rollout_stage(ctx: TrainContext, step: int) -> Rollout:
     """G samples for each of the step's prompts, with the sampler's logprobs. With train.async_rollout they were
-    started during the step before, and the next step's rollout starts here (trainer/async_rollout.py)."""
+    started during the step before, and the next step's rollout starts here (trainer/async_rollout.py). With an
+    agent each sample is a multi-turn episode: the agent renders the prompts (tools in the chat template, an
+    environment's first observation) and answers the model between turns."""
     cfg = ctx.cfg
     options = sampling_options(cfg.rollout, seed=rank_seed(cfg.train.seed * 1_000_003 + step, ctx.world))
     if ctx.prefetch is not None:  # single process only (refused under torchrun)
@@ -114,7 +123,11 @@ def rollout_stage(ctx: TrainContext, step: int) -> Rollout:
     else:
         rows = rank_share(ctx.sampler.next_batch(cfg.train.prompts_per_step), ctx.world)  # all of them on one process
         with torch_threads(cfg.rollout.num_threads), rollout_weights(ctx.model, ctx.replica), parked_state(ctx):
-            batch = ctx.engine.generate([r.prompt for r in rows], options).to(ctx.device)
+            if ctx.agent is not None:
+                driver = ctx.agent.driver(rows, cfg.rollout.num_generations)
+                batch = ctx.engine.generate(driver.prompt_ids, options, episodes=driver).to(ctx.device)
+            else:
+                batch = ctx.engine.generate([r.prompt for r in rows], options).to(ctx.device)
     return Rollout(rows, [rows[i] for i in batch.prompt_index.tolist()], batch, options)
 
 
@@ -138,10 +151,14 @@ def parked_state(ctx: TrainContext) -> Iterator[None]:
 def score_stage(ctx: TrainContext, ro: Rollout) -> Scored:
     """Rewards [B, R] of every sample and group advantages [B]."""
     r = ctx.cfg.reward
-    scores = score_completions(
-        ctx.reward_fns, r.reward_weights, [x.prompt for x in ro.sample_rows], ro.batch.completions, ro.sample_rows,
+    prompts = [x.prompt for x in ro.sample_rows]
+    scores = score_completions(  # multi-turn episodes: the whole conversation (trainer/episodes.py)
+        ctx.reward_fns, r.reward_weights, prompts, reward_completions(ctx.tokenizer, ro.batch, prompts), ro.sample_rows,
         on_error=r.on_error, penalty=r.error_penalty, timeout_s=r.timeout_s,
     )
+    weight = environment_weight(ctx.cfg)
+    if weight is not None:  # the environment's own episode rewards: one more column (ctx.adv_options weighs it)
+        scores = add_reward_column(scores, ENVIRONMENT_REWARD, environment_rewards(ro.batch), weight)
     return Scored(scores, compute_advantages(scores.rewards, ctx.cfg.rollout.num_generations, ctx.adv_options))
 
 
@@ -171,18 +188,22 @@ def plan_update(ctx: TrainContext, ro: Rollout, scored: Scored) -> UpdatePlan:
     trained = torch.arange(b.completion_mask.shape[0], device=ctx.device)
     if cfg.train.skip_zero_advantage and o.beta == 0 and not (entropy_grad or top_entropy):
         trained = (adv != 0).nonzero().view(-1)
+    # Multi-turn episodes: only the model's tokens are trained (observations stay in the sequence as context)
+    loss = b.loss_mask()  # [B, T] (completion_mask itself without episodes)
+    episodes = None if b.env_mask is None else loss
     micro = make_micro_batches(
         b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, b.sampler_logp, b.truncated, adv,
         cfg.train.micro_batch_size, rows=trained, max_tokens=cfg.train.micro_batch_tokens, packed=cfg.train.packed,
+        loss_mask=episodes,
     )
     spare = lambda: make_micro_batches(  # noqa: E731  (a rank that trains no row still pads with row 0)
         b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, b.sampler_logp, b.truncated, adv, 1,
-        rows=torch.zeros(1, dtype=torch.long, device=ctx.device),
+        rows=torch.zeros(1, dtype=torch.long, device=ctx.device), loss_mask=episodes,
     )[0]
     padding = padding_micro_batches(micro, spare, ctx.device)  # none on one process
-    n_local = int(b.completion_mask.sum())
+    n_local = int(loss.sum())
     n_tokens = int(all_reduce_sum(n_local, ctx.device))
-    normalizer = all_reduce_sum(loss_normalizer(o, [b.completion_mask], [b.truncated]) if n_local else 0.0, ctx.device)
+    normalizer = all_reduce_sum(loss_normalizer(o, [loss], [b.truncated]) if n_local else 0.0, ctx.device)
     return UpdatePlan(micro + padding, trained, normalizer, n_tokens, ro.options.logp_temperature, len(padding))
 
 
@@ -199,19 +220,20 @@ def logprob_stage(ctx: TrainContext, plan: UpdatePlan) -> OldRef:
             if mu > 1 or top_entropy:
                 with ctx.lora_compute.forward():
                     logp, ent = model_logprobs(*args, temperature=plan.temperature, with_entropy=top_entropy,
-                                               packed=packed)
+                                               packed=packed, logp_mask=m.loss_mask)
                 old[i] = logp if mu > 1 else None
                 entropies += [ent] if top_entropy else []
             if ctx.reference is not None:
                 with ctx.reference.use(ctx.model) as ref_model, ctx.lora_compute.forward():
-                    ref[i] = model_logprobs(ref_model, *args[1:], temperature=plan.temperature, packed=packed)[0]
+                    ref[i] = model_logprobs(ref_model, *args[1:], temperature=plan.temperature, packed=packed,
+                                            logp_mask=m.loss_mask)[0]
     real = plan.micro[: len(plan.micro) - plan.padding]  # padding passes (torchrun) keep collectives in step only
     threshold = None  # one threshold over the whole step's tokens
     if top_entropy:
         q = ctx.cfg.objective.top_entropy_quantile
-        threshold = entropy_quantile_threshold(entropies[: len(real)], [m.completion_mask for m in real], q)
+        threshold = entropy_quantile_threshold(entropies[: len(real)], [m.loss_mask for m in real], q)
     bonus_normalizer = all_reduce_sum(entropy_bonus_normalizer(
-        ctx.cfg.objective, [m.completion_mask for m in real], [m.truncated for m in real],
+        ctx.cfg.objective, [m.loss_mask for m in real], [m.truncated for m in real],
         entropies=entropies[: len(real)] or None, threshold=threshold), ctx.device)
     return OldRef(old, ref, threshold, bonus_normalizer)
 
@@ -229,7 +251,7 @@ def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i:
     # On-policy without KL/IS/entropy terms d loss / d logp is known before the forward, so the fused op can form
     # its gradients there (a speed hint; None otherwise).
     hint = None if ctx.cfg.train.num_iterations > 1 else on_policy_logp_grad(
-        m.completion_mask, m.advantages, o, plan.normalizer, sampler_logp=m.sampler_logp, truncated=m.truncated,
+        m.loss_mask, m.advantages, o, plan.normalizer, sampler_logp=m.sampler_logp, truncated=m.truncated,
         entropy_coef=ctx.entropy_coef.effective if entropy_grad else 0.0,
     )
     # Activation offload: the tensors this forward saves for backward wait in host memory (trainer/offload.py).
@@ -238,16 +260,18 @@ def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i:
         logp, entropy = model_logprobs(
             ctx.model, m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask,
             temperature=plan.temperature, with_entropy=True, grad_hint=hint, packed=ctx.cfg.train.packed,
+            logp_mask=m.loss_mask,
         )
     out = policy_loss(
-        logp, m.completion_mask, m.advantages, o, plan.normalizer, old_logp=oldref.old_logp[i],
+        logp, m.loss_mask, m.advantages, o, plan.normalizer, old_logp=oldref.old_logp[i],
         ref_logp=oldref.ref_logp[i], sampler_logp=m.sampler_logp, entropy=entropy if entropy_grad else entropy.detach(),
         truncated=m.truncated, entropy_coef=ctx.entropy_coef.effective, entropy_threshold=oldref.threshold,
         entropy_normalizer=oldref.bonus_normalizer,
     )
     out.loss.backward()
     if first:  # the policy the rollout sampled from (no optimizer step yet), against the engine's logprobs
-        return out.loss.detach(), {**out.metrics, **sampler_mismatch(logp, m.sampler_logp, m.completion_mask)}
+        # over the model's tokens (multi-turn episodes: observations have neither logprob)
+        return out.loss.detach(), {**out.metrics, **sampler_mismatch(logp, m.sampler_logp, m.loss_mask)}
     return out.loss.detach(), out.metrics
 
 
@@ -308,9 +332,14 @@ def efficiency_metrics(ctx: TrainContext, ro: Rollout, plan: UpdatePlan, timer: 
         return {}
     b, dev, world = ro.batch, ctx.device, ctx.world.size
     p_lens, t_lens = b.prompt_mask.sum(1).tolist(), b.completion_mask.sum(1).tolist()
-    ideal = all_reduce_sum(decode_ideal_seconds(ctx.shape, p_lens, t_lens, ctx.peaks[1]), dev)
+    env = getattr(b, "env_mask", None)  # multi-turn episodes: the model's tokens; all completion tokens otherwise
+    m_lens = t_lens if env is None else (b.completion_mask * (1 - env)).sum(1).tolist()
+    # the decode ideal counts the model's tokens as decoded, each row's observations as prefilled context
+    ideal = all_reduce_sum(decode_ideal_seconds(ctx.shape, [p + t - m for p, t, m in zip(p_lens, t_lens, m_lens)],
+                                                m_lens, ctx.peaks[1]), dev)
     trained = plan.trained.tolist()
-    flops = update_flops(ctx.shape, [(p_lens[i], t_lens[i]) for i in trained]) * ctx.cfg.train.num_iterations
+    flops = update_flops(ctx.shape, [(p_lens[i], t_lens[i]) for i in trained],
+                         head_lens=[m_lens[i] for i in trained]) * ctx.cfg.train.num_iterations
     flops = all_reduce_sum(flops, dev)
     train_s = timer.seconds.get("train", math.nan)
     return {
@@ -325,7 +354,7 @@ def efficiency_metrics(ctx: TrainContext, ro: Rollout, plan: UpdatePlan, timer: 
 def step_record(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan, upd: UpdateResult, timer: PhaseTimer) -> dict[str, Any]:
     """The step's metrics: rewards, advantages, objective, lengths, time and memory per phase, efficiency."""
     s, b, dev = scored.scores, ro.batch, ctx.device  # every per-row value gathered over the ranks (rank order)
-    lengths = gather_rows(b.completion_mask.sum(1).float(), dev)
+    lengths = gather_rows(b.loss_mask().sum(1).float(), dev)  # the model's tokens (multi-turn: not observations)
     empty = gather_rows(torch.tensor([float(not c.strip()) for c in b.completions]), dev)
     record: dict[str, Any] = reward_metrics(gather_rows(s.rewards, dev), gather_rows(s.total, dev), s.names, ctx.acc_col)
     record.update({f"reward/{n}/errors": e for n, e in zip(s.names, [int(all_reduce_sum(e, dev)) for e in s.num_errors]) if e})
@@ -342,6 +371,7 @@ def step_record(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan
         "grad_norm": sum(upd.grad_norms) / len(upd.grad_norms) if upd.grad_norms else math.nan,
         "learning_rate": ctx.optimizer.param_groups[0]["lr"],
         "entropy_coef": ctx.entropy_coef.effective,
+        **episode_metrics(b, dev),  # multi-turn episodes only
         "completion/length_mean": float(lengths.mean()),
         "completion/length_max": float(lengths.max()),
         "completion/truncated": float(gather_rows(b.truncated.float(), dev).mean()),

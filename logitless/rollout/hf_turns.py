@@ -1,0 +1,147 @@
+"""Multi-turn episodes on backend "hf" (the contract is `episodes.py`).
+
+Each turn is one batched transformers `generate` over the rows whose episode goes on. A row's context is its
+prompt and its stream so far (model turns and observations, as token ids, left-padded): token in, token out, no
+text in between. transformers keeps no KV cache across `generate` calls, so each turn prefills its rows' whole
+context again (the `static` backend keeps it instead).
+
+    turn:   generate(live rows, up to min(max_turn_tokens, room) new tokens each) → model tokens + logprobs
+    reply:  driver.respond(the turns) → observation ids (cut to the room) or None
+    rows whose episode ended leave the batch; the loop ends when none is left
+
+A turn ends at the first token that is an EOS id (unless `ignore_eos`) or one of `driver.turn_end_ids`, that
+completes one of `options.stop` / `driver.turn_stops` in the turn's text, or that reaches the row's limit for the
+turn (`max_turn_tokens`: "length", the episode budget: "budget"). A turn cut by the budget ends the episode
+(truncated); so does an observation longer than the room left, cut to fit, or one that leaves no room for
+another turn.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from .engine import left_pad, prepare_prompts, sync, unwrap_model
+from .episodes import EpisodeDriver, EpisodeStream, TurnEnd, TurnEnding, episode_batch
+from .types import Prompt, RolloutBatch, SamplingOptions
+
+
+class TurnStops(StoppingCriteria):
+    """Ends each row's turn at its first end id, stop string or token limit, and records where and why.
+
+    `start`: the context width (new tokens begin there); `limits` [b]: the most tokens of each row's turn;
+    `budget` [b]: whether that limit is the episode's budget (else max_turn_tokens). After `generate`, `ends[k]`
+    is the number of tokens of row k's turn and `why[k]` its `TurnEnding`. Having an `eos_token_id` attribute
+    makes `generate` write the pad id after a row's end (what it does for EOS)."""
+
+    def __init__(self, start: int, limits: list[int], budget: list[bool], end_ids: list[int], stops: list[str],
+                 tokenizer: Any, device: torch.device):
+        self.start, self.limits, self.budget, self.stops, self.tokenizer = start, limits, budget, stops, tokenizer
+        self.eos_token_id = torch.tensor(end_ids, dtype=torch.long, device=device)
+        self.ends: list[int | None] = [None] * len(limits)
+        self.why: list[TurnEnding | None] = [None] * len(limits)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
+        n = input_ids.shape[1] - self.start  # tokens of the turn so far
+        at_end = torch.isin(input_ids[:, -1], self.eos_token_id).tolist()
+        for k, limit in enumerate(self.limits):
+            if self.ends[k] is not None:
+                continue
+            why: TurnEnding | None = None
+            if at_end[k]:
+                why = "eos"
+            elif self.stops and self._stopped(input_ids[k, self.start :]):
+                why = "stop"
+            elif n >= limit:
+                why = "budget" if self.budget[k] else "length"
+            if why is not None:
+                self.ends[k], self.why[k] = n, why
+        return torch.tensor([e is not None for e in self.ends], dtype=torch.bool, device=input_ids.device)
+
+    def _stopped(self, turn: torch.Tensor) -> bool:
+        """Whether the turn's text contains a stop string. Checked after every token, so the first token for which
+        it does is the one completing it (the same cut as `engine._stop_cut`)."""
+        text = self.tokenizer.decode(turn.tolist(), skip_special_tokens=False)
+        return any(s in text for s in self.stops)
+
+
+def _check_reply(reply: Any, row: int, vocab: int) -> list[int] | None:
+    """The driver's reply for `row` as a list of token ids (or None), refused when it is anything else."""
+    if reply is None:
+        return None
+    if isinstance(reply, torch.Tensor):
+        reply = reply.tolist()
+    if isinstance(reply, (str, bytes)) or not isinstance(reply, Sequence) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in reply):
+        raise TypeError(f"the episode driver's reply for row {row} must be a list of token ids or None, got "
+                        f"{reply!r:.80}")
+    bad = [i for i in reply if not 0 <= i < vocab]
+    if bad:
+        raise ValueError(f"the episode driver's reply for row {row} holds token id {bad[0]}, outside the model's "
+                         f"vocabulary of {vocab} ids")
+    return list(reply)
+
+
+def generate_episodes(engine: Any, prompts: Sequence[Prompt], options: SamplingOptions,
+                      driver: EpisodeDriver) -> RolloutBatch:
+    """One episode per row (G per prompt), turn by turn, assembled by `episode_batch`. `engine`: the `HFEngine`
+    (its model, tokenizer, `generation_config`, `processors` and `sampling` context)."""
+    prep = prepare_prompts(engine.model, engine.tokenizer, prompts, options)
+    G, budget, cap = options.num_generations, options.max_new_tokens, driver.max_turn_tokens
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise ValueError(f"the episode driver's max_turn_tokens={cap!r} must be a positive int or None")
+    B = len(prep.encoded) * G
+    end_ids = sorted({*([] if options.ignore_eos else prep.eos_ids), *(int(i) for i in driver.turn_end_ids)})
+    stops = list(dict.fromkeys([*options.stop, *driver.turn_stops]))
+    vocab = unwrap_model(engine.model).get_input_embeddings().weight.shape[0]
+    streams = [EpisodeStream() for _ in range(B)]
+    driver.begin(B, G)
+    gen_s = 0.0
+    with engine.sampling(options, prep.device):
+        while live := [b for b, s in enumerate(streams) if not s.done]:
+            rooms = [budget - len(streams[b].ids) for b in live]  # each >= 1 for a live row
+            limits = [room if cap is None else min(cap, room) for room in rooms]
+            ids, mask = left_pad([prep.encoded[b // G] + streams[b].ids for b in live], prep.pad_id, prep.device)
+            stopper = TurnStops(ids.shape[1], limits, [lim == room for lim, room in zip(limits, rooms)], end_ids,
+                                stops, engine.tokenizer, prep.device)
+            recorder, processors = engine.processors(options)
+            cfg = engine.generation_config(options, max(limits), prep.pad_id, None, None)
+            sync(prep.device)
+            t0 = time.perf_counter()
+            out = engine.model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg,
+                                        logits_processor=processors,
+                                        stopping_criteria=StoppingCriteriaList([stopper]))
+            turn = out[:, ids.shape[1]:]  # [b, S]
+            logp = recorder.finish(turn).cpu()
+            sync(prep.device)
+            gen_s += time.perf_counter() - t0
+            turn = turn.cpu()
+            ends = []
+            for k, b in enumerate(live):
+                n = stopper.ends[k]
+                streams[b].add(turn[k, :n].tolist(), logp[k, :n].tolist(), env=False)
+                ends.append(TurnEnd(row=b, ids=turn[k, :n].tolist(), ended=stopper.why[k],
+                                    room=budget - len(streams[b].ids)))
+            replies = driver.respond(ends)
+            if not isinstance(replies, Sequence) or len(replies) != len(ends):
+                got = len(replies) if isinstance(replies, Sequence) else repr(replies)
+                raise ValueError(f"the episode driver answered {got} replies to {len(ends)} turns; it must return one "
+                                 "(token ids or None) per turn")
+            for end, reply in zip(ends, replies):
+                s, reply = streams[end.row], _check_reply(reply, end.row, vocab)
+                if end.ended == "budget":  # the model was cut: the episode is over whatever the driver says
+                    s.done = s.truncated = True
+                elif reply is None:
+                    s.done = True
+                elif len(reply) >= end.room:  # no room left for another turn after the observation
+                    s.add(reply[: end.room], None, env=True)
+                    s.done = s.truncated = True
+                else:
+                    s.add(reply, None, env=True)
+    records = driver.finish()
+    if len(records) != B:
+        raise ValueError(f"the episode driver's finish() returned {len(records)} records for {B} episodes")
+    return episode_batch(engine.tokenizer, prep, streams, records, gen_s)

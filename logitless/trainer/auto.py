@@ -268,6 +268,15 @@ class _Choices:
                                            for s, v in self.changes.items() if v})
 
 
+AUTO_KEYS = ("rollout.backend", "train.packed", "train.micro_batch_tokens", "train.offload_during_rollout",
+             "model.compile_layers", "model.liger_kernels", "model.gradient_checkpointing", "model.activation_offload")
+
+
+def has_auto(cfg: TrainerConfig) -> bool:
+    """Whether a setting of `cfg` is still "auto" (not yet `resolve`d)."""
+    return any(getattr(getattr(cfg, k.split(".")[0]), k.split(".")[1]) == "auto" for k in AUTO_KEYS)
+
+
 def _fixed_knobs(cfg: TrainerConfig, packed: bool) -> mp.Knobs:
     """The plan's settings as the config gives them (None where it says auto)."""
     t, m = cfg.train, cfg.model

@@ -22,6 +22,7 @@ from logitless.trainer import checkpoint as ckpt
 from logitless.trainer import dcp
 from logitless.trainer.accounting import ModelShape, device_peaks
 from logitless.trainer.async_rollout import AsyncRollout
+from logitless.trainer.auto import has_auto, resolve
 from logitless.trainer.builders import (
     accuracy_index,
     check_fused,
@@ -230,8 +231,11 @@ def build_context(
 ) -> TrainContext:
     """Data and rewards first (their errors need no model), then model, engine, optimizer, and the resumed state.
     `world`: this process's place, its process group already made (`parallel.process_group`); `run`: the claimed
-    run folder (rank 0). `cfg`: the run's settings, "auto" decided (`trainer.auto`); `given`: the config as
-    written (saved as the run's config)."""
+    run folder (rank 0). `cfg`: the run's settings, "auto" decided (`trainer.auto`; decided here, without the
+    table, where the caller has not); `given`: the config as written (saved as the run's config)."""
+    if has_auto(cfg):
+        given = given or cfg
+        cfg = resolve(cfg, world_size=world.size, model=model).cfg
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)  # the same on every rank: the model's random init (LoRA) must agree

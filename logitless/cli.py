@@ -1,9 +1,10 @@
-"""`logitless train|eval|plot`: the command line.
+"""`logitless train|eval|plot|export`: the command line.
 
     logitless train [CONFIG.yaml] [section.key=value ...] [--resume RUN_DIR [--allow-config-change] | --overwrite]
                     [--dry-run]
     logitless eval  [CONFIG.yaml] [section.key=value ...] [--checkpoint RUN_DIR] [--output eval.json]
     logitless plot  RUN_DIR [--output curves.png]
+    logitless export RUN_DIR [--merged] [--output DIR] [--push-to-hub REPO]
 
 With no CONFIG the embedded demo config is used: LoRA-GRPO on SmolLM2-135M-Instruct learning two-digit arithmetic
 on CPU. `--resume RUN_DIR` / `--checkpoint RUN_DIR` without a CONFIG reuse the run's saved config (a run folder
@@ -169,6 +170,19 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from logitless.trainer.export import export_run
+
+    result = export_run(args.run_dir, output=args.output, merged=args.merged, push_to_hub=args.push_to_hub,
+                        private=not args.public)
+    for what, folder in (("adapter", result.adapter), ("merged model", result.merged)):
+        if folder is not None:
+            print(f"{what}: {folder}")
+    if result.pushed:
+        print(f"pushed: {result.pushed}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="logitless", description="GRPO-family RL fine-tuning of language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -193,6 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--output", metavar="FILE", help="default: RUN_DIR/curves.png")
     p.set_defaults(fn=cmd_plot)
+    p = sub.add_parser("export", help="the trained policy as a PEFT adapter and/or a merged model with a model card")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (its newest intact checkpoint) or a step folder")
+    p.add_argument("--merged", action="store_true", help="also write the model with the adapters merged (safetensors)")
+    p.add_argument("--output", metavar="DIR", help="default: RUN_DIR/export")
+    p.add_argument("--push-to-hub", metavar="REPO", help="upload the merged model (else the adapter) to this hub repo")
+    p.add_argument("--public", action="store_true", help="create the hub repository public (default: private)")
+    p.set_defaults(fn=cmd_export)
     return parser
 
 

@@ -210,8 +210,10 @@ def resume(out: Path, tok) -> None:
 
 
 def digits(prompts, completions, **fields):
-    """Share of digit characters plus a length term: varies between samples, so advantages are non-zero."""
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) + 0.01 * len(c) for c in completions]
+    """Share of digit characters plus a length term: varies between samples, so advantages are non-zero (of an
+    episode, the text of its messages)."""
+    texts = [c if isinstance(c, str) else "".join(m["content"] for m in c) for c in completions]
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) + 0.01 * len(c) for c in texts]
 
 
 def digits_second_half(prompts, completions, **fields):

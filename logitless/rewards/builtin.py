@@ -231,8 +231,13 @@ def reward_name(fn: Any) -> str:
 
 
 def get_reward_fn(spec: str | RewardFn, **options: Any) -> RewardFn:
-    """A reward function from a built-in name ("numeric_answer"), a "module:function" path or a callable;
+    """A reward function from a built-in name ("numeric_answer"), a "module:function" path (sync or async), a
+    "model:NAME_OR_PATH" reward model or "judge:NAME_OR_PATH" LLM judge (`logitless.rewards.models`), or a callable;
     `options` bind its keyword-only parameters (e.g. `tags=[...]` of format_tags)."""
+    if isinstance(spec, str) and spec.startswith(("model:", "judge:")):
+        from logitless.rewards.models import model_reward
+
+        return model_reward(spec, **options)
     if callable(spec):
         fn = spec
     elif not isinstance(spec, str):

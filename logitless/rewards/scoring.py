@@ -1,8 +1,17 @@
-"""Run several reward functions over a batch of completions and check what they return."""
+"""Run several reward functions over a batch of completions and check what they return.
+
+`async def` reward functions run concurrently (asyncio.gather in one event loop, as TRL runs them), beside the sync
+ones, which run in order; `reward.timeout_s` bounds each of their calls through `asyncio.wait_for`. A function may
+return an exception object in place of a sample's value: that sample failed alone (an LLM judge whose reply holds
+no score), handled as reward.on_error says.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import functools
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
@@ -37,6 +46,100 @@ def _row_fields(rows: Sequence[Any]) -> dict[str, list[Any]]:
     if reserved:
         raise ValueError(f"row fields may not be named {sorted(reserved)} (reserved reward arguments); rename them")
     return {k: [d.get(k) for d in dicts] for k in keys}
+
+
+def _failed(name: str, i: int, e: BaseException, completions: list[str], on_error: str) -> str:
+    """The text of sample i's failure; raises under on_error="raise"."""
+    if on_error == "raise":
+        raise RewardFunctionError(
+            f"reward function '{name}' raised {type(e).__name__}: {e} on sample {i} (completion {_short(completions[i])})"
+        ) from e
+    return f"{type(e).__name__}: {e}"
+
+
+def _with_failures(name: str, out: Any, completions: list[str], on_error: str,
+                   penalty: float) -> tuple[list[float], int, str | None]:
+    """(values, failed samples, first failure) of a batch result whose items may be exceptions: the samples the
+    function could not score (each handled by `on_error`)."""
+    B = len(completions)
+    if not (isinstance(out, (list, tuple)) and any(isinstance(v, BaseException) for v in out)):
+        return _check_values(name, out, B), 0, None
+    _check_values(name, [0.0 if isinstance(v, BaseException) else v for v in out], B)  # length and the other values
+    values, errors, first = [], 0, None
+    for i, v in enumerate(out):
+        if isinstance(v, BaseException):
+            first = first or _failed(name, i, v, completions, on_error)
+            errors += 1
+            values.append(float(penalty))
+        else:
+            values.append(_check_values(name, [v], 1)[0])
+    return values, errors, first
+
+
+def is_async(fn: Any) -> bool:
+    """Whether calling `fn` returns a coroutine (an `async def` function, a partial of one, or an object whose
+    __call__ is one)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+async def _gather(calls: list[tuple[Any, tuple, dict]], timeout_s: float | None) -> list[Any]:
+    """Await every call concurrently, each within `timeout_s` (cancelled past it: asyncio.TimeoutError); each
+    result is the value or the exception it raised."""
+    async def one(fn: Any, args: tuple, kw: dict) -> Any:
+        return await asyncio.wait_for(fn(*args, **kw), timeout_s)
+
+    return await asyncio.gather(*(one(*c) for c in calls), return_exceptions=True)
+
+
+def run_async(calls: list[tuple[Any, tuple, dict]], timeout_s: float | None = None) -> concurrent.futures.Future:
+    """Start async calls in an event loop of their own, on a worker thread (so that a caller inside a running loop,
+    e.g. a notebook, works too) while the caller goes on; the future's result lists each call's value or exception."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="logitless-rewards")
+    future = pool.submit(asyncio.run, _gather(calls, timeout_s))
+    pool.shutdown(wait=False)
+    return future
+
+
+def _score_async(fn: Any, name: str, prompts: list[str], completions: list[str], fields: dict[str, list[Any]],
+                 on_error: str, penalty: float, timeout_s: float | None,
+                 result: Any) -> tuple[list[float], int, str | None]:
+    """(values [B], failed samples, first failure) of an async function from its batch call's `result`; a batch that
+    raised is re-run one sample at a time, concurrently."""
+    B = len(completions)
+    if isinstance(result, RewardFunctionError):
+        raise result
+    if isinstance(result, asyncio.TimeoutError):
+        text = _late(name, timeout_s, f"a batch of {B} completions", "the call was cancelled")
+        if on_error == "raise":
+            raise RewardFunctionError(f"{text}. Make it faster, raise reward.timeout_s (null: no limit), or set "
+                                      "reward.on_error=penalty to score such samples reward.error_penalty")
+        return [float(penalty)] * B, B, text
+    if not isinstance(result, BaseException):
+        return _with_failures(name, result, completions, on_error, penalty)
+    calls = [(fn, (prompts[i : i + 1], completions[i : i + 1]), {k: v[i : i + 1] for k, v in fields.items()})
+             for i in range(B)]
+    values, errors, first = [], 0, None
+    for i, one in enumerate(run_async(calls, timeout_s).result()):
+        if isinstance(one, (list, tuple)) and len(one) == 1 and isinstance(one[0], BaseException):
+            one = one[0]
+        if not isinstance(one, BaseException):
+            values.extend(_check_values(name, one, 1))
+            continue
+        if isinstance(one, asyncio.TimeoutError):
+            text = _late(name, timeout_s, f"sample {i} alone (completion {_short(completions[i])})", "cancelled")
+            if on_error == "raise":
+                raise RewardFunctionError(f"{text}. Make it faster, raise reward.timeout_s (null: no limit), or set "
+                                          "reward.on_error=penalty") from result
+        else:
+            text = _failed(name, i, one, completions, on_error)
+        first, errors = first or text, errors + 1
+        values.append(float(penalty))
+    if errors == 0:  # every sample passes alone: the batch call itself is broken
+        raise RewardFunctionError(
+            f"reward function '{name}' raised {type(result).__name__}: {result} on the batch of {B} completions, but "
+            "not on any single sample"
+        ) from result
+    return values, errors, first
 
 
 def _short(text: Any, n: int = 200) -> str:
@@ -132,9 +235,17 @@ def score_completions(
     names = [reward_name(f) for f in fns]
     B = len(completions)
     columns, num_none, num_errors, error_texts = [], [], [], []
-    for fn, name in zip(fns, names):
+    asynchronous = [i for i, fn in enumerate(fns) if is_async(fn)]  # started together, awaited below
+    pending = run_async([(fns[i], (prompts, completions), fields) for i in asynchronous], timeout_s) \
+        if asynchronous else None
+    for k, (fn, name) in enumerate(zip(fns, names)):
         limit = None if bounds_own_time(fn) else timeout_s
-        values, errors, first_error = _score_one(fn, name, prompts, completions, fields, on_error, penalty, limit)
+        if k in asynchronous:
+            result = pending.result()[asynchronous.index(k)]
+            values, errors, first_error = _score_async(fn, name, prompts, completions, fields, on_error, penalty,
+                                                       timeout_s, result)
+        else:
+            values, errors, first_error = _score_one(fn, name, prompts, completions, fields, on_error, penalty, limit)
         columns.append(values)
         num_none.append(sum(math.isnan(v) for v in values))
         num_errors.append(errors)
@@ -157,7 +268,7 @@ def _score_one(fn: RewardFn, name: str, prompts: list[str], completions: list[st
     except Exception as batch_error:
         return _score_each(fn, name, prompts, completions, fields, on_error, penalty, timeout_s, batch_error)
     if fate is None:
-        return _check_values(name, out, B), 0, None
+        return _with_failures(name, out, completions, on_error, penalty)
     text = _late(name, timeout_s, f"a batch of {B} completions", fate)
     if on_error == "raise":
         raise RewardFunctionError(
@@ -205,7 +316,9 @@ def _score_each(fn: RewardFn, name: str, prompts: list[str], completions: list[s
             values.append(float(penalty))
             out_of_time = True
             continue
-        values.extend(_check_values(name, one, 1))
+        one_values, failed, text = _with_failures(name, one, completions[i : i + 1], on_error, penalty)
+        values.extend(one_values)
+        errors, first_error = errors + failed, first_error or text
     if errors == 0:  # every sample passes alone: the batch call itself is broken
         raise RewardFunctionError(
             f"reward function '{name}' raised {type(batch_error).__name__}: {batch_error} on the batch of "

@@ -106,7 +106,8 @@ def encode_prompts(
                     f"prompts[{i}] is a chat-message list but the tokenizer has no chat_template: set "
                     "tokenizer.chat_template (e.g. copy it from the instruct model's tokenizer) or pass raw text"
                 )
-            text = tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True,
+                                                 **(options.chat_template_kwargs or {}))
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
             raise TypeError(f"prompts[{i}] must be a string, a list of {{'role', 'content'}} dicts or a list of token "

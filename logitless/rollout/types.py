@@ -40,6 +40,8 @@ class SamplingOptions:
     seed: int | None = None  # same seed + same inputs + same device = same completions
     max_prompt_length: int | None = None  # tokens; None: context window - max_new_tokens
     truncate_prompt: bool = False  # left-truncate over-long prompts instead of raising
+    # extra keyword arguments of the tokenizer's apply_chat_template for chat prompts (e.g. enable_thinking=False)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def validate(self) -> None:
         """Raise ValueError/TypeError naming the bad field, its value and the fix."""

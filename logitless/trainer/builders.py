@@ -187,8 +187,10 @@ def sampling_options(
     temperature: float | None = None,
     max_new_tokens: int | None = None,
     section: str = "rollout",
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> SamplingOptions:
-    """`logitless.rollout.SamplingOptions` of the rollout section (TRL names mapped to the engine's).
+    """`logitless.rollout.SamplingOptions` of the rollout section (TRL names mapped to the engine's);
+    `chat_template_kwargs`: data.chat_template_kwargs.
 
     An invalid option is reported under its config key (`rollout.top_p`, or `eval.pass_k` for `section="eval"`).
     """
@@ -203,6 +205,7 @@ def sampling_options(
         stop=list(cfg.stop),
         seed=seed,
         max_prompt_length=cfg.max_prompt_length,
+        chat_template_kwargs=dict(chat_template_kwargs) if chat_template_kwargs else None,
     )
     keys = {f: f"rollout.{f}" for f in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop",
                                          "max_prompt_length", "num_generations")}

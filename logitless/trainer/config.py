@@ -25,7 +25,7 @@ Names follow TRL's `GRPOConfig` / `ModelConfig` wherever the concept is the same
 | objective.*                          | loss_type, beta, epsilon_high, delta, ... | `logitless.objectives.ObjectiveOptions`    |
 | objective.epsilon_low                | epsilon                                   | lower clip 1 - epsilon_low                |
 | advantage.scale                      | scale_rewards                             | `logitless.objectives.AdvantageOptions`    |
-| reward.reward_funcs / reward_weights | reward_funcs / reward_weights             |                                           |
+| reward.reward_funcs / reward_weights | reward_funcs / reward_weights             | also model:PATH, judge:PATH, async def    |
 | optim.learning_rate                  | learning_rate                             |                                           |
 | optim.weight_decay, adam_*, ...      | weight_decay, adam_beta1/2, adam_epsilon  | and max_grad_norm                         |
 | optim.lr_scheduler_type              | lr_scheduler_type                         | "constant" or "cosine"                    |
@@ -36,10 +36,18 @@ Names follow TRL's `GRPOConfig` / `ModelConfig` wherever the concept is the same
 | train.prompts_per_step               | generation_batch_size / num_generations   |                                           |
 | train.micro_batch_size               | per_device_train_batch_size               | completions per forward/backward          |
 | train.packed                         | padding_free                              | rows concatenated, per-row position_ids   |
+| train.steps_per_rollout              | steps_per_generation                      | k optimizer steps on k parts of a batch   |
+| train.dynamic_sampling               | (verl filter_groups, DAPO)                | TRL has none; trainer/dynamic.py          |
 | train.fsdp_offload                   | fsdp="full_shard offload"                 | FSDP2 CPU offload, 1 process or torchrun  |
 | train.seed / train.output_dir        | seed / output_dir                         |                                           |
 | logging.logging_steps                | logging_steps                             |                                           |
 | logging.log_completions / ...        | log_completions, num_completions_to_print |                                           |
+| logging.report_to                    | report_to                                 | tensorboard, wandb, trackio               |
+| logging.project / run_name           | project / run_name                        | W&B / Trackio project and run             |
+| eval.every_steps                     | eval_strategy="steps", eval_steps         | held-out eval during training, `eval/*`   |
+| eval.on_start                        | eval_on_start                             |                                           |
+| eval.pass_k                          | num_generations_eval                      | k samples per eval prompt (pass@k)        |
+| data.chat_template_kwargs            | chat_template_kwargs                      | e.g. {enable_thinking: false} (Qwen3)     |
 | checkpoint.save_steps / ..._limit    | save_steps / save_total_limit             |                                           |
 | agent.tools                          | GRPOTrainer(tools=...)                    | built-ins or "module:function"            |
 | agent.environment                    | GRPOTrainer(environment_factory=...)      | "module:Class", one instance per episode  |
@@ -175,17 +183,23 @@ class DataConfig:
     options: dict[str, Any] = field(default_factory=dict)  # keyword options of the task's loader (above)
     eval_options: dict[str, Any] = field(default_factory=dict)  # merged over `options` for the eval split
     shuffle: bool = True  # draw prompts in a seeded random order (train.seed), a new order each epoch
+    # Keyword arguments of the tokenizer's apply_chat_template for chat prompts (TRL's chat_template_kwargs), e.g.
+    # {enable_thinking: false} for Qwen3; the template's own variables, used in training, eval and the length checks.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class RewardConfig:
-    reward_funcs: list[str] = field(default_factory=lambda: ["numeric_answer"])  # built-in names or "module:function"
+    # Built-in names, "module:function" (sync or `async def`), "model:NAME_OR_PATH" (a sequence-classification reward
+    # model) or "judge:NAME_OR_PATH" (an LLM judge); logitless/rewards/models.py and docs/rewards.md
+    reward_funcs: list[str] = field(default_factory=lambda: ["numeric_answer"])
     reward_weights: list[float] | None = None  # default: all 1.0
     reward_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # {name: keyword options of that function}
     on_error: Literal["raise", "penalty"] = "raise"  # "penalty": a sample whose reward function raises scores error_penalty
     error_penalty: float = 0.0  # the reward of a sample whose reward function raised (on_error="penalty")
     accuracy_reward: str | None = None  # the reward whose value 1.0 means "correct" (default: the first)
-    # Seconds one call of a `module:function` reward may take (null: no limit); the built-ins bound their own time.
+    # Seconds one call of a `module:function` (sync or async), model: or judge: reward may take (null: no limit); the
+    # built-ins bound their own time.
     # A call past it is stopped (rewards/deadline.py) and its samples are handled by on_error: "raise" stops the
     # run naming the function, "penalty" scores them error_penalty and counts them as errors.
     timeout_s: float | None = 300.0
@@ -353,6 +367,16 @@ class TrainConfig:
     # per row, slower than a padded batch).
     packed: bool | Literal["auto"] = "auto"
     num_iterations: int = 1  # μ: optimizer steps on each rollout batch (old logprobs are computed when > 1)
+    # k optimizer steps per rollout batch, each on one of k disjoint parts of it (whole prompt groups, in order), each
+    # normalized over its own part (TRL's steps_per_generation). Advantages are taken over the whole batch first;
+    # old logprobs are computed before the first step. With μ > 1: μ passes over the k parts (μ·k optimizer steps).
+    steps_per_rollout: int = 1
+    # DAPO's dynamic sampling (verl's filter_groups, open-instruct's active_sampling): groups whose advantages are all
+    # zero (equal rewards) are dropped and more prompts are sampled, prompts_per_step at a time, until the step has
+    # prompts_per_step groups with a non-zero advantage (extra ones are dropped), at most dynamic_sampling_max_rounds
+    # rollouts per step; a step still short trains on the groups it has (`dynamic/shortfall`). trainer/dynamic.py.
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_rounds: int = 4  # rollouts per step at most, the first included
     skip_zero_advantage: bool = True  # don't run rows with advantage 0 when they add nothing (beta=0, no entropy term)
     max_minutes: float | None = None  # wall-time budget: stop (with a checkpoint) when the next step may not fit
     seed: int = 0  # seeds the data order, the LoRA init and the sampler's random streams
@@ -393,7 +417,14 @@ class TrainConfig:
             num_iterations=self.num_iterations,
             num_threads=self.num_threads,
             max_minutes=self.max_minutes,
+            steps_per_rollout=self.steps_per_rollout,
+            dynamic_sampling_max_rounds=self.dynamic_sampling_max_rounds,
         )
+        if self.prompts_per_step % self.steps_per_rollout:
+            raise ValueError(
+                f"train.steps_per_rollout={self.steps_per_rollout} splits a step's prompt groups into equal parts, but "
+                f"train.prompts_per_step={self.prompts_per_step} is not a multiple of it; make it one"
+            )
 
 
 @dataclass
@@ -403,7 +434,15 @@ class LoggingConfig:
     completions_steps: int = 10  # print a table of sample completions every K steps
     num_completions_to_print: int = 4  # rows of that table
     progress: bool = True  # rich progress bar (off when not a terminal)
-    tensorboard: bool = True  # when the tensorboard package is installed
+    # Experiment trackers (TRL's report_to): any of tensorboard, wandb, trackio, each logging the metrics.jsonl names
+    # and the run's config (trainer/tracking.py; `pip install 'logitless[wandb]'` / `[trackio]`). Unset: TensorBoard
+    # when installed, unless logging.tensorboard=false; [] or [none]: none; [all]: every installed one.
+    report_to: list[str] | str | None = None  # one name may be given alone: report_to=wandb
+    tensorboard: bool | None = None  # the older switch: unset/true = TensorBoard when installed (with report_to unset)
+    project: str = "logitless"  # W&B / Trackio project
+    run_name: str | None = None  # W&B / Trackio run name (default: the run folder's name)
+    # Keyword arguments of wandb.init / trackio.init by tracker, e.g. {wandb: {entity: me, tags: [grpo]}}
+    tracker_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     plot: bool = True  # PNG of the training curves at the end
     # Device peaks for rollout/ceiling_fraction and train/mfu (None: the datasheet value of a known GPU).
     peak_tflops: float | None = None  # dense bf16 TFLOP/s
@@ -414,6 +453,8 @@ class LoggingConfig:
     mismatch_warning: float | None = 0.05
 
     def __post_init__(self):
+        if isinstance(self.report_to, str):
+            self.report_to = [self.report_to]
         _positive(
             "logging", logging_steps=self.logging_steps, completions_steps=self.completions_steps,
             peak_tflops=self.peak_tflops, hbm_tbs=self.hbm_tbs, mismatch_warning=self.mismatch_warning,
@@ -439,9 +480,21 @@ class EvalConfig:
     pass_k: int = 1  # 1 = greedy accuracy; k > 1 = pass@k with k samples at rollout.temperature
     batch_size: int = 64  # prompts per generate call
     max_completion_length: int | None = None  # default: rollout.max_completion_length
+    # Sampling temperature of the eval (None: 0 = greedy for pass_k=1, rollout.temperature for pass_k > 1); with
+    # pass_k=1 and a temperature > 0 the accuracy is that of one sample per prompt (seeded).
+    temperature: float | None = None
+    # Held-out eval during training every N steps on the run's rollout engine (0 = off; TRL's eval_steps), logged as
+    # eval/* in the step's record and drawn in the curves; also after the run's last step.
+    every_steps: int = 0
+    on_start: bool = False  # also before the first step (logged at step 0; TRL's eval_on_start)
 
     def __post_init__(self):
         _positive("eval", num_prompts=self.num_prompts, pass_k=self.pass_k, batch_size=self.batch_size)
+        if self.every_steps < 0:
+            raise ValueError(f"eval.every_steps must be >= 0 (0 = no eval during training), got {self.every_steps!r}")
+        if self.temperature is not None and (self.temperature < 0 or (self.temperature == 0 and self.pass_k > 1)):
+            raise ValueError(f"eval.temperature={self.temperature!r}: use a temperature > 0 for pass_k={self.pass_k} "
+                             "(greedy samples are all the same), or unset it")
 
 
 @dataclass

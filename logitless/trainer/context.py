@@ -16,6 +16,7 @@ from logitless.agents import Agent
 from logitless.data import PromptRow, PromptSampler
 from logitless.models.varlen import NAME as VARLEN_ATTENTION
 from logitless.objectives import AdvantageOptions, EntropyCoef, initial_entropy_coef
+from logitless.rewards.models import load_reward_models
 from logitless.rollout import RolloutEngine
 from logitless.rollout.engine import same_device
 from logitless.trainer import checkpoint as ckpt
@@ -36,8 +37,9 @@ from logitless.trainer.builders import (
     sync_offloaded_params,
     weight_copy,
 )
-from logitless.trainer.config import ModelConfig, TrainerConfig, to_yaml
+from logitless.trainer.config import ModelConfig, TrainerConfig, to_dict, to_yaml
 from logitless.trainer.episodes import environment_weight
+from logitless.trainer.evaluate import eval_options
 from logitless.trainer.metrics import MetricsLogger
 from logitless.trainer.modeling import (
     LoraCompute,
@@ -49,6 +51,7 @@ from logitless.trainer.modeling import (
 )
 from logitless.trainer.offload import ParkedState
 from logitless.trainer.oom import MemoryState
+from logitless.trainer.tracking import open_trackers, resolve_report_to
 from logitless.trainer.parallel import (
     COPY_BACKENDS,
     MergedRolloutCopy,
@@ -98,6 +101,7 @@ class TrainContext:
     agent: Agent | None = None  # agent.tools / agent.environment: what answers the model between turns
     run: RunDir | None = None  # the claimed run folder (rank 0): checked before each write
     t_start: float = field(default_factory=time.perf_counter)  # for the wall-time budget
+    eval_rows: list[PromptRow] | None = None  # held-out rows of the eval during training (eval.every_steps, on_start)
 
     @property
     def ckpt_root(self) -> Path:
@@ -208,8 +212,12 @@ def _logger(cfg: TrainerConfig, run_dir: Path, world: World, start: int,
     else:  # a context built outside `train` (no claim): config.yaml as given
         run_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(run_dir / "config.yaml", to_yaml(cfg))
-    logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
-                           total_steps=cfg.train.max_steps, resume_step=start)
+    log = cfg.logging
+    names, required = resolve_report_to(log.report_to, log.tensorboard)
+    trackers = open_trackers(names, run_dir, config=to_dict(cfg), project=log.project, run_name=log.run_name,
+                             options=log.tracker_options, resume_step=start, required=required)
+    logger = MetricsLogger(run_dir, progress=log.progress, total_steps=cfg.train.max_steps, resume_step=start,
+                           trackers=trackers)
     if run is not None and run.config_note:
         logger.console.print(run.config_note, highlight=False, markup=False, soft_wrap=True)
     return logger
@@ -242,10 +250,17 @@ def build_context(
     adv_options = advantage_options(cfg)
     rows: list[PromptRow] = load_rows(cfg.data)
     sampler = PromptSampler(rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+    eval_rows = None
+    if cfg.eval.every_steps or cfg.eval.on_start:
+        eval_rows = load_rows(cfg.data, cfg.eval.split or cfg.data.eval_split, eval=True)[: cfg.eval.num_prompts]
     reward_fns, acc_col = reward_functions(cfg.reward), accuracy_index(cfg.reward)
     model, tokenizer, device = _model(cfg, model, tokenizer, host=world.offload)
+    load_reward_models(reward_fns, device)  # model:/judge: rewards, on the training device unless they name one
     agent = Agent(tokenizer, cfg.agent) if cfg.agent.enabled else None  # tools, environment, template: checked here
-    check_prompt_lengths(rows, tokenizer, model, sampling_options(cfg.rollout, seed=None), f"data.task={cfg.data.task!r}")
+    check_prompt_lengths(rows, tokenizer, model, sampling_options(
+        cfg.rollout, seed=None, chat_template_kwargs=cfg.data.chat_template_kwargs), f"data.task={cfg.data.task!r}")
+    if eval_rows is not None:
+        check_prompt_lengths(eval_rows, tokenizer, model, eval_options(cfg), "eval during training (eval.every_steps)")
     if cfg.train.packed:
         check_packed_attention(model)
     # before a resume loads trained weights
@@ -264,7 +279,8 @@ def build_context(
             seed_everything(cfg.train.seed + world.rank)  # per-rank streams from here on (dropout, rewards)
     params = trainable_parameters(model)
     optimizer = make_optimizer(params, cfg.optim, host=world.offload)
-    scheduler = make_scheduler(optimizer, cfg.train.max_steps * cfg.train.num_iterations, cfg.optim)
+    steps_per_rollout = cfg.train.num_iterations * cfg.train.steps_per_rollout  # optimizer steps per rollout batch
+    scheduler = make_scheduler(optimizer, cfg.train.max_steps * steps_per_rollout, cfg.optim)
     run_dir = Path(cfg.train.output_dir)
     state = _resumed_state(resume, world, model, optimizer, scheduler) if resume is not None else {}
     start = int(state.get("step", 0))
@@ -296,6 +312,7 @@ def build_context(
         run_dir=run_dir, logger=logger, start=start, entropy_coef=coef, world=world, replica=replica, run=run,
         lora_compute=LoraCompute(model, cfg.model),
         rollout_device=None if rollout_device is None or same_device(rollout_device, device) else rollout_device,
+        eval_rows=eval_rows,
     )
 
 

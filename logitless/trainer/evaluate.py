@@ -1,4 +1,8 @@
-"""Held-out accuracy of a model on a prompt split: greedy (pass@1) or pass@k with k samples per prompt."""
+"""Held-out accuracy of a model on a prompt split: greedy (pass@1) or pass@k with k samples per prompt.
+
+`evaluate` serves `logitless eval` (a model loaded for it) and, through `eval_in_run`, the eval during training
+(`eval.every_steps`), which generates with the run's own rollout engine and logs `eval/*` metrics.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -47,8 +51,21 @@ class EvalResult:
     split: str
     seconds: float
     samples: list[dict[str, Any]] = field(default_factory=list)  # prompt, completion, reward, correct
+    sample_accuracy: float = math.nan  # share of samples that are correct (pass@1 estimated from k samples)
+    mean_length: float = math.nan  # completion tokens per sample
     # multi-turn episodes (agent.*): means per episode of `trainer.episodes.episode_stats` (turns, ...); else empty
     episodes: dict[str, float] = field(default_factory=dict)
+
+    def metrics(self) -> dict[str, float]:
+        """The `eval/*` metrics of a run: eval/accuracy (share of correct samples: the greedy accuracy, or pass@1
+        estimated from k samples), eval/pass@k (k > 1), eval/reward, eval/completion_length, and with an agent
+        eval/episode/* (turns, tool calls, ... per episode)."""
+        out = {"eval/accuracy": self.sample_accuracy, "eval/reward": self.mean_reward,
+               "eval/completion_length": self.mean_length}
+        if self.pass_k > 1:
+            out[f"eval/pass@{self.pass_k}"] = self.accuracy
+        out.update({f"eval/{k}": v for k, v in self.episodes.items()})
+        return out
 
     def summary(self) -> str:
         what = "greedy accuracy" if self.pass_k == 1 else f"pass@{self.pass_k}"
@@ -61,33 +78,52 @@ class EvalResult:
         )
 
 
-def evaluate(model: Any, tokenizer: Any, rows: list[PromptRow], cfg: TrainerConfig, *, split: str = "") -> EvalResult:
+def eval_temperature(cfg: TrainerConfig) -> float:
+    """eval.temperature, or 0 (greedy) for pass_k = 1 and rollout.temperature for pass_k > 1."""
+    if cfg.eval.temperature is not None:
+        return cfg.eval.temperature
+    return 0.0 if cfg.eval.pass_k == 1 else cfg.rollout.temperature
+
+
+def eval_options(cfg: TrainerConfig) -> Any:
+    """The eval's SamplingOptions (seeded with train.seed: every eval of a run draws the same way)."""
+    return sampling_options(
+        cfg.rollout, seed=cfg.train.seed, num_generations=cfg.eval.pass_k, temperature=eval_temperature(cfg),
+        max_new_tokens=cfg.eval.max_completion_length, section="eval",
+        chat_template_kwargs=cfg.data.chat_template_kwargs,
+    )
+
+
+def evaluate(
+    model: Any, tokenizer: Any, rows: list[PromptRow], cfg: TrainerConfig, *, split: str = "", engine: Any = None,
+    fns: list[Callable[..., Any]] | None = None, agent: Any = None,
+) -> EvalResult:
     """Accuracy of `model` on `rows` with the reward functions of `cfg.reward`.
 
-    Greedy when `cfg.eval.pass_k == 1`; otherwise k samples per prompt at `cfg.rollout.temperature` and a prompt
-    counts as solved when any sample is correct (pass@k with n = k). Correct = the accuracy reward equals 1.
-    With `cfg.agent` enabled each sample is a multi-turn episode with the agent's tools / environment, scored as
-    in training (the whole conversation, the environment's reward column).
+    Greedy when `cfg.eval.pass_k == 1` (unless eval.temperature says otherwise); otherwise k samples per prompt at
+    the eval temperature and a prompt counts as solved when any sample is correct (pass@k with n = k). Correct =
+    the accuracy reward equals 1. With `cfg.agent` enabled each sample is a multi-turn episode with the agent's
+    tools / environment, scored as in training (the whole conversation, the environment's reward column).
+    `engine`: the rollout engine to generate with (default: a new one of rollout.backend); `fns`: the reward
+    functions (default: built from cfg.reward); `agent`: the run's agent (default: one built from cfg.agent).
     """
     k = cfg.eval.pass_k
     rows = rows[: cfg.eval.num_prompts]
-    fns = reward_functions(cfg.reward)
+    fns = reward_functions(cfg.reward) if fns is None else fns
     acc_col = accuracy_index(cfg.reward)
-    options = sampling_options(
-        cfg.rollout, seed=cfg.train.seed, num_generations=k, temperature=0.0 if k == 1 else cfg.rollout.temperature,
-        max_new_tokens=cfg.eval.max_completion_length,
-    )
+    options = eval_options(cfg)
     check_prompt_lengths(rows, tokenizer, model, options, f"eval split {split!r}")
-    backend = cfg.rollout.backend
-    if backend == "auto":
-        from logitless.trainer.auto import rollout_backend
+    if engine is None:
+        backend = cfg.rollout.backend
+        if backend == "auto":
+            from logitless.trainer.auto import rollout_backend
 
-        backend = rollout_backend(cfg, next(model.parameters()).device, model)[0]
-    engine = make_engine(backend, model, tokenizer)
-    agent = Agent(tokenizer, cfg.agent) if cfg.agent.enabled else None
+            backend = rollout_backend(cfg, next(model.parameters()).device, model)[0]
+        engine = make_engine(backend, model, tokenizer)
+    agent = (Agent(tokenizer, cfg.agent) if cfg.agent.enabled else None) if agent is None else agent
     env_weight = environment_weight(cfg)
     t0 = time.perf_counter()
-    solved, rewards, samples, episodes = [], [], [], []
+    solved, rewards, samples, episodes, lengths = [], [], [], [], []
     for start in range(0, len(rows), cfg.eval.batch_size):
         chunk = rows[start : start + cfg.eval.batch_size]
         with torch_threads(cfg.rollout.num_threads):
@@ -96,6 +132,7 @@ def evaluate(model: Any, tokenizer: Any, rows: list[PromptRow], cfg: TrainerConf
                 batch = engine.generate(driver.prompt_ids, options, episodes=driver)
             else:
                 batch = engine.generate([r.prompt for r in chunk], options)
+        lengths.extend(batch.loss_mask().sum(1).tolist())
         per_sample = [chunk[i] for i in batch.prompt_index.tolist()]
         prompts = [r.prompt for r in per_sample]
         completions = reward_completions(tokenizer, batch, prompts)
@@ -120,6 +157,7 @@ def evaluate(model: Any, tokenizer: Any, rows: list[PromptRow], cfg: TrainerConf
     return EvalResult(
         accuracy=sum(solved) / len(solved), mean_reward=sum(finite) / max(len(finite), 1), num_prompts=len(rows),
         pass_k=k, split=split, seconds=time.perf_counter() - t0, samples=samples,
+        sample_accuracy=sum(s["correct"] for s in samples) / len(samples), mean_length=sum(lengths) / len(lengths),
         episodes=stat_means(merge_metrics(episodes)),
     )
 
@@ -143,3 +181,35 @@ def evaluate_config(cfg: TrainerConfig, checkpoint: str | Path | None = None) ->
 
 def write_eval(result: EvalResult, path: str | Path) -> None:
     Path(path).write_text(json.dumps(asdict(result), indent=1, default=str))
+
+
+def eval_due(cfg: TrainerConfig, step: int) -> bool:
+    """Whether the eval during training runs after `step`: every eval.every_steps steps and after train.max_steps
+    (a function of the step alone, so a resumed run evaluates at the same steps)."""
+    every = cfg.eval.every_steps
+    return every > 0 and (step % every == 0 or step == cfg.train.max_steps)
+
+
+def eval_in_run(ctx: Any) -> dict[str, float]:
+    """The `eval/*` metrics of the policy as it is now, on the run's held-out rows (`ctx.eval_rows`), generated by
+    the run's rollout engine with the run's reward functions. Under torchrun every rank evaluates every
+    world-size-th row and the counts are summed over the ranks."""
+    from logitless.trainer.distributed import all_reduce_sum
+    from logitless.trainer.parallel import rollout_weights
+
+    cfg, world = ctx.cfg, ctx.world
+    rows = ctx.eval_rows[world.rank :: world.size] if world.size > 1 else ctx.eval_rows
+    split = cfg.eval.split or cfg.data.eval_split
+    with rollout_weights(ctx.model, ctx.replica):
+        result = evaluate(ctx.model, ctx.tokenizer, rows, cfg, split=split, engine=ctx.engine, fns=ctx.reward_fns,
+                          agent=ctx.agent)
+    if world.size == 1:
+        return result.metrics()
+    n_samples = len(result.samples)
+    finite = [s["reward"] for s in result.samples if s["reward"] is not None]
+    sums = [all_reduce_sum(x, ctx.device) for x in (
+        result.accuracy * result.num_prompts, result.num_prompts, result.sample_accuracy * n_samples, n_samples,
+        sum(finite), len(finite), result.mean_length * n_samples)]
+    merged = dataclasses.replace(result, accuracy=sums[0] / sums[1], sample_accuracy=sums[2] / sums[3],
+                                 mean_reward=sums[4] / max(sums[5], 1), mean_length=sums[6] / sums[3])
+    return merged.metrics()

@@ -10,9 +10,12 @@
             logp = completion_logprobs(policy)                                  logitless.models
             policy_loss(logp, ..., normalizer of the whole step).backward()     logitless.objectives
         clip gradients, AdamW step, LR schedule                                 trainer.builders
-        metrics, sample table, checkpoint                                       trainer.metrics / checkpoint
+        held-out eval every eval.every_steps                                    trainer.evaluate
+        metrics (and trackers), sample table, checkpoint                        trainer.metrics / tracking
 
-One step is one rollout batch; with μ = train.num_iterations > 1 it makes μ optimizer steps on it. Ctrl-C or
+One step is one rollout batch; with μ = train.num_iterations > 1 it makes μ optimizer steps on it, with
+k = train.steps_per_rollout one per part of it (μ·k in all). With train.dynamic_sampling the rollout and scoring
+repeat until the step has prompts_per_step informative groups (trainer/dynamic.py). Ctrl-C or
 SIGTERM stops at the next safe point with a checkpoint: before the first optimizer step of a step, the step is
 dropped (its data position and RNG are rewound, so a resumed run is identical); after it, the step finishes. The
 signal says so at once; a second one stops at once (`signals.py`). Before each step's metrics and checkpoint are
@@ -39,7 +42,9 @@ from logitless.trainer.accounting import PhaseTimer
 from logitless.trainer.auto import resolve_run, save_resolved
 from logitless.trainer.config import TrainerConfig
 from logitless.trainer.context import TrainContext, build_context
+from logitless.trainer.dynamic import sample_step
 from logitless.trainer.episodes import conversation_texts
+from logitless.trainer.evaluate import eval_due, eval_in_run
 from logitless.trainer.metrics import MismatchReport, RewardErrorReport, mismatch_causes
 from logitless.trainer.modeling import attention_backends
 from logitless.trainer.parallel import (
@@ -62,9 +67,9 @@ from logitless.trainer.stages import (
     UpdateResult,
     check_empty,
     logprob_stage,
+    merge_plans,
+    part_rows,
     plan_update,
-    rollout_stage,
-    score_stage,
     step_record,
     update_stage,
 )
@@ -98,7 +103,7 @@ def log_step(ctx: TrainContext, result: TrainResult, step: int, record: dict[str
     if ctx.run is not None:
         ctx.run.check_alive()
     result.step = step
-    if step % cfg.logging_steps == 0 or step == ctx.cfg.train.max_steps:
+    if step % cfg.logging_steps == 0 or step == ctx.cfg.train.max_steps or any(k.startswith("eval/") for k in record):
         ctx.logger.log(step, {**record, "time/elapsed": time.perf_counter() - ctx.t_start})
         result.records.append({"step": step, **record})
     ctx.logger.advance(step, record)
@@ -149,23 +154,28 @@ def drop_step(ctx: TrainContext, result: TrainResult, step: int, rewind: tuple[A
         result.checkpoint = ctx.save(step - 1)  # (a resumed run re-saves the step it started from)
 
 
-def _rollout(ctx: TrainContext, step: int, hook: Hook) -> Rollout:
+def _sample(ctx: TrainContext, step: int, timer: PhaseTimer, hook: Hook) -> tuple:
     hook("generate", step)
-    return rollout_stage(ctx, step)
+    return sample_step(ctx, step, timer)
 
 
-def _update(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan | None, timer: PhaseTimer, hook: Hook,
-            step: int) -> tuple[UpdatePlan, UpdateResult]:
-    """Old/reference logprobs and the μ optimizer steps of a step, over `plan`'s micro-batches (None: planned
-    with the current settings, after a retry)."""
-    plan = plan or plan_update(ctx, ro, scored)
+def _plans(ctx: TrainContext, ro: Rollout, scored: Scored) -> list[UpdatePlan]:
+    """The micro-batches and normalizer of each optimizer step on the batch (train.steps_per_rollout parts)."""
+    return [plan_update(ctx, ro, scored, rows) for rows in part_rows(ro, ctx.cfg.train.steps_per_rollout)]
+
+
+def _update(ctx: TrainContext, ro: Rollout, scored: Scored, plans: list[UpdatePlan] | None, timer: PhaseTimer,
+            hook: Hook, step: int) -> tuple[list[UpdatePlan], UpdateResult]:
+    """Old/reference logprobs and the optimizer steps of a step, over `plans`' micro-batches (None: planned with the
+    current settings, after a retry)."""
+    plans = plans or _plans(ctx, ro, scored)
     ctx.on_micro_batch = lambda i: hook("micro_batch", step)
     ctx.memory.phase = "logprobs"
     with timer("logprobs"):
-        oldref = logprob_stage(ctx, plan)
+        oldrefs = [logprob_stage(ctx, p) for p in plans]
     ctx.memory.phase = "train"
     with timer("train"):
-        return plan, update_stage(ctx, plan, oldref)
+        return plans, update_stage(ctx, plans, oldrefs)
 
 
 def _reset_update(ctx: TrainContext, rng: Any) -> None:
@@ -233,19 +243,22 @@ def _train(
     report_mismatch = MismatchReport(ctx.logger.print, cfg.logging.mismatch_warning, mismatch_causes(ctx.cfg))  # (decided settings)
     finished = False
     try:
+        if cfg.eval.on_start and ctx.start == 0:  # the policy before training, logged at step 0
+            t0 = time.perf_counter()
+            record = {**eval_in_run(ctx), "time/eval": time.perf_counter() - t0}
+            ctx.logger.log(0, record)
+            result.records.append({"step": 0, **record})
         for step in range(ctx.start + 1, cfg.train.max_steps + 1):
             stop.step, stop.updating = step, False
             hook("step_start", step)
             rewind = (ctx.sampler.state_dict(), ckpt.rng_state())
             timer = PhaseTimer(ctx.device, ctx.rollout_device)
+            # generate and score (with train.dynamic_sampling: until the step has its informative groups); out of
+            # memory: once more, with fewer rows per wave, from the step's data position and RNG
             ctx.memory.retries = 0
-            with timer("generate"):
-                ro = oom.retry_on_oom(ctx, step, "generate", lambda: _rollout(ctx, step, hook),
-                                      reset=lambda: rewind_step(ctx, rewind))
-            with timer("score"):
-                scored = score_stage(ctx, ro)
-            sc = scored.scores
-            report_reward_errors(step, sc.names, sc.num_errors, sc.error_texts, len(ro.sample_rows))
+            ro, scored, sc, sampled = oom.retry_on_oom(ctx, step, "generate", lambda: _sample(ctx, step, timer, hook),
+                                                       reset=lambda: rewind_step(ctx, rewind))
+            report_reward_errors(step, sc.names, sc.num_errors, sc.error_texts, len(sc.total))
             hook("after_rollout", step)
             dropped = agree(stop.commit_step(), ctx.device)  # a signal to any rank before the update began
             if dropped:  # nothing trained yet: every rank drops this step
@@ -253,15 +266,20 @@ def _train(
                 drop_step(ctx, result, step, rewind)
                 break
             check_empty(ctx, ro, step)
-            plan, upd = plan_update(ctx, ro, scored), UpdateResult()
+            plans = _plans(ctx, ro, scored)
+            plan, upd = merge_plans(plans), UpdateResult()
             if plan.n_tokens > 0:  # (0 only if the engine returned no token at all, not even EOS)
-                rng, plans = ckpt.rng_state(), [plan]  # a retry plans its micro-batches anew
-                plan, upd = oom.retry_on_oom(
-                    ctx, step, "update", lambda: _update(ctx, ro, scored, plans[-1], timer, hook, step),
-                    reset=lambda: (_reset_update(ctx, rng), plans.append(None)))
+                rng, tried = ckpt.rng_state(), [plans]  # a retry plans its micro-batches anew
+                plans, upd = oom.retry_on_oom(
+                    ctx, step, "update", lambda: _update(ctx, ro, scored, tried[-1], timer, hook, step),
+                    reset=lambda: (_reset_update(ctx, rng), tried.append(None)))
+                plan = merge_plans(plans)
             hook("after_update", step)
-            record = step_record(ctx, ro, scored, plan, upd, timer)
-            record.update(oom.memory_metrics(ctx, ro, plan))
+            record = {**step_record(ctx, ro, scored, plan, upd, timer), **sampled, **oom.memory_metrics(ctx, ro, plan)}
+            if eval_due(cfg, step):  # held-out eval (eval.every_steps)
+                with timer("eval"):
+                    record.update(eval_in_run(ctx))
+                record["time/eval"] = timer.seconds["eval"]
             log_step(ctx, result, step, record, ro, scored)
             report_mismatch(step, record)
             if run is not None:

@@ -1,4 +1,5 @@
-"""Logging sinks of the trainer: metrics JSONL, TensorBoard (when installed), a rich progress bar, sample tables.
+"""Logging sinks of the trainer: metrics JSONL, experiment trackers (`tracking.py`: TensorBoard, W&B, Trackio), a rich
+progress bar, sample tables.
 
 Only the trainer (rank 0) writes; math modules return metrics as plain dicts of floats.
 """
@@ -159,7 +160,8 @@ class MismatchReport:
 
 
 class MetricsLogger:
-    """Writes one JSON record per logged step to `<run_dir>/metrics.jsonl` and mirrors scalars to TensorBoard.
+    """Writes one JSON record per logged step to `<run_dir>/metrics.jsonl` and mirrors its scalars, under the same
+    names, to each tracker (`tracking.Tracker`; `tensorboard=True` without `trackers` opens TensorBoard when installed).
 
     `resume_step`: drop records of steps after it (a resumed run rewrites them).
     """
@@ -173,6 +175,7 @@ class MetricsLogger:
         total_steps: int = 0,
         resume_step: int = 0,
         console: Console | None = None,
+        trackers: list[Any] | None = None,
     ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -183,14 +186,12 @@ class MetricsLogger:
         self.path.write_text("".join(line + "\n" for line in kept))
         self._file = open(self.path, "a")
         self.console = console or Console(stderr=True)
-        self.tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+        if trackers is None:
+            from logitless.trainer.tracking import open_trackers
 
-                self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
-            except ImportError:
-                self.tb = None
+            trackers = open_trackers(["tensorboard"] if tensorboard else [], self.run_dir, config={}, project="",
+                                     run_name=None, options={}, resume_step=resume_step, required=False)
+        self.trackers = list(trackers)
         self.progress = None
         if progress and total_steps > 0 and sys.stderr.isatty():
             self.progress = Progress(
@@ -210,10 +211,12 @@ class MetricsLogger:
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self.tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self.tb.add_scalar(k, v, step)
+        if self.trackers:
+            from logitless.trainer.tracking import scalars
+
+            values = scalars(record)
+            for tracker in self.trackers:
+                tracker.log(step, values)
 
     def advance(self, step: int, metrics: dict[str, Any]) -> None:
         """Move the progress bar to `step` and show the live reward / accuracy / sampler-trainer mismatch (and
@@ -247,8 +250,8 @@ class MetricsLogger:
         if self.progress is not None:
             self.progress.stop()
             self.progress = None
-        if self.tb is not None:
-            self.tb.close()
-            self.tb = None
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.close()
         if not self._file.closed:
             self._file.close()

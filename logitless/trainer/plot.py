@@ -6,10 +6,12 @@ from pathlib import Path
 
 from logitless.trainer.metrics import read_metrics
 
-# (title, metric keys drawn on that panel); panels whose keys are all absent are skipped.
+# (title, metric keys drawn on that panel; a key ending in "*" stands for every logged key it begins); panels
+# whose keys are all absent are skipped.
 PANELS = [
     ("reward", ["reward/mean"]),
     ("accuracy", ["accuracy"]),
+    ("held-out eval", ["eval/accuracy", "eval/pass@*"]),
     ("completion length", ["completion/length_mean", "completion/length_max"]),
     ("KL", ["kl"]),
     ("entropy", ["entropy"]),
@@ -31,7 +33,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     records = read_metrics(run_dir)
     if not records:
         raise ValueError(f"{Path(run_dir) / 'metrics.jsonl'} has no records yet; nothing to plot")
-    panels = [(t, [k for k in keys if any(r.get(k) is not None for r in records)]) for t, keys in PANELS]
+    logged = list(dict.fromkeys(k for r in records for k in r))
+    expand = lambda k: [x for x in logged if x.startswith(k[:-1])] if k.endswith("*") else [k]  # noqa: E731
+    panels = [(t, [k for key in keys for k in expand(key) if any(r.get(k) is not None for r in records)])
+              for t, keys in PANELS]
     panels = [(t, keys) for t, keys in panels if keys]
     if not panels:
         raise ValueError(f"{Path(run_dir) / 'metrics.jsonl'} has none of the plotted metrics")

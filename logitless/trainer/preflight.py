@@ -24,6 +24,8 @@ from logitless.trainer.builders import accuracy_index, reward_functions, samplin
 from logitless.trainer.config import TrainerConfig
 from logitless.trainer.episodes import ENVIRONMENT_REWARD, environment_weight
 from logitless.trainer.fsdp_offload import check_fsdp_offload
+from logitless.trainer.parallel import launched_world
+from logitless.trainer.tracking import check_report_to
 
 # Model keys that change the weights a checkpoint holds (or what they mean): they must match on resume / eval.
 WEIGHT_KEYS = ("name_or_path", "gguf_file", "revision", "lora", "lora_r", "lora_alpha", "lora_target_modules")
@@ -82,6 +84,18 @@ def _check_training(cfg: TrainerConfig) -> None:
             "those, or train.async_rollout=false"
         )
     check_rollout_device(cfg)
+    if cfg.train.async_rollout and (cfg.eval.every_steps or cfg.eval.on_start):
+        raise ValueError(
+            "eval.every_steps / eval.on_start evaluate with the run's rollout engine, which train.async_rollout=true "
+            "keeps busy with the next step's rollout; set eval.every_steps=0 and eval.on_start=false (and run "
+            "`logitless eval --checkpoint RUN` on the checkpoints), or train.async_rollout=false")
+    if cfg.train.dynamic_sampling and (cfg.train.async_rollout or launched_world().size > 1):
+        raise ValueError(
+            "train.dynamic_sampling=true samples more prompts within a step until it has enough informative groups, "
+            "which train.async_rollout (a step's rollout starts during the step before) and torchrun (each rank "
+            "samples its own share) do not support yet; set train.dynamic_sampling=false, or run one process with "
+            "train.async_rollout=false")
+    check_report_to(cfg.logging.report_to, cfg.logging.tensorboard)
 
 
     if cfg.train.async_rollout and cfg.train.offload_during_rollout is True:

@@ -104,7 +104,22 @@ def check_data_source(cfg: DataConfig, *, eval: bool = False, split: str | None 
     _probe(name, None, "dataset", "dataset", fix)
 
 
+def check_reward_sources(cfg: TrainerConfig) -> None:
+    """The reward models and judges of reward.reward_funcs (`model:NAME`, `judge:NAME`), as model.name_or_path."""
+    for spec in cfg.reward.reward_funcs:
+        kind, _, name = spec.partition(":")
+        if kind not in ("model", "judge") or not name:
+            continue
+        options = cfg.reward.reward_options.get(spec, {})
+        try:
+            check_model_source(ModelConfig(name_or_path=name, revision=options.get("revision")))
+        except SourceError as e:
+            raise SourceError(f"reward.reward_funcs {spec!r}: {str(e).replace('model.name_or_path=', '')}") from None
+
+
 def check_sources(cfg: TrainerConfig, *, eval: bool = False) -> None:
-    """Model and dataset (train split, or the eval split with `eval`) sources of `cfg`; one-line SourceError."""
+    """Model and dataset (train split, or the eval split with `eval`) sources of `cfg`, and its reward models;
+    one-line SourceError."""
     check_model_source(cfg.model)
     check_data_source(cfg.data, eval=eval, split=cfg.eval.split if eval else None)
+    check_reward_sources(cfg)

@@ -3,7 +3,9 @@
     rollout_stage → score_stage → plan_update → logprob_stage → update_stage → step_record
 
 `loop.train` runs them in order; each can be called (and tested) alone on a `TrainContext`. The update stage
-is the one place that knows how micro-batches become optimizer steps.
+is the one place that knows how micro-batches become optimizer steps. With train.steps_per_rollout = k the step's
+rows are split into k parts of whole prompt groups (`part_rows`), each planned on its own (its own normalizer) and
+trained by its own optimizer step.
 """
 
 from __future__ import annotations
@@ -106,19 +108,26 @@ def _entropy_terms(ctx: TrainContext) -> tuple[bool, bool]:
     return o.top_entropy_quantile < 1.0, o.entropy_coef > 0 or o.use_adaptive_entropy
 
 
-def rollout_stage(ctx: TrainContext, step: int) -> Rollout:
+def rollout_seed(cfg: Any, step: int, round: int = 0) -> int:
+    """The sampling seed of a step's rollout (`round` > 0: the extra rollouts of train.dynamic_sampling)."""
+    return cfg.train.seed * 1_000_003 + step + round * 2**40
+
+
+def rollout_stage(ctx: TrainContext, step: int, round: int = 0) -> Rollout:
     """G samples for each of the step's prompts, with the sampler's logprobs. With train.async_rollout they were
     started during the step before, and the next step's rollout starts here (trainer/async_rollout.py). With an
     agent each sample is a multi-turn episode: the agent renders the prompts (tools in the chat template, an
-    environment's first observation) and answers the model between turns."""
+    environment's first observation) and answers the model between turns. `round`: which rollout of the step this
+    is (train.dynamic_sampling draws more than one)."""
     cfg = ctx.cfg
-    options = sampling_options(cfg.rollout, seed=rank_seed(cfg.train.seed * 1_000_003 + step, ctx.world))
+    templated = {"chat_template_kwargs": cfg.data.chat_template_kwargs}
+    options = sampling_options(cfg.rollout, seed=rank_seed(rollout_seed(cfg, step, round), ctx.world), **templated)
     if ctx.prefetch is not None:  # single process only (refused under torchrun)
         if ctx.prefetch.pending is None:  # the first step of a run
             ctx.prefetch.start(step, options)
         rows, batch, options = ctx.prefetch.take(step)
         if step < cfg.train.max_steps:
-            ctx.prefetch.start(step + 1, sampling_options(cfg.rollout, seed=cfg.train.seed * 1_000_003 + step + 1))
+            ctx.prefetch.start(step + 1, sampling_options(cfg.rollout, seed=rollout_seed(cfg, step + 1), **templated))
         batch = batch.to(ctx.device)
     else:
         rows = rank_share(ctx.sampler.next_batch(cfg.train.prompts_per_step), ctx.world)  # all of them on one process
@@ -177,17 +186,38 @@ def check_empty(ctx: TrainContext, ro: Rollout, step: int) -> None:
         )
 
 
-def plan_update(ctx: TrainContext, ro: Rollout, scored: Scored) -> UpdatePlan:
-    """Micro-batches of the rows worth training, and the step's global loss normalizer."""
+def part_rows(ro: Rollout, k: int) -> list[torch.Tensor | None]:
+    """The rows of each of k optimizer steps on one rollout batch (train.steps_per_rollout): k parts of whole prompt
+    groups in order, [B / k] long each; [None] (all rows) for k = 1."""
+    if k == 1:
+        return [None]
+    B, G = ro.batch.prompt_index.numel(), ro.options.num_generations
+    groups = torch.arange(B // G).tensor_split(k)  # k parts (a short dynamic-sampling step: some may be empty)
+    return [(g.view(-1, 1) * G + torch.arange(G)).view(-1) for g in groups]
+
+
+def merge_plans(plans: list[UpdatePlan]) -> UpdatePlan:
+    """One plan standing for the parts of a step (for its metrics): every trained row and token."""
+    if len(plans) == 1:
+        return plans[0]
+    return UpdatePlan([m for p in plans for m in p.micro], torch.cat([p.trained for p in plans]),
+                      sum(p.normalizer for p in plans), sum(p.n_tokens for p in plans), plans[0].temperature,
+                      sum(p.padding for p in plans))
+
+
+def plan_update(ctx: TrainContext, ro: Rollout, scored: Scored, rows: torch.Tensor | None = None) -> UpdatePlan:
+    """Micro-batches of the rows worth training, and the global loss normalizer of one optimizer step; `rows`: the
+    part of the batch that step trains on (train.steps_per_rollout), default all."""
     cfg, b = ctx.cfg, ro.batch
     o = cfg.objective
     top_entropy, entropy_grad = _entropy_terms(ctx)
     adv = scored.adv.advantages.to(ctx.device)
     # Rows with advantage 0 add exactly 0 to the loss and its gradient when there is no KL or entropy term, so
     # they are not run (they still count in the normalizer, which is taken over all rows).
-    trained = torch.arange(b.completion_mask.shape[0], device=ctx.device)
+    part = torch.arange(b.completion_mask.shape[0], device=ctx.device) if rows is None else rows.to(ctx.device)
+    trained = part
     if cfg.train.skip_zero_advantage and o.beta == 0 and not (entropy_grad or top_entropy):
-        trained = (adv != 0).nonzero().view(-1)
+        trained = part[adv[part] != 0]
     # Multi-turn episodes: only the model's tokens are trained (observations stay in the sequence as context)
     loss = b.loss_mask()  # [B, T] (completion_mask itself without episodes)
     episodes = None if b.env_mask is None else loss
@@ -201,16 +231,19 @@ def plan_update(ctx: TrainContext, ro: Rollout, scored: Scored) -> UpdatePlan:
         rows=torch.zeros(1, dtype=torch.long, device=ctx.device), loss_mask=episodes,
     )[0]
     padding = padding_micro_batches(micro, spare, ctx.device)  # none on one process
-    n_local = int(loss.sum())
+    mask, truncated = (loss, b.truncated) if rows is None else (loss[part], b.truncated[part])
+    n_local = int(mask.sum())
     n_tokens = int(all_reduce_sum(n_local, ctx.device))
-    normalizer = all_reduce_sum(loss_normalizer(o, [loss], [b.truncated]) if n_local else 0.0, ctx.device)
+    normalizer = all_reduce_sum(loss_normalizer(o, [mask], [truncated]) if n_local else 0.0, ctx.device)
     return UpdatePlan(micro + padding, trained, normalizer, n_tokens, ro.options.logp_temperature, len(padding))
 
 
 @torch.no_grad()
 def logprob_stage(ctx: TrainContext, plan: UpdatePlan) -> OldRef:
-    """Old-policy (μ > 1, or the entropies of the top-entropy mask) and reference (β > 0) logprobs, no grad."""
-    mu, top_entropy, packed = ctx.cfg.train.num_iterations, _entropy_terms(ctx)[0], ctx.cfg.train.packed
+    """Old-policy (μ > 1 or several optimizer steps per rollout, or the entropies of the top-entropy mask) and
+    reference (β > 0) logprobs, no grad."""
+    mu = ctx.cfg.train.num_iterations * ctx.cfg.train.steps_per_rollout  # optimizer steps on this rollout
+    top_entropy, packed = _entropy_terms(ctx)[0], ctx.cfg.train.packed
     old: list[torch.Tensor | None] = [None] * len(plan.micro)
     ref: list[torch.Tensor | None] = [None] * len(plan.micro)
     entropies = []
@@ -250,7 +283,8 @@ def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i:
     entropy_grad = _entropy_terms(ctx)[1]
     # On-policy without KL/IS/entropy terms d loss / d logp is known before the forward, so the fused op can form
     # its gradients there (a speed hint; None otherwise).
-    hint = None if ctx.cfg.train.num_iterations > 1 else on_policy_logp_grad(
+    off_policy = ctx.cfg.train.num_iterations > 1 or ctx.cfg.train.steps_per_rollout > 1
+    hint = None if off_policy else on_policy_logp_grad(
         m.loss_mask, m.advantages, o, plan.normalizer, sampler_logp=m.sampler_logp, truncated=m.truncated,
         entropy_coef=ctx.entropy_coef.effective if entropy_grad else 0.0,
     )
@@ -289,16 +323,21 @@ def optimizer_step(ctx: TrainContext) -> float:
     return norm
 
 
-def update_stage(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef) -> UpdateResult:
-    """μ optimizer steps, each over all micro-batches; adapts the entropy coefficient after each."""
+def update_stage(ctx: TrainContext, plan: UpdatePlan | list[UpdatePlan], oldref: OldRef | list[OldRef]) -> UpdateResult:
+    """μ passes, each one optimizer step over all micro-batches of each plan (one plan, or one per part of the
+    batch with train.steps_per_rollout); adapts the entropy coefficient after each optimizer step."""
     res = UpdateResult()
     ctx.model.train()
-    for it in range(ctx.cfg.train.num_iterations):
+    plans, oldrefs = (plan, oldref) if isinstance(plan, list) else ([plan], [oldref])
+    # the sampler-trainer mismatch is measured where the policy is still the sampler's: the first part's first pass
+    passes = [(it == 0 and j == 0, p, o) for it in range(ctx.cfg.train.num_iterations)
+              for j, (p, o) in enumerate(zip(plans, oldrefs))]
+    for first, plan, oldref in passes:
         step_loss = torch.zeros((), dtype=torch.float64, device=ctx.device)  # on device: no host sync per micro-batch
         parts = []
         with ctx.lora_compute.stage():  # forwards and backwards (recomputes) alike
             for i in range(len(plan.micro)):
-                loss, metrics = micro_batch_backward(ctx, plan, oldref, i, first=it == 0)
+                loss, metrics = micro_batch_backward(ctx, plan, oldref, i, first=first)
                 step_loss += loss
                 parts += [metrics] if i < len(plan.micro) - plan.padding else []
         res.grad_norms.append(optimizer_step(ctx))

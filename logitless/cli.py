@@ -1,16 +1,19 @@
 """`logitless train|eval|plot|export`: the command line.
 
-    logitless train [CONFIG.yaml] [section.key=value ...] [--resume RUN_DIR [--allow-config-change] | --overwrite]
-                    [--dry-run]
-    logitless eval  [CONFIG.yaml] [section.key=value ...] [--checkpoint RUN_DIR] [--output eval.json]
+    logitless train [CONFIG.yaml | --config FILE] [section.key=value ...] [--resume RUN_DIR [--allow-config-change]
+                    | --overwrite] [--dry-run]
+    logitless eval  [CONFIG.yaml | --config FILE] [section.key=value ...] [--checkpoint RUN_DIR] [--output eval.json]
     logitless plot  RUN_DIR [--output curves.png]
     logitless export RUN_DIR [--merged] [--output DIR] [--push-to-hub REPO]
 
 With no CONFIG the embedded demo config is used: LoRA-GRPO on SmolLM2-135M-Instruct learning two-digit arithmetic
 on CPU. `--resume RUN_DIR` / `--checkpoint RUN_DIR` without a CONFIG reuse the run's saved config (a run folder
-without one is refused; `eval --checkpoint` then takes the checkpoint's copy). Everything that can be checked
-without the model (options, run folder, sources, output paths) is checked first; errors are one line naming the
-config key or file and the fix. Ctrl-C says at once what it does (trainer/signals.py); the second one stops.
+without one is refused; `eval --checkpoint` then takes the checkpoint's copy). A CONFIG of `-` (or `/dev/stdin`,
+or a pipe) is read from standard input. Overrides are one word each (`rollout.temperature=0.7`) and may stand
+before or after the flags. Everything that can be checked without the model (options, the model's config, the
+first data rows against the rewards, run folder, sources, output paths) is checked first; errors are one line
+naming the config key or file and the fix. Ctrl-C says at once what it does (trainer/signals.py); the second one
+stops.
 """
 
 from __future__ import annotations
@@ -25,16 +28,49 @@ from pathlib import Path
 from logitless.configlib import ConfigError
 
 
-def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
-    """(config path or None, overrides): the config is the first item without '='."""
-    config, overrides = None, []
-    for item in items:
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def _looks_like_key(item: str) -> bool:
+    """True for a dotted name of the config schema ('rollout.temperature', 'optim') that is not a file here."""
+    from logitless.configlib import valid_keys
+    from logitless.trainer.config import TrainerConfig
+
+    if Path(item).suffix in CONFIG_SUFFIXES or Path(item).exists():
+        return False
+    keys = valid_keys(TrainerConfig)
+    return item in keys or item.partition(".")[0] in keys and "." in item
+
+
+def _key_without_value(item: str, following: str | None) -> ConfigError:
+    value = following if following is not None and "=" not in following and not _looks_like_key(following) else "VALUE"
+    return ConfigError(
+        f"{item!r} is a config key without a value: write each override as one word key=value, with no spaces "
+        f"around '=' (here: {item}={value})"
+    )
+
+
+def _split_args(items: list[str], config_flag: str | None = None) -> tuple[str | None, list[str]]:
+    """(config path or None, overrides): the config is `--config` or the first item without '='; every other item
+    must be a section.key=value override (a key without '=' or a value split off by spaces is refused, showing the
+    one-word form)."""
+    config, overrides = config_flag, []
+    for i, item in enumerate(items):
+        following = items[i + 1] if i + 1 < len(items) else None
         if "=" in item:
+            if item.endswith("=") and following is not None and "=" not in following:
+                raise ConfigError(f"{item!r} has no value: write each override as one word key=value, with no "
+                                  f"spaces around '=' (here: {item}{following})")
             overrides.append(item)
+        elif _looks_like_key(item):
+            raise _key_without_value(item, following)
         elif config is None:
             config = item
         else:
-            raise ConfigError(f"unexpected argument {item!r}: give one CONFIG file, then section.key=value overrides")
+            hint = (f"the config is {config!r} already (--config and a CONFIG argument?)" if config_flag is not None
+                    else f"the config is {config!r}, the first argument without '='")
+            raise ConfigError(f"unexpected argument {item!r}: {hint}. Give one CONFIG file (or --config FILE, '-' "
+                              "for standard input), then section.key=value overrides")
     if config is not None and Path(config).is_dir():
         hint = f" (to continue or evaluate that run, use --resume {config} / --checkpoint {config})"
         raise ConfigError(f"CONFIG {config!r} is a folder, not a YAML config file{hint}")
@@ -73,11 +109,11 @@ def _run_config(path: str | None, flag: str) -> Path | None:
     )
 
 
-def _load(items: list[str], run_dir: str | None, flag: str):
+def _load(items: list[str], run_dir: str | None, flag: str, config_flag: str | None = None):
     """The run's config (for --resume/--checkpoint) or the given CONFIG, else the embedded demo; then overrides."""
     from logitless.trainer.config import demo_config, load_train_config
 
-    config, overrides = _split_args(items)
+    config, overrides = _split_args(items, config_flag)
     if config is None:
         config = _run_config(run_dir, flag)
     if config is None:
@@ -100,18 +136,31 @@ def _end_of_run(now: bool = False) -> None:
         signal.signal(signal.SIGINT, _exit_now)
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def _dry_run(cfg, *, training: bool) -> int:
+    """Every check a run makes before its model loads, then the resolved config (stdout) and what was checked
+    (stderr, one line each); for training, the settings "auto" decides on this machine and the memory plan
+    (stderr, from the model's config)."""
     from logitless.trainer.config import to_yaml
-    from logitless.trainer.preflight import validate_config
+    from logitless.trainer.preflight import preflight
 
-    cfg = _load(args.args, args.resume, "--resume")
-    validate_config(cfg)
-    if args.dry_run:
+    checked = preflight(cfg, training=training)
+    print(to_yaml(cfg), end="")
+    for line in checked:
+        print(f"checked: {line}", file=sys.stderr)
+    if training:
         from logitless.trainer.auto import print_dry_run
 
-        print(to_yaml(cfg), end="")
-        print_dry_run(cfg)  # the settings "auto" decides here and the memory plan, from the model's config
-        return 0
+        print_dry_run(cfg)
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from logitless.trainer.preflight import validate_config
+
+    cfg = _load(args.args, args.resume, "--resume", args.config)
+    if args.dry_run:
+        return _dry_run(cfg, training=True)
+    validate_config(cfg)
     from logitless.trainer.loop import train
     from logitless.trainer.parallel import launched_world, shutdown
     from logitless.trainer.rundir import restart_advice, run_dir_of_checkpoint
@@ -138,22 +187,19 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from logitless.trainer import checkpoint as ckpt
-    from logitless.trainer.config import to_yaml
-    from logitless.trainer.preflight import check_output_file, check_resume, validate_config
-    from logitless.trainer.sources import check_sources
+    from logitless.trainer.preflight import check_output_file, check_resume, preflight, validate_config
 
-    cfg = _load(args.args, args.checkpoint, "--checkpoint")
+    cfg = _load(args.args, args.checkpoint, "--checkpoint", args.config)
     validate_config(cfg, training=False)
-    if args.dry_run:
-        print(to_yaml(cfg), end="")
-        return 0
     if args.output:
         check_output_file(args.output, "--output")
     checkpoint = None
     if args.checkpoint is not None:
         checkpoint = ckpt.resolve_checkpoint(args.checkpoint, flag="--checkpoint")
         check_resume(cfg, checkpoint, flag="--checkpoint", training=False)
-    check_sources(cfg, eval=True)
+    if args.dry_run:
+        return _dry_run(cfg, training=False)
+    preflight(cfg, training=False)  # sources, the model's config, the eval rows
     from logitless.trainer.evaluate import evaluate_config, write_eval
 
     result = evaluate_config(cfg, checkpoint)
@@ -166,7 +212,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     from logitless.trainer.plot import plot_run
 
-    print(plot_run(args.run_dir, args.output))
+    print(plot_run(args.run_dir, args.output))  # checks --output's folder and format before drawing
     return 0
 
 
@@ -183,11 +229,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+CONFIG_HELP = "the YAML config, as the first positional argument would name it; '-' reads it from standard input"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="logitless", description="GRPO-family RL fine-tuning of language models.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train a model (no arguments: the embedded CPU demo)")
     p.add_argument("args", nargs="*", metavar="CONFIG|section.key=value", help="a YAML config, then overrides")
+    p.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run, in its folder, from its newest intact checkpoint")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the run already in train.output_dir (deleted once the new run has finished a step)")
@@ -195,30 +245,52 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --resume: continue with settings that change what is trained (saved beside the run's "
                         "config, which is kept)")
     p.add_argument("--dry-run", action="store_true",
-                   help="validate and print the config, the settings auto decides here and the memory plan, then exit")
-    p.set_defaults(fn=cmd_train)
+                   help="run every check made before the model loads, print the resolved config and what was checked, "
+                        "and the settings auto decides here with the memory plan")
+    p.set_defaults(fn=cmd_train, command_parser=p)
     p = sub.add_parser("eval", help="accuracy on the eval split (greedy, or pass@k with eval.pass_k=k)")
     p.add_argument("args", nargs="*", metavar="CONFIG|section.key=value", help="a YAML config, then overrides")
+    p.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     p.add_argument("--checkpoint", metavar="RUN_DIR", help="evaluate the weights of this run/checkpoint")
     p.add_argument("--output", metavar="FILE", help="write the result and every sample as JSON")
-    p.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, then exit")
-    p.set_defaults(fn=cmd_eval)
+    p.add_argument("--dry-run", action="store_true",
+                   help="run every check made before the model loads, print the resolved config and what was checked")
+    p.set_defaults(fn=cmd_eval, command_parser=p)
     p = sub.add_parser("plot", help="PNG of the training curves of a run")
     p.add_argument("run_dir", metavar="RUN_DIR")
-    p.add_argument("--output", metavar="FILE", help="default: RUN_DIR/curves.png")
-    p.set_defaults(fn=cmd_plot)
+    p.add_argument("--output", metavar="FILE", help="default: RUN_DIR/curves.png (.png, .pdf, .svg, ...)")
+    p.set_defaults(fn=cmd_plot, command_parser=p)
     p = sub.add_parser("export", help="the trained policy as a PEFT adapter and/or a merged model with a model card")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (its newest intact checkpoint) or a step folder")
     p.add_argument("--merged", action="store_true", help="also write the model with the adapters merged (safetensors)")
     p.add_argument("--output", metavar="DIR", help="default: RUN_DIR/export")
     p.add_argument("--push-to-hub", metavar="REPO", help="upload the merged model (else the adapter) to this hub repo")
     p.add_argument("--public", action="store_true", help="create the hub repository public (default: private)")
-    p.set_defaults(fn=cmd_export)
+    p.set_defaults(fn=cmd_export, command_parser=p)
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with CONFIG and overrides allowed anywhere among the flags (`train --resume RUN
+    train.max_steps=80` as well as `train train.max_steps=80 --resume RUN`). An unknown flag is refused naming the
+    command's flags (and, for `--section.key=value`, the override's form)."""
+    args, extra = build_parser().parse_known_args(argv)
+    sub = args.command_parser  # the command's own parser: its errors print its usage line
+    for item in extra:
+        if item.startswith("-") and item != "-":
+            name = item.lstrip("-")
+            dashed_override = "=" in name and "." in name.partition("=")[0]
+            sub.error(f"unknown option {item!r}" + (f"; overrides are written without dashes: {name}"
+                                                      if dashed_override else " (the options are listed above)"))
+    if extra and not hasattr(args, "args"):
+        sub.error(f"unexpected argument(s) {' '.join(extra)}: `logitless {args.command}` takes no config overrides")
+    if extra:
+        args.args = list(args.args) + extra
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         return args.fn(args)
     except KeyboardInterrupt:
@@ -228,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    except (ValueError, TypeError, OSError, RuntimeError) as e:
+    except (ValueError, TypeError, OSError, RuntimeError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

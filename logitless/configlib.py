@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 import types
 import typing
 from pathlib import Path
@@ -322,8 +323,13 @@ def _leaf_type(cls: type, parts: list[str], key: str) -> Any:
 def apply_overrides(cls: type, data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Merge `section.key=value` overrides into a nested dict (in place; also returned)."""
     for item in overrides:
-        if not isinstance(item, str) or "=" not in item:
-            raise ConfigError(f"config override {item!r} must look like 'section.key=value'")
+        if not isinstance(item, str):
+            raise ConfigError(f"config override {item!r} must be a string 'section.key=value'")
+        if "=" not in item:
+            raise ConfigError(
+                f"config override {item!r} has no '=': write it as {item.strip() or 'section.key'}=VALUE, one word with "
+                "no spaces around '=' (e.g. rollout.temperature=0.7)"
+            )
         key, _, raw = item.partition("=")
         key = key.strip()
         parts = key.split(".")
@@ -359,16 +365,43 @@ def apply_overrides(cls: type, data: dict[str, Any], overrides: list[str]) -> di
     return data
 
 
+STDIN = "-"  # the config path that reads standard input
+
+
+def read_config_text(path: str | Path) -> tuple[str, str]:
+    """(text, name for messages) of a config file: a regular file, or what a pipe, `/dev/stdin` or `-` (standard
+    input) delivers; read once."""
+    if str(path) in (STDIN, "/dev/stdin"):
+        if sys.stdin is None or sys.stdin.isatty():
+            raise ConfigError(
+                f"config '{path}' reads standard input, but nothing is piped in (it is a terminal); pipe the file in "
+                "(logitless train --config - < cfg.yaml) or give its path"
+            )
+        if str(path) == STDIN:
+            return sys.stdin.read(), "<stdin>"
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ConfigError(f"config file '{p}' does not exist")
+    if p.is_dir():
+        raise ConfigError(f"config file '{p}' is a folder, not a YAML file")
+    try:
+        return p.read_text(encoding="utf-8"), str(p)  # a regular file, or a pipe (/dev/fd/N, a FIFO)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file '{p}' is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                          f"{e.start}); save it as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"config file '{p}' cannot be read ({type(e).__name__}: {e.strerror or e})") from None
+
+
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> T:
-    """Config `cls` from defaults, then the YAML file at `path` (optional), then `section.key=value` overrides."""
+    """Config `cls` from defaults, then the YAML file at `path` (optional; `-` reads standard input), then
+    `section.key=value` overrides."""
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         raise TypeError(f"load_config needs a dataclass type, got {cls!r}")
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file '{p}' does not exist")
-        loaded = load_yaml(p.read_text(), f"config file '{p}'")
+        text, p = read_config_text(path)
+        loaded = load_yaml(text, f"config file '{p}'")
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import signal
 import subprocess
@@ -47,10 +48,12 @@ def _config(tmp_path, folder, **train) -> Path:
 
 def test_dry_run_prints_the_resolved_config(tmp_path, capsys):
     assert main(["train", "--dry-run", "rollout.num_generations=3", "optim.learning_rate=1e-5"]) == 0
-    out = capsys.readouterr().out
-    (tmp_path / "printed.yaml").write_text(out)
+    captured = capsys.readouterr()
+    (tmp_path / "printed.yaml").write_text(captured.out)
     expected = demo_config(["rollout.num_generations=3", "optim.learning_rate=1e-5"])  # no CONFIG: the demo
     assert load_train_config(tmp_path / "printed.yaml") == expected
+    # what it checked, on stderr: the demo's model config comes from its GGUF's metadata
+    assert "checked: model config of the demo model: LlamaForCausalLM, 30 layers, 8192 positions" in captured.err
 
 
 def test_bad_config_exits_2_naming_the_nearest_key(capsys):
@@ -120,3 +123,100 @@ def test_sigterm_to_a_training_process_checkpoints_then_exits(tmp_path, tiny_fol
     latest = ckpt.read_latest(tmp_path / "run" / "checkpoints")
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
     assert latest is not None and latest.name == f"step-{steps[-1]:06d}" and steps[-1] < 200
+
+
+# ---- the command line's own mistakes: overrides, a config from a pipe, plot --output
+
+
+@pytest.fixture
+def cfg_file(tmp_path) -> Path:
+    """A config (its model folder holds only a config.json: these tests never load weights)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    tiny_qwen2(vocab_size=96, hidden=32, layers=1).config.to_json_file(model / "config.json")
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump({"model": {"name_or_path": str(model), "lora_r": 4},
+                                    "data": {"options": {"difficulty": 1, "n": 40, "chat": False}},
+                                    "rollout": {"num_generations": 3, "max_completion_length": 6}}))
+    return path
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["rollout.temperature", "0.7"], "'rollout.temperature' is a config key without a value"),
+    (["CFG", "rollout.temperature", "0.7"], "'rollout.temperature' is a config key without a value"),
+    (["CFG", "rollout.temperature=", "0.7"], "'rollout.temperature=' has no value"),
+])
+def test_an_override_split_by_spaces_shows_its_one_word_form(cfg_file, capsys, argv, needle):
+    argv = [str(cfg_file) if a == "CFG" else a for a in argv]
+    assert main(["train", "--dry-run", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "rollout.temperature=0.7" in err and "no spaces around '='" in err, err
+
+
+def test_overrides_and_config_may_follow_the_flags(cfg_file, capsys):
+    argv = ["train", "--dry-run", "rollout.temperature=0.5", "--config", str(cfg_file), "optim.learning_rate=2e-5"]
+    assert main(argv) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["rollout"]["temperature"] == 0.5 and printed["optim"]["learning_rate"] == 2e-5
+    assert printed["rollout"]["num_generations"] == 3  # from the file
+    assert main(["train", str(cfg_file), "--dry-run", "rollout.temperature=0.25"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["rollout"]["temperature"] == 0.25
+
+
+@pytest.mark.parametrize("flag, needle", [
+    ("--rollout.temperature=0.7", "overrides are written without dashes: rollout.temperature=0.7"),
+    ("--lr", "unknown option '--lr'"),
+])
+def test_an_unknown_flag_is_refused_with_the_right_form(capsys, flag, needle):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--dry-run", flag])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_two_configs_are_refused_naming_the_first(cfg_file, capsys):
+    assert main(["train", "--dry-run", "--config", str(cfg_file), str(cfg_file)]) == 2
+    assert "the config is" in capsys.readouterr().err
+
+
+def test_config_from_standard_input(cfg_file, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(cfg_file.read_text()))
+    assert main(["train", "--config", "-", "--dry-run", "rollout.temperature=0.5"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["rollout"]["num_generations"] == 3 and printed["rollout"]["temperature"] == 0.5
+
+
+def test_config_piped_into_dev_stdin(cfg_file):
+    proc = subprocess.run([sys.executable, "-m", "logitless", "train", "--dry-run", "/dev/stdin"],
+                          input=cfg_file.read_text(), capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load(proc.stdout)["rollout"]["num_generations"] == 3
+
+
+def test_config_dash_from_a_terminal_says_to_pipe(capsys, monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Terminal())
+    assert main(["train", "--config", "-", "--dry-run"]) == 2
+    assert "nothing is piped in" in capsys.readouterr().err
+
+
+def test_plot_output_is_checked_before_anything_is_drawn(tmp_path, capsys, monkeypatch):
+    from logitless.trainer import plot as plot_mod
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+
+    def drawn(*a, **k):
+        raise AssertionError("the metrics were read before --output was checked")
+
+    monkeypatch.setattr(plot_mod, "read_metrics", drawn)
+    missing = tmp_path / "missing" / "dir" / "x.png"
+    assert main(["plot", str(run), "--output", str(missing)]) == 1
+    err = capsys.readouterr().err
+    assert f"--output '{missing}': the folder {missing.parent} does not exist; create it" in err
+    assert main(["plot", str(run), "--output", str(tmp_path / "curves.txt")]) == 1
+    assert "matplotlib cannot write .txt files; end the name with one of" in capsys.readouterr().err
+    assert not missing.parent.exists()

@@ -150,7 +150,7 @@ def test_wrong_type_in_yaml_and_nested_optional_section(tmp_path):
 
 
 def test_malformed_overrides_and_files(tmp_path):
-    with pytest.raises(ConfigError, match="must look like 'section.key=value'"):
+    with pytest.raises(ConfigError, match="'optim.lr' has no '=': write it as optim.lr=VALUE, one word"):
         load_config(Cfg, None, ["optim.lr"])
     with pytest.raises(ConfigError, match="empty key"):
         load_config(Cfg, None, ["optim.=1"])

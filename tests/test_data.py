@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import io
 import json
 import sys
 
@@ -74,6 +75,56 @@ def test_empty_and_malformed_files(tmp_path):
     bad.write_text('{"prompt": "a"}\n{oops\n')
     with pytest.raises(ValueError, match="line 2 is not valid JSON"):
         load_jsonl_prompts(str(bad))
+
+
+def test_a_byte_that_is_not_utf8_is_named_by_file_line_and_offset(tmp_path):
+    bad = tmp_path / "latin1.jsonl"
+    lines = [json.dumps({"prompt": "a"}).encode() + b"\n", json.dumps({"prompt": "b"}).encode() + b"\n",
+             '{"prompt": "caf\u00e9"}\n'.encode("latin-1")]
+    bad.write_bytes(b"".join(lines))
+    offset = len(lines[0]) + len(lines[1]) + lines[2].index(b"\xe9")
+    with pytest.raises(ValueError) as e:
+        load_jsonl_prompts(str(bad))
+    msg = str(e.value)
+    assert f"prompt file '{bad}' line 3 is not UTF-8: byte 0xe9 at byte offset {offset} of the file" in msg
+    assert "Save the file as UTF-8" in msg and "iconv" in msg
+    assert load_jsonl_prompts(str(bad), limit=2)[1].prompt[-1]["content"] == "b"  # reading stops before it
+
+
+def test_a_leading_byte_order_mark_is_dropped(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "a", "answer": "1"}).encode() + b"\n")
+    assert load_jsonl_prompts(str(path), chat=False)[0] == PromptRow(prompt="a", fields={"answer": "1"})
+
+
+def test_a_file_is_read_as_a_stream_with_progress(tmp_path):
+    path = write_jsonl(tmp_path, [{"prompt": f"p{i}", "answer": str(i)} for i in range(10)])
+    calls = []
+    rows = load_jsonl_prompts(path, chat=False, progress=lambda done, total, n: calls.append((done, total, n)))
+    size = (tmp_path / "d.jsonl").stat().st_size
+    assert len(rows) == 10 and calls[-1] == (size, size, 10)
+    first = [next(iter(r.fields)) for r in rows]  # one string per field name, whatever the row count
+    assert all(name is first[0] for name in first)
+
+
+def test_a_large_file_shows_progress_through_the_trainer_console(tmp_path, monkeypatch):
+    from rich.console import Console
+
+    from logitless.trainer import builders
+    from logitless.trainer.config import DataConfig
+
+    path = write_jsonl(tmp_path, [{"prompt": f"p{i}", "answer": str(i)} for i in range(5)])
+    monkeypatch.setattr(builders, "BIG_FILE", 1)  # every file counts as large
+    out = io.StringIO()
+    rows = builders.load_rows(DataConfig(task="jsonl", options={"path": path}), console=Console(file=out, width=200))
+    assert len(rows) == 5
+    lines = out.getvalue().splitlines()  # not a terminal: a line before and one after, no bar
+    assert lines[0].startswith(f"reading {path}") and lines[-1].startswith(f"read 5 rows of {path}")
+    # the callback is the trainer's: data.options cannot name it
+    with pytest.raises(ValueError, match="data.options.progress: data.task='jsonl' has no option 'progress'"):
+        from logitless.trainer.preflight import check_task_options
+
+        check_task_options("jsonl", {"path": path, "progress": 1}, "data.options")
 
 
 def test_hf_prompts_via_datasets_json_builder(tmp_path):

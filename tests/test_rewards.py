@@ -108,7 +108,7 @@ def test_get_reward_fn_specs(tmp_path, monkeypatch):
     mod.not_a_fn = 3
     monkeypatch.setitem(sys.modules, "my_rewards_mod", mod)
     assert get_reward_fn("my_rewards_mod:always_one")([""], ["x"]) == [1.0]
-    with pytest.raises(ValueError, match="cannot import module 'no_such_module_xyz'"):
+    with pytest.raises(ValueError, match=r"no module 'no_such_module_xyz' in the current folder \(.*\), on PYTHONPATH"):
         get_reward_fn("no_such_module_xyz:f")
     with pytest.raises(ValueError, match="has no attribute 'always_on'; did you mean 'my_rewards_mod:always_one'"):
         get_reward_fn("my_rewards_mod:always_on")
@@ -192,3 +192,82 @@ def test_score_completions_bad_arguments():
         score_completions([numeric_answer], None, ["q", "q"], ["1"], rows_of(["1"]))
     with pytest.raises(ValueError, match="on_error must be 'raise' or 'penalty'"):
         score_completions([numeric_answer], None, ["q"], ["1"], rows_of(["1"]), on_error="ignore")
+
+
+# ---- your own reward module, found as `python -m` finds it
+
+
+@pytest.fixture
+def console_script_path(tmp_path, monkeypatch):
+    """The working directory is tmp_path and, as for a console script (`logitless`), neither it nor '' is on
+    sys.path; modules imported here are forgotten afterwards."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    before = set(sys.modules)
+    yield tmp_path
+    for name in set(sys.modules) - before:
+        sys.modules.pop(name, None)
+
+
+def test_a_reward_module_in_the_current_folder_is_importable(console_script_path):
+    (console_script_path / "folder_rewards.py").write_text(
+        "def half(prompts, completions, **fields):\n    return [0.5] * len(completions)\n")
+    assert get_reward_fn("folder_rewards:half")(["p"], ["c", "d"]) == [0.5, 0.5]
+
+
+def test_a_reward_module_that_fails_to_import_names_its_own_error(console_script_path):
+    (console_script_path / "broken_rewards.py").write_text("import no_such_dependency_xyz\n")
+    with pytest.raises(ValueError, match=r"importing module 'broken_rewards' failed: ModuleNotFoundError: No module "
+                                         r"named 'no_such_dependency_xyz' \(.*broken_rewards.py, line 1\)"):
+        get_reward_fn("broken_rewards:f")
+    (console_script_path / "syntax_rewards.py").write_text("def f(:\n")
+    with pytest.raises(ValueError, match=r"importing module 'syntax_rewards' failed: SyntaxError: .*syntax_rewards.py, "
+                                         r"line 1"):
+        get_reward_fn("syntax_rewards:f")
+
+
+def test_the_row_fields_each_reward_reads():
+    from logitless.rewards import reward_row_fields
+
+    assert reward_row_fields(get_reward_fn("numeric_answer")) == ["answer"]
+    assert reward_row_fields(get_reward_fn("math_verify", timeout_seconds=None)) == ["answer"]  # options bound
+    assert reward_row_fields(get_reward_fn("code_tests")) == ["tests"]
+    assert reward_row_fields(get_reward_fn("format_tags")) == []
+
+    def mine(prompts, completions, solution, difficulty=1, *, units, scale=1.0, **fields):
+        return [0.0] * len(completions)
+
+    assert reward_row_fields(mine) == ["solution", "units"]
+
+
+def test_a_reward_that_is_none_for_every_sample_is_warned_once():
+    from logitless.trainer.metrics import RewardNoneReport
+
+    shown = []
+    report = RewardNoneReport(shown.append)
+    for step in (1, 2, 3):
+        report(step, ["numeric_answer", "format_tags"], [8, 0], 8, ["answer", "id"])
+    assert len(shown) == 1 and "step 1: reward function 'numeric_answer' returned None for all 8 samples" in shown[0]
+    assert "'not applicable to this sample'" in shown[0] and "the other reward functions alone decide" in shown[0]
+    assert "these rows have: answer, id" in shown[0] and "Shown once per reward function" in shown[0]
+    report(4, ["numeric_answer", "format_tags"], [8, 8], 8, ["answer", "id"])  # now format_tags too: its own warning
+    assert len(shown) == 2 and "'format_tags'" in shown[1] and "this step trained nothing" in shown[1]
+    report(5, ["numeric_answer"], [7], 8, [])  # not every sample: no warning
+    assert len(shown) == 2
+
+
+def test_a_run_whose_reward_is_always_none_says_so_once(tmp_path, gpt2_tokenizer, monkeypatch, capsys):
+    import copy
+
+    from tests.test_rundir import _e2e_cfg, _tiny_train
+
+    tok = copy.deepcopy(gpt2_tokenizer)
+    tok.pad_token, tok.padding_side = tok.eos_token, "left"
+    (tmp_path / "none_rewards.py").write_text("def never(prompts, completions, **fields):\n"
+                                              "    return [None] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = _tiny_train(_e2e_cfg(tmp_path / "run", "reward.reward_funcs=[none_rewards:never]"), tok)
+    err = capsys.readouterr().err
+    assert [r["reward/never/none"] for r in result.records] == [8, 8]
+    assert err.count("reward function 'never' returned None for all 8 samples") == 1
+    assert "this step trained nothing" in err

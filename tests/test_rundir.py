@@ -44,9 +44,10 @@ def _snapshot(folder: Path) -> dict[str, tuple[str, int]]:
 
 
 def _run_cfg(run: Path, *overrides: str):
-    model = Path(run).parent / "model"  # a local model folder (config.json only: no test here loads it)
-    model.mkdir(parents=True, exist_ok=True)
-    (model / "config.json").write_text("{}")
+    model = Path(run).parent / "model"  # a local model folder (config.json only: no test here loads its weights)
+    if not (model / "config.json").is_file():
+        model.mkdir(parents=True, exist_ok=True)
+        tiny_qwen2(vocab_size=96, hidden=32, layers=1).config.to_json_file(model / "config.json")
     base = [f"train.output_dir={run}", "train.max_steps=2", f"model.name_or_path={model}", "model.lora_r=16",
             "model.lora_alpha=32", "data.options={difficulty: 1, n: 40, chat: false}", "logging.tensorboard=false"]
     return load_train_config(None, base + list(overrides))

@@ -219,7 +219,7 @@ def test_prompt_longer_than_context_window(tmp_path, tok, rewards_module):
                                       + json.dumps({"prompt": long, "answer": "301"}) + "\n")
     cfg = _cfg(tmp_path / "run", "data.task=jsonl", f"data.options={{path: '{tmp_path / 'p.jsonl'}', chat: false}}",
                "rollout.max_prompt_length=null")
-    with pytest.raises(ValueError, match=r"data.task='jsonl': prompts\[1\] has \d+ tokens, over the limit of 506"):
+    with pytest.raises(ValueError, match=r"data.task='jsonl': row 1 has \d+ prompt tokens, over the limit of 506"):
         _train(cfg, tok)  # tiny model: 512 positions - 6 completion tokens
 
 

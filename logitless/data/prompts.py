@@ -6,16 +6,19 @@ which the trainer passes to reward functions as keyword lists (e.g. `answer=[...
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import string
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 Messages = list[dict[str, str]]
 
 
-@dataclass
+@dataclass(slots=True)
 class PromptRow:
     prompt: str | Messages  # raw text, or chat messages [{"role": ..., "content": ...}, ...]
     fields: dict[str, Any] = field(default_factory=dict)  # e.g. {"answer": "42"}, passed to reward functions
@@ -59,70 +62,113 @@ def records_to_rows(
     chat: bool = True,
     source: str = "dataset",
 ) -> list[PromptRow]:
-    """Prompt rows from dict records.
+    """Prompt rows from dict records (any iterable: records are turned into rows as they come, so a stream of
+    them is never held twice).
 
     - the prompt text is `record[prompt_field]`, or `template.format(**record)` when a template is given
-      (placeholders name record fields, e.g. "Question: {question}\\nAnswer:");
+      (placeholders name record fields, e.g. "Question: {question}\nAnswer:");
     - a record prompt that already is a list of chat messages is kept as is (a system prompt is prepended
       unless it already starts with one);
     - row fields are all record fields except the prompt field, plus `field_map` renames
       `{row_field: record_field}`; `answer_field="x"` is shorthand for `field_map={"answer": "x"}`.
+    Field names are interned, so a million rows share one string per name.
     """
     field_map = dict(field_map or {})
     if answer_field is not None:
         field_map.setdefault("answer", answer_field)
     placeholders = template_fields(template) if template is not None else []
+    needed = placeholders if template is not None else [prompt_field]
+    needed = needed + [src for src in field_map.values() if src not in needed]
+    intern = sys.intern
     rows: list[PromptRow] = []
-    for i, rec in enumerate(records):
-        if not isinstance(rec, dict):
-            raise ValueError(f"{source}: row {i} is {type(rec).__name__}, expected a JSON object")
-        needed = placeholders if template is not None else [prompt_field]
-        needed = needed + [src for src in field_map.values() if src not in needed]
-        for name in needed:
-            if name not in rec:
-                what = "template placeholder" if name in placeholders else (
-                    "prompt_field" if name == prompt_field else "field_map/answer_field source")
-                raise ValueError(
-                    f"{source}: row {i} has no field '{name}' (needed as {what}); available fields: "
-                    f"{sorted(rec)}. Set prompt_field/answer_field/field_map/template to existing fields."
-                )
-        raw = rec[prompt_field] if template is None else None
-        if isinstance(raw, list):
-            messages = _check_messages(raw, f"{source}: row {i} field '{prompt_field}'")
-            if system_prompt and messages[0]["role"] != "system":
-                messages = [{"role": "system", "content": system_prompt}] + messages
-            prompt: str | Messages = messages if chat else "\n\n".join(m["content"] for m in messages)
-        else:
-            text = template.format(**rec) if template is not None else raw
-            if not isinstance(text, str):
-                raise ValueError(f"{source}: row {i} field '{prompt_field}' is {type(text).__name__}, expected text")
-            prompt = format_prompt(text, system_prompt=system_prompt, chat=chat)
-        fields = {k: v for k, v in rec.items() if k != prompt_field or template is not None}
-        for row_name, src in field_map.items():
-            fields[row_name] = rec[src]
-        rows.append(PromptRow(prompt=prompt, fields=fields))
+    with _gc_paused():  # rows hold no reference cycles: collecting while a million of them are made only costs time
+        for i, rec in enumerate(records):
+            if not isinstance(rec, dict):
+                raise ValueError(f"{source}: row {i} is {type(rec).__name__}, expected a JSON object")
+            for name in needed:
+                if name not in rec:
+                    what = "template placeholder" if name in placeholders else (
+                        "prompt_field" if name == prompt_field else "field_map/answer_field source")
+                    raise ValueError(
+                        f"{source}: row {i} has no field '{name}' (needed as {what}); available fields: "
+                        f"{sorted(rec)}. Set prompt_field/answer_field/field_map/template to existing fields."
+                    )
+            raw = rec[prompt_field] if template is None else None
+            if isinstance(raw, list):
+                messages = _check_messages(raw, f"{source}: row {i} field '{prompt_field}'")
+                if system_prompt and messages[0]["role"] != "system":
+                    messages = [{"role": "system", "content": system_prompt}] + messages
+                prompt: str | Messages = messages if chat else "\n\n".join(m["content"] for m in messages)
+            else:
+                text = template.format(**rec) if template is not None else raw
+                if not isinstance(text, str):
+                    raise ValueError(f"{source}: row {i} field '{prompt_field}' is {type(text).__name__}, expected text")
+                prompt = format_prompt(text, system_prompt=system_prompt, chat=chat)
+            fields = {intern(k) if type(k) is str else k: v for k, v in rec.items()
+                      if k != prompt_field or template is not None}
+            for row_name, src in field_map.items():
+                fields[intern(row_name)] = rec[src]
+            rows.append(PromptRow(prompt=prompt, fields=fields))
     if not rows:
         raise ValueError(f"{source} has no rows; check the path/split and filters")
     return rows
 
 
-def read_jsonl(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
-    """Records of a JSON-lines file (blank lines skipped); errors name the file and line."""
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block (and back on after it, if it was on)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+Progress = Callable[[int, int, int], None]  # progress(bytes read, bytes in the file, rows read so far)
+
+
+def iter_jsonl(path: str | Path, limit: int | None = None, progress: Progress | None = None,
+               every: int = 1 << 16) -> Iterator[dict[str, Any]]:
+    """The records of a JSON-lines file, one at a time (blank lines skipped; at most `limit`). Errors name the
+    file, the line and, for a byte that is not UTF-8, its offset in the file. `progress` is called every `every`
+    lines and at the end."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"prompt file '{p}' does not exist")
-    out = []
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
+    total, offset, count = p.stat().st_size, 0, 0
+    with p.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if limit is not None and count >= limit:
                 break
+            start, offset = offset, offset + len(raw)
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a leading byte-order mark is dropped
+            except UnicodeDecodeError as e:
+                bad = raw[e.start:e.start + 4]
+                raise ValueError(
+                    f"prompt file '{p}' line {lineno} is not UTF-8: byte {raw[e.start]:#04x} at byte offset "
+                    f"{start + e.start} of the file (column {e.start + 1} of the line, near {bad!r}). Save the "
+                    f"file as UTF-8, e.g. iconv -f latin1 -t utf-8 '{p}' > fixed.jsonl"
+                ) from None
             if not line.strip():
                 continue
             try:
-                out.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"prompt file '{p}' line {lineno} is not valid JSON: {e}") from e
-    return out
+                raise ValueError(f"prompt file '{p}' line {lineno} is not valid JSON: {e}") from None
+            count += 1
+            if progress is not None and lineno % every == 0:
+                progress(offset, total, count)
+            yield record
+    if progress is not None:
+        progress(offset, total, count)
+
+
+def read_jsonl(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """Records of a JSON-lines file (blank lines skipped); errors name the file and line (see `iter_jsonl`)."""
+    return list(iter_jsonl(path, limit))
 
 
 def load_jsonl_prompts(
@@ -134,10 +180,14 @@ def load_jsonl_prompts(
     template: str | None = None,
     chat: bool = True,
     limit: int | None = None,
+    *,
+    progress: Progress | None = None,
 ) -> list[PromptRow]:
-    """Prompt rows of a JSON-lines file (see `records_to_rows` for the field options)."""
+    """Prompt rows of a JSON-lines file (see `records_to_rows` for the field options), read as a stream: only the
+    rows are kept, never the file's text or its records beside them. `progress(bytes read, file bytes, rows)` is
+    called while it reads."""
     return records_to_rows(
-        read_jsonl(path, limit), prompt_field, answer_field, field_map, system_prompt, template, chat,
+        iter_jsonl(path, limit, progress), prompt_field, answer_field, field_map, system_prompt, template, chat,
         source=f"prompt file '{path}'",
     )
 

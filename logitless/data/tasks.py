@@ -119,6 +119,7 @@ ARITH_LEVELS = {
     3: "two 2-3 digit numbers, + - or * (2-digit * up to 3-digit)",
     4: "three 1-2 digit numbers, mixed + - * with the usual precedence",
     5: "three 1-2 digit numbers with parentheses, mixed + - *",
+    6: "two 3-digit numbers multiplied (a task for a calculator tool)",
 }
 
 
@@ -157,6 +158,9 @@ def _arith_problem(rng: random.Random, difficulty: int) -> tuple[str, int]:
         if rng.random() < 0.5:
             return f"({a} {op1} {b}) {op2} {c}", _evaluate([_evaluate([a, op1, b]), op2, c])
         return f"{a} {op1} ({b} {op2} {c})", _evaluate([a, op1, _evaluate([b, op2, c])])
+    if difficulty == 6:
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        return f"{a} * {b}", a * b
     raise ValueError(f"arithmetic difficulty must be one of {sorted(ARITH_LEVELS)}, got {difficulty!r}")
 
 

@@ -12,6 +12,7 @@ from logitless.rewards.builtin import (
     parse_number,
     register_reward,
     reward_name,
+    reward_row_fields,
 )
 from logitless.rewards.code import code_tests, extract_program
 from logitless.rewards.sandbox import ExecResult, SandboxOptions, SandboxPool, SandboxResult
@@ -38,5 +39,6 @@ __all__ = [
     "parse_number",
     "register_reward",
     "reward_name",
+    "reward_row_fields",
     "score_completions",
 ]

@@ -17,8 +17,11 @@ import difflib
 import functools
 import importlib
 import inspect
+import os
 import re
+import sys
 import threading
+import traceback
 from decimal import Decimal, InvalidOperation
 from typing import Any, Callable, Literal, Sequence
 
@@ -26,14 +29,31 @@ RewardFn = Callable[..., list]
 REWARDS: dict[str, RewardFn] = {}
 
 
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator registering a reward function under `name`."""
+def register_reward(name: str, fields: Sequence[str] = ()) -> Callable[[RewardFn], RewardFn]:
+    """Decorator registering a reward function under `name`; `fields`: the row fields it reads through
+    `**row_fields` (checked against the data before training, see `reward_row_fields`)."""
 
     def deco(fn: RewardFn) -> RewardFn:
+        fn.row_fields = tuple(fields)
         REWARDS[name] = fn
         return fn
 
     return deco
+
+
+def reward_row_fields(fn: Any) -> list[str]:
+    """The row fields reward function `fn` needs: the ones a built-in declares (`register_reward(fields=...)`), or
+    for your own function its parameters after (prompts, completions) that have no default value, e.g. `answer` of
+    `def reward(prompts, completions, answer, **fields)`. Fields read only through `**fields` cannot be known."""
+    declared = getattr(fn, "row_fields", None)
+    if declared is not None:
+        return list(declared)
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return []
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in params[2:] if p.kind in named and p.default is inspect.Parameter.empty]
 
 
 def completion_text(completion: Any) -> str:
@@ -103,7 +123,7 @@ def extract_numeric_answer(completion: str) -> Decimal | None:
     return parse_number(numbers[-1]) if numbers else None
 
 
-@register_reward("numeric_answer")
+@register_reward("numeric_answer", fields=("answer",))
 def numeric_answer(prompts: list[str], completions: list[str], **row_fields: list[Any]) -> list[float | None]:
     """1.0 when the completion's final number (see `extract_numeric_answer`) equals the row's `answer`
     numerically ("18.00" == "18"), else 0.0; None for rows whose answer is None."""
@@ -125,7 +145,7 @@ def numeric_answer(prompts: list[str], completions: list[str], **row_fields: lis
 # math_verify
 
 
-@register_reward("math_verify")
+@register_reward("math_verify", fields=("answer",))
 def math_verify(
     prompts: list[str], completions: list[str], *, timeout_seconds: int | None = 5, **row_fields: list[Any]
 ) -> list[float | None]:
@@ -230,6 +250,37 @@ def reward_name(fn: Any) -> str:
     return getattr(fn, "__name__", None) or repr(fn)
 
 
+def import_reward_module(module_name: str, spec: str) -> Any:
+    """Import the module of reward `spec` ("module:function"). The current folder is searched first, as
+    `python -m` and `python script.py` do (a console script such as `logitless` would otherwise search only its
+    own folder): `my_rewards:score` finds `./my_rewards.py` in the folder `logitless` runs from, then PYTHONPATH
+    and the installed packages."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise ValueError(
+                f"reward '{spec}': no module '{module_name}' in the current folder ({cwd}), on PYTHONPATH or among "
+                f"the installed packages; put {module_name.replace('.', '/')}.py in the folder you run logitless "
+                "from, or add its folder to PYTHONPATH"
+            ) from None
+        raise ValueError(f"reward '{spec}': importing module '{module_name}' failed: {_where(e)}") from e
+    except Exception as e:  # the module itself raised: a syntax error, a missing dependency, ...
+        raise ValueError(f"reward '{spec}': importing module '{module_name}' failed: {_where(e)}") from e
+
+
+def _where(e: BaseException) -> str:
+    """`Type: message (file, line N)` of an exception, at its innermost frame (or the file of a SyntaxError)."""
+    if isinstance(e, SyntaxError):
+        return f"{type(e).__name__}: {e.msg} ({e.filename}, line {e.lineno})"
+    frames = traceback.extract_tb(e.__traceback__)
+    at = f" ({frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
+    return f"{type(e).__name__}: {e}{at}"
+
+
 def get_reward_fn(spec: str | RewardFn, **options: Any) -> RewardFn:
     """A reward function from a built-in name ("numeric_answer"), a "module:function" path (sync or async), a
     "model:NAME_OR_PATH" reward model or "judge:NAME_OR_PATH" LLM judge (`logitless.rewards.models`), or a callable;
@@ -244,12 +295,7 @@ def get_reward_fn(spec: str | RewardFn, **options: Any) -> RewardFn:
         raise TypeError(f"reward spec must be a name, 'module:function' or a callable, got {type(spec).__name__}")
     elif ":" in spec:
         module_name, _, attr = spec.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise ValueError(
-                f"reward '{spec}': cannot import module '{module_name}' ({e}); is it on PYTHONPATH / installed?"
-            ) from e
+        module = import_reward_module(module_name, spec)
         if not hasattr(module, attr):
             public = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
             close = difflib.get_close_matches(attr, public, n=1)

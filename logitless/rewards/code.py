@@ -49,7 +49,7 @@ def _tests_of(value: Any, i: int) -> list[str] | None:
     )
 
 
-@register_reward("code_tests")
+@register_reward("code_tests", fields=("tests",))
 def code_tests(
     prompts: list[str],
     completions: list[str],

@@ -190,7 +190,7 @@ def rollout_backend(cfg: TrainerConfig, device: torch.device, model: Any) -> tup
 def _packed(cfg: TrainerConfig, device: torch.device, dtype: torch.dtype, model: Any,
             loaded: bool = False) -> tuple[bool, str]:
     """`loaded`: `model` is the run's own (given to `train`), whose attention is what it is; a skeleton's is what
-    the run loads (`context.model_config`: logitless_varlen when packed and none is named)."""
+    the run loads (`model_checks.model_config`: logitless_varlen when packed and none is named)."""
     impl = cfg.model.attn_implementation
     if loaded:
         impl = getattr(_base(model).config, "_attn_implementation", None)

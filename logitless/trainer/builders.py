@@ -3,28 +3,39 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
+import time
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 
-from logitless.data import PromptRow, load_hf_prompts, load_jsonl_prompts, load_task
+from logitless.data import TASKS, PromptRow, load_hf_prompts, load_jsonl_prompts, load_task
 from logitless.rewards import get_reward_fn
 from logitless.rollout import RolloutEngine, SamplingOptions, make_engine, sleep
-from logitless.rollout.engine import context_window, encode_prompts
 from logitless.rollout.weights import LiveWeights, MergedLoraWeights, in_place_refusal, merges
 from logitless.trainer.config import DataConfig, OptimConfig, RewardConfig, RolloutConfig
 from logitless.trainer.modeling import QLORA_INSTALL_HINT, require_cuda_package
+from logitless.trainer.prompt_lengths import check_prompt_lengths  # noqa: F401  (where the trainer finds it)
 
 
-def load_rows(cfg: DataConfig, split: str | None = None, *, eval: bool = False) -> list[PromptRow]:
-    """Prompt rows of `cfg.task` for `split` (default: cfg.split, or cfg.eval_split when `eval`)."""
+def load_rows(cfg: DataConfig, split: str | None = None, *, eval: bool = False, console: Any = None,
+              limit: int | None = None) -> list[PromptRow]:
+    """Prompt rows of `cfg.task` for `split` (default: cfg.split, or cfg.eval_split when `eval`). `console` (rich):
+    a large file is read with a progress bar there (one line when it is not a terminal). `limit`: at most this
+    many rows, where the source can stop early (a file, a task with a `limit` option)."""
     split = split or (cfg.eval_split if eval else cfg.split)
     options = {**cfg.options, **(cfg.eval_options if eval else {})}
+    takes_limit = cfg.task in ("jsonl", "hub") or (
+        cfg.task in TASKS and "limit" in inspect.signature(TASKS[cfg.task]).parameters)
+    if limit is not None and takes_limit:
+        options["limit"] = min(limit, options.get("limit") or limit)
     if cfg.task == "jsonl":
         if "path" not in options:
             raise ValueError("data.task='jsonl' needs data.options.path=<file.jsonl> (and data.eval_options.path for eval)")
-        rows = load_jsonl_prompts(**options)
+        with reading_progress(options["path"], console) as progress:
+            rows = load_jsonl_prompts(**options, progress=progress)
     elif cfg.task == "hub":
         if "name" not in options:
             raise ValueError("data.task='hub' needs data.options.name=<dataset name on the Hugging Face hub>")
@@ -33,7 +44,38 @@ def load_rows(cfg: DataConfig, split: str | None = None, *, eval: bool = False) 
         rows = load_task(cfg.task, split, **options)
     if not rows:
         raise ValueError(f"data.task={cfg.task!r} split {split!r} has no rows; check data.options")
-    return rows
+    return rows if limit is None else rows[:limit]
+
+
+BIG_FILE = 64 * 2**20  # bytes: a prompt file at least this large is read with a progress bar
+
+
+@contextlib.contextmanager
+def reading_progress(path: Any, console: Any) -> Iterator[Callable[[int, int, int], None] | None]:
+    """A `progress(bytes read, file bytes, rows)` callback showing a rich progress bar on `console` while a large
+    file is read (on a terminal), and one line when it is done; None (nothing shown) for a small file or no console."""
+    p = Path(str(path)).expanduser()
+    size = p.stat().st_size if p.is_file() else 0
+    if console is None or size < BIG_FILE:
+        yield None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    t0, rows = time.perf_counter(), [0]
+    bar = Progress(TextColumn(f"reading {p.name}"), BarColumn(), DownloadColumn(), TextColumn("{task.fields[rows]:,} rows"),
+                   TimeRemainingColumn(), console=console, transient=True, disable=not console.is_terminal)
+    task = bar.add_task("", total=size, rows=0)
+    if not console.is_terminal:  # a log: say what the silence is
+        console.print(f"reading {p} ({size / 2**20:,.0f} MiB)...", highlight=False)
+
+    def progress(done: int, total: int, n: int) -> None:
+        rows[0] = n
+        bar.update(task, completed=done, rows=n)
+
+    with bar:
+        yield progress
+    console.print(f"read {rows[0]:,} rows of {p} ({size / 2**20:,.0f} MiB) in {time.perf_counter() - t0:.1f} s",
+                  highlight=False)
 
 
 def reward_functions(cfg: RewardConfig) -> list[Callable[..., list[float | None]]]:
@@ -222,17 +264,6 @@ def sampling_options(
             message = message.replace(f"SamplingOptions.{name}", key)
         raise type(e)(message) from None
     return options
-
-
-def check_prompt_lengths(rows: list[PromptRow], tokenizer: Any, model: Any, options: SamplingOptions, what: str) -> None:
-    """Refuse, before any training, a prompt that does not fit the prompt limit or the context window."""
-    try:
-        encode_prompts(tokenizer, [r.prompt for r in rows], options, context_window(model))
-    except ValueError as e:
-        raise ValueError(
-            f"{what}: {str(e).split(': shorten it')[0]}. (prompts[i] is row i of the dataset; raise "
-            "rollout.max_prompt_length, lower rollout.max_completion_length, or filter the data)"
-        ) from e
 
 
 @contextlib.contextmanager

@@ -190,8 +190,9 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    # Built-in names, "module:function" (sync or `async def`), "model:NAME_OR_PATH" (a sequence-classification reward
-    # model) or "judge:NAME_OR_PATH" (an LLM judge); logitless/rewards/models.py and docs/rewards.md
+    # Built-in names, "module:function" (sync or `async def`; the module imported from the current folder first, as
+    # `python -m` does), "model:NAME_OR_PATH" (a sequence-classification reward model) or "judge:NAME_OR_PATH" (an
+    # LLM judge); logitless/rewards/models.py and docs/rewards.md
     reward_funcs: list[str] = field(default_factory=lambda: ["numeric_answer"])
     reward_weights: list[float] | None = None  # default: all 1.0
     reward_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # {name: keyword options of that function}
@@ -339,7 +340,17 @@ class OptimConfig:
     optimizer: Literal["adamw", "adamw_8bit", "adamw_cpu_offload"] = "adamw"
 
     def __post_init__(self):
-        _positive("optim", learning_rate=self.learning_rate, max_grad_norm=self.max_grad_norm)
+        _positive("optim", learning_rate=self.learning_rate, max_grad_norm=self.max_grad_norm,
+                  adam_epsilon=self.adam_epsilon)
+        for name, beta in (("adam_beta1", self.adam_beta1), ("adam_beta2", self.adam_beta2)):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(
+                    f"optim.{name} must be in [0, 1) (AdamW's decay rate of its {'first' if name[-1] == '1' else 'second'}"
+                    f" moment; 1 would never update it), got {beta!r}; typical: adam_beta1=0.9, adam_beta2=0.99 to 0.999"
+                )
+        if self.weight_decay < 0:
+            raise ValueError(f"optim.weight_decay must be >= 0 (AdamW shrinks the weights by lr * weight_decay each "
+                             f"step; a negative value grows them), got {self.weight_decay!r}; 0 turns it off")
         if self.warmup_steps < 0 or not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(
                 f"optim.warmup_steps must be >= 0 and optim.warmup_ratio in [0, 1), got "

@@ -11,10 +11,10 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from rich.console import Console
 
 from logitless.agents import Agent
 from logitless.data import PromptRow, PromptSampler
-from logitless.models.varlen import NAME as VARLEN_ATTENTION
 from logitless.objectives import AdvantageOptions, EntropyCoef, initial_entropy_coef
 from logitless.rewards.models import load_reward_models
 from logitless.rollout import RolloutEngine
@@ -41,6 +41,7 @@ from logitless.trainer.config import ModelConfig, TrainerConfig, to_dict, to_yam
 from logitless.trainer.episodes import environment_weight
 from logitless.trainer.evaluate import eval_options
 from logitless.trainer.metrics import MetricsLogger
+from logitless.trainer.model_checks import model_config
 from logitless.trainer.modeling import (
     LoraCompute,
     ReferencePolicy,
@@ -140,15 +141,6 @@ def advantage_options(cfg: TrainerConfig) -> AdvantageOptions:
     return dataclasses.replace(cfg.advantage, reward_weights=weights)
 
 
-def model_config(cfg: TrainerConfig) -> ModelConfig:
-    """cfg.model as loaded for the run: with `train.packed` and no attention named, `logitless_varlen` (varlen
-    flash attention on CUDA, one sdpa call per row on CPU), whose cost follows the rows' own lengths; transformers'
-    sdpa would compute a dense [S, S] block-diagonal mask over the packed sequence."""
-    if cfg.train.packed is True and cfg.model.attn_implementation is None:
-        return dataclasses.replace(cfg.model, attn_implementation=VARLEN_ATTENTION)
-    return cfg.model
-
-
 def _model(cfg: TrainerConfig, model: torch.nn.Module | None, tokenizer: Any,
            host: bool = False) -> tuple[torch.nn.Module, Any, torch.device]:
     """(model, tokenizer, device): loaded as cfg.model says, or the given model prepared for training. host: its
@@ -200,8 +192,8 @@ def _keep_configured(optimizer: Any, scheduler: Any, configured: list[dict[str, 
         scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
-def _logger(cfg: TrainerConfig, run_dir: Path, world: World, start: int,
-            run: RunDir | None) -> MetricsLogger | QuietLogger:
+def _logger(cfg: TrainerConfig, run_dir: Path, world: World, start: int, run: RunDir | None,
+            console: Console | None = None) -> MetricsLogger | QuietLogger:
     """Only rank 0 writes the run folder's files (its config as given, "auto" kept, where the claim says:
     `RunDir.save_config`), prints and plots."""
     if not world.main:
@@ -217,7 +209,7 @@ def _logger(cfg: TrainerConfig, run_dir: Path, world: World, start: int,
     trackers = open_trackers(names, run_dir, config=to_dict(cfg), project=log.project, run_name=log.run_name,
                              options=log.tracker_options, resume_step=start, required=required)
     logger = MetricsLogger(run_dir, progress=log.progress, total_steps=cfg.train.max_steps, resume_step=start,
-                           trackers=trackers)
+                           trackers=trackers, console=console)
     if run is not None and run.config_note:
         logger.console.print(run.config_note, highlight=False, markup=False, soft_wrap=True)
     return logger
@@ -248,7 +240,8 @@ def build_context(
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)  # the same on every rank: the model's random init (LoRA) must agree
     adv_options = advantage_options(cfg)
-    rows: list[PromptRow] = load_rows(cfg.data)
+    console = Console(stderr=True) if world.main else None  # the run's console (MetricsLogger prints there too)
+    rows: list[PromptRow] = load_rows(cfg.data, console=console)
     sampler = PromptSampler(rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     eval_rows = None
     if cfg.eval.every_steps or cfg.eval.on_start:
@@ -286,7 +279,7 @@ def build_context(
     start = int(state.get("step", 0))
     if state:
         sampler.load_state_dict(state["sampler"])
-    logger = _logger(given or cfg, run_dir, world, start, run)
+    logger = _logger(given or cfg, run_dir, world, start, run, console)
     coef = EntropyCoef(*state["entropy_coef"]) if "entropy_coef" in state else initial_entropy_coef(cfg.objective)
     engine_changes: dict[str, Any] = {}
     if replica is not None:  # the replica merged (a plain model), fused its projections and sleeps by itself

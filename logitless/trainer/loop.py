@@ -45,7 +45,7 @@ from logitless.trainer.context import TrainContext, build_context
 from logitless.trainer.dynamic import sample_step
 from logitless.trainer.episodes import conversation_texts
 from logitless.trainer.evaluate import eval_due, eval_in_run
-from logitless.trainer.metrics import MismatchReport, RewardErrorReport, mismatch_causes
+from logitless.trainer.metrics import MismatchReport, RewardErrorReport, RewardNoneReport, mismatch_causes
 from logitless.trainer.modeling import attention_backends
 from logitless.trainer.parallel import (
     World,
@@ -56,10 +56,9 @@ from logitless.trainer.parallel import (
     process_group,
 )
 from logitless.trainer.plot import plot_run
-from logitless.trainer.preflight import check_resume, validate_config
+from logitless.trainer.preflight import check_resume, preflight
 from logitless.trainer.rundir import RunDir, claim_run_dir, restart_advice
 from logitless.trainer.signals import StopSignals, label
-from logitless.trainer.sources import check_sources
 from logitless.trainer.stages import (
     Rollout,
     Scored,
@@ -196,12 +195,13 @@ def train(
 ) -> TrainResult:
     """Run GRPO-family training as configured; `model`/`tokenizer` (optional) replace cfg.model's loading.
 
-    Before anything slow: the config is checked (`preflight`), the run folder is locked for this process and must
-    be new, or `resume`d (the run continues in the resumed run's folder; a change of what it trains needs
-    `allow_config_change`), or `overwrite`n (`rundir`). From here on Ctrl-C and SIGTERM say what they do
-    (`signals`); a second one raises `signals.StopNow` (a KeyboardInterrupt).
+    Before anything slow: the config is checked against the sources, the model's config and the first data rows
+    (`preflight`), then the run folder is locked for this process and must be new, or `resume`d (the run continues
+    in the resumed run's folder; a change of what it trains needs `allow_config_change`), or `overwrite`n
+    (`rundir`). From here on Ctrl-C and SIGTERM say what they do (`signals`); a second one raises
+    `signals.StopNow` (a KeyboardInterrupt).
     """
-    validate_config(cfg)
+    preflight(cfg, model_given=model is not None)
     check_distributed(cfg, launched_world())
     device = cfg.model.device if model is None else str(next(model.parameters()).device)
     stop = StopSignals(quiet=not launched_world().main)
@@ -213,8 +213,6 @@ def train(
         stop.run_dir = Path(run_cfg.train.output_dir)
         if start is not None:
             check_resume(run_cfg, start)
-        if model is None:
-            check_sources(run_cfg)
         with attention_backends(run_cfg.model):
             return _train(run_cfg, world, stop, run=run, resume=start, model=model, tokenizer=tokenizer, hook=hook)
 
@@ -241,6 +239,7 @@ def _train(
     result = TrainResult(run_dir=ctx.run_dir, step=ctx.start)
     report_reward_errors = RewardErrorReport(ctx.logger.print, cfg.reward.error_penalty)
     report_mismatch = MismatchReport(ctx.logger.print, cfg.logging.mismatch_warning, mismatch_causes(ctx.cfg))  # (decided settings)
+    report_none = RewardNoneReport(ctx.logger.print)
     finished = False
     try:
         if cfg.eval.on_start and ctx.start == 0:  # the policy before training, logged at step 0
@@ -259,6 +258,8 @@ def _train(
             ro, scored, sc, sampled = oom.retry_on_oom(ctx, step, "generate", lambda: _sample(ctx, step, timer, hook),
                                                        reset=lambda: rewind_step(ctx, rewind))
             report_reward_errors(step, sc.names, sc.num_errors, sc.error_texts, len(sc.total))
+            fields = sorted(ro.sample_rows[0].fields) if ro.sample_rows else []
+            report_none(step, sc.names, sc.num_none, len(sc.total), fields)
             hook("after_rollout", step)
             dropped = agree(stop.commit_step(), ctx.device)  # a signal to any rank before the update began
             if dropped:  # nothing trained yet: every rank drops this step

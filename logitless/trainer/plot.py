@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from logitless.trainer.metrics import read_metrics
@@ -23,13 +24,34 @@ PANELS = [
 ]
 
 
+def check_plot_output(out: Path, formats: dict[str, str]) -> None:
+    """The image `out` can be written: its folder exists and matplotlib writes its format (from the suffix)."""
+    folder = out.expanduser().resolve().parent
+    if not folder.is_dir():
+        raise ValueError(f"--output {str(out)!r}: the folder {folder} does not exist; create it (mkdir -p {folder}) "
+                         "or choose another path")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--output {str(out)!r}: the folder {folder} is not writable; choose another path")
+    suffix = out.suffix.lstrip(".").lower()
+    if suffix not in formats:
+        what = f".{suffix} files" if suffix else "a file without a suffix"
+        raise ValueError(f"--output {str(out)!r}: matplotlib cannot write {what}; end the name with one of "
+                         f"{', '.join('.' + f for f in sorted(formats))}")
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Draw the curves of `<run_dir>/metrics.jsonl` into `out` (default `<run_dir>/curves.png`); return the path."""
+    """Draw the curves of `<run_dir>/metrics.jsonl` into `out` (default `<run_dir>/curves.png`; its folder and
+    format are checked first); return the path."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    if out is not None:  # before anything is read or drawn
+        check_plot_output(Path(out), FigureCanvasBase.get_supported_filetypes())
+    out = Path(out) if out is not None else Path(run_dir) / "curves.png"
     records = read_metrics(run_dir)
     if not records:
         raise ValueError(f"{Path(run_dir) / 'metrics.jsonl'} has no records yet; nothing to plot")
@@ -55,7 +77,6 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.tight_layout()
-    out = Path(out) if out is not None else Path(run_dir) / "curves.png"
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out

@@ -1,7 +1,12 @@
-"""Checks of a config that need no model: run by `--dry-run`, `logitless train` and `logitless eval` before the
-(slow) model load, so that a bad option fails in a second, naming its config key and the fix.
+"""Checks of a config that need no model weights: run by `--dry-run`, `logitless train` and `logitless eval` before
+the (slow) model load and before the run folder is claimed, so that a bad option fails in seconds, naming its config
+key and the fix.
 
-    validate_config(cfg, training=True)   options, sampling, backend, device, task options, reward functions, agent
+    validate_config(cfg, training=True)   options, sampling, backend, device, task options, reward functions, agent,
+                                          settings that need a CUDA GPU or an optional package
+    preflight(cfg, training=True)         validate_config, then the sources, the model's own config (positions,
+                                          attention, LoRA targets: `model_checks`) and the first data rows against
+                                          the rewards (`data_checks`); returns what it checked
     check_resume(cfg, checkpoint)         the checkpoint fits the config (model keys, train.max_steps)
 """
 
@@ -20,12 +25,16 @@ from logitless.objectives.options import ADVANTAGE_ESTIMATORS
 from logitless.rewards import reward_name
 from logitless.rollout import BACKENDS
 from logitless.trainer import checkpoint as ckpt
-from logitless.trainer.builders import accuracy_index, reward_functions, sampling_options
+from logitless.trainer.builders import OFFLOAD_INSTALL_HINT, accuracy_index, load_rows, reward_functions, sampling_options
 from logitless.trainer.config import TrainerConfig
+from logitless.trainer.data_checks import FIRST_ROWS, check_reward_fields
 from logitless.trainer.episodes import ENVIRONMENT_REWARD, environment_weight
 from logitless.trainer.fsdp_offload import check_fsdp_offload
 from logitless.trainer.parallel import launched_world
 from logitless.trainer.tracking import check_report_to
+from logitless.trainer.model_checks import check_model, model_config, read_model_config
+from logitless.trainer.modeling import LIGER_INSTALL_HINT, QLORA_INSTALL_HINT, require_cuda_package, resolve_device
+from logitless.trainer.sources import check_sources, model_cached
 
 # Model keys that change the weights a checkpoint holds (or what they mean): they must match on resume / eval.
 WEIGHT_KEYS = ("name_or_path", "gguf_file", "revision", "lora", "lora_r", "lora_alpha", "lora_target_modules")
@@ -50,6 +59,50 @@ def validate_config(cfg: TrainerConfig, *, training: bool = True) -> None:
     reward_functions(cfg.reward)
     accuracy_index(cfg.reward)
     check_agent(cfg)
+    check_cuda_settings(cfg, training=training)
+
+
+def preflight(cfg: TrainerConfig, *, training: bool = True, model_given: bool = False) -> list[str]:
+    """Every check of `cfg` made before the model loads (`--dry-run` makes these and stops), cheapest first:
+    `validate_config`, the model and dataset sources (cached or reachable), the model's config (positions, attention
+    implementation, LoRA targets; skipped for a model passed in, `model_given`), then the split's first rows against
+    the fields the rewards read. Raises naming the config key and the fix; returns one line per check."""
+    validate_config(cfg, training=training)
+    lines = ["every config key and value, sampling options, rollout backend, devices, task options, reward functions"]
+    if not model_given:
+        check_sources(cfg, eval=not training)
+        name = cfg.model.name_or_path or "the demo model (SmolLM2-135M-Instruct GGUF)"
+        lines.append(f"sources: model {name} and the data of data.task={cfg.data.task!r} are local, in the hub cache "
+                     "or reachable")
+        config = read_model_config(cfg.model, cached=model_cached(cfg.model))
+        attn = model_config(cfg).attn_implementation if training else cfg.model.attn_implementation
+        lines += check_model(cfg, config, training=training, attn=attn)
+    split = cfg.data.split if training else (cfg.eval.split or cfg.data.eval_split)
+    rows = load_rows(cfg.data, split, eval=not training, limit=FIRST_ROWS)
+    lines.append(check_reward_fields(cfg, cfg.reward.reward_funcs, reward_functions(cfg.reward), rows, split))
+    return lines
+
+
+def check_cuda_settings(cfg: TrainerConfig, *, training: bool = True) -> None:
+    """Refuse a setting that needs a CUDA GPU (and its optional package) when model.device is not one, or the
+    package is missing: QLoRA (model.load_in_4bit), Liger's kernels, the 8-bit and CPU-offload optimizers."""
+    device = resolve_device(cfg.model.device)
+    wanted = [
+        (cfg.model.load_in_4bit, "model.load_in_4bit=true", "bitsandbytes", QLORA_INSTALL_HINT),
+        (cfg.model.liger_kernels is True, "model.liger_kernels=true", "liger_kernel", LIGER_INSTALL_HINT),
+        (training and cfg.optim.optimizer == "adamw_8bit", "optim.optimizer='adamw_8bit'", "bitsandbytes",
+         QLORA_INSTALL_HINT),
+        (training and cfg.optim.optimizer == "adamw_cpu_offload", "optim.optimizer='adamw_cpu_offload'", "torchao",
+         OFFLOAD_INSTALL_HINT),
+    ]
+    for on, setting, package, hint in wanted:
+        if not on:
+            continue
+        if device.type != "cuda":
+            where = "no CUDA GPU is usable here" if cfg.model.device == "auto" else f"model.device={cfg.model.device}"
+            raise ValueError(f"{setting} needs a CUDA GPU ({package}'s kernels), but {where}; turn it off to run on "
+                             f"{device.type}")
+        require_cuda_package(package, setting, hint, device)
 
 
 def _check_training(cfg: TrainerConfig) -> None:
@@ -180,7 +233,7 @@ def check_rollout_device(cfg: TrainerConfig) -> None:
 def check_task_options(task: str, options: dict[str, Any], where: str) -> None:
     """Refuse an option the task's loader does not take, naming `where`.<option> and the valid ones."""
     if task == "jsonl":
-        fn, skip = load_jsonl_prompts, ()
+        fn, skip = load_jsonl_prompts, ("progress",)
     elif task == "hub":
         fn, skip = load_hf_prompts, ("split",)
     elif task in TASKS:

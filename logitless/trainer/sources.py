@@ -58,6 +58,14 @@ def _probe(repo_id: str, revision: str | None, repo_type: str, what: str, local_
                           f"`hf auth login`). {local_fix}") from None
 
 
+def model_cached(cfg: ModelConfig) -> bool:
+    """True when model.name_or_path is a hub name whose files are in the local cache (read them from there)."""
+    name = cfg.name_or_path
+    if not name or Path(name).expanduser().exists():
+        return False
+    return _cached(name, cfg.gguf_file or "config.json", cfg.revision, "model")
+
+
 def check_model_source(cfg: ModelConfig) -> None:
     """model.name_or_path is a folder holding a saved model, a .gguf file, or a cached / reachable hub model."""
     name = cfg.name_or_path

@@ -1,0 +1,59 @@
+"""Checks of the data against the run's rewards, on the split's first rows, before the model loads.
+
+Each reward function names the row fields it reads (`logitless.rewards.reward_row_fields`: `answer` for
+numeric_answer and math_verify, `tests` for code_tests, the parameters without a default of your own function);
+every one of the first `FIRST_ROWS` rows must have them, or the run is refused naming the reward, the field, the
+row's fields and the data option that maps a column onto it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import warnings
+from typing import Any, Callable
+
+from logitless.data import PromptRow
+from logitless.rewards import reward_row_fields
+from logitless.trainer.config import TrainerConfig
+
+FIRST_ROWS = 64  # rows read from the start of the split for the check (a file stops reading there)
+
+
+def _fix(task: str, field: str) -> str:
+    """The data option that puts a column into the row field `field`."""
+    if task in ("jsonl", "hub"):
+        mapping = ("data.options.answer_field=<column>" if field == "answer"
+                   else f"data.options.field_map={{{field}: <column>}}")
+        return f"Name the column that holds it: {mapping}, or choose rewards that read fields the data has"
+    return f"data.task={task!r} gives its rows no '{field}': choose rewards that read the fields it has"
+
+
+def check_reward_fields(cfg: TrainerConfig, specs: list[str], fns: list[Callable[..., Any]], rows: list[PromptRow],
+                        split: str) -> str:
+    """Refuse a reward whose row fields are missing from any of `rows` (the split's first rows); warn when every one
+    of them holds None there (the reward would be None, "not applicable", for all of them). Returns what was
+    checked."""
+    where = f"data.task={cfg.data.task!r} split {split!r}"
+    read = []
+    for spec, fn in zip(specs, fns):
+        fields = reward_row_fields(fn)
+        read += [f"{spec}: {', '.join(fields)}"] if fields else []
+        for field in fields:
+            missing = next((i for i, r in enumerate(rows) if field not in r.fields), None)
+            if missing is not None:
+                have = sorted(rows[missing].fields)
+                close = difflib.get_close_matches(field, have, n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                raise ValueError(
+                    f"reward.reward_funcs: '{spec}' reads the row field '{field}', which row {missing} of {where} does "
+                    f"not have (its fields: {', '.join(have) or 'none'}){hint}. {_fix(cfg.data.task, field)}"
+                )
+            if all(r.fields[field] is None for r in rows):
+                warnings.warn(
+                    f"reward '{spec}' reads the row field '{field}', which is None in all of the first {len(rows)} "
+                    f"rows of {where}: the reward is None ('not applicable') for them, and a sample no reward "
+                    "scores adds nothing to training", stacklevel=2,
+                )
+    if not read:
+        return f"{where}: no reward reads a row field by name ({len(rows)} rows read)"
+    return f"{where}: the first {len(rows)} rows have the fields the rewards read ({'; '.join(read)})"

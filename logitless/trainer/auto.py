@@ -71,16 +71,14 @@ class Resolved:
 
 def model_skeleton(cfg: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
     """The causal LM of `cfg` built from its config on the meta device: its class, modules and parameter shapes,
-    no weights read (the hub's or folder's config.json, or a GGUF file's metadata)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    no weights read (the hub's or folder's config.json, from the local cache when it is there, or a GGUF file's
+    metadata: `model_checks.read_model_config`, as the preflight reads it)."""
+    from transformers import AutoModelForCausalLM
 
-    from logitless.trainer.modeling import resolve_source
+    from logitless.trainer.model_checks import read_model_config
+    from logitless.trainer.sources import model_cached
 
-    source, gguf = resolve_source(cfg)
-    kwargs: dict[str, Any] = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
-    if gguf:
-        kwargs["gguf_file"] = gguf
-    config = AutoConfig.from_pretrained(source, **kwargs)
+    config = read_model_config(cfg, cached=model_cached(cfg))
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code, dtype=dtype)
 

@@ -138,7 +138,8 @@ def _end_of_run(now: bool = False) -> None:
 
 def _dry_run(cfg, *, training: bool) -> int:
     """Every check a run makes before its model loads, then the resolved config (stdout) and what was checked
-    (stderr, one line each)."""
+    (stderr, one line each); for training, the settings "auto" decides on this machine and the memory plan
+    (stderr, from the model's config)."""
     from logitless.trainer.config import to_yaml
     from logitless.trainer.preflight import preflight
 
@@ -146,6 +147,10 @@ def _dry_run(cfg, *, training: bool) -> int:
     print(to_yaml(cfg), end="")
     for line in checked:
         print(f"checked: {line}", file=sys.stderr)
+    if training:
+        from logitless.trainer.auto import print_dry_run
+
+        print_dry_run(cfg)
     return 0
 
 
@@ -240,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --resume: continue with settings that change what is trained (saved beside the run's "
                         "config, which is kept)")
     p.add_argument("--dry-run", action="store_true",
-                   help="run every check made before the model loads, print the resolved config and what was checked")
+                   help="run every check made before the model loads, print the resolved config and what was checked, "
+                        "and the settings auto decides here with the memory plan")
     p.set_defaults(fn=cmd_train, command_parser=p)
     p = sub.add_parser("eval", help="accuracy on the eval split (greedy, or pass@k with eval.pass_k=k)")
     p.add_argument("args", nargs="*", metavar="CONFIG|section.key=value", help="a YAML config, then overrides")

@@ -121,7 +121,8 @@ def test_async_full_fine_tuning_samples_from_the_replica_one_step_behind(tmp_pat
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["rollout.device=cpu"], r"rollout\.device='cpu' needs rollout\.backend=static"),
+    (["rollout.backend=hf", "rollout.device=cpu"],  # (with backend auto it means static)
+     r"rollout\.device='cpu' needs rollout\.backend=static"),
     (["rollout.backend=static", "rollout.device=auto"], r"rollout\.device=auto: unset rollout\.device"),
     (["rollout.backend=static", "rollout.device=gpu:1"], r"rollout\.device='gpu:1' is not a device"),
     (["rollout.backend=static", "rollout.device=cpu", "rollout.weight_copy=sleep"],

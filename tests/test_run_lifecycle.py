@@ -65,7 +65,8 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_has_finished_a_step(earli
     # during step 1 the old run (config, metrics, checkpoint) waited aside; deleted once step 1 was done
     assert seen["step_start", 1] == seen["after_update", 1] == [["checkpoints", "config.yaml", "metrics.jsonl"]]
     assert seen["step_start", 2] == []
-    assert sorted(p.name for p in run.iterdir()) == [LOCK_FILE, "checkpoints", "config.yaml", "metrics.jsonl"]
+    assert sorted(p.name for p in run.iterdir()) == [LOCK_FILE, "checkpoints", "config.yaml", "metrics.jsonl",
+                                                     "resolved.json"]
 
 
 def test_overwrite_puts_the_old_run_back_when_the_new_one_fails_before_its_first_step(earlier_run, tmp_path, tok):

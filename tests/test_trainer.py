@@ -182,7 +182,8 @@ def test_run_turns_cudnn_attention_off_and_restores_it(tmp_path, tok, rewards_mo
     torch.backends.cuda.enable_cudnn_sdp(True)
     _train(_cfg(tmp_path / "run", "train.max_steps=1", "checkpoint.save_steps=0", f"model.cudnn_attention={cudnn}"),
            tok, hook=lambda event, step: seen.append((event, torch.backends.cuda.cudnn_sdp_enabled())))
-    assert [e for e, _ in seen] == ["step_start", "after_rollout", "after_update"]
+    assert [e for e, _ in seen if e in ("step_start", "after_rollout", "after_update")] == [
+        "step_start", "after_rollout", "after_update"]  # (the rollout's and micro-batches' events between them)
     assert all(on is cudnn for _, on in seen)
     assert torch.backends.cuda.cudnn_sdp_enabled()  # the process's setting is back
 

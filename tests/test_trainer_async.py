@@ -77,7 +77,7 @@ def test_async_resume_after_a_stop_is_exact(tmp_path, tok, rewards_module, where
 
 def test_async_rollout_needs_a_weight_copy(tmp_path, tok, rewards_module):  # noqa: F811
     with pytest.raises(ValueError, match=r"train\.async_rollout=true .* rollout\.backend=static"):
-        _train(_cfg(tmp_path / "x", "train.async_rollout=true"), tok)
+        _train(_cfg(tmp_path / "x", "train.async_rollout=true", "rollout.backend=hf"), tok)  # (auto: static)
     with pytest.raises(ValueError, match=r"train\.async_rollout=true"):
         _train(_cfg(tmp_path / "y", *ASYNC, "rollout.merge_lora=false"), tok)
 

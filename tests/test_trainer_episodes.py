@@ -23,6 +23,7 @@ from logitless.objectives import (
     policy_loss,
 )
 from logitless.trainer.builders import sampling_options
+from logitless.trainer.auto import resolve
 from logitless.trainer.config import load_train_config
 from logitless.trainer.context import build_context
 from logitless.trainer.parallel import World
@@ -131,7 +132,7 @@ def oracle_gradient(ctx, ro, scored, o: ObjectiveOptions):
 def test_stages_train_only_the_models_tokens(case, episode_ctx):
     ctx, ro, scored = episode_ctx
     objective, train = CASES[case]
-    cfg = load_train_config(None, train)
+    cfg = resolve(load_train_config(None, train), device=torch.device("cpu")).cfg  # "auto" decided, as a run's
     o = dataclasses.replace(ctx.cfg.objective, **{"beta": 0.0, **objective})
     saved = ctx.cfg, ctx.entropy_coef
     ctx.cfg = dataclasses.replace(ctx.cfg, train=cfg.train, objective=o)

@@ -61,6 +61,28 @@ def test_in_place_merges_once_and_writes_the_exact_base_back():
     in_place.release()
 
 
+def test_in_place_sync_failing_part_way_leaves_nothing_merged_twice(monkeypatch):
+    """A sync that runs out of memory after merging some layers (a step the trainer then retries): the next release
+    or sync starts from the exact base weights."""
+    model = lora_model("llama")
+    base = {n: layer.get_base_layer().weight.detach().clone() for n, layer in lora_layers(model)}
+    resident, in_place = MergedLoraWeights(model, "resident"), MergedLoraWeights(model, "in_place")
+    layers = lora_layers(model)
+    victim = layers[len(layers) // 2][1]
+    real = type(victim).get_delta_weight
+    monkeypatch.setattr(victim, "get_delta_weight", lambda adapter: (_ for _ in ()).throw(torch.OutOfMemoryError()))
+    with pytest.raises(torch.OutOfMemoryError):
+        in_place.sync()
+    assert not torch.equal(layers[0][1].get_base_layer().weight, base[layers[0][0]])  # the first were merged
+    monkeypatch.setattr(victim, "get_delta_weight", lambda adapter: real(victim, adapter))
+    in_place.sync()  # the retried rollout
+    for (_, layer), (_, w) in zip(layers, resident._pairs):
+        assert torch.equal(layer.get_base_layer().weight, w)
+    in_place.release()
+    for name, layer in layers:
+        assert torch.equal(layer.get_base_layer().weight, base[name])
+
+
 def test_in_place_refuses_a_trained_base_weight_and_shared_parameters_keep_training():
     model = get_peft_model(lora_model("llama").base_model.model,
                            LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"]),
@@ -128,7 +150,8 @@ def test_is_4bit_names_bitsandbytes_params_with_a_quant_state():
 @pytest.mark.parametrize("extra, match", [
     (["rollout.backend=static", "rollout.weight_copy=sleep"], r"rollout\.weight_copy=sleep cannot apply: it needs a CUDA "
      r"device \(got cpu\)"),
-    (["rollout.weight_copy=in_place"], r"rollout\.weight_copy='in_place' needs rollout\.backend=static"),
+    (["rollout.backend=hf", "rollout.weight_copy=in_place"],  # (with backend auto it means static)
+     r"rollout\.weight_copy='in_place' needs rollout\.backend=static"),
     (["rollout.backend=static", "rollout.weight_copy=in_place", "rollout.merge_lora=false"],
      r"rollout\.weight_copy=in_place cannot apply: the engine decodes with the training model itself"),
     (["rollout.backend=static", "rollout.weight_copy=in_place", "train.async_rollout=true"],

@@ -57,27 +57,27 @@ class ObjectiveOptions:
     """Every knob of the per-token GRPO-family objective. Defaults match TRL's `GRPOConfig` except that
     rollout IS correction is off by default (TRL: on, `sequence_mask`, clip_max 3.0)."""
 
-    loss_type: str = "dapo"
+    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo | cispo | sapo | luspo | vespo (docs/objectives.md)
     importance_sampling_level: str = "token"  # token | sequence (GSPO) | sequence_token (GSPO-token)
     epsilon_low: float = 0.2  # TRL `epsilon`; lower clip 1 - epsilon_low
     epsilon_high: float = 0.2  # upper clip 1 + epsilon_high; for cispo the raw IS-weight cap (e.g. 5.0)
     delta: float | None = None  # INTELLECT-2 upper clamp of the unclipped ratio (PPO-clip types)
     dual_clip: float | None = None  # dual-clip constant c > 1 (verl clip_ratio_c): ℓ <= -c·A when A < 0
     max_completion_length: int | None = None  # required by dr_grpo (the constant normalizer)
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
+    sapo_temperature_pos: float = 1.0  # sapo: gate temperature τ of tokens with A > 0
+    sapo_temperature_neg: float = 1.05  # sapo: τ of tokens with A < 0
+    vespo_k_pos: float = 2.0  # vespo: k of the weight e^{λ + k·log W - λ·W} for A > 0
+    vespo_lambda_pos: float = 3.0  # vespo: λ for A > 0
+    vespo_k_neg: float = 3.0  # vespo: k for A < 0
+    vespo_lambda_neg: float = 2.0  # vespo: λ for A < 0
     # KL to the reference policy
     beta: float = 0.0
     kl_estimator: str = "k3"  # k1 | k2 | k3 | low_var_kl (k3 clamped to [-10, 10], verl)
     use_bias_correction_kl: bool = False  # kl *= unclipped IS ratio (DeepSeek-V3.2)
     # Rollout-engine (sampler) importance-sampling correction: ρ = π_old / π_sampler
     sampler_is_mode: str | None = None  # token_truncate | token_mask | sequence_truncate | sequence_mask
-    sampler_is_clip_min: float | None = None
-    sampler_is_clip_max: float | None = 3.0
+    sampler_is_clip_min: float | None = None  # lower bound of ρ (truncate: clamp; mask: ρ = 0 below it)
+    sampler_is_clip_max: float | None = 3.0  # upper bound of ρ (truncate: clamp; mask: ρ = 0 above it)
     sampler_is_sequence_reduction: str | None = None  # product (TRL, verl) | geometric_mean (open-instruct)
     # Token / sequence masks and entropy terms
     off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2 off-policy sequence mask δ
@@ -87,10 +87,10 @@ class ObjectiveOptions:
     # trl: TRL 1.16, the mean of per-micro-batch token means (see `entropy_bonus_normalizer`)
     entropy_bonus_reduction: str = "step_mean"
     use_adaptive_entropy: bool = False  # see `update_entropy_coef`
-    entropy_coef_min: float = 0.0
-    entropy_coef_max: float = 1.0
-    entropy_coef_delta: float = 0.005
-    entropy_target: float = 0.2
+    entropy_coef_min: float = 0.0  # adaptive entropy: the coefficient stays within [min, max]
+    entropy_coef_max: float = 1.0  # (see entropy_coef_min)
+    entropy_coef_delta: float = 0.005  # adaptive entropy: change of the coefficient per optimizer step
+    entropy_target: float = 0.2  # adaptive entropy: the coefficient grows while the step's mean entropy is at most this
     mask_truncated_completions: bool = False  # rows with truncated=True leave the loss (and the normalizer)
     max_log_ratio: float = 20.0  # |log ratio| clamp before exp (policy ratio, IS ratio, k3); verl uses 20
 

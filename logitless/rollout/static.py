@@ -241,6 +241,11 @@ class StaticEngine:
         self._last_parts: dict[str, float] = {}
         self._caches: list[weakref.ref] = []  # weak references to the KV caches of the call in progress
 
+    @property
+    def cache_length(self) -> int:
+        """Slots per row of the longest decode cache so far (0 before the first call); no later call uses fewer."""
+        return self._max_len
+
     def _caches_alive(self) -> bool:
         """Whether a KV cache of the last call is still alive (only a reference cycle keeps one once it returns)."""
         return any(ref() is not None for ref in self._caches)

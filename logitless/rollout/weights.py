@@ -198,6 +198,9 @@ class MergedLoraWeights:
         if self.memory is not None:
             self.memory.wake()
         self._restore()  # in_place and not released yet: merge from the exact base, never twice
+        # in_place: the base weights are being written from here on; a sync that fails part way (out of memory)
+        # leaves some merged, and the next release or sync writes all of them back first
+        self._merged = self.mode == "in_place"
         for layer, merged in self._pairs:
             w = base_weight(layer).float()
             for adapter in layer.active_adapters:
@@ -206,7 +209,6 @@ class MergedLoraWeights:
             merged.copy_(w)
         for group in self.groups:
             group.refresh_bias()  # a fused group's bias is its own copy of the (shared) biases
-        self._merged = self.mode == "in_place"
 
 
 def _host_copy(w: torch.Tensor, pin: bool) -> torch.Tensor:

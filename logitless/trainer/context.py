@@ -23,6 +23,7 @@ from logitless.trainer import checkpoint as ckpt
 from logitless.trainer import dcp
 from logitless.trainer.accounting import ModelShape, device_peaks
 from logitless.trainer.async_rollout import AsyncRollout
+from logitless.trainer.auto import has_auto, resolve
 from logitless.trainer.builders import (
     accuracy_index,
     check_fused,
@@ -50,6 +51,7 @@ from logitless.trainer.modeling import (
     trainable_parameters,
 )
 from logitless.trainer.offload import ParkedState
+from logitless.trainer.oom import MemoryState
 from logitless.trainer.tracking import open_trackers, resolve_report_to
 from logitless.trainer.parallel import (
     COPY_BACKENDS,
@@ -95,6 +97,8 @@ class TrainContext:
     empty_steps: int = 0  # consecutive steps whose completions were all empty
     parked: ParkedState = field(default_factory=ParkedState)  # train.offload_during_rollout's host buffers
     prefetch: AsyncRollout | None = None  # train.async_rollout: the next step's rollout in flight
+    memory: MemoryState | None = None  # the memory plan's model and settings (trainer/oom.py), where one is made
+    on_micro_batch: Callable[[int], None] | None = None  # called before each micro-batch's forward (a test hook)
     agent: Agent | None = None  # agent.tools / agent.environment: what answers the model between turns
     run: RunDir | None = None  # the claimed run folder (rank 0): checked before each write
     t_start: float = field(default_factory=time.perf_counter)  # for the wall-time budget
@@ -190,8 +194,8 @@ def _keep_configured(optimizer: Any, scheduler: Any, configured: list[dict[str, 
 
 def _logger(cfg: TrainerConfig, run_dir: Path, world: World, start: int, run: RunDir | None,
             console: Console | None = None) -> MetricsLogger | QuietLogger:
-    """Only rank 0 writes the run folder's files (its config where the claim says: `RunDir.save_config`), prints
-    and plots."""
+    """Only rank 0 writes the run folder's files (its config as given, "auto" kept, where the claim says:
+    `RunDir.save_config`), prints and plots."""
     if not world.main:
         return QuietLogger()
     if run is not None:
@@ -223,11 +227,15 @@ def _shape(model: torch.nn.Module, engine: Any) -> ModelShape:
 
 def build_context(
     cfg: TrainerConfig, world: World, *, resume: str | Path | None = None, model: torch.nn.Module | None = None,
-    tokenizer: Any = None, run: RunDir | None = None,
+    tokenizer: Any = None, run: RunDir | None = None, given: TrainerConfig | None = None,
 ) -> TrainContext:
     """Data and rewards first (their errors need no model), then model, engine, optimizer, and the resumed state.
     `world`: this process's place, its process group already made (`parallel.process_group`); `run`: the claimed
-    run folder (rank 0)."""
+    run folder (rank 0). `cfg`: the run's settings, "auto" decided (`trainer.auto`; decided here, without the
+    table, where the caller has not); `given`: the config as written (saved as the run's config)."""
+    if has_auto(cfg):
+        given = given or cfg
+        cfg = resolve(cfg, world_size=world.size, model=model).cfg
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)  # the same on every rank: the model's random init (LoRA) must agree
@@ -271,7 +279,7 @@ def build_context(
     start = int(state.get("step", 0))
     if state:
         sampler.load_state_dict(state["sampler"])
-    logger = _logger(cfg, run_dir, world, start, run, console)
+    logger = _logger(given or cfg, run_dir, world, start, run, console)
     coef = EntropyCoef(*state["entropy_coef"]) if "entropy_coef" in state else initial_entropy_coef(cfg.objective)
     engine_changes: dict[str, Any] = {}
     if replica is not None:  # the replica merged (a plain model), fused its projections and sleeps by itself

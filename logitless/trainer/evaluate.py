@@ -113,7 +113,13 @@ def evaluate(
     acc_col = accuracy_index(cfg.reward)
     options = eval_options(cfg)
     check_prompt_lengths(rows, tokenizer, model, options, f"eval split {split!r}")
-    engine = make_engine(cfg.rollout.backend, model, tokenizer) if engine is None else engine
+    if engine is None:
+        backend = cfg.rollout.backend
+        if backend == "auto":
+            from logitless.trainer.auto import rollout_backend
+
+            backend = rollout_backend(cfg, next(model.parameters()).device, model)[0]
+        engine = make_engine(backend, model, tokenizer)
     agent = (Agent(tokenizer, cfg.agent) if cfg.agent.enabled else None) if agent is None else agent
     env_weight = environment_weight(cfg)
     t0 = time.perf_counter()

@@ -50,12 +50,12 @@ def check_fsdp_offload(cfg: TrainerConfig) -> None:
     refused = [
         (cfg.model.load_in_4bit, "model.load_in_4bit=true (QLoRA)", "FSDP2 cannot shard bitsandbytes' 4-bit weights",
          "model.load_in_4bit=false"),
-        (cfg.model.liger_kernels, "model.liger_kernels=true", "Liger's kernels are not tested on FSDP2 units yet",
+        (cfg.model.liger_kernels is True, "model.liger_kernels=true", "Liger's kernels are not tested on FSDP2 units yet",
          "model.liger_kernels=false"),
         (cfg.train.async_rollout, "train.async_rollout=true",
          "the async rollout decodes from the training model's merged weights during the update, which FSDP2 keeps "
          "sharded on the host", "train.async_rollout=false"),
-        (cfg.rollout.backend not in ("hf", "static"), f"rollout.backend={cfg.rollout.backend}",
+        (cfg.rollout.backend not in ("hf", "static", "auto"), f"rollout.backend={cfg.rollout.backend}",
          "only the hf and static backends read a sharded model's weights", "rollout.backend=static (or hf)"),
         (cfg.rollout.weight_copy == "in_place", "rollout.weight_copy=in_place",
          "the merge would be written into the training weights, which FSDP2 keeps sharded on the host; the static "

@@ -20,6 +20,10 @@ SIGTERM stops at the next safe point with a checkpoint: before the first optimiz
 dropped (its data position and RNG are rewound, so a resumed run is identical); after it, the step finishes. The
 signal says so at once; a second one stops at once (`signals.py`). Before each step's metrics and checkpoint are
 written, the run folder is checked to still be there (`RunDir.check_alive`).
+
+Before the model loads, every setting left "auto" is decided (`trainer/auto.py`: the fast exact path for this
+device and model, and the memory plan), printed and saved as resolved.json. A rollout or update that runs out of
+device memory is retried once with leaner settings (`trainer/oom.py`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ from typing import Any, Callable
 import torch
 
 from logitless.trainer import checkpoint as ckpt
+from logitless.trainer import oom
 from logitless.trainer.accounting import PhaseTimer
+from logitless.trainer.auto import resolve_run, save_resolved
 from logitless.trainer.config import TrainerConfig
 from logitless.trainer.context import TrainContext, build_context
 from logitless.trainer.dynamic import sample_step
@@ -56,6 +62,7 @@ from logitless.trainer.signals import StopSignals, label
 from logitless.trainer.stages import (
     Rollout,
     Scored,
+    UpdatePlan,
     UpdateResult,
     check_empty,
     logprob_stage,
@@ -66,7 +73,9 @@ from logitless.trainer.stages import (
     update_stage,
 )
 
-Hook = Callable[[str, int], None]  # hook(event, step); events: "step_start", "after_rollout", "after_update"
+# hook(event, step); events: "step_start", "generate" (the rollout starts), "after_rollout", "micro_batch" (before
+# each micro-batch's forward in the update), "after_update"
+Hook = Callable[[str, int], None]
 
 
 @dataclass
@@ -128,15 +137,50 @@ def checkpoint_and_stop(ctx: TrainContext, result: TrainResult, step: int, stop_
     return stop_requested or out_of_time
 
 
+def rewind_step(ctx: TrainContext, rewind: tuple[Any, Any]) -> None:
+    """The data position and RNG as they were when the step started."""
+    ctx.sampler.load_state_dict(rewind[0])
+    ckpt.set_rng_state(*rewind[1])
+
+
 def drop_step(ctx: TrainContext, result: TrainResult, step: int, rewind: tuple[Any, Any]) -> None:
     """A stop before the first optimizer step of `step`: rewind its data position and RNG (so a resumed run
     redoes it identically) and checkpoint the step before."""
     if ctx.prefetch is not None:
         ctx.prefetch.put_back()  # its rollout is the checkpoint's pending one
-    ctx.sampler.load_state_dict(rewind[0])
-    ckpt.set_rng_state(*rewind[1])
+    rewind_step(ctx, rewind)
     if step - 1 > 0:
         result.checkpoint = ctx.save(step - 1)  # (a resumed run re-saves the step it started from)
+
+
+def _sample(ctx: TrainContext, step: int, timer: PhaseTimer, hook: Hook) -> tuple:
+    hook("generate", step)
+    return sample_step(ctx, step, timer)
+
+
+def _plans(ctx: TrainContext, ro: Rollout, scored: Scored) -> list[UpdatePlan]:
+    """The micro-batches and normalizer of each optimizer step on the batch (train.steps_per_rollout parts)."""
+    return [plan_update(ctx, ro, scored, rows) for rows in part_rows(ro, ctx.cfg.train.steps_per_rollout)]
+
+
+def _update(ctx: TrainContext, ro: Rollout, scored: Scored, plans: list[UpdatePlan] | None, timer: PhaseTimer,
+            hook: Hook, step: int) -> tuple[list[UpdatePlan], UpdateResult]:
+    """Old/reference logprobs and the optimizer steps of a step, over `plans`' micro-batches (None: planned with the
+    current settings, after a retry)."""
+    plans = plans or _plans(ctx, ro, scored)
+    ctx.on_micro_batch = lambda i: hook("micro_batch", step)
+    ctx.memory.phase = "logprobs"
+    with timer("logprobs"):
+        oldrefs = [logprob_stage(ctx, p) for p in plans]
+    ctx.memory.phase = "train"
+    with timer("train"):
+        return plans, update_stage(ctx, plans, oldrefs)
+
+
+def _reset_update(ctx: TrainContext, rng: Any) -> None:
+    """The state before the update of a step that ran out of memory: no gradients, the same RNG."""
+    ctx.optimizer.zero_grad(set_to_none=True)
+    ckpt.set_rng_state(*rng)
 
 
 def train(
@@ -187,10 +231,14 @@ def _train(
     """The training run of `train`, in its claimed run folder (cfg.train.output_dir is absolute; `run`: the claim,
     on rank 0 only)."""
     hook = hook or (lambda event, step: None)
-    ctx = build_context(cfg, world, resume=resume, model=model, tokenizer=tokenizer, run=run)
+    resolved = resolve_run(cfg, world, model=model)
+    ctx = build_context(resolved.cfg, world, resume=resume, model=model, tokenizer=tokenizer, run=run, given=cfg)
+    ctx.memory = oom.memory_state(ctx, resolved)
+    if world.main:
+        save_resolved(resolved, ctx.run_dir)  # beside config.yaml, both written once the model has loaded
     result = TrainResult(run_dir=ctx.run_dir, step=ctx.start)
     report_reward_errors = RewardErrorReport(ctx.logger.print, cfg.reward.error_penalty)
-    report_mismatch = MismatchReport(ctx.logger.print, cfg.logging.mismatch_warning, mismatch_causes(cfg))
+    report_mismatch = MismatchReport(ctx.logger.print, cfg.logging.mismatch_warning, mismatch_causes(ctx.cfg))  # (decided settings)
     report_none = RewardNoneReport(ctx.logger.print)
     finished = False
     try:
@@ -204,8 +252,11 @@ def _train(
             hook("step_start", step)
             rewind = (ctx.sampler.state_dict(), ckpt.rng_state())
             timer = PhaseTimer(ctx.device, ctx.rollout_device)
-            # generate and score (with train.dynamic_sampling: until the step has its informative groups)
-            ro, scored, sc, sampled = sample_step(ctx, step, timer)
+            # generate and score (with train.dynamic_sampling: until the step has its informative groups); out of
+            # memory: once more, with fewer rows per wave, from the step's data position and RNG
+            ctx.memory.retries = 0
+            ro, scored, sc, sampled = oom.retry_on_oom(ctx, step, "generate", lambda: _sample(ctx, step, timer, hook),
+                                                       reset=lambda: rewind_step(ctx, rewind))
             report_reward_errors(step, sc.names, sc.num_errors, sc.error_texts, len(sc.total))
             fields = sorted(ro.sample_rows[0].fields) if ro.sample_rows else []
             report_none(step, sc.names, sc.num_none, len(sc.total), fields)
@@ -216,15 +267,16 @@ def _train(
                 drop_step(ctx, result, step, rewind)
                 break
             check_empty(ctx, ro, step)
-            plans = [plan_update(ctx, ro, scored, rows) for rows in part_rows(ro, cfg.train.steps_per_rollout)]
+            plans = _plans(ctx, ro, scored)
             plan, upd = merge_plans(plans), UpdateResult()
             if plan.n_tokens > 0:  # (0 only if the engine returned no token at all, not even EOS)
-                with timer("logprobs"):
-                    oldrefs = [logprob_stage(ctx, p) for p in plans]
-                with timer("train"):
-                    upd = update_stage(ctx, plans, oldrefs)
+                rng, tried = ckpt.rng_state(), [plans]  # a retry plans its micro-batches anew
+                plans, upd = oom.retry_on_oom(
+                    ctx, step, "update", lambda: _update(ctx, ro, scored, tried[-1], timer, hook, step),
+                    reset=lambda: (_reset_update(ctx, rng), tried.append(None)))
+                plan = merge_plans(plans)
             hook("after_update", step)
-            record = {**step_record(ctx, ro, scored, plan, upd, timer), **sampled}
+            record = {**step_record(ctx, ro, scored, plan, upd, timer), **sampled, **oom.memory_metrics(ctx, ro, plan)}
             if eval_due(cfg, step):  # held-out eval (eval.every_steps)
                 with timer("eval"):
                     record.update(eval_in_run(ctx))

@@ -34,7 +34,7 @@ def model_config(cfg: TrainerConfig) -> ModelConfig:
     """cfg.model as loaded for the run: with `train.packed` and no attention named, `logitless_varlen` (varlen
     flash attention on CUDA, one sdpa call per row on CPU), whose cost follows the rows' own lengths; transformers'
     sdpa would compute a dense [S, S] block-diagonal mask over the packed sequence."""
-    if cfg.train.packed and cfg.model.attn_implementation is None:
+    if cfg.train.packed is True and cfg.model.attn_implementation is None:
         return dataclasses.replace(cfg.model, attn_implementation=VARLEN_ATTENTION)
     return cfg.model
 
@@ -220,6 +220,6 @@ def check_model(cfg: TrainerConfig, config: Any, *, training: bool = True, attn:
                  if attn is not None else f"attention: transformers' default ({model.config._attn_implementation})")
     if cfg.model.lora:
         lines.append(check_lora_targets(model, cfg.model))
-    if cfg.model.liger_kernels:
+    if cfg.model.liger_kernels is True:  # ("auto" turns them on only where they apply: trainer/auto.py)
         lines.append(check_liger(config))
     return lines

@@ -177,7 +177,8 @@ def nf4_config(device: torch.device, dtype: torch.dtype):
 
 
 def prepare_for_training(model, cfg: ModelConfig):
-    """Add LoRA adapters (peft) when `cfg.lora`, enable gradient checkpointing when asked.
+    """Add LoRA adapters (peft) when `cfg.lora`, enable gradient checkpointing when asked. Settings still "auto"
+    (decided per run by `trainer.auto.resolve`) count as off here.
 
     A 4-bit (QLoRA) model gets what peft's `prepare_model_for_kbit_training` does for it except the fp32 upcast
     of every non-quantized weight: that would double the embedding and lm_head memory and run the fused op's
@@ -188,9 +189,9 @@ def prepare_for_training(model, cfg: ModelConfig):
             "model.load_in_4bit=true but the given model is not 4-bit quantized; load it through logitless "
             "(model.name_or_path), or pass a model loaded with a 4-bit BitsAndBytesConfig"
         )
-    if cfg.liger_kernels:
+    if cfg.liger_kernels is True:
         apply_liger_kernels(model)
-    if cfg.gradient_checkpointing:
+    if cfg.gradient_checkpointing is True:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
         if cfg.lora:
@@ -203,7 +204,7 @@ def prepare_for_training(model, cfg: ModelConfig):
         if base is not None:  # what adapter_config.json names as the adapter's base
             for adapter in model.peft_config.values():
                 adapter.base_model_name_or_path = base
-    if cfg.compile_layers:
+    if cfg.compile_layers is True:
         compile_layers(model)
     return model
 

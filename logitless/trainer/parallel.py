@@ -160,14 +160,14 @@ def check_distributed(cfg: TrainerConfig, world: World) -> None:
             f"model.device={cfg.model.device!r} puts every rank on the same device; under torchrun set "
             "model.device=auto (or cuda): each rank then uses the GPU of its LOCAL_RANK"
         )
-    if cfg.rollout.backend not in DISTRIBUTED_BACKENDS:
+    if cfg.rollout.backend not in (*DISTRIBUTED_BACKENDS, "auto"):
         raise ValueError(
             f"rollout.backend={cfg.rollout.backend!r} cannot run under torchrun ({k} ranks) yet; set "
             "rollout.backend=hf (or static)"
         )
     not_yet = [
         (cfg.model.load_in_4bit, "model.load_in_4bit=true (QLoRA)", "model.load_in_4bit=false"),
-        (cfg.model.liger_kernels, "model.liger_kernels=true", "model.liger_kernels=false"),
+        (cfg.model.liger_kernels is True, "model.liger_kernels=true", "model.liger_kernels=false"),
         (cfg.optim.optimizer != "adamw", f"optim.optimizer={cfg.optim.optimizer}", "optim.optimizer=adamw"),
         (cfg.train.async_rollout, "train.async_rollout=true", "train.async_rollout=false"),
         (cfg.rollout.device is not None, f"rollout.device={cfg.rollout.device}",

@@ -49,10 +49,10 @@ def validate_config(cfg: TrainerConfig, *, training: bool = True) -> None:
         cfg.rollout, seed=None, num_generations=cfg.eval.pass_k, temperature=0.0 if cfg.eval.pass_k == 1 else None,
         max_new_tokens=cfg.eval.max_completion_length, section="eval",
     )
-    if cfg.rollout.backend not in BACKENDS:
+    if cfg.rollout.backend not in (*BACKENDS, "auto"):
         close = difflib.get_close_matches(cfg.rollout.backend, BACKENDS, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise ValueError(f"rollout.backend={cfg.rollout.backend!r} is not a rollout backend{hint} Use one of {BACKENDS}")
+        raise ValueError(f"rollout.backend={cfg.rollout.backend!r} is not a rollout backend{hint} Use one of {BACKENDS} or auto")
     check_device(cfg.model.device)
     check_task_options(cfg.data.task, cfg.data.options, "data.options")
     check_task_options(cfg.data.task, {**cfg.data.options, **cfg.data.eval_options}, "data.eval_options")
@@ -92,7 +92,7 @@ def check_cuda_settings(cfg: TrainerConfig, *, training: bool = True) -> None:
     device = resolve_device(cfg.model.device)
     wanted = [
         (cfg.model.load_in_4bit, "model.load_in_4bit=true", "bitsandbytes", QLORA_INSTALL_HINT),
-        (cfg.model.liger_kernels, "model.liger_kernels=true", "liger_kernel", LIGER_INSTALL_HINT),
+        (cfg.model.liger_kernels is True, "model.liger_kernels=true", "liger_kernel", LIGER_INSTALL_HINT),
         (training and cfg.optim.optimizer == "adamw_8bit", "optim.optimizer='adamw_8bit'", "bitsandbytes",
          QLORA_INSTALL_HINT),
         (training and cfg.optim.optimizer == "adamw_cpu_offload", "optim.optimizer='adamw_cpu_offload'", "torchao",
@@ -124,14 +124,14 @@ def _check_training(cfg: TrainerConfig) -> None:
             f"from rollout.max_completion_length={cfg.rollout.max_completion_length}; set both to the same value"
         )
     budget, r = cfg.train.micro_batch_tokens, cfg.rollout
-    if budget is not None and r.max_prompt_length is not None and budget < r.max_prompt_length + r.max_completion_length:
+    if isinstance(budget, int) and r.max_prompt_length is not None and budget < r.max_prompt_length + r.max_completion_length:
         longest = r.max_prompt_length + r.max_completion_length
         raise ValueError(
             f"train.micro_batch_tokens={budget} is smaller than the longest row a step can hold "
             f"(rollout.max_prompt_length + rollout.max_completion_length = {longest}); set "
             f"train.micro_batch_tokens >= {longest}, or lower those lengths"
         )
-    if cfg.train.async_rollout and r.device is None and (r.backend != "static" or r.merge_lora is False
+    if cfg.train.async_rollout and r.device is None and (r.backend not in ("static", "auto") or r.merge_lora is False
                                                          or not cfg.model.lora):
         raise ValueError(
             "train.async_rollout=true samples from a merged LoRA copy while the update runs: it needs "
@@ -154,7 +154,7 @@ def _check_training(cfg: TrainerConfig) -> None:
     check_report_to(cfg.logging.report_to, cfg.logging.tensorboard)
 
 
-    if cfg.train.async_rollout and cfg.train.offload_during_rollout:
+    if cfg.train.async_rollout and cfg.train.offload_during_rollout is True:
         raise ValueError(
             "train.offload_during_rollout=true moves the optimizer states to the host while the rollout runs, but "
             "train.async_rollout=true runs the update at the same time; set one of them to false"
@@ -221,7 +221,7 @@ def check_rollout_device(cfg: TrainerConfig) -> None:
         (cfg.model.load_in_4bit, "model.load_in_4bit=true (QLoRA)",
          "the replica copies the model's weights, and bitsandbytes' 4-bit weights do not copy across devices",
          "model.load_in_4bit=false"),
-        (cfg.train.offload_during_rollout, "train.offload_during_rollout=true",
+        (cfg.train.offload_during_rollout is True, "train.offload_during_rollout=true",
          "the rollout then holds no memory on the training device, so parking the training state saves nothing",
          "train.offload_during_rollout=false"),
         (cfg.rollout.weight_copy not in (None, "resident"), f"rollout.weight_copy={cfg.rollout.weight_copy}",

@@ -7,7 +7,8 @@ it and writes the new config beside it as `config.from-step-000021.yaml` (the fi
 
 A resume may change how long and where the run goes and what it logs: `train.max_steps` (unless the learning-rate
 schedule depends on it: cosine decay or `optim.warmup_ratio`), `train.max_minutes`, `train.output_dir`,
-`train.num_threads`, `rollout.num_threads`, `rollout.profile`, `model.device` and every key of `logging`,
+`train.num_threads`, `train.memory_budget_gib` (the memory plan of the new device), `rollout.num_threads`,
+`rollout.profile`, `model.device` and every key of `logging`,
 `checkpoint` and `eval` (and `train.fsdp_offload`, whose checkpoint layout is checked on its own). Any other
 change would train the next steps unlike the earlier ones, so it is refused unless allowed
 (`--allow-config-change`; `rundir.claim_run_dir` keeps the run's config and saves the new one beside it).
@@ -50,7 +51,7 @@ def current_config(run_dir: str | Path) -> Path | None:
 
 # train.fsdp_offload changes how a checkpoint is laid out, which `dcp.check_layout` refuses with its own fix
 FREE_KEYS = ("train.max_minutes", "train.output_dir", "train.num_threads", "rollout.num_threads", "rollout.profile",
-             "model.device", "train.fsdp_offload")
+             "model.device", "train.fsdp_offload", "train.memory_budget_gib")
 FREE_SECTIONS = ("logging.", "checkpoint.", "eval.")
 _ABSENT = "(not set)"
 

@@ -51,8 +51,8 @@ from logitless.trainer.runconfig import (
 LOCK_FILE = ".lock"
 # What a `logitless train` run writes into its folder (and config.from-step-N.yaml); only these are replaced by
 # --overwrite.
-RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "tensorboard", "curves.png", LOCK_FILE, "wandb",
-             "trackers.json", "export")
+RUN_FILES = ("config.yaml", "resolved.json", "metrics.jsonl", "checkpoints", "tensorboard", "curves.png", LOCK_FILE,
+             "wandb", "trackers.json", "export")
 # --overwrite's folders inside the run folder: the old run set aside, being put back, being deleted
 REPLACED, RESTORING, DISCARDED, PARTIAL = ".replaced-", ".restoring-", ".discarded-", ".partial"
 BOOKKEEPING = (REPLACED, RESTORING, DISCARDED)

@@ -276,6 +276,8 @@ def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i:
     """Loss of micro-batch i (already divided by the step's normalizer), back-propagated; (loss, metrics). In the
     step's first optimizer pass (`first`) the metrics also hold the sampler–trainer mismatch of its tokens."""
     o, m = ctx.cfg.objective, plan.micro[i]
+    if ctx.on_micro_batch is not None:
+        ctx.on_micro_batch(i)
     if i >= len(plan.micro) - plan.padding:
         return padding_backward(ctx.model, m, plan.temperature, forward=ctx.lora_compute.forward), {}
     entropy_grad = _entropy_terms(ctx)[1]

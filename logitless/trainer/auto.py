@@ -1,0 +1,464 @@
+"""Settings left "auto": decided once per run, before the model loads, from the device, the model's config and the
+memory plan; printed as a table and saved in the run folder (`resolved.json`).
+
+    rollout.backend               static on CUDA where its layout check passes (rollout/layouts.py), else hf
+    train.packed                  on CUDA for a bf16/fp16 model whose attention runs varlen (full attention only)
+    model.compile_layers          on CUDA, one process, train.max_steps >= COMPILE_MIN_STEPS
+    model.liger_kernels           on CUDA, one process, installed, the model type supported, layers not compiled
+    model.gradient_checkpointing  \\
+    model.activation_offload       |  the memory plan (trainer/memory_plan.py): the fastest settings whose
+    train.micro_batch_tokens       |  predicted phases fit train.memory_budget_gib (default: the device's free
+    train.offload_during_rollout   |  memory); made on CUDA (or wherever the budget is set), one process
+    rollout.max_kv_gib (unset)    /
+
+A setting given in the config is kept as given (and listed as "set"); the checks of the settings themselves
+(preflight, the engines) run on the decided values as they always did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from logitless.models import UnsupportedModelError
+from logitless.rollout.engine import same_device
+from logitless.rollout.kv_cache import STATIC_LAYER_TYPES, auto_kv_budget
+from logitless.rollout.layouts import FULL, check_layout, layer_types, text_config
+from logitless.rollout.weights import is_4bit
+from logitless.trainer import memory_plan as mp
+from logitless.trainer.config import ModelConfig, TrainerConfig
+
+# model.compile_layers=auto compiles for runs of at least this many steps. Measured at the 1.5B shape, T = 1,024
+# (bench/LOG.md): the compile adds about 42 s to the first step and saves about 0.7 s of every later one (update
+# 4.28 -> 3.59 s), so it pays off after about 60 steps there (more per step at longer T or larger models).
+COMPILE_MIN_STEPS = 100
+PACKED_ATTENTION = (None, "logitless_varlen", "flash_attention_2")  # attention that runs packed rows at varlen cost
+
+
+@dataclass
+class Choice:
+    key: str  # dotted config key
+    value: Any
+    reason: str
+    auto: bool  # decided here (the config said auto)
+
+
+@dataclass
+class Resolved:
+    """A run's config with every "auto" decided, why, and the memory plan behind it (None where none is made)."""
+
+    cfg: TrainerConfig
+    choices: list[Choice] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what could not be decided as usual, and why
+    plan: mp.Plan | None = None
+    model: mp.ModelMemory | None = None
+    step: mp.StepShape | None = None
+    facts: mp.RunFacts | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"choices": [dataclasses.asdict(c) for c in self.choices], "notes": self.notes,
+                "plan": mp.to_json(self.plan) if self.plan is not None else None}
+
+
+# --- the model, without its weights -------------------------------------------------------------------------------
+
+
+def model_skeleton(cfg: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
+    """The causal LM of `cfg` built from its config on the meta device: its class, modules and parameter shapes,
+    no weights read (the hub's or folder's config.json, from the local cache when it is there, or a GGUF file's
+    metadata: `model_checks.read_model_config`, as the preflight reads it)."""
+    from transformers import AutoModelForCausalLM
+
+    from logitless.trainer.model_checks import read_model_config
+    from logitless.trainer.sources import model_cached
+
+    config = read_model_config(cfg, cached=model_cached(cfg))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code, dtype=dtype)
+
+
+def _base(model: Any) -> Any:
+    while hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return model
+
+
+def _targets(cfg: ModelConfig, name: str, out_layer: Any, module: Any) -> bool:
+    """Whether peft's LoRA config of `cfg` targets linear layer `name` (peft's matching rules)."""
+    target = cfg.lora_target_modules
+    if module is out_layer:
+        return False
+    if target == "all-linear":
+        return True
+    if isinstance(target, str):
+        return re.fullmatch(target, name) is not None
+    return any(name == t or name.endswith("." + t) for t in target)
+
+
+def model_memory(model: Any, cfg: ModelConfig, dtype: torch.dtype) -> mp.ModelMemory:
+    """The plan's view of `model` (a skeleton, or a loaded model before or after peft wrapped it) for the settings
+    of `cfg`: LoRA rank and targets, 4-bit loading, the compute dtype."""
+    base = _base(model)
+    tc = text_config(base)
+    heads = getattr(tc, "num_attention_heads", None) or 1  # (a model without attention: its KV counts as one head)
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
+    kv_heads = getattr(tc, "num_key_value_heads", None) or heads
+    inter = getattr(tc, "intermediate_size", None) or 4 * tc.hidden_size
+    if getattr(tc, "num_experts_per_tok", None) and getattr(tc, "moe_intermediate_size", None):
+        inter = tc.num_experts_per_tok * tc.moe_intermediate_size + getattr(tc, "shared_expert_intermediate_size", 0)
+    out_layer = base.get_output_embeddings()
+    width = torch.tensor([], dtype=dtype).element_size()
+    quantized = {id(m.weight) for name, m in base.named_modules()
+                 if isinstance(m, torch.nn.Linear) and m is not out_layer} if cfg.load_in_4bit else set()
+    weight_bytes = params = lora_params = 0
+    for name, p in base.named_parameters():
+        if "lora_" in name:
+            lora_params += p.numel()
+            continue
+        if is_4bit(p):  # a loaded QLoRA model: packed already, its storage is what it takes
+            params += 2 * p.numel() * p.element_size()
+            weight_bytes += int(p.numel() * p.element_size() * mp.NF4_BYTES / 0.5)
+            continue
+        params += p.numel()
+        weight_bytes += int(p.numel() * (mp.NF4_BYTES if id(p) in quantized else width))
+    trainable, copy = lora_params, 0
+    if cfg.lora and not lora_params:
+        for name, m in base.named_modules():
+            if isinstance(m, torch.nn.Linear) and _targets(cfg, name, out_layer, m):
+                trainable += cfg.lora_r * (m.in_features + m.out_features)
+                copy += m.in_features * m.out_features * width
+    elif cfg.lora:
+        copy = sum(m.in_features * m.out_features * width for name, m in base.named_modules()
+                   if hasattr(m, "lora_A") and hasattr(m, "in_features"))
+    return mp.ModelMemory(
+        layers=tc.num_hidden_layers, hidden=tc.hidden_size, intermediate=inter, q_dim=heads * head_dim,
+        kv_dim=kv_heads * head_dim, vocab=base.get_input_embeddings().weight.shape[0], dtype_bytes=width,
+        weight_bytes=weight_bytes, params=params, trainable=trainable if cfg.lora else params, lora=cfg.lora,
+        merge_copy_bytes=copy,
+    )
+
+
+# --- the decisions ------------------------------------------------------------------------------------------------
+
+
+def run_device(cfg: TrainerConfig, model: Any = None) -> torch.device:
+    """The training device: the given model's, else model.device ("auto": cuda if available)."""
+    from logitless.trainer.modeling import resolve_device
+
+    if model is not None:
+        return next(model.parameters()).device
+    return resolve_device(cfg.model.device)
+
+
+def compute_dtype(cfg: ModelConfig, device: torch.device, model: Any = None) -> torch.dtype:
+    from logitless.trainer.modeling import resolve_dtype
+
+    if model is not None:
+        return _base(model).get_input_embeddings().weight.dtype
+    return resolve_dtype(cfg.dtype, device)
+
+
+UNREAD = "the model's config could not be read"
+
+
+def rollout_backend(cfg: TrainerConfig, device: torch.device, model: Any) -> tuple[str, str]:
+    """(backend, why) for rollout.backend=auto; `model`: the model, loaded or a skeleton (None: unknown)."""
+    static_set = cfg.rollout.static_settings()
+    if static_set:
+        return "static", f"rollout.{static_set[0]} is set, which only the static engine reads"
+    if cfg.train.async_rollout:
+        return "static", "train.async_rollout=true samples from the static engine"
+    if device.type != "cuda":
+        return "hf", f"{device.type}: transformers generate (the static engine's compiled decode step needs CUDA)"
+    if model is None:
+        return "hf", f"{UNREAD}: transformers generate runs every layout"
+    try:
+        check_layout(_base(model), "static", STATIC_LAYER_TYPES)
+    except UnsupportedModelError as e:
+        return "hf", str(e).split(": ", 1)[-1].split(". Use")[0]
+    return "static", "CUDA, and the static engine decodes this model's attention layout exactly"
+
+
+def _packed(cfg: TrainerConfig, device: torch.device, dtype: torch.dtype, model: Any,
+            loaded: bool = False) -> tuple[bool, str]:
+    """`loaded`: `model` is the run's own (given to `train`), whose attention is what it is; a skeleton's is what
+    the run loads (`model_checks.model_config`: logitless_varlen when packed and none is named)."""
+    impl = cfg.model.attn_implementation
+    if loaded:
+        impl = getattr(_base(model).config, "_attn_implementation", None)
+    if device.type != "cuda":
+        return False, f"{device.type}: padded micro-batches (the varlen path runs one attention call per row here)"
+    if model is None:
+        return False, UNREAD
+    base = _base(model)
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False, f"the model computes in {str(dtype).removeprefix('torch.')}; varlen flash attention needs bf16/fp16"
+    if impl not in PACKED_ATTENTION:
+        return False, f"attention {impl!r} packs rows with a dense [S, S] mask, slower than padding"
+    if not getattr(type(base), "_supports_attention_backend", False):
+        return False, f"{type(base).__name__} does not run transformers' attention interface"
+    kinds = sorted(set(layer_types(text_config(base))) - {FULL})
+    if kinds:
+        return False, f"its {', '.join(kinds)} layers run sdpa's dense mask when packed"
+    return True, "CUDA, bf16/fp16, varlen attention: padding-free micro-batches cost the rows' own lengths"
+
+
+def _compile(cfg: TrainerConfig, device: torch.device, single: bool) -> tuple[bool, str]:
+    if device.type != "cuda":
+        return False, f"{device.type}: compiled layers are for CUDA"
+    if not single:
+        return False, "not measured under torchrun or train.fsdp_offload"
+    if importlib.util.find_spec("triton") is None:
+        return False, "triton is not installed"
+    if cfg.train.max_steps < COMPILE_MIN_STEPS:
+        return False, (f"train.max_steps={cfg.train.max_steps} < {COMPILE_MIN_STEPS}: too short to repay the first "
+                       "step's compile (about 45 s)")
+    return True, f"train.max_steps >= {COMPILE_MIN_STEPS} repays the first step's compile (about 45 s)"
+
+
+def _liger(device: torch.device, single: bool, compiled: bool, model: Any) -> tuple[bool, str]:
+    if device.type != "cuda":
+        return False, f"{device.type}: Liger's kernels are for CUDA"
+    if not single:
+        return False, "refused under torchrun and train.fsdp_offload"
+    if compiled:
+        return False, "compiled layers run the model's own code (Liger added nothing beside them: bench/LOG.md)"
+    if importlib.util.find_spec("liger_kernel") is None:
+        return False, "liger-kernel is not installed (pip install 'logitless[liger]')"
+    if model is None:
+        return False, UNREAD
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    model_type = getattr(text_config(_base(model)), "model_type", None)
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        return False, f"Liger-Kernel has no kernels for model type {model_type!r}"
+    return True, f"installed, with kernels for {model_type}"
+
+
+class _Choices:
+    """Collects the decisions of `resolve`: a setting given in the config is kept, an "auto" one decided."""
+
+    def __init__(self, out: Resolved):
+        self.out = out
+        self.changes: dict[str, dict[str, Any]] = {"model": {}, "train": {}, "rollout": {}}
+
+    def __call__(self, key: str, given: Any, decide) -> Any:
+        if given != "auto":
+            self.out.choices.append(Choice(key, given, "set in the config", False))
+            return given
+        value, why = decide()
+        self.add(key, value, why)
+        return value
+
+    def add(self, key: str, value: Any, why: str) -> None:
+        self.out.choices.append(Choice(key, value, why, True))
+        section, name = key.split(".", 1)
+        self.changes[section][name] = value
+
+    def config(self, cfg: TrainerConfig) -> TrainerConfig:
+        return dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **v)
+                                           for s, v in self.changes.items() if v})
+
+
+AUTO_KEYS = ("rollout.backend", "train.packed", "train.micro_batch_tokens", "train.offload_during_rollout",
+             "model.compile_layers", "model.liger_kernels", "model.gradient_checkpointing", "model.activation_offload")
+
+
+def has_auto(cfg: TrainerConfig) -> bool:
+    """Whether a setting of `cfg` is still "auto" (not yet `resolve`d)."""
+    return any(getattr(getattr(cfg, k.split(".")[0]), k.split(".")[1]) == "auto" for k in AUTO_KEYS)
+
+
+def _fixed_knobs(cfg: TrainerConfig, packed: bool) -> mp.Knobs:
+    """The plan's settings as the config gives them (None where it says auto)."""
+    t, m = cfg.train, cfg.model
+    given = lambda v: None if v == "auto" else v  # noqa: E731
+    fixed = mp.Knobs(
+        gradient_checkpointing=given(m.gradient_checkpointing), activation_offload=given(m.activation_offload),
+        micro_batch_tokens=t.micro_batch_tokens if isinstance(t.micro_batch_tokens, int) else None,
+        by_rows=t.micro_batch_tokens is None, micro_batch_size=t.micro_batch_size, packed=packed,
+        max_kv_gib=cfg.rollout.max_kv_gib, offload_during_rollout=given(t.offload_during_rollout))
+    if fixed.activation_offload and fixed.gradient_checkpointing is None:  # offload needs checkpointing
+        fixed = dataclasses.replace(fixed, gradient_checkpointing=True)
+    return fixed
+
+
+def resolve(cfg: TrainerConfig, *, world_size: int = 1, model: Any = None, device: torch.device | None = None,
+            skeleton: Any = None, free_gib: float | None = None) -> Resolved:
+    """Decide every "auto" of `cfg` for this run. `model`: a model given to `train` (else the config's is built as
+    a skeleton when a decision needs it, or `skeleton` is that). `device`: the training device (default:
+    `run_device`). `free_gib`: the device memory the budget defaults to (default: measured on the device)."""
+    device = device or run_device(cfg, model)
+    dtype = compute_dtype(cfg.model, device, model)
+    single = world_size == 1 and not cfg.train.fsdp_offload
+    budget_set = cfg.train.memory_budget_gib is not None
+    r, t, m = cfg.rollout, cfg.train, cfg.model
+    out = Resolved(cfg)
+    subject = model if model is not None else skeleton
+    if subject is None and (device.type == "cuda" or budget_set):  # CPU without a budget decides without it
+        try:
+            subject = model_skeleton(m, dtype)
+        except Exception as e:  # noqa: BLE001 - without it only the decisions that read the model fall back
+            out.notes.append(f"{UNREAD} without weights ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}); the settings that read it fall back to "
+                             "the plain path (hf rollout, padded micro-batches) and no memory plan is made")
+    choose = _Choices(out)
+    backend = choose("rollout.backend", r.backend, lambda: rollout_backend(cfg, device, subject))
+    packed = choose("train.packed", t.packed, lambda: _packed(cfg, device, dtype, subject, loaded=model is not None))
+    compiled = choose("model.compile_layers", m.compile_layers, lambda: _compile(cfg, device, single))
+    liger = choose("model.liger_kernels", m.liger_kernels, lambda: _liger(device, single, compiled is True, subject))
+    kernels = "compiled" if compiled is True else "liger" if liger is True else "eager"
+
+    fixed = _fixed_knobs(cfg, packed is True)
+    if single and subject is not None and (device.type == "cuda" or budget_set):
+        out.model = model_memory(subject, m, dtype)
+        out.step = step_shape(cfg, subject, world_size)
+        out.facts = run_facts(cfg, backend, kernels, device)
+        budget = budget_bytes(cfg, device) if free_gib is None or budget_set else free_gib * mp.GIB
+        out.plan = mp.plan(out.model, out.step, out.facts, fixed, budget)
+        knobs = out.plan.knobs
+        why = (f"memory plan: fits {budget / mp.GIB:.1f} GiB" if out.plan.fits else
+               "memory plan: the leanest (nothing fits the budget)")
+        off = {"model.gradient_checkpointing": "memory plan: the activations fit without it",
+               "model.activation_offload": "memory plan: the layer inputs fit on the device",
+               "train.offload_during_rollout": "memory plan: the rollout fits beside the optimizer states"}
+    else:
+        knobs = dataclasses.replace(fixed, gradient_checkpointing=bool(fixed.gradient_checkpointing),
+                                    activation_offload=bool(fixed.activation_offload),
+                                    offload_during_rollout=bool(fixed.offload_during_rollout))
+        why = "no memory plan: " + ("not made under torchrun or train.fsdp_offload" if not single else
+                                    UNREAD if subject is None and (device.type == "cuda" or budget_set) else
+                                    "CPU without train.memory_budget_gib")
+        off = dict.fromkeys(("model.gradient_checkpointing", "model.activation_offload",
+                             "train.offload_during_rollout"), why + "; off")
+    for key, given, value in (("model.gradient_checkpointing", m.gradient_checkpointing, knobs.gradient_checkpointing),
+                              ("model.activation_offload", m.activation_offload, knobs.activation_offload),
+                              ("train.offload_during_rollout", t.offload_during_rollout, knobs.offload_during_rollout)):
+        choose(key, given, lambda value=value, key=key: (value, why if value else off[key]))
+    choose("train.micro_batch_tokens", t.micro_batch_tokens,
+           lambda: (knobs.micro_batch_tokens, why if out.plan is not None else
+                    f"{why}: micro-batches of train.micro_batch_size={t.micro_batch_size} rows"))
+    if out.plan is not None:
+        if r.max_kv_gib is None and knobs.max_kv_gib is not None:
+            choose.add("rollout.max_kv_gib", knobs.max_kv_gib,
+                       f"memory plan: {out.plan.rows_per_wave} rows per wave, {out.plan.waves} wave(s)")
+        out.choices.append(Choice("train.memory_budget_gib", round(out.plan.budget / mp.GIB, 2),
+                                  "set in the config" if budget_set else "the device's free memory at start",
+                                  not budget_set))
+    out.cfg = choose.config(cfg)
+    return out
+
+
+def budget_bytes(cfg: TrainerConfig, device: torch.device) -> float:
+    """train.memory_budget_gib in bytes, else what this process can still use of the device plus what it already
+    holds (a model given to `train` counts as part of the budget)."""
+    if cfg.train.memory_budget_gib is not None:
+        return cfg.train.memory_budget_gib * mp.GIB
+    if device.type != "cuda":
+        return math.inf
+    return auto_kv_budget(device, 1.0) + torch.cuda.memory_allocated(device)
+
+
+def step_shape(cfg: TrainerConfig, model: Any, world_size: int = 1) -> mp.StepShape:
+    """The step's sizes on one process, at the longest prompt the config allows."""
+    r = cfg.rollout
+    context = getattr(text_config(_base(model)), "max_position_embeddings", None)
+    prompt = r.max_prompt_length if r.max_prompt_length is not None else max((context or 0) - r.max_completion_length, 1)
+    prompts = max(cfg.train.prompts_per_step // max(world_size, 1), 1)
+    agent = getattr(cfg, "agent", None)
+    return mp.StepShape(prompts=prompts, rows=prompts * r.num_generations, prompt_len=prompt,
+                        completion_len=r.max_completion_length, context=context,
+                        episodes=bool(agent is not None and agent.enabled))
+
+
+def run_facts(cfg: TrainerConfig, backend: str, kernels: str, device: torch.device) -> mp.RunFacts:
+    """What the plan reads of the config (the rollout's decode copy as `builders.weight_copy` decides it)."""
+    r, m, o = cfg.rollout, cfg.model, cfg.objective
+    merged = backend == "static" and m.lora and r.merge_lora is not False
+    mode = r.weight_copy or ("resident" if cfg.train.async_rollout or device.type != "cuda" else
+                             "sleep" if m.load_in_4bit else "in_place")
+    elsewhere = r.device is not None and not same_device(torch.device(r.device), device)
+    return mp.RunFacts(
+        backend=backend, decode_copy=merged and mode in ("resident", "sleep") and not elsewhere, kernels=kernels,
+        optimizer=cfg.optim.optimizer,
+        logprob_pass=cfg.train.num_iterations > 1 or o.beta > 0 or o.top_entropy_quantile < 1.0,
+        reference_copy=o.beta > 0 and not m.lora, async_rollout=cfg.train.async_rollout, rollout_elsewhere=elsewhere,
+    )
+
+
+# --- output ---------------------------------------------------------------------------------------------------------
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool) or v is None:
+        return str(v).lower() if v is not None else "null"
+    return str(v)
+
+
+def print_resolved(res: Resolved, console: Any = None) -> None:
+    """The decided settings (value, auto or set, why) and the plan's predicted peak of each phase, as tables."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(stderr=True)
+    table = Table(title="settings of this run", title_justify="left", show_edge=False, pad_edge=False)
+    for col in ("setting", "value", "", "why"):
+        table.add_column(col, overflow="fold")
+    for c in res.choices:
+        table.add_row(c.key, _fmt(c.value), "auto" if c.auto else "set", c.reason)
+    console.print(table)
+    for note in res.notes:
+        console.print(f"[yellow]warning:[/] {note}", highlight=False)
+    if res.plan is not None:
+        plan_table = Table(title=f"memory plan: predicted peak per phase (GiB), budget {res.plan.budget / mp.GIB:.1f}",
+                           title_justify="left", show_edge=False, pad_edge=False)
+        for col in ("phase", "GiB", "parts"):
+            plan_table.add_column(col, overflow="fold")
+        for row in mp.describe(res.plan):
+            plan_table.add_row(*row)
+        console.print(plan_table)
+        for note in res.plan.notes:
+            console.print(f"[yellow]warning:[/] {note}")
+
+
+def resolve_run(cfg: TrainerConfig, world: Any, *, model: Any = None) -> Resolved:
+    """`resolve` for a training run, its table printed by the main process (on stdout, as the run's summary line at
+    its end; stderr is for errors and the progress bar)."""
+    from rich.console import Console
+
+    res = resolve(cfg, world_size=world.size, model=model, device=world_device(cfg, model))
+    if world.main:
+        print_resolved(res, Console())
+    return res
+
+
+def save_resolved(res: Resolved, run_dir: Any) -> None:
+    """resolved.json in the run folder, beside config.yaml: every decided setting, why, and the memory plan."""
+    import json
+    from pathlib import Path
+
+    (Path(run_dir) / "resolved.json").write_text(json.dumps(res.to_json(), indent=1, default=str) + "\n")
+
+
+def world_device(cfg: TrainerConfig, model: Any = None) -> torch.device:
+    """The training device of this process (under torchrun, the GPU of its LOCAL_RANK: the current device)."""
+    device = run_device(cfg, model)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def print_dry_run(cfg: TrainerConfig, console: Any = None) -> None:
+    """`logitless train --dry-run`: the settings "auto" would decide on this machine and the memory plan, from the
+    model's config alone (no weights are read), on stderr (stdout keeps the config as YAML). A model whose config
+    cannot be read (offline, a typo) is named with the reason; the model load reports the real error."""
+    from rich.console import Console
+
+    console = console or Console(stderr=True)
+    print_resolved(resolve(cfg, device=run_device(cfg)), console)

@@ -1,0 +1,49 @@
+"""bench/bench_plan.py: its variants, and one tiny run end to end on CPU (the GPU measurements use the same code)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from bench import bench_plan
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_variant_overrides_size_micro_batches_to_the_longest_row():
+    name, over = bench_plan.variant_overrides("lean", 16384)
+    assert name == "lean" and "train.micro_batch_tokens=16896" in over  # 512 + T beats 16,384
+    assert "train.micro_batch_tokens=16384" in bench_plan.variant_overrides("hand", 1024)[1]
+    assert bench_plan.variant_overrides("mine=a.b=1,c.d={longest}", 100) == ("mine", ["a.b=1", "c.d=612"])
+    assert bench_plan.variant_overrides("auto", 1024) == ("auto", [])
+
+
+def test_bench_plan_tiny_auto_against_a_variant(tmp_path, shared_dir):
+    cmd = [sys.executable, str(REPO / "bench" / "bench_plan.py"), "--tokenizer", str(shared_dir / "tokenizers" / "qwen2.5"),
+           "--out", str(tmp_path), "--shape", "tiny", "--T", "6", "--steps", "2", "--prompts", "2", "--G", "2",
+           "--variants", "auto", "--custom", "rows=train.micro_batch_size=4", "--memory-budget", "4",
+           "--set", "train.num_threads=1"]
+    subprocess.run(cmd, check=True, cwd=tmp_path, timeout=900)
+    result = json.loads((tmp_path / "plan_tiny_budget4_auto-rows.json").read_text())
+    auto, rows = result["runs"]
+    assert auto["variant"] == "auto" and rows["variant"] == "rows" and not auto["error"] and len(auto["steps"]) == 2
+    choices = {c["key"]: c for c in auto["resolved"]["choices"]}
+    assert choices["rollout.backend"]["value"] == "hf" and choices["train.memory_budget_gib"]["value"] == 4.0
+    assert auto["summary"]["plan_gib"]["train"] > 0 and auto["summary"]["step_predicted_gib_train"] > 0
+    assert rows["resolved"]["plan"] is None  # no budget set for the other variants: no plan on CPU
+    checks = result["checks"]["6"]
+    assert checks["auto_vs_fastest_hand"]["fastest"] == "rows" and "auto_peak_vs_plan" in checks
+    merged = bench_plan.compare([str(tmp_path / "plan_tiny_budget4_auto-rows.json")])
+    assert merged["checks"][6]["auto_vs_fastest_hand"] == checks["auto_vs_fastest_hand"]
+
+
+def test_predicted_longest_T_in_24_gib(capsys):
+    """The plan's own longest T for the 1.5B shape under 24 GiB (no GPU): the bench shape's context bounds it."""
+    import argparse
+
+    a = argparse.Namespace(shape="1.5b", memory_budget=24.0, resolution=8192, max_T_cap=32_256, set=[], prompts=16, G=8)
+    best = bench_plan.predict_max_T(a)["max_T"]
+    assert best["T"] >= 16384 and best["settings"]["rollout.backend"] == "static"
+    assert max(best["predicted_gib"].values()) <= 0.9 * 24

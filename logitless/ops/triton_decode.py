@@ -112,7 +112,9 @@ def block_keys(head_dim: int) -> int:
 NUM_WARPS = 4
 # software-pipeline stages: 2 from FEW_STAGES_FROM programs per SM, else Triton's default (3). On an H200 at the
 # 1.5B shape, 2 stages made the kernel 1.04x faster at 512 rows (7.8 programs per SM) and 3 stages 1.10x faster at
-# 128 rows (1.9 per SM) (bench/tune_decode_attention.py, bench/LOG.md); the threshold lies between the two
+# 128 rows (1.9 per SM) (bench/tune_decode_attention.py, bench/LOG.md); the threshold lies between the two. Blocks of
+# 128 keys always take 2 stages: 29.3 against 36.1 us per layer call at 128 rows (results/tune_decode_attention_h200_
+# a9ea2c5.json; 64-key blocks with 3 stages: 27.1), 96.2 against 128.2 at 512 rows (64 keys, 2 stages: 87.0)
 FEW_STAGES_FROM = 4
 # mask slots read per step of the scan for the visible span: a chunk's whole mask in one load up to this many (the
 # scan's steps are dependent loads; one step of 2,048 against three of 512 made the kernel 1.03-1.04x faster)
@@ -165,7 +167,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     block_scan = block_scan or min(BLOCK_SCAN, max(16, triton.next_power_of_2(chunk)))
     meta = dict(HAS_MASK=mask is not None, SPLIT=splits > 1, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l,
                 BLOCK_SCAN=block_scan, num_warps=num_warps or NUM_WARPS)
-    if num_stages is None and B * KV * splits >= FEW_STAGES_FROM * SMS["count"]:
+    if num_stages is None and (block_l >= 128 or B * KV * splits >= FEW_STAGES_FROM * SMS["count"]):
         num_stages = 2
     if num_stages is not None:
         meta["num_stages"] = num_stages

@@ -167,7 +167,7 @@ def test_the_option_needs_the_static_backend():
     from logitless.trainer.config import load_train_config
 
     with pytest.raises(ValueError, match=r"rollout\.decode_attention='triton' needs rollout\.backend=static"):
-        load_train_config(None, ["rollout.decode_attention=triton"])
+        load_train_config(None, ["rollout.backend=hf", "rollout.decode_attention=triton"])
     with pytest.raises(ValueError, match=r"rollout\.decode_attention"):
         load_train_config(None, ["rollout.backend=static", "rollout.decode_attention=flash"])
     assert load_train_config(None, []).rollout.decode_attention == "auto"  # any backend: only static reads it

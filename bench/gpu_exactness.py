@@ -67,7 +67,7 @@ def _tiny(eos: int) -> dict[str, Any]:
 
 
 def _families(eos: int) -> dict[str, Callable[[], Any]]:
-    """Tiny config of each family the README lists for `static` (windows that bite where the family has one)."""
+    """Tiny config of each family docs/guide.md lists for `static` (windows that bite where the family has one)."""
     import transformers as tf
 
     c = _tiny(eos)

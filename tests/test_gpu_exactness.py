@@ -1,4 +1,4 @@
-"""GPU: every rollout path samples the trainer's policy to bf16 rounding, on every family the README lists for
+"""GPU: every rollout path samples the trainer's policy to bf16 rounding, on every family docs/guide.md lists for
 `static`, in bf16 with sliding windows that bite (`bench/gpu_exactness.py` measures it and defines the models,
 the engine variants and the bound; `python bench/gpu_exactness.py --out DIR` prints the whole table).
 

@@ -8,7 +8,8 @@ Tiny random models (hidden 256, 4 layers, GPT-2's 50,257-token vocabulary, slidi
 (hidden 2,304-4,096, 2 layers, the real head dims), so the Triton kernels run their real tiles. Variants (`VARIANTS`):
 
     hf                    transformers `generate` (the reference: its bf16 forward is the trainer's up to rounding)
-    static                the static engine at its defaults (compiled, Triton decode attention and draw, step graph)
+    static                the static engine as a run with padded micro-batches builds it (compiled, step graph, Triton
+                          draw, decode attention `trainer.builders.decode_attention_for(packed=False)`: sdpa)
     static_no_step_graph  the same with rollout.step_graph=false (the forward alone a CUDA graph)
     static_eager          the same uncompiled (the eager decode; a diagnosis column, not a trainer setting)
     hf_lora               `hf` on a LoRA model (random adapters, B != 0): the reference of merged_lora
@@ -16,8 +17,8 @@ Tiny random models (hidden 256, 4 layers, GPT-2's 50,257-token vocabulary, slidi
                           in place, fused q/k/v and gate/up projections), static at its defaults
     rollout_device        the trainer's replica for rollout.device (trainer/parallel.py RolloutCopy, fused
                           projections) on cuda:1 when there is one, else cuda:0, static at its defaults
-    static_sdpa, static_matmul
-                          diagnosis columns: static at its defaults with rollout.decode_attention=sdpa or =matmul
+    static_sdpa, static_matmul, static_triton
+                          diagnosis columns: static with rollout.decode_attention=sdpa, =matmul or =triton
 
 Each variant decodes twice (the first call compiles); the second call is measured: mean and max |Δ logp| over
 its completion tokens. Dynamo's compilations are counted in each call (frames compiled, recompilations of a frame
@@ -54,10 +55,11 @@ PROMPTS, SAMPLES = 4, 4
 BOUND_MEAN, BOUND_MAX = 1.5, 2.0  # a static variant against its hf reference on the same model
 ALTERNATING = ["sliding_attention", "full_attention"] * 2
 REFERENCE = {"static": "hf", "static_no_step_graph": "hf", "static_eager": "hf", "merged_lora": "hf_lora",
-             "rollout_device": "hf", "static_sdpa": "hf", "static_matmul": "hf"}
+             "rollout_device": "hf", "static_sdpa": "hf", "static_matmul": "hf",
+             "static_triton": "hf"}
 VARIANTS = ("hf", "static", "static_no_step_graph", "static_eager", "hf_lora", "merged_lora", "rollout_device",
-            "static_sdpa", "static_matmul")
-WIDE_VARIANTS = ("hf", "static", "static_sdpa", "static_matmul")
+            "static_sdpa", "static_matmul", "static_triton")
+WIDE_VARIANTS = ("hf", "static", "static_sdpa", "static_matmul", "static_triton")
 
 
 def _tiny(eos: int) -> dict[str, Any]:
@@ -215,15 +217,18 @@ def engine_of(variant: str, model: torch.nn.Module, tok: Any) -> tuple[Any, Any]
     from logitless.trainer.builders import make_rollout_engine
     from logitless.trainer.config import RolloutConfig
 
+    from logitless.trainer.builders import decode_attention_for
+
+    padded = decode_attention_for(packed=False)  # what a run with padded micro-batches (as trainer_logprobs) decodes with
     if variant in ("hf", "hf_lora"):
         return make_engine("hf", model, tok), None
     if variant == "static":
-        return make_engine("static", model, tok), None
+        return make_engine("static", model, tok, decode_attention=padded), None
     if variant == "static_no_step_graph":
-        return make_engine("static", model, tok, step_graph=False), None
+        return make_engine("static", model, tok, step_graph=False, decode_attention=padded), None
     if variant == "static_eager":
-        return make_engine("static", model, tok, compile=False), None
-    if variant in ("static_sdpa", "static_matmul"):
+        return make_engine("static", model, tok, compile=False, decode_attention=padded), None
+    if variant in ("static_sdpa", "static_matmul", "static_triton"):
         return make_engine("static", model, tok, decode_attention=variant.split("_")[1]), None
     if variant == "merged_lora":  # as trainer/context.py builds it on one GPU: in place, fused projections
         return make_rollout_engine(RolloutConfig(backend="static"), model, tok), None
@@ -234,7 +239,7 @@ def engine_of(variant: str, model: torch.nn.Module, tok: Any) -> tuple[Any, Any]
         device = torch.device("cuda", 1 if torch.cuda.device_count() > 1 else 0) if here.type == "cuda" else here
         replica = make_replica(model, None, device=device, fuse=True)
         replica.sync(model)
-        cfg = RolloutConfig(backend="static", device=str(device), weight_copy="resident")
+        cfg = RolloutConfig(backend="static", device=str(device), weight_copy="resident", decode_attention=padded)
         return make_rollout_engine(cfg, replica.model, tok), replica
     raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
 

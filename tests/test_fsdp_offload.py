@@ -230,7 +230,8 @@ def test_one_gpu_step_with_fsdp_offload_trains_like_without_and_peaks_lower(tmp_
         del model
         assert not dist.is_initialized()
     plain, off = runs["plain"], runs["offload"]
-    assert off["loss"] == pytest.approx(plain["loss"], rel=1e-4, abs=1e-7)
+    # an on-policy step's loss is 0 up to rounding (every ratio is 1): bf16 noise of ~1e-7; the parameters are the test
+    assert off["loss"] == pytest.approx(plain["loss"], rel=1e-4, abs=1e-6)
     assert off["reward/mean"] == plain["reward/mean"]  # the replica / all-gathered weights sampled the same tokens
     a, b = weights(tmp_path / "plain"), weights(tmp_path / "offload")
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5

@@ -66,6 +66,7 @@ def test_static_samples_the_policy_to_bf16_rounding(family, variant, measured):
     check(measured(family, variant), measured(family, G.REFERENCE[variant]))
 
 
+@pytest.mark.parametrize("variant", ("static", "static_triton"))  # static_triton: the decode of packed runs
 @pytest.mark.parametrize("family", WIDE)
-def test_static_at_real_widths_samples_the_policy_to_bf16_rounding(family, measured):
-    check(measured(family, "static", wide=True), measured(family, "hf", wide=True))
+def test_static_at_real_widths_samples_the_policy_to_bf16_rounding(family, variant, measured):
+    check(measured(family, variant, wide=True), measured(family, "hf", wide=True))

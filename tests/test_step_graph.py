@@ -172,7 +172,8 @@ def test_a_forward_that_cannot_be_captured_decodes_on_without_the_graph(tiny_qwe
 
     def host_copy_forward(*args, **kwargs):
         out = inner(*args, **kwargs)
-        out.last_hidden_state = out.last_hidden_state + torch.zeros(1).to(out.last_hidden_state.device)
+        hidden = out.last_hidden_state
+        out.last_hidden_state = hidden + torch.zeros(1, dtype=hidden.dtype).to(hidden.device)  # pageable: no capture
         return out
 
     model.model.forward = host_copy_forward

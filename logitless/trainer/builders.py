@@ -187,6 +187,17 @@ def make_rollout_engine(cfg: RolloutConfig, model: Any, tokenizer: Any) -> Rollo
                        step_graph=cfg.step_graph)
 
 
+def decode_attention_for(packed: bool) -> str:
+    """rollout.decode_attention for `auto` in a run: the static engine's decode attention rounds as the trainer's own
+    attention does where one of its kernels is the trainer's. Padded micro-batches run torch's sdpa (its
+    memory-efficient kernel), so the decode takes sdpa: the sampler then tracks the trainer to hf's level on every
+    family (bench/LOG.md, "The decode kernel rounds as the trainer does"). Packed ones run varlen flash attention,
+    which none of the decode's kernels is, so the decode takes the engine's own choice (`auto`: the Triton
+    flash-decoding kernel on a recent CUDA GPU, 1.38-1.60x faster than sdpa per decode step); each run logs the gap
+    it has (`rollout/mismatch_*`)."""
+    return "auto" if packed else "sdpa"
+
+
 def check_fused(cfg: RolloutConfig, groups: list, why: str) -> None:
     """Refuse rollout.fuse_projections=true where the rollout's weights fused nothing (`why` says why not)."""
     if cfg.fuse_projections and not groups:

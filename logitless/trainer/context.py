@@ -28,6 +28,7 @@ from logitless.trainer.builders import (
     accuracy_index,
     check_fused,
     check_prompt_lengths,
+    decode_attention_for,
     load_rows,
     make_optimizer,
     make_rollout_engine,
@@ -288,6 +289,8 @@ def build_context(
             engine_changes["merge_lora"] = None
     if cfg.train.async_rollout:  # async samples during updates: a copy of its own
         engine_changes["weight_copy"] = "resident"
+    if cfg.rollout.decode_attention == "auto":  # decode attention rounding as the trainer's attention does
+        engine_changes["decode_attention"] = decode_attention_for(cfg.train.packed is True)
     rollout_cfg = dataclasses.replace(cfg.rollout, **engine_changes)
     engine = make_rollout_engine(rollout_cfg, replica.model if replica else model, tokenizer)  # merged: a plain model
     prefetch = None

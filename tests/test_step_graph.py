@@ -111,7 +111,7 @@ def test_refused_where_one_graph_cannot_serve_every_step(models):
         load_train_config(None, ["rollout.backend=static", "rollout.step_graph=true", "rollout.top_p=0.9",
                                  "rollout.repetition_penalty=1.1"])
     with pytest.raises(ValueError, match=r"rollout\.step_graph=True needs rollout\.backend=static"):
-        load_train_config(None, ["rollout.step_graph=true"])
+        load_train_config(None, ["rollout.backend=hf", "rollout.step_graph=true"])
     assert load_train_config(None, []).rollout.step_graph is None
 
 

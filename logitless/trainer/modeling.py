@@ -283,11 +283,12 @@ def outside_compile(model, modeling, patch) -> None:
     Liger's `apply_liger_kernel_to_*` does) so that what it patched runs only outside torch.compile:
     - a module whose forward it rebound gets a forward that dispatches on `torch.compiler.is_compiling()` (a
       bound method, so a deep copy of the model dispatches on its own weights);
-    - a function it replaced in `modeling` gets the same dispatch, and runs the kernel on CUDA tensors only (every
-      model of the type calls it, a CPU one too);
+    - a function it replaced in `modeling` gets the same dispatch, and runs the kernel on tensors of `model`'s device
+      type only (every model of the type calls it, one on another device too);
     - a class it replaced in `modeling` is put back (models built later stay plain)."""
     before = {m: m.__dict__.get("forward") for m in model.modules()}
     names = dict(vars(modeling))
+    device = next(model.parameters()).device.type
     patch()
     for m, old in before.items():
         new = m.__dict__.get("forward")
@@ -303,16 +304,17 @@ def outside_compile(model, modeling, patch) -> None:
             setattr(modeling, name, old)
         elif callable(new):
             setattr(modeling, name, functools.wraps(old)(
-                lambda *a, _k=new, _o=old, **kw: (_k if _kernel_applies(a, kw) else _o)(*a, **kw)))
+                lambda *a, _k=new, _o=old, **kw: (_k if _kernel_applies(a, kw, device) else _o)(*a, **kw)))
 
 
-def _kernel_applies(args: tuple, kwargs: dict) -> bool:
+def _kernel_applies(args: tuple, kwargs: dict, device: str) -> bool:
     """Whether a patched module-level function (shared by every model of the type in the process) runs the kernel:
-    outside torch.compile, on CUDA tensors (another model of the type may run on the CPU)."""
+    outside torch.compile, on tensors of the patched model's device type (another model of the type, e.g. a reward
+    model on the CPU, runs the plain function)."""
     if torch.compiler.is_compiling():
         return False
     first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
-    return first is None or first.is_cuda
+    return first is None or first.device.type == device
 
 
 def lora_autocast_dtype(model, cfg: ModelConfig) -> torch.dtype | None:

@@ -81,7 +81,8 @@ def test_chat_prompts_get_the_generation_prompt_and_bad_ones_are_refused_by_thei
     for bad in (["plain", "strings"], ["role play"], [{"content": "no role"}]):
         with pytest.raises(TypeError) as info:
             encode_prompts(chat, ["ok", bad], opts, None)
-        why = f"prompts[1] must be a string or a list of {{'role', 'content'}} dicts, got {bad!r:.80}"
+        why = (f"prompts[1] must be a string, a list of {{'role', 'content'}} dicts or a list of token ids, got "
+               f"{bad!r:.80}")
         assert str(info.value) == why
     with pytest.raises(ValueError) as info:
         encode_prompts(TOK, [messages], opts, None)

@@ -196,7 +196,7 @@ def test_static_wave_size_from_max_kv_gib():
     probe = StaticEngine(model, TOK, cache_multiple=8)
     prep = prepare_prompts(model, TOK, ["abc"], opts)
     with torch.no_grad():
-        call = probe._prefill(model, prep, opts, prep.ids.shape[1], 4)
+        call = probe._prefill(model, prep, opts, probe._cache_len(prep.ids.shape[1], 4, prep.context))
     row = call.cache_len * kv_bytes_per_token(call.prefill)  # bytes of one row's decode cache
     assert row == 8 * 2 * 2 * 2 * 8 * 4  # slots x layers x (k, v) x kv heads x head dim x fp32
     eng = StaticEngine(model, TOK, cache_multiple=8, max_kv_gib=3.5 * row / 2**30)

@@ -165,7 +165,7 @@ def test_the_option_needs_the_static_backend():
     from logitless.trainer.config import load_train_config
 
     with pytest.raises(ValueError, match=r"rollout\.sampler_kernel='triton' needs rollout\.backend=static"):
-        load_train_config(None, ["rollout.sampler_kernel=triton"])
+        load_train_config(None, ["rollout.backend=hf", "rollout.sampler_kernel=triton"])
     with pytest.raises(ValueError, match=r"rollout\.sampler_kernel"):
         load_train_config(None, ["rollout.backend=static", "rollout.sampler_kernel=cuda"])
     assert load_train_config(None, []).rollout.sampler_kernel == "auto"

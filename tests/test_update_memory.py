@@ -82,7 +82,7 @@ def test_activation_offload_gives_identical_gradients(family, packed, one_thread
 
 def test_activation_offload_needs_gradient_checkpointing():
     with pytest.raises(ValueError, match=r"model\.activation_offload=true .*model\.gradient_checkpointing=true"):
-        ModelConfig(activation_offload=True)
+        ModelConfig(activation_offload=True, gradient_checkpointing=False)
 
 
 def test_trainer_with_offload_packing_and_token_budget_trains_like_the_plain_run(tmp_path, tok, rewards_module,

@@ -4,7 +4,6 @@ uninterrupted one; a step that finds too few keeps what it has and logs the shor
 
 from __future__ import annotations
 
-import copy
 import json
 import sys
 import textwrap
@@ -17,6 +16,7 @@ from logitless.trainer.config import load_train_config
 from logitless.trainer.loop import train
 from logitless.trainer.preflight import validate_config
 from tests.conftest import TINY_LORA_QUIET, tiny_qwen2
+from tests.test_trainer import tok  # noqa: F401 (fixture: GPT-2, left padding, pad = EOS)
 
 VOCAB = 50_257
 TIMING = ("time/", "tokens_per_s", "train_tokens_per_s", "memory/")
@@ -40,11 +40,6 @@ def rewards_module(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, "dyn_rewards", raising=False)
 
 
-@pytest.fixture
-def tok(gpt2_tokenizer):
-    t = copy.deepcopy(gpt2_tokenizer)
-    t.pad_token, t.padding_side = t.eos_token, "left"
-    return t
 
 
 def _cfg(run_dir, *overrides):

@@ -3,7 +3,6 @@ policy afterwards, invisible to training, and kept by an exact resume."""
 
 from __future__ import annotations
 
-import copy
 import json
 import sys
 import textwrap
@@ -20,6 +19,7 @@ from logitless.trainer.plot import plot_run
 from logitless.trainer.preflight import validate_config
 from tests.conftest import TINY_LORA_QUIET, tiny_qwen2
 from tests.pngcheck import curve_cells
+from tests.test_trainer import tok  # noqa: F401 (fixture: GPT-2, left padding, pad = EOS)
 
 VOCAB = 50_257
 TIMING = ("time/", "tokens_per_s", "train_tokens_per_s", "memory/")
@@ -39,11 +39,6 @@ def rewards_module(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, "eval_rewards", raising=False)
 
 
-@pytest.fixture
-def tok(gpt2_tokenizer):
-    t = copy.deepcopy(gpt2_tokenizer)
-    t.pad_token, t.padding_side = t.eos_token, "left"
-    return t
 
 
 def _cfg(run_dir, *overrides):

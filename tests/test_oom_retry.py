@@ -4,7 +4,6 @@ torch.OutOfMemoryError where the device would)."""
 
 from __future__ import annotations
 
-import copy
 import json
 import sys
 import textwrap
@@ -16,17 +15,12 @@ from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.config import load_train_config
 from logitless.trainer.loop import train
 from tests.conftest import TINY_LORA_QUIET, tiny_qwen2
+from tests.test_trainer import tok  # noqa: F401 (fixture: GPT-2, left padding, pad = EOS)
 
 VOCAB = 50_257  # GPT-2 tokenizer
 UNTIMED = ("time/", "tokens_per_s", "train_tokens_per_s", "memory/")
 
 
-@pytest.fixture
-def tok(gpt2_tokenizer):
-    tok = copy.deepcopy(gpt2_tokenizer)
-    tok.pad_token = tok.eos_token
-    tok.padding_side = "left"
-    return tok
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ steps on the two halves of the batch, each planned as a batch of its own."""
 
 from __future__ import annotations
 
-import copy
 import sys
 import textwrap
 
@@ -20,6 +19,7 @@ from logitless.trainer.modeling import trainable_parameters
 from logitless.trainer.parallel import World
 from logitless.trainer.stages import Rollout, Scored, logprob_stage, plan_update, rollout_stage, score_stage, update_stage
 from tests.conftest import TINY_LORA_QUIET, tiny_qwen2
+from tests.test_trainer import tok  # noqa: F401 (fixture: GPT-2, left padding, pad = EOS)
 
 VOCAB = 50_257
 
@@ -34,11 +34,6 @@ def rewards_module(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, "spr_rewards", raising=False)
 
 
-@pytest.fixture
-def tok(gpt2_tokenizer):
-    t = copy.deepcopy(gpt2_tokenizer)
-    t.pad_token, t.padding_side = t.eos_token, "left"
-    return t
 
 
 def _cfg(run_dir, *overrides):

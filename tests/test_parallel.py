@@ -23,11 +23,12 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 WORKER = Path(w.__file__)
 
 
-def torchrun(scenario: str, out: Path, tok_dir: Path, timeout: float = 300, argv: list[str] | None = None):
-    """Run the worker (or `argv`) on 2 ranks; a run past `timeout` (a hang) is ended (torchrun ends its workers)
-    and fails the test."""
+def torchrun(scenario: str, out: Path, tok_dir: Path | None, timeout: float = 300, argv: list[str] | None = None,
+             nproc: int = 2):
+    """Run the worker (or `argv`) on `nproc` ranks; a run past `timeout` (a hang) is ended (torchrun ends its
+    workers) and fails the test."""
     env = subprocess_env(OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            *(argv or [str(WORKER), scenario, str(out), str(tok_dir)])]
     log = out / f"torchrun-{scenario}.log"
     with open(log, "w") as f:  # a file, not a pipe: nothing waits on a worker that outlives torchrun

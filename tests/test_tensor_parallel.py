@@ -1,0 +1,160 @@
+"""The tensor-parallel rollout (rollout.tensor_parallel): on 2 and 4 CPU processes (gloo, fp32) each rank's rows
+of its group's decode are the one-rank rollout's (tokens equal, logprobs within 1e-5), before and after an update
+of the FSDP2 shards, for Llama, Qwen2 and Qwen3, LoRA and full weights; each rank holds 1/N of the decode weights;
+several calls' prompts decoded as one keep each call's samples; bad settings are refused naming the key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from logitless.rollout import SamplingOptions, make_engine
+from logitless.trainer.parallel import World, check_distributed
+from logitless.trainer.tensor_parallel import check_tensor_parallel, family_refusal, prompt_rows
+from tests import tp_worker
+from tests.test_parallel import torchrun
+from tests.test_rollout_families import TOK, make_model
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+WORKER = Path(tp_worker.__file__)
+TOL = 1e-5
+
+
+def run_worker(out: Path, ranks: int, sizes: str, families: str) -> list[dict]:
+    proc = torchrun("tp", out, None, timeout=400, nproc=ranks, argv=[str(WORKER), str(out), sizes, families])
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return run_worker(tmp_path_factory.mktemp("tp2"), 2, "2", "llama,qwen2,qwen3")
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    return run_worker(tmp_path_factory.mktemp("tp4"), 4, "2,4", "llama,qwen2")
+
+
+def check_exact(ranks: list[dict], case: str) -> None:
+    for r, results in enumerate(ranks):
+        rounds = results[case]["rounds"]
+        for k, x in enumerate(rounds):
+            where = f"{case} rank {r} round {k}"
+            assert x["same_shape"] and x["tokens_equal"] and x["index_equal"], where
+            assert x["logp_diff"] <= TOL, (where, x["logp_diff"])
+            assert x["tokens"] > 0, where
+        assert rounds[1]["moved"] > 0.1  # the update moved the policy: a stale replica would not match
+
+
+def check_bytes(ranks: list[dict], case: str, n: int) -> None:
+    """Each rank holds its slices: the group's slices add up to the whole weights once (the norms, replicated,
+    aside), none more than a 1/n share rounded up by one vocabulary row per split tensor."""
+    whole, norms = ranks[0][case]["whole_bytes"], ranks[0][case]["norm_bytes"]
+    for g in range(len(ranks) // n):
+        group = [ranks[g * n + i][case]["bytes"] - norms for i in range(n)]
+        assert sum(group) == whole - norms, (case, group)
+        assert max(group) <= (whole - norms) / n + 2 * 32 * 4 * 2, (case, group)  # 2 vocab tensors x H x fp32
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("weights", ["lora", "full"])
+def test_two_ranks_sample_what_one_rank_samples(two_ranks, family, weights):
+    case = f"tp2-{family}-{weights}"
+    check_exact(two_ranks, case)
+    check_bytes(two_ranks, case, 2)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("weights", ["lora", "full"])
+def test_four_ranks_sample_what_one_rank_samples(four_ranks, tp, family, weights):
+    case = f"tp{tp}-{family}-{weights}"
+    check_exact(four_ranks, case)
+    check_bytes(four_ranks, case, tp)
+
+
+OPTS = SamplingOptions(num_generations=2, temperature=0.8, max_new_tokens=8, seed=5)
+
+
+def test_prompts_of_several_calls_decoded_as_one_keep_each_calls_samples(one_thread):
+    """SamplingOptions.streams: the union's rows are each call's own, the same tokens (logprobs to fp32 rounding:
+    the batch pads the prompts otherwise); `prompt_rows` takes a call's rows back, with that call's padding."""
+    model = make_model("llama")
+    engine = make_engine("static", model, TOK, check_every=4)
+    parts = [(["The quick brown fox", "Hi"], 11), (["2+2 is a longer prompt than the others"], 12), (["x", "ab"], 11)]
+    union = engine.generate([p for ps, _ in parts for p in ps], SamplingOptions(
+        **{**OPTS.__dict__, "streams": [(seed, len(ps)) for ps, seed in parts]}))
+    start = 0
+    for prompts, seed in parts:
+        alone = engine.generate(prompts, SamplingOptions(**{**OPTS.__dict__, "seed": seed}))
+        got = prompt_rows(union, start, len(prompts), OPTS.num_generations)
+        for f in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "prompt_index", "finished",
+                  "truncated"):
+            assert torch.equal(getattr(got, f), getattr(alone, f)), f
+        torch.testing.assert_close(got.sampler_logp, alone.sampler_logp, atol=TOL, rtol=0)  # other padding: rounding
+        assert got.completions == alone.completions and got.timing.num_tokens == alone.timing.num_tokens
+        start += len(prompts)
+    # the streams matter: the second call's prompt with the first call's seed samples otherwise
+    other = engine.generate(parts[1][0], SamplingOptions(**{**OPTS.__dict__, "seed": 11}))
+    assert not torch.equal(other.completion_ids, prompt_rows(union, 2, 1, 2).completion_ids)
+    with pytest.raises(ValueError, match=r"streams=.* count 4 prompts, but the call has 5"):
+        engine.generate([p for ps, _ in parts for p in ps], SamplingOptions(**{**OPTS.__dict__, "streams": [(1, 4)]}))
+    with pytest.raises(ValueError, match="SamplingOptions.streams .* use rollout.backend=static"):
+        make_engine("hf", model, TOK).generate(["Hi"], SamplingOptions(**{**OPTS.__dict__, "streams": [(1, 1)]}))
+
+
+def _cfg(*overrides):
+    from tests import dist_worker as w
+
+    return w.config("unused", *overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, size, match",
+    [
+        (["rollout.tensor_parallel=2", "rollout.backend=static"], 1,
+         r"rollout.tensor_parallel=2 splits the rollout over 2 ranks of torchrun; launch with torchrun "
+         r"--nproc-per-node 2"),
+        (["rollout.tensor_parallel=4", "rollout.backend=static"], 6,
+         r"rollout.tensor_parallel=4 must divide the number of ranks \(6\): set it to one of 1, 2, 3, 6"),
+        (["rollout.tensor_parallel=2", "rollout.backend=static", "agent.tools=[calculator]"], 2,
+         r"agent.tools / agent.environment .* not supported with rollout.tensor_parallel=2 yet; set "
+         r"rollout.tensor_parallel=1"),
+        (["rollout.tensor_parallel=2", "rollout.backend=static", "rollout.merge_lora=false"], 2,
+         r"rollout.merge_lora=false is not supported with rollout.tensor_parallel=2"),
+        (["rollout.tensor_parallel=2", "rollout.backend=static", "rollout.fuse_projections=true"], 2,
+         r"rollout.fuse_projections=true is not supported with rollout.tensor_parallel=2"),
+    ],
+)
+def test_settings_the_split_rollout_cannot_run_are_refused(overrides, size, match):
+    with pytest.raises(ValueError, match=match):
+        check_distributed(_cfg(*overrides, "train.prompts_per_step=12"), World(rank=0, size=size))
+
+
+def test_the_hf_backend_and_a_split_of_zero_are_refused_in_the_config():
+    with pytest.raises(ValueError, match=r"rollout.tensor_parallel=2 needs rollout.backend=static \(got 'hf'\)"):
+        _cfg("rollout.tensor_parallel=2", "rollout.backend=hf")
+    with pytest.raises(ValueError, match=r"rollout.tensor_parallel must be > 0, got 0"):
+        _cfg("rollout.tensor_parallel=0")
+    check_tensor_parallel(_cfg("rollout.backend=hf"), 2)  # 1: nothing to split
+
+
+def test_models_the_split_cannot_run_are_refused_naming_the_key():
+    import transformers as tf
+
+    from tests.test_rollout_families import FAMILIES
+
+    for family in ("llama", "qwen2", "qwen3", "mistral"):
+        assert family_refusal(FAMILIES[family][0](), 2) is None
+    heads = family_refusal(FAMILIES["llama"][0](), 4)  # 4 query heads but 2 KV heads
+    assert heads is not None and "num_key_value_heads=2" in heads and "set rollout.tensor_parallel to one" in heads
+    assert "(at most 4: 1, 2)" in heads
+    other = family_refusal(FAMILIES["gemma"][0](), 2)
+    assert other is not None and "model_type 'gemma'" in other and "set rollout.tensor_parallel=1" in other
+    mlp = family_refusal(tf.LlamaConfig(num_attention_heads=4, num_key_value_heads=4, intermediate_size=66,
+                                        hidden_size=32), 4)
+    assert mlp is not None and "intermediate_size=66" in mlp

@@ -1,0 +1,136 @@
+"""The tensor-parallel rollout on several processes (`tests/test_tensor_parallel.py`); each rank of a torchrun runs
+this file.
+
+    python -m torch.distributed.run --nproc-per-node N tests/tp_worker.py OUT_DIR TP[,TP...] FAMILY[,FAMILY...]
+
+For each tensor-parallel size, family and weights (LoRA, full), every rank decodes its own prompts twice (before
+and after an update of the sharded weights) through the group's split replica, and the same prompts on its own
+with the whole model (the one-rank rollout, `rank_seed` as the trainer seeds it); it writes what the test checks
+to OUT_DIR/rank{R}.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import transformers as tf  # noqa: E402
+from peft import LoraConfig, get_peft_model  # noqa: E402
+
+from logitless.rollout import SamplingOptions, make_engine  # noqa: E402
+from logitless.rollout.weights import LiveWeights, MergedLoraWeights  # noqa: E402
+from logitless.trainer.parallel import World, rank_seed, rank_share, shard_model  # noqa: E402
+from logitless.trainer.tensor_parallel import TensorParallelCopy, group_decode, local_bytes, tp_mesh  # noqa: E402
+from tests.test_rollout_families import TOK  # noqa: E402
+
+# 8 query heads, 4 KV heads, MLP width 64: split over 2 or 4 ranks; the byte vocabulary (258) splits unevenly over 4
+SHAPE = dict(vocab_size=len(TOK), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=4, max_position_embeddings=128, initializer_range=0.2, pad_token_id=TOK.pad_token_id,
+             bos_token_id=None, eos_token_id=TOK.eos_token_id)
+FAMILIES = {"llama": lambda: tf.LlamaConfig(**SHAPE), "qwen2": lambda: tf.Qwen2Config(**SHAPE),  # q/k/v biases
+            "qwen3": lambda: tf.Qwen3Config(**SHAPE, head_dim=4)}
+# prompts of different lengths: each rank's share is padded differently in the group's batch than alone
+PROMPTS = ["The quick brown fox", "Hi", "2+2 is", "Once upon a time there", "abc", "Tensor parallel decode of",
+           "x", "Hello, world! How"]
+OPTIONS = SamplingOptions(num_generations=3, temperature=0.9, max_new_tokens=9)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def model(family: str, lora: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    m = tf.AutoModelForCausalLM.from_config(FAMILIES[family](), attn_implementation="eager").eval()
+    if lora:
+        m = get_peft_model(m, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
+        update(m, 1)
+    return m
+
+
+@torch.no_grad()
+def update(m: torch.nn.Module, seed: int) -> None:
+    """The same change of the trainable weights on every rank (as an optimizer step would make): of the whole
+    tensors, or of this rank's FSDP2 shards (row chunks) of them."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in m.named_parameters():
+        if p.requires_grad:
+            noise = torch.randn(p.shape, generator=g) * (0.1 if "lora_" in name else 0.03)
+            if hasattr(p, "to_local"):
+                piece = torch.chunk(noise, dist.get_world_size(), dim=0)[dist.get_rank()]
+                assert piece.shape == p.to_local().shape
+                p.to_local().add_(piece)
+            else:
+                p.add_(noise)
+
+
+def one_rank(m: torch.nn.Module, prompts: list[str], seed: int, lora: bool):
+    """The rollout of `prompts` on this process alone, from the whole model."""
+    weights = MergedLoraWeights(m, "resident") if lora else LiveWeights(m)
+    engine = make_engine("static", m, TOK, check_every=4, weights=weights)
+    return engine.generate(prompts, OPTIONS.__class__(**{**OPTIONS.__dict__, "seed": seed}))
+
+
+def case(tp: int, family: str, lora: bool, world: World) -> dict:
+    device = torch.device("cpu")
+    mesh = tp_mesh(world.size, tp, device)
+    mine = rank_share(PROMPTS, world)
+    seed = rank_seed(1234, world)
+    sharded = model(family, lora)
+    replica = TensorParallelCopy(sharded, mesh, device)
+    shard_model(sharded, device)
+    whole = model(family, lora)  # the same weights, unsharded (the oracle)
+    engine = group_decode(make_engine("static", replica.model, TOK, check_every=4), mesh, device)
+    out: dict = {"bytes": local_bytes(replica.model), "whole_bytes": sum(p.numel() * p.element_size()
+                                                                          for p in replica.model.parameters()),
+                 "norm_bytes": sum(p.numel() * p.element_size() for n, p in replica.model.named_parameters()
+                                   if "norm" in n), "rounds": []}
+    before = None
+    for r in range(2):
+        replica.sync(sharded)
+        got = engine.generate(mine, OPTIONS.__class__(**{**OPTIONS.__dict__, "seed": seed}))
+        want = one_rank(whole, mine, seed, lora)
+        same_shape = got.completion_ids.shape == want.completion_ids.shape and got.prompt_ids.shape == want.prompt_ids.shape
+        out["rounds"].append({
+            "same_shape": same_shape,
+            "tokens_equal": same_shape and torch.equal(got.completion_ids, want.completion_ids)
+            and torch.equal(got.completion_mask, want.completion_mask) and torch.equal(got.prompt_ids, want.prompt_ids),
+            "logp_diff": float((got.sampler_logp - want.sampler_logp).abs().max()) if same_shape else float("inf"),
+            "index_equal": torch.equal(got.prompt_index, want.prompt_index) and got.completions == want.completions,
+            "tokens": int(got.completion_mask.sum()),
+            # the update moved the policy: a replica that missed it would sample other logprobs
+            "moved": None if before is None else float((one_rank_logp(whole, got, lora) - before).abs().max()),
+        })
+        before = one_rank_logp(whole, got, lora)
+        update(sharded, 100 + r)
+        update(whole, 100 + r)
+    return out
+
+
+def one_rank_logp(m: torch.nn.Module, b, lora: bool) -> torch.Tensor:
+    from logitless.models import completion_logprobs
+
+    with torch.no_grad():
+        return completion_logprobs(m, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask,
+                                   temperature=OPTIONS.temperature)[0].float()
+
+
+def main(out_dir: str, sizes: str, families: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world = World(rank=dist.get_rank(), size=dist.get_world_size())
+    results = {}
+    for tp in map(int, sizes.split(",")):
+        for family in families.split(","):
+            for lora in (True, False):
+                results[f"tp{tp}-{family}-{'lora' if lora else 'full'}"] = case(tp, family, lora, world)
+    Path(out_dir, f"rank{world.rank}.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

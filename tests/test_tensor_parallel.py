@@ -5,6 +5,7 @@ several calls' prompts decoded as one keep each call's samples; bad settings are
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,19 +13,21 @@ import pytest
 import torch
 
 from logitless.rollout import SamplingOptions, make_engine
-from logitless.trainer.parallel import World, check_distributed
+from logitless.trainer.loop import train
+from logitless.trainer.parallel import World, check_distributed, rank_seed
 from logitless.trainer.tensor_parallel import check_tensor_parallel, family_refusal, prompt_rows
 from tests import tp_worker
-from tests.test_parallel import torchrun
+from tests.test_parallel import close, torchrun, weights
 from tests.test_rollout_families import TOK, make_model
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 WORKER = Path(tp_worker.__file__)
 TOL = 1e-5
+OWN_MEMORY = {"rollout/replica_gib", "rollout/weights_copy_gib"}  # the rollout weights each side keeps
 
 
 def run_worker(out: Path, ranks: int, sizes: str, families: str) -> list[dict]:
-    proc = torchrun("tp", out, None, timeout=400, nproc=ranks, argv=[str(WORKER), str(out), sizes, families])
+    proc = torchrun("tp", out, None, timeout=400, nproc=ranks, argv=[str(WORKER), "rollout", str(out), sizes, families])
     assert proc.returncode == 0, proc.stdout[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
 
@@ -105,6 +108,65 @@ def test_prompts_of_several_calls_decoded_as_one_keep_each_calls_samples(one_thr
         engine.generate([p for ps, _ in parts for p in ps], SamplingOptions(**{**OPTS.__dict__, "streams": [(1, 4)]}))
     with pytest.raises(ValueError, match="SamplingOptions.streams .* use rollout.backend=static"):
         make_engine("hf", model, TOK).generate(["Hi"], SamplingOptions(**{**OPTS.__dict__, "streams": [(1, 1)]}))
+
+
+class RankStreams:
+    """The one-process reference of a 2-rank run's rollout: each rank's half of the step's prompts drawn from that
+    rank's random streams (`rank_seed`, prompt indices counted in its half), as that rank's own rollout draws them."""
+
+    def __init__(self, engine, ranks: int):
+        self.engine, self.ranks = engine, ranks
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["engine"], name)
+
+    def generate(self, prompts, options, episodes=None):
+        k = len(prompts) // self.ranks
+        streams = [(rank_seed(options.seed, World(rank=r, size=self.ranks)), k) for r in range(self.ranks)]
+        return self.engine.generate(prompts, dataclasses.replace(options, streams=streams))
+
+
+@pytest.fixture(scope="module")
+def training(tmp_path_factory, shared_dir, one_thread):
+    """The run of `tp_worker.TRAIN` on one process (the rollout as above) and on 2 ranks with
+    rollout.tensor_parallel=2."""
+    from tests import dist_worker as w
+
+    out, tok_dir = tmp_path_factory.mktemp("tp_train"), shared_dir / "tokenizers" / "gpt2"
+    single = {}
+    for mode, overrides in tp_worker.TRAIN.items():
+        real = w.context.make_rollout_engine
+        w.use_engine(lambda engine: RankStreams(engine, 2))
+        try:
+            single[mode] = train(w.config(out / f"{mode}_single", *overrides), model=w.model(),
+                                 tokenizer=w.tokenizer(tok_dir)).records
+        finally:
+            w.context.make_rollout_engine = real
+    proc = torchrun("tp_train", out, None, timeout=400, argv=[str(WORKER), "train", str(out), str(tok_dir)])
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return out, single
+
+
+@pytest.mark.parametrize("mode", list(tp_worker.TRAIN))
+def test_two_ranks_with_a_split_rollout_train_like_one_process(training, mode):
+    """Two steps: the rollouts (sampled on each rank's group, from a replica synced from the shards after the first
+    optimizer step), the metrics and the weights are those of one process."""
+    from tests import dist_worker as w
+
+    out, single = training
+    a, b = weights(out / f"{mode}_single"), weights(out / f"{mode}_ranks")
+    assert a.keys() == b.keys() and a
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    one, ranks = w.untimed(single[mode]), json.loads((out / f"{mode}_ranks.json").read_text())
+    assert [r["step"] for r in ranks] == [1, 2] and len(one) == 2
+    for x, y in zip(one, ranks):
+        assert x.keys() - OWN_MEMORY == y.keys() - OWN_MEMORY
+        diff = {k: (x[k], y[k]) for k in x.keys() - OWN_MEMORY if not close(x[k], y[k], rel=1e-5, abs_=1e-5)}
+        assert not diff
+        assert y["completion/length_mean"] > 1 and y["reward/std"] > 0 and y["grad_norm"] > 0
+        assert y["rollout/mismatch_max"] < 1e-5  # the sampler's logprobs are the trainer's (fp32)
+        whole = sum(p.numel() * p.element_size() for p in w.model().parameters()) / 2**30  # tied embedding once
+        assert 0.45 * whole < y["rollout/replica_gib"] < 0.55 * whole  # this rank's half of the decode weights
 
 
 def _cfg(*overrides):

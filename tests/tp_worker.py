@@ -1,17 +1,20 @@
 """The tensor-parallel rollout on several processes (`tests/test_tensor_parallel.py`); each rank of a torchrun runs
 this file.
 
-    python -m torch.distributed.run --nproc-per-node N tests/tp_worker.py OUT_DIR TP[,TP...] FAMILY[,FAMILY...]
+    python -m torch.distributed.run --nproc-per-node N tests/tp_worker.py rollout OUT_DIR TP[,TP...] FAMILY[,...]
+    python -m torch.distributed.run --nproc-per-node 2 tests/tp_worker.py train OUT_DIR TOKENIZER_DIR
 
-For each tensor-parallel size, family and weights (LoRA, full), every rank decodes its own prompts twice (before
-and after an update of the sharded weights) through the group's split replica, and the same prompts on its own
-with the whole model (the one-rank rollout, `rank_seed` as the trainer seeds it); it writes what the test checks
-to OUT_DIR/rank{R}.json.
+"rollout": for each tensor-parallel size, family and weights (LoRA, full), every rank decodes its own prompts twice
+(before and after an update of the sharded weights) through the group's split replica, and the same prompts on its
+own with the whole model (the one-rank rollout, `rank_seed` as the trainer seeds it); it writes what the test
+checks to OUT_DIR/rank{R}.json. "train": two training steps of `dist_worker`'s run with rollout.tensor_parallel=2
+(`TRAIN`), its records written to OUT_DIR/tp_ranks.json by rank 0.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -118,7 +121,30 @@ def one_rank_logp(m: torch.nn.Module, b, lora: bool) -> torch.Tensor:
                                    temperature=OPTIONS.temperature)[0].float()
 
 
-def main(out_dir: str, sizes: str, families: str) -> None:
+# the run both sides train: 2 steps (the second samples from a replica synced after an optimizer step), LoRA (the
+# merge per slice) or full fine-tuning, the static engine; the tiny Qwen2 of dist_worker ties its embeddings
+TRAIN = {"lora": ["train.max_steps=2", "rollout.backend=static", "checkpoint.save_steps=2"],
+         "full": ["train.max_steps=2", "rollout.backend=static", "checkpoint.save_steps=2", "model.lora=false",
+                  "optim.learning_rate=0.002"]}
+
+
+def train(out_dir: str, tok_dir: str) -> None:
+    from logitless.trainer.loop import train as run
+    from tests import dist_worker as w
+
+    torch.set_num_threads(1)
+    tok = w.tokenizer(tok_dir)
+    for mode, overrides in TRAIN.items():
+        result = run(w.config(Path(out_dir) / f"{mode}_ranks", *overrides, "rollout.tensor_parallel=2"),
+                     model=w.model(), tokenizer=tok)
+        if int(os.environ["RANK"]) == 0:
+            Path(out_dir, f"{mode}_ranks.json").write_text(json.dumps(w.untimed(result.records)))
+
+
+def main(kind: str, out_dir: str, *args: str) -> None:
+    if kind == "train":
+        return train(out_dir, *args)
+    sizes, families = args
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world = World(rank=dist.get_rank(), size=dist.get_world_size())

@@ -46,7 +46,8 @@ from logitless.trainer.fsdp_offload import device_full_tensor
 
 KEY = "rollout.tensor_parallel"
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # model_type values whose attention takes its heads per rank
-BACKENDS = ("static",)  # engines that decode a group's union with each part's own random streams
+BACKENDS = ("static",)
+SPLITS = {"colwise", "rowwise", "embedding_rowwise"}  # the entries of transformers' plans that `style` maps  # engines that decode a group's union with each part's own random streams
 
 
 def style(name: str) -> Any:
@@ -56,7 +57,8 @@ def style(name: str) -> Any:
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
               "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-              "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate())}
+              "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+              "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}
     if name.startswith("replicated"):
         return None
     return styles[name]()
@@ -69,7 +71,7 @@ def family_refusal(config: Any, n: int) -> str | None:
     if kind not in FAMILIES:
         return (f"model_type {kind!r} is not one of the families it splits ({', '.join(FAMILIES)}); set {KEY}=1")
     plan = getattr(cfg, "base_model_tp_plan", None) or {}
-    unknown = sorted({s for s in plan.values() if not s.startswith("replicated")} - {"colwise", "rowwise"})
+    unknown = sorted({s for s in plan.values() if not s.startswith("replicated")} - SPLITS)
     if not plan or unknown:
         return f"transformers' tensor-parallel plan of {kind!r} is {plan or 'missing'}; set {KEY}=1"
     sizes = {"num_attention_heads": cfg.num_attention_heads,

@@ -84,7 +84,9 @@ def case(tp: int, family: str, lora: bool, world: World) -> dict:
     seed = rank_seed(1234, world)
     sharded = model(family, lora)
     replica = TensorParallelCopy(sharded, mesh, device)
+    assert all(p.device.type == "meta" for p in replica.model.parameters())  # nothing allocated before sharding
     shard_model(sharded, device)
+    replica.materialize()
     whole = model(family, lora)  # the same weights, unsharded (the oracle)
     engine = group_decode(make_engine("static", replica.model, TOK, check_every=4), mesh, device)
     out: dict = {"bytes": local_bytes(replica.model), "whole_bytes": sum(p.numel() * p.element_size()

@@ -277,6 +277,8 @@ def build_context(
                     "(unmerged LoRA layers, or another layout)")
     if world.sharded:
         model = shard_model(model, device, offload=world.offload)
+    if isinstance(replica, TensorParallelCopy):
+        replica.materialize()  # this rank's slices, now that the model is sharded
         if world.rank:
             seed_everything(cfg.train.seed + world.rank)  # per-rank streams from here on (dropout, rewards)
     params = trainable_parameters(model)

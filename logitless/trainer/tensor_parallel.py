@@ -153,8 +153,9 @@ def skeleton(base: nn.Module, merged: Sequence[str]) -> nn.Module:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a replica tensor: a DTensor's local shard, a plain tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    """This rank's part of a replica tensor: a DTensor's local shard itself (the tensor it holds, not a view, so
+    that `SleepableMemory` can move its storage), a plain tensor itself."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 def local_bytes(module: nn.Module) -> int:
@@ -166,8 +167,9 @@ def local_bytes(module: nn.Module) -> int:
 class TensorParallelCopy:
     """The rollout's split replica of the policy (see the module docstring): `model` runs the group's collectives in
     its forward; `sync(sharded)` rewrites this rank's slices from the FSDP2 model, `release()` frees those each sync
-    rewrites (with sleep). Built from the model before sharding, whose weights it never reads (the first sync fills
-    every slice)."""
+    rewrites (with sleep). Made from the model before sharding, whose weights it never reads: its parameters are on
+    the meta device until `materialize()` allocates this rank's slices (after sharding, so that the device never
+    holds the whole model beside them), and the first sync fills every slice."""
 
     groups: list = []  # no fused projections (rollout.fuse_projections)
 
@@ -184,16 +186,13 @@ class TensorParallelCopy:
                 raise ValueError(f"{KEY}={mesh.size()} holds merged LoRA weights, but "
                                  f"{why or f'{extra[0]} trains outside the adapters'}; set {KEY}=1")
         self.mesh, self.size, self.rank = mesh, mesh.size(), mesh.get_local_rank()
+        self.device, self.sleep = device, sleep
         self.model = skeleton(base, self.merged)
-        buffers = {name: b for name, b in self.model.named_buffers()}  # to_empty would leave them undefined
+        self._buffers = {name: b for name, b in self.model.named_buffers()}  # to_empty would leave them undefined
         parallelize_module(self.model, mesh, split_plan(self.model))
         tied = getattr(text_config(self.model), "tie_word_embeddings", False)
         if tied:  # split alike (vocabulary rows), held once
             self.model.get_output_embeddings().weight = self.model.get_input_embeddings().weight
-        self.model.to_empty(device=device)
-        for name, b in buffers.items():
-            owner, _, leaf = name.rpartition(".")
-            self.model.get_submodule(owner)._buffers[leaf] = b.to(device)
         self.model.requires_grad_(False)
         names = [n for n, _ in self.model.named_parameters()]
         trainable = {n for n, p in base.named_parameters() if p.requires_grad}
@@ -202,8 +201,18 @@ class TensorParallelCopy:
         self.changing = [n for n in names if n.endswith(".weight") and n.rpartition(".")[0] in merged] if merged \
             else [n for n in names if n in trainable]
         self._filled = False  # the frozen slices are written once, by the first sync
-        self.memory = SleepableMemory([local(tensor_at(self.model, n)) for n in self.changing]) \
-            if sleep and self.changing else None
+        self.memory: SleepableMemory | None = None
+
+    def materialize(self) -> None:
+        """Allocate this rank's slices on the device (contents undefined until the first `sync`)."""
+        if next(self.model.parameters()).device.type != "meta":
+            return
+        self.model.to_empty(device=self.device)
+        for name, b in self._buffers.items():
+            owner, _, leaf = name.rpartition(".")
+            self.model.get_submodule(owner)._buffers[leaf] = b.to(self.device)
+        if self.sleep and self.changing:
+            self.memory = SleepableMemory([local(tensor_at(self.model, n)) for n in self.changing])
 
     def release(self) -> None:
         if self.memory is not None:
@@ -228,6 +237,7 @@ class TensorParallelCopy:
         """Write this rank's slice of every weight from the FSDP2 shards of `sharded` (all of them the first time,
         then those that train), one unit all-gathered at a time. A collective over every rank (the same units in
         the same order on each)."""
+        self.materialize()
         if self.memory is not None:
             self.memory.wake()
         src, changing = unwrap_model(sharded), set(self.changing)

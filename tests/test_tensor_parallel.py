@@ -121,6 +121,8 @@ class RankStreams:
         return getattr(self.__dict__["engine"], name)
 
     def generate(self, prompts, options, episodes=None):
+        if options.num_generations != 4:  # the eval's call (eval.pass_k=2): each rank of a group makes the same one
+            return self.engine.generate(prompts, options)
         k = len(prompts) // self.ranks
         streams = [(rank_seed(options.seed, World(rank=r, size=self.ranks)), k) for r in range(self.ranks)]
         return self.engine.generate(prompts, dataclasses.replace(options, streams=streams))
@@ -165,6 +167,8 @@ def test_two_ranks_with_a_split_rollout_train_like_one_process(training, mode):
         assert not diff
         assert y["completion/length_mean"] > 1 and y["reward/std"] > 0 and y["grad_norm"] > 0
         assert y["rollout/mismatch_max"] < 1e-5  # the sampler's logprobs are the trainer's (fp32)
+    if mode == "lora":  # the eval after step 2 (compared above): each chunk decoded once by the ranks' group
+        assert ranks[1]["eval/completion_length"] > 1 and "eval/pass@2" in ranks[1]
         whole = sum(p.numel() * p.element_size() for p in w.model().parameters()) / 2**30  # tied embedding once
         assert 0.45 * whole < y["rollout/replica_gib"] < 0.55 * whole  # this rank's half of the decode weights
 

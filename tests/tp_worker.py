@@ -125,7 +125,11 @@ def one_rank_logp(m: torch.nn.Module, b, lora: bool) -> torch.Tensor:
 
 # the run both sides train: 2 steps (the second samples from a replica synced after an optimizer step), LoRA (the
 # merge per slice) or full fine-tuning, the static engine; the tiny Qwen2 of dist_worker ties its embeddings
-TRAIN = {"lora": ["train.max_steps=2", "rollout.backend=static", "checkpoint.save_steps=2"],
+# the LoRA run also evaluates after step 2 (5 held-out prompts in chunks of 2, 2 samples each: the group decodes each
+# chunk once and counts it once)
+EVAL = ["eval.every_steps=2", "eval.num_prompts=5", "eval.batch_size=2", "eval.pass_k=2",
+        "data.eval_options={n: 10}"]
+TRAIN = {"lora": ["train.max_steps=2", "rollout.backend=static", "checkpoint.save_steps=2", *EVAL],
          "full": ["train.max_steps=2", "rollout.backend=static", "checkpoint.save_steps=2", "model.lora=false",
                   "optim.learning_rate=0.002"]}
 

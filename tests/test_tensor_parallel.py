@@ -224,3 +224,15 @@ def test_models_the_split_cannot_run_are_refused_naming_the_key():
     mlp = family_refusal(tf.LlamaConfig(num_attention_heads=4, num_key_value_heads=4, intermediate_size=66,
                                         hidden_size=32), 4)
     assert mlp is not None and "intermediate_size=66" in mlp
+
+
+def test_the_model_check_before_loading_refuses_a_split_the_model_cannot_take():
+    """preflight's model check (the config and a meta skeleton, no weights) names the key and the sizes that work."""
+    from logitless.trainer.model_checks import check_model
+    from tests.test_rollout_families import FAMILIES
+
+    config = FAMILIES["llama"][0]()  # 4 query heads, 2 KV heads
+    lines = check_model(_cfg("rollout.tensor_parallel=2", "rollout.backend=static"), config)
+    assert "rollout.tensor_parallel=2: its heads and MLP width split over 2 ranks" in lines
+    with pytest.raises(ValueError, match=r"rollout.tensor_parallel=4: num_key_value_heads=2 .* \(at most 4: 1, 2\)"):
+        check_model(_cfg("rollout.tensor_parallel=4", "rollout.backend=static"), config)

@@ -47,7 +47,10 @@ SHAPES = {  # Qwen2.5 shapes (vocab 151,936); "tiny" checks the script on CPU
                  num_key_value_heads=2, tie_word_embeddings=True),
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                num_key_value_heads=4, tie_word_embeddings=False),
+    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                num_key_value_heads=8, tie_word_embeddings=False),
 }
+BUILT_IN_DTYPE = {"32b"}  # shapes initialized in bf16 directly (in fp32 the 32B shape takes 128 GB)
 PHASES = ("generate", "score", "logprobs", "train")
 
 
@@ -111,7 +114,10 @@ def make_model_dir(shape: str, tokenizer_dir: str, root: Path) -> Path:
     cfg = Qwen2Config(vocab_size=151_936, max_position_embeddings=32_768, **SHAPES[shape])
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen2ForCausalLM(cfg).to(dtype)
+        if shape in BUILT_IN_DTYPE:  # fp32 first would not fit the GPU
+            model = Qwen2ForCausalLM._from_config(cfg, dtype=dtype)
+        else:  # (fp32 init, then cast: the weights of the recorded results)
+            model = Qwen2ForCausalLM(cfg).to(dtype)
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
     del model  # the workers run on this GPU too: hand the memory back

@@ -5,10 +5,13 @@ the persistent replica): seconds and GiB.
 
     torchrun --standalone --nproc-per-node 1 bench/bench_fsdp.py --tokenizer DIR --out bench/results
     torchrun --standalone --nproc-per-node 2 bench/bench_fsdp.py --tokenizer DIR --out bench/results
+    torchrun --standalone --nproc-per-node 2 bench/bench_fsdp.py --tokenizer DIR --out bench/results \
+        --backend static --tp 2      # the rollout split over the 2 GPUs (rollout.tensor_parallel=2)
 
 With one process the run is the plain single-GPU trainer (no process group, no FSDP). The model is a random-init
 Qwen2.5-shaped model (bench_e2e.py); prompts are the packaged GSM8K sample; the reward is bench_e2e's
-`distinct_chars`, which varies on random text, so every step trains. Writes `fsdp_<shape>_<backend>_<N>gpu.json`.
+`distinct_chars`, which varies on random text, so every step trains. Writes `fsdp_<shape>_<backend>_<N>gpu.json`
+(`..._<N>gpu_tp<T>.json` with --tp T > 1).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_e2e import SHAPES, make_model_dir  # noqa: E402
 from logitless.trainer import load_train_config, parallel, stages, train  # noqa: E402
+from logitless.trainer.tensor_parallel import local_bytes  # noqa: E402
 
 PHASES = ("time/generate", "time/score", "time/logprobs", "time/train")
 
@@ -49,7 +53,7 @@ def timed_rollout_weights(log: list[dict[str, float]]):
             sync()
             entry = {"gather_s": time.perf_counter() - t0, "held_gib": (mem() - m0) / 2**30}
             if replica is not None:
-                entry["replica_gib"] = sum(p.numel() * p.element_size() for p in replica.model.parameters()) / 2**30
+                entry["replica_gib"] = local_bytes(replica.model) / 2**30  # this rank's slices with --tp
             yield
             sync()
             t1 = time.perf_counter()
@@ -76,7 +80,7 @@ def run_mode(mode: str, model_dir: Path, args, world: parallel.World, work: Path
         f"rollout.num_generations={args.G}", f"rollout.max_completion_length={args.tokens}",
         f"train.max_steps={args.steps}", f"train.prompts_per_step={args.prompts}",
         f"train.micro_batch_size={args.micro}", f"model.lora={str(lora).lower()}",
-        f"model.gradient_checkpointing={str(args.gc).lower()}",
+        f"model.gradient_checkpointing={str(args.gc).lower()}", f"rollout.tensor_parallel={args.tp}",
         f"train.output_dir={work / ('run-' + mode)}", "logging.progress=false", "logging.tensorboard=false",
         "logging.log_completions=false", "logging.plot=false", "checkpoint.save_steps=1000", "checkpoint.save_at_end=false",
         *args.set,
@@ -97,6 +101,8 @@ def run_mode(mode: str, model_dir: Path, args, world: parallel.World, work: Path
     out = {
         "median_step_s": statistics.median(step_s),
         "completion_tokens_per_s": statistics.median(t / s for t, s in zip(tokens, step_s)),
+        # the rollout alone: the step's completion tokens over its generate phase (every rank decodes at once)
+        "generate_tokens_per_s": statistics.median(t / r["time/generate"] for t, r in zip(tokens, steady)),
         "median_phase_s": {k: statistics.median(r.get(k, 0.0) for r in steady) for k in PHASES},
         "peak_gib_per_gpu_max": global_max(peak),
         # where the peak sits: each phase's largest peak over steps, the largest over ranks
@@ -123,6 +129,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=16)
     ap.add_argument("--gc", action="store_true", help="gradient checkpointing")
     ap.add_argument("--backend", default="hf", choices=["hf", "static"], help="rollout backend")
+    ap.add_argument("--tp", type=int, default=1, help="rollout.tensor_parallel: ranks per rollout group (static)")
     ap.add_argument("--set", action="append", default=[], help="extra config override KEY=VALUE (repeatable)")
     ap.add_argument("--commit", default="", help="the code's commit, where the checkout has no git metadata of its own")
     args = ap.parse_args()
@@ -141,7 +148,8 @@ def main() -> None:
                  "torch": torch.__version__, "commit": commit or "unknown"},
         "shape": {"model": f"Qwen2.5-{args.shape} shape, random init, bf16", "global_prompts_per_step": args.prompts,
                   "G": args.G, "max_completion_length": args.tokens, "micro_batch_size": args.micro,
-                  "gradient_checkpointing": args.gc, "steps": args.steps, "rollout": args.backend, "overrides": args.set},
+                  "gradient_checkpointing": args.gc, "steps": args.steps, "rollout": args.backend, "tensor_parallel": args.tp,
+                  "overrides": args.set},
         "modes": {},
     }
     for mode in args.modes.split(","):
@@ -149,12 +157,13 @@ def main() -> None:
         result["modes"][mode] = r
         if world.main:
             print(f"{world.size} GPU {mode:5s} step {r['median_step_s']:.2f} s  {r['completion_tokens_per_s']:.0f} tok/s  "
+                  f"generate {r['generate_tokens_per_s']:.0f} tok/s  "
                   f"peak/GPU {r['peak_gib_per_gpu_max']:.1f} GiB  by phase {r['peak_gib_per_phase']}  "
                   f"phases {r['median_phase_s']}  weight path {r.get('weight_path')}", flush=True)
     if world.distributed:
         dist.barrier()
     if world.main:
-        name = f"fsdp_{args.shape}_{args.backend}_{world.size}gpu.json"
+        name = f"fsdp_{args.shape}_{args.backend}_{world.size}gpu{f'_tp{args.tp}' if args.tp > 1 else ''}.json"
         (out / name).write_text(json.dumps(result, indent=1, default=str))
         shutil.rmtree(work, ignore_errors=True)
     parallel.shutdown()

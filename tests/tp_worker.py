@@ -3,12 +3,14 @@ this file.
 
     python -m torch.distributed.run --nproc-per-node N tests/tp_worker.py rollout OUT_DIR TP[,TP...] FAMILY[,...]
     python -m torch.distributed.run --nproc-per-node 2 tests/tp_worker.py train OUT_DIR TOKENIZER_DIR
+    python -m torch.distributed.run --nproc-per-node 2 tests/tp_worker.py gpu OUT_DIR TOKENIZER_DIR
 
 "rollout": for each tensor-parallel size, family and weights (LoRA, full), every rank decodes its own prompts twice
 (before and after an update of the sharded weights) through the group's split replica, and the same prompts on its
 own with the whole model (the one-rank rollout, `rank_seed` as the trainer seeds it); it writes what the test
 checks to OUT_DIR/rank{R}.json. "train": two training steps of `dist_worker`'s run with rollout.tensor_parallel=2
-(`TRAIN`), its records written to OUT_DIR/tp_ranks.json by rank 0.
+(`TRAIN`), its records written to OUT_DIR/tp_ranks.json by rank 0. "gpu": the split rollout in bf16 on 2 GPUs
+(nccl) against the one-GPU rollout (`gpu`).
 """
 
 from __future__ import annotations
@@ -55,13 +57,14 @@ def model(family: str, lora: bool) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def update(m: torch.nn.Module, seed: int) -> None:
+def update(m: torch.nn.Module, seed: int, scale: float = 1.0) -> None:
     """The same change of the trainable weights on every rank (as an optimizer step would make): of the whole
     tensors, or of this rank's FSDP2 shards (row chunks) of them."""
     g = torch.Generator().manual_seed(seed)
     for name, p in m.named_parameters():
         if p.requires_grad:
-            noise = torch.randn(p.shape, generator=g) * (0.1 if "lora_" in name else 0.03)
+            noise = torch.randn(p.shape, generator=g) * (0.1 if "lora_" in name else 0.03) * scale
+            noise = noise.to(p.device, p.dtype)
             if hasattr(p, "to_local"):
                 piece = torch.chunk(noise, dist.get_world_size(), dim=0)[dist.get_rank()]
                 assert piece.shape == p.to_local().shape
@@ -147,9 +150,75 @@ def train(out_dir: str, tok_dir: str) -> None:
             Path(out_dir, f"{mode}_ranks.json").write_text(json.dumps(w.untimed(result.records)))
 
 
+# the GPU check: a Qwen2-shaped bf16 model of real widths (16 query and 4 KV heads of 64, the GPT-2 vocabulary, split
+# unevenly), LoRA on every linear layer, every row decoding GPU_TOKENS tokens
+GPU_SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+                 num_key_value_heads=4, max_position_embeddings=1024, initializer_range=0.02)
+GPU_TOKENS = 96
+
+
+def gpu(out_dir: str, tok_dir: str) -> None:
+    """Each rank: the one-GPU rollout of its prompts (whole model, merged LoRA copy, the engine's CUDA defaults) and
+    its rows of the group's split rollout; each sampler's gap to the trainer's logprobs on its own tokens, and the
+    decode tokens/s of a second call of each. Writes OUT_DIR/gpu_rank{R}.json."""
+    from logitless.models import completion_logprobs
+    from tests import dist_worker as w
+
+    cuda = torch.cuda.is_available()  # (off CUDA, in fp32 over gloo: a check of the script itself)
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    world = World(rank=dist.get_rank(), size=dist.get_world_size())
+    tok = w.tokenizer(tok_dir)
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        config = tf.Qwen2Config(vocab_size=len(tok), **GPU_SHAPE, eos_token_id=tok.eos_token_id)
+        m = tf.Qwen2ForCausalLM(config).to(device, torch.bfloat16 if cuda else torch.float32).eval()
+        m = get_peft_model(m, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, lora_dropout=0.0))
+        update(m, 1, scale=0.3)  # (before sharding: whole tensors)
+        return m
+
+    words = ["alpha", "beta", "gamma", "delta", "sum", "of", "the", "numbers", "is", "42", "+", "="]
+    g = torch.Generator().manual_seed(0)
+    prompts = [" ".join(words[i] for i in torch.randint(0, len(words), (n,), generator=g).tolist())
+               for n in (12, 16, 20, 24, 9, 30, 14, 18)]
+    mine = rank_share(prompts, world)
+    options = SamplingOptions(num_generations=4, temperature=1.0, max_new_tokens=GPU_TOKENS, ignore_eos=True,
+                              seed=rank_seed(7, world))
+    whole, sharded = build(), build()
+    mesh = tp_mesh(world.size, world.size, device)
+    replica = TensorParallelCopy(sharded, mesh, device)
+    shard_model(sharded, device)
+    replica.materialize()
+    split = group_decode(make_engine("static", replica.model, tok), mesh, device)
+    alone = make_engine("static", whole, tok, weights=MergedLoraWeights(whole, "resident"))
+    out = {"bytes": local_bytes(replica.model), "whole_bytes": sum(
+        p.numel() * p.element_size() for n, p in whole.named_parameters() if "lora_" not in n)}
+    for name, engine, sync in (("one_gpu", alone, lambda: None), ("split", split, lambda: replica.sync(sharded))):
+        sync()
+        batch = engine.generate(mine, options)
+        again = engine.generate(mine, options)  # compiled and captured by now: the decode's own speed
+        with torch.no_grad():
+            trainer = completion_logprobs(whole, *(t.to(device) for t in (
+                batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)),
+                temperature=1.0)[0].float().cpu()
+        mask = batch.completion_mask.bool()
+        gap = (batch.sampler_logp - trainer).abs()[mask]
+        out[name] = {"mean": float(gap.mean()), "max": float(gap.max()), "tokens": int(mask.sum()),
+                     "same_again": torch.equal(batch.completion_ids, again.completion_ids),
+                     "tokens_per_s": again.timing.num_tokens / again.timing.generate_seconds}
+    Path(out_dir, f"gpu_rank{world.rank}.json").write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main(kind: str, out_dir: str, *args: str) -> None:
     if kind == "train":
         return train(out_dir, *args)
+    if kind == "gpu":
+        return gpu(out_dir, *args)
     sizes, families = args
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

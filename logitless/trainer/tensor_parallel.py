@@ -46,8 +46,8 @@ from logitless.trainer.fsdp_offload import device_full_tensor
 
 KEY = "rollout.tensor_parallel"
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # model_type values whose attention takes its heads per rank
-BACKENDS = ("static",)
-SPLITS = {"colwise", "rowwise", "embedding_rowwise"}  # the entries of transformers' plans that `style` maps  # engines that decode a group's union with each part's own random streams
+BACKENDS = ("static",)  # engines that decode a group's union with each part's own random streams
+SPLITS = {"colwise", "rowwise", "embedding_rowwise"}  # the entries of transformers' base-model plans `style` maps
 
 
 def style(name: str) -> Any:
@@ -61,6 +61,8 @@ def style(name: str) -> Any:
               "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}
     if name.startswith("replicated"):
         return None
+    if name not in styles:
+        raise ValueError(f"{KEY}: transformers' plan entry {name!r} is not one it applies; set {KEY}=1")
     return styles[name]()
 
 
@@ -132,8 +134,8 @@ def split_plan(model: nn.Module) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import RowwiseParallel
 
-    why = family_refusal(model.config, 2)
-    if why is not None and "split over" not in why:
+    why = family_refusal(model.config, 1)  # (the sizes are checked against the group's size before)
+    if why is not None:
         raise ValueError(f"{KEY}: {why}")
     prefix = model.base_model_prefix
     plan = {f"{prefix}.{k}": style(v) for k, v in text_config(model).base_model_tp_plan.items()}

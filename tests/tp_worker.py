@@ -101,7 +101,8 @@ def case(tp: int, family: str, lora: bool, world: World) -> dict:
         replica.sync(sharded)
         got = engine.generate(mine, OPTIONS.__class__(**{**OPTIONS.__dict__, "seed": seed}))
         want = one_rank(whole, mine, seed, lora)
-        same_shape = got.completion_ids.shape == want.completion_ids.shape and got.prompt_ids.shape == want.prompt_ids.shape
+        same_shape = (got.completion_ids.shape == want.completion_ids.shape
+                      and got.prompt_ids.shape == want.prompt_ids.shape)
         out["rounds"].append({
             "same_shape": same_shape,
             "tokens_equal": same_shape and torch.equal(got.completion_ids, want.completion_ids)

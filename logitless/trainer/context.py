@@ -277,10 +277,10 @@ def build_context(
                     "(unmerged LoRA layers, or another layout)")
     if world.sharded:
         model = shard_model(model, device, offload=world.offload)
-    if isinstance(replica, TensorParallelCopy):
-        replica.materialize()  # this rank's slices, now that the model is sharded
         if world.rank:
             seed_everything(cfg.train.seed + world.rank)  # per-rank streams from here on (dropout, rewards)
+    if isinstance(replica, TensorParallelCopy):
+        replica.materialize()  # this rank's slices, now that the model is sharded
     params = trainable_parameters(model)
     optimizer = make_optimizer(params, cfg.optim, host=world.offload)
     steps_per_rollout = cfg.train.num_iterations * cfg.train.steps_per_rollout  # optimizer steps per rollout batch
@@ -316,7 +316,8 @@ def build_context(
         params=params, optimizer=optimizer, scheduler=scheduler, sampler=sampler, reward_fns=reward_fns,
         acc_col=acc_col, adv_options=adv_options,
         reference=reference,
-        shape=_shape(model, engine, cfg.rollout.tensor_parallel if split else 1), peaks=device_peaks(device, cfg.logging.peak_tflops, cfg.logging.hbm_tbs),
+        shape=_shape(model, engine, cfg.rollout.tensor_parallel if split else 1),
+        peaks=device_peaks(device, cfg.logging.peak_tflops, cfg.logging.hbm_tbs),
         run_dir=run_dir, logger=logger, start=start, entropy_coef=coef, world=world, replica=replica, run=run,
         lora_compute=LoraCompute(model, cfg.model),
         rollout_device=None if rollout_device is None or same_device(rollout_device, device) else rollout_device,

@@ -107,7 +107,8 @@ def check_tensor_parallel(cfg: Any, world_size: int, model_config: Any = None) -
         (cfg.model.lora and cfg.rollout.merge_lora is False, "rollout.merge_lora=false",
          "rollout.merge_lora unset (the split replica holds merged weights)"),
         (cfg.rollout.fuse_projections is True, "rollout.fuse_projections=true", "rollout.fuse_projections unset"),
-        (cfg.rollout.weight_copy == "in_place", "rollout.weight_copy=in_place", "rollout.weight_copy=sleep or resident"),
+        (cfg.rollout.weight_copy == "in_place", "rollout.weight_copy=in_place",
+         "rollout.weight_copy=sleep or resident"),
         (cfg.train.fsdp_offload, "train.fsdp_offload=true", "train.fsdp_offload=false"),
     ]
     for on, setting, fix in refused:
@@ -328,15 +329,24 @@ def prompt_rows(batch: RolloutBatch, start: int, count: int, G: int) -> RolloutB
 
 class GroupDecode:
     """The static engine of a tensor-parallel group (see the module docstring): `generate` is a collective over the
-    group; every other attribute is the wrapped engine's."""
+    group; every other attribute is the wrapped engine's (read and set)."""
+
+    OWN = ("engine", "group", "device", "size", "rank")
 
     def __init__(self, engine: Any, group: Any, device: torch.device):
-        self.engine, self.group, self.device = engine, group, device
-        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        own = dict(engine=engine, group=group, device=device, size=dist.get_world_size(group),
+                   rank=dist.get_rank(group))
+        self.__dict__.update(own)
         engine.shared_budget = self.smallest
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["engine"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.OWN:
+            self.__dict__[name] = value
+        else:
+            setattr(self.engine, name, value)  # e.g. the memory plan's rollout.max_kv_gib
 
     def smallest(self, budget: float | None) -> float | None:
         """The group's smallest KV budget (None: no cap anywhere)."""

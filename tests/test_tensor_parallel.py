@@ -243,7 +243,8 @@ def test_the_model_check_before_loading_refuses_a_split_the_model_cannot_take():
 def test_two_gpus_split_rollout_samples_the_trainers_policy_like_one_gpu(tmp_path, shared_dir):
     """bf16 on 2 GPUs (nccl, the compiled decode with its CUDA-graph step): each rank's split rollout is as close to
     the trainer's logprobs on its own tokens as the one-GPU rollout is on its (1.5x the mean gap, 2x the max,
-    measured in the same run on the same weights), and a second call samples the same tokens."""
+    measured in the same run on the same weights), and a second call, after the replica's sleeping weights were
+    freed and written again, samples the same tokens."""
     from bench import gpu_exactness as G
 
     argv = [str(WORKER), "gpu", str(tmp_path), str(shared_dir / "tokenizers" / "gpt2")]

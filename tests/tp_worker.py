@@ -160,8 +160,9 @@ GPU_TOKENS = 96
 
 def gpu(out_dir: str, tok_dir: str) -> None:
     """Each rank: the one-GPU rollout of its prompts (whole model, merged LoRA copy, the engine's CUDA defaults) and
-    its rows of the group's split rollout; each sampler's gap to the trainer's logprobs on its own tokens, and the
-    decode tokens/s of a second call of each. Writes OUT_DIR/gpu_rank{R}.json."""
+    its rows of the group's split rollout (its synced weights in sleepable memory, freed and written again between
+    two calls); each sampler's gap to the trainer's logprobs on its own tokens, and the decode tokens/s of the
+    second call of each. Writes OUT_DIR/gpu_rank{R}.json."""
     from logitless.models import completion_logprobs
     from tests import dist_worker as w
 
@@ -190,16 +191,19 @@ def gpu(out_dir: str, tok_dir: str) -> None:
                               seed=rank_seed(7, world))
     whole, sharded = build(), build()
     mesh = tp_mesh(world.size, world.size, device)
-    replica = TensorParallelCopy(sharded, mesh, device)
+    replica = TensorParallelCopy(sharded, mesh, device, sleep=cuda)  # (the trainer's default on CUDA)
     shard_model(sharded, device)
     replica.materialize()
     split = group_decode(make_engine("static", replica.model, tok), mesh, device)
     alone = make_engine("static", whole, tok, weights=MergedLoraWeights(whole, "resident"))
     out = {"bytes": local_bytes(replica.model), "whole_bytes": sum(
         p.numel() * p.element_size() for n, p in whole.named_parameters() if "lora_" not in n)}
-    for name, engine, sync in (("one_gpu", alone, lambda: None), ("split", split, lambda: replica.sync(sharded))):
+    for name, engine, sync, release in (("one_gpu", alone, lambda: None, lambda: None),
+                                        ("split", split, lambda: replica.sync(sharded), replica.release)):
         sync()
         batch = engine.generate(mine, options)
+        release()  # the replica's weights freed (sleep) and written again: the same samples after
+        sync()
         again = engine.generate(mine, options)  # compiled and captured by now: the decode's own speed
         with torch.no_grad():
             trainer = completion_logprobs(whole, *(t.to(device) for t in (

@@ -191,7 +191,6 @@ class TensorParallelCopy:
         self.mesh, self.size, self.rank = mesh, mesh.size(), mesh.get_local_rank()
         self.device, self.sleep = device, sleep
         self.model = skeleton(base, self.merged)
-        self._buffers = {name: b for name, b in self.model.named_buffers()}  # to_empty would leave them undefined
         parallelize_module(self.model, mesh, split_plan(self.model))
         tied = getattr(text_config(self.model), "tie_word_embeddings", False)
         if tied:  # split alike (vocabulary rows), held once
@@ -207,15 +206,22 @@ class TensorParallelCopy:
         self.memory: SleepableMemory | None = None
 
     def materialize(self) -> None:
-        """Allocate this rank's slices on the device (contents undefined until the first `sync`)."""
+        """Allocate this rank's slices on the device (contents undefined until the first `sync`). With sleep, those
+        each sync rewrites are allocated in the sleepable range only (placeholders until it maps them), so the
+        device never holds them twice."""
         if next(self.model.parameters()).device.type != "meta":
             return
-        self.model.to_empty(device=self.device)
-        for name, b in self._buffers.items():
+        asleep = set(self.changing) if self.sleep else set()
+        for name, p in list(self.model.named_parameters()):  # (a tied weight once)
             owner, _, leaf = name.rpartition(".")
-            self.model.get_submodule(owner)._buffers[leaf] = b.to(self.device)
-        if self.sleep and self.changing:
-            self.memory = SleepableMemory([local(tensor_at(self.model, n)) for n in self.changing])
+            self.model.get_submodule(owner)._parameters[leaf] = nn.Parameter(
+                _empty(p, self.device, placeholder=name in asleep), requires_grad=False)
+        if getattr(text_config(self.model), "tie_word_embeddings", False):
+            self.model.get_output_embeddings().weight = self.model.get_input_embeddings().weight
+        for m in self.model.modules():  # (the rotary frequencies: copied with the skeleton)
+            m._buffers = {k: None if b is None else b.to(self.device) for k, b in m._buffers.items()}
+        if asleep:
+            self.memory = SleepableMemory([local(tensor_at(self.model, n)) for n in self.changing], fill=False)
 
     def release(self) -> None:
         if self.memory is not None:
@@ -285,6 +291,19 @@ class TensorParallelCopy:
                     a = torch.chunk(a, self.size, dim=1)[self.rank]
                 w = w + ((b @ a) * layer.scaling[adapter]).float()
         out.copy_(w)
+
+
+def _empty(p: torch.Tensor, device: torch.device, placeholder: bool = False) -> torch.Tensor:
+    """An uninitialized tensor like the meta parameter `p` (a DTensor: its local shard) on `device`; a placeholder
+    holds one element expanded to the shape (`SleepableMemory(fill=False)` gives it its memory)."""
+    shape = local(p).shape
+    out = torch.empty((1,) * len(shape), dtype=p.dtype, device=device).expand(shape) if placeholder else \
+        torch.empty(shape, dtype=p.dtype, device=device)
+    if not hasattr(p, "placements"):
+        return out
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(out, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def _split_dim(t: torch.Tensor) -> int | None:

@@ -194,6 +194,10 @@ def _cfg(*overrides):
          r"rollout.merge_lora=false is not supported with rollout.tensor_parallel=2"),
         (["rollout.tensor_parallel=2", "rollout.backend=static", "rollout.fuse_projections=true"], 2,
          r"rollout.fuse_projections=true is not supported with rollout.tensor_parallel=2"),
+        (["rollout.tensor_parallel=2", "rollout.backend=static", "train.fsdp_offload=true"], 2,
+         r"train.fsdp_offload=true is not supported with rollout.tensor_parallel=2 yet; set train.fsdp_offload=false"),
+        (["rollout.tensor_parallel=2", "rollout.backend=static", "rollout.weight_copy=in_place"], 2,
+         r"rollout.weight_copy=in_place is not supported .* set rollout.weight_copy=sleep or resident"),
     ],
 )
 def test_settings_the_split_rollout_cannot_run_are_refused(overrides, size, match):
@@ -207,6 +211,10 @@ def test_the_hf_backend_and_a_split_of_zero_are_refused_in_the_config():
     with pytest.raises(ValueError, match=r"rollout.tensor_parallel must be > 0, got 0"):
         _cfg("rollout.tensor_parallel=0")
     check_tensor_parallel(_cfg("rollout.backend=hf"), 2)  # 1: nothing to split
+    from logitless.trainer.auto import rollout_backend
+
+    backend, why = rollout_backend(_cfg("rollout.tensor_parallel=2"), torch.device("cpu"), None)
+    assert backend == "static" and "rollout.tensor_parallel" in why  # backend auto: the engine that splits
 
 
 def test_models_the_split_cannot_run_are_refused_naming_the_key():

@@ -1,7 +1,8 @@
 """The tensor-parallel rollout (rollout.tensor_parallel): on 2 and 4 CPU processes (gloo, fp32) each rank's rows
 of its group's decode are the one-rank rollout's (tokens equal, logprobs within 1e-5), before and after an update
 of the FSDP2 shards, for Llama, Qwen2 and Qwen3, LoRA and full weights; each rank holds 1/N of the decode weights;
-several calls' prompts decoded as one keep each call's samples; bad settings are refused naming the key."""
+a run on 2 and 4 ranks with rollout.tensor_parallel=2 trains like one process; several calls' prompts decoded as
+one keep each call's samples; bad settings are refused naming the key."""
 
 from __future__ import annotations
 
@@ -128,31 +129,33 @@ class RankStreams:
         return self.engine.generate(prompts, dataclasses.replace(options, streams=streams))
 
 
-@pytest.fixture(scope="module")
-def training(tmp_path_factory, shared_dir, one_thread):
-    """The run of `tp_worker.TRAIN` on one process (the rollout as above) and on 2 ranks with
-    rollout.tensor_parallel=2."""
+@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+def training(request, tmp_path_factory, shared_dir, one_thread):
+    """The run of `tp_worker.TRAIN` on one process (the rollout as above) and on 2 or 4 ranks with
+    rollout.tensor_parallel=2 (one group, or two: the eval's rows split over them)."""
     from tests import dist_worker as w
 
-    out, tok_dir = tmp_path_factory.mktemp("tp_train"), shared_dir / "tokenizers" / "gpt2"
+    ranks = request.param
+    out, tok_dir = tmp_path_factory.mktemp(f"tp_train{ranks}"), shared_dir / "tokenizers" / "gpt2"
     single = {}
     for mode, overrides in tp_worker.TRAIN.items():
         real = w.context.make_rollout_engine
-        w.use_engine(lambda engine: RankStreams(engine, 2))
+        w.use_engine(lambda engine: RankStreams(engine, ranks))
         try:
             single[mode] = train(w.config(out / f"{mode}_single", *overrides), model=w.model(),
                                  tokenizer=w.tokenizer(tok_dir)).records
         finally:
             w.context.make_rollout_engine = real
-    proc = torchrun("tp_train", out, None, timeout=400, argv=[str(WORKER), "train", str(out), str(tok_dir)])
+    proc = torchrun("tp_train", out, None, timeout=400, nproc=ranks,
+                    argv=[str(WORKER), "train", str(out), str(tok_dir)])
     assert proc.returncode == 0, proc.stdout[-6000:]
     return out, single
 
 
 @pytest.mark.parametrize("mode", list(tp_worker.TRAIN))
-def test_two_ranks_with_a_split_rollout_train_like_one_process(training, mode):
+def test_ranks_with_a_split_rollout_train_like_one_process(training, mode):
     """Two steps: the rollouts (sampled on each rank's group, from a replica synced from the shards after the first
-    optimizer step), the metrics and the weights are those of one process."""
+    optimizer step), the metrics (the eval's too) and the weights are those of one process."""
     from tests import dist_worker as w
 
     out, single = training

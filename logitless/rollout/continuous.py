@@ -41,7 +41,7 @@ class ContinuousEngine:
         if episodes is not None:
             raise ValueError("rollout.backend=continuous cannot run multi-turn episodes (agent.*): use "
                              "rollout.backend=static (fastest on GPU) or hf")
-        refuse_streams(options, 'continuous')
+        refuse_streams(options, "continuous")
         for name, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0)):
             if getattr(options, name) != off:
                 raise ValueError(

@@ -164,7 +164,7 @@ class HFEngine:
             yield
 
     def generate(self, prompts: Sequence[Prompt], options: SamplingOptions, episodes: Any = None) -> RolloutBatch:
-        refuse_streams(options, 'hf')
+        refuse_streams(options, "hf")
         if episodes is not None:
             return generate_episodes(self, prompts, options, episodes)
         prep = prepare_prompts(self.model, self.tokenizer, prompts, options)

@@ -381,13 +381,13 @@ class StaticEngine:
         """Prefill the prompts and set up what every wave shares: (the call, the prompt of each row [B]).
         extra_eos: more ids that end a row's decode (an episode's turn-end ids)."""
         G, n, device = options.num_generations, prep.ids.shape[0], prep.device
-        B = n * G
         seed = options.seed if options.seed is not None else int(torch.randint(0, 2**62, ()).item())
         prompt_of_row = torch.arange(n, device=device).repeat_interleave(G)  # [B]
         filters = [p for p in sampling_processors(options) if not isinstance(p, TemperatureLogitsWarper)]
         eos = sorted({*(prep.eos_ids if not options.ignore_eos else []), *extra_eos})
+        keys = stream_keys(options.streams or [(seed, n)], n, G, device)  # (a bad streams list fails here, early)
         call = self._prefill(module, prep, options, cache_len)
-        call.keys = stream_keys(options.streams or [(seed, n)], n, G, device)
+        call.keys = keys
         call.codes, call.filters = vocab_codes(call.first_logits.shape[-1], device), filters
         call.eos = torch.tensor(eos, dtype=torch.long, device=device)
         return call, prompt_of_row

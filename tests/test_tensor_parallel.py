@@ -72,6 +72,16 @@ def test_two_ranks_sample_what_one_rank_samples(two_ranks, family, weights):
     check_bytes(two_ranks, case, 2)
 
 
+def test_the_compiled_decode_of_a_split_replica_is_one_graph_and_samples_the_same(two_ranks):
+    """The engine's compiled forward (inductor, here on CPU) traces the split model, its collectives included, as
+    one graph without a break (what the CUDA-graph decode step captures on a GPU), and samples what the one-rank
+    rollout samples."""
+    for r, results in enumerate(two_ranks):
+        x = results["compiled"]
+        assert x["graphs"] == 1 and x["breaks"] == 0, (r, x)
+        assert x["tokens_equal"] and x["logp_diff"] <= TOL, (r, x)
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("weights", ["lora", "full"])

@@ -8,7 +8,7 @@ this file.
 "rollout": for each tensor-parallel size, family and weights (LoRA, full), every rank decodes its own prompts twice
 (before and after an update of the sharded weights) through the group's split replica, and the same prompts on its
 own with the whole model (the one-rank rollout, `rank_seed` as the trainer seeds it); it writes what the test
-checks to OUT_DIR/rank{R}.json. "train": two training steps of `dist_worker`'s run with rollout.tensor_parallel=2
+checks to OUT_DIR/rank{R}.json; on 2 ranks also the split decode compiled (`compiled`). "train": two training steps of `dist_worker`'s run with rollout.tensor_parallel=2
 (`TRAIN`), its records written to OUT_DIR/tp_ranks.json by rank 0. "gpu": the split rollout in bf16 on 2 GPUs
 (nccl) against the one-GPU rollout (`gpu`).
 """
@@ -117,6 +117,29 @@ def case(tp: int, family: str, lora: bool, world: World) -> dict:
         update(sharded, 100 + r)
         update(whole, 100 + r)
     return out
+
+
+def compiled(world: World) -> dict:
+    """The split Llama (LoRA) decoding with the engine's compiled forward (inductor on CPU, the group's collectives
+    inside the graph) against the one-rank rollout, and what dynamo made of the forward."""
+    from torch._dynamo.utils import counters
+
+    device = torch.device("cpu")
+    mesh = tp_mesh(world.size, world.size, device)
+    sharded, whole = model("llama", True), model("llama", True)
+    replica = TensorParallelCopy(sharded, mesh, device)
+    shard_model(sharded, device)
+    replica.materialize()
+    replica.sync(sharded)
+    options = OPTIONS.__class__(**{**OPTIONS.__dict__, "seed": rank_seed(99, world)})
+    mine = rank_share(PROMPTS, world)
+    counters.clear()
+    got = group_decode(make_engine("static", replica.model, TOK, check_every=4, compile=True), mesh,
+                       device).generate(mine, options)
+    stats = {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
+    want = one_rank(whole, mine, options.seed, True)
+    return {"tokens_equal": torch.equal(got.completion_ids, want.completion_ids),
+            "logp_diff": float((got.sampler_logp - want.sampler_logp).abs().max()), **stats}
 
 
 def one_rank_logp(m: torch.nn.Module, b, lora: bool) -> torch.Tensor:
@@ -233,6 +256,8 @@ def main(kind: str, out_dir: str, *args: str) -> None:
         for family in families.split(","):
             for lora in (True, False):
                 results[f"tp{tp}-{family}-{'lora' if lora else 'full'}"] = case(tp, family, lora, world)
+    if world.size == 2:
+        results["compiled"] = compiled(world)
     Path(out_dir, f"rank{world.rank}.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()

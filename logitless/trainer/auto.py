@@ -370,7 +370,7 @@ def step_shape(cfg: TrainerConfig, model: Any, world_size: int = 1) -> mp.StepSh
     r = cfg.rollout
     context = getattr(text_config(_base(model)), "max_position_embeddings", None)
     prompt = r.max_prompt_length if r.max_prompt_length is not None else max((context or 0) - r.max_completion_length, 1)
-    prompts = max(cfg.train.prompts_per_step // max(world_size, 1), 1)
+    prompts = max(-(-cfg.train.prompts_per_step // max(world_size, 1)), 1)  # the largest rank share
     agent = getattr(cfg, "agent", None)
     return mp.StepShape(prompts=prompts, rows=prompts * r.num_generations, prompt_len=prompt,
                         completion_len=r.max_completion_length, context=context,

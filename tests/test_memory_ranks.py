@@ -1,5 +1,6 @@
-"""The per-GPU memory model on N ranks (trainer/memory_ranks.py): what shrinks with the rank count and what does
-not, and the unit sizes it reads off a model."""
+"""The per-GPU memory model on N ranks (trainer/memory_ranks.py): its predictions against the recorded 1- and 2-GPU
+runs, what shrinks with the rank count and what does not, and the unit sizes it reads off a model; the scaling
+summary of bench/bench_fsdp.py (its runs themselves need torchrun: see its docstring)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,38 @@ import dataclasses
 import pytest
 import torch
 
+from bench import bench_fsdp
 from logitless.trainer import memory_plan as mp
 from logitless.trainer import memory_ranks as mr
 from logitless.trainer.auto import model_memory
 from logitless.trainer.config import load_train_config
 from tests.conftest import tiny_qwen2
+
+# The recorded runs allow this much: every checked phase of every 1- and 2-GPU run is within it (the largest miss,
+# -2.9 %, is the 2-GPU update with parked states). A change of the model or of the plan it builds on that moves
+# a prediction further fails here.
+BOUND = 0.03
+
+
+def test_predictions_match_the_recorded_one_and_two_gpu_runs():
+    """Rollout and update peaks of every recorded 1- and 2-GPU run of today's layout (full fine-tuning with and
+    without parked states, LoRA with 16-row and 32k-token micro-batches; 1.5B shape, H200) within BOUND, and the
+    step's per-GPU peak ratio 2 GPUs / 1 GPU within 0.03 of the measured one (the records
+    allow 0.024: 0.634 predicted against 0.657 measured with parked states)."""
+    rows = bench_fsdp.check_recorded()
+    checked = [r for r in rows if r["checked"]]
+    assert len(checked) == 16 and {r["gpus"] for r in checked} == {1, 2}
+    bad = [(r["file"], r["variant"], r["gpus"], r["phase"], round(r["error"], 3)) for r in checked
+           if abs(r["error"]) > BOUND]
+    assert not bad, bad
+    runs: dict[tuple[str, str], dict[int, list[dict]]] = {}
+    for r in checked:
+        runs.setdefault((r["file"], r["variant"]), {}).setdefault(r["gpus"], []).append(r)
+    for key, by_gpus in runs.items():
+        measured = [max(x["measured_gib"] for x in by_gpus[n]) for n in (1, 2)]
+        predicted = [max(x["predicted_gib"] for x in by_gpus[n]) for n in (1, 2)]
+        assert abs(predicted[1] / predicted[0] - measured[1] / measured[0]) <= 0.03, key
+
 
 def _model(lora: bool, tie: bool, *over: str):
     """A small untied (or tied) Qwen2 of odd sizes: 3 layers, vocab 1,000, hidden 48."""
@@ -99,3 +127,62 @@ def test_more_than_one_rank_needs_the_unit_sizes():
     with pytest.raises(ValueError, match="Ranks.units"):
         mr.predict(m, mp.StepShape(prompts=2, rows=4, prompt_len=4, completion_len=4), mp.RunFacts(), mp.Knobs(),
                    mr.Ranks(2))
+
+
+def test_predict_table_of_the_bench_runs_without_a_gpu(capsys):
+    """`bench_fsdp.py --predict` at 1, 2, 4, 8 ranks (the 1.5B shape, no GPU): the per-GPU peak falls with every
+    rank count, for full fine-tuning and LoRA, and each row is printed."""
+    args = bench_fsdp.argparse.Namespace(shape="1.5b", backend="static", G=8, tokens=512, steps=2, prompts=64,
+                                         micro=16, gc=True, scaling="strong", set=[], modes="full,lora",
+                                         ranks=[1, 2, 4, 8], tokenizer=None, device_gib=139.8)
+    table = bench_fsdp.predict_table(args)
+    for mode in ("full", "lora"):
+        peaks = [table[mode][n]["peak_gib"] for n in (1, 2, 4, 8)]
+        assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4
+    out = capsys.readouterr().out
+    assert all(f"{mode:5s} strong {n} GPU" in out for mode in ("full", "lora") for n in (1, 2, 4, 8))
+
+
+def _run(gpus: int, prompts: int, tok_s: float, generate_s: float, train_s: float, peak: float, predicted: float):
+    """One rank count's result file of bench_fsdp.py (the fields --summarize reads), one mode."""
+    mode = {"global_prompts": prompts, "median_step_s": generate_s + train_s, "completion_tokens_per_s": tok_s,
+            "median_phase_s": {"time/generate": generate_s, "time/score": 0.01, "time/logprobs": 0.0,
+                               "time/train": train_s},
+            "peak_gib_per_gpu_max": peak, "peak_gib_per_phase": {"generate": peak, "train": peak / 2},
+            "predicted": {"peak_gib": predicted, "phase_gib": {"generate": predicted, "train": predicted / 2}}}
+    return {"info": {"device": "NVIDIA H100", "gpus": gpus}, "modes": {"lora": mode}}
+
+
+@pytest.mark.parametrize("scaling", ["strong", "weak"])
+def test_summary_sets_each_rank_count_against_one_gpu(tmp_path, scaling, capsys):
+    """--summarize: tokens/s speedup and efficiency, the rollout's and the update's speedup in prompts per second
+    (weak scaling: N prompts' worth per GPU), the per-GPU peak ratio and the prediction's error; 8 GPUs missing."""
+    args = bench_fsdp.argparse.Namespace(out=str(tmp_path), shape="1.5b", backend="static", scaling=scaling, tag="")
+    weak = scaling == "weak"
+    runs = {1: _run(1, 16, 1000.0, 4.0, 10.0, 14.0, 14.5),
+            2: _run(2, 32 if weak else 16, 1900.0, 2.5 if weak else 3.0, 10.5 if weak else 5.0, 10.0, 9.5),
+            4: _run(4, 64 if weak else 16, 3500.0, 3.0 if weak else 2.0, 11.0 if weak else 2.5, 8.0, 8.4)}
+    for n, run in runs.items():
+        (tmp_path / bench_fsdp.result_name(args, n)).write_text(bench_fsdp.json.dumps(run))
+    summary = bench_fsdp.summarize(args)
+    rows = summary["modes"]["lora"]
+    assert [r["gpus"] for r in rows] == [1, 2, 4]
+    for r in rows:
+        n, one, mine = r["gpus"], runs[1]["modes"]["lora"], runs[r["gpus"]]["modes"]["lora"]
+        assert r["speedup"] == pytest.approx(mine["completion_tokens_per_s"] / 1000.0)
+        assert r["efficiency"] == pytest.approx(r["speedup"] / n)
+        share = (n if weak else 1)
+        assert r["phase_speedup"]["generate"] == pytest.approx(share * 4.0 / mine["median_phase_s"]["time/generate"])
+        assert r["phase_speedup"]["train"] == pytest.approx(share * 10.0 / mine["median_phase_s"]["time/train"])
+        assert r["peak_ratio"] == pytest.approx(mine["peak_gib_per_gpu_max"] / one["peak_gib_per_gpu_max"])
+        assert r["prediction_error"] == pytest.approx(mine["predicted"]["peak_gib"] / mine["peak_gib_per_gpu_max"] - 1)
+    saved = bench_fsdp.json.loads((tmp_path / bench_fsdp.result_name(args, "summary")).read_text())
+    assert saved["modes"] == bench_fsdp.json.loads(bench_fsdp.json.dumps(summary["modes"]))
+    assert "4 GPU" in capsys.readouterr().out
+
+
+def test_summary_needs_the_one_gpu_run(tmp_path):
+    args = bench_fsdp.argparse.Namespace(out=str(tmp_path), shape="7b", backend="static", scaling="weak", tag="")
+    (tmp_path / bench_fsdp.result_name(args, 2)).write_text(bench_fsdp.json.dumps(_run(2, 8, 1.0, 1.0, 1.0, 1.0, 1.0)))
+    with pytest.raises(SystemExit, match="needs the 1-GPU run .*fsdp_7b_static_weak_1gpu.json"):
+        bench_fsdp.summarize(args)

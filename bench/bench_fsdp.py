@@ -46,7 +46,6 @@ from bench.bench_e2e import SHAPES, commit, make_model_dir, versions  # noqa: E4
 from bench.bench_plan import DEVICE_GIB, GSM8K_SAMPLE_PROMPT, longest_prompt, skeleton  # noqa: E402
 from logitless.trainer import load_train_config, parallel, stages, train  # noqa: E402
 from logitless.trainer import memory_plan as mp  # noqa: E402
-from logitless.trainer import memory_ranks as mr  # noqa: E402
 
 PHASES = ("time/generate", "time/score", "time/logprobs", "time/train")
 # "auto" settings decided differently on one process (the memory plan, Liger) and under torchrun (no plan)
@@ -118,27 +117,19 @@ def overrides(mode: str, args: argparse.Namespace, ranks: int) -> list[str]:
 
 
 def prediction(mode: str, args: argparse.Namespace, ranks: int, prompt_len: int, device_gib: float) -> dict[str, Any]:
-    """The memory model's per-GPU peak of each phase (GiB) for this mode at `ranks` ranks, with the settings "auto"
-    decides for it (`resolve`, as the trainer does: on one process the plan's KV cap for `device_gib`)."""
-    from logitless.trainer.auto import model_memory, resolve, run_facts
-    from logitless.trainer.oom import knobs_of
+    """The per-GPU peak of each phase (GiB) for this mode at `ranks` ranks as the trainer resolves it (`resolve`:
+    on one process the memory plan, with its KV cap for `device_gib`; on several the memory model of
+    `auto.rank_memory`), at the step's longest prompt."""
+    from logitless.trainer.auto import resolve
 
-    model = skeleton(args.shape)
-    cfg = load_train_config(None, ["model.name_or_path=unused", *overrides(mode, args, ranks)])
-    cfg = resolve(cfg, world_size=ranks, device=torch.device("cuda"), skeleton=model, free_gib=device_gib).cfg
-    m = model_memory(model, cfg.model, torch.bfloat16)
-    kernels = "compiled" if cfg.model.compile_layers is True else "eager"
-    facts = run_facts(cfg, cfg.rollout.backend, kernels, torch.device("cuda"))
-    n = global_prompts(args, ranks)
-    step = mp.StepShape(prompts=n, rows=n * args.G, prompt_len=prompt_len, completion_len=args.tokens,
-                        context=model.config.max_position_embeddings)
-    copy = cfg.rollout.weight_copy or "sleep"
-    layout = mr.Ranks(ranks, mr.units_of(model), weight_copy="resident" if copy == "resident" else "sleep",
-                      merged_replica=cfg.rollout.merge_lora is not False)
-    phases = mr.predict(m, step, facts, knobs_of(cfg), layout)
-    return {"peak_gib": mr.peak(phases) / mp.GIB,
-            "phase_gib": {p: sum(v.values()) / mp.GIB for p, v in phases.items()},
-            "parts_gib": {p: {k: round(x / mp.GIB, 4) for k, x in v.items() if x} for p, v in phases.items()}}
+    cfg = load_train_config(None, ["model.name_or_path=unused", f"rollout.max_prompt_length={prompt_len}",
+                                   *overrides(mode, args, ranks)])
+    res = resolve(cfg, world_size=ranks, device=torch.device("cuda"), skeleton=skeleton(args.shape),
+                  free_gib=device_gib)
+    plan = res.plan if ranks == 1 else res.rank_memory
+    assert plan is not None, res.notes
+    return {"peak_gib": plan.step_peak / mp.GIB, "phase_gib": {p: plan.peak(p) / mp.GIB for p in plan.phases},
+            "parts_gib": {p: {k: round(x / mp.GIB, 4) for k, x in v.items() if x} for p, v in plan.phases.items()}}
 
 
 def run_mode(mode: str, model_dir: Path, args, world: parallel.World, work: Path) -> dict:

@@ -186,3 +186,57 @@ def test_summary_needs_the_one_gpu_run(tmp_path):
     (tmp_path / bench_fsdp.result_name(args, 2)).write_text(bench_fsdp.json.dumps(_run(2, 8, 1.0, 1.0, 1.0, 1.0, 1.0)))
     with pytest.raises(SystemExit, match="needs the 1-GPU run .*fsdp_7b_static_weak_1gpu.json"):
         bench_fsdp.summarize(args)
+
+
+def test_torchrun_runs_resolve_the_per_gpu_memory_of_their_rank_count():
+    """Under torchrun (world_size > 1) `resolve` makes no plan but gives the memory model's phases for the run's
+    own settings, saved in resolved.json; one that cannot fit names the settings that make it leaner."""
+    from bench.bench_plan import skeleton
+    from logitless.trainer import auto
+    from logitless.trainer.oom import knobs_of
+
+    model = skeleton("1.5b")
+    over = ["rollout.max_completion_length=512", "rollout.max_prompt_length=200", "train.prompts_per_step=64",
+            "rollout.backend=static", "model.gradient_checkpointing=true", "model.lora=false"]
+    cfg = load_train_config(None, over)
+    one = auto.resolve(cfg, device=torch.device("cuda"), skeleton=model, free_gib=80.0)
+    assert one.rank_memory is None and one.plan is not None and one.to_json()["rank_memory"] is None
+    res = auto.resolve(cfg, world_size=4, device=torch.device("cuda"), skeleton=model, free_gib=80.0)
+    assert res.plan is None and res.ranks == 4 and res.rank_memory.fits
+    m = model_memory(model, res.cfg.model, torch.bfloat16)
+    step = mp.StepShape(prompts=64, rows=64 * 8, prompt_len=200, completion_len=512,
+                        context=model.config.max_position_embeddings)
+    facts = auto.run_facts(res.cfg, "static", "eager", torch.device("cuda"))
+    assert res.rank_memory.phases == mr.predict(m, step, facts, knobs_of(res.cfg), mr.Ranks(4, mr.units_of(model)))
+    saved = res.to_json()["rank_memory"]
+    assert saved["ranks"] == 4 and saved["predicted_gib"]["train"] == res.rank_memory.peak("train") / mp.GIB
+    tight = auto.resolve(load_train_config(None, [*over, "train.memory_budget_gib=4"]), world_size=4,
+                         device=torch.device("cuda"), skeleton=model)
+    assert not tight.rank_memory.fits
+    note = next(n for n in tight.notes if n.startswith("memory model on 4 ranks: the train phase is predicted at "))
+    assert "micro_batch_tokens" in note and "more ranks" in note
+    assert "model.gradient_checkpointing" not in note and "offload_during_rollout" not in note  # (on; the rollout's)
+
+
+def test_dry_run_on_ranks_prints_the_per_gpu_table_and_checks_the_rank_count(tmp_path, capsys):
+    """`logitless train --dry-run --ranks N` (a model folder with its config.json only): the memory model's table for
+    N ranks; a step with fewer prompts than ranks is refused as torchrun would; --ranks without --dry-run is a
+    usage error."""
+    from transformers import Qwen2Config
+
+    from bench.bench_plan import SHAPES
+    from logitless.cli import main
+
+    Qwen2Config(vocab_size=151_936, max_position_embeddings=32_768, **SHAPES["1.5b"]).save_pretrained(tmp_path)
+    over = [f"model.name_or_path={tmp_path}", "model.device=cpu", "train.memory_budget_gib=24",
+            "train.prompts_per_step=8", "rollout.max_prompt_length=256"]
+    assert main(["train", "--dry-run", "--ranks", "4", *over]) == 0
+    err = capsys.readouterr().err
+    assert "memory model on 4 ranks: predicted peak per GPU and phase (GiB), budget 24.0" in err
+    assert "memory plan: predicted" not in err and "root unit (whole)" in err
+    assert main(["train", "--dry-run", "--ranks", "16", *over]) == 1
+    assert "train.prompts_per_step=8 is the global prompt count of a step, split across the 16 ranks" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--ranks", "2", *over])
+    assert "--ranks 2: give a rank count of at least 1, with --dry-run" in capsys.readouterr().err

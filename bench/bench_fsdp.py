@@ -5,23 +5,25 @@ sharded model before `generate` and its release after; `static`: the in-place sy
 
 Scaling (--scaling): `strong` keeps --prompts the global prompt count of a step at every rank count (the same
 batch, split); `weak` gives each GPU --prompts prompts (the global batch grows with the GPUs). One command per
-rank count; --summarize then sets each against the 1-GPU run of the same settings:
+rank count (and per mode, where one command would take too long: each adds its mode to the rank count's file);
+the one-GPU run serves both scalings. --summarize then sets each against the one-GPU run of the same settings:
 
-    for N in 1 2 4 8; do
-      torchrun --standalone --nproc-per-node $N bench/bench_fsdp.py --tokenizer QWEN2.5_TOKENIZER --out DIR \\
-          --shape 1.5b --backend static --gc --tokens 512 --prompts 64 --scaling strong
-    done
+    for N in 1 2 4 8; do for MODE in lora full; do
+      torchrun --standalone --nproc-per-node $N bench/bench_fsdp.py --tokenizer QWEN2.5_TOKENIZER --out DIR \
+          --shape 1.5b --backend static --gc --tokens 512 --prompts 64 --steps 3 --modes $MODE --scaling strong
+    done; done
     python bench/bench_fsdp.py --summarize --out DIR --shape 1.5b --backend static --scaling strong
     # no GPU: the model's per-GPU peaks at 1, 2, 4, 8 ranks, and predicted against measured for bench/results
     python bench/bench_fsdp.py --predict --shape 7b --backend static --gc --tokens 512 --prompts 64
     python bench/bench_fsdp.py --check-recorded
-    # CPU smoke run (gloo): --shape tiny --backend hf
+    # CPU smoke run (gloo): --shape tiny --backend hf --tokens 8 --prompts 2 --G 2 --micro 2 --steps 2
 
 With one process the run is the plain single-GPU trainer (no process group, no FSDP). Settings that "auto" decides
 differently on one process and under torchrun are pinned (`PINNED`; --set overrides them), so every rank count runs
 the same step. The model is a random-init Qwen2.5-shaped model (bench_e2e.py); prompts are the packaged GSM8K
 sample; the reward is bench_e2e's `distinct_chars`, which varies on random text, so every step trains. Writes
-`fsdp_<shape>_<backend>_<scaling>_<N>gpu[_tag].json` and, with --summarize, `..._summary.json`.
+`fsdp_<shape>_<backend>_1gpu[_tag].json`, `fsdp_<shape>_<backend>_<scaling>_<N>gpu[_tag].json` and, with
+--summarize, `fsdp_<shape>_<backend>_<scaling>_summary[_tag].json`.
 """
 
 from __future__ import annotations
@@ -168,37 +170,54 @@ def run_mode(mode: str, model_dir: Path, args, world: parallel.World, work: Path
 
 
 def result_name(args: argparse.Namespace, ranks: int | str) -> str:
+    """The file of a rank count's run (one GPU: the same run for strong and weak scaling) or of the summary."""
     tag = f"_{args.tag}" if args.tag else ""
+    if ranks == 1:
+        return f"fsdp_{args.shape}_{args.backend}_1gpu{tag}.json"
     suffix = "summary" if ranks == "summary" else f"{ranks}gpu"
     return f"fsdp_{args.shape}_{args.backend}_{args.scaling}_{suffix}{tag}.json"
+
+
+def earlier_result(path: Path, shape: dict[str, Any], modes: list[str]) -> dict[str, Any] | None:
+    """The result file this run adds its modes to (one command per mode fits a time limit), or None; refuses one
+    measured with other settings, or that holds a mode this run would measure again (nothing is overwritten)."""
+    if not path.is_file():
+        return None
+    earlier = json.loads(path.read_text())
+    again = sorted(set(modes) & set(earlier["modes"]))
+    if earlier["shape"] != shape or again:
+        why = f"it already holds {', '.join(again)}" if again else "it was measured with other settings"
+        raise SystemExit(f"{path} exists and {why}; pass --tag NAME or another --out (or move the file away)")
+    return earlier
 
 
 def measure(args: argparse.Namespace) -> None:
     world = parallel.init_distributed("auto")
     out, work = Path(args.out), Path(args.out) / f".work-fsdp-{world.size}"
+    prompt_len = longest_prompt(args.tokenizer)
+    shape = {"model": f"Qwen2.5-{args.shape} shape, random init, bf16",
+             **({"scaling": args.scaling} if world.size > 1 else {}),  # (one GPU's run serves both)
+             "global_prompts_per_step": global_prompts(args, world.size), "G": args.G,
+             "max_completion_length": args.tokens, "micro_batch_size": args.micro, "gradient_checkpointing": args.gc,
+             "steps": args.steps, "rollout": args.backend, "pinned": PINNED, "overrides": args.set,
+             "longest_prompt": prompt_len}
+    earlier = earlier_result(out / result_name(args, world.size), shape, args.modes.split(","))  # before the runs
     if world.main:
         out.mkdir(parents=True, exist_ok=True)
         make_model_dir(args.shape, args.tokenizer, work)
     if world.distributed:
         dist.barrier()
     model_dir = work / f"qwen2.5-{args.shape}-random"
-    prompt_len = longest_prompt(args.tokenizer)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else DEVICE_GIB["H200"]
-    result = {
-        "info": {"device": gpu, "gpus": world.size, "versions": versions(), "commit": args.commit or commit(),
-                 "date": time.strftime("%Y-%m-%d")},
-        "shape": {"model": f"Qwen2.5-{args.shape} shape, random init, bf16", "scaling": args.scaling,
-                  "global_prompts_per_step": global_prompts(args, world.size), "G": args.G,
-                  "max_completion_length": args.tokens, "micro_batch_size": args.micro, "gradient_checkpointing": args.gc,
-                  "steps": args.steps, "rollout": args.backend, "pinned": PINNED, "overrides": args.set,
-                  "longest_prompt": prompt_len},
-        "modes": {},
-    }
+    info = {"device": gpu, "gpus": world.size, "versions": versions(), "commit": args.commit or commit(),
+            "date": time.strftime("%Y-%m-%d")}
+    # (each mode keeps the info of the command that measured it; the file's is the latest command's)
+    result = {"info": info, "shape": shape, "modes": dict(earlier["modes"]) if earlier is not None else {}}
     for mode in args.modes.split(","):
         r = run_mode(mode, model_dir, args, world, work)
         r["predicted"] = prediction(mode, args, world.size, prompt_len, device_gib)
-        result["modes"][mode] = r
+        result["modes"][mode] = {**r, "info": info}
         if world.main:
             print(f"{world.size} GPU {mode:5s} step {r['median_step_s']:.2f} s  {r['completion_tokens_per_s']:.0f} tok/s  "
                   f"peak/GPU {r['peak_gib_per_gpu_max']:.2f} GiB (predicted {r['predicted']['peak_gib']:.2f})  "

@@ -184,7 +184,7 @@ def test_summary_sets_each_rank_count_against_one_gpu(tmp_path, scaling, capsys)
 def test_summary_needs_the_one_gpu_run(tmp_path):
     args = bench_fsdp.argparse.Namespace(out=str(tmp_path), shape="7b", backend="static", scaling="weak", tag="")
     (tmp_path / bench_fsdp.result_name(args, 2)).write_text(bench_fsdp.json.dumps(_run(2, 8, 1.0, 1.0, 1.0, 1.0, 1.0)))
-    with pytest.raises(SystemExit, match="needs the 1-GPU run .*fsdp_7b_static_weak_1gpu.json"):
+    with pytest.raises(SystemExit, match="needs the 1-GPU run .*fsdp_7b_static_1gpu.json"):
         bench_fsdp.summarize(args)
 
 
@@ -240,3 +240,16 @@ def test_dry_run_on_ranks_prints_the_per_gpu_table_and_checks_the_rank_count(tmp
     with pytest.raises(SystemExit):
         main(["train", "--ranks", "2", *over])
     assert "--ranks 2: give a rank count of at least 1, with --dry-run" in capsys.readouterr().err
+
+
+def test_a_result_file_takes_new_modes_and_never_loses_one(tmp_path):
+    """One command per mode adds to the rank count's result file; a mode measured already, or a file of other
+    settings, is refused with the way out, before anything runs."""
+    path, shape = tmp_path / "fsdp_7b_static_strong_8gpu.json", {"G": 8, "max_completion_length": 512}
+    assert bench_fsdp.earlier_result(path, shape, ["lora"]) is None
+    path.write_text(bench_fsdp.json.dumps({"info": {}, "shape": shape, "modes": {"lora": {"median_step_s": 3.0}}}))
+    assert bench_fsdp.earlier_result(path, shape, ["full"])["modes"]["lora"] == {"median_step_s": 3.0}
+    with pytest.raises(SystemExit, match="already holds lora; pass --tag NAME or another --out"):
+        bench_fsdp.earlier_result(path, shape, ["full", "lora"])
+    with pytest.raises(SystemExit, match="measured with other settings"):
+        bench_fsdp.earlier_result(path, {**shape, "G": 16}, ["full"])

@@ -310,7 +310,9 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = 100  # steps (rollout batches) of the run
-    prompts_per_step: int = 8  # prompts of a step, each sampled rollout.num_generations times
+    # prompts of a step, each sampled rollout.num_generations times; under torchrun all ranks' together, split in
+    # contiguous shares that differ by at most one prompt (at least one prompt per rank)
+    prompts_per_step: int = 8
     micro_batch_size: int = 16  # completions per forward/backward (sorted by length), without a token budget
     # Token budget of a micro-batch (None: off): rows are added while prompt + completion tokens, padding of
     # the micro-batch included (none when packed), stay within it, so the peak is bounded by tokens, not rows;

@@ -117,7 +117,7 @@ def test_every_candidate_the_plan_skips_would_not_fit():
     facts = run_facts(cfg, "static", "compiled", torch.device("cuda"))
     for budget in (6.0, 9.0, 24.0, 79.1):
         plan = mp.plan(mem, step, facts, mp.Knobs(packed=True), budget * GIB)
-        for k in mp._train_candidates(step, mp.Knobs(packed=True)):
+        for k in mp._train_candidates(mem, step, mp.Knobs(packed=True)):
             if k == dataclasses.replace(plan.knobs, max_kv_gib=None, offload_during_rollout=None):
                 break
             train = sum(mp.train_bytes(mem, step, facts, k).values())
@@ -164,10 +164,12 @@ def test_leaner_settings_after_an_out_of_memory_error():
     before = sum(mp.train_bytes(mem, step, facts, start).values())
     nxt = mp.leaner(mem, step, facts, start, "train")
     assert nxt.gradient_checkpointing and sum(mp.train_bytes(mem, step, facts, nxt).values()) <= mp.RETRY_SHARE * before
-    # the ladder ends at one row per micro-batch with checkpointing and offload
+    # one row per micro-batch with checkpointing and offload: then the tiled MLP, where the model's can be tiled
     k = dataclasses.replace(start, gradient_checkpointing=True, activation_offload=True, micro_batch_tokens=step.longest_row)
-    assert mp.leaner(mem, step, facts, k, "train") is None
-    rows = dataclasses.replace(k, by_rows=True, micro_batch_tokens=None, micro_batch_size=1)
+    assert mem.mlp_tileable and mp.leaner(mem, step, facts, k, "train") == dataclasses.replace(k, tiled_mlp=True)
+    assert mp.leaner(mem, step, facts, dataclasses.replace(k, tiled_mlp=True), "train") is None
+    assert mp.leaner(dataclasses.replace(mem, mlp_tileable=False), step, facts, k, "train") is None
+    rows = dataclasses.replace(k, by_rows=True, micro_batch_tokens=None, micro_batch_size=1, tiled_mlp=True)
     assert mp.leaner(mem, step, facts, rows, "train") is None
     # the rollout: half the rows per wave, at the cache length the engine has used
     half = mp.leaner(mem, step, facts, start, "generate", cache_len=1280)

@@ -167,6 +167,13 @@ MODES = {
 }
 
 
+# Overrides of the ranks' runs only: their MLPs tiled (models/tiled_mlp.py, chunks of 5 tokens, far fewer than a
+# micro-batch's) against the untiled single process, so the comparison also holds the tiled MLP to the untiled one
+# under FSDP2: padded LoRA micro-batches without checkpointing, and full fine-tuning (the MLP weights' gradients
+# reduce-scattered) under checkpointing with a no-grad logprobs pass.
+RANKS_ONLY = {"lora": ["model.mlp_chunk_tokens=5"], "full": ["model.mlp_chunk_tokens=5"]}
+
+
 @contextlib.contextmanager
 def offload_every_saved_tensor():
     """Activation offload takes every saved tensor, not only those of 1 MiB or more (none is, in the tiny model),
@@ -182,7 +189,8 @@ def equivalence(out: Path, tok) -> None:
     for mode, overrides in MODES.items():
         use_engine(lambda real, mode=mode: Replay(out / f"rollout_{mode}.pt"))
         with offload_every_saved_tensor():
-            result = train(config(out / f"{mode}_ranks", *overrides), model=model(), tokenizer=tok)
+            result = train(config(out / f"{mode}_ranks", *overrides, *RANKS_ONLY.get(mode, [])), model=model(),
+                           tokenizer=tok)
         if int(os.environ["RANK"]) == 0:
             (out / f"{mode}_ranks.json").write_text(json.dumps(untimed(result.records)))
 

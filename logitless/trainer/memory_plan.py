@@ -245,8 +245,9 @@ def _layer_bytes(m: ModelMemory, tokens: int, mlp_tokens: int | None = None) -> 
 
 def mask_bytes(step: StepShape, knobs: Knobs, tokens: int) -> float:
     """The [S, S] attention masks of a padded micro-batch of `tokens` tokens whose rows are the longest (none when
-    packed: the varlen path needs no mask)."""
-    if knobs.packed:
+    packed: the varlen path needs no mask; none for micro-batches of one row: it keeps only its own columns, and
+    sdpa attends to an unpadded row with its causal kernel)."""
+    if knobs.packed or step.rows == 1 or (knobs.by_rows and knobs.micro_batch_size == 1):
         return 0.0
     rows = max(tokens // step.longest_row, 1)
     return MASK_BYTES * rows * step.longest_row**2

@@ -275,7 +275,53 @@ def test_tiling_cuts_the_update_peak_by_the_mlp_intermediates_on_a_gpu():
     assert out.returncode == 0, out.stderr[-4000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["untiled_gib"] - r["tiled_gib"] > 3.0, r  # two layers' 2 GiB, less one chunk's recompute
-    assert r["grad_rel"] < 2e-2, r  # bf16: the same gradients up to the sum order
+    assert r["grad_rel"] < 2e-2, r  # (the bf16 bound is tied to the untiled error in the test below)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tiled_bf16_on_cuda_is_as_close_to_fp32_as_the_untiled_model():
+    """Full fine-tuning in bf16 on CUDA, two Qwen2 layers over 16,384 tokens tiled in 16 chunks: the final hidden
+    states and every weight gradient differ from an fp32 reference (same weights, TF32 off) by at most 1.1x what
+    the untiled bf16 model's differ, measured here: the bound is bf16's own rounding on this model, not a constant.
+    (The same test on the CPU at width 64 and 2,048 tokens: MLP weight gradients 1.02x with the chunks summed in
+    fp32, 1.2x summed in bf16; everything else 1.0x.)"""
+    import copy
+
+    torch.manual_seed(0)
+    cfg = tf.Qwen2Config(vocab_size=512, hidden_size=512, intermediate_size=2048, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, attn_implementation="sdpa")
+    reference = tf.Qwen2ForCausalLM(cfg).cuda().train()
+    g = torch.Generator("cuda").manual_seed(1)
+    ids = torch.randint(0, 512, (1, 16_384), device="cuda", generator=g)
+    weight = torch.randn(1, 16_384, 512, device="cuda", generator=g)  # d loss / d hidden: every token, every width
+
+    def run(model):
+        h = model.model(input_ids=ids).last_hidden_state
+        (h.float() * weight).sum().backward()
+        grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+        return h.detach().float(), grads
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        exact = run(reference)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    untiled = copy.deepcopy(reference).to(torch.bfloat16)
+    tiled = copy.deepcopy(reference).to(torch.bfloat16)
+    untiled.zero_grad(set_to_none=True)
+    tiled.zero_grad(set_to_none=True)
+    tm.tile_mlps(tiled, 1024)
+    plain, chunked = run(untiled), run(tiled)
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    out, base = rel(chunked[0], exact[0]), rel(plain[0], exact[0])
+    assert out <= 1.1 * base, (out, base)
+    mlp = [n for n in exact[1] if ".mlp." in n]
+    assert len(mlp) == 6 and set(chunked[1]) == set(exact[1])
+    for name, want in exact[1].items():
+        err, base = rel(chunked[1][name], want), rel(plain[1][name], want)
+        assert err <= 1.1 * base, (name, err, base)
 
 
 LIGER = r"""

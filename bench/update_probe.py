@@ -154,6 +154,7 @@ def install(prompt_tokens: int, completion_tokens: int, one_long_row: bool) -> N
 
 def settings(prompt_tokens: int) -> list[str]:
     """The trainer settings of an update-only probe (before the user's --set): the rewards that keep every advantage
-    non-zero, and a prompt limit that holds the given prompts and the task's own (the data is still checked)."""
+    non-zero, a prompt limit that holds the given prompts and the task's own (the data is still checked), and no
+    sampler-mismatch warning (the given logprobs are the uniform distribution's, not a sampler's)."""
     return ["reward.reward_funcs=[bench.update_probe:text_hash]", "rollout.backend=hf",
-            f"rollout.max_prompt_length={max(prompt_tokens, 512)}"]
+            f"rollout.max_prompt_length={max(prompt_tokens, 512)}", "logging.mismatch_warning=null"]

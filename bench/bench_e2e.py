@@ -111,9 +111,9 @@ class SyntheticAgent:
         return Driver()
 
 
-def make_model_dir(shape: str, tokenizer_dir: str, root: Path) -> Path:
+def make_model_dir(shape: str, tokenizer_dir: str, root: Path, any_tokenizer: bool = False) -> Path:
     """A random-init model of a Qwen2.5 shape (SHAPES) or another family's (update_probe.FAMILY_SHAPES) with the
-    real tokenizer, saved as a local folder."""
+    real tokenizer, saved as a local folder (`any_tokenizer`: one of another family, for update-only probes)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     out = root / (f"qwen2.5-{shape}-random" if shape in SHAPES else f"{shape}-random")
@@ -123,7 +123,7 @@ def make_model_dir(shape: str, tokenizer_dir: str, root: Path) -> Path:
     if shape in SHAPES:
         cfg = Qwen2Config(vocab_size=151_936, max_position_embeddings=32_768, **SHAPES[shape])
     else:
-        cfg = update_probe.family_config(shape, len(tokenizer))
+        cfg = update_probe.family_config(shape, len(tokenizer), any_tokenizer)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # (Qwen2.5 shapes: initialized as before)
@@ -494,13 +494,14 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     model_root = Path(tempfile.mkdtemp())
-    model_dir = make_model_dir(a.shape, a.tokenizer, model_root)
+    model_dir = make_model_dir(a.shape, a.tokenizer, model_root, any_tokenizer=a.update_only)
     result: dict[str, Any] = {
         "info": {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                  "versions": versions(), "commit": a.commit or commit(), "date": time.strftime("%Y-%m-%d")},
         "config": {"shape": f"{shape_name(a.shape)} shape, random init, bf16", "tuning": tuning(a),
                    "probe": PROBE[a.update_only],
-                   **({"prompt_tokens": a.prompt_tokens, "one_long_row": a.one_long_row} if a.update_only else {}),
+                   **({"prompt_tokens": a.prompt_tokens, "one_long_row": a.one_long_row,
+                       "tokenizer": Path(a.tokenizer).name} if a.update_only else {}),
                    "prompts": a.prompts, "G": a.G, "micro_batch": a.micro, "steps": a.steps, "backend": a.backend,
                    "memory_budget_gib": a.memory_budget or None, "overrides": a.set,
                    "turns": a.turns, "obs_tokens": a.obs_tokens if a.turns > 1 else 0,

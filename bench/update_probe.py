@@ -34,8 +34,8 @@ FAMILY_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {  # name: (model_type, c
                                rope_theta=1_000_000.0, max_position_embeddings=LONG_POSITIONS)),
     "llama3.1-8b": ("llama", dict(hidden_size=4096, intermediate_size=14_336, num_hidden_layers=32,
                                   num_attention_heads=32, num_key_value_heads=8, vocab_size=128_256,
-                                  tie_word_embeddings=False, rope_theta=500_000.0,
-                                  max_position_embeddings=LONG_POSITIONS)),
+                                  tie_word_embeddings=False, rope_theta=500_000.0, bos_token_id=128_000,
+                                  eos_token_id=128_001, max_position_embeddings=LONG_POSITIONS)),
     "tiny-qwen3": ("qwen3", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, head_dim=16, vocab_size=151_936, tie_word_embeddings=True,
                                  max_position_embeddings=LONG_POSITIONS)),
@@ -48,15 +48,17 @@ CONFIG = {  # what an update-only probe's results say instead of the full step's
 }
 
 
-def family_config(shape: str, tokenizer_size: int) -> Any:
+def family_config(shape: str, tokenizer_size: int, any_tokenizer: bool = False) -> Any:
     """The transformers config of FAMILY_SHAPES[shape]. Raises SystemExit when the tokenizer has more tokens than the
-    shape's vocabulary (a Llama shape needs a Llama tokenizer)."""
+    shape's vocabulary (a Llama shape needs a Llama tokenizer), unless `any_tokenizer`: an update-only probe feeds
+    the model random ids below its vocabulary size, so any tokenizer serves it."""
     from transformers import AutoConfig
 
     model_type, fields = FAMILY_SHAPES[shape]
-    if tokenizer_size > fields["vocab_size"]:
+    if tokenizer_size > fields["vocab_size"] and not any_tokenizer:
         raise SystemExit(f"--shape {shape} has a vocabulary of {fields['vocab_size']:,} tokens, the tokenizer "
-                         f"{tokenizer_size:,}: give --tokenizer a tokenizer of that family")
+                         f"{tokenizer_size:,}: give --tokenizer a tokenizer of that family (or probe the update "
+                         "alone: --update-only feeds the model random ids of its own vocabulary)")
     return AutoConfig.for_model(model_type, **fields)
 
 
@@ -120,7 +122,7 @@ class GivenCompletions:
         n, G = len(prompts), options.num_generations
         B, P, T = n * G, self.prompt_tokens, self.completion_tokens
         g = torch.Generator().manual_seed(options.seed if options.seed is not None else 0)
-        ids = min(self.vocab_size, len(self.tokenizer))  # ids the tokenizer can decode
+        ids = min(self.vocab_size, len(self.tokenizer))  # ids of the model that the tokenizer can decode
         prompt_ids = torch.randint(0, ids, (n, P), generator=g).repeat_interleave(G, 0)  # [B, P]
         completion_ids = torch.randint(0, ids, (B, T), generator=g)  # [B, T]
         lengths = torch.full((B,), T, dtype=torch.long)

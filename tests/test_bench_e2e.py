@@ -150,3 +150,4 @@ def test_family_shapes_have_the_published_parameter_counts():
         assert sum(p.numel() for p in model.parameters()) == params
     with pytest.raises(SystemExit, match=r"llama3.1-8b has a vocabulary of 128,256 tokens, the tokenizer 151,665"):
         up.family_config("llama3.1-8b", 151_665)
+    assert up.family_config("llama3.1-8b", 151_665, any_tokenizer=True).vocab_size == 128_256  # update-only probes

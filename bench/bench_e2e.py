@@ -131,8 +131,10 @@ def make_model_dir(shape: str, tokenizer_dir: str, root: Path, any_tokenizer: bo
             model = Qwen2ForCausalLM(cfg).to(dtype)
         else:
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    partial = out.with_name(out.name + ".partial")  # renamed when complete: a folder cut short is never reused
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(out)
     del model  # the workers run on this GPU too: hand the memory back
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -478,6 +480,8 @@ def main() -> None:
                     "(SyntheticAgent), with --obs-tokens environment tokens after each turn but the last")
     ap.add_argument("--obs-tokens", type=int, default=64)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--model-root", default="", help="folder for the random-init model, reused by later commands "
+                    "(default: a new temporary folder)")
     ap.add_argument("--commit", default="", help="the code's commit, where the checkout has no git metadata of its own")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--system", help=argparse.SUPPRESS)
@@ -493,7 +497,7 @@ def main() -> None:
         ap.error(refused)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    model_root = Path(tempfile.mkdtemp())
+    model_root = Path(a.model_root) if a.model_root else Path(tempfile.mkdtemp())
     model_dir = make_model_dir(a.shape, a.tokenizer, model_root, any_tokenizer=a.update_only)
     result: dict[str, Any] = {
         "info": {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

@@ -218,6 +218,7 @@ def run_logitless(a: argparse.Namespace, model_dir: Path, out_dir: Path) -> list
             "rollout_device_peak_gib": r.get("memory/rollout_device_peak_gb"),  # rollout.device: that GPU's peak
             "mismatch_mean": r.get("rollout/mismatch_mean"), "mismatch_max": r.get("rollout/mismatch_max"),
             "turns_mean": r.get("episode/turns_mean"), "env_tokens_mean": r.get("tokens/env_mean"),
+            "oom_retries": r.get("memory/oom_retries", 0.0),  # > 0: the step ran with leaner settings than asked
         })
     return steps
 
@@ -374,13 +375,16 @@ def run_config(a: argparse.Namespace, system: str, T: int, model_dir: Path, step
     path.unlink(missing_ok=True)
     if proc.returncode != 0 and not res.get("error"):
         res["error"] = f"worker exited with {proc.returncode}"
+    if any(s.get("oom_retries") for s in res["steps"]):  # what fitted is not the configuration asked for
+        res["error"] = "out of memory with the settings asked for: the trainer retried leaner (steps[].oom_retries)"
     res.update({"system": system, "T": T, "probe": PROBE[a.update_only]})
     if a.update_only:
         res["row_tokens"] = a.prompt_tokens + T  # the longest row (prompt + completion)
     if res["steps"]:
         res["summary"] = summarize(res["steps"])
     print(f"{system:10s} [{res['probe']}] T={T:6d}: "
-          + (json.dumps(res.get("summary")) if res["steps"] else f"FAILED ({res['error']})"), flush=True)
+          + (json.dumps(res.get("summary")) if res["steps"] else "FAILED")
+          + (f" ({res['error']})" if res.get("error") else ""), flush=True)
     return res
 
 
@@ -405,7 +409,7 @@ def known_probes(paths: list[str], system: str, config: dict[str, Any]) -> dict[
         for r in res.get("runs", []):
             if r.get("system") == system:
                 oom = str(r.get("error") or "").startswith("out of memory")
-                entries.append({"T": r["T"], "ok": bool(r.get("steps")) or (False if oom else None),
+                entries.append({"T": r["T"], "ok": False if oom else True if r.get("steps") else None,
                                 "peak_gib": r.get("summary", {}).get("peak_gib"), "error": r.get("error"), "reused_from": path})
         known.update({e["T"]: e for e in entries if e.get("ok") is not None})
     return known
@@ -423,9 +427,9 @@ def find_max_T(a: argparse.Namespace, system: str, model_dir: Path, lo: int, hi:
             probes.append(known[T])
             return bool(known[T]["ok"])
         r = run_config(a, system, T, model_dir, steps=a.probe_steps)
-        probes.append({"T": T, "ok": bool(r["steps"]), "peak_gib": r.get("summary", {}).get("peak_gib"),
-                       "error": r.get("error")})
-        return bool(r["steps"])
+        ok = bool(r["steps"]) and not r.get("error")  # (a step retried with leaner settings did not fit)
+        probes.append({"T": T, "ok": ok, "peak_gib": r.get("summary", {}).get("peak_gib"), "error": r.get("error")})
+        return ok
 
     if not fits(lo):
         return {"max_T": None, "probes": probes}

@@ -48,14 +48,16 @@ def test_find_max_T_goes_on_from_earlier_probes(tmp_path, monkeypatch):
         {"system": "trl", "T": 1024, "steps": [{}], "error": None, "summary": {"peak_gib": 8.0}},
         {"system": "trl", "T": 4096, "steps": [], "error": "out of memory: CUDA out of memory."},
         {"system": "trl", "T": 3584, "steps": [], "error": "worker exited with 124"},  # cut short: undecided
-        {"system": "logitless", "T": 4096, "steps": [{}], "error": None}]}
+        {"system": "logitless", "T": 4096, "steps": [{}], "error": None},
+        {"system": "trl", "T": 5120, "steps": [{"oom_retries": 1.0}],  # fitted only with leaner settings
+         "error": "out of memory with the settings asked for: the trainer retried leaner (steps[].oom_retries)"}]}
     second = {"config": config, "max_T": {"trl": {"probes": [
         {"T": 2048, "ok": True, "peak_gib": 12.2}, {"T": 3072, "ok": False}, {"T": 2560, "ok": None}]}}}
     paths = [tmp_path / "first.json", tmp_path / "second.json"]
     for path, res in zip(paths, (first, second)):
         path.write_text(json.dumps(res))
     known = b.known_probes([str(p) for p in paths], "trl", config)
-    assert {T: e["ok"] for T, e in known.items()} == {1024: True, 4096: False, 2048: True, 3072: False}
+    assert {T: e["ok"] for T, e in known.items()} == {1024: True, 4096: False, 2048: True, 3072: False, 5120: False}
     assert known[1024]["peak_gib"] == 8.0 and known[4096]["reused_from"] == str(paths[0])
 
     ran: list[int] = []

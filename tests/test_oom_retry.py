@@ -5,8 +5,6 @@ torch.OutOfMemoryError where the device would)."""
 from __future__ import annotations
 
 import json
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ import torch
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.config import load_train_config
 from logitless.trainer.loop import train
-from tests.conftest import TINY_LORA_QUIET, tiny_qwen2
+from tests.conftest import TINY_LORA_QUIET, reward_module, tiny_qwen2
 from tests.test_trainer import tok  # noqa: F401 (fixture: GPT-2, left padding, pad = EOS)
 
 VOCAB = 50_257  # GPT-2 tokenizer
@@ -25,12 +23,10 @@ UNTIMED = ("time/", "tokens_per_s", "train_tokens_per_s", "memory/")
 
 @pytest.fixture
 def rewards(tmp_path, monkeypatch):
-    (tmp_path / "oom_rewards.py").write_text(textwrap.dedent('''
+    reward_module(tmp_path, monkeypatch, "oom_rewards", '''
         def digits(prompts, completions, **fields):
             return [sum(ch.isdigit() for ch in c) / max(len(c), 1) + 0.01 * len(c) for c in completions]
-    '''))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "oom_rewards", raising=False)
+    ''')
 
 
 def _cfg(run_dir, *over):

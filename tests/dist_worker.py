@@ -182,6 +182,12 @@ FOUR_RANK_MODES = {
 
 ALL_MODES = {**MODES, **FOUR_RANK_MODES}
 
+# Overrides of the ranks' runs only: their MLPs tiled (models/tiled_mlp.py, chunks of 5 tokens, far fewer than a
+# micro-batch's) against the untiled single process, so the comparison also holds the tiled MLP to the untiled one
+# under FSDP2: padded LoRA micro-batches without checkpointing, and full fine-tuning (the MLP weights' gradients
+# reduce-scattered) under checkpointing with a no-grad logprobs pass.
+RANKS_ONLY = {"lora": ["model.mlp_chunk_tokens=5"], "full": ["model.mlp_chunk_tokens=5"]}
+
 
 @contextlib.contextmanager
 def offload_every_saved_tensor():
@@ -219,7 +225,8 @@ def equivalence(out: Path, tok, modes: dict[str, list[str]] = MODES) -> None:
     for mode, overrides in modes.items():
         use_engine(lambda real, mode=mode: Replay(out / f"rollout_{mode}.pt"))
         with offload_every_saved_tensor(), recording_shares(out / f"{mode}_share{rank}.json"):
-            result = train(config(out / f"{mode}_ranks", *overrides), model=model(), tokenizer=tok)
+            result = train(config(out / f"{mode}_ranks", *overrides, *RANKS_ONLY.get(mode, [])), model=model(),
+                           tokenizer=tok)
         if rank == 0:
             (out / f"{mode}_ranks.json").write_text(json.dumps(untimed(result.records)))
 

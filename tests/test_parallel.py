@@ -1,6 +1,7 @@
 """Training on 2 and 4 processes (torchrun, gloo on CPU, FSDP2) against one process: same parameters and metrics
-(on 4 ranks with uneven prompt shares and a rank that trains no row), exact resume from a sharded checkpoint, a
-loadable export, a failure on one rank ending the run, bad input."""
+(on 4 ranks with uneven prompt shares and a rank that trains no row; the 2-rank runs of two modes with the tiled MLP,
+`dist_worker.RANKS_ONLY`), exact resume from a sharded checkpoint, a loadable export, a failure on one rank ending
+the run, bad input."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ memory plan; printed as a table and saved in the run folder (`resolved.json`).
     model.activation_offload       |  the memory plan (trainer/memory_plan.py): the fastest settings whose
     train.micro_batch_tokens       |  predicted phases fit train.memory_budget_gib (default: the device's free
     train.offload_during_rollout   |  memory); made on CUDA (or wherever the budget is set), one process
+    model.mlp_chunk_tokens         |  (tiled MLP only where nothing untiled fits)
     rollout.max_kv_gib (unset)    /
 
 A setting given in the config is kept as given (and listed as "set"); the checks of the settings themselves
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from logitless.models import UnsupportedModelError
+from logitless.models.tiled_mlp import untileable_reason
 from logitless.rollout.engine import same_device
 from logitless.rollout.kv_cache import STATIC_LAYER_TYPES, auto_kv_budget
 from logitless.rollout.layouts import FULL, check_layout, layer_types, text_config
@@ -144,8 +146,16 @@ def model_memory(model: Any, cfg: ModelConfig, dtype: torch.dtype) -> mp.ModelMe
         layers=tc.num_hidden_layers, hidden=tc.hidden_size, intermediate=inter, q_dim=heads * head_dim,
         kv_dim=kv_heads * head_dim, vocab=base.get_input_embeddings().weight.shape[0], dtype_bytes=width,
         weight_bytes=weight_bytes, params=params, trainable=trainable if cfg.lora else params, lora=cfg.lora,
-        merge_copy_bytes=copy,
+        merge_copy_bytes=copy, mlp_tileable=_tileable(base),
     )
+
+
+def _tileable(model: Any) -> bool:
+    """Whether every decoder layer of `model` has a dense gated MLP that `models.tiled_mlp` can tile."""
+    try:
+        return untileable_reason(model) is None
+    except UnsupportedModelError:  # no decoder layers found
+        return False
 
 
 # --- the decisions ------------------------------------------------------------------------------------------------
@@ -271,7 +281,8 @@ class _Choices:
 
 
 AUTO_KEYS = ("rollout.backend", "train.packed", "train.micro_batch_tokens", "train.offload_during_rollout",
-             "model.compile_layers", "model.liger_kernels", "model.gradient_checkpointing", "model.activation_offload")
+             "model.compile_layers", "model.liger_kernels", "model.gradient_checkpointing", "model.activation_offload",
+             "model.mlp_chunk_tokens")
 
 
 def has_auto(cfg: TrainerConfig) -> bool:
@@ -287,7 +298,9 @@ def _fixed_knobs(cfg: TrainerConfig, packed: bool) -> mp.Knobs:
         gradient_checkpointing=given(m.gradient_checkpointing), activation_offload=given(m.activation_offload),
         micro_batch_tokens=t.micro_batch_tokens if isinstance(t.micro_batch_tokens, int) else None,
         by_rows=t.micro_batch_tokens is None, micro_batch_size=t.micro_batch_size, packed=packed,
-        max_kv_gib=cfg.rollout.max_kv_gib, offload_during_rollout=given(t.offload_during_rollout))
+        max_kv_gib=cfg.rollout.max_kv_gib, offload_during_rollout=given(t.offload_during_rollout),
+        tiled_mlp=None if m.mlp_chunk_tokens == "auto" else m.mlp_chunk_tokens is not None,
+        mlp_chunk_tokens=m.mlp_chunk_tokens if isinstance(m.mlp_chunk_tokens, int) else mp.MLP_CHUNK_TOKENS)
     if fixed.activation_offload and fixed.gradient_checkpointing is None:  # offload needs checkpointing
         fixed = dataclasses.replace(fixed, gradient_checkpointing=True)
     return fixed
@@ -335,7 +348,8 @@ def resolve(cfg: TrainerConfig, *, world_size: int = 1, model: Any = None, devic
     else:
         knobs = dataclasses.replace(fixed, gradient_checkpointing=bool(fixed.gradient_checkpointing),
                                     activation_offload=bool(fixed.activation_offload),
-                                    offload_during_rollout=bool(fixed.offload_during_rollout))
+                                    offload_during_rollout=bool(fixed.offload_during_rollout),
+                                    tiled_mlp=bool(fixed.tiled_mlp))
         why = "no memory plan: " + ("not made under torchrun or train.fsdp_offload" if not single else
                                     UNREAD if subject is None and (device.type == "cuda" or budget_set) else
                                     "CPU without train.memory_budget_gib")
@@ -345,6 +359,7 @@ def resolve(cfg: TrainerConfig, *, world_size: int = 1, model: Any = None, devic
                               ("model.activation_offload", m.activation_offload, knobs.activation_offload),
                               ("train.offload_during_rollout", t.offload_during_rollout, knobs.offload_during_rollout)):
         choose(key, given, lambda value=value, key=key: (value, why if value else off[key]))
+    choose("model.mlp_chunk_tokens", m.mlp_chunk_tokens, lambda: _mlp_chunk(knobs, out, why))
     choose("train.micro_batch_tokens", t.micro_batch_tokens,
            lambda: (knobs.micro_batch_tokens, why if out.plan is not None else
                     f"{why}: micro-batches of train.micro_batch_size={t.micro_batch_size} rows"))
@@ -398,6 +413,19 @@ def rank_memory(cfg: TrainerConfig, model: Any, dtype: torch.dtype, device: torc
             f"GPU, over {mp.HEADROOM:.0%} of {out.budget / mp.GIB:.2f} GiB; the run may run out of memory. Leaner: "
             f"{', '.join(leaner)}")
     return out
+
+
+def _mlp_chunk(knobs: mp.Knobs, out: Resolved, why: str) -> tuple[int | None, str]:
+    """(model.mlp_chunk_tokens, why) for "auto": the plan's chunk where it tiles the MLPs, else null."""
+    if knobs.tiled_mlp:
+        fits = out.plan is not None and out.plan.fits
+        return knobs.mlp_chunk_tokens, (f"memory plan: only with the tiled MLP does the update fit "
+                                        f"{out.plan.budget / mp.GIB:.1f} GiB" if fits else why)
+    if out.plan is None:
+        return None, why + "; off"
+    if not out.model.mlp_tileable:
+        return None, "the model's MLPs are not all dense gated MLPs (models/tiled_mlp.py)"
+    return None, "memory plan: an untiled setting fits"
 
 
 def budget_bytes(cfg: TrainerConfig, device: torch.device) -> float:

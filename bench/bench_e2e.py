@@ -15,6 +15,15 @@ checkpointing, DAPO, beta = 0, one optimizer step per rollout batch.
     python bench/bench_e2e.py --tokenizer TOKENIZER_DIR --out DIR --systems logitless,trl,trl_liger --T 1024
     python bench/bench_e2e.py ... --systems logitless,trl --memory-budget 24 --find-max-T
     python bench/bench_e2e.py ... --shape tiny --systems logitless      # CPU smoke run
+    python bench/bench_e2e.py ... --systems logitless --shape qwen3-8b --qlora --update-only --one-long-row \
+        --prompts 1 --G 2 --micro 1 --steps 1 --T 130816 --prompt-tokens 256 --set model.mlp_chunk_tokens=8192
+
+`--update-only` (bench/update_probe.py) measures the update of a step at T without decoding T tokens first: the
+completions are given (random tokens of length T), the trainer's own step runs on them; its results are labelled
+`"probe": "update-only"`, beside the full-step probe (the default). `--shape` also takes the shapes of other
+families (Qwen3-8B, Llama-3.1-8B), `--qlora` trains LoRA on 4-bit weights (bitsandbytes, CUDA only); gradient
+checkpointing, activation offload and the tiled MLP are trainer settings (`--set model.activation_offload=true`,
+`--set model.mlp_chunk_tokens=8192`, `--set model.gradient_checkpointing=false`).
 
 TRL 1.16's `use_liger_kernel` applies Liger's layer kernels (RMSNorm, SwiGLU, RoPE); its per-token logprobs
 always go through TRL's own chunked fused lm_head.
@@ -37,6 +46,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from bench import update_probe  # noqa: E402
 
 SHAPES = {  # Qwen2.5 shapes (vocab 151,936); "tiny" checks the script on CPU
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -103,23 +114,32 @@ class SyntheticAgent:
         return Driver()
 
 
-def make_model_dir(shape: str, tokenizer_dir: str, root: Path) -> Path:
-    """A random-init Qwen2.5-shaped model with the real tokenizer, saved as a local folder."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+def make_model_dir(shape: str, tokenizer_dir: str, root: Path, any_tokenizer: bool = False) -> Path:
+    """A random-init model of a Qwen2.5 shape (SHAPES) or another family's (update_probe.FAMILY_SHAPES) with the
+    real tokenizer, saved as a local folder (`any_tokenizer`: one of another family, for update-only probes)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    out = root / f"qwen2.5-{shape}-random"
+    out = root / (f"qwen2.5-{shape}-random" if shape in SHAPES else f"{shape}-random")
     if (out / "config.json").is_file():
         return out
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if shape in SHAPES:
+        cfg = Qwen2Config(vocab_size=151_936, max_position_embeddings=32_768, **SHAPES[shape])
+    else:
+        cfg = update_probe.family_config(shape, len(tokenizer), any_tokenizer)
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=151_936, max_position_embeddings=32_768, **SHAPES[shape])
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        if shape in BUILT_IN_DTYPE:  # fp32 first would not fit the GPU
-            model = Qwen2ForCausalLM._from_config(cfg, dtype=dtype)
-        else:  # (fp32 init, then cast: the weights of the recorded results)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # (Qwen2.5 shapes: initialized as before)
+        if shape in SHAPES and shape not in BUILT_IN_DTYPE:
             model = Qwen2ForCausalLM(cfg).to(dtype)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+        elif shape in SHAPES:  # fp32 first would not fit the GPU
+            model = Qwen2ForCausalLM._from_config(cfg, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    partial = out.with_name(out.name + ".partial")  # renamed when complete: a folder cut short is never reused
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(out)
     del model  # the workers run on this GPU too: hand the memory back
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -171,8 +191,12 @@ def run_logitless(a: argparse.Namespace, model_dir: Path, out_dir: Path) -> list
         f"train.max_steps={a.steps}", f"train.prompts_per_step={a.prompts}", f"train.micro_batch_size={a.micro}",
         "train.skip_zero_advantage=false", f"train.output_dir={out_dir}", "logging.progress=false",
         "logging.tensorboard=false", "logging.plot=false", "logging.log_completions=false",
-        "checkpoint.save_steps=0", "checkpoint.save_at_end=false", *a.set,
+        "checkpoint.save_steps=0", "checkpoint.save_at_end=false",
+        *(["model.load_in_4bit=true"] if a.qlora else []),
+        *(update_probe.settings(a.prompt_tokens) if a.update_only else []), *a.set,
     ]
+    if a.update_only:  # completions given, not decoded (bench/update_probe.py)
+        update_probe.install(a.prompt_tokens, a.T, a.one_long_row)
     if a.turns > 1:  # the episode path with a synthetic environment (SyntheticAgent)
         import logitless.trainer.context as context
 
@@ -181,6 +205,8 @@ def run_logitless(a: argparse.Namespace, model_dir: Path, out_dir: Path) -> list
         sets += ["agent.tools=[calculator]", f"agent.max_turns={a.turns}",
                  f"rollout.max_completion_length={a.T + (a.turns - 1) * a.obs_tokens}"]
     res = train(load_train_config(None, sets))
+    resolved = out_dir / "resolved.json"  # the settings the run decided ("auto" ones included)
+    a.resolved = json.loads(resolved.read_text()) if resolved.is_file() else None
     steps = []
     for r in res.records:
         tokens = r["completion/length_mean"] * a.prompts * a.G
@@ -197,6 +223,7 @@ def run_logitless(a: argparse.Namespace, model_dir: Path, out_dir: Path) -> list
             "rollout_device_peak_gib": r.get("memory/rollout_device_peak_gb"),  # rollout.device: that GPU's peak
             "mismatch_mean": r.get("rollout/mismatch_mean"), "mismatch_max": r.get("rollout/mismatch_max"),
             "turns_mean": r.get("episode/turns_mean"), "env_tokens_mean": r.get("tokens/env_mean"),
+            "oom_retries": r.get("memory/oom_retries", 0.0),  # > 0: the step ran with leaner settings than asked
         })
     return steps
 
@@ -308,7 +335,8 @@ def worker(a: argparse.Namespace) -> None:
         except torch.OutOfMemoryError as e:
             steps, error = [], f"out of memory: {str(e).splitlines()[0]}"
     # (the step's peak is the largest phase peak: the phase clocks reset the allocator's peak counters)
-    out.write_text(json.dumps({"steps": steps, "error": error, "wall_s": time.perf_counter() - t0}, indent=1))
+    out.write_text(json.dumps({"steps": steps, "error": error, "wall_s": time.perf_counter() - t0,
+                               "resolved": getattr(a, "resolved", None)}, indent=1))
 
 
 # ---------------------------------------------------------------- driver
@@ -340,6 +368,9 @@ def run_config(a: argparse.Namespace, system: str, T: int, model_dir: Path, step
            "--worker-out", str(path), "--steps", str(steps or a.steps), "--prompts", str(a.prompts), "--G", str(a.G),
            "--micro", str(a.micro), "--backend", a.backend, "--memory-budget", str(a.memory_budget or 0)]
     cmd += ["--full"] if a.full else []
+    cmd += ["--qlora"] if a.qlora else []
+    cmd += ["--update-only", "--prompt-tokens", str(a.prompt_tokens)] if a.update_only else []
+    cmd += ["--one-long-row"] if a.one_long_row else []
     cmd += ["--turns", str(a.turns), "--obs-tokens", str(a.obs_tokens)]
     for s in a.set:
         cmd += ["--set", s]
@@ -349,15 +380,21 @@ def run_config(a: argparse.Namespace, system: str, T: int, model_dir: Path, step
     path.unlink(missing_ok=True)
     if proc.returncode != 0 and not res.get("error"):
         res["error"] = f"worker exited with {proc.returncode}"
-    res.update({"system": system, "T": T})
+    if any(s.get("oom_retries") for s in res["steps"]):  # what fitted is not the configuration asked for
+        res["error"] = "out of memory with the settings asked for: the trainer retried leaner (steps[].oom_retries)"
+    res.update({"system": system, "T": T, "probe": PROBE[a.update_only]})
+    if a.update_only:
+        res["row_tokens"] = a.prompt_tokens + T  # the longest row (prompt + completion)
     if res["steps"]:
         res["summary"] = summarize(res["steps"])
-    print(f"{system:10s} T={T:6d}: " + (json.dumps(res.get("summary")) if res["steps"] else f"FAILED ({res['error']})"),
-          flush=True)
+    print(f"{system:10s} [{res['probe']}] T={T:6d}: "
+          + (json.dumps(res.get("summary")) if res["steps"] else "FAILED")
+          + (f" ({res['error']})" if res.get("error") else ""), flush=True)
     return res
 
 
-SAME_CONFIG = ("shape", "tuning", "prompts", "G", "micro_batch", "backend", "memory_budget_gib", "overrides")
+SAME_CONFIG = ("shape", "tuning", "prompts", "G", "micro_batch", "backend", "memory_budget_gib", "overrides", "probe")
+PROBE = {False: "full step", True: "update-only"}  # update-only: completions given, not decoded (update_probe.py)
 
 
 def known_probes(paths: list[str], system: str, config: dict[str, Any]) -> dict[int, dict[str, Any]]:
@@ -365,9 +402,10 @@ def known_probes(paths: list[str], system: str, config: dict[str, Any]) -> dict[
     bisection can go on across several commands. A run counts when it ended with steps (fits) or out of memory
     (does not); one cut short otherwise decides nothing. The files must share this run's configuration."""
     known: dict[int, dict[str, Any]] = {}
+    config = {"probe": PROBE[False], **config}  # (results before update-only probes were all full steps)
     for path in paths:
         res = json.loads(Path(path).read_text())
-        theirs = res.get("config", {})
+        theirs = {"probe": PROBE[False], **res.get("config", {})}
         for key in SAME_CONFIG:
             if key in theirs and theirs[key] != config[key] and not (key == "overrides" and system != "logitless"):
                 raise SystemExit(f"--probes-from {path}: its config.{key}={theirs[key]!r} differs from this run's "
@@ -376,7 +414,7 @@ def known_probes(paths: list[str], system: str, config: dict[str, Any]) -> dict[
         for r in res.get("runs", []):
             if r.get("system") == system:
                 oom = str(r.get("error") or "").startswith("out of memory")
-                entries.append({"T": r["T"], "ok": bool(r.get("steps")) or (False if oom else None),
+                entries.append({"T": r["T"], "ok": False if oom else True if r.get("steps") else None,
                                 "peak_gib": r.get("summary", {}).get("peak_gib"), "error": r.get("error"), "reused_from": path})
         known.update({e["T"]: e for e in entries if e.get("ok") is not None})
     return known
@@ -394,9 +432,9 @@ def find_max_T(a: argparse.Namespace, system: str, model_dir: Path, lo: int, hi:
             probes.append(known[T])
             return bool(known[T]["ok"])
         r = run_config(a, system, T, model_dir, steps=a.probe_steps)
-        probes.append({"T": T, "ok": bool(r["steps"]), "peak_gib": r.get("summary", {}).get("peak_gib"),
-                       "error": r.get("error")})
-        return bool(r["steps"])
+        ok = bool(r["steps"]) and not r.get("error")  # (a step retried with leaner settings did not fit)
+        probes.append({"T": T, "ok": ok, "peak_gib": r.get("summary", {}).get("peak_gib"), "error": r.get("error")})
+        return ok
 
     if not fits(lo):
         return {"max_T": None, "probes": probes}
@@ -409,18 +447,33 @@ def find_max_T(a: argparse.Namespace, system: str, model_dir: Path, lo: int, hi:
     return {"max_T": lo, "probes": probes}
 
 
+def shape_name(shape: str) -> str:
+    return f"Qwen2.5-{shape}" if shape in SHAPES else shape
+
+
+def tuning(a: argparse.Namespace) -> str:
+    return "full" if a.full else "QLoRA r16 all-linear (NF4)" if a.qlora else "LoRA r16 all-linear"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer", help="folder of the Qwen2.5 tokenizer")
     ap.add_argument("--out", help="folder for the results JSON")
     ap.add_argument("--systems", default="logitless,trl,trl_liger")
-    ap.add_argument("--shape", default="1.5b", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="1.5b", choices=sorted(SHAPES) + sorted(update_probe.FAMILY_SHAPES))
     ap.add_argument("--T", default="1024", help="completion lengths, comma-separated")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--G", type=int, default=8)
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA r16")
+    ap.add_argument("--qlora", action="store_true", help="LoRA r16 on 4-bit (NF4) weights: model.load_in_4bit=true "
+                    "(bitsandbytes, CUDA only)")
+    ap.add_argument("--update-only", action="store_true", help="probe the update alone: completions given as random "
+                    "tokens of length T instead of decoded (logitless only; bench/update_probe.py)")
+    ap.add_argument("--prompt-tokens", type=int, default=256, help="--update-only: random prompt tokens per prompt")
+    ap.add_argument("--one-long-row", action="store_true", help="--update-only: only the first sample of each "
+                    "prompt gets T tokens, its group's others one token (one long row updated per prompt)")
     ap.add_argument("--backend", default="static", help="logitless rollout backend")
     ap.add_argument("--memory-budget", type=float, default=0, help="GiB (torch.cuda.set_per_process_memory_fraction)")
     ap.add_argument("--find-max-T", action="store_true")
@@ -436,6 +489,8 @@ def main() -> None:
                     "(SyntheticAgent), with --obs-tokens environment tokens after each turn but the last")
     ap.add_argument("--obs-tokens", type=int, default=64)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--model-root", default="", help="folder for the random-init model, reused by later commands "
+                    "(default: a new temporary folder)")
     ap.add_argument("--commit", default="", help="the code's commit, where the checkout has no git metadata of its own")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--system", help=argparse.SUPPRESS)
@@ -447,19 +502,25 @@ def main() -> None:
         return worker(a)
     if not (a.tokenizer and a.out):
         ap.error("--tokenizer and --out are required")
+    if (refused := update_probe.refusal(a)) is not None:  # before a model is built
+        ap.error(refused)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    model_root = Path(tempfile.mkdtemp())
-    model_dir = make_model_dir(a.shape, a.tokenizer, model_root)
+    model_root = Path(a.model_root) if a.model_root else Path(tempfile.mkdtemp())
+    model_dir = make_model_dir(a.shape, a.tokenizer, model_root, any_tokenizer=a.update_only)
     result: dict[str, Any] = {
         "info": {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                  "versions": versions(), "commit": a.commit or commit(), "date": time.strftime("%Y-%m-%d")},
-        "config": {"shape": f"Qwen2.5-{a.shape} shape, random init, bf16", "tuning": "full" if a.full else "LoRA r16 all-linear",
+        "config": {"shape": f"{shape_name(a.shape)} shape, random init, bf16", "tuning": tuning(a),
+                   "probe": PROBE[a.update_only],
+                   **({"prompt_tokens": a.prompt_tokens, "one_long_row": a.one_long_row,
+                       "tokenizer": Path(a.tokenizer).name} if a.update_only else {}),
                    "prompts": a.prompts, "G": a.G, "micro_batch": a.micro, "steps": a.steps, "backend": a.backend,
                    "memory_budget_gib": a.memory_budget or None, "overrides": a.set,
                    "turns": a.turns, "obs_tokens": a.obs_tokens if a.turns > 1 else 0,
                    "gradient_checkpointing": "model.gradient_checkpointing=false" not in a.set,
-                   "loss": "dapo, beta=0", "reward": "distinct_chars", "data": "gsm8k packaged sample, chat template"},
+                   "loss": "dapo, beta=0", "reward": "distinct_chars", "data": "gsm8k packaged sample, chat template",
+                   **(update_probe.CONFIG if a.update_only else {})},
         "runs": [], "max_T": {},
     }
     systems = a.systems.split(",")
@@ -472,7 +533,8 @@ def main() -> None:
         for T in (int(t) for t in a.T.split(",")):
             for system in systems:
                 result["runs"].append(run_config(a, system, T, model_dir))
-    name = f"e2e_{a.shape}{'_full' if a.full else ''}{'_maxT' if a.find_max_T else ''}{('_' + a.tag) if a.tag else ''}.json"
+    kind = ("_full" if a.full else "_qlora" if a.qlora else "") + ("_update" if a.update_only else "")
+    name = f"e2e_{a.shape}{kind}{'_maxT' if a.find_max_T else ''}{('_' + a.tag) if a.tag else ''}.json"
     (out / name).write_text(json.dumps(result, indent=1, default=str))
     print(f"wrote {out / name}")
 

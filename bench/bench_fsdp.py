@@ -1,17 +1,30 @@
-"""Whole GRPO steps on 1 vs N GPUs (torchrun, FSDP2): completion tokens per second of the step and per-GPU peak
-memory, LoRA and full fine-tuning, the same global batch. Also the cost of the rollout's weight path per step
-(`hf`: all-gather of the sharded model before `generate` and its release after; `static`: the in-place sync of
-the persistent replica): seconds and GiB.
+"""Whole GRPO steps on 1, 2, 4 and 8 GPUs (torchrun, FSDP2), LoRA and full fine-tuning: completion tokens per second
+and per-GPU peak memory per rank count, each measurement beside the memory model's prediction
+(logitless/trainer/memory_ranks.py). Also the cost of the rollout's weight path per step (`hf`: all-gather of the
+sharded model before `generate` and its release after; `static`: the in-place sync of the persistent replica).
 
-    torchrun --standalone --nproc-per-node 1 bench/bench_fsdp.py --tokenizer DIR --out bench/results
-    torchrun --standalone --nproc-per-node 2 bench/bench_fsdp.py --tokenizer DIR --out bench/results
-    torchrun --standalone --nproc-per-node 2 bench/bench_fsdp.py --tokenizer DIR --out bench/results \
-        --backend static --tp 2      # the rollout split over the 2 GPUs (rollout.tensor_parallel=2)
+Scaling (--scaling): `strong` keeps --prompts the global prompt count of a step at every rank count (the same
+batch, split); `weak` gives each GPU --prompts prompts (the global batch grows with the GPUs). One command per
+rank count (and per mode, where one command would take too long: each adds its mode to the rank count's file);
+the one-GPU run serves both scalings. --summarize then sets each against the one-GPU run of the same settings:
 
-With one process the run is the plain single-GPU trainer (no process group, no FSDP). The model is a random-init
-Qwen2.5-shaped model (bench_e2e.py); prompts are the packaged GSM8K sample; the reward is bench_e2e's
-`distinct_chars`, which varies on random text, so every step trains. Writes `fsdp_<shape>_<backend>_<N>gpu.json`
-(`..._<N>gpu_tp<T>.json` with --tp T > 1).
+    for N in 1 2 4 8; do for MODE in lora full; do
+      torchrun --standalone --nproc-per-node $N bench/bench_fsdp.py --tokenizer QWEN2.5_TOKENIZER --out DIR \
+          --shape 1.5b --backend static --gc --tokens 512 --prompts 64 --steps 3 --modes $MODE --scaling strong
+    done; done
+    python bench/bench_fsdp.py --summarize --out DIR --shape 1.5b --backend static --scaling strong
+    # no GPU: the model's per-GPU peaks at 1, 2, 4, 8 ranks, and predicted against measured for bench/results
+    python bench/bench_fsdp.py --predict --shape 7b --backend static --gc --tokens 512 --prompts 64
+    python bench/bench_fsdp.py --check-recorded
+    # CPU smoke run (gloo): --shape tiny --backend hf --tokens 8 --prompts 2 --G 2 --micro 2 --steps 2
+    # the rollout split over groups of 2 GPUs (rollout.tensor_parallel=2): --backend static --tp 2
+
+With one process the run is the plain single-GPU trainer (no process group, no FSDP). Settings that "auto" decides
+differently on one process and under torchrun are pinned (`PINNED`; --set overrides them), so every rank count runs
+the same step. The model is a random-init Qwen2.5-shaped model (bench_e2e.py); prompts are the packaged GSM8K
+sample; the reward is bench_e2e's `distinct_chars`, which varies on random text, so every step trains. Writes
+`fsdp_<shape>_<backend>_1gpu[_tag].json`, `fsdp_<shape>_<backend>_<scaling>_<N>gpu[_tpT][_tag].json` (--tp T > 1)
+and, with --summarize, `fsdp_<shape>_<backend>_<scaling>_summary[_tag].json`.
 """
 
 from __future__ import annotations
@@ -20,22 +33,41 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
-from bench.bench_e2e import SHAPES, make_model_dir  # noqa: E402
+from bench.bench_e2e import SHAPES, commit, make_model_dir, versions  # noqa: E402
+from bench.bench_plan import DEVICE_GIB, GSM8K_SAMPLE_PROMPT, longest_prompt, skeleton  # noqa: E402
 from logitless.trainer import load_train_config, parallel, stages, train  # noqa: E402
+from logitless.trainer import memory_plan as mp  # noqa: E402
 from logitless.trainer.tensor_parallel import local_bytes  # noqa: E402
 
 PHASES = ("time/generate", "time/score", "time/logprobs", "time/train")
+# "auto" settings decided differently on one process (the memory plan, Liger) and under torchrun (no plan)
+PINNED = ["model.liger_kernels=false", "model.compile_layers=false", "model.activation_offload=false",
+          "train.offload_during_rollout=false", "train.micro_batch_tokens=null", "train.packed=false"]
+RANKS = (1, 2, 4, 8)
+# The recorded runs the model is checked against (--check-recorded, tests/test_memory_ranks.py): (file, result key,
+# mode, the command's settings beyond 64 prompts x 8, T = 512, GC, static, 16-row micro-batches, whether checked).
+# 211128a's LoRA computed its adapters in fp32 (the default then; the model knows today's bf16 autocast only).
+RECORDED = [
+    ("fsdp_h200x2_1.5b_static_64x8_211128a.json", "full", "full", [], True),
+    ("fsdp_h200x2_1.5b_static_64x8_211128a.json", "lora", "lora", ["model.lora_compute=fp32"], False),
+    ("fsdp_h200x2_1.5b_lora_autocast_64x8_72fc56b.json", "micro_batch_size_16", "lora", [], True),
+    ("fsdp_h200x2_1.5b_lora_autocast_64x8_72fc56b.json", "micro_batch_tokens_32768", "lora",
+     ["train.micro_batch_tokens=32768"], True),
+    ("fsdp_h200x2_1.5b_static_64x8_offload_during_rollout_fd00fae.json", "full", "full",
+     ["train.offload_during_rollout=true"], True),
+]
 
 
 def timed_rollout_weights(log: list[dict[str, float]]):
@@ -72,33 +104,63 @@ def global_max(x: float) -> float:
     return float(t.item())
 
 
+def global_prompts(args: argparse.Namespace, ranks: int) -> int:
+    return args.prompts * ranks if args.scaling == "weak" else args.prompts
+
+
+def split(args: argparse.Namespace) -> int:
+    """--tp: rollout.tensor_parallel (1 where the arguments predate it, as the recorded runs' do)."""
+    return getattr(args, "tp", 1)
+
+
+def overrides(mode: str, args: argparse.Namespace, ranks: int) -> list[str]:
+    """The step's settings (the model and output folder aside), --set last."""
+    return [
+        "data.task=gsm8k", "data.split=sample", "reward.reward_funcs=[bench.bench_e2e:distinct_chars]",
+        f"rollout.backend={args.backend}", f"rollout.num_generations={args.G}",
+        f"rollout.max_completion_length={args.tokens}", f"train.max_steps={args.steps}",
+        f"train.prompts_per_step={global_prompts(args, ranks)}", f"train.micro_batch_size={args.micro}",
+        f"model.lora={str(mode == 'lora').lower()}", f"model.gradient_checkpointing={str(args.gc).lower()}",
+        *([f"rollout.tensor_parallel={split(args)}"] if split(args) > 1 else []), *PINNED, *args.set,
+    ]
+
+
+def prediction(mode: str, args: argparse.Namespace, ranks: int, prompt_len: int, device_gib: float) -> dict[str, Any]:
+    """The per-GPU peak of each phase (GiB) for this mode at `ranks` ranks as the trainer resolves it (`resolve`:
+    on one process the memory plan, with its KV cap for `device_gib`; on several the memory model of
+    `auto.rank_memory`), at the step's longest prompt."""
+    from logitless.trainer.auto import resolve
+
+    cfg = load_train_config(None, ["model.name_or_path=unused", f"rollout.max_prompt_length={prompt_len}",
+                                   *overrides(mode, args, ranks)])
+    res = resolve(cfg, world_size=ranks, device=torch.device("cuda"), skeleton=skeleton(args.shape),
+                  free_gib=device_gib)
+    plan = res.plan if ranks == 1 else res.rank_memory
+    assert plan is not None, res.notes
+    return {"peak_gib": plan.step_peak / mp.GIB, "phase_gib": {p: plan.peak(p) / mp.GIB for p in plan.phases},
+            "parts_gib": {p: {k: round(x / mp.GIB, 4) for k, x in v.items() if x} for p, v in plan.phases.items()}}
+
+
 def run_mode(mode: str, model_dir: Path, args, world: parallel.World, work: Path) -> dict:
-    lora = mode == "lora"
-    cfg = load_train_config(None, [
-        f"model.name_or_path={model_dir}", "data.task=gsm8k", "data.split=sample",
-        "reward.reward_funcs=[bench.bench_e2e:distinct_chars]", f"rollout.backend={args.backend}",
-        f"rollout.num_generations={args.G}", f"rollout.max_completion_length={args.tokens}",
-        f"train.max_steps={args.steps}", f"train.prompts_per_step={args.prompts}",
-        f"train.micro_batch_size={args.micro}", f"model.lora={str(lora).lower()}",
-        f"model.gradient_checkpointing={str(args.gc).lower()}", f"rollout.tensor_parallel={args.tp}",
-        f"train.output_dir={work / ('run-' + mode)}", "logging.progress=false", "logging.tensorboard=false",
-        "logging.log_completions=false", "logging.plot=false", "checkpoint.save_steps=1000", "checkpoint.save_at_end=false",
-        *args.set,
-    ])
+    cfg = load_train_config(None, [f"model.name_or_path={model_dir}", f"train.output_dir={work / ('run-' + mode)}",
+                                   "logging.progress=false", "logging.tensorboard=false", "logging.log_completions=false",
+                                   "logging.plot=false", "checkpoint.save_steps=1000", "checkpoint.save_at_end=false",
+                                   *overrides(mode, args, world.size)])
     sync_log: list[dict[str, float]] = []
     stages.rollout_weights = timed_rollout_weights(sync_log)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    res = train(cfg)
-    records = res.records
+    records = train(cfg).records
     # the allocator's peak since the start, or a phase's peak: those also count sleepable weight memory, which
-    # lives outside the allocator (rollout/sleep.py)
-    peak = max(torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan"),
-               max(r.get("memory/peak_gb", 0.0) for r in records))
+    # lives outside the allocator (rollout/sleep.py); on CPU the phases' own peaks only
+    peak = max([max(r.get("memory/peak_gb", 0.0) for r in records)]
+               + ([torch.cuda.max_memory_allocated() / 2**30] if torch.cuda.is_available() else []))
     steady = records[1:] or records  # step 1 includes warm-up
     step_s = [sum(r.get(k, 0.0) for k in PHASES) for r in steady]
-    tokens = [r["completion/length_mean"] * args.prompts * args.G for r in steady]  # the global step's tokens
+    prompts = global_prompts(args, world.size)
+    tokens = [r["completion/length_mean"] * prompts * args.G for r in steady]  # the global step's tokens
     out = {
+        "global_prompts": prompts,
         "median_step_s": statistics.median(step_s),
         "completion_tokens_per_s": statistics.median(t / s for t, s in zip(tokens, step_s)),
         # the rollout alone: the step's completion tokens over its generate phase (every rank decodes at once)
@@ -116,14 +178,158 @@ def run_mode(mode: str, model_dir: Path, args, world: parallel.World, work: Path
     return out
 
 
+def result_name(args: argparse.Namespace, ranks: int | str) -> str:
+    """The file of a rank count's run (one GPU: the same run for strong and weak scaling) or of the summary."""
+    tag = f"_{args.tag}" if args.tag else ""
+    if ranks == 1:
+        return f"fsdp_{args.shape}_{args.backend}_1gpu{tag}.json"
+    suffix = "summary" if ranks == "summary" else f"{ranks}gpu" + (f"_tp{split(args)}" if split(args) > 1 else "")
+    return f"fsdp_{args.shape}_{args.backend}_{args.scaling}_{suffix}{tag}.json"
+
+
+def earlier_result(path: Path, shape: dict[str, Any], modes: list[str]) -> dict[str, Any] | None:
+    """The result file this run adds its modes to (one command per mode fits a time limit), or None; refuses one
+    measured with other settings, or that holds a mode this run would measure again (nothing is overwritten)."""
+    if not path.is_file():
+        return None
+    earlier = json.loads(path.read_text())
+    again = sorted(set(modes) & set(earlier["modes"]))
+    if earlier["shape"] != shape or again:
+        why = f"it already holds {', '.join(again)}" if again else "it was measured with other settings"
+        raise SystemExit(f"{path} exists and {why}; pass --tag NAME or another --out (or move the file away)")
+    return earlier
+
+
+def measure(args: argparse.Namespace) -> None:
+    world = parallel.init_distributed("auto")
+    out, work = Path(args.out), Path(args.out) / f".work-fsdp-{world.size}"
+    prompt_len = longest_prompt(args.tokenizer)
+    shape = {"model": f"Qwen2.5-{args.shape} shape, random init, bf16",
+             **({"scaling": args.scaling} if world.size > 1 else {}),  # (one GPU's run serves both)
+             "global_prompts_per_step": global_prompts(args, world.size), "G": args.G,
+             "max_completion_length": args.tokens, "micro_batch_size": args.micro, "gradient_checkpointing": args.gc,
+             "steps": args.steps, "rollout": args.backend,
+             **({"tensor_parallel": split(args)} if split(args) > 1 else {}),
+             "pinned": PINNED, "overrides": args.set,
+             "longest_prompt": prompt_len}
+    earlier = earlier_result(out / result_name(args, world.size), shape, args.modes.split(","))  # before the runs
+    if world.main:
+        out.mkdir(parents=True, exist_ok=True)
+        make_model_dir(args.shape, args.tokenizer, work)
+    if world.distributed:
+        dist.barrier()
+    model_dir = work / f"qwen2.5-{args.shape}-random"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else DEVICE_GIB["H200"]
+    info = {"device": gpu, "gpus": world.size, "versions": versions(), "commit": args.commit or commit(),
+            "date": time.strftime("%Y-%m-%d")}
+    # (each mode keeps the info of the command that measured it; the file's is the latest command's)
+    result = {"info": info, "shape": shape, "modes": dict(earlier["modes"]) if earlier is not None else {}}
+    for mode in args.modes.split(","):
+        r = run_mode(mode, model_dir, args, world, work)
+        r["predicted"] = prediction(mode, args, world.size, prompt_len, device_gib)
+        result["modes"][mode] = {**r, "info": info}
+        if world.main:
+            print(f"{world.size} GPU {mode:5s} step {r['median_step_s']:.2f} s  {r['completion_tokens_per_s']:.0f} tok/s  "
+                  f"generate {r['generate_tokens_per_s']:.0f} tok/s  "
+                  f"peak/GPU {r['peak_gib_per_gpu_max']:.2f} GiB (predicted {r['predicted']['peak_gib']:.2f})  "
+                  f"by phase {r['peak_gib_per_phase']}  phases {r['median_phase_s']}  weight path {r.get('weight_path')}",
+                  flush=True)
+    if world.distributed:
+        dist.barrier()
+    if world.main:
+        (out / result_name(args, world.size)).write_text(json.dumps(result, indent=1, default=str))
+        shutil.rmtree(work, ignore_errors=True)
+    parallel.shutdown()
+
+
+def summarize(args: argparse.Namespace) -> dict[str, Any]:
+    """Each rank count's run against the 1-GPU run of the same settings: tokens/s speedup and efficiency
+    (speedup / N; for weak scaling the same ratio is tokens/s per GPU against one GPU's), the rollout's and the
+    update's speedup, per-GPU peak and its ratio, measured and predicted."""
+    out = Path(args.out)
+    runs = {n: json.loads((out / result_name(args, n)).read_text()) for n in RANKS
+            if (out / result_name(args, n)).is_file()}
+    if 1 not in runs:
+        raise SystemExit(f"--summarize needs the 1-GPU run {out / result_name(args, 1)}")
+    table: dict[str, list[dict[str, Any]]] = {}
+    for mode, one in runs[1]["modes"].items():
+        rows = []
+        for n, run in sorted(runs.items()):
+            r = run["modes"].get(mode)
+            if r is None:
+                continue
+            speedup = r["completion_tokens_per_s"] / one["completion_tokens_per_s"]
+            # each phase's prompts per second against one GPU's (strong scaling: t1 / tN; weak: N t1 / tN)
+            scale = r["global_prompts"] / one["global_prompts"]
+            phase_speedup = {k.removeprefix("time/"): scale * one["median_phase_s"][k] / v
+                             for k, v in r["median_phase_s"].items() if k in ("time/generate", "time/train") and v > 0}
+            pred, pred1 = r["predicted"]["peak_gib"], one["predicted"]["peak_gib"]
+            rows.append({"gpus": n, "device": run["info"]["device"], "global_prompts": r["global_prompts"],
+                         "step_s": r["median_step_s"], "tokens_per_s": r["completion_tokens_per_s"],
+                         "speedup": speedup, "efficiency": speedup / n, "phase_s": r["median_phase_s"],
+                         "phase_speedup": phase_speedup,
+                         "peak_gib_per_gpu": r["peak_gib_per_gpu_max"],
+                         "peak_ratio": r["peak_gib_per_gpu_max"] / one["peak_gib_per_gpu_max"],
+                         "predicted_peak_gib": pred, "predicted_ratio": pred / pred1,
+                         # (on CPU the measured peak is the process's memory: no prediction to check)
+                         "prediction_error": None if run["info"]["device"] == "cpu" else pred / r["peak_gib_per_gpu_max"] - 1,
+                         "peak_gib_per_phase": r["peak_gib_per_phase"], "predicted_phase_gib": r["predicted"]["phase_gib"]})
+        table[mode] = rows
+        for x in rows:
+            print(f"{args.shape} {args.scaling} {mode:5s} {x['gpus']} GPU  {x['tokens_per_s']:8.0f} tok/s  "
+                  f"x{x['speedup']:.2f} (eff {x['efficiency']:.2f}; rollout x{x['phase_speedup'].get('generate', 0):.2f}, "
+                  f"update x{x['phase_speedup'].get('train', 0):.2f})  peak/GPU {x['peak_gib_per_gpu']:.2f} GiB "
+                  f"({x['peak_ratio']:.2f}x; predicted {x['predicted_peak_gib']:.2f}, {x['predicted_ratio']:.2f}x"
+                  + (f", {100 * x['prediction_error']:+.1f} %)" if x["prediction_error"] is not None else ")"))
+    summary = {"shape": args.shape, "backend": args.backend, "scaling": args.scaling, "tag": args.tag,
+               "files": [result_name(args, n) for n in sorted(runs)], "modes": table}
+    (out / result_name(args, "summary")).write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def predict_table(args: argparse.Namespace) -> dict[str, Any]:
+    """No GPU: the model's per-GPU peak per phase at each rank count of --ranks, and its ratio to one GPU's."""
+    prompt_len = longest_prompt(args.tokenizer)
+    out: dict[str, Any] = {}
+    for mode in args.modes.split(","):
+        rows = {n: prediction(mode, args, n, prompt_len, args.device_gib) for n in args.ranks}
+        one = rows[1]["peak_gib"] if 1 in rows else None
+        for n, p in rows.items():
+            ratio = f"{p['peak_gib'] / one:.2f}x" if one else ""
+            phases = "  ".join(f"{k} {v:.2f}" for k, v in p["phase_gib"].items())
+            print(f"{args.shape} {mode:5s} {args.scaling} {n} GPU: predicted peak/GPU {p['peak_gib']:.2f} GiB {ratio}  ({phases})")
+        out[mode] = rows
+    return out
+
+
+def check_recorded(results: Path = REPO / "bench" / "results") -> list[dict[str, Any]]:
+    """Predicted against measured per-GPU peaks (generate and train phases) of the recorded runs (`RECORDED`)."""
+    rows = []
+    for name, key, mode, sets, checked in RECORDED:
+        data = json.loads((results / name).read_text())["results"][key]
+        args = argparse.Namespace(shape="1.5b", backend="static", G=8, tokens=512, steps=2, prompts=64, micro=16,
+                                  gc=True, scaling="strong", set=sets)
+        for gpus in (1, 2):
+            measured = data[f"{gpus}gpu"]["peak_gib_per_phase"]
+            pred = prediction(mode, args, gpus, GSM8K_SAMPLE_PROMPT, DEVICE_GIB["H200"])["phase_gib"]
+            for phase in ("generate", "train"):
+                rows.append({"file": name, "variant": key, "gpus": gpus, "phase": phase, "checked": checked,
+                             "predicted_gib": pred[phase], "measured_gib": measured[phase],
+                             "error": pred[phase] / measured[phase] - 1})
+    return rows
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokenizer", required=True, help="folder with the Qwen2.5 tokenizer")
-    ap.add_argument("--out", required=True)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokenizer", help="folder with the Qwen2.5 tokenizer")
+    ap.add_argument("--out", help="results folder")
     ap.add_argument("--shape", default="1.5b", choices=sorted(SHAPES))
     ap.add_argument("--modes", default="lora,full")
+    ap.add_argument("--scaling", default="strong", choices=["strong", "weak"],
+                    help="strong: --prompts is the global count at every rank count; weak: --prompts per GPU")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--prompts", type=int, default=32, help="global prompts per step")
+    ap.add_argument("--prompts", type=int, default=32, help="prompts per step on one GPU (see --scaling)")
     ap.add_argument("--G", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--micro", type=int, default=16)
@@ -131,42 +337,30 @@ def main() -> None:
     ap.add_argument("--backend", default="hf", choices=["hf", "static"], help="rollout backend")
     ap.add_argument("--tp", type=int, default=1, help="rollout.tensor_parallel: ranks per rollout group (static)")
     ap.add_argument("--set", action="append", default=[], help="extra config override KEY=VALUE (repeatable)")
+    ap.add_argument("--tag", default="", help="a suffix of the result file names")
     ap.add_argument("--commit", default="", help="the code's commit, where the checkout has no git metadata of its own")
+    ap.add_argument("--summarize", action="store_true", help="ratios of the runs in --out against their 1-GPU run")
+    ap.add_argument("--predict", action="store_true", help="no GPU: the memory model's per-GPU peaks at --ranks")
+    ap.add_argument("--ranks", default="1,2,4,8", help="rank counts of --predict")
+    ap.add_argument("--device-gib", type=float, default=DEVICE_GIB["H200"], help="--predict: one GPU's memory")
+    ap.add_argument("--check-recorded", action="store_true", help="no GPU: predicted vs measured of bench/results")
     args = ap.parse_args()
-    world = parallel.init_distributed("auto")
-    out, work = Path(args.out), Path(args.out) / f".work-fsdp-{world.size}"
-    if world.main:
-        out.mkdir(parents=True, exist_ok=True)
-        make_model_dir(args.shape, args.tokenizer, work)
-    if world.distributed:
-        dist.barrier()
-    model_dir = work / f"qwen2.5-{args.shape}-random"
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                           text=True).stdout.strip()
-    result = {
-        "info": {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "gpus": world.size,
-                 "torch": torch.__version__, "commit": commit or "unknown"},
-        "shape": {"model": f"Qwen2.5-{args.shape} shape, random init, bf16", "global_prompts_per_step": args.prompts,
-                  "G": args.G, "max_completion_length": args.tokens, "micro_batch_size": args.micro,
-                  "gradient_checkpointing": args.gc, "steps": args.steps, "rollout": args.backend, "tensor_parallel": args.tp,
-                  "overrides": args.set},
-        "modes": {},
-    }
-    for mode in args.modes.split(","):
-        r = run_mode(mode, model_dir, args, world, work)
-        result["modes"][mode] = r
-        if world.main:
-            print(f"{world.size} GPU {mode:5s} step {r['median_step_s']:.2f} s  {r['completion_tokens_per_s']:.0f} tok/s  "
-                  f"generate {r['generate_tokens_per_s']:.0f} tok/s  "
-                  f"peak/GPU {r['peak_gib_per_gpu_max']:.1f} GiB  by phase {r['peak_gib_per_phase']}  "
-                  f"phases {r['median_phase_s']}  weight path {r.get('weight_path')}", flush=True)
-    if world.distributed:
-        dist.barrier()
-    if world.main:
-        name = f"fsdp_{args.shape}_{args.backend}_{world.size}gpu{f'_tp{args.tp}' if args.tp > 1 else ''}.json"
-        (out / name).write_text(json.dumps(result, indent=1, default=str))
-        shutil.rmtree(work, ignore_errors=True)
-    parallel.shutdown()
+    args.ranks = [int(x) for x in str(args.ranks).split(",")]
+    if args.check_recorded:
+        for r in check_recorded():
+            print(f"{r['file'][:58]:58s} {r['variant'][:24]:24s} {r['gpus']} GPU {r['phase']:8s} predicted "
+                  f"{r['predicted_gib']:6.2f} measured {r['measured_gib']:6.2f} GiB ({100 * r['error']:+5.1f} %)"
+                  + ("" if r["checked"] else "  (not modelled: fp32 LoRA compute)"))
+    elif args.predict:
+        predict_table(args)
+    elif args.summarize:
+        if not args.out:
+            ap.error("--summarize needs --out (the folder of the runs)")
+        summarize(args)
+    else:
+        if not (args.tokenizer and args.out):
+            ap.error("--tokenizer and --out are required")
+        measure(args)
 
 
 if __name__ == "__main__":

@@ -137,13 +137,16 @@ def _end_of_run(now: bool = False) -> None:
         signal.signal(signal.SIGINT, _exit_now)
 
 
-def _dry_run(cfg, *, training: bool) -> int:
+def _dry_run(cfg, *, training: bool, ranks: int = 1) -> int:
     """Every check a run makes before its model loads, then the resolved config (stdout) and what was checked
     (stderr, one line each); for training, the settings "auto" decides on this machine and the memory plan
-    (stderr, from the model's config)."""
+    (stderr, from the model's config), or on `ranks` > 1 (torchrun) the memory model's per-GPU peaks."""
     from logitless.trainer.config import to_yaml
+    from logitless.trainer.parallel import World, check_distributed
     from logitless.trainer.preflight import preflight
 
+    if training and ranks > 1:  # (config only: before the slower checks)
+        check_distributed(cfg, World(rank=0, size=ranks))
     checked = preflight(cfg, training=training)
     print(to_yaml(cfg), end="")
     for line in checked:
@@ -151,7 +154,7 @@ def _dry_run(cfg, *, training: bool) -> int:
     if training:
         from logitless.trainer.auto import print_dry_run
 
-        print_dry_run(cfg)
+        print_dry_run(cfg, ranks=ranks)
     return 0
 
 
@@ -159,8 +162,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     from logitless.trainer.preflight import validate_config
 
     cfg = _load(args.args, args.resume, "--resume", args.config)
+    if args.ranks is not None and (args.ranks < 1 or not args.dry_run):
+        args.command_parser.error(f"--ranks {args.ranks}: give a rank count of at least 1, with --dry-run")
     if args.dry_run:
-        return _dry_run(cfg, training=True)
+        from logitless.trainer.parallel import launched_world
+
+        return _dry_run(cfg, training=True, ranks=args.ranks or launched_world().size)
     validate_config(cfg)
     from logitless.trainer.loop import train
     from logitless.trainer.parallel import launched_world, shutdown
@@ -248,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="run every check made before the model loads, print the resolved config and what was checked, "
                         "and the settings auto decides here with the memory plan")
+    p.add_argument("--ranks", type=int, metavar="N",
+                   help="with --dry-run: check and plan for torchrun --nproc-per-node N (FSDP2), with the memory "
+                        "model's per-GPU peak of each phase (default: torchrun's WORLD_SIZE, else 1)")
     p.set_defaults(fn=cmd_train, command_parser=p)
     p = sub.add_parser("eval", help="accuracy on the eval split (greedy, or pass@k with eval.pass_k=k)")
     p.add_argument("args", nargs="*", metavar="CONFIG|section.key=value", help="a YAML config, then overrides")

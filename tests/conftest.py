@@ -10,6 +10,8 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Iterator
 
@@ -25,6 +27,14 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env = {**os.environ, **extra}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     return env
+
+
+
+def reward_module(tmp_path: Path, monkeypatch, name: str, source: str) -> None:
+    """Writes `source` (dedented) as module `name` in `tmp_path` and makes it importable, freshly, for this test."""
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
 
 
 def start_with_sigint(args: list[str], **popen) -> subprocess.Popen:

@@ -1,10 +1,11 @@
 """Training runs for the multi-process tests (`tests/test_parallel.py`); each rank of a torchrun runs this file.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/dist_worker.py SCENARIO OUT_DIR TOKENIZER_DIR
+    python -m torch.distributed.run --nproc-per-node 4 tests/dist_worker.py equivalence4 OUT_DIR TOKENIZER_DIR
 
-Scenarios: "equivalence" (one step, LoRA and full fine-tuning, on a recorded rollout) and "resume" (a run, the
-same run stopped by SIGTERM and resumed; then a run on the static backend). `raise_on_rank1` is a reward function
-for the failure test.
+Scenarios: "equivalence" (one step, LoRA and full fine-tuning, on a recorded rollout; `MODES`), "equivalence4"
+(the same on 4 ranks with uneven prompt shares; `FOUR_RANK_MODES`) and "resume" (a run, the same run stopped by
+SIGTERM and resumed; then a run on the static backend). `raise_on_rank1` is a reward function for the failure test.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from logitless.rollout import RolloutBatch  # noqa: E402
 from logitless.rollout.episodes import EpisodeRecord  # noqa: E402
 from logitless.rollout.types import RolloutTiming  # noqa: E402
-from logitless.trainer import context, offload  # noqa: E402
+from logitless.trainer import context, loop, offload  # noqa: E402
 from logitless.trainer.config import load_train_config  # noqa: E402
 from logitless.trainer.loop import train  # noqa: E402
 from tests.conftest import TINY_LORA_QUIET, tiny_qwen2  # noqa: E402
@@ -167,6 +168,27 @@ MODES = {
 }
 
 
+# 4 ranks (`python -m torch.distributed.run --nproc-per-node 4 ... equivalence4`): 6 prompts x 4 samples split 2, 2,
+# 1, 1 prompts (uneven shares), micro-batches of 3 trained rows, padding passes up to the most any rank has
+FOUR_RANK_MODES = {
+    # the hf weight path (the sharded model's units all-gathered for the rollout); the first 3 prompts' groups
+    # have zero variance, so rank 0 (prompts 0 and 1) trains no row and rank 1 one group
+    "lora_uneven4": ["train.prompts_per_step=6", "reward.reward_funcs=[tests.dist_worker:digits_second_half]",
+                     "optim.max_grad_norm=0.02"],  # (its gradient norm is about 0.05: clipping stays active)
+    # the static backend's weight path (a replica synced in place on every rank), a reference copy and mu = 2
+    "full_static_uneven4": ["train.prompts_per_step=6", "rollout.backend=static", "model.lora=false",
+                            "optim.learning_rate=0.002", "objective.beta=0.04", "train.num_iterations=2"],
+}
+
+ALL_MODES = {**MODES, **FOUR_RANK_MODES}
+
+# Overrides of the ranks' runs only: their MLPs tiled (models/tiled_mlp.py, chunks of 5 tokens, far fewer than a
+# micro-batch's) against the untiled single process, so the comparison also holds the tiled MLP to the untiled one
+# under FSDP2: padded LoRA micro-batches without checkpointing, and full fine-tuning (the MLP weights' gradients
+# reduce-scattered) under checkpointing with a no-grad logprobs pass.
+RANKS_ONLY = {"lora": ["model.mlp_chunk_tokens=5"], "full": ["model.mlp_chunk_tokens=5"]}
+
+
 @contextlib.contextmanager
 def offload_every_saved_tensor():
     """Activation offload takes every saved tensor, not only those of 1 MiB or more (none is, in the tiny model),
@@ -178,12 +200,34 @@ def offload_every_saved_tensor():
         offload.MIN_BYTES = saved
 
 
-def equivalence(out: Path, tok) -> None:
-    for mode, overrides in MODES.items():
+@contextlib.contextmanager
+def recording_shares(path: Path):
+    """The trainer's update plans as they are made, recorded for this rank in `path`: the rows of its share, the
+    rows it trains and its padding passes (the trainer's own `plan_update`, called through)."""
+    real, shares = loop.plan_update, []
+
+    def plan_update(ctx, ro, scored, rows=None):
+        plan = real(ctx, ro, scored, rows)
+        shares.append({"rows": int(ro.batch.completion_mask.shape[0]), "trained": int(plan.trained.numel()),
+                       "micro": len(plan.micro), "padding": plan.padding})
+        return plan
+
+    loop.plan_update = plan_update
+    try:
+        yield
+    finally:
+        loop.plan_update = real
+        path.write_text(json.dumps(shares))
+
+
+def equivalence(out: Path, tok, modes: dict[str, list[str]] = MODES) -> None:
+    rank = int(os.environ["RANK"])
+    for mode, overrides in modes.items():
         use_engine(lambda real, mode=mode: Replay(out / f"rollout_{mode}.pt"))
-        with offload_every_saved_tensor():
-            result = train(config(out / f"{mode}_ranks", *overrides), model=model(), tokenizer=tok)
-        if int(os.environ["RANK"]) == 0:
+        with offload_every_saved_tensor(), recording_shares(out / f"{mode}_share{rank}.json"):
+            result = train(config(out / f"{mode}_ranks", *overrides, *RANKS_ONLY.get(mode, [])), model=model(),
+                           tokenizer=tok)
+        if rank == 0:
             (out / f"{mode}_ranks.json").write_text(json.dumps(untimed(result.records)))
 
 
@@ -229,7 +273,16 @@ def raise_on_rank1(prompts, completions, **fields):
 
 def main(scenario: str, out_dir: str, tok_dir: str) -> None:
     torch.set_num_threads(1)
-    {"equivalence": equivalence, "resume": resume}[scenario](Path(out_dir), tokenizer(tok_dir))
+    scenarios = {"equivalence": equivalence, "resume": resume,
+                 "equivalence4": lambda out, tok: equivalence(out, tok, FOUR_RANK_MODES)}
+    scenarios[scenario](Path(out_dir), tokenizer(tok_dir))
+    # Every rank is through and its files are written and closed: leave without the interpreter's teardown of
+    # torch and the process group, which takes seconds per rank on a loaded 2-core runner.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

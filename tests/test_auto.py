@@ -118,8 +118,10 @@ def test_fp32_models_and_torchrun_get_no_packing_compile_or_plan():
     res = auto.resolve(_cfg("model.dtype=float32", "train.max_steps=500"), device=CUDA,
                        skeleton=bench_plan.skeleton("1.5b"), free_gib=80.0)
     assert res.cfg.train.packed is False and "float32" in _reason(res, "train.packed")
-    res = auto.resolve(_cfg("train.max_steps=500"), world_size=2, device=CUDA, skeleton=bench_plan.skeleton("1.5b"))
+    res = auto.resolve(_cfg("train.max_steps=500"), world_size=2, device=CUDA, skeleton=bench_plan.skeleton("1.5b"),
+                       free_gib=80.0)
     assert res.plan is None and res.cfg.model.compile_layers is False and res.cfg.model.liger_kernels is False
+    assert res.rank_memory is not None and res.ranks == 2  # (the per-GPU prediction only: tests/test_memory_ranks.py)
     assert res.cfg.model.gradient_checkpointing is False and "torchrun" in _reason(res, "model.gradient_checkpointing")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -47,14 +48,16 @@ def test_find_max_T_goes_on_from_earlier_probes(tmp_path, monkeypatch):
         {"system": "trl", "T": 1024, "steps": [{}], "error": None, "summary": {"peak_gib": 8.0}},
         {"system": "trl", "T": 4096, "steps": [], "error": "out of memory: CUDA out of memory."},
         {"system": "trl", "T": 3584, "steps": [], "error": "worker exited with 124"},  # cut short: undecided
-        {"system": "logitless", "T": 4096, "steps": [{}], "error": None}]}
+        {"system": "logitless", "T": 4096, "steps": [{}], "error": None},
+        {"system": "trl", "T": 5120, "steps": [{"oom_retries": 1.0}],  # fitted only with leaner settings
+         "error": "out of memory with the settings asked for: the trainer retried leaner (steps[].oom_retries)"}]}
     second = {"config": config, "max_T": {"trl": {"probes": [
         {"T": 2048, "ok": True, "peak_gib": 12.2}, {"T": 3072, "ok": False}, {"T": 2560, "ok": None}]}}}
     paths = [tmp_path / "first.json", tmp_path / "second.json"]
     for path, res in zip(paths, (first, second)):
         path.write_text(json.dumps(res))
     known = b.known_probes([str(p) for p in paths], "trl", config)
-    assert {T: e["ok"] for T, e in known.items()} == {1024: True, 4096: False, 2048: True, 3072: False}
+    assert {T: e["ok"] for T, e in known.items()} == {1024: True, 4096: False, 2048: True, 3072: False, 5120: False}
     assert known[1024]["peak_gib"] == 8.0 and known[4096]["reused_from"] == str(paths[0])
 
     ran: list[int] = []
@@ -74,3 +77,79 @@ def test_find_max_T_goes_on_from_earlier_probes(tmp_path, monkeypatch):
     other.write_text(json.dumps({"config": dict(config, memory_budget_gib=40.0), "runs": []}))
     with pytest.raises(SystemExit, match=r"config.memory_budget_gib=40.0 differs"):
         b.known_probes([str(other)], "trl", config)
+    with pytest.raises(SystemExit, match=r"config.probe='full step' differs from this run's 'update-only'"):
+        b.known_probes([str(paths[0])], "logitless", dict(config, probe="update-only"))  # (no probe: a full step)
+
+
+def test_update_only_probe_runs_the_trainer_s_update_on_given_completions(tmp_path, shared_dir):
+    """--update-only on a tiny Qwen3 shape (CPU): no decode, one given row of T completion tokens per prompt and the
+    group's other one token, the tiled MLP and checkpointing set; the results say it is an update-only probe."""
+    T, P = 200, 30
+    cmd = [
+        sys.executable, str(REPO / "bench" / "bench_e2e.py"), "--tokenizer", str(shared_dir / "tokenizers" / "qwen2.5"),
+        "--out", str(tmp_path), "--shape", "tiny-qwen3", "--systems", "logitless", "--update-only", "--one-long-row",
+        "--T", str(T), "--prompt-tokens", str(P), "--steps", "1", "--prompts", "2", "--G", "2", "--micro", "1",
+        "--set", "train.num_threads=1", "--set", "model.mlp_chunk_tokens=64",
+    ]
+    subprocess.run(cmd, check=True, cwd=tmp_path, timeout=600)
+    result = json.loads((tmp_path / "e2e_tiny-qwen3_update.json").read_text())
+    assert result["config"]["probe"] == "update-only" and result["config"]["reward"] == "text_hash"
+    assert result["config"]["backend"].startswith("none: completions given")
+    (run,) = result["runs"]
+    assert run["error"] is None and run["probe"] == "update-only" and run["row_tokens"] == P + T
+    (step,) = run["steps"]
+    assert step["completion_tokens"] == 2 * (T + 1)  # per prompt: one row of T tokens, one of 1
+    assert step["seconds"]["train"] > 0 and step["mismatch_mean"] is not None  # the update ran on the given rows
+    choices = {c["key"]: c["value"] for c in run["resolved"]["choices"]}
+    assert choices["model.mlp_chunk_tokens"] == 64 and choices["model.gradient_checkpointing"] is True
+
+
+def test_given_completions_and_the_probe_s_refusals(qwen_tokenizer):
+    import argparse
+
+    import pytest
+    import torch
+
+    from bench import update_probe as up
+    from logitless.rollout.types import SamplingOptions
+
+    engine = up.GivenCompletions(qwen_tokenizer, 151_936, prompt_tokens=5, completion_tokens=9, one_long_row=True)
+    b = engine.generate(["a", "b"], SamplingOptions(num_generations=3, seed=4))
+    assert b.prompt_ids.shape == (6, 5) and bool(b.prompt_mask.all()) and b.prompt_index.tolist() == [0, 0, 0, 1, 1, 1]
+    assert torch.equal(b.prompt_ids[0], b.prompt_ids[2]) and not torch.equal(b.prompt_ids[0], b.prompt_ids[3])
+    assert b.completion_mask.sum(1).tolist() == [9, 1, 1, 9, 1, 1] and bool(b.finished.all()) and not b.truncated.any()
+    assert int(b.completion_ids.max()) < len(qwen_tokenizer) and len(b.completions) == 6
+    assert torch.allclose(b.sampler_logp[0], torch.full((9,), -math.log(151_936)))
+    assert float(b.sampler_logp[1, 1:].abs().sum()) == 0  # padding
+    rewards = up.text_hash([], b.completions)
+    assert len(set(rewards)) == len(set(b.completions)) and all(0 <= r < 1 for r in rewards)
+
+    def args(**kw):
+        base = dict(full=False, qlora=False, systems="logitless", update_only=True, turns=1, prompt_tokens=8,
+                    one_long_row=False)
+        return argparse.Namespace(**{**base, **kw})
+
+    assert up.refusal(args()) is None
+    assert "drop trl from --systems" in up.refusal(args(systems="logitless,trl"))
+    assert "drop --turns" in up.refusal(args(turns=2))
+    assert "add --update-only" in up.refusal(args(update_only=False, one_long_row=True))
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match=r"--qlora \(model.load_in_4bit=true\) needs bitsandbytes and a CUDA GPU"):
+            up.refusal(args(qlora=True))
+
+
+def test_family_shapes_have_the_published_parameter_counts():
+    """Qwen3-8B and Llama-3.1-8B built on the meta device: 8,190,735,360 and 8,030,261,248 parameters."""
+    import pytest
+    import torch
+    import transformers as tf
+
+    from bench import update_probe as up
+
+    for shape, params in (("qwen3-8b", 8_190_735_360), ("llama3.1-8b", 8_030_261_248)):
+        with torch.device("meta"):
+            model = tf.AutoModelForCausalLM.from_config(up.family_config(shape, 128_000))
+        assert sum(p.numel() for p in model.parameters()) == params
+    with pytest.raises(SystemExit, match=r"llama3.1-8b has a vocabulary of 128,256 tokens, the tokenizer 151,665"):
+        up.family_config("llama3.1-8b", 151_665)
+    assert up.family_config("llama3.1-8b", 151_665, any_tokenizer=True).vocab_size == 128_256  # update-only probes

@@ -5,8 +5,6 @@ uninterrupted one; a step that finds too few keeps what it has and logs the shor
 from __future__ import annotations
 
 import json
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.config import load_train_config
 from logitless.trainer.loop import train
 from logitless.trainer.preflight import validate_config
-from tests.conftest import TINY_LORA_QUIET, tiny_qwen2
+from tests.conftest import TINY_LORA_QUIET, reward_module, tiny_qwen2
 from tests.test_trainer import tok  # noqa: F401 (fixture: GPT-2, left padding, pad = EOS)
 
 VOCAB = 50_257
@@ -24,7 +22,7 @@ TIMING = ("time/", "tokens_per_s", "train_tokens_per_s", "memory/")
 
 @pytest.fixture
 def rewards_module(tmp_path, monkeypatch):
-    (tmp_path / "dyn_rewards.py").write_text(textwrap.dedent('''
+    reward_module(tmp_path, monkeypatch, "dyn_rewards", '''
         def half_constant(prompts, completions, **fields):
             """0 for every sample of a '+' prompt (a group with no signal); varies with the completion otherwise."""
             return [0.0 if "+" in e else sum(ch.isdigit() for ch in c) / max(len(c), 1) + 0.01 * len(c)
@@ -35,9 +33,7 @@ def rewards_module(tmp_path, monkeypatch):
 
         def constant(prompts, completions, **fields):
             return [1.0] * len(completions)
-    '''))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "dyn_rewards", raising=False)
+    ''')
 
 
 

@@ -4,8 +4,6 @@ policy afterwards, invisible to training, and kept by an exact resume."""
 from __future__ import annotations
 
 import json
-import sys
-import textwrap
 
 import pytest
 
@@ -17,7 +15,7 @@ from logitless.trainer.loop import train
 from logitless.trainer.modeling import prepare_for_training
 from logitless.trainer.plot import plot_run
 from logitless.trainer.preflight import validate_config
-from tests.conftest import TINY_LORA_QUIET, tiny_qwen2
+from tests.conftest import TINY_LORA_QUIET, reward_module, tiny_qwen2
 from tests.pngcheck import curve_cells
 from tests.test_trainer import tok  # noqa: F401 (fixture: GPT-2, left padding, pad = EOS)
 
@@ -27,16 +25,14 @@ TIMING = ("time/", "tokens_per_s", "train_tokens_per_s", "memory/")
 
 @pytest.fixture
 def rewards_module(tmp_path, monkeypatch):
-    (tmp_path / "eval_rewards.py").write_text(textwrap.dedent('''
+    reward_module(tmp_path, monkeypatch, "eval_rewards", '''
         def even_length(prompts, completions, **fields):
             """1 for a completion of an even number of characters: a random model gets about half "right"."""
             return [float(len(c) % 2 == 0) for c in completions]
 
         def digits(prompts, completions, **fields):
             return [sum(ch.isdigit() for ch in c) / max(len(c), 1) + 0.01 * len(c) for c in completions]
-    '''))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "eval_rewards", raising=False)
+    ''')
 
 
 

@@ -117,7 +117,7 @@ def test_every_candidate_the_plan_skips_would_not_fit():
     facts = run_facts(cfg, "static", "compiled", torch.device("cuda"))
     for budget in (6.0, 9.0, 24.0, 79.1):
         plan = mp.plan(mem, step, facts, mp.Knobs(packed=True), budget * GIB)
-        for k in mp._train_candidates(step, mp.Knobs(packed=True)):
+        for k in mp._train_candidates(mem, step, mp.Knobs(packed=True)):
             if k == dataclasses.replace(plan.knobs, max_kv_gib=None, offload_during_rollout=None):
                 break
             train = sum(mp.train_bytes(mem, step, facts, k).values())
@@ -135,6 +135,70 @@ def test_settings_given_in_the_config_are_kept_and_a_plan_that_cannot_fit_says_s
     _, mem7, _ = _qwen("7b")
     plan = mp.plan(mem7, step, facts, mp.Knobs(packed=True), 14 * GIB)
     assert not plan.fits and "model.load_in_4bit=true" in plan.notes[0]
+
+
+def _long_row(T: int = 65536) -> mp.StepShape:
+    return mp.StepShape(prompts=1, rows=2, prompt_len=512, completion_len=T, context=262_144)
+
+
+def test_a_tiled_mlp_keeps_its_intermediates_of_one_chunk():
+    """model.mlp_chunk_tokens: the layer back-propagated holds one chunk's MLP intermediates instead of every
+    token's; without checkpointing the layers keep none for their backward."""
+    cfg, mem, _ = _qwen()
+    facts = run_facts(cfg, "static", "eager", torch.device("cuda"))
+    step = _long_row()
+    n, chunk = step.longest_row, mp.MLP_CHUNK_TOKENS
+    per_token = mp.ACT_SCALE * mem.mlp_elements * mem.dtype_bytes
+    for gc in (True, False):
+        k = mp.Knobs(gradient_checkpointing=gc, micro_batch_tokens=n, packed=True)
+        untiled = sum(mp.train_bytes(mem, step, facts, k).values())
+        tiled = sum(mp.train_bytes(mem, step, facts, dataclasses.replace(k, tiled_mlp=True)).values())
+        saved = mp.RECOMPUTE["eager"] * per_token * (n - chunk) if gc else \
+            per_token * (mem.layers * n + mp.BACKWARD * (n - chunk))
+        assert untiled - tiled == pytest.approx(saved, rel=1e-9)
+    short = mp.Knobs(gradient_checkpointing=True, micro_batch_tokens=chunk, packed=True)  # at most a chunk: as before
+    assert mp.train_bytes(mem, step, facts, short, tokens=chunk) == \
+        mp.train_bytes(mem, step, facts, dataclasses.replace(short, tiled_mlp=True), tokens=chunk)
+
+
+def test_the_plan_tiles_the_mlp_only_where_nothing_untiled_fits():
+    """1.5B shape, one prompt of 512 + 65,536 tokens: at 12 GiB only the tiled MLP fits (the leanest untiled update
+    is predicted at 12.8 GiB), at 24 GiB an untiled setting does; a config's null, or a model whose MLPs cannot be
+    tiled, is never tiled."""
+    cfg, mem, _ = _qwen()
+    facts = run_facts(cfg, "static", "eager", torch.device("cuda"))
+    step = _long_row()
+    tight = mp.plan(mem, step, facts, mp.Knobs(packed=True), 12 * GIB)
+    k = tight.knobs
+    assert tight.fits and k.tiled_mlp and k.mlp_chunk_tokens == mp.MLP_CHUNK_TOKENS
+    assert (k.gradient_checkpointing, k.activation_offload) == (True, True)  # the first tiled rung that fits
+    assert not mp.plan(mem, step, facts, mp.Knobs(packed=True), 24 * GIB).knobs.tiled_mlp
+    for m, fixed in ((mem, mp.Knobs(packed=True, tiled_mlp=False)), (dataclasses.replace(mem, mlp_tileable=False),
+                                                                     mp.Knobs(packed=True))):
+        untiled = mp.plan(m, step, facts, fixed, 12 * GIB)
+        assert not untiled.fits and not untiled.knobs.tiled_mlp
+
+
+def test_auto_tiles_the_mlp_of_a_long_row_and_says_why():
+    from logitless.trainer.auto import resolve
+
+    over = ["rollout.max_completion_length=65536", "rollout.max_prompt_length=512", "train.prompts_per_step=1",
+            "rollout.num_generations=2"]
+    long = load_train_config(None, [*over, "train.memory_budget_gib=12"])
+    res = resolve(long, device=torch.device("cuda"), skeleton=bench_plan.skeleton("1.5b"))
+    why = {c.key: (c.value, c.auto, c.reason) for c in res.choices}
+    assert res.cfg.model.mlp_chunk_tokens == mp.MLP_CHUNK_TOKENS and res.plan.fits
+    assert why["model.mlp_chunk_tokens"] == (8192, True, "memory plan: only with the tiled MLP does the update fit "
+                                                         "12.0 GiB")
+    roomy = resolve(load_train_config(None, [*over, "train.memory_budget_gib=24"]), device=torch.device("cuda"),
+                    skeleton=bench_plan.skeleton("1.5b"))
+    assert roomy.cfg.model.mlp_chunk_tokens is None
+    assert "an untiled setting fits" in next(c.reason for c in roomy.choices if c.key == "model.mlp_chunk_tokens")
+    given = resolve(load_train_config(None, [*over, "model.mlp_chunk_tokens=1024", "train.memory_budget_gib=24"]),
+                    device=torch.device("cuda"), skeleton=bench_plan.skeleton("1.5b"))
+    assert given.cfg.model.mlp_chunk_tokens == 1024 and given.plan.knobs.mlp_chunk_tokens == 1024
+    cpu = resolve(load_train_config(None, over), device=torch.device("cpu"))
+    assert cpu.cfg.model.mlp_chunk_tokens is None and cpu.plan is None
 
 
 def test_rollout_parks_the_optimizer_states_where_that_saves_a_wave():
@@ -164,10 +228,12 @@ def test_leaner_settings_after_an_out_of_memory_error():
     before = sum(mp.train_bytes(mem, step, facts, start).values())
     nxt = mp.leaner(mem, step, facts, start, "train")
     assert nxt.gradient_checkpointing and sum(mp.train_bytes(mem, step, facts, nxt).values()) <= mp.RETRY_SHARE * before
-    # the ladder ends at one row per micro-batch with checkpointing and offload
+    # one row per micro-batch with checkpointing and offload: then the tiled MLP, where the model's can be tiled
     k = dataclasses.replace(start, gradient_checkpointing=True, activation_offload=True, micro_batch_tokens=step.longest_row)
-    assert mp.leaner(mem, step, facts, k, "train") is None
-    rows = dataclasses.replace(k, by_rows=True, micro_batch_tokens=None, micro_batch_size=1)
+    assert mem.mlp_tileable and mp.leaner(mem, step, facts, k, "train") == dataclasses.replace(k, tiled_mlp=True)
+    assert mp.leaner(mem, step, facts, dataclasses.replace(k, tiled_mlp=True), "train") is None
+    assert mp.leaner(dataclasses.replace(mem, mlp_tileable=False), step, facts, k, "train") is None
+    rows = dataclasses.replace(k, by_rows=True, micro_batch_tokens=None, micro_batch_size=1, tiled_mlp=True)
     assert mp.leaner(mem, step, facts, rows, "train") is None
     # the rollout: half the rows per wave, at the cache length the engine has used
     half = mp.leaner(mem, step, facts, start, "generate", cache_len=1280)

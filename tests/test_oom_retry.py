@@ -5,8 +5,6 @@ torch.OutOfMemoryError where the device would)."""
 from __future__ import annotations
 
 import json
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ import torch
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.config import load_train_config
 from logitless.trainer.loop import train
-from tests.conftest import TINY_LORA_QUIET, tiny_qwen2
+from tests.conftest import TINY_LORA_QUIET, reward_module, tiny_qwen2
 from tests.test_trainer import tok  # noqa: F401 (fixture: GPT-2, left padding, pad = EOS)
 
 VOCAB = 50_257  # GPT-2 tokenizer
@@ -25,12 +23,10 @@ UNTIMED = ("time/", "tokens_per_s", "train_tokens_per_s", "memory/")
 
 @pytest.fixture
 def rewards(tmp_path, monkeypatch):
-    (tmp_path / "oom_rewards.py").write_text(textwrap.dedent('''
+    reward_module(tmp_path, monkeypatch, "oom_rewards", '''
         def digits(prompts, completions, **fields):
             return [sum(ch.isdigit() for ch in c) / max(len(c), 1) + 0.01 * len(c) for c in completions]
-    '''))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "oom_rewards", raising=False)
+    ''')
 
 
 def _cfg(run_dir, *over):
@@ -45,8 +41,9 @@ def _cfg(run_dir, *over):
         "model.activation_offload=false", *TINY_LORA_QUIET, *over])
 
 
-def _run(cfg, tok, faults=(), **kw):
-    """Train; `faults`: (event, step, call) of the hook at which an out-of-memory error is raised."""
+def _run(cfg, tok, faults=(), model=None, **kw):
+    """Train (the tiny model, or `model`); `faults`: (event, step, call) of the hook at which an out-of-memory error
+    is raised."""
     calls: dict[tuple[str, int], int] = {}
 
     def hook(event, step):
@@ -54,7 +51,8 @@ def _run(cfg, tok, faults=(), **kw):
         if (event, step, calls[event, step]) in faults:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (a test's fault)")
 
-    return train(cfg, model=tiny_qwen2(vocab_size=VOCAB, hidden=32, layers=1), tokenizer=tok, hook=hook, **kw)
+    model = model if model is not None else tiny_qwen2(vocab_size=VOCAB, hidden=32, layers=1)
+    return train(cfg, model=model, tokenizer=tok, hook=hook, **kw)
 
 
 def _untimed(records):
@@ -99,3 +97,21 @@ def test_a_second_failure_or_one_after_an_optimizer_step_ends_the_run(tmp_path, 
     with pytest.raises(torch.OutOfMemoryError, match="no retry: an optimizer step of it was already taken"):
         _run(_cfg(tmp_path / "stepped", "train.max_steps=1", "train.num_iterations=2",
                   "train.skip_zero_advantage=false"), tok, faults={("micro_batch", 1, 9)})
+
+
+def test_a_retry_past_the_smallest_micro_batch_tiles_the_mlp(tmp_path, tok, rewards):
+    """Checkpointing, activation offload and one row per micro-batch already: the retry tiles the MLPs
+    (model.mlp_chunk_tokens), kept for the rest of the run; the tiny rows are under one chunk, so the results are the
+    clean run's bit for bit."""
+    from logitless.models.tiled_mlp import mlp_chunk_tokens
+    from logitless.trainer import memory_plan as mp
+
+    lean = ("train.max_steps=2", "model.gradient_checkpointing=true", "model.activation_offload=true")
+    clean = _run(_cfg(tmp_path / "clean", *lean), tok)
+    model = tiny_qwen2(vocab_size=VOCAB, hidden=32, layers=1)
+    with pytest.warns(UserWarning, match=r"step 2 ran out of device memory in its train phase .* retrying it with "
+                                         rf"model\.mlp_chunk_tokens={mp.MLP_CHUNK_TOKENS} \(kept"):
+        faulted = _run(_cfg(tmp_path / "faulted", *lean), tok, faults={("micro_batch", 2, 1)}, model=model)
+    assert mlp_chunk_tokens(model) == mp.MLP_CHUNK_TOKENS
+    assert _untimed(faulted.records) == _untimed(clean.records)
+    assert [r["memory/oom_retries"] for r in faulted.records] == [0.0, 1.0]

@@ -1,5 +1,7 @@
-"""Training on 2 processes (torchrun, gloo on CPU, FSDP2) against one process: same parameters and metrics,
-exact resume from a sharded checkpoint, a loadable export, a failure on one rank ending the run, bad input."""
+"""Training on 2 and 4 processes (torchrun, gloo on CPU, FSDP2) against one process: same parameters and metrics
+(on 4 ranks with uneven prompt shares and a rank that trains no row; the 2-rank runs of two modes with the tiled MLP,
+`dist_worker.RANKS_ONLY`), exact resume from a sharded checkpoint, a loadable export, a failure on one rank ending
+the run, bad input."""
 
 from __future__ import annotations
 
@@ -23,12 +25,12 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 WORKER = Path(w.__file__)
 
 
-def torchrun(scenario: str, out: Path, tok_dir: Path | None, timeout: float = 300, argv: list[str] | None = None,
-             nproc: int = 2):
-    """Run the worker (or `argv`) on `nproc` ranks; a run past `timeout` (a hang) is ended (torchrun ends its
+def torchrun(scenario: str, out: Path, tok_dir: Path, timeout: float = 300, argv: list[str] | None = None,
+             ranks: int = 2):
+    """Run the worker (or `argv`) on `ranks` ranks; a run past `timeout` (a hang) is ended (torchrun ends its
     workers) and fails the test."""
     env = subprocess_env(OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
            *(argv or [str(WORKER), scenario, str(out), str(tok_dir)])]
     log = out / f"torchrun-{scenario}.log"
     with open(log, "w") as f:  # a file, not a pipe: nothing waits on a worker that outlives torchrun
@@ -69,12 +71,13 @@ def tok_dir(shared_dir):
     return shared_dir / "tokenizers" / "gpt2"
 
 
-def run_equivalence(out: Path, tok_dir: Path) -> dict[str, list[dict]]:
-    """One step on one process (recording its rollout), then the same step on 2 ranks replaying that rollout;
-    returns the single-process records per mode."""
+def run_equivalence(out: Path, tok_dir: Path, modes: dict[str, list[str]] = w.MODES, scenario: str = "equivalence",
+                    ranks: int = 2) -> dict[str, list[dict]]:
+    """One step on one process (recording its rollout), then the same step on `ranks` ranks replaying that rollout
+    (the worker's `scenario`, which runs `modes`); returns the single-process records per mode."""
     tok = w.tokenizer(tok_dir)
     single = {}
-    for mode, overrides in w.MODES.items():
+    for mode, overrides in modes.items():
         real = w.context.make_rollout_engine
         w.use_engine(lambda engine, mode=mode: w.Recording(w.Episodes(engine) if "episodes" in mode else engine,
                                                            out / f"rollout_{mode}.pt"))
@@ -83,7 +86,7 @@ def run_equivalence(out: Path, tok_dir: Path) -> dict[str, list[dict]]:
                 single[mode] = train(w.config(out / f"{mode}_single", *overrides), model=w.model(), tokenizer=tok).records
         finally:
             w.context.make_rollout_engine = real
-    proc = torchrun("equivalence", out, tok_dir)
+    proc = torchrun(scenario, out, tok_dir, ranks=ranks)
     assert proc.returncode == 0, proc.stdout[-6000:]
     return single
 
@@ -100,13 +103,17 @@ def check_equivalence(out: Path, single: dict[str, list[dict]], mode: str, atol:
     ranks = json.loads((out / f"{mode}_ranks.json").read_text())
     one = w.untimed(single[mode])
     assert len(ranks) == len(one) == 1 and ranks[0].keys() == one[0].keys()
-    diff = {k: (one[0][k], ranks[0][k]) for k in one[0] if not close(one[0][k], ranks[0][k], rel=rel)}
+    # (the static backend's replica of full fine-tuning exists on the ranks only: one process decodes from the model)
+    diff = {k: (one[0][k], ranks[0][k]) for k in one[0]
+            if k != "rollout/replica_gib" and not close(one[0][k], ranks[0][k], rel=rel)}
     assert not diff
     assert one[0]["train/tflop"] > 0  # the update's FLOPs are counted over every rank's rows, not rank 0's
-    assert one[0]["grad_norm"] > 0.05  # clipping was active (max_grad_norm=0.05)
+    assert one[0]["grad_norm"] > w.config("unused", *w.ALL_MODES[mode]).optim.max_grad_norm  # clipping was active
     assert one[0]["rollout/mismatch_mean"] > 0.005  # the planted offset (w.PLANTED): a reduction that can fail
     if mode == "lora":  # only rank 1's 8 rows train: rank 0 ran zero-gradient padding passes, and nothing hung
         assert ranks[0]["trained_rows"] == 8.0 and ranks[0]["zero_variance_groups"] > 0
+    elif mode == "lora_uneven4":  # the last 3 of 6 prompts train (12 rows): none of rank 0's, one group of rank 1's
+        assert ranks[0]["trained_rows"] == 12.0 and ranks[0]["zero_variance_groups"] > 0
     elif mode.startswith("full"):
         assert ranks[0]["kl"] > 0  # the reference copy and the second optimizer step took part
     elif mode == "lora_episodes":  # several turns with observations between them, gathered over the ranks
@@ -135,6 +142,34 @@ def test_two_gpus_train_like_one(tmp_path, tok_dir, monkeypatch):
     single = run_equivalence(tmp_path, tok_dir)
     for mode in w.MODES:
         check_equivalence(tmp_path, single, mode, atol=1e-4, rel=1e-3)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory, tok_dir, one_thread):
+    out = tmp_path_factory.mktemp("four_ranks")
+    return out, run_equivalence(out, tok_dir, w.FOUR_RANK_MODES, "equivalence4", ranks=4)
+
+
+@pytest.mark.parametrize("mode", list(w.FOUR_RANK_MODES))
+def test_four_ranks_with_uneven_shares_train_like_one_process(four_ranks, mode):
+    """6 prompts on 4 ranks (shares of 2, 2, 1, 1 prompts x 4 samples, micro-batches of 3 rows, padded to the most
+    any rank has): the step's weights and metrics are one process's. With LoRA (hf weight path) rank 0 trains no
+    row and runs padding passes only; full fine-tuning (every row trained: 3, 3, 2, 2 micro-batches) syncs the
+    static backend's replica on every rank."""
+    out, single = four_ranks
+    check_equivalence(out, single, mode, atol=1e-6, rel=1e-5)
+    shares = [json.loads((out / f"{mode}_share{r}.json").read_text()) for r in range(4)]
+    G = 4
+    assert [s[0]["rows"] for s in shares] == [2 * G, 2 * G, G, G]
+    assert {s[0]["micro"] for s in shares} == {max(-(-s[0]["trained"] // 3) for s in shares)}  # in step
+    if mode == "lora_uneven4":
+        assert [s[0]["trained"] for s in shares] == [0, G, G, G]
+        assert [s[0]["padding"] for s in shares] == [2, 0, 0, 0]  # rank 0: padding passes only
+    else:  # beta > 0: every row trains; the rollout sampled from a replica of the whole model on every rank
+        assert [s[0]["trained"] for s in shares] == [2 * G, 2 * G, G, G]
+        assert [s[0]["padding"] for s in shares] == [0, 0, 1, 1]
+        plain = sum(p.numel() * p.element_size() for p in w.model().parameters()) / 2**30
+        assert json.loads((out / f"{mode}_ranks.json").read_text())[0]["rollout/replica_gib"] == pytest.approx(plain)
 
 
 def test_exported_adapter_loads_in_one_process_with_the_same_logprobs(equivalence):
@@ -237,7 +272,8 @@ def _cfg(*overrides):
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        (["train.prompts_per_step=3"], r"train.prompts_per_step=3 .* split evenly across the 2 ranks; set it to a multiple of 2"),
+        (["train.prompts_per_step=1"], r"train.prompts_per_step=1 .* split across the 2 ranks, and each rank needs at "
+                                       r"least one prompt; set it to at least 2"),
         (["rollout.backend=continuous"], r"rollout.backend='continuous' cannot run under torchrun .* set rollout.backend=hf"),
         (["objective.top_entropy_quantile=0.8"], r"objective.top_entropy_quantile=0.8 .* set objective.top_entropy_quantile=1.0"),
         (["advantage.scale=batch"], r"advantage.scale='batch' .* set advantage.scale=group"),
@@ -261,3 +297,7 @@ def test_rank_shares_are_contiguous_and_cover_the_step():
     shares = [rank_share(rows, World(rank=r, size=4)) for r in range(4)]
     assert shares == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert rank_share(rows, World()) == rows
+    for n, k in ((6, 4), (13, 8), (8, 8), (9, 2)):  # uneven: the first n % k ranks take one more
+        shares = [rank_share(list(range(n)), World(rank=r, size=k)) for r in range(k)]
+        assert sum(shares, []) == list(range(n))
+        assert [len(s) for s in shares] == [n // k + (r < n % k) for r in range(k)]

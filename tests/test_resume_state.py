@@ -6,8 +6,6 @@ the shuffled prompt sampler's position and a warmed-up cosine learning-rate sche
 from __future__ import annotations
 
 import json
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ import torch
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.config import load_train_config
 from logitless.trainer.loop import train
-from tests.conftest import TINY_LORA_QUIET, tiny_qwen2
+from tests.conftest import TINY_LORA_QUIET, reward_module, tiny_qwen2
 
 VOCAB = 50_257  # GPT-2 tokenizer
 TIMING = ("time/", "tokens_per_s", "train_tokens_per_s", "memory/")
@@ -38,14 +36,12 @@ class Crash(Exception):
 
 @pytest.fixture
 def rewards_module(tmp_path, monkeypatch):
-    (tmp_path / "resume_rewards.py").write_text(textwrap.dedent('''
+    reward_module(tmp_path, monkeypatch, "resume_rewards", '''
         def digits(prompts, completions, **fields):
             """Varies with the completion and with the prompt (so a resumed run on other prompts shows)."""
             return [sum(ch.isdigit() for ch in c) / max(len(c), 1) + 0.01 * len(c) + sum(map(ord, p)) % 97 / 97
                     for p, c in zip(prompts, completions)]
-    '''))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "resume_rewards", raising=False)
+    ''')
 
 
 @pytest.fixture

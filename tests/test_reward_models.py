@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ from logitless.rewards.models import Judge, RewardModel
 from logitless.trainer.config import load_train_config
 from logitless.trainer.loop import train
 from logitless.trainer.preflight import validate_config
-from tests.conftest import TINY_LORA_QUIET, tiny_qwen2
+from tests.conftest import TINY_LORA_QUIET, reward_module, tiny_qwen2
 
 VOCAB = 50_257
 CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -152,9 +150,7 @@ async def flaky(prompts, completions, **fields):
 
 @pytest.fixture
 def async_module(tmp_path, monkeypatch):
-    (tmp_path / "async_rewards.py").write_text(textwrap.dedent(ASYNC_MODULE))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "async_rewards", raising=False)
+    reward_module(tmp_path, monkeypatch, "async_rewards", ASYNC_MODULE)
     import async_rewards
 
     return async_rewards

@@ -4,8 +4,6 @@ steps on the two halves of the batch, each planned as a batch of its own."""
 
 from __future__ import annotations
 
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -18,7 +16,7 @@ from logitless.trainer.loop import train
 from logitless.trainer.modeling import trainable_parameters
 from logitless.trainer.parallel import World
 from logitless.trainer.stages import Rollout, Scored, logprob_stage, plan_update, rollout_stage, score_stage, update_stage
-from tests.conftest import TINY_LORA_QUIET, tiny_qwen2
+from tests.conftest import TINY_LORA_QUIET, reward_module, tiny_qwen2
 from tests.test_trainer import tok  # noqa: F401 (fixture: GPT-2, left padding, pad = EOS)
 
 VOCAB = 50_257
@@ -26,12 +24,10 @@ VOCAB = 50_257
 
 @pytest.fixture
 def rewards_module(tmp_path, monkeypatch):
-    (tmp_path / "spr_rewards.py").write_text(textwrap.dedent('''
+    reward_module(tmp_path, monkeypatch, "spr_rewards", '''
         def digits(prompts, completions, **fields):
             return [sum(ch.isdigit() for ch in c) / max(len(c), 1) + 0.01 * len(c) for c in completions]
-    '''))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "spr_rewards", raising=False)
+    ''')
 
 
 

@@ -15,7 +15,7 @@ import torch
 
 from logitless.rollout import SamplingOptions, make_engine
 from logitless.trainer.loop import train
-from logitless.trainer.parallel import World, check_distributed, rank_seed
+from logitless.trainer.parallel import World, check_distributed, rank_seed, rank_share
 from logitless.trainer.tensor_parallel import check_tensor_parallel, family_refusal, prompt_rows
 from tests import tp_worker
 from tests.test_parallel import close, torchrun, weights
@@ -28,7 +28,8 @@ OWN_MEMORY = {"rollout/replica_gib", "rollout/weights_copy_gib"}  # the rollout 
 
 
 def run_worker(out: Path, ranks: int, sizes: str, families: str) -> list[dict]:
-    proc = torchrun("tp", out, None, timeout=400, nproc=ranks, argv=[str(WORKER), "rollout", str(out), sizes, families])
+    argv = [str(WORKER), "rollout", str(out), sizes, families]
+    proc = torchrun("tp", out, None, timeout=400, ranks=ranks, argv=argv)
     assert proc.returncode == 0, proc.stdout[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
 
@@ -134,8 +135,8 @@ class RankStreams:
     def generate(self, prompts, options, episodes=None):
         if options.num_generations != 4:  # the eval's call (eval.pass_k=2): each rank of a group makes the same one
             return self.engine.generate(prompts, options)
-        k = len(prompts) // self.ranks
-        streams = [(rank_seed(options.seed, World(rank=r, size=self.ranks)), k) for r in range(self.ranks)]
+        worlds = [World(rank=r, size=self.ranks) for r in range(self.ranks)]
+        streams = [(rank_seed(options.seed, w), len(rank_share(prompts, w))) for w in worlds]
         return self.engine.generate(prompts, dataclasses.replace(options, streams=streams))
 
 
@@ -156,7 +157,7 @@ def training(request, tmp_path_factory, shared_dir, one_thread):
                                  tokenizer=w.tokenizer(tok_dir)).records
         finally:
             w.context.make_rollout_engine = real
-    proc = torchrun("tp_train", out, None, timeout=400, nproc=ranks,
+    proc = torchrun("tp_train", out, None, timeout=400, ranks=ranks,
                     argv=[str(WORKER), "train", str(out), str(tok_dir)])
     assert proc.returncode == 0, proc.stdout[-6000:]
     return out, single
@@ -280,3 +281,32 @@ def test_two_gpus_split_rollout_samples_the_trainers_policy_like_one_gpu(tmp_pat
         assert split["mean"] <= G.BOUND_MEAN * one["mean"] and split["max"] <= G.BOUND_MAX * one["max"], (one, split)
         assert one["same_again"] and split["same_again"]
         assert x["bytes"] < 0.55 * x["whole_bytes"]  # this rank's half of the decode weights
+
+
+def test_the_memory_model_counts_a_split_replica_per_rank():
+    """The per-rank memory model (`memory_ranks`, what a torchrun run predicts per GPU) on 4 ranks with
+    rollout.tensor_parallel=2: half the replica on each rank; the KV cache of the group's rows (twice the rank's)
+    at half the KV heads, the same bytes; the sampler's buffers of the group's rows over the whole vocabulary; the
+    update's working set with half the replica mapped, the rest of it unchanged."""
+    from logitless.trainer import memory_plan as mp
+    from logitless.trainer import memory_ranks as mr
+    from logitless.trainer.auto import model_memory
+    from logitless.trainer.config import load_train_config
+    from tests.conftest import tiny_qwen2
+
+    model = tiny_qwen2(vocab_size=1000, hidden=64, layers=3, tie=False).to(torch.bfloat16)  # 4 heads, 2 KV heads
+    m = model_memory(model, load_train_config(None, ["model.lora_r=4"]).model, torch.bfloat16)
+    step = mp.StepShape(prompts=8, rows=32, prompt_len=37, completion_len=50)
+    facts = mp.RunFacts(backend="static")
+    knobs = mp.Knobs(gradient_checkpointing=True, micro_batch_size=3, by_rows=True)
+    units = mr.units_of(model)
+    for copy in ("resident", "sleep"):
+        whole = mr.predict(m, step, facts, knobs, mr.Ranks(4, units, weight_copy=copy))
+        split = mr.predict(m, step, facts, knobs, mr.Ranks(4, units, weight_copy=copy, tensor_parallel=2))
+        g, h = whole["generate"], split["generate"]
+        assert h["replica (1/2)"] == g["replica (whole)"] / 2 > 0
+        assert h["kv cache"] == g["kv cache"] > 0 and h["sampler"] == 2 * g["sampler"]
+        assert split["train"]["replica (mapped)"] == whole["train"]["replica (mapped)"] / 2
+        rest = lambda parts: {k: v for k, v in parts.items() if k != "replica (mapped)"}  # noqa: E731
+        assert rest(split["train"]) == rest(whole["train"])
+    assert mr.decode_step(step, mr.Ranks(4, units, tensor_parallel=2)).rows == 16  # the group's rows

@@ -9,6 +9,7 @@ memory plan; printed as a table and saved in the run folder (`resolved.json`).
     model.activation_offload       |  the memory plan (trainer/memory_plan.py): the fastest settings whose
     train.micro_batch_tokens       |  predicted phases fit train.memory_budget_gib (default: the device's free
     train.offload_during_rollout   |  memory); made on CUDA (or wherever the budget is set), one process
+    model.mlp_chunk_tokens         |  (tiled MLP only where nothing untiled fits)
     rollout.max_kv_gib (unset)    /
 
 A setting given in the config is kept as given (and listed as "set"); the checks of the settings themselves
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from logitless.models import UnsupportedModelError
+from logitless.models.tiled_mlp import untileable_reason
 from logitless.rollout.engine import same_device
 from logitless.rollout.kv_cache import STATIC_LAYER_TYPES, auto_kv_budget
 from logitless.rollout.layouts import FULL, check_layout, layer_types, text_config
@@ -60,10 +62,14 @@ class Resolved:
     model: mp.ModelMemory | None = None
     step: mp.StepShape | None = None
     facts: mp.RunFacts | None = None
+    # under torchrun: the per-GPU memory of each phase on `ranks` ranks (memory_ranks.py; no settings chosen)
+    ranks: int = 1
+    rank_memory: mp.Plan | None = None
 
     def to_json(self) -> dict[str, Any]:
+        ranks = {"ranks": self.ranks, **mp.to_json(self.rank_memory)} if self.rank_memory is not None else None
         return {"choices": [dataclasses.asdict(c) for c in self.choices], "notes": self.notes,
-                "plan": mp.to_json(self.plan) if self.plan is not None else None}
+                "plan": mp.to_json(self.plan) if self.plan is not None else None, "rank_memory": ranks}
 
 
 # --- the model, without its weights -------------------------------------------------------------------------------
@@ -140,8 +146,16 @@ def model_memory(model: Any, cfg: ModelConfig, dtype: torch.dtype) -> mp.ModelMe
         layers=tc.num_hidden_layers, hidden=tc.hidden_size, intermediate=inter, q_dim=heads * head_dim,
         kv_dim=kv_heads * head_dim, vocab=base.get_input_embeddings().weight.shape[0], dtype_bytes=width,
         weight_bytes=weight_bytes, params=params, trainable=trainable if cfg.lora else params, lora=cfg.lora,
-        merge_copy_bytes=copy,
+        merge_copy_bytes=copy, mlp_tileable=_tileable(base),
     )
+
+
+def _tileable(model: Any) -> bool:
+    """Whether every decoder layer of `model` has a dense gated MLP that `models.tiled_mlp` can tile."""
+    try:
+        return untileable_reason(model) is None
+    except UnsupportedModelError:  # no decoder layers found
+        return False
 
 
 # --- the decisions ------------------------------------------------------------------------------------------------
@@ -267,7 +281,8 @@ class _Choices:
 
 
 AUTO_KEYS = ("rollout.backend", "train.packed", "train.micro_batch_tokens", "train.offload_during_rollout",
-             "model.compile_layers", "model.liger_kernels", "model.gradient_checkpointing", "model.activation_offload")
+             "model.compile_layers", "model.liger_kernels", "model.gradient_checkpointing", "model.activation_offload",
+             "model.mlp_chunk_tokens")
 
 
 def has_auto(cfg: TrainerConfig) -> bool:
@@ -283,7 +298,9 @@ def _fixed_knobs(cfg: TrainerConfig, packed: bool) -> mp.Knobs:
         gradient_checkpointing=given(m.gradient_checkpointing), activation_offload=given(m.activation_offload),
         micro_batch_tokens=t.micro_batch_tokens if isinstance(t.micro_batch_tokens, int) else None,
         by_rows=t.micro_batch_tokens is None, micro_batch_size=t.micro_batch_size, packed=packed,
-        max_kv_gib=cfg.rollout.max_kv_gib, offload_during_rollout=given(t.offload_during_rollout))
+        max_kv_gib=cfg.rollout.max_kv_gib, offload_during_rollout=given(t.offload_during_rollout),
+        tiled_mlp=None if m.mlp_chunk_tokens == "auto" else m.mlp_chunk_tokens is not None,
+        mlp_chunk_tokens=m.mlp_chunk_tokens if isinstance(m.mlp_chunk_tokens, int) else mp.MLP_CHUNK_TOKENS)
     if fixed.activation_offload and fixed.gradient_checkpointing is None:  # offload needs checkpointing
         fixed = dataclasses.replace(fixed, gradient_checkpointing=True)
     return fixed
@@ -331,7 +348,8 @@ def resolve(cfg: TrainerConfig, *, world_size: int = 1, model: Any = None, devic
     else:
         knobs = dataclasses.replace(fixed, gradient_checkpointing=bool(fixed.gradient_checkpointing),
                                     activation_offload=bool(fixed.activation_offload),
-                                    offload_during_rollout=bool(fixed.offload_during_rollout))
+                                    offload_during_rollout=bool(fixed.offload_during_rollout),
+                                    tiled_mlp=bool(fixed.tiled_mlp))
         why = "no memory plan: " + ("not made under torchrun or train.fsdp_offload" if not single else
                                     UNREAD if subject is None and (device.type == "cuda" or budget_set) else
                                     "CPU without train.memory_budget_gib")
@@ -341,6 +359,7 @@ def resolve(cfg: TrainerConfig, *, world_size: int = 1, model: Any = None, devic
                               ("model.activation_offload", m.activation_offload, knobs.activation_offload),
                               ("train.offload_during_rollout", t.offload_during_rollout, knobs.offload_during_rollout)):
         choose(key, given, lambda value=value, key=key: (value, why if value else off[key]))
+    choose("model.mlp_chunk_tokens", m.mlp_chunk_tokens, lambda: _mlp_chunk(knobs, out, why))
     choose("train.micro_batch_tokens", t.micro_batch_tokens,
            lambda: (knobs.micro_batch_tokens, why if out.plan is not None else
                     f"{why}: micro-batches of train.micro_batch_size={t.micro_batch_size} rows"))
@@ -352,7 +371,62 @@ def resolve(cfg: TrainerConfig, *, world_size: int = 1, model: Any = None, devic
                                   "set in the config" if budget_set else "the device's free memory at start",
                                   not budget_set))
     out.cfg = choose.config(cfg)
+    if world_size > 1 and not t.fsdp_offload and subject is not None and (device.type == "cuda" or budget_set):
+        out.ranks = world_size
+        budget = budget_bytes(cfg, device) if free_gib is None or budget_set else free_gib * mp.GIB
+        out.rank_memory = rank_memory(out.cfg, subject, dtype, device, world_size, budget)
+        out.notes.extend(out.rank_memory.notes)
     return out
+
+
+def rank_memory(cfg: TrainerConfig, model: Any, dtype: torch.dtype, device: torch.device, ranks: int,
+                budget: float) -> mp.Plan:
+    """The per-GPU memory of each phase of a step of the resolved `cfg` on `ranks` FSDP2 ranks
+    (`memory_ranks.predict`, at the longest prompt the config allows), against one GPU's `budget` (bytes): fits is
+    False, with a note, where the update (or an hf rollout, which has no waves) is predicted over its headroom."""
+    from logitless.trainer import memory_ranks as mr
+    from logitless.trainer.oom import knobs_of
+
+    kernels = "compiled" if cfg.model.compile_layers is True else "liger" if cfg.model.liger_kernels is True else "eager"
+    copy = cfg.rollout.weight_copy or ("sleep" if device.type == "cuda" else "resident")
+    layout = mr.Ranks(ranks, mr.units_of(model), weight_copy="resident" if copy == "resident" else "sleep",
+                      merged_replica=cfg.rollout.merge_lora is not False,
+                      tensor_parallel=cfg.rollout.tensor_parallel if ranks % cfg.rollout.tensor_parallel == 0 else 1)
+    knobs = knobs_of(cfg)
+    phases = mr.predict(model_memory(model, cfg.model, dtype), step_shape(cfg, model), run_facts(
+        cfg, cfg.rollout.backend, kernels, device), knobs, layout)
+    out = mp.Plan(knobs=knobs, budget=budget, phases=phases,
+                  rows_per_wave=mr.decode_step(step_shape(cfg, model), layout).rows)
+    # (the static engine decodes in waves under its own KV cap where rollout.max_kv_gib is unset)
+    capped = cfg.rollout.backend == "static" and cfg.rollout.max_kv_gib is None
+    over = [p for p in phases if out.peak(p) > mp.HEADROOM * out.budget and not (p == "generate" and capped)]
+    if over:
+        out.fits = False
+        worst = max(over, key=out.peak)
+        rollout = worst == "generate"
+        leaner = [k for k, done in (("model.gradient_checkpointing=true", knobs.gradient_checkpointing or rollout),
+                                    ("train.offload_during_rollout=true", knobs.offload_during_rollout or not rollout),
+                                    ("rollout.weight_copy=sleep", copy != "resident")) if not done]
+        leaner += ["fewer train.prompts_per_step" if rollout else
+                   "a smaller train.micro_batch_tokens (or train.micro_batch_size)", "more ranks"]
+        out.notes.append(
+            f"memory model on {ranks} ranks: the {worst} phase is predicted at {out.peak(worst) / mp.GIB:.2f} GiB per "
+            f"GPU, over {mp.HEADROOM:.0%} of {out.budget / mp.GIB:.2f} GiB; the run may run out of memory. Leaner: "
+            f"{', '.join(leaner)}")
+    return out
+
+
+def _mlp_chunk(knobs: mp.Knobs, out: Resolved, why: str) -> tuple[int | None, str]:
+    """(model.mlp_chunk_tokens, why) for "auto": the plan's chunk where it tiles the MLPs, else null."""
+    if knobs.tiled_mlp:
+        fits = out.plan is not None and out.plan.fits
+        return knobs.mlp_chunk_tokens, (f"memory plan: only with the tiled MLP does the update fit "
+                                        f"{out.plan.budget / mp.GIB:.1f} GiB" if fits else why)
+    if out.plan is None:
+        return None, why + "; off"
+    if not out.model.mlp_tileable:
+        return None, "the model's MLPs are not all dense gated MLPs (models/tiled_mlp.py)"
+    return None, "memory plan: an untiled setting fits"
 
 
 def budget_bytes(cfg: TrainerConfig, device: torch.device) -> float:
@@ -370,7 +444,7 @@ def step_shape(cfg: TrainerConfig, model: Any, world_size: int = 1) -> mp.StepSh
     r = cfg.rollout
     context = getattr(text_config(_base(model)), "max_position_embeddings", None)
     prompt = r.max_prompt_length if r.max_prompt_length is not None else max((context or 0) - r.max_completion_length, 1)
-    prompts = max(cfg.train.prompts_per_step // max(world_size, 1), 1)
+    prompts = max(-(-cfg.train.prompts_per_step // max(world_size, 1)), 1)  # the largest rank share
     agent = getattr(cfg, "agent", None)
     return mp.StepShape(prompts=prompts, rows=prompts * r.num_generations, prompt_len=prompt,
                         completion_len=r.max_completion_length, context=context,
@@ -415,16 +489,21 @@ def print_resolved(res: Resolved, console: Any = None) -> None:
     console.print(table)
     for note in res.notes:
         console.print(f"[yellow]warning:[/] {note}", highlight=False)
-    if res.plan is not None:
-        plan_table = Table(title=f"memory plan: predicted peak per phase (GiB), budget {res.plan.budget / mp.GIB:.1f}",
-                           title_justify="left", show_edge=False, pad_edge=False)
+    memory = [("memory plan: predicted peak per phase (GiB)", res.plan),
+              (f"memory model on {res.ranks} ranks: predicted peak per GPU and phase (GiB)", res.rank_memory)]
+    for title, plan in memory:
+        if plan is None:
+            continue
+        table = Table(title=f"{title}, budget {plan.budget / mp.GIB:.1f}", title_justify="left", show_edge=False,
+                      pad_edge=False)
         for col in ("phase", "GiB", "parts"):
-            plan_table.add_column(col, overflow="fold")
-        for row in mp.describe(res.plan):
-            plan_table.add_row(*row)
-        console.print(plan_table)
-        for note in res.plan.notes:
-            console.print(f"[yellow]warning:[/] {note}")
+            table.add_column(col, overflow="fold")
+        for row in mp.describe(plan):
+            table.add_row(*row)
+        console.print(table)
+        if plan is res.plan:  # (the rank model's notes are the run's own, above)
+            for note in plan.notes:
+                console.print(f"[yellow]warning:[/] {note}")
 
 
 def resolve_run(cfg: TrainerConfig, world: Any, *, model: Any = None) -> Resolved:
@@ -454,11 +533,12 @@ def world_device(cfg: TrainerConfig, model: Any = None) -> torch.device:
     return device
 
 
-def print_dry_run(cfg: TrainerConfig, console: Any = None) -> None:
-    """`logitless train --dry-run`: the settings "auto" would decide on this machine and the memory plan, from the
-    model's config alone (no weights are read), on stderr (stdout keeps the config as YAML). A model whose config
-    cannot be read (offline, a typo) is named with the reason; the model load reports the real error."""
+def print_dry_run(cfg: TrainerConfig, console: Any = None, ranks: int = 1) -> None:
+    """`logitless train --dry-run [--ranks N]`: the settings "auto" would decide on this machine and the memory plan
+    (on N > 1 ranks: the memory model's per-GPU peaks), from the model's config alone (no weights are read), on
+    stderr (stdout keeps the config as YAML). A model whose config cannot be read (offline, a typo) is named with
+    the reason; the model load reports the real error."""
     from rich.console import Console
 
     console = console or Console(stderr=True)
-    print_resolved(resolve(cfg, device=run_device(cfg)), console)
+    print_resolved(resolve(cfg, world_size=ranks, device=run_device(cfg)), console)

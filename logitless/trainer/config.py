@@ -98,9 +98,19 @@ class ModelConfig:
     # engine compiles its own decode step). "auto": on a CUDA device in one process (triton installed) when
     # train.max_steps is at least COMPILE_MIN_STEPS of trainer/auto.py, a run long enough to repay the compile.
     compile_layers: bool | Literal["auto"] = "auto"
+    # Sequence-tiled MLP: each decoder layer's MLP runs over chunks of at most this many tokens of a micro-batch,
+    # and its backward recomputes one chunk at a time, so the MLP's [tokens, intermediate] activations never exist
+    # for the whole micro-batch (logitless/models/tiled_mlp.py; exact: same values, gradients summed per chunk).
+    # Costs one more forward of the MLP per backward. Dense gated MLPs only (Llama, Qwen, Mistral, Gemma; not
+    # mixtures of experts). Composes with LoRA/QLoRA, checkpointing, packing, FSDP2, Liger's SwiGLU and compiled
+    # layers (the tiled MLP runs eagerly between the layer's compiled parts). null: off. "auto": 8,192 tokens
+    # (MLP_CHUNK_TOKENS of trainer/memory_plan.py) where the memory plan finds that nothing untiled fits the budget
+    # (a long row), off otherwise and where no plan is made.
+    mlp_chunk_tokens: int | None | Literal["auto"] = "auto"
 
     def __post_init__(self):
-        _positive("model", lora_r=self.lora_r, lora_alpha=self.lora_alpha)
+        _positive("model", lora_r=self.lora_r, lora_alpha=self.lora_alpha,
+                  mlp_chunk_tokens=self.mlp_chunk_tokens if self.mlp_chunk_tokens != "auto" else None)
         if self.lora_compute == "autocast" and not self.lora:
             raise ValueError("model.lora_compute=autocast sets how LoRA adapters compute, but model.lora=false; "
                              "set model.lora_compute=auto (or model.lora=true)")
@@ -319,7 +329,9 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = 100  # steps (rollout batches) of the run
-    prompts_per_step: int = 8  # prompts of a step, each sampled rollout.num_generations times
+    # prompts of a step, each sampled rollout.num_generations times; under torchrun all ranks' together, split in
+    # contiguous shares that differ by at most one prompt (at least one prompt per rank)
+    prompts_per_step: int = 8
     micro_batch_size: int = 16  # completions per forward/backward (sorted by length), without a token budget
     # Token budget of a micro-batch (None: off): rows are added while prompt + completion tokens, padding of
     # the micro-batch included (none when packed), stay within it, so the peak is bounded by tokens, not rows;

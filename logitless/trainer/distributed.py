@@ -56,9 +56,16 @@ def all_reduce_metrics(metrics: dict[str, Stat], device: torch.device | None = N
 
 
 def gather_rows(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The ranks' [n, ...] tensors (the same shape on every rank) concatenated in rank order, on x's device."""
+    """The ranks' [n_rank, ...] tensors concatenated in rank order, on x's device: n_rank may differ between ranks
+    (uneven prompt shares), the other dimensions may not."""
     if not is_distributed():
         return x
-    parts = [torch.empty_like(x, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x.to(device).contiguous())
-    return torch.cat(parts).to(x.device)
+    k = dist.get_world_size()
+    counts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(k)]
+    dist.all_gather(counts, torch.tensor([x.shape[0]], dtype=torch.long, device=device))
+    sizes = [int(c) for c in counts]
+    padded = torch.zeros((max(sizes), *x.shape[1:]), dtype=x.dtype, device=device)  # all_gather needs one shape
+    padded[: x.shape[0]] = x.to(device)
+    parts = [torch.empty_like(padded) for _ in range(k)]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)]).to(x.device)

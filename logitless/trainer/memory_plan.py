@@ -8,15 +8,16 @@ Phases (the names of the measured `memory/peak_gb/<phase>`; the prediction is `m
                only runs with num_iterations > 1, objective.beta > 0 or a top-entropy mask)
     train      weights and training state, gradients, one micro-batch's activations (all layers', or with gradient
                checkpointing each layer's input plus one layer recomputed; activation offload keeps the inputs on
-               the host) and the fused op's workspace
+               the host; a tiled MLP keeps its intermediates of one chunk of tokens, only while that chunk is
+               back-propagated) and the fused op's workspace
 
 Sizes are what torch's allocator holds (`max_memory_allocated`, what the phase clock measures), for one process.
 The model is a few terms per token and per layer (`ModelMemory`); the constants below were fitted to the runs
 recorded in bench/results (`python bench/bench_plan.py --check-recorded` prints predicted against measured for
 every one of them; tests/test_memory_plan.py keeps them within 15 %).
 
-`plan()` picks, for what the config leaves "auto", the fastest candidate of `TRAIN_LADDER` whose train (and
-logprobs) phase fits, and the KV cap (rows per wave) that fits the rollout, parking the optimizer states during
+`plan()` picks, for what the config leaves "auto", the fastest candidate of `TRAIN_LADDER` (untiled, then with the
+tiled MLP) whose train (and logprobs) phase fits, and the KV cap (rows per wave) that fits the rollout, parking the optimizer states during
 the rollout when that saves a wave. `leaner()` is the next plan after an out-of-memory error.
 """
 
@@ -50,9 +51,14 @@ CACHE_MULTIPLE = 128  # the static engine rounds its cache length up to this (St
 NF4_BYTES = 0.5 + 1 / 64  # a 4-bit (NF4, double-quantized) weight: 4 bits plus its block scales
 HEADROOM = 0.9  # a plan keeps its predicted peak under this share of the budget (allocator fragmentation)
 RETRY_SHARE = 0.8  # after an out-of-memory error, the next plan predicts at most this share of the failed one
+# model.mlp_chunk_tokens=auto where the plan tiles the MLPs: one chunk's MLP intermediates (4 x I x 8,192 x 2 bytes,
+# 0.75 GiB at 8B) beside a long row's other activations; GEMMs of 8,192 rows keep the GPU busy.
+MLP_CHUNK_TOKENS = 8192
 
 # Gradient checkpointing, activation offload, micro-batch tokens: fastest first (bench/LOG.md, 1.5B, T = 1,024:
-# update 2.39 s without checkpointing at 32k tokens, 2.60 s at 16k, 3.25 s with it at 32k, 3.59 s at 16k).
+# update 2.39 s without checkpointing at 32k tokens, 2.60 s at 16k, 3.25 s with it at 32k, 3.59 s at 16k). Where
+# the model's MLPs can be tiled (model.mlp_chunk_tokens=auto) the same ladder follows with the tiled MLP, whose
+# extra forward of every MLP the plan pays only when no untiled rung fits (a long row).
 TRAIN_LADDER: tuple[tuple[bool, bool, int], ...] = (
     (False, False, 32768), (False, False, 16384), (True, False, 32768), (True, False, 16384),
     (True, True, 16384), (True, False, 8192), (True, True, 8192), (True, True, 4096), (True, True, 2048),
@@ -76,6 +82,7 @@ class ModelMemory:
     trainable: int  # trained parameters: the LoRA adapters, or all of them
     lora: bool
     merge_copy_bytes: int  # a merged decode copy of the LoRA-targeted layers, in the compute dtype
+    mlp_tileable: bool = False  # every decoder layer has a dense gated MLP (models/tiled_mlp.py can tile it)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -86,7 +93,13 @@ class ModelMemory:
     def activation_elements(self) -> int:
         """Elements a decoder layer saves per token: norm outputs and residuals (4 H), q and the attention output
         (2 q_dim), k and v (2 kv_dim), gate, up, their activation and product (4 I)."""
-        return 4 * self.hidden + 2 * self.q_dim + 2 * self.kv_dim + 4 * self.intermediate
+        return 4 * self.hidden + 2 * self.q_dim + 2 * self.kv_dim + self.mlp_elements
+
+    @property
+    def mlp_elements(self) -> int:
+        """Of those, the MLP's intermediates per token (gate, up, their activation and product), which a tiled MLP
+        keeps for one chunk of tokens at a time and only while it back-propagates that chunk."""
+        return 4 * self.intermediate
 
 
 @dataclass(frozen=True)
@@ -139,6 +152,12 @@ class Knobs:
     packed: bool = False
     max_kv_gib: float | None = None  # None: the static engine's own cap (or no waves at all)
     offload_during_rollout: bool | None = None
+    tiled_mlp: bool | None = None  # model.mlp_chunk_tokens set (an int) or not (null)
+    mlp_chunk_tokens: int = MLP_CHUNK_TOKENS  # the chunk of a tiled MLP
+
+    def mlp_tokens(self, tokens: int) -> int:
+        """Tokens whose MLP intermediates exist at once in a forward or a layer's backward of `tokens` tokens."""
+        return min(self.mlp_chunk_tokens, tokens) if self.tiled_mlp else tokens
 
 
 @dataclass
@@ -212,20 +231,23 @@ def generate_bytes(m: ModelMemory, step: StepShape, facts: RunFacts, knobs: Knob
     # decode cache existed, so it counts where it is larger than the decode's share
     tokens = step.prompts * step.prompt_len
     parts["prefill"] = float(tokens * m.kv_bytes_per_token + step.prompts * 4 * m.vocab)
-    forward = FORWARD * _layer_bytes(m, tokens)
+    forward = FORWARD * _layer_bytes(m, tokens, knobs.mlp_tokens(tokens))
     parts["prefill"] += max(0.0, forward - parts["kv cache"] - parts["sampler"])
     return parts
 
 
-def _layer_bytes(m: ModelMemory, tokens: int) -> float:
-    """One decoder layer's saved activations for `tokens` tokens."""
-    return ACT_SCALE * m.activation_elements * m.dtype_bytes * tokens
+def _layer_bytes(m: ModelMemory, tokens: int, mlp_tokens: int | None = None) -> float:
+    """One decoder layer's activations for `tokens` tokens, its MLP's intermediates for `mlp_tokens` of them
+    (default: all; a tiled MLP's chunk, or none for what a layer keeps for its backward)."""
+    mlp = tokens if mlp_tokens is None else mlp_tokens
+    return ACT_SCALE * m.dtype_bytes * ((m.activation_elements - m.mlp_elements) * tokens + m.mlp_elements * mlp)
 
 
 def mask_bytes(step: StepShape, knobs: Knobs, tokens: int) -> float:
     """The [S, S] attention masks of a padded micro-batch of `tokens` tokens whose rows are the longest (none when
-    packed: the varlen path needs no mask)."""
-    if knobs.packed:
+    packed: the varlen path needs no mask; none for micro-batches of one row: it keeps only its own columns, and
+    sdpa attends to an unpadded row with its causal kernel)."""
+    if knobs.packed or step.rows == 1 or (knobs.by_rows and knobs.micro_batch_size == 1):
         return 0.0
     rows = max(tokens // step.longest_row, 1)
     return MASK_BYTES * rows * step.longest_row**2
@@ -244,13 +266,15 @@ def train_bytes(m: ModelMemory, step: StepShape, facts: RunFacts, knobs: Knobs, 
     n = micro_tokens(step, knobs) if tokens is None else tokens
     parts = resident_bytes(m, facts)
     parts["gradients"] = float(m.trainable * (4 if m.lora else m.dtype_bytes))
-    layer = _layer_bytes(m, n)
+    # one layer back-propagated (its MLP's intermediates of one chunk where tiled), and what each layer keeps
+    layer = _layer_bytes(m, n, knobs.mlp_tokens(n))
     if knobs.gradient_checkpointing:
         kept = min(OFFLOAD_KEPT_LAYERS, m.layers) if knobs.activation_offload else m.layers
         parts["layer inputs"] = float(kept * n * m.hidden * m.dtype_bytes)
         parts["recompute"] = RECOMPUTE.get(facts.kernels, RECOMPUTE["eager"]) * layer
     else:
-        parts["activations"] = (m.layers + BACKWARD) * layer
+        saved = _layer_bytes(m, n, 0 if knobs.tiled_mlp else n)
+        parts["activations"] = m.layers * saved + BACKWARD * layer
     parts["lm head"] = float(HEAD_WORKSPACE if m.lora else HEAD_WORKSPACE_TRAINABLE) + n * m.hidden * 4
     parts["attention mask"] = mask_bytes(step, knobs, n)
     if facts.async_rollout and not facts.rollout_elsewhere:
@@ -266,7 +290,7 @@ def logprob_bytes(m: ModelMemory, step: StepShape, facts: RunFacts, knobs: Knobs
     parts = resident_bytes(m, facts)
     if knobs.activation_offload:
         parts["offload residue"] = float(OFFLOAD_RESIDUE)
-    parts["forward"] = FORWARD * _layer_bytes(m, n) + n * m.hidden * m.dtype_bytes
+    parts["forward"] = FORWARD * _layer_bytes(m, n, knobs.mlp_tokens(n)) + n * m.hidden * m.dtype_bytes
     parts["lm head"] = float(HEAD_WORKSPACE)
     parts["attention mask"] = mask_bytes(step, knobs, n)
     return parts
@@ -284,14 +308,17 @@ def predict(m: ModelMemory, step: StepShape, facts: RunFacts, knobs: Knobs) -> d
 # --- planning ---------------------------------------------------------------------------------------------------
 
 
-def _train_candidates(step: StepShape, fixed: Knobs) -> list[Knobs]:
-    """The ladder's settings that agree with what is fixed (set in the config), fastest first."""
+def _train_candidates(m: ModelMemory, step: StepShape, fixed: Knobs) -> list[Knobs]:
+    """The ladder's settings that agree with what is fixed (set in the config), fastest first: untiled, then (where
+    model.mlp_chunk_tokens is auto and the model's MLPs can be tiled) the same with the tiled MLP."""
     out: list[Knobs] = []
-    for gc, offload, tokens in TRAIN_LADDER:
+    tiled = [fixed.tiled_mlp] if fixed.tiled_mlp is not None else [False, True] if m.mlp_tileable else [False]
+    for tile, (gc, offload, tokens) in ((t, rung) for t in tiled for rung in TRAIN_LADDER):
         k = dataclasses.replace(
             fixed,
             gradient_checkpointing=gc if fixed.gradient_checkpointing is None else fixed.gradient_checkpointing,
             activation_offload=offload if fixed.activation_offload is None else fixed.activation_offload,
+            tiled_mlp=tile,
         )
         if k.activation_offload and not k.gradient_checkpointing:
             continue
@@ -311,7 +338,7 @@ def plan(m: ModelMemory, step: StepShape, facts: RunFacts, fixed: Knobs, budget:
     optimizer states parked during the rollout where that saves a wave (train.offload_during_rollout unset).
     """
     room = HEADROOM * budget
-    candidates = _train_candidates(step, fixed)
+    candidates = _train_candidates(m, step, fixed)
     chosen = candidates[-1]
     for k in candidates:
         k_full = _with_rollout(m, step, facts, k, room)
@@ -392,7 +419,7 @@ def leaner(m: ModelMemory, step: StepShape, facts: RunFacts, knobs: Knobs, phase
 
     generate (static backend): half the rows per wave (`cache_len`: the engine's cache length so far, when it has
     decoded; else the plan's). logprobs / train: down the ladder (checkpointing, then activation offload, then
-    half the micro-batch) until the predicted phase is at most RETRY_SHARE of the failed one.
+    half the micro-batch, then the tiled MLP) until the predicted phase is at most RETRY_SHARE of the failed one.
     """
     if phase == "generate":
         if facts.backend != "static" or facts.rollout_elsewhere:
@@ -411,7 +438,7 @@ def leaner(m: ModelMemory, step: StepShape, facts: RunFacts, knobs: Knobs, phase
 
     before, current = peak(knobs), knobs
     while True:
-        down = _one_leaner(step, current)
+        down = _one_leaner(m, step, current)
         if down is None:
             return None if current is knobs else current
         current = down
@@ -419,9 +446,9 @@ def leaner(m: ModelMemory, step: StepShape, facts: RunFacts, knobs: Knobs, phase
             return current
 
 
-def _one_leaner(step: StepShape, k: Knobs) -> Knobs | None:
+def _one_leaner(m: ModelMemory, step: StepShape, k: Knobs) -> Knobs | None:
     """One step down: checkpointing on, then activation offload on, then half the micro-batch (never below one
-    row: the longest row's tokens, or one row per micro-batch)."""
+    row: the longest row's tokens, or one row per micro-batch), then the tiled MLP (where the model's can be)."""
     if not k.gradient_checkpointing:
         return dataclasses.replace(k, gradient_checkpointing=True)
     if not k.activation_offload:
@@ -430,6 +457,8 @@ def _one_leaner(step: StepShape, k: Knobs) -> Knobs | None:
         return dataclasses.replace(k, micro_batch_tokens=max(k.micro_batch_tokens // 2, step.longest_row))
     if k.by_rows and k.micro_batch_size > 1:
         return dataclasses.replace(k, micro_batch_size=k.micro_batch_size // 2)
+    if not k.tiled_mlp and m.mlp_tileable:
+        return dataclasses.replace(k, tiled_mlp=True)
     return None
 
 

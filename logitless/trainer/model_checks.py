@@ -2,7 +2,8 @@
 metadata) and a weightless skeleton of the model can tell.
 
     read_model_config(cfg.model)       the transformers config: local folder, hub cache, or the GGUF's metadata
-    check_model(cfg, config, ...)      positions, attention implementation, LoRA targets, Liger's model types;
+    check_model(cfg, config, ...)      positions, attention implementation, LoRA targets, Liger's model types, a
+                                       tileable MLP (model.mlp_chunk_tokens);
                                        returns one line per check, raises ValueError naming the config key and fix
 
 The skeleton is built on the meta device (`with torch.device("meta"): AutoModelForCausalLM.from_config(...)`): the
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from logitless.models.tiled_mlp import check_tileable
 from logitless.models.varlen import NAME as VARLEN_ATTENTION
 from logitless.models.varlen import register as register_varlen_attention
 from logitless.trainer.config import ModelConfig, TrainerConfig
@@ -218,6 +220,11 @@ def check_model(cfg: TrainerConfig, config: Any, *, training: bool = True, attn:
                                      prompt_key="rollout.max_prompt_length", completion_key=key))
     lines.append(f"model.attn_implementation={attn!r}: transformers builds {type(model).__name__} with it"
                  if attn is not None else f"attention: transformers' default ({model.config._attn_implementation})")
+    chunk = cfg.model.mlp_chunk_tokens
+    if isinstance(chunk, int):
+        check_tileable(model, chunk)
+        lines.append(f"model.mlp_chunk_tokens={chunk}: every decoder layer has a dense gated MLP, tiled in chunks of "
+                     f"{chunk} tokens")
     if cfg.model.lora:
         lines.append(check_lora_targets(model, cfg.model))
     if cfg.model.liger_kernels is True:  # ("auto" turns them on only where they apply: trainer/auto.py)

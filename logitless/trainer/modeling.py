@@ -16,6 +16,7 @@ import torch
 
 from logitless.models.compiled import EAGER_NUMERICS
 from logitless.models.lm_head import decoder_layers
+from logitless.models.tiled_mlp import check_tileable, tile_mlps
 from logitless.models.varlen import NAME as VARLEN_ATTENTION
 from logitless.models.varlen import register as register_varlen_attention
 from logitless.rollout.weights import fresh_copy
@@ -177,8 +178,9 @@ def nf4_config(device: torch.device, dtype: torch.dtype):
 
 
 def prepare_for_training(model, cfg: ModelConfig):
-    """Add LoRA adapters (peft) when `cfg.lora`, enable gradient checkpointing when asked. Settings still "auto"
-    (decided per run by `trainer.auto.resolve`) count as off here.
+    """Add LoRA adapters (peft) when `cfg.lora`, enable gradient checkpointing when asked, tile the MLPs
+    (`model.mlp_chunk_tokens`), compile the layers. Settings still "auto" (decided per run by `trainer.auto.resolve`)
+    count as off here.
 
     A 4-bit (QLoRA) model gets what peft's `prepare_model_for_kbit_training` does for it except the fp32 upcast
     of every non-quantized weight: that would double the embedding and lm_head memory and run the fused op's
@@ -189,6 +191,8 @@ def prepare_for_training(model, cfg: ModelConfig):
             "model.load_in_4bit=true but the given model is not 4-bit quantized; load it through logitless "
             "(model.name_or_path), or pass a model loaded with a 4-bit BitsAndBytesConfig"
         )
+    if isinstance(cfg.mlp_chunk_tokens, int):
+        check_tileable(model, cfg.mlp_chunk_tokens)  # before anything is changed
     if cfg.liger_kernels is True:
         apply_liger_kernels(model)
     if cfg.gradient_checkpointing is True:
@@ -204,6 +208,8 @@ def prepare_for_training(model, cfg: ModelConfig):
         if base is not None:  # what adapter_config.json names as the adapter's base
             for adapter in model.peft_config.values():
                 adapter.base_model_name_or_path = base
+    if isinstance(cfg.mlp_chunk_tokens, int):
+        tile_mlps(model, cfg.mlp_chunk_tokens)
     if cfg.compile_layers is True:
         compile_layers(model)
     return model

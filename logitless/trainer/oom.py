@@ -23,6 +23,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
+from logitless.models.tiled_mlp import tile_mlps
 from logitless.trainer import memory_plan as mp
 
 T = TypeVar("T")
@@ -47,7 +48,9 @@ def knobs_of(cfg: Any) -> mp.Knobs:
     return mp.Knobs(gradient_checkpointing=m.gradient_checkpointing is True,
                     activation_offload=m.activation_offload is True, micro_batch_tokens=t.micro_batch_tokens,
                     by_rows=t.micro_batch_tokens is None, micro_batch_size=t.micro_batch_size, packed=t.packed is True,
-                    max_kv_gib=cfg.rollout.max_kv_gib, offload_during_rollout=t.offload_during_rollout is True)
+                    max_kv_gib=cfg.rollout.max_kv_gib, offload_during_rollout=t.offload_during_rollout is True,
+                    tiled_mlp=isinstance(m.mlp_chunk_tokens, int),
+                    mlp_chunk_tokens=m.mlp_chunk_tokens if isinstance(m.mlp_chunk_tokens, int) else mp.MLP_CHUNK_TOKENS)
 
 
 def micro_batch_tokens(m: Any, packed: bool) -> int:
@@ -81,6 +84,9 @@ def apply_knobs(ctx: Any, knobs: mp.Knobs) -> list[str]:
         changes["model.gradient_checkpointing"] = True
     if knobs.activation_offload != old.activation_offload:
         changes["model.activation_offload"] = knobs.activation_offload
+    if knobs.tiled_mlp and not old.tiled_mlp:
+        tile_mlps(ctx.model, knobs.mlp_chunk_tokens)  # a compiled layer recompiles (its guards see the new forward)
+        changes["model.mlp_chunk_tokens"] = knobs.mlp_chunk_tokens
     if knobs.micro_batch_tokens != old.micro_batch_tokens:
         changes["train.micro_batch_tokens"] = knobs.micro_batch_tokens
     if knobs.micro_batch_size != old.micro_batch_size:

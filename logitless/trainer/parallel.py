@@ -6,7 +6,8 @@ sharded" (`World.sharded`) applies to it too.
 
     torchrun --nproc-per-node 2 -m logitless train CONFIG
 
-Every rank runs the same loop on its own share of the step's prompts (`train.prompts_per_step` is global). The
+Every rank runs the same loop on its own share of the step's prompts (`train.prompts_per_step` is global; shares
+differ by at most one prompt where it does not divide by the rank count). The
 step normalizer and the metrics are all-reduced in `distributed.py`, so gradients and logged values do not
 depend on the number of ranks.
 
@@ -152,11 +153,11 @@ def check_distributed(cfg: TrainerConfig, world: World) -> None:
     if not world.distributed:
         return
     n, k = cfg.train.prompts_per_step, world.size
-    if n % k:
+    if n < k:
         raise ValueError(
-            f"train.prompts_per_step={n} is the global prompt count of a step, split evenly across the {k} ranks; "
-            f"set it to a multiple of {k} (e.g. {k * max(n // k, 1)}) or launch torchrun with a --nproc-per-node "
-            f"that divides {n}"
+            f"train.prompts_per_step={n} is the global prompt count of a step, split across the {k} ranks, and each "
+            f"rank needs at least one prompt; set it to at least {k} (a multiple of {k} keeps the ranks equally busy) "
+            f"or launch torchrun with --nproc-per-node {n} or fewer"
         )
     if ":" in cfg.model.device:
         raise ValueError(
@@ -213,9 +214,11 @@ def claimed_on_rank0(world: World, claim: Callable[[], Any]) -> Iterator[tuple[T
 
 
 def rank_share(rows: Sequence[T], world: World) -> list[T]:
-    """This rank's contiguous share of the step's prompts; the ranks' shares in rank order are all of them."""
-    k = len(rows) // world.size
-    return list(rows[world.rank * k : (world.rank + 1) * k])
+    """This rank's contiguous share of the step's prompts: len(rows) // ranks each, one more on the first
+    len(rows) % ranks ranks; the ranks' shares in rank order are all of them."""
+    k, extra = divmod(len(rows), world.size)
+    start = world.rank * k + min(world.rank, extra)
+    return list(rows[start : start + k + (world.rank < extra)])
 
 
 def rank_seed(seed: int, world: World) -> int:

@@ -41,9 +41,10 @@ SHAPE = dict(vocab_size=len(TOK), hidden_size=32, intermediate_size=64, num_hidd
              bos_token_id=None, eos_token_id=TOK.eos_token_id)
 FAMILIES = {"llama": lambda: tf.LlamaConfig(**SHAPE), "qwen2": lambda: tf.Qwen2Config(**SHAPE),  # q/k/v biases
             "qwen3": lambda: tf.Qwen3Config(**SHAPE, head_dim=4)}
-# prompts of different lengths: each rank's share is padded differently in the group's batch than alone
+# prompts of different lengths (each rank's share is padded differently in the group's batch than alone), 7 of
+# them: uneven shares (4 + 3 on 2 ranks, 2 + 2 + 2 + 1 on 4), so a group's parts differ in size
 PROMPTS = ["The quick brown fox", "Hi", "2+2 is", "Once upon a time there", "abc", "Tensor parallel decode of",
-           "x", "Hello, world! How"]
+           "Hello, world! How"]
 OPTIONS = SamplingOptions(num_generations=3, temperature=0.9, max_new_tokens=9)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

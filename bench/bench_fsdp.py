@@ -17,7 +17,8 @@ the one-GPU run serves both scalings. --summarize then sets each against the one
     python bench/bench_fsdp.py --predict --shape 7b --backend static --gc --tokens 512 --prompts 64
     python bench/bench_fsdp.py --check-recorded
     # CPU smoke run (gloo): --shape tiny --backend hf --tokens 8 --prompts 2 --G 2 --micro 2 --steps 2
-    # the rollout split over groups of 2 GPUs (rollout.tensor_parallel=2): --backend static --tp 2
+    # the rollout split over groups of 2 GPUs (rollout.tensor_parallel=2): --backend static --tp 2; an 80 GB
+    # GPU's room on a larger one: --gpu-gib 76
 
 With one process the run is the plain single-GPU trainer (no process group, no FSDP). Settings that "auto" decides
 differently on one process and under torchrun are pinned (`PINNED`; --set overrides them), so every rank count runs
@@ -202,6 +203,9 @@ def earlier_result(path: Path, shape: dict[str, Any], modes: list[str]) -> dict[
 
 def measure(args: argparse.Namespace) -> None:
     world = parallel.init_distributed("auto")
+    if args.gpu_gib is not None and torch.cuda.is_available():  # an 80 GB GPU's room on a larger one
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(args.gpu_gib * 2**30 / total, 1.0))
     out, work = Path(args.out), Path(args.out) / f".work-fsdp-{world.size}"
     prompt_len = longest_prompt(args.tokenizer)
     shape = {"model": f"Qwen2.5-{args.shape} shape, random init, bf16",
@@ -210,6 +214,7 @@ def measure(args: argparse.Namespace) -> None:
              "max_completion_length": args.tokens, "micro_batch_size": args.micro, "gradient_checkpointing": args.gc,
              "steps": args.steps, "rollout": args.backend,
              **({"tensor_parallel": split(args)} if split(args) > 1 else {}),
+             **({"gpu_gib_cap": args.gpu_gib} if args.gpu_gib is not None else {}),
              "pinned": PINNED, "overrides": args.set,
              "longest_prompt": prompt_len}
     earlier = earlier_result(out / result_name(args, world.size), shape, args.modes.split(","))  # before the runs
@@ -221,6 +226,7 @@ def measure(args: argparse.Namespace) -> None:
     model_dir = work / f"qwen2.5-{args.shape}-random"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else DEVICE_GIB["H200"]
+    device_gib = min(device_gib, args.gpu_gib) if args.gpu_gib is not None else device_gib
     info = {"device": gpu, "gpus": world.size, "versions": versions(), "commit": args.commit or commit(),
             "date": time.strftime("%Y-%m-%d")}
     # (each mode keeps the info of the command that measured it; the file's is the latest command's)
@@ -336,6 +342,8 @@ def main() -> None:
     ap.add_argument("--gc", action="store_true", help="gradient checkpointing")
     ap.add_argument("--backend", default="hf", choices=["hf", "static"], help="rollout backend")
     ap.add_argument("--tp", type=int, default=1, help="rollout.tensor_parallel: ranks per rollout group (static)")
+    ap.add_argument("--gpu-gib", type=float, default=None,
+                    help="cap each GPU's memory to this many GiB (torch.cuda.set_per_process_memory_fraction)")
     ap.add_argument("--set", action="append", default=[], help="extra config override KEY=VALUE (repeatable)")
     ap.add_argument("--tag", default="", help="a suffix of the result file names")
     ap.add_argument("--commit", default="", help="the code's commit, where the checkout has no git metadata of its own")

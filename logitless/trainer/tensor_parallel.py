@@ -82,7 +82,7 @@ def family_refusal(config: Any, n: int) -> str | None:
     odd = [f"{k}={v}" for k, v in sizes.items() if v % n]
     if odd:
         fits = [d for d in range(1, n + 1) if all(v % d == 0 for v in sizes.values())]
-        return (f"{', '.join(odd)} of the model do(es) not split over {n} ranks; set {KEY} to one that divides "
+        return (f"the model's {', '.join(odd)} cannot be split over {n} ranks; set {KEY} to one that divides "
                 f"them all (at most {n}: {', '.join(map(str, fits))})")
     return None
 

@@ -256,7 +256,8 @@ def test_the_model_check_before_loading_refuses_a_split_the_model_cannot_take():
     config = FAMILIES["llama"][0]()  # 4 query heads, 2 KV heads
     lines = check_model(_cfg("rollout.tensor_parallel=2", "rollout.backend=static"), config)
     assert "rollout.tensor_parallel=2: its heads and MLP width split over 2 ranks" in lines
-    with pytest.raises(ValueError, match=r"rollout.tensor_parallel=4: the model.s num_key_value_heads=2 .* \(at most 4: 1, 2\)"):
+    refusal = r"rollout.tensor_parallel=4: the model.s num_key_value_heads=2 .* \(at most 4: 1, 2\)"
+    with pytest.raises(ValueError, match=refusal):
         check_model(_cfg("rollout.tensor_parallel=4", "rollout.backend=static"), config)
 
 

@@ -83,6 +83,13 @@ def test_the_compiled_decode_of_a_split_replica_is_one_graph_and_samples_the_sam
         assert x["tokens_equal"] and x["logp_diff"] <= TOL, (r, x)
 
 
+def test_a_rank_without_a_seed_is_refused_on_every_rank_of_its_group(two_ranks):
+    """The ranks of a group draw from their seeds' streams: a rank without a seed makes every rank of the group
+    raise (none is left waiting in the decode's collectives)."""
+    for results in two_ranks:
+        assert "each must give its rollout a seed (SamplingOptions.seed)" in results["unseeded"]
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("weights", ["lora", "full"])

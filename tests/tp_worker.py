@@ -144,6 +144,24 @@ def compiled(world: World) -> dict:
             "logp_diff": float((got.sampler_logp - want.sampler_logp).abs().max()), **stats}
 
 
+def unseeded(world: World) -> str:
+    """The error of a group's generate where one rank gives no seed (raised on every rank: none waits)."""
+    device = torch.device("cpu")
+    mesh = tp_mesh(world.size, world.size, device)
+    sharded = model("llama", False)
+    replica = TensorParallelCopy(sharded, mesh, device)
+    shard_model(sharded, device)
+    replica.materialize()
+    replica.sync(sharded)
+    engine = group_decode(make_engine("static", replica.model, TOK), mesh, device)
+    seed = None if world.rank == 1 else 3
+    try:
+        engine.generate(rank_share(PROMPTS, world), OPTIONS.__class__(**{**OPTIONS.__dict__, "seed": seed}))
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 def one_rank_logp(m: torch.nn.Module, b, lora: bool) -> torch.Tensor:
     from logitless.models import completion_logprobs
 
@@ -256,6 +274,7 @@ def main(kind: str, out_dir: str, *args: str) -> None:
                 results[f"tp{tp}-{family}-{'lora' if lora else 'full'}"] = case(tp, family, lora, world)
     if world.size == 2:
         results["compiled"] = compiled(world)
+        results["unseeded"] = unseeded(world)
     Path(out_dir, f"rank{world.rank}.json").write_text(json.dumps(results))
 
 

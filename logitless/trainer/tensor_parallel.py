@@ -380,16 +380,18 @@ class GroupDecode:
         if episodes is not None:
             raise ValueError(f"multi-turn episodes (agent.*) are not supported with {KEY}={self.size} yet; set {KEY}=1")
         parts: list[Any] = [None] * self.size
-        dist.all_gather_object(parts, (list(prompts), options.seed, options.streams), group=self.group)
+        dist.all_gather_object(parts, (list(prompts), options), group=self.group)
+        # every rank sees the same parts, so every rank raises alike (none is left waiting in a collective)
+        rest = [dataclasses.replace(o, seed=None, streams=None) for _, o in parts]
+        if any(o.seed is None or o.streams is not None for _, o in parts) or any(r != rest[0] for r in rest):
+            raise ValueError(f"{KEY}: the ranks of a group decode together, so each must give its rollout a seed "
+                             "(SamplingOptions.seed), no streams of its own, and the same other sampling options")
         if all(p == parts[0] for p in parts):
             return self.engine.generate(prompts, options)
-        if any(seed is None or streams is not None for _, seed, streams in parts):
-            raise ValueError(f"{KEY}: every rank of a group must give its rollout a seed (SamplingOptions.seed) and "
-                             "no streams of its own")
-        union = [p for mine, _, _ in parts for p in mine]
+        union = [p for mine, _ in parts for p in mine]
         batch = self.engine.generate(union, dataclasses.replace(
-            options, streams=[(seed, len(mine)) for mine, seed, _ in parts]))
-        start = sum(len(mine) for mine, _, _ in parts[: self.rank])
+            options, streams=[(o.seed, len(mine)) for mine, o in parts]))
+        start = sum(len(mine) for mine, _ in parts[: self.rank])
         return prompt_rows(batch, start, len(prompts), options.num_generations)
 
 

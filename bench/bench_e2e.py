@@ -58,7 +58,10 @@ SHAPES = {  # Qwen2.5 shapes (vocab 151,936); "tiny" checks the script on CPU
                  num_key_value_heads=2, tie_word_embeddings=True),
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                num_key_value_heads=4, tie_word_embeddings=False),
+    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                num_key_value_heads=8, tie_word_embeddings=False),
 }
+BUILT_IN_DTYPE = {"32b"}  # shapes initialized in bf16 directly (in fp32 the 32B shape takes 128 GB)
 PHASES = ("generate", "score", "logprobs", "train")
 
 
@@ -127,8 +130,10 @@ def make_model_dir(shape: str, tokenizer_dir: str, root: Path, any_tokenizer: bo
     torch.manual_seed(0)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # (Qwen2.5 shapes: initialized as before)
-        if shape in SHAPES:
+        if shape in SHAPES and shape not in BUILT_IN_DTYPE:
             model = Qwen2ForCausalLM(cfg).to(dtype)
+        elif shape in SHAPES:  # fp32 first would not fit the GPU
+            model = Qwen2ForCausalLM._from_config(cfg, dtype=dtype)
         else:
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     partial = out.with_name(out.name + ".partial")  # renamed when complete: a folder cut short is never reused

@@ -17,13 +17,15 @@ the one-GPU run serves both scalings. --summarize then sets each against the one
     python bench/bench_fsdp.py --predict --shape 7b --backend static --gc --tokens 512 --prompts 64
     python bench/bench_fsdp.py --check-recorded
     # CPU smoke run (gloo): --shape tiny --backend hf --tokens 8 --prompts 2 --G 2 --micro 2 --steps 2
+    # the rollout split over groups of 2 GPUs (rollout.tensor_parallel=2): --backend static --tp 2; an 80 GB
+    # GPU's room on a larger one: --gpu-gib 76
 
 With one process the run is the plain single-GPU trainer (no process group, no FSDP). Settings that "auto" decides
 differently on one process and under torchrun are pinned (`PINNED`; --set overrides them), so every rank count runs
 the same step. The model is a random-init Qwen2.5-shaped model (bench_e2e.py); prompts are the packaged GSM8K
 sample; the reward is bench_e2e's `distinct_chars`, which varies on random text, so every step trains. Writes
-`fsdp_<shape>_<backend>_1gpu[_tag].json`, `fsdp_<shape>_<backend>_<scaling>_<N>gpu[_tag].json` and, with
---summarize, `fsdp_<shape>_<backend>_<scaling>_summary[_tag].json`.
+`fsdp_<shape>_<backend>_1gpu[_tag].json`, `fsdp_<shape>_<backend>_<scaling>_<N>gpu[_tpT][_tag].json` (--tp T > 1)
+and, with --summarize, `fsdp_<shape>_<backend>_<scaling>_summary[_tag].json`.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from bench.bench_e2e import SHAPES, commit, make_model_dir, versions  # noqa: E4
 from bench.bench_plan import DEVICE_GIB, GSM8K_SAMPLE_PROMPT, longest_prompt, skeleton  # noqa: E402
 from logitless.trainer import load_train_config, parallel, stages, train  # noqa: E402
 from logitless.trainer import memory_plan as mp  # noqa: E402
+from logitless.trainer.tensor_parallel import local_bytes  # noqa: E402
 
 PHASES = ("time/generate", "time/score", "time/logprobs", "time/train")
 # "auto" settings decided differently on one process (the memory plan, Liger) and under torchrun (no plan)
@@ -83,7 +86,7 @@ def timed_rollout_weights(log: list[dict[str, float]]):
             sync()
             entry = {"gather_s": time.perf_counter() - t0, "held_gib": (mem() - m0) / 2**30}
             if replica is not None:
-                entry["replica_gib"] = sum(p.numel() * p.element_size() for p in replica.model.parameters()) / 2**30
+                entry["replica_gib"] = local_bytes(replica.model) / 2**30  # this rank's slices with --tp
             yield
             sync()
             t1 = time.perf_counter()
@@ -106,6 +109,11 @@ def global_prompts(args: argparse.Namespace, ranks: int) -> int:
     return args.prompts * ranks if args.scaling == "weak" else args.prompts
 
 
+def split(args: argparse.Namespace) -> int:
+    """--tp: rollout.tensor_parallel (1 where the arguments predate it, as the recorded runs' do)."""
+    return getattr(args, "tp", 1)
+
+
 def overrides(mode: str, args: argparse.Namespace, ranks: int) -> list[str]:
     """The step's settings (the model and output folder aside), --set last."""
     return [
@@ -114,7 +122,7 @@ def overrides(mode: str, args: argparse.Namespace, ranks: int) -> list[str]:
         f"rollout.max_completion_length={args.tokens}", f"train.max_steps={args.steps}",
         f"train.prompts_per_step={global_prompts(args, ranks)}", f"train.micro_batch_size={args.micro}",
         f"model.lora={str(mode == 'lora').lower()}", f"model.gradient_checkpointing={str(args.gc).lower()}",
-        *PINNED, *args.set,
+        *([f"rollout.tensor_parallel={split(args)}"] if split(args) > 1 else []), *PINNED, *args.set,
     ]
 
 
@@ -156,6 +164,8 @@ def run_mode(mode: str, model_dir: Path, args, world: parallel.World, work: Path
         "global_prompts": prompts,
         "median_step_s": statistics.median(step_s),
         "completion_tokens_per_s": statistics.median(t / s for t, s in zip(tokens, step_s)),
+        # the rollout alone: the step's completion tokens over its generate phase (every rank decodes at once)
+        "generate_tokens_per_s": statistics.median(t / r["time/generate"] for t, r in zip(tokens, steady)),
         "median_phase_s": {k: statistics.median(r.get(k, 0.0) for r in steady) for k in PHASES},
         "peak_gib_per_gpu_max": global_max(peak),
         # where the peak sits: each phase's largest peak over steps, the largest over ranks
@@ -174,7 +184,7 @@ def result_name(args: argparse.Namespace, ranks: int | str) -> str:
     tag = f"_{args.tag}" if args.tag else ""
     if ranks == 1:
         return f"fsdp_{args.shape}_{args.backend}_1gpu{tag}.json"
-    suffix = "summary" if ranks == "summary" else f"{ranks}gpu"
+    suffix = "summary" if ranks == "summary" else f"{ranks}gpu" + (f"_tp{split(args)}" if split(args) > 1 else "")
     return f"fsdp_{args.shape}_{args.backend}_{args.scaling}_{suffix}{tag}.json"
 
 
@@ -193,13 +203,19 @@ def earlier_result(path: Path, shape: dict[str, Any], modes: list[str]) -> dict[
 
 def measure(args: argparse.Namespace) -> None:
     world = parallel.init_distributed("auto")
+    if args.gpu_gib is not None and torch.cuda.is_available():  # an 80 GB GPU's room on a larger one
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(args.gpu_gib * 2**30 / total, 1.0))
     out, work = Path(args.out), Path(args.out) / f".work-fsdp-{world.size}"
     prompt_len = longest_prompt(args.tokenizer)
     shape = {"model": f"Qwen2.5-{args.shape} shape, random init, bf16",
              **({"scaling": args.scaling} if world.size > 1 else {}),  # (one GPU's run serves both)
              "global_prompts_per_step": global_prompts(args, world.size), "G": args.G,
              "max_completion_length": args.tokens, "micro_batch_size": args.micro, "gradient_checkpointing": args.gc,
-             "steps": args.steps, "rollout": args.backend, "pinned": PINNED, "overrides": args.set,
+             "steps": args.steps, "rollout": args.backend,
+             **({"tensor_parallel": split(args)} if split(args) > 1 else {}),
+             **({"gpu_gib_cap": args.gpu_gib} if args.gpu_gib is not None else {}),
+             "pinned": PINNED, "overrides": args.set,
              "longest_prompt": prompt_len}
     earlier = earlier_result(out / result_name(args, world.size), shape, args.modes.split(","))  # before the runs
     if world.main:
@@ -210,6 +226,7 @@ def measure(args: argparse.Namespace) -> None:
     model_dir = work / f"qwen2.5-{args.shape}-random"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else DEVICE_GIB["H200"]
+    device_gib = min(device_gib, args.gpu_gib) if args.gpu_gib is not None else device_gib
     info = {"device": gpu, "gpus": world.size, "versions": versions(), "commit": args.commit or commit(),
             "date": time.strftime("%Y-%m-%d")}
     # (each mode keeps the info of the command that measured it; the file's is the latest command's)
@@ -220,6 +237,7 @@ def measure(args: argparse.Namespace) -> None:
         result["modes"][mode] = {**r, "info": info}
         if world.main:
             print(f"{world.size} GPU {mode:5s} step {r['median_step_s']:.2f} s  {r['completion_tokens_per_s']:.0f} tok/s  "
+                  f"generate {r['generate_tokens_per_s']:.0f} tok/s  "
                   f"peak/GPU {r['peak_gib_per_gpu_max']:.2f} GiB (predicted {r['predicted']['peak_gib']:.2f})  "
                   f"by phase {r['peak_gib_per_phase']}  phases {r['median_phase_s']}  weight path {r.get('weight_path')}",
                   flush=True)
@@ -323,6 +341,9 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=16)
     ap.add_argument("--gc", action="store_true", help="gradient checkpointing")
     ap.add_argument("--backend", default="hf", choices=["hf", "static"], help="rollout backend")
+    ap.add_argument("--tp", type=int, default=1, help="rollout.tensor_parallel: ranks per rollout group (static)")
+    ap.add_argument("--gpu-gib", type=float, default=None,
+                    help="cap each GPU's memory to this many GiB (torch.cuda.set_per_process_memory_fraction)")
     ap.add_argument("--set", action="append", default=[], help="extra config override KEY=VALUE (repeatable)")
     ap.add_argument("--tag", default="", help="a suffix of the result file names")
     ap.add_argument("--commit", default="", help="the code's commit, where the checkout has no git metadata of its own")

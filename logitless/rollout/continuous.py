@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
-from .engine import build_batch, generation_mode, prepare_prompts, seeded, sync, unwrap_model
+from .engine import build_batch, generation_mode, prepare_prompts, refuse_streams, seeded, sync, unwrap_model
 from .layouts import FULL, SLIDING, check_layout
 from .types import Prompt, RolloutBatch, SamplingOptions
 
@@ -41,6 +41,7 @@ class ContinuousEngine:
         if episodes is not None:
             raise ValueError("rollout.backend=continuous cannot run multi-turn episodes (agent.*): use "
                              "rollout.backend=static (fastest on GPU) or hf")
+        refuse_streams(options, "continuous")
         for name, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0)):
             if getattr(options, name) != off:
                 raise ValueError(

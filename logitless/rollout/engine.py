@@ -186,6 +186,13 @@ def generation_mode(model: Any, parts: dict[str, float] | None = None,
             parts["release_cache"] = parts.get("release_cache", 0.0) + time.perf_counter() - t1
 
 
+def refuse_streams(options: SamplingOptions, backend: str) -> None:
+    """Raise where a backend without per-row random streams is asked for `SamplingOptions.streams`."""
+    if options.streams is not None:
+        raise ValueError(f"SamplingOptions.streams (several calls' prompts decoded as one) needs per-row random "
+                         f"streams, which backend {backend!r} does not have: use rollout.backend=static")
+
+
 @contextlib.contextmanager
 def seeded(seed: int | None, device: torch.device) -> Iterator[None]:
     """Seed torch's CPU (and this CUDA device's) RNG for the block, restoring the outer RNG state after."""

@@ -20,7 +20,7 @@ from transformers.generation.logits_process import (
 from logitless.models import UnsupportedModelError
 
 from .attention import gqa_decode
-from .engine import build_batch, generation_mode, prepare_prompts, seeded, sync, unwrap_model
+from .engine import build_batch, generation_mode, prepare_prompts, refuse_streams, seeded, sync, unwrap_model
 from .hf_turns import generate_episodes
 from .layouts import CHUNKED, layer_types, text_config
 from .types import Prompt, RolloutBatch, SamplingOptions
@@ -164,6 +164,7 @@ class HFEngine:
             yield
 
     def generate(self, prompts: Sequence[Prompt], options: SamplingOptions, episodes: Any = None) -> RolloutBatch:
+        refuse_streams(options, "hf")
         if episodes is not None:
             return generate_episodes(self, prompts, options, episodes)
         prep = prepare_prompts(self.model, self.tokenizer, prompts, options)

@@ -114,9 +114,11 @@ class _Raw:
 
 class SleepableMemory:
     """`tensors` moved into one sleepable range on their CUDA device; each tensor's `.data` becomes a view of it
-    (Parameters stay the same objects). Starts awake, with the tensors' values copied in."""
+    (Parameters stay the same objects). Starts awake, with the tensors' values copied in. fill=False: nothing is
+    copied (the contents are undefined until written), so a tensor may be a placeholder that holds no memory of its
+    own (an expanded one-element tensor of the right shape): the range is then the only memory they ever take."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor]):
+    def __init__(self, tensors: Sequence[torch.Tensor], fill: bool = True):
         if not tensors:
             raise ValueError("SleepableMemory needs at least one tensor")
         self.device = tensors[0].device
@@ -146,7 +148,8 @@ class SleepableMemory:
             for t, off in zip(tensors, offsets):
                 n = t.numel() * t.element_size()
                 view = buffer[off : off + n].view(t.dtype).view(t.shape)
-                view.copy_(t)
+                if fill:
+                    view.copy_(t)
                 t.data = view
         self.tensors = list(tensors)
 

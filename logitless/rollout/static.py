@@ -43,7 +43,7 @@ import importlib.util
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from transformers.generation.configuration_utils import CompileConfig
@@ -144,6 +144,17 @@ class _Rows:
         return picked, token[sel]
 
 
+def stream_keys(streams: Sequence[tuple[int, int]], n: int, G: int, device: torch.device) -> torch.Tensor:
+    """[n * G] random-stream keys of the rows of `n` prompts made of parts [(seed, prompts), ...] (in order): a
+    part's rows get the keys a call of its prompts alone with its seed gives them (`SamplingOptions.streams`)."""
+    if sum(count for _, count in streams) != n:
+        raise ValueError(f"SamplingOptions.streams={list(streams)!r} count {sum(c for _, c in streams)} prompts, "
+                         f"but the call has {n}")
+    sample = torch.arange(G, device=device)
+    return torch.cat([row_keys(seed, torch.arange(count, device=device).repeat_interleave(G), sample.repeat(count))
+                      for seed, count in streams])
+
+
 RECOMPILE_MARGIN = 4  # compiled decode variants allowed beyond those one engine needs (other engines, eval)
 
 
@@ -237,6 +248,9 @@ class StaticEngine:
         self.step_graph = step_graph
         self._streams: dict[torch.device, Any] = {}  # the side stream the step graphs warm up and capture on
         self.auto_sync = True  # sync the weights at the start of each generate (off: the caller syncs)
+        # processes that decode one batch together (tensor parallelism) must agree on its waves: this maps this
+        # process's automatic KV budget (bytes, None = no cap) to the one they all use (their smallest)
+        self.shared_budget: Callable[[float | None], float | None] | None = None
         self._max_len = 0
         self._last_parts: dict[str, float] = {}
         self._caches: list[weakref.ref] = []  # weak references to the KV caches of the call in progress
@@ -300,6 +314,8 @@ class StaticEngine:
         V = call.first_logits.shape[-1]
         row = call.cache_len * per_token + SAMPLING_BUFFERS * 4 * V
         budget = auto_kv_budget(call.prep.device, AUTO_KV_FRACTION)
+        if self.shared_budget is not None:
+            budget = self.shared_budget(budget)
         return wave_rows(B, row, budget, "rollout.max_kv_gib (unset: automatic, from free device memory)")
 
     def generate(self, prompts: Sequence[Prompt], options: SamplingOptions, episodes: Any = None) -> RolloutBatch:
@@ -365,13 +381,13 @@ class StaticEngine:
         """Prefill the prompts and set up what every wave shares: (the call, the prompt of each row [B]).
         extra_eos: more ids that end a row's decode (an episode's turn-end ids)."""
         G, n, device = options.num_generations, prep.ids.shape[0], prep.device
-        B = n * G
         seed = options.seed if options.seed is not None else int(torch.randint(0, 2**62, ()).item())
         prompt_of_row = torch.arange(n, device=device).repeat_interleave(G)  # [B]
         filters = [p for p in sampling_processors(options) if not isinstance(p, TemperatureLogitsWarper)]
         eos = sorted({*(prep.eos_ids if not options.ignore_eos else []), *extra_eos})
+        keys = stream_keys(options.streams or [(seed, n)], n, G, device)  # (a bad streams list fails here, early)
         call = self._prefill(module, prep, options, cache_len)
-        call.keys = row_keys(seed, prompt_of_row, torch.arange(B, device=device) % G)
+        call.keys = keys
         call.codes, call.filters = vocab_codes(call.first_logits.shape[-1], device), filters
         call.eos = torch.tensor(eos, dtype=torch.long, device=device)
         return call, prompt_of_row

@@ -38,6 +38,10 @@ class SamplingOptions:
     eos_token_ids: list[int] | None = None  # None: from the model's generation config, else the tokenizer
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
     seed: int | None = None  # same seed + same inputs + same device = same completions
+    # The prompts of several calls decoded as one (the `static` engine only): [(seed, prompts), ...] in order, and
+    # each part's rows draw from the random streams its own call with that seed would (prompt indices counted from
+    # the part's first prompt), so each part's samples are that call's. None: one part, `seed`.
+    streams: list[tuple[int, int]] | None = None
     max_prompt_length: int | None = None  # tokens; None: context window - max_new_tokens
     truncate_prompt: bool = False  # left-truncate over-long prompts instead of raising
     # extra keyword arguments of the tokenizer's apply_chat_template for chat prompts (e.g. enable_thinking=False)
@@ -75,6 +79,11 @@ class SamplingOptions:
                 isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.eos_token_ids
             ):
                 raise bad("eos_token_ids", "pass a list of non-negative token ids, or None for the model's")
+        if self.streams is not None and not all(
+            isinstance(p, (tuple, list)) and len(p) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                 for x in p) and p[1] >= 0 for p in self.streams
+        ):
+            raise bad("streams", "pass a list of (seed, number of prompts) pairs of ints, or None")
         if self.max_prompt_length is not None and (
             not isinstance(self.max_prompt_length, int) or self.max_prompt_length < 1
         ):

@@ -242,6 +242,13 @@ class RolloutConfig:
     # weights never take the training GPU's memory, and with train.async_rollout the decode and the update run on
     # separate GPUs. None: the training device. Naming the training device itself keeps a replica there.
     device: str | None = None
+    # Backend "static" under torchrun only. Split the rollout's weights over groups of this many consecutive ranks
+    # (tensor parallelism: transformers' plan of q/k/v, o, gate/up, down, the embedding and the lm_head), so each
+    # rank holds 1/N of the decode weights and a model larger than one GPU's replica can be trained; each group
+    # decodes its ranks' prompts together, each rank's samples those of its own rollout. Must divide the number of
+    # ranks, the attention and KV heads and the MLP width; families: Llama, Qwen2, Qwen3, Mistral. 1: every rank
+    # decodes alone from a whole replica.
+    tensor_parallel: int = 1
 
     def static_settings(self) -> list[str]:
         """The options of this section that only backend "static" reads and that are set (backend "auto" then
@@ -251,7 +258,8 @@ class RolloutConfig:
                 "profile": self.profile, "length_buckets": self.length_buckets != 1,
                 "compact_finished": self.compact_finished, "device": self.device is not None,
                 "decode_attention": self.decode_attention == "triton",
-                "sampler_kernel": self.sampler_kernel == "triton", "step_graph": self.step_graph is True}
+                "sampler_kernel": self.sampler_kernel == "triton", "step_graph": self.step_graph is True,
+                "tensor_parallel": self.tensor_parallel != 1}
         return [name for name, on in used.items() if on]
 
     def __post_init__(self):
@@ -265,6 +273,7 @@ class RolloutConfig:
             num_threads=self.num_threads,
             max_kv_gib=self.max_kv_gib,
             length_buckets=self.length_buckets,
+            tensor_parallel=self.tensor_parallel,
         )
         for name in self.static_settings():
             if self.backend not in ("static", "auto"):

@@ -18,7 +18,7 @@ from logitless.data import PromptRow, PromptSampler
 from logitless.objectives import AdvantageOptions, EntropyCoef, initial_entropy_coef
 from logitless.rewards.models import load_reward_models
 from logitless.rollout import RolloutEngine
-from logitless.rollout.engine import same_device
+from logitless.rollout.engine import same_device, unwrap_model
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer import dcp
 from logitless.trainer.accounting import ModelShape, device_peaks
@@ -64,6 +64,7 @@ from logitless.trainer.parallel import (
     shard_model,
 )
 from logitless.trainer.rundir import RunDir, write_atomic
+from logitless.trainer.tensor_parallel import TensorParallelCopy, check_tensor_parallel, group_decode, tp_mesh
 
 
 @dataclass
@@ -93,7 +94,7 @@ class TrainContext:
     world: World = field(default_factory=World)  # this process's rank among torchrun's workers
     # the engine's own weights (static backend with a sharded model: torchrun or train.fsdp_offload, or on
     # rollout.device), else None
-    replica: RolloutCopy | MergedRolloutCopy | None = None
+    replica: RolloutCopy | MergedRolloutCopy | TensorParallelCopy | None = None
     rollout_device: torch.device | None = None  # rollout.device where it is not the training device
     empty_steps: int = 0  # consecutive steps whose completions were all empty
     parked: ParkedState = field(default_factory=ParkedState)  # train.offload_during_rollout's host buffers
@@ -216,14 +217,15 @@ def _logger(cfg: TrainerConfig, run_dir: Path, world: World, start: int, run: Ru
     return logger
 
 
-def _shape(model: torch.nn.Module, engine: Any) -> ModelShape:
+def _shape(model: torch.nn.Module, engine: Any, split: int = 1) -> ModelShape:
     """The training model's shape, with the weight bytes of the module the rollout decodes with (a merged bf16
-    copy of a QLoRA model reads bf16 weights, not 4-bit ones); the model's own where the engine does not say."""
+    copy of a QLoRA model reads bf16 weights, not 4-bit ones); the model's own where the engine does not say.
+    split: rollout.tensor_parallel, each rank reading 1/split of them per step."""
     shape = ModelShape.of(model)
     decoded = getattr(getattr(engine, "weights", None), "module", None)
     if decoded is None or decoded is model:
         return shape
-    return dataclasses.replace(shape, decode_weight_bytes=ModelShape.of(decoded).decode_weight_bytes)
+    return dataclasses.replace(shape, decode_weight_bytes=ModelShape.of(decoded).decode_weight_bytes // split)
 
 
 def build_context(
@@ -260,7 +262,13 @@ def build_context(
     # before a resume loads trained weights
     reference = ReferencePolicy(model, device) if cfg.objective.beta > 0 else None
     replica, rollout_device = None, torch.device(cfg.rollout.device) if cfg.rollout.device is not None else None
-    if (world.sharded or rollout_device is not None) and cfg.rollout.backend in COPY_BACKENDS:
+    split = cfg.rollout.tensor_parallel > 1 and world.distributed  # (checked before: a static backend, torchrun)
+    mesh = tp_mesh(world.size, cfg.rollout.tensor_parallel, device) if split else None
+    if split:
+        check_tensor_parallel(cfg, world.size, unwrap_model(model).config)
+        mode = weight_copy(cfg.rollout, device, has_copy=True, distributed=True)
+        replica = TensorParallelCopy(model, mesh, device, sleep=mode == "sleep")
+    elif (world.sharded or rollout_device is not None) and cfg.rollout.backend in COPY_BACKENDS:
         mode = ("resident" if rollout_device is not None
                 else weight_copy(cfg.rollout, device, has_copy=True, distributed=True))
         replica = make_replica(model, cfg.rollout.merge_lora, sleep=mode == "sleep", device=rollout_device or device,
@@ -271,6 +279,8 @@ def build_context(
         model = shard_model(model, device, offload=world.offload)
         if world.rank:
             seed_everything(cfg.train.seed + world.rank)  # per-rank streams from here on (dropout, rewards)
+    if isinstance(replica, TensorParallelCopy):
+        replica.materialize()  # this rank's slices, now that the model is sharded
     params = trainable_parameters(model)
     optimizer = make_optimizer(params, cfg.optim, host=world.offload)
     steps_per_rollout = cfg.train.num_iterations * cfg.train.steps_per_rollout  # optimizer steps per rollout batch
@@ -285,7 +295,7 @@ def build_context(
     engine_changes: dict[str, Any] = {}
     if replica is not None:  # the replica merged (a plain model), fused its projections and sleeps by itself
         engine_changes.update(fuse_projections=None, weight_copy="resident")
-        if isinstance(replica, MergedRolloutCopy):
+        if isinstance(replica, (MergedRolloutCopy, TensorParallelCopy)):
             engine_changes["merge_lora"] = None
     if cfg.train.async_rollout:  # async samples during updates: a copy of its own
         engine_changes["weight_copy"] = "resident"
@@ -293,6 +303,8 @@ def build_context(
         engine_changes["decode_attention"] = decode_attention_for(cfg.train.packed is True)
     rollout_cfg = dataclasses.replace(cfg.rollout, **engine_changes)
     engine = make_rollout_engine(rollout_cfg, replica.model if replica else model, tokenizer)  # merged: a plain model
+    if mesh is not None:
+        engine = group_decode(engine, mesh, device)
     prefetch = None
     if cfg.train.async_rollout:
         prefetch = AsyncRollout(engine, sampler, cfg.train.prompts_per_step, device,
@@ -304,7 +316,8 @@ def build_context(
         params=params, optimizer=optimizer, scheduler=scheduler, sampler=sampler, reward_fns=reward_fns,
         acc_col=acc_col, adv_options=adv_options,
         reference=reference,
-        shape=_shape(model, engine), peaks=device_peaks(device, cfg.logging.peak_tflops, cfg.logging.hbm_tbs),
+        shape=_shape(model, engine, cfg.rollout.tensor_parallel if split else 1),
+        peaks=device_peaks(device, cfg.logging.peak_tflops, cfg.logging.hbm_tbs),
         run_dir=run_dir, logger=logger, start=start, entropy_coef=coef, world=world, replica=replica, run=run,
         lora_compute=LoraCompute(model, cfg.model),
         rollout_device=None if rollout_device is None or same_device(rollout_device, device) else rollout_device,

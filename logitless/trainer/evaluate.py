@@ -198,7 +198,8 @@ def eval_in_run(ctx: Any) -> dict[str, float]:
     from logitless.trainer.parallel import rollout_weights
 
     cfg, world = ctx.cfg, ctx.world
-    rows = ctx.eval_rows[world.rank :: world.size] if world.size > 1 else ctx.eval_rows
+    split_by = cfg.rollout.tensor_parallel if world.size > 1 else 1  # a tensor-parallel group decodes its rows once
+    rows = ctx.eval_rows[world.rank // split_by :: world.size // split_by] if world.size > 1 else ctx.eval_rows
     split = cfg.eval.split or cfg.data.eval_split
     with rollout_weights(ctx.model, ctx.replica):
         result = evaluate(ctx.model, ctx.tokenizer, rows, cfg, split=split, engine=ctx.engine, fns=ctx.reward_fns,
@@ -207,7 +208,8 @@ def eval_in_run(ctx: Any) -> dict[str, float]:
         return result.metrics()
     n_samples = len(result.samples)
     finite = [s["reward"] for s in result.samples if s["reward"] is not None]
-    sums = [all_reduce_sum(x, ctx.device) for x in (
+    share = 1.0 if world.rank % split_by == 0 else 0.0  # one rank of each group counts the group's rows
+    sums = [all_reduce_sum(share * x, ctx.device) for x in (
         result.accuracy * result.num_prompts, result.num_prompts, result.sample_accuracy * n_samples, n_samples,
         sum(finite), len(finite), result.mean_length * n_samples)]
     merged = dataclasses.replace(result, accuracy=sums[0] / sums[1], sample_accuracy=sums[2] / sums[3],

@@ -17,6 +17,10 @@ step's rows, and a working set that does not shrink with N:
                            fp32 reduce-scatter input (4 bytes per root parameter) are alive together, after the
                            activations are freed (a moment of its own, the larger of the two sets the train peak)
 
+With rollout.tensor_parallel = T (trainer/tensor_parallel.py) the replica is 1/T per rank, and a rank decodes its
+group's rows (T ranks' shares) with 1/T of the heads and MLP width: the same KV cache bytes as its own rows whole,
+T times the sampler's buffers (the logits are gathered over the whole vocabulary) and the prefill's prompts.
+
 Checked against every recorded 1- and 2-GPU run in bench/results of today's layout (1.5B shape, H200: full
 fine-tuning with and without parked states, LoRA with 16-row and 32k-token micro-batches; `python
 bench/bench_fsdp.py --check-recorded` prints predicted against measured per phase): the rollout and update peaks
@@ -57,6 +61,9 @@ class Ranks:
     units: Units | None = None  # needed for count > 1
     weight_copy: str = "sleep"  # the static backend's replica: "sleep" (CUDA's default under torchrun) or "resident"
     merged_replica: bool = True  # LoRA on the static backend: a merged replica (rollout.merge_lora not false)
+    # rollout.tensor_parallel: the replica split over groups of this many ranks (1/T of it on each, its norms aside),
+    # each rank decoding its group's rows with 1/T of the attention heads and MLP width and the whole vocabulary
+    tensor_parallel: int = 1
 
 
 def units_of(model: Any) -> Units:
@@ -69,6 +76,19 @@ def units_of(model: Any) -> Units:
     root = sum(n for k, n in params.items() if k not in inside)
     layer = max(sum(p.numel() for n, p in layer.named_parameters() if "lora_" not in n) for layer in layers)
     return Units(root_params=root, layer_params=layer)
+
+
+def decode_step(step: mp.StepShape, ranks: Ranks) -> mp.StepShape:
+    """The rows one rank decodes: its own share, or with a split replica its group's (ranks / T groups)."""
+    return rank_step(step, ranks.count // ranks.tensor_parallel)
+
+
+def split_model(m: mp.ModelMemory, t: int) -> mp.ModelMemory:
+    """The model as one rank of a tensor-parallel group of `t` decodes it: 1/t of the query, key/value heads and the
+    MLP width (its KV cache and activations), the whole hidden size and vocabulary (the logits are gathered)."""
+    if t == 1:
+        return m
+    return dataclasses.replace(m, q_dim=m.q_dim // t, kv_dim=m.kv_dim // t, intermediate=m.intermediate // t)
 
 
 def rank_step(step: mp.StepShape, ranks: int) -> mp.StepShape:
@@ -87,7 +107,7 @@ def predict(m: mp.ModelMemory, step: mp.StepShape, facts: mp.RunFacts, knobs: mp
         raise ValueError("the unit sizes (Ranks.units, from units_of(model)) are needed for more than one rank")
     n, u, mine = ranks.count, ranks.units, rank_step(step, ranks.count)
     one = dataclasses.replace(facts, decode_copy=False, async_rollout=False, rollout_elsewhere=False)
-    out = {"generate": _generate(m, mine, one, knobs, ranks)}
+    out = {"generate": _generate(m, step, one, knobs, ranks)}
     if facts.logprob_pass:
         out["logprobs"] = {**_sharded(m, facts, n), **_working_set(m, u, ranks, facts),
                            **_step_parts(mp.logprob_bytes(m, mine, one, knobs))}
@@ -124,13 +144,13 @@ def _replica_mapped(m: mp.ModelMemory, facts: mp.RunFacts, ranks: Ranks) -> floa
     if ranks.weight_copy == "resident":
         return float(_replica_bytes(m, ranks))
     if m.lora and ranks.merged_replica:  # the LoRA layers' merged weights sleep; embeddings, norms, lm_head stay
-        return float(m.weight_bytes - m.merge_copy_bytes)
+        return float(m.weight_bytes - m.merge_copy_bytes) / ranks.tensor_parallel
     return float(m.weight_bytes) if m.lora else 0.0  # unmerged LoRA: only the adapters sleep; full: every weight
 
 
-def _replica_bytes(m: mp.ModelMemory, ranks: Ranks) -> int:
-    """The whole replica: the model's size (merged LoRA), or with its fp32 adapters (unmerged)."""
-    return m.weight_bytes + (4 * m.trainable if m.lora and not ranks.merged_replica else 0)
+def _replica_bytes(m: mp.ModelMemory, ranks: Ranks) -> float:
+    """The rank's replica: the model's size (merged LoRA), or with its fp32 adapters (unmerged); 1/T of it split."""
+    return (m.weight_bytes + (4 * m.trainable if m.lora and not ranks.merged_replica else 0)) / ranks.tensor_parallel
 
 
 def _working_set(m: mp.ModelMemory, u: Units, ranks: Ranks, facts: mp.RunFacts) -> dict[str, float]:
@@ -142,19 +162,21 @@ def _working_set(m: mp.ModelMemory, u: Units, ranks: Ranks, facts: mp.RunFacts) 
             "replica (mapped)": _replica_mapped(m, facts, ranks)}
 
 
-def _generate(m: mp.ModelMemory, mine: mp.StepShape, facts: mp.RunFacts, knobs: mp.Knobs,
+def _generate(m: mp.ModelMemory, step: mp.StepShape, facts: mp.RunFacts, knobs: mp.Knobs,
               ranks: Ranks) -> dict[str, float]:
     """The rollout: shards (the static backend parks them with the optimizer states under
-    train.offload_during_rollout), the whole decode weights, the rank's KV cache, sampler and prefill."""
+    train.offload_during_rollout), the whole decode weights (1/T with a split replica), the rank's KV cache,
+    sampler and prefill (with a split replica: of its group's rows, 1/T of the heads)."""
     parked = bool(knobs.offload_during_rollout)
     parts = _sharded(m, facts, ranks.count, parked=parked and facts.backend == "static")
     if parked and facts.backend != "static":  # hf decodes from the sharded model: only the AdamW states go
         parts[f"optimizer (1/{ranks.count})"] = 0.0
+    t = ranks.tensor_parallel
     if facts.backend == "static":
-        parts["replica (whole)"] = float(_replica_bytes(m, ranks))
+        parts["replica (whole)" if t == 1 else f"replica (1/{t})"] = float(_replica_bytes(m, ranks))
     else:  # every unit all-gathered for generate
         parts["gathered weights (whole)"] = float(m.weight_bytes + (4 * m.trainable if m.lora else 0))
-    parts.update(_step_parts(mp.generate_bytes(m, mine, facts, knobs)))
+    parts.update(_step_parts(mp.generate_bytes(split_model(m, t), decode_step(step, ranks), facts, knobs)))
     return parts
 
 

@@ -229,4 +229,12 @@ def check_model(cfg: TrainerConfig, config: Any, *, training: bool = True, attn:
         lines.append(check_lora_targets(model, cfg.model))
     if cfg.model.liger_kernels is True:  # ("auto" turns them on only where they apply: trainer/auto.py)
         lines.append(check_liger(config))
+    n = cfg.rollout.tensor_parallel
+    if training and n > 1:
+        from logitless.trainer.tensor_parallel import KEY, family_refusal
+
+        why = family_refusal(config, n)
+        if why is not None:
+            raise ValueError(f"{KEY}={n}: {why}")
+        lines.append(f"{KEY}={n}: its heads and MLP width split over {n} ranks")
     return lines

@@ -147,6 +147,9 @@ def shutdown() -> None:
 
 def check_distributed(cfg: TrainerConfig, world: World) -> None:
     """Refuse settings that cannot run on `world.size` ranks, naming the setting and the fix."""
+    from logitless.trainer.tensor_parallel import check_tensor_parallel
+
+    check_tensor_parallel(cfg, world.size)
     if not world.distributed:
         return
     n, k = cfg.train.prompts_per_step, world.size

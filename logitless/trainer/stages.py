@@ -59,6 +59,7 @@ from logitless.trainer.parallel import (
     rank_share,
     rollout_weights,
 )
+from logitless.trainer.tensor_parallel import local_bytes
 
 MAX_EMPTY_STEPS = 3  # consecutive steps whose completions are all empty before the run is stopped
 
@@ -420,7 +421,7 @@ def step_record(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan
         **timer.metrics(),
         **{f"rollout/{part}_s": sec for part, sec in b.timing.parts.items()},  # rollout.profile=true
         "rollout/weights_copy_gib": getattr(getattr(ctx.engine, "weights", None), "extra_bytes", 0) / 2**30,
-        "rollout/replica_gib": sum(p.numel() * p.element_size() for p in ctx.replica.model.parameters()) / 2**30
+        "rollout/replica_gib": local_bytes(ctx.replica.model) / 2**30  # (this rank's slices with a split replica)
         if ctx.replica is not None else 0.0,  # the static backend's replica (torchrun, fsdp_offload, rollout.device)
         "memory/parked_gib": ctx.parked.parked_bytes / 2**30 if ctx.cfg.train.offload_during_rollout else 0.0,
         **efficiency_metrics(ctx, ro, plan, timer),

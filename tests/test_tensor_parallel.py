@@ -1,0 +1,320 @@
+"""The tensor-parallel rollout (rollout.tensor_parallel): on 2 and 4 CPU processes (gloo, fp32) each rank's rows
+of its group's decode are the one-rank rollout's (tokens equal, logprobs within 1e-5), before and after an update
+of the FSDP2 shards, for Llama, Qwen2 and Qwen3, LoRA and full weights; each rank holds 1/N of the decode weights;
+a run on 2 and 4 ranks with rollout.tensor_parallel=2 trains like one process; several calls' prompts decoded as
+one keep each call's samples; bad settings are refused naming the key."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from logitless.rollout import SamplingOptions, make_engine
+from logitless.trainer.loop import train
+from logitless.trainer.parallel import World, check_distributed, rank_seed, rank_share
+from logitless.trainer.tensor_parallel import check_tensor_parallel, family_refusal, prompt_rows
+from tests import tp_worker
+from tests.test_parallel import close, torchrun, weights
+from tests.test_rollout_families import TOK, make_model
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+WORKER = Path(tp_worker.__file__)
+TOL = 1e-5
+OWN_MEMORY = {"rollout/replica_gib", "rollout/weights_copy_gib"}  # the rollout weights each side keeps
+
+
+def run_worker(out: Path, ranks: int, sizes: str, families: str) -> list[dict]:
+    argv = [str(WORKER), "rollout", str(out), sizes, families]
+    proc = torchrun("tp", out, None, timeout=400, ranks=ranks, argv=argv)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return run_worker(tmp_path_factory.mktemp("tp2"), 2, "2", "llama,qwen2,qwen3")
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    return run_worker(tmp_path_factory.mktemp("tp4"), 4, "2,4", "llama,qwen2")
+
+
+def check_exact(ranks: list[dict], case: str) -> None:
+    for r, results in enumerate(ranks):
+        rounds = results[case]["rounds"]
+        for k, x in enumerate(rounds):
+            where = f"{case} rank {r} round {k}"
+            assert x["same_shape"] and x["tokens_equal"] and x["index_equal"], where
+            assert x["logp_diff"] <= TOL, (where, x["logp_diff"])
+            assert x["tokens"] > 0, where
+        assert rounds[1]["moved"] > 0.1  # the update moved the policy: a stale replica would not match
+
+
+def check_bytes(ranks: list[dict], case: str, n: int) -> None:
+    """Each rank holds its slices: the group's slices add up to the whole weights once (the norms, replicated,
+    aside), none more than a 1/n share rounded up by one vocabulary row per split tensor."""
+    whole, norms = ranks[0][case]["whole_bytes"], ranks[0][case]["norm_bytes"]
+    for g in range(len(ranks) // n):
+        group = [ranks[g * n + i][case]["bytes"] - norms for i in range(n)]
+        assert sum(group) == whole - norms, (case, group)
+        assert max(group) <= (whole - norms) / n + 2 * 32 * 4 * 2, (case, group)  # 2 vocab tensors x H x fp32
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("weights", ["lora", "full"])
+def test_two_ranks_sample_what_one_rank_samples(two_ranks, family, weights):
+    case = f"tp2-{family}-{weights}"
+    check_exact(two_ranks, case)
+    check_bytes(two_ranks, case, 2)
+
+
+def test_the_compiled_decode_of_a_split_replica_is_one_graph_and_samples_the_same(two_ranks):
+    """The engine's compiled forward (inductor, here on CPU) traces the split model, its collectives included, as
+    one graph without a break (what the CUDA-graph decode step captures on a GPU), and samples what the one-rank
+    rollout samples."""
+    for r, results in enumerate(two_ranks):
+        x = results["compiled"]
+        assert x["graphs"] == 1 and x["breaks"] == 0, (r, x)
+        assert x["tokens_equal"] and x["logp_diff"] <= TOL, (r, x)
+
+
+def test_a_rank_without_a_seed_is_refused_on_every_rank_of_its_group(two_ranks):
+    """The ranks of a group draw from their seeds' streams: a rank without a seed makes every rank of the group
+    raise (none is left waiting in the decode's collectives)."""
+    for results in two_ranks:
+        assert "each must give its rollout a seed (SamplingOptions.seed)" in results["unseeded"]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("weights", ["lora", "full"])
+def test_four_ranks_sample_what_one_rank_samples(four_ranks, tp, family, weights):
+    case = f"tp{tp}-{family}-{weights}"
+    check_exact(four_ranks, case)
+    check_bytes(four_ranks, case, tp)
+
+
+OPTS = SamplingOptions(num_generations=2, temperature=0.8, max_new_tokens=8, seed=5)
+
+
+def test_prompts_of_several_calls_decoded_as_one_keep_each_calls_samples(one_thread):
+    """SamplingOptions.streams: the union's rows are each call's own, the same tokens (logprobs to fp32 rounding:
+    the batch pads the prompts otherwise); `prompt_rows` takes a call's rows back, with that call's padding."""
+    model = make_model("llama")
+    engine = make_engine("static", model, TOK, check_every=4)
+    parts = [(["The quick brown fox", "Hi"], 11), (["2+2 is a longer prompt than the others"], 12), (["x", "ab"], 11)]
+    union = engine.generate([p for ps, _ in parts for p in ps], SamplingOptions(
+        **{**OPTS.__dict__, "streams": [(seed, len(ps)) for ps, seed in parts]}))
+    start = 0
+    for prompts, seed in parts:
+        alone = engine.generate(prompts, SamplingOptions(**{**OPTS.__dict__, "seed": seed}))
+        got = prompt_rows(union, start, len(prompts), OPTS.num_generations)
+        for f in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "prompt_index", "finished",
+                  "truncated"):
+            assert torch.equal(getattr(got, f), getattr(alone, f)), f
+        torch.testing.assert_close(got.sampler_logp, alone.sampler_logp, atol=TOL, rtol=0)  # other padding: rounding
+        assert got.completions == alone.completions and got.timing.num_tokens == alone.timing.num_tokens
+        start += len(prompts)
+    # the streams matter: the second call's prompt with the first call's seed samples otherwise
+    other = engine.generate(parts[1][0], SamplingOptions(**{**OPTS.__dict__, "seed": 11}))
+    assert not torch.equal(other.completion_ids, prompt_rows(union, 2, 1, 2).completion_ids)
+    with pytest.raises(ValueError, match=r"streams=.* count 4 prompts, but the call has 5"):
+        engine.generate([p for ps, _ in parts for p in ps], SamplingOptions(**{**OPTS.__dict__, "streams": [(1, 4)]}))
+    with pytest.raises(ValueError, match="SamplingOptions.streams .* use rollout.backend=static"):
+        make_engine("hf", model, TOK).generate(["Hi"], SamplingOptions(**{**OPTS.__dict__, "streams": [(1, 1)]}))
+
+
+class RankStreams:
+    """The one-process reference of a 2-rank run's rollout: each rank's half of the step's prompts drawn from that
+    rank's random streams (`rank_seed`, prompt indices counted in its half), as that rank's own rollout draws them."""
+
+    def __init__(self, engine, ranks: int):
+        self.engine, self.ranks = engine, ranks
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["engine"], name)
+
+    def generate(self, prompts, options, episodes=None):
+        if options.num_generations != 4:  # the eval's call (eval.pass_k=2): each rank of a group makes the same one
+            return self.engine.generate(prompts, options)
+        worlds = [World(rank=r, size=self.ranks) for r in range(self.ranks)]
+        streams = [(rank_seed(options.seed, w), len(rank_share(prompts, w))) for w in worlds]
+        return self.engine.generate(prompts, dataclasses.replace(options, streams=streams))
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+def training(request, tmp_path_factory, shared_dir, one_thread):
+    """The run of `tp_worker.TRAIN` on one process (the rollout as above) and on 2 or 4 ranks with
+    rollout.tensor_parallel=2 (one group, or two: the eval's rows split over them)."""
+    from tests import dist_worker as w
+
+    ranks = request.param
+    out, tok_dir = tmp_path_factory.mktemp(f"tp_train{ranks}"), shared_dir / "tokenizers" / "gpt2"
+    single = {}
+    for mode, overrides in tp_worker.TRAIN.items():
+        real = w.context.make_rollout_engine
+        w.use_engine(lambda engine: RankStreams(engine, ranks))
+        try:
+            single[mode] = train(w.config(out / f"{mode}_single", *overrides), model=w.model(),
+                                 tokenizer=w.tokenizer(tok_dir)).records
+        finally:
+            w.context.make_rollout_engine = real
+    proc = torchrun("tp_train", out, None, timeout=400, ranks=ranks,
+                    argv=[str(WORKER), "train", str(out), str(tok_dir)])
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return out, single
+
+
+@pytest.mark.parametrize("mode", list(tp_worker.TRAIN))
+def test_ranks_with_a_split_rollout_train_like_one_process(training, mode):
+    """Two steps: the rollouts (sampled on each rank's group, from a replica synced from the shards after the first
+    optimizer step), the metrics (the eval's too) and the weights are those of one process."""
+    from tests import dist_worker as w
+
+    out, single = training
+    a, b = weights(out / f"{mode}_single"), weights(out / f"{mode}_ranks")
+    assert a.keys() == b.keys() and a
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    one, ranks = w.untimed(single[mode]), json.loads((out / f"{mode}_ranks.json").read_text())
+    assert [r["step"] for r in ranks] == [1, 2] and len(one) == 2
+    for x, y in zip(one, ranks):
+        assert x.keys() - OWN_MEMORY == y.keys() - OWN_MEMORY
+        diff = {k: (x[k], y[k]) for k in x.keys() - OWN_MEMORY if not close(x[k], y[k], rel=1e-5, abs_=1e-5)}
+        assert not diff
+        assert y["completion/length_mean"] > 1 and y["reward/std"] > 0 and y["grad_norm"] > 0
+        assert y["rollout/mismatch_max"] < 1e-5  # the sampler's logprobs are the trainer's (fp32)
+    if mode == "lora":  # the eval after step 2 (compared above): each chunk decoded once by the ranks' group
+        assert ranks[1]["eval/completion_length"] > 1 and "eval/pass@2" in ranks[1]
+        whole = sum(p.numel() * p.element_size() for p in w.model().parameters()) / 2**30  # tied embedding once
+        assert 0.45 * whole < y["rollout/replica_gib"] < 0.55 * whole  # this rank's half of the decode weights
+
+
+def _cfg(*overrides):
+    from tests import dist_worker as w
+
+    return w.config("unused", *overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, size, match",
+    [
+        (["rollout.tensor_parallel=2", "rollout.backend=static"], 1,
+         r"rollout.tensor_parallel=2 splits the rollout over 2 ranks of torchrun; launch with torchrun "
+         r"--nproc-per-node 2"),
+        (["rollout.tensor_parallel=4", "rollout.backend=static"], 6,
+         r"rollout.tensor_parallel=4 must divide the number of ranks \(6\): set it to one of 1, 2, 3, 6"),
+        (["rollout.tensor_parallel=2", "rollout.backend=static", "agent.tools=[calculator]"], 2,
+         r"agent.tools / agent.environment .* not supported with rollout.tensor_parallel=2 yet; set "
+         r"rollout.tensor_parallel=1"),
+        (["rollout.tensor_parallel=2", "rollout.backend=static", "rollout.merge_lora=false"], 2,
+         r"rollout.merge_lora=false is not supported with rollout.tensor_parallel=2"),
+        (["rollout.tensor_parallel=2", "rollout.backend=static", "rollout.fuse_projections=true"], 2,
+         r"rollout.fuse_projections=true is not supported with rollout.tensor_parallel=2"),
+        (["rollout.tensor_parallel=2", "rollout.backend=static", "train.fsdp_offload=true"], 2,
+         r"train.fsdp_offload=true is not supported with rollout.tensor_parallel=2 yet; set train.fsdp_offload=false"),
+        (["rollout.tensor_parallel=2", "rollout.backend=static", "rollout.weight_copy=in_place"], 2,
+         r"rollout.weight_copy=in_place is not supported .* set rollout.weight_copy=sleep or resident"),
+    ],
+)
+def test_settings_the_split_rollout_cannot_run_are_refused(overrides, size, match):
+    with pytest.raises(ValueError, match=match):
+        check_distributed(_cfg(*overrides, "train.prompts_per_step=12"), World(rank=0, size=size))
+
+
+def test_the_hf_backend_and_a_split_of_zero_are_refused_in_the_config():
+    with pytest.raises(ValueError, match=r"rollout.tensor_parallel=2 needs rollout.backend=static \(got 'hf'\)"):
+        _cfg("rollout.tensor_parallel=2", "rollout.backend=hf")
+    with pytest.raises(ValueError, match=r"rollout.tensor_parallel must be > 0, got 0"):
+        _cfg("rollout.tensor_parallel=0")
+    check_tensor_parallel(_cfg("rollout.backend=hf"), 2)  # 1: nothing to split
+    from logitless.trainer.auto import rollout_backend
+
+    backend, why = rollout_backend(_cfg("rollout.tensor_parallel=2"), torch.device("cpu"), None)
+    assert backend == "static" and "rollout.tensor_parallel" in why  # backend auto: the engine that splits
+
+
+def test_models_the_split_cannot_run_are_refused_naming_the_key():
+    import transformers as tf
+
+    from tests.test_rollout_families import FAMILIES
+
+    for family in ("llama", "qwen2", "qwen3", "mistral"):
+        assert family_refusal(FAMILIES[family][0](), 2) is None
+    heads = family_refusal(FAMILIES["llama"][0](), 4)  # 4 query heads but 2 KV heads
+    assert heads is not None and "num_key_value_heads=2" in heads and "set rollout.tensor_parallel to one" in heads
+    assert "(at most 4: 1, 2)" in heads
+    other = family_refusal(FAMILIES["gemma"][0](), 2)
+    assert other is not None and "model_type 'gemma'" in other and "set rollout.tensor_parallel=1" in other
+    mlp = family_refusal(tf.LlamaConfig(num_attention_heads=4, num_key_value_heads=4, intermediate_size=66,
+                                        hidden_size=32), 4)
+    assert mlp is not None and "intermediate_size=66" in mlp
+
+
+def test_the_model_check_before_loading_refuses_a_split_the_model_cannot_take():
+    """preflight's model check (the config and a meta skeleton, no weights) names the key and the sizes that work."""
+    from logitless.trainer.model_checks import check_model
+    from tests.test_rollout_families import FAMILIES
+
+    config = FAMILIES["llama"][0]()  # 4 query heads, 2 KV heads
+    lines = check_model(_cfg("rollout.tensor_parallel=2", "rollout.backend=static"), config)
+    assert "rollout.tensor_parallel=2: its heads and MLP width split over 2 ranks" in lines
+    refusal = r"rollout.tensor_parallel=4: the model.s num_key_value_heads=2 .* \(at most 4: 1, 2\)"
+    with pytest.raises(ValueError, match=refusal):
+        check_model(_cfg("rollout.tensor_parallel=4", "rollout.backend=static"), config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_split_rollout_samples_the_trainers_policy_like_one_gpu(tmp_path, shared_dir):
+    """bf16 on 2 GPUs (nccl, the compiled decode with its CUDA-graph step): each rank's split rollout is as close to
+    the trainer's logprobs on its own tokens as the one-GPU rollout is on its (1.5x the mean gap, 2x the max,
+    measured in the same run on the same weights), and a second call, after the replica's sleeping weights were
+    freed and written again, samples the same tokens."""
+    from bench import gpu_exactness as G
+
+    argv = [str(WORKER), "gpu", str(tmp_path), str(shared_dir / "tokenizers" / "gpt2")]
+    proc = torchrun("tp_gpu", tmp_path, None, timeout=900, argv=argv)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    for rank in (0, 1):
+        x = json.loads((tmp_path / f"gpu_rank{rank}.json").read_text())
+        one, split = x["one_gpu"], x["split"]
+        print(f"rank {rank}: one GPU {one}, split {split}")  # the decode tokens/s of each, for the record
+        assert one["tokens"] == split["tokens"] == 4 * 4 * tp_worker.GPU_TOKENS  # 4 prompts x 4 samples, EOS ignored
+        assert one["mean"] < 0.03, one  # the reference is at bf16 noise, so the bound is not vacuous
+        assert split["mean"] <= G.BOUND_MEAN * one["mean"] and split["max"] <= G.BOUND_MAX * one["max"], (one, split)
+        assert one["same_again"] and split["same_again"]
+        assert x["bytes"] < 0.55 * x["whole_bytes"]  # this rank's half of the decode weights
+
+
+def test_the_memory_model_counts_a_split_replica_per_rank():
+    """The per-rank memory model (`memory_ranks`, what a torchrun run predicts per GPU) on 4 ranks with
+    rollout.tensor_parallel=2: half the replica on each rank; the KV cache of the group's rows (twice the rank's)
+    at half the KV heads, the same bytes; the sampler's buffers of the group's rows over the whole vocabulary; the
+    update's working set with half the replica mapped, the rest of it unchanged."""
+    from logitless.trainer import memory_plan as mp
+    from logitless.trainer import memory_ranks as mr
+    from logitless.trainer.auto import model_memory
+    from logitless.trainer.config import load_train_config
+    from tests.conftest import tiny_qwen2
+
+    model = tiny_qwen2(vocab_size=1000, hidden=64, layers=3, tie=False).to(torch.bfloat16)  # 4 heads, 2 KV heads
+    m = model_memory(model, load_train_config(None, ["model.lora_r=4"]).model, torch.bfloat16)
+    step = mp.StepShape(prompts=8, rows=32, prompt_len=37, completion_len=50)
+    facts = mp.RunFacts(backend="static")
+    knobs = mp.Knobs(gradient_checkpointing=True, micro_batch_size=3, by_rows=True)
+    units = mr.units_of(model)
+    for copy in ("resident", "sleep"):
+        whole = mr.predict(m, step, facts, knobs, mr.Ranks(4, units, weight_copy=copy))
+        split = mr.predict(m, step, facts, knobs, mr.Ranks(4, units, weight_copy=copy, tensor_parallel=2))
+        g, h = whole["generate"], split["generate"]
+        assert h["replica (1/2)"] == g["replica (whole)"] / 2 > 0
+        assert h["kv cache"] == g["kv cache"] > 0 and h["sampler"] == 2 * g["sampler"]
+        assert split["train"]["replica (mapped)"] == whole["train"]["replica (mapped)"] / 2
+        rest = lambda parts: {k: v for k, v in parts.items() if k != "replica (mapped)"}  # noqa: E731
+        assert rest(split["train"]) == rest(whole["train"])
+    assert mr.decode_step(step, mr.Ranks(4, units, tensor_parallel=2)).rows == 16  # the group's rows

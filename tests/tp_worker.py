@@ -1,0 +1,289 @@
+"""The tensor-parallel rollout on several processes (`tests/test_tensor_parallel.py`); each rank of a torchrun runs
+this file.
+
+    python -m torch.distributed.run --nproc-per-node N tests/tp_worker.py rollout OUT_DIR TP[,TP...] FAMILY[,...]
+    python -m torch.distributed.run --nproc-per-node 2 tests/tp_worker.py train OUT_DIR TOKENIZER_DIR
+    python -m torch.distributed.run --nproc-per-node 2 tests/tp_worker.py gpu OUT_DIR TOKENIZER_DIR
+
+"rollout": for each tensor-parallel size, family and weights (LoRA, full), every rank decodes its own prompts twice
+(before and after an update of the sharded weights) through the group's split replica, and the same prompts on its
+own with the whole model (the one-rank rollout, `rank_seed` as the trainer seeds it); it writes what the test
+checks to OUT_DIR/rank{R}.json; on 2 ranks also the split decode compiled (`compiled`). "train": two training
+steps of `dist_worker`'s run with rollout.tensor_parallel=2 (`TRAIN`), its records written to
+OUT_DIR/{mode}_ranks.json by rank 0. "gpu": the split rollout in bf16 on 2 GPUs (nccl) against the one-GPU rollout
+(`gpu`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import transformers as tf  # noqa: E402
+from peft import LoraConfig, get_peft_model  # noqa: E402
+
+from logitless.rollout import SamplingOptions, make_engine  # noqa: E402
+from logitless.rollout.weights import LiveWeights, MergedLoraWeights  # noqa: E402
+from logitless.trainer.parallel import World, rank_seed, rank_share, shard_model  # noqa: E402
+from logitless.trainer.tensor_parallel import TensorParallelCopy, group_decode, local_bytes, tp_mesh  # noqa: E402
+from tests.test_rollout_families import TOK  # noqa: E402
+
+# 8 query heads, 4 KV heads, MLP width 64: split over 2 or 4 ranks; the byte vocabulary (258) splits unevenly over 4
+SHAPE = dict(vocab_size=len(TOK), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=4, max_position_embeddings=128, initializer_range=0.2, pad_token_id=TOK.pad_token_id,
+             bos_token_id=None, eos_token_id=TOK.eos_token_id)
+FAMILIES = {"llama": lambda: tf.LlamaConfig(**SHAPE), "qwen2": lambda: tf.Qwen2Config(**SHAPE),  # q/k/v biases
+            "qwen3": lambda: tf.Qwen3Config(**SHAPE, head_dim=4)}
+# prompts of different lengths (each rank's share is padded differently in the group's batch than alone), 7 of
+# them: uneven shares (4 + 3 on 2 ranks, 2 + 2 + 2 + 1 on 4), so a group's parts differ in size
+PROMPTS = ["The quick brown fox", "Hi", "2+2 is", "Once upon a time there", "abc", "Tensor parallel decode of",
+           "Hello, world! How"]
+OPTIONS = SamplingOptions(num_generations=3, temperature=0.9, max_new_tokens=9)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def model(family: str, lora: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    m = tf.AutoModelForCausalLM.from_config(FAMILIES[family](), attn_implementation="eager").eval()
+    if lora:
+        m = get_peft_model(m, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
+        update(m, 1)
+    return m
+
+
+@torch.no_grad()
+def update(m: torch.nn.Module, seed: int, scale: float = 1.0) -> None:
+    """The same change of the trainable weights on every rank (as an optimizer step would make): of the whole
+    tensors, or of this rank's FSDP2 shards (row chunks) of them."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in m.named_parameters():
+        if p.requires_grad:
+            noise = torch.randn(p.shape, generator=g) * (0.1 if "lora_" in name else 0.03) * scale
+            noise = noise.to(p.device, p.dtype)
+            if hasattr(p, "to_local"):
+                piece = torch.chunk(noise, dist.get_world_size(), dim=0)[dist.get_rank()]
+                assert piece.shape == p.to_local().shape
+                p.to_local().add_(piece)
+            else:
+                p.add_(noise)
+
+
+def one_rank(m: torch.nn.Module, prompts: list[str], seed: int, lora: bool):
+    """The rollout of `prompts` on this process alone, from the whole model."""
+    weights = MergedLoraWeights(m, "resident") if lora else LiveWeights(m)
+    engine = make_engine("static", m, TOK, check_every=4, weights=weights)
+    return engine.generate(prompts, OPTIONS.__class__(**{**OPTIONS.__dict__, "seed": seed}))
+
+
+def case(tp: int, family: str, lora: bool, world: World) -> dict:
+    device = torch.device("cpu")
+    mesh = tp_mesh(world.size, tp, device)
+    mine = rank_share(PROMPTS, world)
+    seed = rank_seed(1234, world)
+    sharded = model(family, lora)
+    replica = TensorParallelCopy(sharded, mesh, device)
+    assert all(p.device.type == "meta" for p in replica.model.parameters())  # nothing allocated before sharding
+    shard_model(sharded, device)
+    replica.materialize()
+    whole = model(family, lora)  # the same weights, unsharded (the oracle)
+    engine = group_decode(make_engine("static", replica.model, TOK, check_every=4), mesh, device)
+    out: dict = {"bytes": local_bytes(replica.model), "whole_bytes": sum(p.numel() * p.element_size()
+                                                                          for p in replica.model.parameters()),
+                 "norm_bytes": sum(p.numel() * p.element_size() for n, p in replica.model.named_parameters()
+                                   if "norm" in n), "rounds": []}
+    before = None
+    for r in range(2):
+        replica.sync(sharded)
+        got = engine.generate(mine, OPTIONS.__class__(**{**OPTIONS.__dict__, "seed": seed}))
+        want = one_rank(whole, mine, seed, lora)
+        same_shape = (got.completion_ids.shape == want.completion_ids.shape
+                      and got.prompt_ids.shape == want.prompt_ids.shape)
+        out["rounds"].append({
+            "same_shape": same_shape,
+            "tokens_equal": same_shape and torch.equal(got.completion_ids, want.completion_ids)
+            and torch.equal(got.completion_mask, want.completion_mask) and torch.equal(got.prompt_ids, want.prompt_ids),
+            "logp_diff": float((got.sampler_logp - want.sampler_logp).abs().max()) if same_shape else float("inf"),
+            "index_equal": torch.equal(got.prompt_index, want.prompt_index) and got.completions == want.completions,
+            "tokens": int(got.completion_mask.sum()),
+            # the update moved the policy: a replica that missed it would sample other logprobs
+            "moved": None if before is None else float((one_rank_logp(whole, got, lora) - before).abs().max()),
+        })
+        before = one_rank_logp(whole, got, lora)
+        update(sharded, 100 + r)
+        update(whole, 100 + r)
+    return out
+
+
+def compiled(world: World) -> dict:
+    """The split Llama (LoRA) decoding with the engine's compiled forward (inductor on CPU, the group's collectives
+    inside the graph) against the one-rank rollout, and what dynamo made of the forward."""
+    from torch._dynamo.utils import counters
+
+    device = torch.device("cpu")
+    mesh = tp_mesh(world.size, world.size, device)
+    sharded, whole = model("llama", True), model("llama", True)
+    replica = TensorParallelCopy(sharded, mesh, device)
+    shard_model(sharded, device)
+    replica.materialize()
+    replica.sync(sharded)
+    options = OPTIONS.__class__(**{**OPTIONS.__dict__, "seed": rank_seed(99, world)})
+    mine = rank_share(PROMPTS, world)
+    counters.clear()
+    got = group_decode(make_engine("static", replica.model, TOK, check_every=4, compile=True), mesh,
+                       device).generate(mine, options)
+    stats = {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
+    want = one_rank(whole, mine, options.seed, True)
+    return {"tokens_equal": torch.equal(got.completion_ids, want.completion_ids),
+            "logp_diff": float((got.sampler_logp - want.sampler_logp).abs().max()), **stats}
+
+
+def unseeded(world: World) -> str:
+    """The error of a group's generate where one rank gives no seed (raised on every rank: none waits)."""
+    device = torch.device("cpu")
+    mesh = tp_mesh(world.size, world.size, device)
+    sharded = model("llama", False)
+    replica = TensorParallelCopy(sharded, mesh, device)
+    shard_model(sharded, device)
+    replica.materialize()
+    replica.sync(sharded)
+    engine = group_decode(make_engine("static", replica.model, TOK), mesh, device)
+    seed = None if world.rank == 1 else 3
+    try:
+        engine.generate(rank_share(PROMPTS, world), OPTIONS.__class__(**{**OPTIONS.__dict__, "seed": seed}))
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def one_rank_logp(m: torch.nn.Module, b, lora: bool) -> torch.Tensor:
+    from logitless.models import completion_logprobs
+
+    with torch.no_grad():
+        return completion_logprobs(m, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask,
+                                   temperature=OPTIONS.temperature)[0].float()
+
+
+# the run both sides train: 2 steps (the second samples from a replica synced after an optimizer step), LoRA (the
+# merge per slice) or full fine-tuning, the static engine; the tiny Qwen2 of dist_worker ties its embeddings
+# the LoRA run also evaluates after step 2 (5 held-out prompts in chunks of 2, 2 samples each: the group decodes each
+# chunk once and counts it once)
+EVAL = ["eval.every_steps=2", "eval.num_prompts=5", "eval.batch_size=2", "eval.pass_k=2",
+        "data.eval_options={n: 10}"]
+TRAIN = {"lora": ["train.max_steps=2", "rollout.backend=static", "checkpoint.save_steps=2", *EVAL],
+         "full": ["train.max_steps=2", "rollout.backend=static", "checkpoint.save_steps=2", "model.lora=false",
+                  "optim.learning_rate=0.002"]}
+
+
+def train(out_dir: str, tok_dir: str) -> None:
+    from logitless.trainer.loop import train as run
+    from tests import dist_worker as w
+
+    torch.set_num_threads(1)
+    tok = w.tokenizer(tok_dir)
+    for mode, overrides in TRAIN.items():
+        result = run(w.config(Path(out_dir) / f"{mode}_ranks", *overrides, "rollout.tensor_parallel=2"),
+                     model=w.model(), tokenizer=tok)
+        if int(os.environ["RANK"]) == 0:
+            Path(out_dir, f"{mode}_ranks.json").write_text(json.dumps(w.untimed(result.records)))
+
+
+# the GPU check: a Qwen2-shaped bf16 model of real widths (16 query and 4 KV heads of 64, the GPT-2 vocabulary, split
+# unevenly), LoRA on every linear layer, every row decoding GPU_TOKENS tokens
+GPU_SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+                 num_key_value_heads=4, max_position_embeddings=1024, initializer_range=0.02)
+GPU_TOKENS = 96
+
+
+def gpu(out_dir: str, tok_dir: str) -> None:
+    """Each rank: the one-GPU rollout of its prompts (whole model, merged LoRA copy, the engine's CUDA defaults) and
+    its rows of the group's split rollout (its synced weights in sleepable memory, freed and written again between
+    two calls); each sampler's gap to the trainer's logprobs on its own tokens, and the decode tokens/s of the
+    second call of each. Writes OUT_DIR/gpu_rank{R}.json."""
+    from logitless.models import completion_logprobs
+    from tests import dist_worker as w
+
+    cuda = torch.cuda.is_available()  # (off CUDA, in fp32 over gloo: a check of the script itself)
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    world = World(rank=dist.get_rank(), size=dist.get_world_size())
+    tok = w.tokenizer(tok_dir)
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        config = tf.Qwen2Config(vocab_size=len(tok), **GPU_SHAPE, eos_token_id=tok.eos_token_id)
+        m = tf.Qwen2ForCausalLM(config).to(device, torch.bfloat16 if cuda else torch.float32).eval()
+        m = get_peft_model(m, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, lora_dropout=0.0))
+        update(m, 1, scale=0.3)  # (before sharding: whole tensors)
+        return m
+
+    words = ["alpha", "beta", "gamma", "delta", "sum", "of", "the", "numbers", "is", "42", "+", "="]
+    g = torch.Generator().manual_seed(0)
+    prompts = [" ".join(words[i] for i in torch.randint(0, len(words), (n,), generator=g).tolist())
+               for n in (12, 16, 20, 24, 9, 30, 14, 18)]
+    mine = rank_share(prompts, world)
+    options = SamplingOptions(num_generations=4, temperature=1.0, max_new_tokens=GPU_TOKENS, ignore_eos=True,
+                              seed=rank_seed(7, world))
+    whole, sharded = build(), build()
+    mesh = tp_mesh(world.size, world.size, device)
+    replica = TensorParallelCopy(sharded, mesh, device, sleep=cuda)  # (the trainer's default on CUDA)
+    shard_model(sharded, device)
+    replica.materialize()
+    split = group_decode(make_engine("static", replica.model, tok), mesh, device)
+    alone = make_engine("static", whole, tok, weights=MergedLoraWeights(whole, "resident"))
+    out = {"bytes": local_bytes(replica.model), "whole_bytes": sum(
+        p.numel() * p.element_size() for n, p in whole.named_parameters() if "lora_" not in n)}
+    for name, engine, sync, release in (("one_gpu", alone, lambda: None, lambda: None),
+                                        ("split", split, lambda: replica.sync(sharded), replica.release)):
+        sync()
+        batch = engine.generate(mine, options)
+        release()  # the replica's weights freed (sleep) and written again: the same samples after
+        sync()
+        again = engine.generate(mine, options)  # compiled and captured by now: the decode's own speed
+        with torch.no_grad():
+            trainer = completion_logprobs(whole, *(t.to(device) for t in (
+                batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)),
+                temperature=1.0)[0].float().cpu()
+        mask = batch.completion_mask.bool()
+        gap = (batch.sampler_logp - trainer).abs()[mask]
+        out[name] = {"mean": float(gap.mean()), "max": float(gap.max()), "tokens": int(mask.sum()),
+                     "same_again": torch.equal(batch.completion_ids, again.completion_ids),
+                     "tokens_per_s": again.timing.num_tokens / again.timing.generate_seconds}
+    Path(out_dir, f"gpu_rank{world.rank}.json").write_text(json.dumps(out))
+
+
+def main(kind: str, out_dir: str, *args: str) -> None:
+    if kind in ("train", "gpu"):
+        return {"train": train, "gpu": gpu}[kind](out_dir, *args)
+    sizes, families = args
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world = World(rank=dist.get_rank(), size=dist.get_world_size())
+    results = {}
+    for tp in map(int, sizes.split(",")):
+        for family in families.split(","):
+            for lora in (True, False):
+                results[f"tp{tp}-{family}-{'lora' if lora else 'full'}"] = case(tp, family, lora, world)
+    if world.size == 2:
+        results["compiled"] = compiled(world)
+        results["unseeded"] = unseeded(world)
+    Path(out_dir, f"rank{world.rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
+    # Every rank is through and its files are written: leave without the interpreter's teardown of torch and the
+    # process group (seconds per rank on a loaded 2-core runner), as tests/dist_worker.py does.
+    if dist.is_initialized():
+        dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

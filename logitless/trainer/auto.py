@@ -21,20 +21,18 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from logitless.models import UnsupportedModelError
-from logitless.models.tiled_mlp import untileable_reason
 from logitless.rollout.engine import same_device
 from logitless.rollout.kv_cache import STATIC_LAYER_TYPES, auto_kv_budget
 from logitless.rollout.layouts import FULL, check_layout, layer_types, text_config
-from logitless.rollout.weights import is_4bit
 from logitless.trainer import memory_plan as mp
 from logitless.trainer.config import ModelConfig, TrainerConfig
+from logitless.trainer.model_memory import base_model, model_memory, model_skeleton
 
 # model.compile_layers=auto compiles for runs of at least this many steps. Measured at the 1.5B shape, T = 1,024
 # (bench/LOG.md): the compile adds about 42 s to the first step and saves about 0.7 s of every later one (update
@@ -72,92 +70,6 @@ class Resolved:
                 "plan": mp.to_json(self.plan) if self.plan is not None else None, "rank_memory": ranks}
 
 
-# --- the model, without its weights -------------------------------------------------------------------------------
-
-
-def model_skeleton(cfg: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
-    """The causal LM of `cfg` built from its config on the meta device: its class, modules and parameter shapes,
-    no weights read (the hub's or folder's config.json, from the local cache when it is there, or a GGUF file's
-    metadata: `model_checks.read_model_config`, as the preflight reads it)."""
-    from transformers import AutoModelForCausalLM
-
-    from logitless.trainer.model_checks import read_model_config
-    from logitless.trainer.sources import model_cached
-
-    config = read_model_config(cfg, cached=model_cached(cfg))
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code, dtype=dtype)
-
-
-def _base(model: Any) -> Any:
-    while hasattr(model, "get_base_model"):
-        model = model.get_base_model()
-    return model
-
-
-def _targets(cfg: ModelConfig, name: str, out_layer: Any, module: Any) -> bool:
-    """Whether peft's LoRA config of `cfg` targets linear layer `name` (peft's matching rules)."""
-    target = cfg.lora_target_modules
-    if module is out_layer:
-        return False
-    if target == "all-linear":
-        return True
-    if isinstance(target, str):
-        return re.fullmatch(target, name) is not None
-    return any(name == t or name.endswith("." + t) for t in target)
-
-
-def model_memory(model: Any, cfg: ModelConfig, dtype: torch.dtype) -> mp.ModelMemory:
-    """The plan's view of `model` (a skeleton, or a loaded model before or after peft wrapped it) for the settings
-    of `cfg`: LoRA rank and targets, 4-bit loading, the compute dtype."""
-    base = _base(model)
-    tc = text_config(base)
-    heads = getattr(tc, "num_attention_heads", None) or 1  # (a model without attention: its KV counts as one head)
-    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
-    kv_heads = getattr(tc, "num_key_value_heads", None) or heads
-    inter = getattr(tc, "intermediate_size", None) or 4 * tc.hidden_size
-    if getattr(tc, "num_experts_per_tok", None) and getattr(tc, "moe_intermediate_size", None):
-        inter = tc.num_experts_per_tok * tc.moe_intermediate_size + getattr(tc, "shared_expert_intermediate_size", 0)
-    out_layer = base.get_output_embeddings()
-    width = torch.tensor([], dtype=dtype).element_size()
-    quantized = {id(m.weight) for name, m in base.named_modules()
-                 if isinstance(m, torch.nn.Linear) and m is not out_layer} if cfg.load_in_4bit else set()
-    weight_bytes = params = lora_params = 0
-    for name, p in base.named_parameters():
-        if "lora_" in name:
-            lora_params += p.numel()
-            continue
-        if is_4bit(p):  # a loaded QLoRA model: packed already, its storage is what it takes
-            params += 2 * p.numel() * p.element_size()
-            weight_bytes += int(p.numel() * p.element_size() * mp.NF4_BYTES / 0.5)
-            continue
-        params += p.numel()
-        weight_bytes += int(p.numel() * (mp.NF4_BYTES if id(p) in quantized else width))
-    trainable, copy = lora_params, 0
-    if cfg.lora and not lora_params:
-        for name, m in base.named_modules():
-            if isinstance(m, torch.nn.Linear) and _targets(cfg, name, out_layer, m):
-                trainable += cfg.lora_r * (m.in_features + m.out_features)
-                copy += m.in_features * m.out_features * width
-    elif cfg.lora:
-        copy = sum(m.in_features * m.out_features * width for name, m in base.named_modules()
-                   if hasattr(m, "lora_A") and hasattr(m, "in_features"))
-    return mp.ModelMemory(
-        layers=tc.num_hidden_layers, hidden=tc.hidden_size, intermediate=inter, q_dim=heads * head_dim,
-        kv_dim=kv_heads * head_dim, vocab=base.get_input_embeddings().weight.shape[0], dtype_bytes=width,
-        weight_bytes=weight_bytes, params=params, trainable=trainable if cfg.lora else params, lora=cfg.lora,
-        merge_copy_bytes=copy, mlp_tileable=_tileable(base),
-    )
-
-
-def _tileable(model: Any) -> bool:
-    """Whether every decoder layer of `model` has a dense gated MLP that `models.tiled_mlp` can tile."""
-    try:
-        return untileable_reason(model) is None
-    except UnsupportedModelError:  # no decoder layers found
-        return False
-
-
 # --- the decisions ------------------------------------------------------------------------------------------------
 
 
@@ -174,7 +86,7 @@ def compute_dtype(cfg: ModelConfig, device: torch.device, model: Any = None) -> 
     from logitless.trainer.modeling import resolve_dtype
 
     if model is not None:
-        return _base(model).get_input_embeddings().weight.dtype
+        return base_model(model).get_input_embeddings().weight.dtype
     return resolve_dtype(cfg.dtype, device)
 
 
@@ -193,7 +105,7 @@ def rollout_backend(cfg: TrainerConfig, device: torch.device, model: Any) -> tup
     if model is None:
         return "hf", f"{UNREAD}: transformers generate runs every layout"
     try:
-        check_layout(_base(model), "static", STATIC_LAYER_TYPES)
+        check_layout(base_model(model), "static", STATIC_LAYER_TYPES)
     except UnsupportedModelError as e:
         return "hf", str(e).split(": ", 1)[-1].split(". Use")[0]
     return "static", "CUDA, and the static engine decodes this model's attention layout exactly"
@@ -205,12 +117,12 @@ def _packed(cfg: TrainerConfig, device: torch.device, dtype: torch.dtype, model:
     the run loads (`model_checks.model_config`: logitless_varlen when packed and none is named)."""
     impl = cfg.model.attn_implementation
     if loaded:
-        impl = getattr(_base(model).config, "_attn_implementation", None)
+        impl = getattr(base_model(model).config, "_attn_implementation", None)
     if device.type != "cuda":
         return False, f"{device.type}: padded micro-batches (the varlen path runs one attention call per row here)"
     if model is None:
         return False, UNREAD
-    base = _base(model)
+    base = base_model(model)
     if dtype not in (torch.bfloat16, torch.float16):
         return False, f"the model computes in {str(dtype).removeprefix('torch.')}; varlen flash attention needs bf16/fp16"
     if impl not in PACKED_ATTENTION:
@@ -249,7 +161,7 @@ def _liger(device: torch.device, single: bool, compiled: bool, model: Any) -> tu
         return False, UNREAD
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
-    model_type = getattr(text_config(_base(model)), "model_type", None)
+    model_type = getattr(text_config(base_model(model)), "model_type", None)
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
         return False, f"Liger-Kernel has no kernels for model type {model_type!r}"
     return True, f"installed, with kernels for {model_type}"
@@ -442,7 +354,7 @@ def budget_bytes(cfg: TrainerConfig, device: torch.device) -> float:
 def step_shape(cfg: TrainerConfig, model: Any, world_size: int = 1) -> mp.StepShape:
     """The step's sizes on one process, at the longest prompt the config allows."""
     r = cfg.rollout
-    context = getattr(text_config(_base(model)), "max_position_embeddings", None)
+    context = getattr(text_config(base_model(model)), "max_position_embeddings", None)
     prompt = r.max_prompt_length if r.max_prompt_length is not None else max((context or 0) - r.max_completion_length, 1)
     prompts = max(-(-cfg.train.prompts_per_step // max(world_size, 1)), 1)  # the largest rank share
     agent = getattr(cfg, "agent", None)

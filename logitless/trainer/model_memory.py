@@ -1,0 +1,100 @@
+"""The memory plan's view of a model, read without its weights: a meta-device skeleton built from the model's config,
+and `model_memory` (its sizes, LoRA targets and 4-bit storage as `memory_plan.ModelMemory`)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from logitless.models import UnsupportedModelError
+from logitless.models.tiled_mlp import untileable_reason
+from logitless.rollout.layouts import text_config
+from logitless.rollout.weights import is_4bit
+from logitless.trainer import memory_plan as mp
+from logitless.trainer.config import ModelConfig
+
+
+def model_skeleton(cfg: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
+    """The causal LM of `cfg` built from its config on the meta device: its class, modules and parameter shapes,
+    no weights read (the hub's or folder's config.json, from the local cache when it is there, or a GGUF file's
+    metadata: `model_checks.read_model_config`, as the preflight reads it)."""
+    from transformers import AutoModelForCausalLM
+
+    from logitless.trainer.model_checks import read_model_config
+    from logitless.trainer.sources import model_cached
+
+    config = read_model_config(cfg, cached=model_cached(cfg))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code, dtype=dtype)
+
+
+def base_model(model: Any) -> Any:
+    """The transformers model under any peft wrappers."""
+    while hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return model
+
+
+def _targets(cfg: ModelConfig, name: str, out_layer: Any, module: Any) -> bool:
+    """Whether peft's LoRA config of `cfg` targets linear layer `name` (peft's matching rules)."""
+    target = cfg.lora_target_modules
+    if module is out_layer:
+        return False
+    if target == "all-linear":
+        return True
+    if isinstance(target, str):
+        return re.fullmatch(target, name) is not None
+    return any(name == t or name.endswith("." + t) for t in target)
+
+
+def model_memory(model: Any, cfg: ModelConfig, dtype: torch.dtype) -> mp.ModelMemory:
+    """The plan's view of `model` (a skeleton, or a loaded model before or after peft wrapped it) for the settings
+    of `cfg`: LoRA rank and targets, 4-bit loading, the compute dtype."""
+    base = base_model(model)
+    tc = text_config(base)
+    heads = getattr(tc, "num_attention_heads", None) or 1  # (a model without attention: its KV counts as one head)
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
+    kv_heads = getattr(tc, "num_key_value_heads", None) or heads
+    inter = getattr(tc, "intermediate_size", None) or 4 * tc.hidden_size
+    if getattr(tc, "num_experts_per_tok", None) and getattr(tc, "moe_intermediate_size", None):
+        inter = tc.num_experts_per_tok * tc.moe_intermediate_size + getattr(tc, "shared_expert_intermediate_size", 0)
+    out_layer = base.get_output_embeddings()
+    width = torch.tensor([], dtype=dtype).element_size()
+    quantized = {id(m.weight) for name, m in base.named_modules()
+                 if isinstance(m, torch.nn.Linear) and m is not out_layer} if cfg.load_in_4bit else set()
+    weight_bytes = params = lora_params = 0
+    for name, p in base.named_parameters():
+        if "lora_" in name:
+            lora_params += p.numel()
+            continue
+        if is_4bit(p):  # a loaded QLoRA model: packed already, its storage is what it takes
+            params += 2 * p.numel() * p.element_size()
+            weight_bytes += int(p.numel() * p.element_size() * mp.NF4_BYTES / 0.5)
+            continue
+        params += p.numel()
+        weight_bytes += int(p.numel() * (mp.NF4_BYTES if id(p) in quantized else width))
+    trainable, copy = lora_params, 0
+    if cfg.lora and not lora_params:
+        for name, m in base.named_modules():
+            if isinstance(m, torch.nn.Linear) and _targets(cfg, name, out_layer, m):
+                trainable += cfg.lora_r * (m.in_features + m.out_features)
+                copy += m.in_features * m.out_features * width
+    elif cfg.lora:
+        copy = sum(m.in_features * m.out_features * width for name, m in base.named_modules()
+                   if hasattr(m, "lora_A") and hasattr(m, "in_features"))
+    return mp.ModelMemory(
+        layers=tc.num_hidden_layers, hidden=tc.hidden_size, intermediate=inter, q_dim=heads * head_dim,
+        kv_dim=kv_heads * head_dim, vocab=base.get_input_embeddings().weight.shape[0], dtype_bytes=width,
+        weight_bytes=weight_bytes, params=params, trainable=trainable if cfg.lora else params, lora=cfg.lora,
+        merge_copy_bytes=copy, mlp_tileable=_tileable(base),
+    )
+
+
+def _tileable(model: Any) -> bool:
+    """Whether every decoder layer of `model` has a dense gated MLP that `models.tiled_mlp` can tile."""
+    try:
+        return untileable_reason(model) is None
+    except UnsupportedModelError:  # no decoder layers found
+        return False

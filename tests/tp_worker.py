@@ -4,11 +4,15 @@ this file.
     python -m torch.distributed.run --nproc-per-node N tests/tp_worker.py rollout OUT_DIR TP[,TP...] FAMILY[,...]
     python -m torch.distributed.run --nproc-per-node 2 tests/tp_worker.py train OUT_DIR TOKENIZER_DIR
     python -m torch.distributed.run --nproc-per-node 2 tests/tp_worker.py gpu OUT_DIR TOKENIZER_DIR
+    python -m torch.distributed.run --nproc-per-node N tests/tp_worker.py bf16 OUT_DIR TP[,TP...] SHAPE[,...] [plain]
 
 "rollout": for each tensor-parallel size, family and weights (LoRA, full), every rank decodes its own prompts twice
 (before and after an update of the sharded weights) through the group's split replica, and the same prompts on its
 own with the whole model (the one-rank rollout, `rank_seed` as the trainer seeds it); it writes what the test
-checks to OUT_DIR/rank{R}.json; on 2 ranks also the split decode compiled (`compiled`). "train": two training
+checks to OUT_DIR/rank{R}.json; on 2 ranks also the split decode compiled (`compiled`), and in bf16 (`bf16`) on
+the tiny shape. "bf16": the split rollout in bf16 (`bf16`) for each size and shape of `BF16_SHAPES`, written to
+OUT_DIR/bf16_rank{R}.json; "plain" measures torch's own RowwiseParallel (partial products rounded to bf16, summed in
+bf16) in place of the replica's fp32 sum, for comparison. "train": two training
 steps of `dist_worker`'s run with rollout.tensor_parallel=2 (`TRAIN`), its records written to
 OUT_DIR/{mode}_ranks.json by rank 0. "gpu": the split rollout in bf16 on 2 GPUs (nccl) against the one-GPU rollout
 (`gpu`).
@@ -162,6 +166,53 @@ def unseeded(world: World) -> str:
     return ""
 
 
+# bf16: "tiny" is SHAPE (Qwen2: q/k/v biases); "wide" has real widths, where the partial sums' rounding shows
+BF16_SHAPES = {"tiny": {}, "wide": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                                        num_attention_heads=16, num_key_value_heads=4, initializer_range=0.05)}
+BF16_OPTIONS = SamplingOptions(num_generations=3, temperature=1.0, max_new_tokens=16, ignore_eos=True)
+
+
+def bf16(tp: int, shape: str, world: World) -> dict:
+    """The split rollout of a bf16 Qwen2 of `shape` (full weights) against the one-rank rollout of the same rows:
+    each sampler's gap to the trainer's logprobs (`completion_logprobs` of the whole model, bf16) on its own tokens
+    (mean, max over the completion tokens), and where both drew the same tokens (each row's tokens before the first
+    that differs), the gap between the two samplers' logprobs."""
+    from logitless.models import completion_logprobs
+
+    device = torch.device("cpu")
+    mesh = tp_mesh(world.size, tp, device)
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        config = tf.Qwen2Config(**{**SHAPE, **BF16_SHAPES[shape]})
+        return tf.Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+
+    sharded, whole = build(), build()
+    replica = TensorParallelCopy(sharded, mesh, device)
+    shard_model(sharded, device)
+    replica.materialize()
+    replica.sync(sharded)
+    mine = rank_share(PROMPTS, world)
+    options = SamplingOptions(**{**BF16_OPTIONS.__dict__, "seed": rank_seed(21, world)})
+    got = group_decode(make_engine("static", replica.model, TOK, check_every=4), mesh, device).generate(mine, options)
+    want = make_engine("static", whole, TOK, check_every=4).generate(mine, options)
+    out = {}
+    for name, b in (("split", got), ("one", want)):
+        with torch.no_grad():
+            trainer = completion_logprobs(whole, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask,
+                                          temperature=options.temperature)[0].float()
+        gap = (b.sampler_logp - trainer).abs()[b.completion_mask.bool()]
+        out[name] = {"mean": float(gap.mean()), "max": float(gap.max()), "tokens": int(gap.numel())}
+    assert got.completion_ids.shape == want.completion_ids.shape  # (EOS ignored: every row decodes all tokens)
+    differ = (got.completion_ids != want.completion_ids).cumsum(1) > 0  # from each row's first token that differs
+    same = ~differ & want.completion_mask.bool()
+    gap = (got.sampler_logp - want.sampler_logp).abs()[same]
+    out["vs_one"] = {"mean": float(gap.mean()) if gap.numel() else 0.0,
+                     "max": float(gap.max()) if gap.numel() else 0.0, "tokens": int(same.sum()),
+                     "rows_equal": int((~differ.any(1)).sum()), "rows": int(differ.shape[0])}
+    return out
+
+
 def one_rank_logp(m: torch.nn.Module, b, lora: bool) -> torch.Tensor:
     from logitless.models import completion_logprobs
 
@@ -260,18 +311,38 @@ def gpu(out_dir: str, tok_dir: str) -> None:
     Path(out_dir, f"gpu_rank{world.rank}.json").write_text(json.dumps(out))
 
 
+def plain_rowwise() -> None:
+    """Split the row-parallel layers with torch's own RowwiseParallel (bf16 partial products summed in bf16), as the
+    replica did before it summed them in fp32: a measurement's "before"."""
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    from logitless.trainer import tensor_parallel as tp
+
+    split = tp.style
+    tp.style = lambda name: RowwiseParallel() if name == "rowwise" else split(name)
+
+
 def main(kind: str, out_dir: str, *args: str) -> None:
     if kind in ("train", "gpu"):
         return {"train": train, "gpu": gpu}[kind](out_dir, *args)
-    sizes, families = args
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world = World(rank=dist.get_rank(), size=dist.get_world_size())
+    if kind == "bf16":
+        sizes, shapes, *how = args
+        if how == ["plain"]:
+            plain_rowwise()
+        results = {f"tp{tp}-{shape}": bf16(int(tp), shape, world)
+                   for tp in sizes.split(",") for shape in shapes.split(",")}
+        Path(out_dir, f"bf16_rank{world.rank}.json").write_text(json.dumps(results))
+        return
+    sizes, families = args
     results = {}
     for tp in map(int, sizes.split(",")):
         for family in families.split(","):
             for lora in (True, False):
                 results[f"tp{tp}-{family}-{'lora' if lora else 'full'}"] = case(tp, family, lora, world)
+        results[f"bf16-tp{tp}"] = bf16(tp, "tiny", world)
     if world.size == 2:
         results["compiled"] = compiled(world)
         results["unseeded"] = unseeded(world)

@@ -120,6 +120,23 @@ def test_the_split_rollout_in_bf16_is_as_close_to_the_trainer_as_one_rank(two_ra
     assert sum(r[case]["vs_one"]["tokens"] for r in results) > 100  # most rows drew the same tokens
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_partial_product_on_cuda_keeps_the_fp32_sum_of_its_bf16_inputs():
+    """`partial_product` on CUDA (a bf16 GEMM with an fp32 output), eager and compiled: the fp32 product of the bf16
+    inputs, within fp32 accumulation (a bf16 output would be 2**-9 off)."""
+    from logitless.trainer.tp_styles import partial_product
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(3, 5, 1536, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randn(1000, 1536, device="cuda", generator=g).to(torch.bfloat16)
+    want = torch.nn.functional.linear(x.double(), w.double())
+    for fn in (partial_product, torch.compile(partial_product)):
+        got = fn(x, w)
+        assert got.dtype == torch.float32 and got.shape == (3, 5, 1000)
+        assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+
 OPTS = SamplingOptions(num_generations=2, temperature=0.8, max_new_tokens=8, seed=5)
 
 

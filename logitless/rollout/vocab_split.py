@@ -34,7 +34,6 @@ from typing import Callable
 import torch
 
 from logitless.models.compiled import EAGER_NUMERICS
-
 from logitless.ops.hash32 import mix32
 
 from .sampling import StepSampler, gumbel, step_keys, step_salt
@@ -63,7 +62,7 @@ class VocabShard:
 
 def shard_of(vocab: int, ranks: int, rank: int, gather: Callable[[torch.Tensor], torch.Tensor]) -> VocabShard:
     """The shard `rank` holds of a vocabulary split as torch.chunk splits it (DTensor's Shard(0) of the lm_head's
-    weight). Raises where a process would hold no column (a vocabulary smaller than (ranks - 1) chunks)."""
+    weight). Raises where a process would hold no column (where ranks - 1 chunks already cover the vocabulary)."""
     chunk = -(-vocab // ranks)
     if (ranks - 1) * chunk >= vocab:
         raise ValueError(f"a vocabulary of {vocab} tokens in chunks of {chunk} leaves a process of {ranks} without a "

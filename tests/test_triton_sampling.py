@@ -2,14 +2,14 @@
 
 CPU, under TRITON_INTERPRET=1 (`tests/interpret.py`): the same tokens as the engine's torch sampler
 (`rollout.sampling.sample_tokens` at `step_keys`) and as the op's own naive oracle, and the same logprobs to fp32
-rounding, on odd shapes (vocabularies across block edges and below one block, strided rows, bf16/fp16/fp32
-logits, temperatures 1 and not, greedy); the block partials of a vocabulary split over ranks; a block of -inf
-logits; ties go to the first index, as torch's argmax; a row's draw does not depend on the other rows. Equal tokens carry the torch sampler's chi-square test
-(tests/test_fused_sampler.py) over to the kernel on CPU; the interpreter runs each program in Python, too slowly
-for the 30,000 draws of a chi-square test itself. Refusals: the kernel off CUDA, an unknown name, off the static
-backend. GPU (`python -m pytest -m gpu tests/test_triton_sampling.py`): bf16 logits of Qwen2.5's vocabulary at
-128 rows against the compiled torch sampler, and the chi-square test of the kernel's own draws (the check fails
-for draws at another temperature).
+rounding, on odd shapes (vocabularies across block edges and below one block, strided rows, bf16/fp16/fp32 logits,
+temperatures 1 and not, greedy); the block partials of a vocabulary split over ranks; a block of -inf logits; ties
+go to the first index, as torch's argmax; a row's draw does not depend on the other rows. Equal tokens carry the
+torch sampler's chi-square test (tests/test_fused_sampler.py) over to the kernel on CPU; the interpreter runs each
+program in Python, too slowly for the 30,000 draws of a chi-square test itself. Refusals: the kernel off CUDA, an
+unknown name, off the static backend. GPU (`python -m pytest -m gpu tests/test_triton_sampling.py`): bf16 logits of
+Qwen2.5's vocabulary at 128 rows against the compiled torch sampler, and the chi-square test of the kernel's own
+draws (the check fails for draws at another temperature).
 """
 
 from __future__ import annotations

@@ -315,7 +315,6 @@ def recorded_prediction(result: dict[str, Any], run: dict[str, Any], prompt_len:
     from logitless.trainer import load_train_config
     from logitless.trainer import memory_plan as mp
     from logitless.trainer.auto import model_memory, run_facts
-    from logitless.trainer.oom import knobs_of
 
     c = result.get("config")
     m = re.search(r"Qwen2\.5-(\w+(?:\.\d+)?b)", str(c.get("shape", ""))) if isinstance(c, dict) else None
@@ -342,7 +341,7 @@ def recorded_prediction(result: dict[str, Any], run: dict[str, Any], prompt_len:
     budget = (c.get("memory_budget_gib") or DEVICE_GIB[device]) * mp.GIB
     step = mp.StepShape(prompts=prompts, rows=prompts * G, prompt_len=prompt_len, completion_len=T, context=32_768)
     facts = run_facts(cfg, "static", kernels, torch.device("cuda"))
-    knobs = knobs_of(cfg)
+    knobs = mp.knobs_of(cfg)
     if knobs.max_kv_gib is None:  # the engine's own cap: 85 % of the memory free when the rollout starts
         rest = mp.generate_bytes(mem, step, facts, dataclasses.replace(knobs, max_kv_gib=0.0))
         free = budget - sum(v for k, v in rest.items() if k not in ("kv cache", "sampler"))

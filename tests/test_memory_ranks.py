@@ -193,7 +193,6 @@ def test_torchrun_runs_resolve_the_per_gpu_memory_of_their_rank_count():
     own settings, saved in resolved.json; one that cannot fit names the settings that make it leaner."""
     from bench.bench_plan import skeleton
     from logitless.trainer import auto
-    from logitless.trainer.oom import knobs_of
 
     model = skeleton("1.5b")
     over = ["rollout.max_completion_length=512", "rollout.max_prompt_length=200", "train.prompts_per_step=64",
@@ -207,7 +206,7 @@ def test_torchrun_runs_resolve_the_per_gpu_memory_of_their_rank_count():
     step = mp.StepShape(prompts=64, rows=64 * 8, prompt_len=200, completion_len=512,
                         context=model.config.max_position_embeddings)
     facts = auto.run_facts(res.cfg, "static", "eager", torch.device("cuda"))
-    assert res.rank_memory.phases == mr.predict(m, step, facts, knobs_of(res.cfg), mr.Ranks(4, mr.units_of(model)))
+    assert res.rank_memory.phases == mr.predict(m, step, facts, mp.knobs_of(res.cfg), mr.Ranks(4, mr.units_of(model)))
     saved = res.to_json()["rank_memory"]
     assert saved["ranks"] == 4 and saved["predicted_gib"]["train"] == res.rank_memory.peak("train") / mp.GIB
     tight = auto.resolve(load_train_config(None, [*over, "train.memory_budget_gib=4"]), world_size=4,

@@ -297,14 +297,13 @@ def rank_memory(cfg: TrainerConfig, model: Any, dtype: torch.dtype, device: torc
     (`memory_ranks.predict`, at the longest prompt the config allows), against one GPU's `budget` (bytes): fits is
     False, with a note, where the update (or an hf rollout, which has no waves) is predicted over its headroom."""
     from logitless.trainer import memory_ranks as mr
-    from logitless.trainer.oom import knobs_of
 
     kernels = "compiled" if cfg.model.compile_layers is True else "liger" if cfg.model.liger_kernels is True else "eager"
     copy = cfg.rollout.weight_copy or ("sleep" if device.type == "cuda" else "resident")
     layout = mr.Ranks(ranks, mr.units_of(model), weight_copy="resident" if copy == "resident" else "sleep",
                       merged_replica=cfg.rollout.merge_lora is not False,
                       tensor_parallel=cfg.rollout.tensor_parallel if ranks % cfg.rollout.tensor_parallel == 0 else 1)
-    knobs = knobs_of(cfg)
+    knobs = mp.knobs_of(cfg)
     phases = mr.predict(model_memory(model, cfg.model, dtype), step_shape(cfg, model), run_facts(
         cfg, cfg.rollout.backend, kernels, device), knobs, layout)
     out = mp.Plan(knobs=knobs, budget=budget, phases=phases,

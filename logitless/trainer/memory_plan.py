@@ -480,3 +480,14 @@ def to_json(p: Plan) -> dict[str, Any]:
             "predicted_gib": {ph: p.peak(ph) / GIB for ph in p.phases},
             "parts_gib": {ph: {k: v / GIB for k, v in parts.items()} for ph, parts in p.phases.items()},
             "knobs": dataclasses.asdict(p.knobs)}
+
+
+def knobs_of(cfg: Any) -> Knobs:
+    """The plan's settings as a resolved config has them."""
+    t, m = cfg.train, cfg.model
+    return Knobs(gradient_checkpointing=m.gradient_checkpointing is True,
+                    activation_offload=m.activation_offload is True, micro_batch_tokens=t.micro_batch_tokens,
+                    by_rows=t.micro_batch_tokens is None, micro_batch_size=t.micro_batch_size, packed=t.packed is True,
+                    max_kv_gib=cfg.rollout.max_kv_gib, offload_during_rollout=t.offload_during_rollout is True,
+                    tiled_mlp=isinstance(m.mlp_chunk_tokens, int),
+                    mlp_chunk_tokens=m.mlp_chunk_tokens if isinstance(m.mlp_chunk_tokens, int) else MLP_CHUNK_TOKENS)

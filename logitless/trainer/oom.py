@@ -42,17 +42,6 @@ class MemoryState:
     phase: str = "train"  # the update's phase running now ("logprobs" or "train")
 
 
-def knobs_of(cfg: Any) -> mp.Knobs:
-    """The plan's settings as a resolved config has them."""
-    t, m = cfg.train, cfg.model
-    return mp.Knobs(gradient_checkpointing=m.gradient_checkpointing is True,
-                    activation_offload=m.activation_offload is True, micro_batch_tokens=t.micro_batch_tokens,
-                    by_rows=t.micro_batch_tokens is None, micro_batch_size=t.micro_batch_size, packed=t.packed is True,
-                    max_kv_gib=cfg.rollout.max_kv_gib, offload_during_rollout=t.offload_during_rollout is True,
-                    tiled_mlp=isinstance(m.mlp_chunk_tokens, int),
-                    mlp_chunk_tokens=m.mlp_chunk_tokens if isinstance(m.mlp_chunk_tokens, int) else mp.MLP_CHUNK_TOKENS)
-
-
 def micro_batch_tokens(m: Any, packed: bool) -> int:
     """Tokens a micro-batch computes: its rows' own when packed, rows x (prompt + completion columns) padded."""
     if packed:
@@ -185,11 +174,11 @@ def memory_state(ctx: Any, resolved: Any) -> MemoryState:
 
     cfg = ctx.cfg
     if resolved.plan is not None:
-        return MemoryState(resolved.model, resolved.step, resolved.facts, knobs_of(cfg), planned=True)
+        return MemoryState(resolved.model, resolved.step, resolved.facts, mp.knobs_of(cfg), planned=True)
     dtype = ctx.model.get_input_embeddings().weight.dtype
     kernels = "compiled" if cfg.model.compile_layers is True else "liger" if cfg.model.liger_kernels is True else "eager"
     return MemoryState(auto.model_memory(ctx.model, cfg.model, dtype), auto.step_shape(cfg, ctx.model, ctx.world.size),
-                       auto.run_facts(cfg, cfg.rollout.backend, kernels, ctx.device), knobs_of(cfg), planned=False)
+                       auto.run_facts(cfg, cfg.rollout.backend, kernels, ctx.device), mp.knobs_of(cfg), planned=False)
 
 
 def memory_metrics(ctx: Any, ro: Any, plan: Any) -> dict[str, float]:

@@ -186,7 +186,8 @@ class TensorParallelCopy:
     its forward; `sync(sharded)` rewrites this rank's slices from the FSDP2 model, `release()` frees those each sync
     rewrites (with sleep). Made from the model before sharding, whose weights it never reads: its parameters are on
     the meta device until `materialize()` allocates this rank's slices (after sharding, so that the device never
-    holds the whole model beside them), and the first sync fills every slice."""
+    holds the whole model beside them), and the first sync fills every slice. split_vocab: the lm_head's logits
+    stay split by vocabulary rows (`vocab_shard()`, the default; False: gathered whole on every rank)."""
 
     groups: list = []  # no fused projections (rollout.fuse_projections)
 

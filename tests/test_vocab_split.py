@@ -2,10 +2,10 @@
 group (`group_draw`: every rank's draw run twice, the first time recording what each gives the all-gather, the
 second time gathering those): the tokens of the draw over the whole rows and logprobs within 1e-5, on odd splits
 (uneven chunks, 7 ranks, a chunk below the Triton draw's block), bf16/fp16/fp32 logits, temperatures 1 and not,
-greedy, ties across ranks (the lowest id, as argmax), a step counter on the device; the whole rows gathered back
-for the filters; the split's refusal. The Triton draw's block partials are checked the same way under the
-interpreter in tests/test_triton_sampling.py; the collectives themselves on 2 and 4 gloo ranks in
-tests/test_tensor_parallel.py."""
+greedy, ties across ranks (the lowest id, as argmax), a rank whose columns are all -inf, a step counter on the
+device; the whole rows gathered back for the filters; the split's refusal. The Triton draw's block partials are
+checked the same way under the interpreter in tests/test_triton_sampling.py; the collectives themselves on 2 and 4
+gloo ranks in tests/test_tensor_parallel.py."""
 
 from __future__ import annotations
 
@@ -108,6 +108,16 @@ def test_ties_across_ranks_go_to_the_lowest_token_id():
     keys = row_keys(1, torch.arange(2), torch.zeros(2, dtype=torch.long))
     for tok, _ in group_draw(tied, 3, keys, 0, 1.0, True):
         assert tok.tolist() == tied.argmax(-1).tolist() == [70, 70]
+
+
+def test_a_rank_whose_columns_are_all_minus_infinity_is_never_drawn():
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(5))
+    logits[:, 100:200] = float("-inf")  # rank 1 of 3
+    keys = row_keys(6, torch.arange(3), torch.zeros(3, dtype=torch.long))
+    want = sample_tokens(logits, None, step_keys(keys, 1), vocab_codes(300, "cpu"), 1.0, False)
+    for tok, logp in group_draw(logits, 3, keys, 1, 1.0, False):
+        assert torch.equal(tok, want[0]) and not ((tok >= 100) & (tok < 200)).any()
+        assert torch.isfinite(logp).all() and float((logp - want[1]).abs().max()) <= TOL
 
 
 def test_partials_combine_in_any_grouping_of_the_columns():

@@ -88,7 +88,7 @@ def shard_partials(
     z = logits.float()
     z = z / temperature if temperature != 1.0 else z
     m = z.amax(-1)
-    s = torch.exp(z - m.masked_fill(m == float("-inf"), 0.0)[:, None]).sum(-1)  # (columns all -inf: 0)  # (columns all -inf: 0)
+    s = torch.exp(z - m.masked_fill(m == float("-inf"), 0.0)[:, None]).sum(-1)  # (columns all -inf: 0)
     score = z if greedy else z + gumbel(keys, codes)
     i = score.argmax(-1, keepdim=True)  # the first column of the maximum
     best, z_best = score.gather(1, i)[:, 0], z.gather(1, i)[:, 0]

@@ -2,14 +2,14 @@
 
 CPU, under TRITON_INTERPRET=1 (`tests/interpret.py`): the same tokens as the engine's torch sampler
 (`rollout.sampling.sample_tokens` at `step_keys`) and as the op's own naive oracle, and the same logprobs to fp32
-rounding, on odd shapes (vocabularies across block edges and below one block, strided rows, bf16/fp16/fp32
-logits, temperatures 1 and not, greedy); a block of -inf logits; ties go to the first index, as torch's argmax; a
-row's draw does not depend on the other rows. Equal tokens carry the torch sampler's chi-square test
-(tests/test_fused_sampler.py) over to the kernel on CPU; the interpreter runs each program in Python, too slowly
-for the 30,000 draws of a chi-square test itself. Refusals: the kernel off CUDA, an unknown name, off the static
-backend. GPU (`python -m pytest -m gpu tests/test_triton_sampling.py`): bf16 logits of Qwen2.5's vocabulary at
-128 rows against the compiled torch sampler, and the chi-square test of the kernel's own draws (the check fails
-for draws at another temperature).
+rounding, on odd shapes (vocabularies across block edges and below one block, strided rows, bf16/fp16/fp32 logits,
+temperatures 1 and not, greedy); the block partials of a vocabulary split over ranks; a block of -inf logits; ties
+go to the first index, as torch's argmax; a row's draw does not depend on the other rows. Equal tokens carry the
+torch sampler's chi-square test (tests/test_fused_sampler.py) over to the kernel on CPU; the interpreter runs each
+program in Python, too slowly for the 30,000 draws of a chi-square test itself. Refusals: the kernel off CUDA, an
+unknown name, off the static backend. GPU (`python -m pytest -m gpu tests/test_triton_sampling.py`): bf16 logits of
+Qwen2.5's vocabulary at 128 rows against the compiled torch sampler, and the chi-square test of the kernel's own
+draws (the check fails for draws at another temperature).
 """
 
 from __future__ import annotations
@@ -87,6 +87,28 @@ def _run_cases() -> dict:
         tt, _ = sample_tokens(logits, None, step_keys(keys, torch.tensor(step)), vocab_codes(777, "cpu"), 0.9, False)
         counted[str(step)] = torch.equal(th, tc) and torch.equal(lh, lc) and torch.equal(tc, tt)
     res["counter_salt"] = counted
+
+    # a vocabulary split over a group (`rollout/vocab_split.py`, the group simulated in this process): each rank's
+    # block partials (its columns' global token ids, the blocks of its chunk, empty ones past its columns) combine
+    # into the whole rows' draw
+    from tests.test_vocab_split import group_draw
+
+    split = {}
+    for name, (B, V, N, T, greedy, dtype, step) in {
+        "empty_block": (3, 8193, 2, 0.9, False, torch.float32, 3),  # rank 1: 4,096 columns, its 2nd block empty
+        "bf16_3_ranks": (2, 10000, 3, 1.0, False, torch.bfloat16, 4),
+        "greedy_two_blocks": (2, 9000, 2, 1.0, True, torch.float32, 5),
+        "fp16_uneven_4": (3, 258, 4, 1.3, False, torch.float16, torch.tensor(6)),
+    }.items():
+        logits = (torch.randn(B, V, generator=g) * 4).to(dtype)
+        keys = row_keys(3, torch.arange(B), torch.arange(B) % 2)
+        salt = step if torch.is_tensor(step) else step_salt(step)
+        want_tok, want_logp = sample_step(logits, keys, salt, T, greedy)
+        torch_tok, _ = sample_tokens(logits, None, step_keys(keys, step), vocab_codes(V, "cpu"), T, greedy)
+        ranks = group_draw(logits, N, keys, step, T, greedy, kernel="triton")
+        split[name] = {"same_tokens": all(torch.equal(t, want_tok) and torch.equal(t, torch_tok) for t, _ in ranks),
+                       "logp_err": max(float((lp - want_logp).abs().max()) for _, lp in ranks)}
+    res["vocab_split"] = split
     return res
 
 
@@ -127,6 +149,15 @@ def test_a_rows_draw_does_not_depend_on_the_other_rows(cases):
 
 def test_a_device_step_counter_draws_the_host_hashed_steps_tokens(cases):
     assert cases["counter_salt"] == {"0": True, "7": True, str(2**32 - 5): True}
+
+
+def test_the_block_partials_of_a_split_vocabulary_draw_the_whole_rows_tokens(cases):
+    """rollout.tensor_parallel's draw over each rank's vocabulary columns with the Triton kernel (block partials
+    offset to the rank's token ids, gathered and combined): the whole rows' tokens, logprobs within 1e-5."""
+    split = cases["vocab_split"]
+    assert len(split) == 4
+    for name, c in split.items():
+        assert c["same_tokens"] and c["logp_err"] <= 1e-5, (name, c)
 
 
 def test_a_tensor_salt_must_be_a_0d_int64_counter_on_the_logits_device():

@@ -4,11 +4,16 @@ this file.
     python -m torch.distributed.run --nproc-per-node N tests/tp_worker.py rollout OUT_DIR TP[,TP...] FAMILY[,...]
     python -m torch.distributed.run --nproc-per-node 2 tests/tp_worker.py train OUT_DIR TOKENIZER_DIR
     python -m torch.distributed.run --nproc-per-node 2 tests/tp_worker.py gpu OUT_DIR TOKENIZER_DIR
+    python -m torch.distributed.run --nproc-per-node N tests/tp_worker.py bf16 OUT_DIR TP[,TP...] SHAPE[,...] [plain]
 
 "rollout": for each tensor-parallel size, family and weights (LoRA, full), every rank decodes its own prompts twice
 (before and after an update of the sharded weights) through the group's split replica, and the same prompts on its
 own with the whole model (the one-rank rollout, `rank_seed` as the trainer seeds it); it writes what the test
-checks to OUT_DIR/rank{R}.json; on 2 ranks also the split decode compiled (`compiled`). "train": two training
+checks to OUT_DIR/rank{R}.json; for each size also the draw over the vocabulary split against the gathered rows
+(`vocab`) and the split decode in bf16 (`bf16`, the tiny shape); on 2 ranks the split decode compiled
+(`compiled`). "bf16": the split rollout in bf16 (`bf16`) for each size and shape of `BF16_SHAPES`, written to
+OUT_DIR/bf16_rank{R}.json; "plain" measures torch's own RowwiseParallel (partial products rounded to bf16, summed in
+bf16) in place of the replica's fp32 sum, for comparison. "train": two training
 steps of `dist_worker`'s run with rollout.tensor_parallel=2 (`TRAIN`), its records written to
 OUT_DIR/{mode}_ranks.json by rank 0. "gpu": the split rollout in bf16 on 2 GPUs (nccl) against the one-GPU rollout
 (`gpu`).
@@ -16,6 +21,7 @@ OUT_DIR/{mode}_ranks.json by rank 0. "gpu": the split rollout in bf16 on 2 GPUs 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -93,7 +99,7 @@ def case(tp: int, family: str, lora: bool, world: World) -> dict:
     shard_model(sharded, device)
     replica.materialize()
     whole = model(family, lora)  # the same weights, unsharded (the oracle)
-    engine = group_decode(make_engine("static", replica.model, TOK, check_every=4), mesh, device)
+    engine = group_decode(make_engine("static", replica.model, TOK, check_every=4), replica)
     out: dict = {"bytes": local_bytes(replica.model), "whole_bytes": sum(p.numel() * p.element_size()
                                                                           for p in replica.model.parameters()),
                  "norm_bytes": sum(p.numel() * p.element_size() for n, p in replica.model.named_parameters()
@@ -136,12 +142,53 @@ def compiled(world: World) -> dict:
     options = OPTIONS.__class__(**{**OPTIONS.__dict__, "seed": rank_seed(99, world)})
     mine = rank_share(PROMPTS, world)
     counters.clear()
-    got = group_decode(make_engine("static", replica.model, TOK, check_every=4, compile=True), mesh,
-                       device).generate(mine, options)
+    got = group_decode(make_engine("static", replica.model, TOK, check_every=4, compile=True),
+                       replica).generate(mine, options)
     stats = {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
     want = one_rank(whole, mine, options.seed, True)
     return {"tokens_equal": torch.equal(got.completion_ids, want.completion_ids),
             "logp_diff": float((got.sampler_logp - want.sampler_logp).abs().max()), **stats}
+
+
+def same(a, b) -> dict:
+    """How two rollouts of the same rows compare: equal tokens, and the largest logprob difference."""
+    shape = a.completion_ids.shape == b.completion_ids.shape
+    return {"tokens_equal": shape and torch.equal(a.completion_ids, b.completion_ids)
+            and torch.equal(a.completion_mask, b.completion_mask),
+            "logp_diff": float((a.sampler_logp - b.sampler_logp).abs().max()) if shape else float("inf"),
+            "tokens": int(a.completion_mask.sum())}
+
+
+# the draws the vocabulary split is checked with: plain, greedy, hot, top-k (the whole rows gathered for the filter),
+# and the step of the CUDA-graph decode (run eagerly on CPU)
+VOCAB_CASES = {"sample": ({}, {}), "greedy": ({"temperature": 0.0}, {}), "hot": ({"temperature": 1.7}, {}),
+               "top_k": ({"top_k": 20, "temperature": 0.8}, {}), "step_graph": ({}, {"step_graph": True})}
+
+
+def vocab(tp: int, world: World) -> dict:
+    """The split replica drawing over its own vocabulary columns (the default) against the same weights with the
+    lm_head's logits gathered (`split_vocab=False`: the whole-row sampler) and against the one-rank rollout, for
+    each of `VOCAB_CASES`; the width of the split logits."""
+    device = torch.device("cpu")
+    mesh = tp_mesh(world.size, tp, device)
+    sharded, whole = model("llama", False), model("llama", False)
+    split, gathered = (TensorParallelCopy(sharded, mesh, device, split_vocab=v) for v in (True, False))
+    shard_model(sharded, device)
+    for replica in (split, gathered):
+        replica.materialize()
+        replica.sync(sharded)
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        out: dict = {"columns": [r.model(input_ids=ids).logits.shape[-1] for r in (split, gathered)],
+                     "shard": dataclasses.astuple(split.vocab_shard())[:4], "gathered_shard": gathered.vocab_shard()}
+    mine = rank_share(PROMPTS, world)
+    for name, (change, engine_options) in VOCAB_CASES.items():
+        options = SamplingOptions(**{**OPTIONS.__dict__, "seed": rank_seed(77, world), **change})
+        a, b = (group_decode(make_engine("static", r.model, TOK, check_every=4, **engine_options), r)
+                .generate(mine, options) for r in (split, gathered))
+        c = make_engine("static", whole, TOK, check_every=4).generate(mine, options)
+        out[name] = {"vs_gathered": same(a, b), "vs_one": same(a, c)}
+    return out
 
 
 def unseeded(world: World) -> str:
@@ -153,13 +200,60 @@ def unseeded(world: World) -> str:
     shard_model(sharded, device)
     replica.materialize()
     replica.sync(sharded)
-    engine = group_decode(make_engine("static", replica.model, TOK), mesh, device)
+    engine = group_decode(make_engine("static", replica.model, TOK), replica)
     seed = None if world.rank == 1 else 3
     try:
         engine.generate(rank_share(PROMPTS, world), OPTIONS.__class__(**{**OPTIONS.__dict__, "seed": seed}))
     except ValueError as e:
         return str(e)
     return ""
+
+
+# bf16: "tiny" is SHAPE (Qwen2: q/k/v biases); "wide" has real widths, where the partial sums' rounding shows
+BF16_SHAPES = {"tiny": {}, "wide": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                                        num_attention_heads=16, num_key_value_heads=4, initializer_range=0.05)}
+BF16_OPTIONS = SamplingOptions(num_generations=3, temperature=1.0, max_new_tokens=16, ignore_eos=True)
+
+
+def bf16(tp: int, shape: str, world: World) -> dict:
+    """The split rollout of a bf16 Qwen2 of `shape` (full weights) against the one-rank rollout of the same rows:
+    each sampler's gap to the trainer's logprobs (`completion_logprobs` of the whole model, bf16) on its own tokens
+    (mean, max over the completion tokens), and where both drew the same tokens (each row's tokens before the first
+    that differs), the gap between the two samplers' logprobs."""
+    from logitless.models import completion_logprobs
+
+    device = torch.device("cpu")
+    mesh = tp_mesh(world.size, tp, device)
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        config = tf.Qwen2Config(**{**SHAPE, **BF16_SHAPES[shape]})
+        return tf.Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+
+    sharded, whole = build(), build()
+    replica = TensorParallelCopy(sharded, mesh, device)
+    shard_model(sharded, device)
+    replica.materialize()
+    replica.sync(sharded)
+    mine = rank_share(PROMPTS, world)
+    options = SamplingOptions(**{**BF16_OPTIONS.__dict__, "seed": rank_seed(21, world)})
+    got = group_decode(make_engine("static", replica.model, TOK, check_every=4), replica).generate(mine, options)
+    want = make_engine("static", whole, TOK, check_every=4).generate(mine, options)
+    out = {}
+    for name, b in (("split", got), ("one", want)):
+        with torch.no_grad():
+            trainer = completion_logprobs(whole, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask,
+                                          temperature=options.temperature)[0].float()
+        gap = (b.sampler_logp - trainer).abs()[b.completion_mask.bool()]
+        out[name] = {"mean": float(gap.mean()), "max": float(gap.max()), "tokens": int(gap.numel())}
+    assert got.completion_ids.shape == want.completion_ids.shape  # (EOS ignored: every row decodes all tokens)
+    differ = (got.completion_ids != want.completion_ids).cumsum(1) > 0  # from each row's first token that differs
+    same = ~differ & want.completion_mask.bool()
+    gap = (got.sampler_logp - want.sampler_logp).abs()[same]
+    out["vs_one"] = {"mean": float(gap.mean()) if gap.numel() else 0.0,
+                     "max": float(gap.max()) if gap.numel() else 0.0, "tokens": int(same.sum()),
+                     "rows_equal": int((~differ.any(1)).sum()), "rows": int(differ.shape[0])}
+    return out
 
 
 def one_rank_logp(m: torch.nn.Module, b, lora: bool) -> torch.Tensor:
@@ -202,10 +296,11 @@ GPU_TOKENS = 96
 
 
 def gpu(out_dir: str, tok_dir: str) -> None:
-    """Each rank: the one-GPU rollout of its prompts (whole model, merged LoRA copy, the engine's CUDA defaults) and
-    its rows of the group's split rollout (its synced weights in sleepable memory, freed and written again between
-    two calls); each sampler's gap to the trainer's logprobs on its own tokens, and the decode tokens/s of the
-    second call of each. Writes OUT_DIR/gpu_rank{R}.json."""
+    """Each rank: the one-GPU rollout of its prompts (whole model, merged LoRA copy, the engine's CUDA defaults), its
+    rows of the group's split rollout (its synced weights in sleepable memory, freed and written again between two
+    calls) and of the same split with the lm_head's logits gathered (the whole-row draw); each sampler's gap to the
+    trainer's logprobs on its own tokens, the decode tokens/s of the second call of each, and how the draw over the
+    vocabulary split compares with the gathered rows' draw. Writes OUT_DIR/gpu_rank{R}.json."""
     from logitless.models import completion_logprobs
     from tests import dist_worker as w
 
@@ -235,14 +330,20 @@ def gpu(out_dir: str, tok_dir: str) -> None:
     whole, sharded = build(), build()
     mesh = tp_mesh(world.size, world.size, device)
     replica = TensorParallelCopy(sharded, mesh, device, sleep=cuda)  # (the trainer's default on CUDA)
+    gathered = TensorParallelCopy(sharded, mesh, device, split_vocab=False)  # (the lm_head's logits gathered)
     shard_model(sharded, device)
     replica.materialize()
-    split = group_decode(make_engine("static", replica.model, tok), mesh, device)
+    gathered.materialize()
+    split = group_decode(make_engine("static", replica.model, tok), replica)
     alone = make_engine("static", whole, tok, weights=MergedLoraWeights(whole, "resident"))
-    out = {"bytes": local_bytes(replica.model), "whole_bytes": sum(
+    out: dict = {"bytes": local_bytes(replica.model), "whole_bytes": sum(
         p.numel() * p.element_size() for n, p in whole.named_parameters() if "lora_" not in n)}
-    for name, engine, sync, release in (("one_gpu", alone, lambda: None, lambda: None),
-                                        ("split", split, lambda: replica.sync(sharded), replica.release)):
+    batches = {}
+    for name, engine, sync, release in (
+            ("one_gpu", alone, lambda: None, lambda: None),
+            ("split", split, lambda: replica.sync(sharded), replica.release),
+            ("gathered", group_decode(make_engine("static", gathered.model, tok), gathered),
+             lambda: gathered.sync(sharded), lambda: None)):
         sync()
         batch = engine.generate(mine, options)
         release()  # the replica's weights freed (sleep) and written again: the same samples after
@@ -257,21 +358,44 @@ def gpu(out_dir: str, tok_dir: str) -> None:
         out[name] = {"mean": float(gap.mean()), "max": float(gap.max()), "tokens": int(mask.sum()),
                      "same_again": torch.equal(batch.completion_ids, again.completion_ids),
                      "tokens_per_s": again.timing.num_tokens / again.timing.generate_seconds}
+        batches[name] = batch
+    out["split_vs_gathered"] = same(batches["split"], batches["gathered"])  # the draw over the vocabulary split
     Path(out_dir, f"gpu_rank{world.rank}.json").write_text(json.dumps(out))
+
+
+def plain_rowwise() -> None:
+    """Split the row-parallel layers with torch's own RowwiseParallel (bf16 partial products summed in bf16), as the
+    replica did before it summed them in fp32: a measurement's "before"."""
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    from logitless.trainer import tensor_parallel as tp
+
+    split = tp.style
+    tp.style = lambda name: RowwiseParallel() if name == "rowwise" else split(name)
 
 
 def main(kind: str, out_dir: str, *args: str) -> None:
     if kind in ("train", "gpu"):
         return {"train": train, "gpu": gpu}[kind](out_dir, *args)
-    sizes, families = args
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world = World(rank=dist.get_rank(), size=dist.get_world_size())
+    if kind == "bf16":
+        sizes, shapes, *how = args
+        if how == ["plain"]:
+            plain_rowwise()
+        results = {f"tp{tp}-{shape}": bf16(int(tp), shape, world)
+                   for tp in sizes.split(",") for shape in shapes.split(",")}
+        Path(out_dir, f"bf16_rank{world.rank}.json").write_text(json.dumps(results))
+        return
+    sizes, families = args
     results = {}
     for tp in map(int, sizes.split(",")):
         for family in families.split(","):
             for lora in (True, False):
                 results[f"tp{tp}-{family}-{'lora' if lora else 'full'}"] = case(tp, family, lora, world)
+        results[f"bf16-tp{tp}"] = bf16(tp, "tiny", world)
+        results[f"vocab-tp{tp}"] = vocab(tp, world)
     if world.size == 2:
         results["compiled"] = compiled(world)
         results["unseeded"] = unseeded(world)

@@ -20,7 +20,9 @@ draw a new step at each replay without a host-to-device copy. The draw is exact:
 with probability softmax(z)[v]. Each program reads one block of one row's vocabulary once, in the logits' own dtype
 (no fp32 copy of the logits), and writes that block's max, sum of exponentials, best score and its token; the
 second kernel combines a row's blocks. The block size depends on V only, so a row's result does not depend on the
-other rows of the batch (a wave-split rollout equals a single-wave one).
+other rows of the batch (a wave-split rollout equals a single-wave one). `block_partials` is the first kernel
+alone, over a shard of a vocabulary (columns holding token ids offset, offset + 1, ...: each column's noise is
+its global id's), for the draw over a vocabulary split across processes (`rollout/vocab_split.py`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def _mix32(x):
 def _block_kernel(
     X, KEYS, PM, PS, PB, PZ, PI,  # logits; keys; per-block max, sum of exp, best score, z at best, best token
     COUNTER,  # a 0-d int64 counter whose salt is drawn with (COUNTED), else unused
-    stride_x, V, NB, salt, temperature,
+    stride_x, V, NB, salt, temperature, OFFSET,  # OFFSET: the token id of column 0 (a vocabulary shard's first)
     SCALE: tl.constexpr, GREEDY: tl.constexpr, BLOCK: tl.constexpr, COUNTED: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -69,7 +71,7 @@ def _block_kernel(
         if COUNTED:  # counter_salt(c): the uint32 sum wraps modulo 2**32
             salt = _mix32(tl.load(COUNTER).to(tl.uint32) + tl.full((), _GOLDEN, tl.uint32))
         key = _mix32(tl.load(KEYS + b).to(tl.uint32) ^ salt.to(tl.uint32))
-        code = _mix32((cols * 2 + 1).to(tl.uint32))
+        code = _mix32(((cols + OFFSET) * 2 + 1).to(tl.uint32))
         h = _mix32(code ^ key)
         u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
         u = tl.minimum(u, 0.99999994039535522)  # 1 - 2**-24: u < 1, so the noise is finite
@@ -83,7 +85,7 @@ def _block_kernel(
     tl.store(PS + o, s)
     tl.store(PB + o, best)
     tl.store(PZ + o, zb)
-    tl.store(PI + o, (c * BLOCK + i).to(tl.int32))
+    tl.store(PI + o, (OFFSET + c * BLOCK + i).to(tl.int32))
 
 
 @triton.jit
@@ -107,6 +109,24 @@ def sample_step(logits: torch.Tensor, keys: torch.Tensor, salt: int | torch.Tens
     """(token [B] int64, logp [B] fp32) of one decode step; see the module docstring. temperature > 0 (the
     recorded logprobs' temperature; greedy draws the argmax whatever it is). salt: an int, or a 0-d int64 counter
     on the logits' device (read when the kernel runs; its salt is `counter_salt`)."""
+    part, idx = block_partials(logits, keys, salt, temperature, greedy, block)
+    B, nb = idx.shape
+    token = torch.empty(B, dtype=torch.long, device=idx.device)
+    logp = torch.empty(B, dtype=torch.float32, device=idx.device)
+    if B:
+        _combine_kernel[(B,)](part[0], part[1], part[2], part[3], idx, token, logp, nb,
+                              BLOCK_NB=max(2, triton.next_power_of_2(nb)))
+    return token, logp
+
+
+def block_partials(logits: torch.Tensor, keys: torch.Tensor, salt: int | torch.Tensor, temperature: float,
+                   greedy: bool, block: int = BLOCK_V, offset: int = 0,
+                   width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first kernel of `sample_step` alone: each block of each row's logits [B, V] as (max of z, sum of
+    exp(z - max), best score, z at the best) [4, B, nb] fp32 and its best token [B, nb] int32 (a block's first
+    index of its maximum), for the columns holding token ids offset .. offset + V - 1 (a shard of a vocabulary:
+    the noise of each token is its global id's). width: the columns the blocks span (>= V, default V; blocks
+    past V are empty: max -inf, sum 0, best -inf), so that every shard of a vocabulary has the same blocks."""
     counted = torch.is_tensor(salt)
     if counted and (salt.dim() != 0 or salt.dtype != torch.long or salt.device != logits.device):
         raise ValueError(f"sample_step: a tensor salt is a 0-d int64 counter on {logits.device}, got "
@@ -119,23 +139,21 @@ def sample_step(logits: torch.Tensor, keys: torch.Tensor, salt: int | torch.Tens
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     B, V = logits.shape
-    block = min(block, max(16, triton.next_power_of_2(V)))
-    nb = triton.cdiv(V, block)
+    width = V if width is None else width
+    if width < V:
+        raise ValueError(f"block_partials: width={width} is below the logits' {V} columns")
+    block = min(block, max(16, triton.next_power_of_2(width)))
+    nb = triton.cdiv(width, block)
     dev = logits.device
     part = torch.empty((4, B, nb), dtype=torch.float32, device=dev)  # max, sum, best score, z at best
     idx = torch.empty((B, nb), dtype=torch.int32, device=dev)
-    token = torch.empty(B, dtype=torch.long, device=dev)
-    logp = torch.empty(B, dtype=torch.float32, device=dev)
-    if B == 0:
-        return token, logp
-    _block_kernel[(B, nb)](logits, keys.contiguous(), part[0], part[1], part[2], part[3], idx,
-                           salt if counted else token, logits.stride(0), V, nb,  # (token: not read)
-                           0 if counted else int(salt) & 0xFFFFFFFF, float(temperature),
-                           SCALE=temperature != 1.0, GREEDY=bool(greedy), BLOCK=block, COUNTED=counted,
-                           num_warps=NUM_WARPS if block >= 1024 else 4)
-    _combine_kernel[(B,)](part[0], part[1], part[2], part[3], idx, token, logp, nb,
-                          BLOCK_NB=max(2, triton.next_power_of_2(nb)))
-    return token, logp
+    if B:
+        _block_kernel[(B, nb)](logits, keys.contiguous(), part[0], part[1], part[2], part[3], idx,
+                               salt if counted else idx, logits.stride(0), V, nb,  # (idx: not read)
+                               0 if counted else int(salt) & 0xFFFFFFFF, float(temperature), int(offset),
+                               SCALE=temperature != 1.0, GREEDY=bool(greedy), BLOCK=block, COUNTED=counted,
+                               num_warps=NUM_WARPS if block >= 1024 else 4)
+    return part, idx
 
 
 def sample_step_reference(logits: torch.Tensor, keys: torch.Tensor, salt: int | torch.Tensor, temperature: float,

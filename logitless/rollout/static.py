@@ -19,7 +19,9 @@
   compiled on CUDA, otherwise) computes log_softmax(logits / T) of the drawn token and draws it by the
   Gumbel-max trick from each row's own counter-based random stream keyed by (seed, prompt index, sample index,
   step), so the samples do not depend on the wave split, compaction or batch size (exactly on CPU). Repetition
-  penalty, top-k, top-p and min-p are transformers' processors; finished rows emit the pad id. Stop strings are
+  penalty, top-k, top-p and min-p are transformers' processors; finished rows emit the pad id. A model whose
+  logits are a shard of the vocabulary (`vocab_shard`: a tensor-parallel lm_head) draws the same tokens by a
+  reduction over its group (`vocab_split.py`), and gathers the rows only for those processors. Stop strings are
   checked on the host every `check_every` steps, which is also when the loop exits early once every row is done.
 - Weights come from a `WeightSource` (`weights.py`), synced at the start of every call and released at its end:
   the model itself, or a merged-LoRA inference copy that decodes at plain-model speed (and, sleeping, frees its
@@ -71,6 +73,7 @@ from .sampling import (apply_filters, resolve_sampler_kernel, row_keys, sample_t
 from .static_turns import check_episode_options, generate_episodes
 from .step_graph import DecodeStep
 from .types import Prompt, RolloutBatch, SamplingOptions
+from .vocab_split import VocabShard, shard_codes, split_sampler, whole_logits
 from .weights import LiveWeights, WeightSource
 
 AUTO_KV_FRACTION = 0.85  # share of the free device memory the decode cache may take when max_kv_gib is unset
@@ -251,6 +254,9 @@ class StaticEngine:
         # processes that decode one batch together (tensor parallelism) must agree on its waves: this maps this
         # process's automatic KV budget (bytes, None = no cap) to the one they all use (their smallest)
         self.shared_budget: Callable[[float | None], float | None] | None = None
+        # a model whose logits are this process's columns of the vocabulary (a tensor-parallel lm_head): the draw
+        # reduces over the group (`vocab_split.py`); with top-k/top-p/min-p/repetition penalty the rows are gathered
+        self.vocab_shard: VocabShard | None = None
         self._max_len = 0
         self._last_parts: dict[str, float] = {}
         self._caches: list[weakref.ref] = []  # weak references to the KV caches of the call in progress
@@ -311,7 +317,7 @@ class StaticEngine:
         per_token = kv_bytes_per_token(call.prefill)
         if self.max_kv_gib is not None:
             return wave_rows(B, call.cache_len * per_token, self.max_kv_gib * 2**30, "rollout.max_kv_gib")
-        V = call.first_logits.shape[-1]
+        V = call.codes.shape[0]  # the columns the draw reads (a vocabulary shard's, or the whole rows gathered)
         row = call.cache_len * per_token + SAMPLING_BUFFERS * 4 * V
         budget = auto_kv_budget(call.prep.device, AUTO_KV_FRACTION)
         if self.shared_budget is not None:
@@ -388,7 +394,10 @@ class StaticEngine:
         keys = stream_keys(options.streams or [(seed, n)], n, G, device)  # (a bad streams list fails here, early)
         call = self._prefill(module, prep, options, cache_len)
         call.keys = keys
-        call.codes, call.filters = vocab_codes(call.first_logits.shape[-1], device), filters
+        shard = self.vocab_shard
+        call.codes = vocab_codes(call.first_logits.shape[-1], device) if shard is None else \
+            vocab_codes(shard.vocab, device) if filters else shard_codes(shard.start, shard.size, device)
+        call.filters = filters
         call.eos = torch.tensor(eos, dtype=torch.long, device=device)
         return call, prompt_of_row
 
@@ -397,7 +406,10 @@ class StaticEngine:
         return _Rows.start(call, src, keys, cache_len)
 
     def _draw(self, device: torch.device):
-        """The unfiltered token draw of this engine's decode steps (`sampling.step_sampler`)."""
+        """The unfiltered token draw of this engine's decode steps (`sampling.step_sampler`, over this process's
+        columns of the vocabulary with a `vocab_shard`)."""
+        if self.vocab_shard is not None:
+            return split_sampler(self.vocab_shard, device, self.sampler_kernel, self._use_compile(device))
         return step_sampler(device, self.sampler_kernel, self._use_compile(device))
 
     def _prefill(self, module: Any, prep: PreparedPrompts, options: SamplingOptions, cache_len: int) -> _Call:
@@ -458,8 +470,9 @@ class StaticEngine:
         for t in range(S):
             if call.filters:  # eager: the compiled pass failed the chi-square test with filters on (see above)
                 hist = history.index_select(0, live.index)[:, : P + t]
-                scores = apply_filters(call.filters, hist, live.logits.float() / T)
-                token, logp = sample_tokens(live.logits, scores, step_keys(live.keys, t), call.codes, T, greedy)
+                logits = live.logits if self.vocab_shard is None else whole_logits(self.vocab_shard, live.logits)
+                scores = apply_filters(call.filters, hist, logits.float() / T)
+                token, logp = sample_tokens(logits, scores, step_keys(live.keys, t), call.codes, T, greedy)
             else:
                 token, logp = draw(live.logits, live.keys, t, call.codes, T, greedy)
             token = torch.where(live.done, prep.pad_id, token)

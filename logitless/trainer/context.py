@@ -303,8 +303,8 @@ def build_context(
         engine_changes["decode_attention"] = decode_attention_for(cfg.train.packed is True)
     rollout_cfg = dataclasses.replace(cfg.rollout, **engine_changes)
     engine = make_rollout_engine(rollout_cfg, replica.model if replica else model, tokenizer)  # merged: a plain model
-    if mesh is not None:
-        engine = group_decode(engine, mesh, device)
+    if isinstance(replica, TensorParallelCopy):
+        engine = group_decode(engine, replica)
     prefetch = None
     if cfg.train.async_rollout:
         prefetch = AsyncRollout(engine, sampler, cfg.train.prompts_per_step, device,

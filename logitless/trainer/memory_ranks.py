@@ -18,8 +18,9 @@ step's rows, and a working set that does not shrink with N:
                            activations are freed (a moment of its own, the larger of the two sets the train peak)
 
 With rollout.tensor_parallel = T (trainer/tensor_parallel.py) the replica is 1/T per rank, and a rank decodes its
-group's rows (T ranks' shares) with 1/T of the heads and MLP width: the same KV cache bytes as its own rows whole,
-T times the sampler's buffers (the logits are gathered over the whole vocabulary) and the prefill's prompts.
+group's rows (T ranks' shares) with 1/T of the heads, MLP width and vocabulary: the same KV cache and sampler bytes
+as its own rows whole (the logits stay split by vocabulary rows; top-k/top-p/min-p or a repetition penalty gather
+them, which this does not count), T times the prefill's prompts.
 
 Checked against every recorded 1- and 2-GPU run in bench/results of today's layout (1.5B shape, H200: full
 fine-tuning with and without parked states, LoRA with 16-row and 32k-token micro-batches; `python
@@ -85,10 +86,12 @@ def decode_step(step: mp.StepShape, ranks: Ranks) -> mp.StepShape:
 
 def split_model(m: mp.ModelMemory, t: int) -> mp.ModelMemory:
     """The model as one rank of a tensor-parallel group of `t` decodes it: 1/t of the query, key/value heads and the
-    MLP width (its KV cache and activations), the whole hidden size and vocabulary (the logits are gathered)."""
+    MLP width (its KV cache and activations) and of the vocabulary (its logits and sampler buffers: the largest
+    chunk), the whole hidden size."""
     if t == 1:
         return m
-    return dataclasses.replace(m, q_dim=m.q_dim // t, kv_dim=m.kv_dim // t, intermediate=m.intermediate // t)
+    return dataclasses.replace(m, q_dim=m.q_dim // t, kv_dim=m.kv_dim // t, intermediate=m.intermediate // t,
+                               vocab=-(-m.vocab // t))
 
 
 def rank_step(step: mp.StepShape, ranks: int) -> mp.StepShape:

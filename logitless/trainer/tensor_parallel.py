@@ -6,12 +6,19 @@ with one copy of the policy split over its ranks, so the rollout holds 1/N of th
 - The split is transformers' own plan for the family (`config.base_model_tp_plan`, the model class's `_tp_plan`)
   applied with `torch.distributed.tensor.parallel.parallelize_module` over the group's mesh: q/k/v and gate/up are
   split by output rows (ColwiseParallel: each rank computes its heads and its share of the MLP), o and down by
-  input columns (RowwiseParallel: partial sums all-reduced), the embedding and the lm_head by vocabulary rows. The
-  attention code reads its head counts from the projections' outputs (`view(..., -1, head_dim)`), so each rank
-  runs the model's own attention on its heads, and its KV cache holds those heads only. The lm_head's output is
-  all-gathered over the group (Replicate), so every rank holds the step's full-vocabulary logits and the sampler
-  runs unchanged. (A log-sum-exp across the group of each rank's vocabulary share would move [B] numbers per step
-  instead of [B, V / N]: the next optimisation, not needed for exactness.)
+  input columns (`tp_styles.RowwiseFp32Sum`: each rank's partial product kept in fp32, all-reduced in fp32 and
+  rounded once to the model's dtype, as one device's GEMM accumulates the whole product; torch's RowwiseParallel
+  would round each partial to bf16 and sum those in bf16, which in bf16 put the split rollout 2.8-3.6x as far
+  from the trainer's logprobs as the one-rank rollout on CPU, 1.0-1.3x summed in fp32), the embedding and the
+  lm_head by vocabulary rows. The attention code reads its head counts from the projections' outputs
+  (`view(..., -1, head_dim)`), so each rank runs the model's own attention on its heads, and its KV cache holds
+  those heads only. The lm_head's logits stay split by vocabulary rows: each rank holds its own columns
+  (`vocab_shard()`), and the engine's draw reduces over the group (`rollout/vocab_split.py`: each rank's Gumbel-max
+  race and log-sum-exp over its columns, a gather of a few numbers per row, the same combine on every rank), so
+  no [B, V] logits are gathered and every rank draws the tokens and logprobs the whole rows would give. Top-k,
+  top-p, min-p and the repetition penalty need the whole distribution: with them the engine gathers the rows.
+  (`split_vocab=False`, or a vocabulary too small to give every rank a column: the logits gathered, as
+  transformers' plan does.)
 - `TensorParallelCopy` is the replica (`parallel.make_replica`'s counterpart): a skeleton of the plain model with
   only this rank's slices allocated, written by `sync` from the FSDP2 shards one FSDP unit (a decoder layer, then
   the root) at a time: the unit is all-gathered (`unshard`), this rank's slice of each weight copied, the unit
@@ -21,9 +28,9 @@ with one copy of the policy split over its ranks, so the rollout holds 1/N of th
 - `GroupDecode` wraps the static engine: each generate gathers the group's prompts and seeds, decodes their union
   in one batch on every rank of the group, each part of it drawing from the random streams its own rank's call
   would (`SamplingOptions.streams`), and returns this rank's rows, so the tokens and logprobs are those of the
-  one-rank rollout of the same rows. Every rank of the group sees the same logits (the collectives give every
-  rank the same sums), so all draw the same tokens and stop together; the automatic KV budget is the group's
-  smallest, so all decode the same waves.
+  one-rank rollout of the same rows. Every rank of the group draws the same tokens (the collectives give every
+  rank the same sums, and the draw's combine the same token), so all stop together; the automatic KV budget is
+  the group's smallest, so all decode the same waves.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from logitless.rollout.fused import tensor_at
 from logitless.rollout.layouts import text_config
 from logitless.rollout.sleep import SleepableMemory
 from logitless.rollout.types import Prompt, RolloutBatch, RolloutTiming, SamplingOptions
+from logitless.rollout.vocab_split import VocabShard, shard_of
 from logitless.rollout.weights import fresh_copy, lora_layers, merge_refusal
 from logitless.trainer.fsdp_offload import device_full_tensor
 
@@ -55,7 +63,9 @@ def style(name: str) -> Any:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+    from logitless.trainer.tp_styles import RowwiseFp32Sum
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseFp32Sum,
               "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
               "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
               "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}
@@ -128,12 +138,13 @@ def tp_mesh(world_size: int, n: int, device: torch.device) -> Any:
     return init_device_mesh(device.type, (world_size // n, n), mesh_dim_names=("dp", "tp"))["tp"]
 
 
-def split_plan(model: nn.Module) -> dict[str, Any]:
+def split_plan(model: nn.Module, split_vocab: bool = False) -> dict[str, Any]:
     """{module path pattern: ParallelStyle} of a transformers causal LM (`model`: the plain model): transformers'
-    base-model plan under the base model's prefix, the class's plan (the lm_head), and the embedding's vocabulary
-    rows (its lookup all-reduced, exact: one rank holds each row)."""
+    base-model plan under the base model's prefix, the class's plan (the lm_head, its logits gathered), and the
+    embedding's vocabulary rows (its lookup all-reduced, exact: one rank holds each row). split_vocab: the lm_head's
+    logits stay split by vocabulary rows (each rank its own columns, `vocab_split.py` draws from them)."""
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import RowwiseParallel
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     why = family_refusal(model.config, 1)  # (the sizes are checked against the group's size before)
     if why is not None:
@@ -142,6 +153,9 @@ def split_plan(model: nn.Module) -> dict[str, Any]:
     plan = {f"{prefix}.{k}": style(v) for k, v in text_config(model).base_model_tp_plan.items()}
     plan.update({k: style(v) for k, v in (getattr(type(model), "_tp_plan", None) or {}).items()})
     plan[f"{prefix}.embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
+    if split_vocab:
+        head = model.get_output_embeddings()
+        plan[next(name for name, m in model.named_modules() if m is head)] = ColwiseParallel()  # output Shard(-1)
     return {k: v for k, v in plan.items() if v is not None}
 
 
@@ -172,11 +186,13 @@ class TensorParallelCopy:
     its forward; `sync(sharded)` rewrites this rank's slices from the FSDP2 model, `release()` frees those each sync
     rewrites (with sleep). Made from the model before sharding, whose weights it never reads: its parameters are on
     the meta device until `materialize()` allocates this rank's slices (after sharding, so that the device never
-    holds the whole model beside them), and the first sync fills every slice."""
+    holds the whole model beside them), and the first sync fills every slice. split_vocab: the lm_head's logits
+    stay split by vocabulary rows (`vocab_shard()`, the default; False: gathered whole on every rank)."""
 
     groups: list = []  # no fused projections (rollout.fuse_projections)
 
-    def __init__(self, model: nn.Module, mesh: Any, device: torch.device, sleep: bool = False):
+    def __init__(self, model: nn.Module, mesh: Any, device: torch.device, sleep: bool = False,
+                 split_vocab: bool = True):
         from torch.distributed.tensor.parallel import parallelize_module
 
         base = unwrap_model(model)
@@ -191,7 +207,10 @@ class TensorParallelCopy:
         self.mesh, self.size, self.rank = mesh, mesh.size(), mesh.get_local_rank()
         self.device, self.sleep = device, sleep
         self.model = skeleton(base, self.merged)
-        parallelize_module(self.model, mesh, split_plan(self.model))
+        self.vocab = self.model.get_output_embeddings().weight.shape[0]
+        # the logits stay split by vocabulary rows where every rank holds some (any real vocabulary)
+        self.split_vocab = split_vocab and (self.size - 1) * -(-self.vocab // self.size) < self.vocab
+        parallelize_module(self.model, mesh, split_plan(self.model, self.split_vocab))
         tied = getattr(text_config(self.model), "tie_word_embeddings", False)
         if tied:  # split alike (vocabulary rows), held once
             self.model.get_output_embeddings().weight = self.model.get_input_embeddings().weight
@@ -204,6 +223,19 @@ class TensorParallelCopy:
             else [n for n in names if n in trainable]
         self._filled = False  # the frozen slices are written once, by the first sync
         self.memory: SleepableMemory | None = None
+
+    def vocab_shard(self) -> VocabShard | None:
+        """This rank's columns of the logits and the group's gather (None: the logits are gathered whole)."""
+        if not self.split_vocab:
+            return None
+        mesh, n = self.mesh, self.size
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            from torch.distributed._functional_collectives import all_gather_tensor
+
+            return all_gather_tensor(t.contiguous(), 0, mesh).view(n, *t.shape)
+
+        return shard_of(self.vocab, n, self.rank, gather)
 
     def materialize(self) -> None:
         """Allocate this rank's slices on the device (contents undefined until the first `sync`). With sleep, those
@@ -352,11 +384,12 @@ class GroupDecode:
 
     OWN = ("engine", "group", "device", "size", "rank")
 
-    def __init__(self, engine: Any, group: Any, device: torch.device):
+    def __init__(self, engine: Any, group: Any, device: torch.device, vocab: VocabShard | None = None):
         own = dict(engine=engine, group=group, device=device, size=dist.get_world_size(group),
                    rank=dist.get_rank(group))
         self.__dict__.update(own)
         engine.shared_budget = self.smallest
+        engine.vocab_shard = vocab  # the replica's logits: this rank's columns (None: the whole rows)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["engine"], name)
@@ -395,6 +428,6 @@ class GroupDecode:
         return prompt_rows(batch, start, len(prompts), options.num_generations)
 
 
-def group_decode(engine: Any, mesh: Any, device: torch.device) -> GroupDecode:
-    """`engine` decoding with its group (`mesh`: the group's, `tp_mesh`)."""
-    return GroupDecode(engine, mesh.get_group(), device)
+def group_decode(engine: Any, replica: TensorParallelCopy) -> GroupDecode:
+    """`engine` (decoding `replica.model`) with the replica's group."""
+    return GroupDecode(engine, replica.mesh.get_group(), replica.device, replica.vocab_shard())

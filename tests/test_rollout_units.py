@@ -40,7 +40,7 @@ def test_cut_text_cuts_after_the_first_stop_string():
 
 def test_compaction_keeps_every_unfinished_row():
     from logitless.rollout.kv_cache import decode_cache, prefill_cache
-    from logitless.rollout.static import _Rows
+    from logitless.rollout.static_rows import DecodeRows
 
     b, L = 20, 4
     pre = prefill_cache()
@@ -48,7 +48,7 @@ def test_compaction_keeps_every_unfinished_row():
     done = torch.ones(b, dtype=torch.bool)
     unfinished = torch.tensor([0, 2, 3, 5, 8, 11, 13, 17, 19])  # 9 of 20: more than a power of two
     done[unfinished] = False
-    rows = _Rows(torch.arange(b) + 100, decode_cache(pre, torch.arange(b), L), torch.ones(b, L, dtype=torch.long),
+    rows = DecodeRows(torch.arange(b) + 100, decode_cache(pre, torch.arange(b), L), torch.ones(b, L, dtype=torch.long),
                  torch.arange(b)[:, None], done, torch.arange(b) * 7, torch.randn(b, 5), L)
     token = torch.arange(b) + 1000
     picked, tok = rows.compacted(token)
@@ -60,7 +60,7 @@ def test_compaction_keeps_every_unfinished_row():
     # at most half unfinished is needed, and never below 8 rows
     done[:] = False
     assert rows.compacted(token)[0] is rows
-    small = _Rows(torch.arange(8), rows.cache, rows.mask[:8], rows.next_pos[:8], torch.ones(8, dtype=torch.bool),
+    small = DecodeRows(torch.arange(8), rows.cache, rows.mask[:8], rows.next_pos[:8], torch.ones(8, dtype=torch.bool),
                   rows.keys[:8], rows.logits[:8], L)
     assert small.compacted(token[:8])[0] is small
 
@@ -196,7 +196,7 @@ def test_static_wave_size_from_max_kv_gib():
     probe = StaticEngine(model, TOK, cache_multiple=8)
     prep = prepare_prompts(model, TOK, ["abc"], opts)
     with torch.no_grad():
-        call = probe._prefill(model, prep, opts, probe._cache_len(prep.ids.shape[1], 4, prep.context))
+        call, _ = probe._start_call(model, prep, opts, probe._cache_len(prep.ids.shape[1], 4, prep.context))
     row = call.cache_len * kv_bytes_per_token(call.prefill)  # bytes of one row's decode cache
     assert row == 8 * 2 * 2 * 2 * 8 * 4  # slots x layers x (k, v) x kv heads x head dim x fp32
     eng = StaticEngine(model, TOK, cache_multiple=8, max_kv_gib=3.5 * row / 2**30)
@@ -243,7 +243,7 @@ def test_a_rollout_runs_a_full_gc_only_when_a_kv_cache_outlives_it(monkeypatch):
     """The release after a static rollout calls gc.collect() (a good part of a second with compiled graphs) only
     when one of the call's KV caches is still alive once its locals are gone, i.e. held by a reference cycle."""
     import logitless.rollout.engine as engine_mod
-    from logitless.rollout import kv_cache, static
+    from logitless.rollout import kv_cache, static_rows
     from logitless.rollout.static import StaticEngine
     from logitless.rollout.types import SamplingOptions
 
@@ -260,6 +260,6 @@ def test_a_rollout_runs_a_full_gc_only_when_a_kv_cache_outlives_it(monkeypatch):
         cache.myself = cache  # a reference cycle: only a collection frees it
         return cache
 
-    monkeypatch.setattr(static, "decode_cache", decode_cache_in_a_cycle)
+    monkeypatch.setattr(static_rows, "decode_cache", decode_cache_in_a_cycle)
     StaticEngine(model, TOK).generate(["ab", "b"], opts)
     assert len(calls) == 1

@@ -94,14 +94,14 @@ def test_length_buckets_give_the_same_rollout(family, one_thread):
     assert torch.equal(bucketed.completion_ids, whole.completion_ids)
     torch.testing.assert_close(bucketed.sampler_logp, whole.sampler_logp, atol=1e-5, rtol=0)
     # the check can fail: buckets that hide the generated slots change the logprobs
-    import logitless.rollout.static as static
+    import logitless.rollout.static_rows as static_rows
 
-    real, seen = static.set_visible, []
+    real, seen = static_rows.set_visible, []
     try:
-        static.set_visible = lambda cache, v: (seen.append(v), real(cache, P))
+        static_rows.set_visible = lambda cache, v: (seen.append(v), real(cache, P))
         wrong = eng.generate(PROMPTS, opts)
     finally:
-        static.set_visible = real
+        static_rows.set_visible = real
     assert len(seen) == 4 and seen == sorted(seen)  # every bucket was used, shortest first
     assert not torch.allclose(wrong.sampler_logp[:, 2:], whole.sampler_logp[:, 2:], atol=1e-3)
 
@@ -114,11 +114,11 @@ def test_compacting_finished_rows_gives_the_same_rollout(family, one_thread, mon
     opts = SamplingOptions(num_generations=8, temperature=1.0, max_new_tokens=24, seed=3, eos_token_ids=eos,
                            stop=["zz"])
     plain = make_engine("static", model, TOK, check_every=2, cache_multiple=8).generate(PROMPTS, opts)
-    import logitless.rollout.static as static
+    import logitless.rollout.static_rows as static_rows
 
     sizes = []
-    real = static.select_rows
-    monkeypatch.setattr(static, "select_rows", lambda cache, rows: (sizes.append(len(rows)), real(cache, rows))[1])
+    real = static_rows.select_rows
+    monkeypatch.setattr(static_rows, "select_rows", lambda cache, rows: (sizes.append(len(rows)), real(cache, rows))[1])
     eng = make_engine("static", model, TOK, check_every=2, cache_multiple=8, compact_finished=True)
     compact = eng.generate(PROMPTS, opts)
     assert sizes[:2] == [16, 8], sizes  # the check exercises compaction

@@ -44,7 +44,6 @@ import contextlib
 import importlib.util
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -59,17 +58,15 @@ from .hf import sampling_processors
 from .kv_cache import (
     STATIC_LAYER_TYPES,
     auto_kv_budget,
-    decode_cache,
     kv_bytes_per_token,
     length_buckets,
     prefill_cache,
-    select_rows,
-    set_visible,
     wave_rows,
 )
 from .layouts import check_layout
-from .sampling import (apply_filters, resolve_sampler_kernel, row_keys, sample_tokens, step_keys, step_sampler,
+from .sampling import (apply_filters, resolve_sampler_kernel, sample_tokens, step_keys, step_sampler,
                        vocab_codes)
+from .static_rows import MIN_COMPACT_ROWS, DecodeCall, DecodeRows, stream_keys
 from .static_turns import check_episode_options, generate_episodes
 from .step_graph import DecodeStep
 from .types import Prompt, RolloutBatch, SamplingOptions
@@ -78,84 +75,6 @@ from .weights import LiveWeights, WeightSource
 
 AUTO_KV_FRACTION = 0.85  # share of the free device memory the decode cache may take when max_kv_gib is unset
 SAMPLING_BUFFERS = 8  # [V] fp32 buffers per row that sampling keeps live (logits, scaled, noise, scores, ...)
-MIN_COMPACT_ROWS = 8  # compact_finished never shrinks a wave below this many rows
-
-
-@dataclass
-class _Call:
-    """What every wave of one `generate` call shares."""
-
-    prep: PreparedPrompts
-    options: SamplingOptions
-    cache_len: int  # L, slots per row in the decode cache
-    prefill: Any  # DynamicCache of the n distinct prompts
-    first_logits: torch.Tensor  # [n, V] fp32 logits of each prompt's first completion token
-    keys: torch.Tensor  # [B] int64 random-stream key of each row
-    codes: torch.Tensor  # [V] int64 hashed vocabulary indices
-    filters: list  # repetition penalty / top-k / top-p / min-p processors (no temperature)
-    eos: torch.Tensor  # [E] long EOS ids (empty with ignore_eos)
-    parts: dict[str, float] = field(default_factory=dict)  # seconds per part of the step (profile=True)
-
-
-@dataclass
-class _Rows:
-    """The rows a wave is decoding and their decode state; row i writes row `index[i]` of the wave's outputs."""
-
-    index: torch.Tensor  # [b] long
-    cache: Any  # static decode cache, b rows
-    mask: torch.Tensor  # [b, L] attention mask over the cache slots
-    next_pos: torch.Tensor  # [b, 1] position of the next token
-    done: torch.Tensor  # [b] bool
-    keys: torch.Tensor  # [b] random-stream keys
-    logits: torch.Tensor  # [b, V] logits of the next token (the model's dtype; fp32 after the prefill)
-    visible: int  # cache slots attention reads (a length bucket)
-
-    @staticmethod
-    def start(call: _Call, src: torch.Tensor, keys: torch.Tensor, L: int) -> _Rows:
-        """Rows whose prompts are `src` [b], with the prompts' keys/values copied into a fresh cache."""
-        prep, S = call.prep, call.options.max_new_tokens
-        P, device = prep.ids.shape[1], prep.device
-        mask = torch.zeros((len(src), L), dtype=torch.long, device=device)
-        mask[:, :P] = prep.mask[src]
-        mask[:, P : P + S] = 1  # future slots are hidden by causality (query offset = cache length)
-        return _Rows(torch.arange(len(src), device=device), decode_cache(call.prefill, src, L), mask,
-                     prep.mask.sum(1)[src][:, None], torch.zeros(len(src), dtype=torch.bool, device=device), keys,
-                     call.first_logits[src], L)
-
-    def show(self, visible: int) -> None:
-        if visible != self.visible:
-            self.visible = visible
-            set_visible(self.cache, visible)
-
-    def visible_mask(self) -> torch.Tensor:
-        return self.mask if self.visible == self.mask.shape[1] else self.mask[:, : self.visible]
-
-    def compacted(self, token: torch.Tensor) -> tuple[_Rows, torch.Tensor]:
-        """When at most half the rows are unfinished, the same decode over fewer rows: the unfinished ones, topped
-        up with finished ones to a power of two (>= MIN_COMPACT_ROWS), so only a few row counts get a compiled
-        graph. Returns (rows, their last tokens). Results do not change: finished rows only emit padding, and
-        every row keeps its own random stream."""
-        b = len(self.index)
-        active = int((~self.done).sum())
-        if b <= MIN_COMPACT_ROWS or active > b // 2:
-            return self, token
-        target = max(MIN_COMPACT_ROWS, 1 << max(active - 1, 0).bit_length())
-        sel = torch.argsort(self.done.to(torch.int8), stable=True)[:target]  # unfinished rows first
-        cache = select_rows(self.cache, sel)
-        picked = _Rows(self.index[sel], cache, self.mask[sel], self.next_pos[sel], self.done[sel], self.keys[sel],
-                       self.logits[sel], self.visible)
-        return picked, token[sel]
-
-
-def stream_keys(streams: Sequence[tuple[int, int]], n: int, G: int, device: torch.device) -> torch.Tensor:
-    """[n * G] random-stream keys of the rows of `n` prompts made of parts [(seed, prompts), ...] (in order): a
-    part's rows get the keys a call of its prompts alone with its seed gives them (`SamplingOptions.streams`)."""
-    if sum(count for _, count in streams) != n:
-        raise ValueError(f"SamplingOptions.streams={list(streams)!r} count {sum(c for _, c in streams)} prompts, "
-                         f"but the call has {n}")
-    sample = torch.arange(G, device=device)
-    return torch.cat([row_keys(seed, torch.arange(count, device=device).repeat_interleave(G), sample.repeat(count))
-                      for seed, count in streams])
 
 
 RECOMPILE_MARGIN = 4  # compiled decode variants allowed beyond those one engine needs (other engines, eval)
@@ -163,7 +82,7 @@ RECOMPILE_MARGIN = 4  # compiled decode variants allowed beyond those one engine
 
 def compiled_variants(rows: int, buckets: int, compact: bool) -> int:
     """Shapes the compiled decode step is compiled for: one per (row count, length bucket); compaction adds the
-    powers of two from MIN_COMPACT_ROWS up to below `rows` (`_Rows.compacted`'s row counts)."""
+    powers of two from MIN_COMPACT_ROWS up to below `rows` (`DecodeRows.compacted`'s row counts)."""
     counts = 1 + (sum(1 for k in range(64) if MIN_COMPACT_ROWS <= 2**k < rows) if compact else 0)
     return counts * buckets
 
@@ -188,7 +107,7 @@ class StaticEngine:
     report its seconds in `RolloutTiming.parts` (slower; for benchmarks). length_buckets: decode attention reads
     only the filled part of the cache rounded up to one of this many lengths (`kv_cache.length_buckets`; each is
     one more compiled graph per row count; 1 = the whole cache). compact_finished: when at most half of a wave's
-    rows are unfinished at a host check, decode on with fewer rows (`_Rows.compacted`; each row count is one more
+    rows are unfinished at a host check, decode on with fewer rows (`DecodeRows.compacted`; each row count is one more
     compiled graph). decode_attention: "auto", "matmul" or "triton" (`resolve_decode_attention`).
     sampler_kernel: how an unfiltered token is drawn, "auto", "torch" or "triton" (`sampling.resolve_sampler_kernel`).
     step_graph: run each decode step (forward, draw, writes) as one CUDA graph (`step_graph.py`). None: on the
@@ -313,7 +232,7 @@ class StaticEngine:
         self._max_len = L
         return L
 
-    def _wave_size(self, call: _Call, B: int) -> int:
+    def _wave_size(self, call: DecodeCall, B: int) -> int:
         per_token = kv_bytes_per_token(call.prefill)
         if self.max_kv_gib is not None:
             return wave_rows(B, call.cache_len * per_token, self.max_kv_gib * 2**30, "rollout.max_kv_gib")
@@ -383,7 +302,7 @@ class StaticEngine:
         return completion, logps, lens, time.perf_counter() - tg
 
     def _start_call(self, module: Any, prep: PreparedPrompts, options: SamplingOptions, cache_len: int,
-                    extra_eos: Sequence[int] = ()) -> tuple[_Call, torch.Tensor]:
+                    extra_eos: Sequence[int] = ()) -> tuple[DecodeCall, torch.Tensor]:
         """Prefill the prompts and set up what every wave shares: (the call, the prompt of each row [B]).
         extra_eos: more ids that end a row's decode (an episode's turn-end ids)."""
         G, n, device = options.num_generations, prep.ids.shape[0], prep.device
@@ -401,9 +320,9 @@ class StaticEngine:
         call.eos = torch.tensor(eos, dtype=torch.long, device=device)
         return call, prompt_of_row
 
-    def _start_rows(self, call: _Call, src: torch.Tensor, keys: torch.Tensor, cache_len: int) -> _Rows:
-        """A wave's rows (`_Rows.start`), for the episode decode of `static_turns.py`."""
-        return _Rows.start(call, src, keys, cache_len)
+    def _start_rows(self, call: DecodeCall, src: torch.Tensor, keys: torch.Tensor, cache_len: int) -> DecodeRows:
+        """A wave's rows (`DecodeRows.start`), for the episode decode of `static_turns.py`."""
+        return DecodeRows.start(call, src, keys, cache_len)
 
     def _draw(self, device: torch.device):
         """The unfiltered token draw of this engine's decode steps (`sampling.step_sampler`, over this process's
@@ -412,7 +331,7 @@ class StaticEngine:
             return split_sampler(self.vocab_shard, device, self.sampler_kernel, self._use_compile(device))
         return step_sampler(device, self.sampler_kernel, self._use_compile(device))
 
-    def _prefill(self, module: Any, prep: PreparedPrompts, options: SamplingOptions, cache_len: int) -> _Call:
+    def _prefill(self, module: Any, prep: PreparedPrompts, options: SamplingOptions, cache_len: int) -> DecodeCall:
         """Prefill the n distinct prompts once; every wave copies its rows' prompt keys/values from this."""
         t0 = time.perf_counter()
         pos = (prep.mask.cumsum(1) - 1).clamp(min=0)
@@ -422,7 +341,7 @@ class StaticEngine:
                      use_cache=True, logits_to_keep=1)
         first = out.logits[:, -1].float()  # [n, V]
         del out
-        call = _Call(prep, options, cache_len, pre_cache, first, keys=None, codes=None, filters=[], eos=None)
+        call = DecodeCall(prep, options, cache_len, pre_cache, first, keys=None, codes=None, filters=[], eos=None)
         self._last_parts = {}
         self._tick("prefill", t0, prep.device)
         return call
@@ -439,7 +358,7 @@ class StaticEngine:
         return now
 
     def _decode_wave(
-        self, module: Any, call: _Call, rows: torch.Tensor, prompt_of_row: torch.Tensor, pad_to: int
+        self, module: Any, call: DecodeCall, rows: torch.Tensor, prompt_of_row: torch.Tensor, pad_to: int
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Decode rows `rows` [w] of the call together: (tokens [w, steps], logps [w, steps], steps). On the
         compiled path a short last wave is padded with copies of its last row so every wave has one shape."""
@@ -453,7 +372,7 @@ class StaticEngine:
         history = torch.full((Bw, P + S), prep.pad_id, dtype=torch.long, device=device)
         history[:, :P] = prep.ids[src]
         out_logp = torch.zeros((Bw, S), dtype=torch.float32, device=device)
-        live = _Rows.start(call, src, call.keys[rows], L)
+        live = DecodeRows.start(call, src, call.keys[rows], L)
         self._caches.append(weakref.ref(live.cache))
         # With top-k/top-p/min-p or a repetition penalty the draw runs eagerly in torch: the compiled pass failed
         # the chi-square test of tests/test_sampling_stats.py on CUDA with filters on (and passed without them).
@@ -501,7 +420,7 @@ class StaticEngine:
             t0 = self._tick("forward", t0, device)
         return history[:w, P : P + steps], out_logp[:w, :steps], steps
 
-    def _graph_steps(self, module: Any, call: _Call, live: _Rows, history: torch.Tensor, out_logp: torch.Tensor,
+    def _graph_steps(self, module: Any, call: DecodeCall, live: DecodeRows, history: torch.Tensor, out_logp: torch.Tensor,
                      draw: Any, t0: float) -> int:
         """The wave's decode through one `DecodeStep` (rows never compacted: row i is row i of the outputs);
         returns the steps decoded. Step 0 is drawn from the prefill's fp32 logits, every later one by the step."""
@@ -530,7 +449,7 @@ class StaticEngine:
             step.release()
         return steps
 
-    def _all_done(self, live: _Rows, history: torch.Tensor, P: int, steps: int, options: SamplingOptions) -> bool:
+    def _all_done(self, live: DecodeRows, history: torch.Tensor, P: int, steps: int, options: SamplingOptions) -> bool:
         """Host check (one sync): mark rows whose text contains a stop string as done; True if all rows are."""
         if options.stop:
             pending = (~live.done).nonzero().flatten().tolist()

@@ -1,0 +1,94 @@
+"""The decode state of the `static` engine (`static.py`): what every wave of a call shares (`DecodeCall`), the rows
+a wave is decoding (`DecodeRows`, with compaction of finished rows), and the rows' random-stream keys when several
+calls' prompts decode as one batch (`stream_keys`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from .engine import PreparedPrompts
+from .kv_cache import decode_cache, select_rows, set_visible
+from .sampling import row_keys
+from .types import SamplingOptions
+
+MIN_COMPACT_ROWS = 8  # compact_finished never shrinks a wave below this many rows
+
+
+@dataclass
+class DecodeCall:
+    """What every wave of one `generate` call shares."""
+
+    prep: PreparedPrompts
+    options: SamplingOptions
+    cache_len: int  # L, slots per row in the decode cache
+    prefill: Any  # DynamicCache of the n distinct prompts
+    first_logits: torch.Tensor  # [n, V] fp32 logits of each prompt's first completion token
+    keys: torch.Tensor  # [B] int64 random-stream key of each row
+    codes: torch.Tensor  # [V] int64 hashed vocabulary indices
+    filters: list  # repetition penalty / top-k / top-p / min-p processors (no temperature)
+    eos: torch.Tensor  # [E] long EOS ids (empty with ignore_eos)
+    parts: dict[str, float] = field(default_factory=dict)  # seconds per part of the step (profile=True)
+
+
+@dataclass
+class DecodeRows:
+    """The rows a wave is decoding and their decode state; row i writes row `index[i]` of the wave's outputs."""
+
+    index: torch.Tensor  # [b] long
+    cache: Any  # static decode cache, b rows
+    mask: torch.Tensor  # [b, L] attention mask over the cache slots
+    next_pos: torch.Tensor  # [b, 1] position of the next token
+    done: torch.Tensor  # [b] bool
+    keys: torch.Tensor  # [b] random-stream keys
+    logits: torch.Tensor  # [b, V] logits of the next token (the model's dtype; fp32 after the prefill)
+    visible: int  # cache slots attention reads (a length bucket)
+
+    @staticmethod
+    def start(call: DecodeCall, src: torch.Tensor, keys: torch.Tensor, L: int) -> DecodeRows:
+        """Rows whose prompts are `src` [b], with the prompts' keys/values copied into a fresh cache."""
+        prep, S = call.prep, call.options.max_new_tokens
+        P, device = prep.ids.shape[1], prep.device
+        mask = torch.zeros((len(src), L), dtype=torch.long, device=device)
+        mask[:, :P] = prep.mask[src]
+        mask[:, P : P + S] = 1  # future slots are hidden by causality (query offset = cache length)
+        return DecodeRows(torch.arange(len(src), device=device), decode_cache(call.prefill, src, L), mask,
+                     prep.mask.sum(1)[src][:, None], torch.zeros(len(src), dtype=torch.bool, device=device), keys,
+                     call.first_logits[src], L)
+
+    def show(self, visible: int) -> None:
+        if visible != self.visible:
+            self.visible = visible
+            set_visible(self.cache, visible)
+
+    def visible_mask(self) -> torch.Tensor:
+        return self.mask if self.visible == self.mask.shape[1] else self.mask[:, : self.visible]
+
+    def compacted(self, token: torch.Tensor) -> tuple[DecodeRows, torch.Tensor]:
+        """When at most half the rows are unfinished, the same decode over fewer rows: the unfinished ones, topped
+        up with finished ones to a power of two (>= MIN_COMPACT_ROWS), so only a few row counts get a compiled
+        graph. Returns (rows, their last tokens). Results do not change: finished rows only emit padding, and
+        every row keeps its own random stream."""
+        b = len(self.index)
+        active = int((~self.done).sum())
+        if b <= MIN_COMPACT_ROWS or active > b // 2:
+            return self, token
+        target = max(MIN_COMPACT_ROWS, 1 << max(active - 1, 0).bit_length())
+        sel = torch.argsort(self.done.to(torch.int8), stable=True)[:target]  # unfinished rows first
+        cache = select_rows(self.cache, sel)
+        picked = DecodeRows(self.index[sel], cache, self.mask[sel], self.next_pos[sel], self.done[sel], self.keys[sel],
+                       self.logits[sel], self.visible)
+        return picked, token[sel]
+
+
+def stream_keys(streams: Sequence[tuple[int, int]], n: int, G: int, device: torch.device) -> torch.Tensor:
+    """[n * G] random-stream keys of the rows of `n` prompts made of parts [(seed, prompts), ...] (in order): a
+    part's rows get the keys a call of its prompts alone with its seed gives them (`SamplingOptions.streams`)."""
+    if sum(count for _, count in streams) != n:
+        raise ValueError(f"SamplingOptions.streams={list(streams)!r} count {sum(c for _, c in streams)} prompts, "
+                         f"but the call has {n}")
+    sample = torch.arange(G, device=device)
+    return torch.cat([row_keys(seed, torch.arange(count, device=device).repeat_interleave(G), sample.repeat(count))
+                      for seed, count in streams])

@@ -150,3 +150,27 @@ def test_inherited_ignored_sigint_is_kept_and_sigterm_still_stops(tmp_path, tok,
     assert f"this process ignores Ctrl-C (SIGINT was ignored when it started, as for a background job); stop it " \
            f"with SIGTERM: kill {os.getpid()}" in err
     assert "Ctrl-C:" not in err and "SIGTERM: stopping after step 2" in err
+
+
+def test_a_stop_that_arrives_inside_a_finalizer_is_raised_after_it(capfd):
+    """A signal handled while a `__del__` runs (a garbage collection can run one anywhere) raises its StopNow once
+    the finalizer has returned: raised inside it, Python prints "Exception ignored" and drops the stop."""
+    from logitless.trainer.signals import StopNow, StopSignals
+
+    finished = []
+
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)  # handled at the next bytecodes, inside this finalizer
+            total = 0
+            for i in range(10_000):
+                total += i
+            finished.append(total)
+
+    with StopSignals(), pytest.raises(StopNow) as stop:  # before the first step: the first signal stops at once
+        Finalized()  # (no reference kept: its finalizer runs here)
+        time.sleep(5)  # the stop ends this wait
+    assert stop.value.signum == signal.SIGTERM and finished == [sum(range(10_000))]
+    err = capfd.readouterr().err
+    assert "SIGTERM: stopping now, without saving (training had not started)" in err
+    assert "Exception ignored" not in err and "Traceback" not in err

@@ -6,6 +6,8 @@
         and the line says how to resume. A second signal stops at once, without saving (StopNow).
     after a StopNow, one more signal exits at once (os._exit); so does the process itself when it is still
         unwinding GRACE_S seconds after the StopNow (a thread busy in native code).
+    inside a finalizer (`__del__`, run by a garbage collection at any point), where a raised StopNow would be
+        printed and dropped, the signal is sent again REPEAT_S later, after the finalizer has returned.
 
 Each message goes straight to stderr's file descriptor from the handler, so it appears even while the main thread
 is inside a reward function or a model load. A StopNow is a KeyboardInterrupt whose message was already printed:
@@ -28,6 +30,7 @@ from types import FrameType
 from typing import Callable
 
 GRACE_S = 10.0  # after a StopNow, the longest the process may take to unwind before it exits by force
+REPEAT_S = 0.01  # a stop signal handled inside a finalizer is sent again this much later
 
 
 class StopNow(KeyboardInterrupt):
@@ -40,6 +43,16 @@ class StopNow(KeyboardInterrupt):
     @property
     def exit_code(self) -> int:
         return 128 + self.signum
+
+
+def in_finalizer(frame: FrameType | None) -> bool:
+    """Whether `frame` runs inside a `__del__` (a garbage collection can run one between any two bytecodes), where
+    an exception raised by a signal handler would be printed as "Exception ignored" and lost."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def label(signum: int) -> str:
@@ -92,6 +105,11 @@ class StopSignals:
         if self.requested is None and self.step > 0:
             self.requested = signum
             self._say(self.first_message(name))
+            return
+        if in_finalizer(frame):  # raised there, Python would print the exception and drop it: the signal comes
+            again = threading.Timer(REPEAT_S, os.kill, (os.getpid(), signum))  # back once the finalizer is done
+            again.daemon = True
+            again.start()
             return
         again = self.requested is not None
         self._stopping_now = True

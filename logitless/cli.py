@@ -145,7 +145,7 @@ def _dry_run(cfg, *, training: bool, ranks: int = 1) -> int:
     from logitless.trainer.parallel import World, check_distributed
     from logitless.trainer.preflight import preflight
 
-    if training and ranks > 1:  # (config only: before the slower checks)
+    if training:  # (config only: before the slower checks; one rank refuses a split rollout as a run does)
         check_distributed(cfg, World(rank=0, size=ranks))
     checked = preflight(cfg, training=training)
     print(to_yaml(cfg), end="")

@@ -219,8 +219,8 @@ def test_torchrun_runs_resolve_the_per_gpu_memory_of_their_rank_count():
 
 def test_dry_run_on_ranks_prints_the_per_gpu_table_and_checks_the_rank_count(tmp_path, capsys):
     """`logitless train --dry-run --ranks N` (a model folder with its config.json only): the memory model's table for
-    N ranks; a step with fewer prompts than ranks is refused as torchrun would; --ranks without --dry-run is a
-    usage error."""
+    N ranks; a step with fewer prompts than ranks is refused as torchrun would, a split rollout on one process as
+    its run would; --ranks without --dry-run is a usage error."""
     from transformers import Qwen2Config
 
     from bench.bench_plan import SHAPES
@@ -239,6 +239,9 @@ def test_dry_run_on_ranks_prints_the_per_gpu_table_and_checks_the_rank_count(tmp
     with pytest.raises(SystemExit):
         main(["train", "--ranks", "2", *over])
     assert "--ranks 2: give a rank count of at least 1, with --dry-run" in capsys.readouterr().err
+    # one process refuses a split rollout as its run would
+    assert main(["train", "--dry-run", *over, "rollout.tensor_parallel=2"]) == 1
+    assert "rollout.tensor_parallel=2 splits the rollout over 2 ranks of torchrun" in capsys.readouterr().err
 
 
 def test_a_result_file_takes_new_modes_and_never_loses_one(tmp_path):

@@ -320,10 +320,6 @@ class StaticEngine:
         call.eos = torch.tensor(eos, dtype=torch.long, device=device)
         return call, prompt_of_row
 
-    def _start_rows(self, call: DecodeCall, src: torch.Tensor, keys: torch.Tensor, cache_len: int) -> DecodeRows:
-        """A wave's rows (`DecodeRows.start`), for the episode decode of `static_turns.py`."""
-        return DecodeRows.start(call, src, keys, cache_len)
-
     def _draw(self, device: torch.device):
         """The unfiltered token draw of this engine's decode steps (`sampling.step_sampler`, over this process's
         columns of the vocabulary with a `vocab_shard`)."""

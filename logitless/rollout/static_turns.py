@@ -28,6 +28,7 @@ refused here (use the hf backend); top-k / top-p / min-p are drawn eagerly, with
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -37,8 +38,9 @@ from logitless.models import UnsupportedModelError
 from logitless.models.lm_head import decoder_body, lm_head_of
 
 from .engine import PreparedPrompts, _stop_cut, sync
-from .episodes import EpisodeDriver, EpisodeStream, TurnEnd
+from .episodes import EpisodeDriver, EpisodeStream, TurnEnd, episode_batch
 from .sampling import apply_filters, sample_tokens, step_keys, turn_keys
+from .static_rows import DecodeRows
 from .step_graph import DecodeStep
 
 
@@ -140,9 +142,9 @@ def decode_episodes(engine: Any, module: Any, call: Any, rows: torch.Tensor, pro
     P, S, L, pad = prep.ids.shape[1], options.max_new_tokens, call.cache_len, prep.pad_id
     W = min(driver.max_turn_tokens or S, S)  # the longest turn
     src = prompt_of_row[rows]
-    live = engine._start_rows(call, src, call.keys[rows], L)
+    live = DecodeRows.start(call, src, call.keys[rows], L)
     live.mask[:, P:] = 1
-    engine._caches.append(__import__("weakref").ref(live.cache))
+    engine._caches.append(weakref.ref(live.cache))
     b = len(rows)
     base_keys = live.keys.clone()
     history = torch.full((b, W), pad, dtype=torch.long, device=device)
@@ -243,8 +245,6 @@ def _turn_done(live: Any, history: torch.Tensor, steps: int, stops: list[str], t
 
 def generate_episodes(engine: Any, prep: PreparedPrompts, options: Any, driver: EpisodeDriver) -> Any:
     """`StaticEngine.generate` with `episodes=driver`: the batch of B = n·G episodes (see the module doc)."""
-    from .episodes import episode_batch
-
     module, device = engine.weights.module, prep.device
     G, (n, P), S = options.num_generations, prep.ids.shape, options.max_new_tokens
     B = n * G

@@ -66,7 +66,7 @@ from .kv_cache import (
 from .layouts import check_layout
 from .sampling import (apply_filters, resolve_sampler_kernel, sample_tokens, step_keys, step_sampler,
                        vocab_codes)
-from .static_rows import MIN_COMPACT_ROWS, DecodeCall, DecodeRows, stream_keys
+from .static_rows import MIN_COMPACT_ROWS, DecodeCall, DecodeRows, mark_stopped, stream_keys
 from .static_turns import check_episode_options, generate_episodes
 from .step_graph import DecodeStep
 from .types import Prompt, RolloutBatch, SamplingOptions
@@ -447,12 +447,4 @@ class StaticEngine:
 
     def _all_done(self, live: DecodeRows, history: torch.Tensor, P: int, steps: int, options: SamplingOptions) -> bool:
         """Host check (one sync): mark rows whose text contains a stop string as done; True if all rows are."""
-        if options.stop:
-            pending = (~live.done).nonzero().flatten().tolist()
-            if pending:
-                rows = history[live.index[pending], P : P + steps].tolist()
-                texts = self.tokenizer.batch_decode(rows, skip_special_tokens=False)
-                hit = [b for b, text in zip(pending, texts) if any(s in text for s in options.stop)]
-                if hit:
-                    live.done[hit] = True
-        return bool(live.done.all())
+        return mark_stopped(live, history, P, steps, options.stop, self.tokenizer)

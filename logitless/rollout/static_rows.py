@@ -83,6 +83,21 @@ class DecodeRows:
         return picked, token[sel]
 
 
+def mark_stopped(live: DecodeRows, history: torch.Tensor, start: int, steps: int, stops: Sequence[str],
+                 tokenizer: Any) -> bool:
+    """Host check (one sync): mark rows whose text (`history[live.index, start : start + steps]`) contains one of
+    `stops` as done; True if all rows are."""
+    if stops:
+        pending = (~live.done).nonzero().flatten().tolist()
+        if pending:
+            rows = history[live.index[pending], start : start + steps].tolist()
+            texts = tokenizer.batch_decode(rows, skip_special_tokens=False)
+            hit = [b for b, text in zip(pending, texts) if any(s in text for s in stops)]
+            if hit:
+                live.done[hit] = True
+    return bool(live.done.all())
+
+
 def stream_keys(streams: Sequence[tuple[int, int]], n: int, G: int, device: torch.device) -> torch.Tensor:
     """[n * G] random-stream keys of the rows of `n` prompts made of parts [(seed, prompts), ...] (in order): a
     part's rows get the keys a call of its prompts alone with its seed gives them (`SamplingOptions.streams`)."""

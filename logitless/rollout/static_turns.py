@@ -40,7 +40,7 @@ from logitless.models.lm_head import decoder_body, lm_head_of
 from .engine import PreparedPrompts, _stop_cut, sync
 from .episodes import EpisodeDriver, EpisodeStream, TurnEnd, episode_batch
 from .sampling import apply_filters, sample_tokens, step_keys, turn_keys
-from .static_rows import DecodeRows
+from .static_rows import DecodeRows, mark_stopped
 from .step_graph import DecodeStep
 
 
@@ -181,7 +181,7 @@ def decode_episodes(engine: Any, module: Any, call: Any, rows: torch.Tensor, pro
             step.first(logits)
             steps = 1
             for t in range(1, max(lim)):
-                if t % engine.check_every == 0 and _turn_done(live, history, t, stops, engine.tokenizer):
+                if t % engine.check_every == 0 and mark_stopped(live, history, 0, t, stops, engine.tokenizer):
                     break
                 step.advance()
                 steps = t + 1
@@ -229,18 +229,6 @@ def decode_episodes(engine: Any, module: Any, call: Any, rows: torch.Tensor, pro
         step.release()
     for r in row_ids[:real]:
         streams[r].done = True
-
-
-def _turn_done(live: Any, history: torch.Tensor, steps: int, stops: list[str], tokenizer: Any) -> bool:
-    """Host check (one sync): mark rows whose turn text contains a stop string as done; True if all rows are."""
-    if stops:
-        pending = (~live.done).nonzero().flatten().tolist()
-        if pending:
-            texts = tokenizer.batch_decode(history[pending, :steps].tolist(), skip_special_tokens=False)
-            hit = [i for i, text in zip(pending, texts) if any(s in text for s in stops)]
-            if hit:
-                live.done[hit] = True
-    return bool(live.done.all())
 
 
 def generate_episodes(engine: Any, prep: PreparedPrompts, options: Any, driver: EpisodeDriver) -> Any:

@@ -65,11 +65,6 @@ def special_ids(tokenizer: Any) -> set[int]:
     return ids | {int(i) for i in tokenizer.all_special_ids}
 
 
-def is_special(tokenizer: Any, token_id: int) -> bool:
-    """Whether `token_id` is a special token (never produced by encoding ordinary text)."""
-    return int(token_id) in special_ids(tokenizer)
-
-
 class ChatBridge:
     """Renders prompts and observations of one chat template with one set of tool schemas, as token ids."""
 
@@ -133,6 +128,7 @@ class ChatBridge:
             call = tool_call_message(_SENTINEL, {"x": 1}, "a1b2c3d4e")
             convs.append([{"role": "user", "content": "Hi"},
                           {"role": "assistant", "content": "", "tool_calls": [call]}])
+        special = special_ids(self.tokenizer)
         for conv in convs:
             what = "tool call" if conv[-1].get("tool_calls") else "answer"
             text = self.render(conv, add_generation_prompt=False)
@@ -141,7 +137,7 @@ class ChatBridge:
                 raise ValueError(f"agent.chat_template: the template drops the assistant's {what}; give a template "
                                  "that renders assistant messages and their tool_calls")
             tail = text[at + len(_SENTINEL):]
-            end = next((i for i in reversed(self.encode(tail)) if is_special(self.tokenizer, i)), None)
+            end = next((i for i in reversed(self.encode(tail)) if i in special), None)
             if end is None:
                 raise ValueError(
                     f"agent.chat_template: an assistant {what} ends with {tail[:60]!r}, which holds no special "

@@ -141,7 +141,9 @@ def split_sampler(shard: VocabShard, device: torch.device, kernel: str, compile:
         return triton_draw
     fn = shard_partials
     if compile and device.type == "cuda":
-        fn = _compiled.setdefault(True, torch.compile(shard_partials, options=EAGER_NUMERICS))
+        if True not in _compiled:  # one compiled function per process, as `sampling.fused_sampler`
+            _compiled[True] = torch.compile(shard_partials, options=EAGER_NUMERICS)
+        fn = _compiled[True]
 
     def torch_draw(logits, keys, step, codes, temperature, greedy):
         parts = fn(logits, step_keys(keys, step), codes, shard.start, temperature, greedy)

@@ -55,8 +55,8 @@ class DecodeRows:
         mask[:, :P] = prep.mask[src]
         mask[:, P : P + S] = 1  # future slots are hidden by causality (query offset = cache length)
         return DecodeRows(torch.arange(len(src), device=device), decode_cache(call.prefill, src, L), mask,
-                     prep.mask.sum(1)[src][:, None], torch.zeros(len(src), dtype=torch.bool, device=device), keys,
-                     call.first_logits[src], L)
+                          prep.mask.sum(1)[src][:, None], torch.zeros(len(src), dtype=torch.bool, device=device), keys,
+                          call.first_logits[src], L)
 
     def show(self, visible: int) -> None:
         if visible != self.visible:
@@ -79,7 +79,7 @@ class DecodeRows:
         sel = torch.argsort(self.done.to(torch.int8), stable=True)[:target]  # unfinished rows first
         cache = select_rows(self.cache, sel)
         picked = DecodeRows(self.index[sel], cache, self.mask[sel], self.next_pos[sel], self.done[sel], self.keys[sel],
-                       self.logits[sel], self.visible)
+                            self.logits[sel], self.visible)
         return picked, token[sel]
 
 

@@ -135,6 +135,15 @@ def commit() -> str:
         return "unknown"
 
 
+def add_worker_options(ap: argparse.ArgumentParser, role: str) -> None:
+    """The hidden options by which a bench command starts itself as a worker process for one configuration:
+    `role` names the option that picks the configuration (bench_e2e's --system, bench_plan's --variant)."""
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(role, help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+
+
 # ---------------------------------------------------------------- workers: one configuration per process
 
 
@@ -450,10 +459,7 @@ def main() -> None:
     ap.add_argument("--model-root", default="", help="folder for the random-init model, reused by later commands "
                     "(default: a new temporary folder)")
     ap.add_argument("--commit", default="", help="the code's commit, where the checkout has no git metadata of its own")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--system", help=argparse.SUPPRESS)
-    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
-    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+    add_worker_options(ap, "--system")
     a = ap.parse_args()
     if a.worker:
         a.T = int(a.T)

@@ -49,7 +49,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_e2e import SHAPES, commit, make_model_dir, versions  # noqa: E402
+from bench.bench_e2e import SHAPES, add_worker_options, commit, make_model_dir, versions  # noqa: E402
 
 PHASES = ("generate", "score", "logprobs", "train")
 MAX_PROMPT = 512  # rollout.max_prompt_length of every variant
@@ -406,10 +406,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="an override for every variant (key=value)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--commit", default="", help="the code's commit, where the checkout has no git metadata")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--variant", help=argparse.SUPPRESS)
-    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
-    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+    add_worker_options(ap, "--variant")
     a = ap.parse_args()
     if a.worker:
         a.T = int(a.T)

@@ -29,7 +29,6 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
-
 def reward_module(tmp_path: Path, monkeypatch, name: str, source: str) -> None:
     """Writes `source` (dedented) as module `name` in `tmp_path` and makes it importable, freshly, for this test."""
     (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))

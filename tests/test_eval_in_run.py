@@ -35,8 +35,6 @@ def rewards_module(tmp_path, monkeypatch):
     ''')
 
 
-
-
 def _cfg(run_dir, *overrides):
     return load_train_config(None, [
         f"train.output_dir={run_dir}", "train.max_steps=4", "train.prompts_per_step=2", "train.micro_batch_size=8",

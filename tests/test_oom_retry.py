@@ -19,8 +19,6 @@ VOCAB = 50_257  # GPT-2 tokenizer
 UNTIMED = ("time/", "tokens_per_s", "train_tokens_per_s", "memory/")
 
 
-
-
 @pytest.fixture
 def rewards(tmp_path, monkeypatch):
     reward_module(tmp_path, monkeypatch, "oom_rewards", '''

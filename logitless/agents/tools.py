@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import difflib
-from logitless.rewards.builtin import import_user_module
+from logitless.rewards.builtin import import_user_module, missing_attribute
 import inspect
 import json
 import math
@@ -259,10 +259,7 @@ def load_function(spec: str | Callable[..., Any], where: str) -> Callable[..., A
                          "'module:function'; write e.g. 'mytools:search' (the current folder is importable)")
     module = import_user_module(module_name, f"{where} '{spec}'")
     if not hasattr(module, attr):
-        public = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
-        close = difflib.get_close_matches(attr, public, n=1)
-        hint = f"; did you mean '{module_name}:{close[0]}'?" if close else ""
-        raise ValueError(f"{where}: module '{module_name}' has no attribute '{attr}'{hint}")
+        raise missing_attribute(module, module_name, attr, where)
     fn = getattr(module, attr)
     if not callable(fn) or isinstance(fn, type):
         raise ValueError(f"{where}: '{spec}' is a {type(fn).__name__}, not a function")

@@ -250,6 +250,15 @@ def reward_name(fn: Any) -> str:
     return getattr(fn, "__name__", None) or repr(fn)
 
 
+def missing_attribute(module: Any, module_name: str, attr: str, what: str) -> ValueError:
+    """The error for a "module:name" whose module has no `attr`, with the module's closest public callable as a
+    suggestion (`what` prefixes the message, e.g. "reward 'my_rewards:score'")."""
+    public = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
+    close = difflib.get_close_matches(attr, public, n=1)
+    hint = f"; did you mean '{module_name}:{close[0]}'?" if close else ""
+    return ValueError(f"{what}: module '{module_name}' has no attribute '{attr}'{hint}")
+
+
 def import_user_module(module_name: str, what: str) -> Any:
     """Import a user's module (of a reward's or a tool's "module:function", an environment's "module:Class"; `what`
     names it in errors, e.g. "reward 'my_rewards:score'"). The current folder is searched first, as `python -m` and
@@ -298,10 +307,7 @@ def get_reward_fn(spec: str | RewardFn, **options: Any) -> RewardFn:
         module_name, _, attr = spec.partition(":")
         module = import_user_module(module_name, f"reward '{spec}'")
         if not hasattr(module, attr):
-            public = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
-            close = difflib.get_close_matches(attr, public, n=1)
-            hint = f"; did you mean '{module_name}:{close[0]}'?" if close else ""
-            raise ValueError(f"reward '{spec}': module '{module_name}' has no attribute '{attr}'{hint}")
+            raise missing_attribute(module, module_name, attr, f"reward '{spec}'")
         fn = getattr(module, attr)
         if not callable(fn):
             raise TypeError(f"reward '{spec}' is a {type(fn).__name__}, not a callable function")

@@ -35,8 +35,6 @@ from typing import Any, Literal, Sequence
 
 import torch
 
-PREFIXES = ("model:", "judge:")
-
 YES_NO_TEMPLATE = (
     "Here is a question and an answer.\n\nQuestion:\n{prompt}\n\nAnswer:\n{completion}\n\n"
     "Is the answer correct and well reasoned? Reply with Yes or No."

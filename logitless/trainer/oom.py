@@ -175,7 +175,7 @@ def memory_state(ctx: Any, resolved: Any) -> MemoryState:
     if resolved.plan is not None:
         return MemoryState(resolved.model, resolved.step, resolved.facts, mp.knobs_of(cfg), planned=True)
     dtype = ctx.model.get_input_embeddings().weight.dtype
-    kernels = "compiled" if cfg.model.compile_layers is True else "liger" if cfg.model.liger_kernels is True else "eager"
+    kernels = auto.layer_kernels(cfg.model.compile_layers, cfg.model.liger_kernels)
     return MemoryState(auto.model_memory(ctx.model, cfg.model, dtype), auto.step_shape(cfg, ctx.model, ctx.world.size),
                        auto.run_facts(cfg, cfg.rollout.backend, kernels, ctx.device), mp.knobs_of(cfg), planned=False)
 

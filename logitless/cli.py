@@ -93,7 +93,6 @@ def _run_config(path: str | None, flag: str) -> Path | None:
     found = current_config(folder)
     if found is not None:
         return found
-    copies = sorted(folder.glob(f"checkpoints/{ckpt.STEP_PREFIX}*/{ckpt.RUN_CONFIG}"))
     if flag == "--checkpoint":
         try:
             copy = ckpt.resolve_checkpoint(path, flag=flag) / ckpt.RUN_CONFIG
@@ -101,6 +100,7 @@ def _run_config(path: str | None, flag: str) -> Path | None:
             copy = None
         if copy is not None and copy.is_file():
             return copy
+    copies = sorted(folder.glob(f"checkpoints/{ckpt.STEP_PREFIX}*/{ckpt.RUN_CONFIG}"))
     hint = f" Its newest checkpoint holds a copy: cp {copies[-1]} {folder / ckpt.RUN_CONFIG}." if copies else ""
     command = "train" if flag == "--resume" else "eval"
     raise ConfigError(

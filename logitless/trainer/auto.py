@@ -242,7 +242,7 @@ def resolve(cfg: TrainerConfig, *, world_size: int = 1, model: Any = None, devic
     packed = choose("train.packed", t.packed, lambda: _packed(cfg, device, dtype, subject, loaded=model is not None))
     compiled = choose("model.compile_layers", m.compile_layers, lambda: _compile(cfg, device, single))
     liger = choose("model.liger_kernels", m.liger_kernels, lambda: _liger(device, single, compiled is True, subject))
-    kernels = "compiled" if compiled is True else "liger" if liger is True else "eager"
+    kernels = layer_kernels(compiled, liger)
 
     fixed = _fixed_knobs(cfg, packed is True)
     if single and subject is not None and (device.type == "cuda" or budget_set):
@@ -298,16 +298,15 @@ def rank_memory(cfg: TrainerConfig, model: Any, dtype: torch.dtype, device: torc
     False, with a note, where the update (or an hf rollout, which has no waves) is predicted over its headroom."""
     from logitless.trainer import memory_ranks as mr
 
-    kernels = "compiled" if cfg.model.compile_layers is True else "liger" if cfg.model.liger_kernels is True else "eager"
+    kernels = layer_kernels(cfg.model.compile_layers, cfg.model.liger_kernels)
     copy = cfg.rollout.weight_copy or ("sleep" if device.type == "cuda" else "resident")
     layout = mr.Ranks(ranks, mr.units_of(model), weight_copy="resident" if copy == "resident" else "sleep",
                       merged_replica=cfg.rollout.merge_lora is not False,
                       tensor_parallel=cfg.rollout.tensor_parallel if ranks % cfg.rollout.tensor_parallel == 0 else 1)
-    knobs = mp.knobs_of(cfg)
-    phases = mr.predict(model_memory(model, cfg.model, dtype), step_shape(cfg, model), run_facts(
+    knobs, step = mp.knobs_of(cfg), step_shape(cfg, model)
+    phases = mr.predict(model_memory(model, cfg.model, dtype), step, run_facts(
         cfg, cfg.rollout.backend, kernels, device), knobs, layout)
-    out = mp.Plan(knobs=knobs, budget=budget, phases=phases,
-                  rows_per_wave=mr.decode_step(step_shape(cfg, model), layout).rows)
+    out = mp.Plan(knobs=knobs, budget=budget, phases=phases, rows_per_wave=mr.decode_step(step, layout).rows)
     # (the static engine decodes in waves under its own KV cap where rollout.max_kv_gib is unset)
     capped = cfg.rollout.backend == "static" and cfg.rollout.max_kv_gib is None
     over = [p for p in phases if out.peak(p) > mp.HEADROOM * out.budget and not (p == "generate" and capped)]
@@ -360,6 +359,12 @@ def step_shape(cfg: TrainerConfig, model: Any, world_size: int = 1) -> mp.StepSh
     return mp.StepShape(prompts=prompts, rows=prompts * r.num_generations, prompt_len=prompt,
                         completion_len=r.max_completion_length, context=context,
                         episodes=bool(agent is not None and agent.enabled))
+
+
+def layer_kernels(compile_layers: Any, liger_kernels: Any) -> str:
+    """The plan's name of the decoder layers' kernels for model.compile_layers and model.liger_kernels as decided:
+    "compiled", "liger" or "eager" (compiled layers win)."""
+    return "compiled" if compile_layers is True else "liger" if liger_kernels is True else "eager"
 
 
 def run_facts(cfg: TrainerConfig, backend: str, kernels: str, device: torch.device) -> mp.RunFacts:

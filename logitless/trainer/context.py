@@ -38,7 +38,7 @@ from logitless.trainer.builders import (
     sync_offloaded_params,
     weight_copy,
 )
-from logitless.trainer.config import ModelConfig, TrainerConfig, to_dict, to_yaml
+from logitless.trainer.config import TrainerConfig, to_dict, to_yaml
 from logitless.trainer.episodes import environment_weight
 from logitless.trainer.evaluate import eval_options
 from logitless.trainer.metrics import MetricsLogger

@@ -73,7 +73,7 @@ def units_of(model: Any) -> Units:
 
     layers = decoder_layers(model)
     inside = {id(p) for layer in layers for p in layer.parameters()}
-    params = {id(p): p.numel() for _, p in model.named_parameters() if "lora_" not in _}
+    params = {id(p): p.numel() for n, p in model.named_parameters() if "lora_" not in n}
     root = sum(n for k, n in params.items() if k not in inside)
     layer = max(sum(p.numel() for n, p in layer.named_parameters() if "lora_" not in n) for layer in layers)
     return Units(root_params=root, layer_params=layer)

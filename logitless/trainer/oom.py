@@ -25,6 +25,7 @@ import torch
 
 from logitless.models.tiled_mlp import tile_mlps
 from logitless.trainer import memory_plan as mp
+from logitless.trainer.model_memory import base_model
 
 T = TypeVar("T")
 
@@ -94,9 +95,7 @@ def apply_knobs(ctx: Any, knobs: mp.Knobs) -> list[str]:
 
 def enable_checkpointing(model: torch.nn.Module, *, lora: bool) -> None:
     """Gradient checkpointing on a model already prepared for training (as `prepare_for_training` turns it on)."""
-    base = model
-    while hasattr(base, "get_base_model"):
-        base = base.get_base_model()
+    base = base_model(model)
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     base.config.use_cache = False
     if lora:
@@ -176,7 +175,7 @@ def memory_state(ctx: Any, resolved: Any) -> MemoryState:
     if resolved.plan is not None:
         return MemoryState(resolved.model, resolved.step, resolved.facts, mp.knobs_of(cfg), planned=True)
     dtype = ctx.model.get_input_embeddings().weight.dtype
-    kernels = "compiled" if cfg.model.compile_layers is True else "liger" if cfg.model.liger_kernels is True else "eager"
+    kernels = auto.layer_kernels(cfg.model.compile_layers, cfg.model.liger_kernels)
     return MemoryState(auto.model_memory(ctx.model, cfg.model, dtype), auto.step_shape(cfg, ctx.model, ctx.world.size),
                        auto.run_facts(cfg, cfg.rollout.backend, kernels, ctx.device), mp.knobs_of(cfg), planned=False)
 

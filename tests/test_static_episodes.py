@@ -140,6 +140,48 @@ def test_the_static_engine_refuses_what_its_episodes_cannot_do():
         engine.generate(PROMPTS, SamplingOptions(max_new_tokens=4), episodes=object())
 
 
+def test_driver_mistakes_are_named_as_on_the_hf_engine():
+    """The static engine checks a driver's replies and records with the hf engine's checks (one per fault)."""
+    engine = make_engine("static", make_model("llama"), TOK)
+    options = SamplingOptions(num_generations=2, max_new_tokens=12, seed=0, ignore_eos=True)
+
+    class Short(ScriptedDriver):
+        def respond(self, turns):
+            return super().respond(turns)[:-1]
+
+    class Reply(ScriptedDriver):
+        def __init__(self, reply):
+            super().__init__(max_turn_tokens=3)
+            self.reply = reply
+
+        def respond(self, turns):
+            return [self.reply for _ in turns]
+
+    class NoRecords(ScriptedDriver):
+        def finish(self):
+            return super().finish()[:-2]
+
+    class Dicts(ScriptedDriver):
+        def finish(self):
+            return [{"turns": 1} for _ in self.count]
+
+    with pytest.raises(ValueError, match="answered 5 replies to 6 turns"):
+        engine.generate(PROMPTS, options, episodes=Short())
+    with pytest.raises(ValueError, match="row 0 holds token id 999, outside the model's vocabulary of 258"):
+        engine.generate(PROMPTS, options, episodes=Reply([5, 999]))
+    with pytest.raises(TypeError, match="reply for row 0 must be a list of token ids or None, got 'text'"):
+        engine.generate(PROMPTS, options, episodes=Reply("text"))
+    with pytest.raises(ValueError, match="finish\\(\\) returned 4 records for 6 episodes"):
+        engine.generate(PROMPTS, options, episodes=NoRecords())
+    with pytest.raises(TypeError, match="finish\\(\\) record 0 must be an EpisodeRecord, got dict"):
+        engine.generate(PROMPTS, options, episodes=Dicts())
+    with pytest.raises(ValueError, match="max_turn_tokens=0 must be a positive int or None"):
+        engine.generate(PROMPTS, options, episodes=ScriptedDriver(max_turn_tokens=0))
+    # a tensor reply is taken as its ids
+    b = engine.generate(PROMPTS, options, episodes=Reply(torch.tensor([7, 8])))
+    assert b.env_mask.any() and (b.completion_ids[b.env_mask.bool()] < 9).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "qwen2_sliding"])
 def test_compiled_episodes_on_cuda_match_the_trainer_as_single_turn_decoding_does(family):

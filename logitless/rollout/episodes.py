@@ -101,6 +101,53 @@ class EpisodeStream:
         self.env.extend([int(env)] * len(ids))
 
 
+def turn_cap(driver: EpisodeDriver) -> int | None:
+    """The driver's `max_turn_tokens`, refused unless a positive int or None."""
+    cap = driver.max_turn_tokens
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise ValueError(f"the episode driver's max_turn_tokens={cap!r} must be a positive int or None")
+    return cap
+
+
+def checked_replies(replies: Any, turns: Sequence[TurnEnd], vocab: int) -> list[list[int] | None]:
+    """`driver.respond(turns)`'s answer as one list of token ids (or None) per turn, refused (naming the row and
+    the fault) when it has another length, a reply is not a sequence of ints, or an id is outside `vocab`."""
+    if not isinstance(replies, Sequence) or isinstance(replies, (str, bytes)) or len(replies) != len(turns):
+        got = len(replies) if isinstance(replies, Sequence) else repr(replies)
+        raise ValueError(f"the episode driver answered {got} replies to {len(turns)} turns; it must return one "
+                         "(token ids or None) per turn")
+    return [_checked_reply(reply, te.row, vocab) for te, reply in zip(turns, replies)]
+
+
+def _checked_reply(reply: Any, row: int, vocab: int) -> list[int] | None:
+    if reply is None:
+        return None
+    if hasattr(reply, "tolist"):  # a tensor or an array
+        reply = reply.tolist()
+    if isinstance(reply, (str, bytes)) or not isinstance(reply, Sequence) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in reply):
+        raise TypeError(f"the episode driver's reply for row {row} must be a list of token ids or None, got "
+                        f"{reply!r:.80}")
+    bad = [i for i in reply if not 0 <= i < vocab]
+    if bad:
+        raise ValueError(f"the episode driver's reply for row {row} holds token id {bad[0]}, outside the model's "
+                         f"vocabulary of {vocab} ids")
+    return list(reply)
+
+
+def finished_records(driver: EpisodeDriver, num_rows: int) -> list[EpisodeRecord]:
+    """`driver.finish()`, refused unless it is one `EpisodeRecord` per row."""
+    records = driver.finish()
+    if not isinstance(records, Sequence) or len(records) != num_rows:
+        got = len(records) if isinstance(records, Sequence) else repr(records)
+        raise ValueError(f"the episode driver's finish() returned {got} records for {num_rows} episodes")
+    bad = next((i for i, r in enumerate(records) if not isinstance(r, EpisodeRecord)), None)
+    if bad is not None:
+        raise TypeError(f"the episode driver's finish() record {bad} must be an EpisodeRecord, got "
+                        f"{type(records[bad]).__name__}")
+    return list(records)
+
+
 def episode_batch(tokenizer: Any, prep: Any, streams: list[EpisodeStream], records: list[EpisodeRecord],
                   generate_seconds: float) -> Any:
     """The `RolloutBatch` of an episode rollout: completion = each row's stream (right-padded), env_mask from the

@@ -25,7 +25,8 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from .engine import left_pad, prepare_prompts, sync, unwrap_model
-from .episodes import EpisodeDriver, EpisodeStream, TurnEnd, TurnEnding, episode_batch
+from .episodes import (EpisodeDriver, EpisodeStream, TurnEnd, TurnEnding, checked_replies, episode_batch,
+                       finished_records, turn_cap)
 from .types import Prompt, RolloutBatch, SamplingOptions
 
 
@@ -68,31 +69,12 @@ class TurnStops(StoppingCriteria):
         return any(s in text for s in self.stops)
 
 
-def _check_reply(reply: Any, row: int, vocab: int) -> list[int] | None:
-    """The driver's reply for `row` as a list of token ids (or None), refused when it is anything else."""
-    if reply is None:
-        return None
-    if isinstance(reply, torch.Tensor):
-        reply = reply.tolist()
-    if isinstance(reply, (str, bytes)) or not isinstance(reply, Sequence) or not all(
-            isinstance(i, int) and not isinstance(i, bool) for i in reply):
-        raise TypeError(f"the episode driver's reply for row {row} must be a list of token ids or None, got "
-                        f"{reply!r:.80}")
-    bad = [i for i in reply if not 0 <= i < vocab]
-    if bad:
-        raise ValueError(f"the episode driver's reply for row {row} holds token id {bad[0]}, outside the model's "
-                         f"vocabulary of {vocab} ids")
-    return list(reply)
-
-
 def generate_episodes(engine: Any, prompts: Sequence[Prompt], options: SamplingOptions,
                       driver: EpisodeDriver) -> RolloutBatch:
     """One episode per row (G per prompt), turn by turn, assembled by `episode_batch`. `engine`: the `HFEngine`
     (its model, tokenizer, `generation_config`, `processors` and `sampling` context)."""
     prep = prepare_prompts(engine.model, engine.tokenizer, prompts, options)
-    G, budget, cap = options.num_generations, options.max_new_tokens, driver.max_turn_tokens
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-        raise ValueError(f"the episode driver's max_turn_tokens={cap!r} must be a positive int or None")
+    G, budget, cap = options.num_generations, options.max_new_tokens, turn_cap(driver)
     B = len(prep.encoded) * G
     end_ids = sorted({*([] if options.ignore_eos else prep.eos_ids), *(int(i) for i in driver.turn_end_ids)})
     stops = list(dict.fromkeys([*options.stop, *driver.turn_stops]))
@@ -125,13 +107,8 @@ def generate_episodes(engine: Any, prompts: Sequence[Prompt], options: SamplingO
                 streams[b].add(turn[k, :n].tolist(), logp[k, :n].tolist(), env=False)
                 ends.append(TurnEnd(row=b, ids=turn[k, :n].tolist(), ended=stopper.why[k],
                                     room=budget - len(streams[b].ids)))
-            replies = driver.respond(ends)
-            if not isinstance(replies, Sequence) or len(replies) != len(ends):
-                got = len(replies) if isinstance(replies, Sequence) else repr(replies)
-                raise ValueError(f"the episode driver answered {got} replies to {len(ends)} turns; it must return one "
-                                 "(token ids or None) per turn")
-            for end, reply in zip(ends, replies):
-                s, reply = streams[end.row], _check_reply(reply, end.row, vocab)
+            for end, reply in zip(ends, checked_replies(driver.respond(ends), ends, vocab)):
+                s = streams[end.row]
                 if end.ended == "budget":  # the model was cut: the episode is over whatever the driver says
                     s.done = s.truncated = True
                 elif reply is None:
@@ -141,7 +118,4 @@ def generate_episodes(engine: Any, prompts: Sequence[Prompt], options: SamplingO
                     s.done = s.truncated = True
                 else:
                     s.add(reply, None, env=True)
-    records = driver.finish()
-    if len(records) != B:
-        raise ValueError(f"the episode driver's finish() returned {len(records)} records for {B} episodes")
-    return episode_batch(engine.tokenizer, prep, streams, records, gen_s)
+    return episode_batch(engine.tokenizer, prep, streams, finished_records(driver, B), gen_s)

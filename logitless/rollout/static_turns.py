@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from logitless.models import UnsupportedModelError
 from logitless.models.lm_head import decoder_body, lm_head_of
 
-from .engine import PreparedPrompts, _stop_cut, sync
-from .episodes import EpisodeDriver, EpisodeStream, TurnEnd, episode_batch
+from .engine import PreparedPrompts, _stop_cut, sync, unwrap_model
+from .episodes import EpisodeDriver, EpisodeStream, TurnEnd, checked_replies, episode_batch, finished_records, turn_cap
 from .sampling import apply_filters, sample_tokens, step_keys, turn_keys
 from .static_rows import DecodeRows, mark_stopped
 from .step_graph import DecodeStep
@@ -140,7 +140,8 @@ def decode_episodes(engine: Any, module: Any, call: Any, rows: torch.Tensor, pro
     the wave to the compiled shape) to their end, appending to `streams` (indexed by row)."""
     prep, options, device = call.prep, call.options, call.prep.device
     P, S, L, pad = prep.ids.shape[1], options.max_new_tokens, call.cache_len, prep.pad_id
-    W = min(driver.max_turn_tokens or S, S)  # the longest turn
+    W = min(turn_cap(driver) or S, S)  # the longest turn
+    vocab = unwrap_model(module).get_input_embeddings().weight.shape[0]
     src = prompt_of_row[rows]
     live = DecodeRows.start(call, src, call.keys[rows], L)
     live.mask[:, P:] = 1
@@ -199,10 +200,7 @@ def decode_episodes(engine: Any, module: Any, call: Any, rows: torch.Tensor, pro
                 turns.append(TurnEnd(r, drawn[i][:n], why, S - len(streams[r].ids)))
             slots = torch.arange(L - start, device=device)[None, :] < kept.to(device)[:, None]
             live.mask[:, start:] = slots.to(live.mask.dtype)
-            replies = driver.respond(turns) if turns else []
-            if len(replies) != len(turns):
-                raise ValueError(f"{type(driver).__name__}.respond returned {len(replies)} replies for {len(turns)} "
-                                 "turns; return one (token ids or None) per turn")
+            replies = checked_replies(driver.respond(turns), turns, vocab) if turns else []
             inputs: dict[int, list[int]] = {}
             for te, reply in zip(turns, replies):
                 i, s = slot_of[te.row], streams[te.row]
@@ -210,7 +208,7 @@ def decode_episodes(engine: Any, module: Any, call: Any, rows: torch.Tensor, pro
                     s.done, active[i] = True, False
                     s.truncated = s.truncated or te.ended == "budget" or (reply is not None and te.room <= 0)
                     continue
-                obs = [int(x) for x in reply]
+                obs = reply
                 s.add(obs[: te.room], None, env=True)
                 if len(obs) >= te.room:  # no room left for the model: the episode ends with the observation cut
                     s.done, s.truncated, active[i] = True, True, False
@@ -253,4 +251,4 @@ def generate_episodes(engine: Any, prep: PreparedPrompts, options: Any, driver: 
     sync(device)
     gen_s = time.perf_counter() - tg
     del call
-    return episode_batch(engine.tokenizer, prep, streams, driver.finish(), gen_s)
+    return episode_batch(engine.tokenizer, prep, streams, finished_records(driver, B), gen_s)

@@ -4,8 +4,9 @@ the engine variants and the bound; `python bench/gpu_exactness.py --out DIR` pri
 
 What "to bf16 rounding" means here: the `hf` backend's sampler logprobs differ from the trainer's
 `completion_logprobs` on the same model and batch by its own rounding noise (two bf16 forwards of the same
-weights, fused differently), and each `static` variant must stay within 1.5x its mean and 2x its max, measured in
-the same test on the same weights: the compiled decode at its defaults, without the step graph, from the merged
+weights, fused differently), and each `static` variant must stay within 1.5x its mean (or one fp32 spacing of the
+logprobs compared, where a near-uniform model's gaps are below it) and 2x its max, measured in the same test on the
+same weights: the compiled decode at its defaults, without the step graph, from the merged
 LoRA weights the trainer decodes on one GPU (against `hf` on the LoRA model), and from the replica the trainer
 keeps for rollout.device. A decode compiles a bounded number of graphs: none in a second call at the same shapes,
 and never dynamo's recompile limit. A few real-shape widths run the Triton kernels' real tiles.
@@ -53,11 +54,11 @@ def check(r: G.Result, ref: G.Result) -> None:
     assert r.tokens == ref.tokens == G.PROMPTS * G.SAMPLES * G.NEW_TOKENS  # EOS ignored: every row decodes in full
     assert r.min_length > G.WINDOW  # every row outgrows the window (of the families that have one)
     assert ref.mean < REFERENCE_NOISE, (ref.mean, ref.max)
-    assert r.mean <= G.BOUND_MEAN * ref.mean and r.max <= G.BOUND_MAX * ref.max, (
+    assert r.mean <= G.mean_bound(r, ref) and r.max <= G.BOUND_MAX * ref.max, (
         f"{r.variant}: mean {r.mean:.4f} max {r.max:.3f} against {ref.variant}'s mean {ref.mean:.4f} max {ref.max:.3f}")
     failures = r.first.failures + r.second.failures
     assert not failures, failures  # e.g. dynamo's recompile limit hit: the decode recompiled at every step
-    assert r.second.frames == 0, r.second.reasons  # a second call at the same shapes compiles nothing
+    assert r.second.frames == 0, (r.second.names, r.second.reasons)  # a second call at the same shapes compiles nothing
 
 
 @pytest.mark.parametrize("variant", STATIC)

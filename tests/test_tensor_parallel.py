@@ -331,11 +331,11 @@ def test_the_model_check_before_loading_refuses_a_split_the_model_cannot_take():
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_gpus_split_rollout_samples_the_trainers_policy_like_one_gpu(tmp_path, shared_dir):
-    """bf16 on 2 GPUs (nccl, the compiled decode with its CUDA-graph step): each rank's split rollout is as close to
-    the trainer's logprobs on its own tokens as the one-GPU rollout is on its (1.5x the mean gap, 2x the max,
-    measured in the same run on the same weights), and a second call, after the replica's sleeping weights were
-    freed and written again, samples the same tokens; the draw over each GPU's vocabulary columns (inside the
-    CUDA-graph step, with the Triton kernel) samples the tokens of the same split with the logits gathered."""
+    """bf16 on 2 GPUs (nccl; the split decode eager, the one-GPU one compiled with its CUDA-graph step): each rank's
+    split rollout is as close to the trainer's logprobs on its own tokens as the one-GPU rollout is on its (1.5x the
+    mean gap, 2x the max, measured in the same run on the same weights), and a second call, after the replica's
+    sleeping weights were freed and written again, samples the same tokens; the draw over each GPU's vocabulary
+    columns (with the Triton kernel) samples the tokens of the same split with the logits gathered."""
     from bench import gpu_exactness as G
 
     argv = [str(WORKER), "gpu", str(tmp_path), str(shared_dir / "tokenizers" / "gpt2")]
@@ -381,3 +381,9 @@ def test_the_memory_model_counts_a_split_replica_per_rank():
         rest = lambda parts: {k: v for k, v in parts.items() if k != "replica (mapped)"}  # noqa: E731
         assert rest(split["train"]) == rest(whole["train"])
     assert mr.decode_step(step, mr.Ranks(4, units, tensor_parallel=2)).rows == 16  # the group's rows
+
+
+def test_a_step_graph_asked_for_with_a_split_rollout_is_refused():
+    """The tensor-parallel decode runs eagerly on CUDA, so there is no compiled step for rollout.step_graph to capture."""
+    with pytest.raises(ValueError, match=r"rollout.step_graph=true with rollout.tensor_parallel=2: .* unset rollout.step_graph"):
+        _cfg("rollout.tensor_parallel=2", "rollout.backend=static", "rollout.step_graph=true")

@@ -281,6 +281,10 @@ class RolloutConfig:
                     f"rollout.{name}={getattr(self, name)!r} needs rollout.backend=static (got {self.backend!r}): "
                     f"set rollout.backend=static or unset rollout.{name}"
                 )
+        if self.step_graph is True and self.tensor_parallel > 1:
+            raise ValueError(f"rollout.step_graph=true with rollout.tensor_parallel={self.tensor_parallel}: the "
+                             "tensor-parallel decode runs eagerly on CUDA (no compiled step to capture); unset "
+                             "rollout.step_graph")
         if self.step_graph is True:
             filters = {"top_p": self.top_p != 1.0, "top_k": self.top_k != 0, "min_p": self.min_p != 0.0,
                        "repetition_penalty": self.repetition_penalty != 1.0, "length_buckets": self.length_buckets != 1,

@@ -168,13 +168,15 @@ def build(make_config: Callable[[], Any], device: str | torch.device, lora: bool
 
 @dataclasses.dataclass
 class Compiles:
-    """Dynamo's frame compilations while a block ran (torch._dynamo.utils' compilation metrics)."""
+    """Dynamo's frame compilations while a block ran (torch._dynamo.utils' compilation metrics; the metrics a compiled
+    graph records when it runs, `is_runtime`, are counted apart: they compile no frame)."""
 
     frames: int = 0  # frames compiled (a first compilation or a recompilation)
     recompiles: int = 0  # compilations of a frame compiled before, whose guards failed
     failures: list[str] = dataclasses.field(default_factory=list)  # e.g. the recompile limit hit
     reasons: list[str] = dataclasses.field(default_factory=list)  # the first recompile reasons
     names: list[str] = dataclasses.field(default_factory=list)  # the first frames compiled (code name, file:line)
+    runtime: int = 0  # runtime events of compiled graphs (is_runtime metrics: CUDA-graph recording, autotuning)
 
     @classmethod
     def start(cls) -> None:
@@ -188,6 +190,9 @@ class Compiles:
 
         out = cls()
         for m in utils.get_compilation_metrics():
+            if getattr(m, "is_runtime", False):  # work a compiled graph did when it ran (e.g. a CUDA graph recorded)
+                out.runtime += 1
+                continue
             out.frames += 1
             out.names = (out.names + [f"{m.co_name} {Path(m.co_filename or '').name}:{m.co_firstlineno}"])[:4]
             reason = getattr(m, "recompile_reason", None)

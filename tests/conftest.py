@@ -76,6 +76,24 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(autouse=True)
+def fresh_gpu_state(request):
+    """Before each GPU test: the process's CUDA and compile state as a fresh process would have it. Earlier tests'
+    garbage (a compiled model keeps itself in a reference cycle), dynamo's code caches (one code object of
+    transformers serves every model, so an earlier family's compiled variants count against a later one's
+    recompile limit) and CUDA-graph trees would otherwise make a test's compiles and memory peaks depend on which
+    tests ran before it in the same process (`pytest -m gpu tests/` runs them all in one)."""
+    if request.node.get_closest_marker("gpu") is not None and torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch._dynamo.reset()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    yield
+
+
 @pytest.fixture(scope="session")
 def shared_dir() -> Path:
     d = _shared_dir()

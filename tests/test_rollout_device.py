@@ -164,6 +164,9 @@ def test_two_gpus_a_step_decoding_on_the_second_trains_like_one_decoding_on_the_
     from logitless.trainer.loop import train
 
     def run(path, *overrides):  # the model on cuda:0 trains there
+        import gc
+
+        gc.collect()  # the run before's compiled model (a reference cycle) is not this run's generate-phase memory
         model = tiny_qwen2(vocab_size=VOCAB, hidden=32, layers=1).to("cuda:0")
         return train(_cfg(path, *overrides), model=model, tokenizer=tok)
 

@@ -162,7 +162,9 @@ def test_captured_step_equals_the_compiled_loop_on_cuda():
 @pytest.mark.gpu
 def test_a_forward_that_cannot_be_captured_decodes_on_without_the_graph(tiny_qwen2_model, gpt2_tokenizer):
     """A model whose forward copies a pageable host tensor to the GPU (what failed the capture on OLMo-2, Granite
-    and GPT-OSS in some setups) decodes the same tokens as the loop, with one warning, instead of crashing."""
+    and GPT-OSS in some setups) decodes the same tokens as the loop, with one warning, instead of crashing; and the
+    failed capture leaves the process's random generator as it was and usable (a failed capture used to keep the
+    generator's state registered with the dead graph: every later CUDA random op raised)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from logitless.rollout.static import StaticEngine
@@ -179,8 +181,11 @@ def test_a_forward_that_cannot_be_captured_decodes_on_without_the_graph(tiny_qwe
     model.model.forward = host_copy_forward
     try:
         opts = SamplingOptions(num_generations=2, max_new_tokens=24, seed=5, ignore_eos=True)
+        rng = torch.cuda.get_rng_state()
         with pytest.warns(UserWarning, match="could not be captured as one CUDA graph"):
             graph = StaticEngine(model, gpt2_tokenizer, compile=False, step_graph=True).generate(["hi there"], opts)
+        assert torch.equal(torch.cuda.get_rng_state(), rng)  # the decode draws no torch random numbers
+        assert torch.isfinite(torch.randn(8, device="cuda")).all()  # the generator works after the failed capture
         loop = StaticEngine(model, gpt2_tokenizer, compile=False, step_graph=False).generate(["hi there"], opts)
     finally:
         model.model.forward = inner

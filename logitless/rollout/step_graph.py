@@ -131,11 +131,22 @@ def capture(fn: Callable[[], None], side: Any) -> torch.cuda.CUDAGraph:
     graph = torch.cuda.CUDAGraph()
     side.wait_stream(torch.cuda.current_stream())
     side.synchronize()
-    with torch.cuda.stream(side):
-        graph.capture_begin(pool=torch.cuda.graph_pool_handle(), capture_error_mode="thread_local")
-        try:
-            fn()
-        finally:
-            graph.capture_end()
+    # A capture registers the device's default random generator state with the graph, and a capture that fails
+    # (cudaStreamEndCapture raises) never releases it: every later random op of the process then fails ("Offset
+    # increment outside graph capture"). The step draws no torch random numbers (counter-based keys), so the graph
+    # gets a copy of the state, and the generator its own state back whatever happens.
+    generator = torch.cuda.default_generators[side.device.index if side.device.index is not None
+                                              else torch.cuda.current_device()]
+    own = generator.graphsafe_get_state()
+    generator.graphsafe_set_state(generator.clone_state())
+    try:
+        with torch.cuda.stream(side):
+            graph.capture_begin(pool=torch.cuda.graph_pool_handle(), capture_error_mode="thread_local")
+            try:
+                fn()
+            finally:
+                graph.capture_end()
+    finally:
+        generator.graphsafe_set_state(own)
     torch.cuda.current_stream().wait_stream(side)
     return graph

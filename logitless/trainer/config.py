@@ -246,8 +246,8 @@ class RolloutConfig:
     # (tensor parallelism: transformers' plan of q/k/v, o, gate/up, down, the embedding and the lm_head), so each
     # rank holds 1/N of the decode weights and a model larger than one GPU's replica can be trained; each group
     # decodes its ranks' prompts together, each rank's samples those of its own rollout. Must divide the number of
-    # ranks, the attention and KV heads and the MLP width; families: Llama, Qwen2, Qwen3, Mistral. 1: every rank
-    # decodes alone from a whole replica.
+    # ranks, the attention and KV heads and the MLP width; families: Llama, Qwen2, Qwen3, Mistral. On CUDA the split
+    # decode runs eagerly (no torch.compile, no step graph). 1: every rank decodes alone from a whole replica.
     tensor_parallel: int = 1
 
     def static_settings(self) -> list[str]:

@@ -1,0 +1,50 @@
+#!/bin/bash
+# The whole GPU suite (`pytest -m gpu tests/`) on a host with 1, 2 or 4+ GPUs, in shards that run side by side:
+#   bash bench/gpu_suite.sh LOG_DIR
+# 4+ GPUs: the exactness matrix in two halves (GPUs 0 and 1; the kernel files beside the first half), then the
+# other one-GPU files (GPUs 0 and 1), while the multi-GPU files run on GPUs 2,3. 2 GPUs: the one-GPU shards on GPU 0
+# and 1, then the multi-GPU files on both. 1 GPU: one pytest process. Each shard's log is LOG_DIR/<shard>.log, its
+# exit status on the log's last line; the script exits non-zero when any shard failed. Real tokenizers come from
+# LOGITLESS_SHARED (see tests/conftest.py); carry bitsandbytes, torchao and liger-kernel so nothing skips.
+set -u
+PY=${PYTHON:-python3}  # the interpreter with torch (PYTHON=.venv/bin/python in a checkout with the venv)
+out=${1:?usage: bash bench/gpu_suite.sh LOG_DIR}
+mkdir -p "$out" && out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+X=tests/test_gpu_exactness.py
+TWO="tests/test_parallel.py tests/test_tensor_parallel.py tests/test_rollout_device.py tests/test_fsdp_offload.py tests/test_trainer_async.py tests/test_weight_copy.py"
+KERNELS="tests/test_triton_gpu.py tests/test_sampling_stats.py tests/test_objectives.py tests/test_fused_sampler.py tests/test_op_gpu.py tests/test_triton_sampling.py tests/test_triton_decode.py tests/test_tiled_mlp.py tests/test_step_graph.py tests/test_models.py tests/test_packing.py"
+REST=""
+for f in $(grep -l "pytest.mark.gpu" tests/test_*.py); do
+  case " $X $TWO $KERNELS " in *" $f "*) ;; *) REST="$REST $f";; esac
+done
+HALF_A="llama or qwen2_window or qwen3 or mistral or phi3"
+HALF_B="gemma2 or gemma3 or granite or gpt_oss or olmo2"
+shard() {  # shard NAME GPUS PYTEST-ARGS...
+  local name=$1 gpus=$2; shift 2
+  echo "$(date +%T) start $name on GPU $gpus" >> "$out/times.txt"
+  CUDA_VISIBLE_DEVICES=$gpus "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "$@" > "$out/$name.log" 2>&1
+  echo "exit $?" >> "$out/$name.log"
+  echo "$(date +%T) end $name" >> "$out/times.txt"
+}
+n=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+if [ "$n" -ge 4 ]; then
+  ( (shard exactness_a 0 $X -k "$HALF_A" & shard kernels 0 $KERNELS; wait); shard rest 0 $REST ) &
+  ( shard exactness_b 1 $X -k "$HALF_B"; shard multi_gpu_files_on_one 1 $TWO ) &
+  shard multi_gpu 2,3 $TWO &
+  wait
+elif [ "$n" -ge 2 ]; then
+  ( shard exactness_a 0 $X -k "$HALF_A"; shard kernels 0 $KERNELS; shard rest 0 $REST ) &
+  ( shard exactness_b 1 $X -k "$HALF_B"; shard multi_gpu_files_on_one 1 $TWO ) &
+  wait
+  shard multi_gpu 0,1 $TWO
+else
+  shard all 0 tests/
+fi
+fail=0
+for f in "$out"/*.log; do
+  echo "== $(basename "$f" .log): $(grep -E '[0-9]+ (passed|failed|skipped|error).* in [0-9.]+s' "$f" | tail -1)"
+  grep -E "^(FAILED|ERROR) " "$f"
+  tail -1 "$f" | grep -q "^exit 0$" || fail=1
+done
+exit $fail

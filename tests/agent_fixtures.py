@@ -207,6 +207,22 @@ class CountDown:
         return 0.5
 
 
+class Turns:
+    """Answers every turn with the turns left, whatever the model wrote; done after `turns` steps (a random model's
+    episodes run several turns). Step reward: the turn's length mod 3."""
+
+    def __init__(self, turns: int = 3) -> None:
+        self.turns = turns
+
+    def reset(self, row: dict) -> str:
+        self.left = self.turns
+        return f" ({self.left} turns)"
+
+    def step(self, text: str) -> tuple[str | None, float | None, bool]:
+        self.left -= 1
+        return f" [{self.left} left]", float(len(text) % 3), self.left <= 0
+
+
 class Vault:
     """A per-episode secret the model finds with a tool; `step` ends the episode, rewarding the right guess."""
 

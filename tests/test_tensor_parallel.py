@@ -121,6 +121,22 @@ def test_the_draw_over_each_ranks_vocabulary_columns_samples_what_the_gathered_r
                 assert y["tokens_equal"] and y["logp_diff"] <= TOL and y["tokens"] > 0, (r, case, other, y)
 
 
+@pytest.mark.parametrize("ranks, tp", [(2, 2), (4, 2), (4, 4)], ids=["2ranks-tp2", "4ranks-tp2", "4ranks-tp4"])
+def test_episodes_of_a_split_rollout_are_the_one_rank_episodes(two_ranks, four_ranks, ranks, tp):
+    """Multi-turn episodes through the group: each rank's driver answers its own rows, the replies are gathered
+    every turn, and each rank gets the episodes its own call on one rank gives (tokens, observations, turns; logprobs
+    within 1e-5); a call every rank makes alike is decoded once; a driver that raises on one rank is named on every
+    rank of the group (none waits in a collective)."""
+    results = two_ranks if ranks == 2 else four_ranks
+    for r, x in enumerate(results):
+        x = x[f"episodes-tp{tp}"]
+        for name in ("own", "same_call"):
+            y = x[name]
+            assert y["tokens_equal"] and y["env_equal"] and y["logp_diff"] <= TOL, (r, name, y)
+            assert y["turns"] == y["want_turns"] and max(y["turns"]) >= 2 and y["env_tokens"] > 0, (r, name, y)
+        assert "the episode driver of rank 1 of the tensor-parallel group failed in respond(): KeyError" in x["failed"]
+
+
 def group_gap(ranks: list[dict], case: str, side: str) -> float:
     """The mean gap of `side` over every rank's tokens (each rank's mean weighted by its tokens)."""
     xs = [r[case][side] for r in ranks]
@@ -201,10 +217,10 @@ class RankStreams:
 
     def generate(self, prompts, options, episodes=None):
         if options.num_generations != 4:  # the eval's call (eval.pass_k=2): each rank of a group makes the same one
-            return self.engine.generate(prompts, options)
+            return self.engine.generate(prompts, options, episodes=episodes)
         worlds = [World(rank=r, size=self.ranks) for r in range(self.ranks)]
         streams = [(rank_seed(options.seed, w), len(rank_share(prompts, w))) for w in worlds]
-        return self.engine.generate(prompts, dataclasses.replace(options, streams=streams))
+        return self.engine.generate(prompts, dataclasses.replace(options, streams=streams), episodes=episodes)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
@@ -232,8 +248,9 @@ def training(request, tmp_path_factory, shared_dir, one_thread):
 
 @pytest.mark.parametrize("mode", list(tp_worker.TRAIN))
 def test_ranks_with_a_split_rollout_train_like_one_process(training, mode):
-    """Two steps: the rollouts (sampled on each rank's group, from a replica synced from the shards after the first
-    optimizer step), the metrics (the eval's too) and the weights are those of one process."""
+    """Two steps (LoRA, full, LoRA with multi-turn episodes): the rollouts (sampled on each rank's group, from a
+    replica synced from the shards after the first optimizer step), the metrics (the eval's too) and the weights
+    are those of one process."""
     from tests import dist_worker as w
 
     out, single = training
@@ -248,6 +265,8 @@ def test_ranks_with_a_split_rollout_train_like_one_process(training, mode):
         assert not diff
         assert y["completion/length_mean"] > 1 and y["reward/std"] > 0 and y["grad_norm"] > 0
         assert y["rollout/mismatch_max"] < 1e-5  # the sampler's logprobs are the trainer's (fp32)
+        if mode == "agent":  # several turns, observations from every rank's environments
+            assert y["episode/turns_mean"] > 1.5 and y["tokens/env_mean"] > 3, y
     if mode == "lora":  # the eval after step 2 (compared above): each chunk decoded once by the ranks' group
         assert ranks[1]["eval/completion_length"] > 1 and "eval/pass@2" in ranks[1]
         whole = sum(p.numel() * p.element_size() for p in w.model().parameters()) / 2**30  # tied embedding once
@@ -268,9 +287,6 @@ def _cfg(*overrides):
          r"--nproc-per-node 2"),
         (["rollout.tensor_parallel=4", "rollout.backend=static"], 6,
          r"rollout.tensor_parallel=4 must divide the number of ranks \(6\): set it to one of 1, 2, 3, 6"),
-        (["rollout.tensor_parallel=2", "rollout.backend=static", "agent.tools=[calculator]"], 2,
-         r"agent.tools / agent.environment .* not supported with rollout.tensor_parallel=2 yet; set "
-         r"rollout.tensor_parallel=1"),
         (["rollout.tensor_parallel=2", "rollout.backend=static", "rollout.merge_lora=false"], 2,
          r"rollout.merge_lora=false is not supported with rollout.tensor_parallel=2"),
         (["rollout.tensor_parallel=2", "rollout.backend=static", "rollout.fuse_projections=true"], 2,
@@ -384,6 +400,7 @@ def test_the_memory_model_counts_a_split_replica_per_rank():
 
 
 def test_a_step_graph_asked_for_with_a_split_rollout_is_refused():
-    """The tensor-parallel decode runs eagerly on CUDA, so there is no compiled step for rollout.step_graph to capture."""
-    with pytest.raises(ValueError, match=r"rollout.step_graph=true with rollout.tensor_parallel=2: .* unset rollout.step_graph"):
+    """The tensor-parallel decode runs eagerly on CUDA: there is no compiled step for rollout.step_graph to capture."""
+    refusal = r"rollout.step_graph=true with rollout.tensor_parallel=2: .* unset rollout.step_graph"
+    with pytest.raises(ValueError, match=refusal):
         _cfg("rollout.tensor_parallel=2", "rollout.backend=static", "rollout.step_graph=true")

@@ -150,6 +150,75 @@ def compiled(world: World) -> dict:
             "logp_diff": float((got.sampler_logp - want.sampler_logp).abs().max()), **stats}
 
 
+class PromptDriver:
+    """Episodes answered from each row's prompt and sample alone (so a group's drivers, each answering its own
+    rows, and one rank's driver answering all of them answer a row alike): turn k of sample g of prompt p gets an
+    observation of 2 + (len(p) + g + k) % 4 tokens spelled from p, and the episode ends after 1 + (len(p) + g) % 3
+    turns; a turn ends at one of 20 of the byte ids or after 5 tokens. `fail`: respond() raises on that rank."""
+
+    turn_end_ids, turn_stops, max_turn_tokens = list(range(40, 60)), [], 5
+
+    def __init__(self, prompts: list[str], fail: bool = False):
+        self.prompts, self.fail = prompts, fail
+
+    def begin(self, num_rows: int, num_generations: int) -> None:
+        self.G, self.count = num_generations, [0] * num_rows
+
+    def respond(self, turns):
+        if self.fail:
+            raise KeyError("no such tool")
+        out = []
+        for te in turns:
+            p, g = self.prompts[te.row // self.G], te.row % self.G
+            k = self.count[te.row]
+            self.count[te.row] += 1
+            n = 2 + (len(p) + g + k) % 4
+            out.append(None if k + 1 >= 1 + (len(p) + g) % 3 else [(ord(p[j % len(p)]) + k) % 250 for j in range(n)])
+        return out
+
+    def finish(self):
+        from logitless.rollout.episodes import EpisodeRecord
+
+        return [EpisodeRecord(turns=c) for c in self.count]
+
+
+def episodes(tp: int, world: World) -> dict:
+    """The group's episodes (each rank's driver answering its own rows, the replies gathered every turn) against
+    the one-rank episodes of the same prompts, seed and driver on the whole model; also a call every rank of the
+    group makes alike (decoded once: the group's first rank answers), and a driver that raises on each group's
+    second rank."""
+    device = torch.device("cpu")
+    mesh = tp_mesh(world.size, tp, device)
+    sharded, whole = model("llama", True), model("llama", True)
+    replica = TensorParallelCopy(sharded, mesh, device)
+    shard_model(sharded, device)
+    replica.materialize()
+    replica.sync(sharded)
+    engine = group_decode(make_engine("static", replica.model, TOK, check_every=4), replica)
+    options = SamplingOptions(num_generations=2, temperature=0.9, max_new_tokens=24, seed=rank_seed(5, world))
+    out = {}
+    for name, prompts, opts in (("own", rank_share(PROMPTS, world), options),
+                                ("same_call", PROMPTS[:3], dataclasses.replace(options, seed=5))):
+        got = engine.generate(prompts, opts, episodes=PromptDriver(prompts))
+        want = one_rank_episodes(whole, prompts, opts)
+        out[name] = {**same(got, want), "env_equal": got.env_mask.shape == want.env_mask.shape
+                     and torch.equal(got.env_mask, want.env_mask),
+                     "turns": [r.turns for r in got.episodes], "want_turns": [r.turns for r in want.episodes],
+                     "env_tokens": int((got.env_mask * got.completion_mask).sum())}
+    try:
+        engine.generate(rank_share(PROMPTS, world), options,
+                        episodes=PromptDriver(rank_share(PROMPTS, world), fail=world.rank % tp == 1))
+        out["failed"] = ""
+    except RuntimeError as e:
+        out["failed"] = str(e)
+    return out
+
+
+def one_rank_episodes(m: torch.nn.Module, prompts: list[str], options: SamplingOptions):
+    engine = make_engine("static", m, TOK, check_every=4, weights=MergedLoraWeights(m, "resident"))
+    return engine.generate(prompts, options, episodes=PromptDriver(prompts))
+
+
 def same(a, b) -> dict:
     """How two rollouts of the same rows compare: equal tokens, and the largest logprob difference."""
     shape = a.completion_ids.shape == b.completion_ids.shape
@@ -272,7 +341,10 @@ EVAL = ["eval.every_steps=2", "eval.num_prompts=5", "eval.batch_size=2", "eval.p
         "data.eval_options={n: 10}"]
 TRAIN = {"lora": ["train.max_steps=2", "rollout.backend=static", "checkpoint.save_steps=2", *EVAL],
          "full": ["train.max_steps=2", "rollout.backend=static", "checkpoint.save_steps=2", "model.lora=false",
-                  "optim.learning_rate=0.002"]}
+                  "optim.learning_rate=0.002"],
+         # episodes: each rank's environments answer its own rows, the group gathers the replies every turn
+         "agent": ["train.max_steps=2", "rollout.backend=static", "agent.environment=tests.agent_fixtures:Turns",
+                   "agent.env_options={turns: 3}", "rollout.max_completion_length=24", "rollout.stop=[e]"]}
 
 
 def train(out_dir: str, tok_dir: str) -> None:
@@ -396,6 +468,7 @@ def main(kind: str, out_dir: str, *args: str) -> None:
                 results[f"tp{tp}-{family}-{'lora' if lora else 'full'}"] = case(tp, family, lora, world)
         results[f"bf16-tp{tp}"] = bf16(tp, "tiny", world)
         results[f"vocab-tp{tp}"] = vocab(tp, world)
+        results[f"episodes-tp{tp}"] = episodes(tp, world)
     if world.size == 2:
         results["compiled"] = compiled(world)
         results["unseeded"] = unseeded(world)

@@ -85,10 +85,15 @@ def relayout(cache: Any, mask: torch.Tensor, upto: int) -> int:
     return E
 
 
-def _head_logits(module: Any, hidden: torch.Tensor) -> torch.Tensor:
-    """fp32 logits [b, V] of final hidden states [b, H]: (h Wᵀ + bias) × the model's logit multiplier."""
-    head = lm_head_of(module)
-    return F.linear(hidden.to(head.weight.dtype), head.weight, head.bias).float() * head.logit_multiplier
+def _plain_head(module: Any) -> Any:
+    """The lm_head `prefill_observations` applies by hand, or None where the model's own forward must give the
+    logits: a head the fused op cannot describe, or one split over a tensor-parallel group (a DTensor weight,
+    whose hooks give this rank's vocabulary columns)."""
+    try:
+        head = lm_head_of(module)
+    except UnsupportedModelError:
+        return None
+    return None if hasattr(head.weight, "device_mesh") else head
 
 
 def prefill_observations(module: Any, cache: Any, mask: torch.Tensor, next_pos: torch.Tensor, start: int,
@@ -109,12 +114,14 @@ def prefill_observations(module: Any, cache: Any, mask: torch.Tensor, next_pos: 
     mask[:, start + m :] = 1  # later slots: hidden by causality
     positions = next_pos + torch.arange(m, device=device)[None, :]  # [b, m]
     last = (lens - 1).clamp(min=0)
-    try:
+    head = _plain_head(module)
+    if head is not None:  # the body, then (h Wᵀ + bias) × the logit multiplier at each row's last input token
         out = decoder_body(module)(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                                    use_cache=True)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [b, m, H]
-        logits = _head_logits(module, hidden[torch.arange(b, device=device), last])
-    except UnsupportedModelError:  # a head the fused op cannot describe: the model's own logits, all positions
+        last_hidden = hidden[torch.arange(b, device=device), last].to(head.weight.dtype)
+        logits = F.linear(last_hidden, head.weight, head.bias).float() * head.logit_multiplier
+    else:  # the model's own logits, all positions
         out = module(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                      use_cache=True, logits_to_keep=m)
         logits = out.logits[torch.arange(b, device=device), last].float()

@@ -52,6 +52,7 @@ from logitless.rollout.types import Prompt, RolloutBatch, RolloutTiming, Samplin
 from logitless.rollout.vocab_split import VocabShard, shard_of
 from logitless.rollout.weights import fresh_copy, lora_layers, merge_refusal
 from logitless.trainer.fsdp_offload import device_full_tensor
+from logitless.trainer.tp_episodes import GroupDriver, driver_spec
 
 KEY = "rollout.tensor_parallel"
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # model_type values whose attention takes its heads per rank
@@ -114,7 +115,6 @@ def check_tensor_parallel(cfg: Any, world_size: int, model_config: Any = None) -
         raise ValueError(f"{KEY}={n} decodes with backend {' or '.join(BACKENDS)} (each rank's rows keep their own "
                          f"random streams in the group's batch); set rollout.backend=static, or {KEY}=1")
     refused = [
-        (cfg.agent.enabled, "agent.tools / agent.environment (multi-turn episodes)", f"{KEY}=1"),
         (cfg.model.lora and cfg.rollout.merge_lora is False, "rollout.merge_lora=false",
          "rollout.merge_lora unset (the split replica holds merged weights)"),
         (cfg.rollout.fuse_projections is True, "rollout.fuse_projections=true", "rollout.fuse_projections unset"),
@@ -413,23 +413,29 @@ class GroupDecode:
 
     def generate(self, prompts: Sequence[Prompt], options: SamplingOptions, episodes: Any = None) -> RolloutBatch:
         """This rank's rows of the group's union decode: the tokens and logprobs of `engine.generate(prompts,
-        options)` on one rank. When every rank of the group asks for the same call (an eval split over the groups),
-        it is decoded once and every rank gets all of it."""
-        if episodes is not None:
-            raise ValueError(f"multi-turn episodes (agent.*) are not supported with {KEY}={self.size} yet; set {KEY}=1")
+        options, episodes)` on one rank (with `episodes`, each rank's driver answers its own rows: `tp_episodes.py`).
+        When every rank of the group asks for the same call (an eval split over the groups), it is decoded once and
+        every rank gets all of it."""
         parts: list[Any] = [None] * self.size
-        dist.all_gather_object(parts, (list(prompts), options), group=self.group)
+        dist.all_gather_object(parts, (list(prompts), options, driver_spec(episodes)), group=self.group)
         # every rank sees the same parts, so every rank raises alike (none is left waiting in a collective)
-        rest = [dataclasses.replace(o, seed=None, streams=None) for _, o in parts]
-        if any(o.seed is None or o.streams is not None for _, o in parts) or any(r != rest[0] for r in rest):
+        rest = [dataclasses.replace(o, seed=None, streams=None) for _, o, _ in parts]
+        if any(o.seed is None or o.streams is not None for _, o, _ in parts) or any(r != rest[0] for r in rest):
             raise ValueError(f"{KEY}: the ranks of a group decode together, so each must give its rollout a seed "
                              "(SamplingOptions.seed), no streams of its own, and the same other sampling options")
-        if all(p == parts[0] for p in parts):
-            return self.engine.generate(prompts, options)
-        union = [p for mine, _ in parts for p in mine]
+        if any(spec != parts[0][2] for _, _, spec in parts):
+            raise ValueError(f"{KEY}: the ranks of a group decode their episodes together, so each must run episodes "
+                             "or none, with the same turn-end ids, turn stops and max_turn_tokens")
+        if all(p == parts[0] for p in parts):  # one call: the group's first rank answers every episode
+            if episodes is not None:
+                episodes = GroupDriver(episodes, self.group, self.rank, [len(prompts)] + [0] * (self.size - 1))
+            return self.engine.generate(prompts, options, episodes=episodes)
+        union = [p for mine, _, _ in parts for p in mine]
+        if episodes is not None:  # this rank's driver answers its own rows; the replies are gathered every turn
+            episodes = GroupDriver(episodes, self.group, self.rank, [len(mine) for mine, _, _ in parts])
         batch = self.engine.generate(union, dataclasses.replace(
-            options, streams=[(o.seed, len(mine)) for mine, o in parts]))
-        start = sum(len(mine) for mine, _ in parts[: self.rank])
+            options, streams=[(o.seed, len(mine)) for mine, o, _ in parts]), episodes=episodes)
+        start = sum(len(mine) for mine, _, _ in parts[: self.rank])
         return prompt_rows(batch, start, len(prompts), options.num_generations)
 
 

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -370,9 +371,10 @@ GPU_TOKENS = 96
 def gpu(out_dir: str, tok_dir: str) -> None:
     """Each rank: the one-GPU rollout of its prompts (whole model, merged LoRA copy, the engine's CUDA defaults), its
     rows of the group's split rollout (its synced weights in sleepable memory, freed and written again between two
-    calls) and of the same split with the lm_head's logits gathered (the whole-row draw); each sampler's gap to the
-    trainer's logprobs on its own tokens, the decode tokens/s of the second call of each, and how the draw over the
-    vocabulary split compares with the gathered rows' draw. Writes OUT_DIR/gpu_rank{R}.json."""
+    calls), of the same split with the lm_head's logits gathered (the whole-row draw) and of the split with
+    step_graph=true (its eager step captured); each sampler's gap to the trainer's logprobs on its own tokens, the
+    decode tokens/s of the second call of each, how the draw over the vocabulary split compares with the gathered
+    rows' draw and the captured step with the eager one. Writes OUT_DIR/gpu_rank{R}.json."""
     from logitless.models import completion_logprobs
     from tests import dist_worker as w
 
@@ -415,9 +417,14 @@ def gpu(out_dir: str, tok_dir: str) -> None:
             ("one_gpu", alone, lambda: None, lambda: None),
             ("split", split, lambda: replica.sync(sharded), replica.release),
             ("gathered", group_decode(make_engine("static", gathered.model, tok), gathered),
-             lambda: gathered.sync(sharded), lambda: None)):
+             lambda: gathered.sync(sharded), lambda: None),
+            ("split_graph", group_decode(make_engine("static", replica.model, tok, step_graph=True), replica),
+             lambda: replica.sync(sharded), replica.release)):
         sync()
-        batch = engine.generate(mine, options)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            batch = engine.generate(mine, options)
+        out[f"{name}_uncaptured"] = [str(w.message)[:300] for w in caught if "could not be captured" in str(w.message)]
         release()  # the replica's weights freed (sleep) and written again: the same samples after
         sync()
         again = engine.generate(mine, options)  # compiled and captured by now: the decode's own speed
@@ -432,6 +439,7 @@ def gpu(out_dir: str, tok_dir: str) -> None:
                      "tokens_per_s": again.timing.num_tokens / again.timing.generate_seconds}
         batches[name] = batch
     out["split_vs_gathered"] = same(batches["split"], batches["gathered"])  # the draw over the vocabulary split
+    out["graph_vs_eager"] = same(batches["split_graph"], batches["split"])  # the eager step, captured
     Path(out_dir, f"gpu_rank{world.rank}.json").write_text(json.dumps(out))
 
 

@@ -247,7 +247,9 @@ class RolloutConfig:
     # rank holds 1/N of the decode weights and a model larger than one GPU's replica can be trained; each group
     # decodes its ranks' prompts together, each rank's samples those of its own rollout. Must divide the number of
     # ranks, the attention and KV heads and the MLP width; families: Llama, Qwen2, Qwen3, Mistral. On CUDA the split
-    # decode runs eagerly (no torch.compile, no step graph). 1: every rank decodes alone from a whole replica.
+    # decode runs without torch.compile; rollout.step_graph=true captures its eager step as one CUDA graph per wave
+    # (collectives included; it decodes on without the graph if the capture fails). 1: every rank decodes alone
+    # from a whole replica.
     tensor_parallel: int = 1
 
     def static_settings(self) -> list[str]:
@@ -281,10 +283,6 @@ class RolloutConfig:
                     f"rollout.{name}={getattr(self, name)!r} needs rollout.backend=static (got {self.backend!r}): "
                     f"set rollout.backend=static or unset rollout.{name}"
                 )
-        if self.step_graph is True and self.tensor_parallel > 1:
-            raise ValueError(f"rollout.step_graph=true with rollout.tensor_parallel={self.tensor_parallel}: the "
-                             "tensor-parallel decode runs eagerly on CUDA (no compiled step to capture); unset "
-                             "rollout.step_graph")
         if self.step_graph is True:
             filters = {"top_p": self.top_p != 1.0, "top_k": self.top_k != 0, "min_p": self.min_p != 0.0,
                        "repetition_penalty": self.repetition_penalty != 1.0, "length_buckets": self.length_buckets != 1,

@@ -30,8 +30,8 @@ with one copy of the policy split over its ranks, so the rollout holds 1/N of th
   would (`SamplingOptions.streams`), and returns this rank's rows, so the tokens and logprobs are those of the
   one-rank rollout of the same rows. Every rank of the group draws the same tokens (the collectives give every
   rank the same sums, and the draw's combine the same token), so all stop together; the automatic KV budget is
-  the group's smallest, so all decode the same waves. On CUDA the group decodes eagerly (no torch.compile, no
-  step graph): dynamo cannot trace the replica's DTensor weights there yet.
+  the group's smallest, so all decode the same waves. On CUDA the group decodes without torch.compile (dynamo
+  cannot trace the replica's DTensor weights there yet); rollout.step_graph=true captures the eager step.
 """
 
 from __future__ import annotations
@@ -390,8 +390,9 @@ class GroupDecode:
                    rank=dist.get_rank(group))
         self.__dict__.update(own)
         if device.type == "cuda" and engine.compile is None:
-            # eager on CUDA: dynamo fails on the replica's DTensor weights there (fake-tensor errors on the embedding
-            # and on weights in sleepable memory, torch 2.11; bench/LOG.md), so neither compile nor the step graph
+            # no torch.compile on CUDA: dynamo fails on the replica's DTensor weights there (fake-tensor errors on the
+            # embedding and on weights in sleepable memory, torch 2.11; bench/LOG.md). The step graph, which the
+            # engine's default ties to compilation, captures the eager step where rollout.step_graph=true.
             engine.compile = False
         engine.shared_budget = self.smallest
         engine.vocab_shard = vocab  # the replica's logits: this rank's columns (None: the whole rows)

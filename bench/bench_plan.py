@@ -306,10 +306,16 @@ def mp_json(res: Any) -> dict[str, Any]:
     return mp.to_json(res.plan)
 
 
+def _yaml(value: Any) -> str:
+    """A recorded setting's value as a config override writes it."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def recorded_prediction(result: dict[str, Any], run: dict[str, Any], prompt_len: int) -> dict[str, Any] | None:
-    """Predicted peak per phase of one recorded bench_e2e run of logitless (its shape, overrides and budget, the
-    defaults of its time: nothing auto), beside the measured one; None for runs the plan does not model (several
-    GPUs, a rollout device, train.fsdp_offload)."""
+    """Predicted peak per phase of one recorded bench_e2e run of logitless (its shape, overrides and budget; the
+    settings "auto" resolved where the run recorded them, else the defaults of its time: nothing auto; bench_e2e's
+    multi-turn runs as episodes), beside the measured one; None for runs the plan does not model (several GPUs, a
+    rollout device, train.fsdp_offload)."""
     import dataclasses
 
     from logitless.trainer import load_train_config
@@ -327,9 +333,16 @@ def recorded_prediction(result: dict[str, Any], run: dict[str, Any], prompt_len:
     then = ["rollout.backend=static", "model.gradient_checkpointing=true", "model.activation_offload=false",
             "model.compile_layers=false", "model.liger_kernels=false", "train.packed=false",
             "train.micro_batch_tokens=null", "train.offload_during_rollout=false", "model.lora_compute=autocast"]
-    sets = ["data.task=gsm8k", f"rollout.num_generations={G}", f"rollout.max_completion_length={T}",
+    turns, completion = int(c.get("turns") or 1), T
+    if turns > 1:  # bench_e2e's synthetic agent: T model tokens a row and (turns - 1) observations
+        completion = T + (turns - 1) * int(c.get("obs_tokens") or 0)
+        then += ["agent.tools=[calculator]", f"agent.max_turns={turns}"]
+    # a run that recorded its resolved settings ("auto" decided them): those, as the run used them
+    resolved = [f"{x['key']}={_yaml(x['value'])}" for x in (run.get("resolved") or {}).get("choices", [])
+                if x["key"] != "train.memory_budget_gib"]
+    sets = ["data.task=gsm8k", f"rollout.num_generations={G}", f"rollout.max_completion_length={completion}",
             f"train.prompts_per_step={prompts}", f"train.micro_batch_size={c.get('micro_batch') or 8}",
-            f"model.lora={not str(c.get('tuning', '')).startswith('full')}", *then, *overrides]
+            f"model.lora={not str(c.get('tuning', '')).startswith('full')}", *then, *resolved, *overrides]
     try:
         cfg = load_train_config(None, sets)
     except ValueError:  # a key of an older version
@@ -339,7 +352,8 @@ def recorded_prediction(result: dict[str, Any], run: dict[str, Any], prompt_len:
     mem = model_memory(model, cfg.model, torch.bfloat16)
     device = next((k for k in DEVICE_GIB if k in str(result.get("info", {}).get("device", "H200"))), "H200")
     budget = (c.get("memory_budget_gib") or DEVICE_GIB[device]) * mp.GIB
-    step = mp.StepShape(prompts=prompts, rows=prompts * G, prompt_len=prompt_len, completion_len=T, context=32_768)
+    step = mp.StepShape(prompts=prompts, rows=prompts * G, prompt_len=prompt_len, completion_len=completion,
+                        context=32_768, episodes=turns > 1)
     facts = run_facts(cfg, "static", kernels, torch.device("cuda"))
     knobs = mp.knobs_of(cfg)
     if knobs.max_kv_gib is None:  # the engine's own cap: 85 % of the memory free when the rollout starts

@@ -76,6 +76,20 @@ def test_episode_cache_length_is_the_static_engine_s():
     assert step_shape(res, bench_plan.skeleton("1.5b")).episodes
 
 
+def test_an_episode_rollout_counts_the_observation_prefill_s_repeated_keys_and_values():
+    """The observation prefill runs transformers' sdpa, which repeats one layer's K and V over the cache to every
+    query head: 2 x rows x cache slots x q_dim elements beside the cache, for grouped-query models in episodes only."""
+    cfg, mem, step = _qwen()
+    facts, knobs = mp.RunFacts(backend="static"), mp.knobs_of(cfg)
+    episode = dataclasses.replace(step, episodes=True)
+    one, turns = mp.generate_bytes(mem, step, facts, knobs), mp.generate_bytes(mem, episode, facts, knobs)
+    assert "observation prefill" not in one
+    assert turns["observation prefill"] == 2 * 128 * episode.cache_len * 1536 * 2  # 12 query heads x 128, bf16
+    assert turns["kv cache"] == 128 * episode.cache_len * mem.kv_bytes_per_token
+    mha = dataclasses.replace(mem, kv_dim=mem.q_dim)  # no grouped query: sdpa repeats nothing
+    assert "observation prefill" not in mp.generate_bytes(mha, episode, facts, knobs)
+
+
 @pytest.mark.parametrize("rows,cap", [(128, None), (128, 1.0), (128, 1.5), (7, 0.1), (512, 17.3), (96, 4.0)])
 def test_waves_are_the_static_engine_s(rows, cap):
     """rows_per_wave splits the rows as the engine's wave_rows does under the same cap."""

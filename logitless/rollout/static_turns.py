@@ -85,15 +85,15 @@ def relayout(cache: Any, mask: torch.Tensor, upto: int) -> int:
     return E
 
 
-def _plain_head(module: Any) -> Any:
-    """The lm_head `prefill_observations` applies by hand, or None where the model's own forward must give the
-    logits: a head the fused op cannot describe, or one split over a tensor-parallel group (a DTensor weight,
-    whose hooks give this rank's vocabulary columns)."""
+def _body_and_head(module: Any) -> tuple[Any, Any] | None:
+    """The decoder body and the lm_head `prefill_observations` applies by hand, or None where the model's own
+    forward must give the logits: a model the fused op cannot describe, or a head split over a tensor-parallel
+    group (a DTensor weight, whose hooks give this rank's vocabulary columns)."""
     try:
-        head = lm_head_of(module)
+        body, head = decoder_body(module), lm_head_of(module)
     except UnsupportedModelError:
         return None
-    return None if hasattr(head.weight, "device_mesh") else head
+    return None if hasattr(head.weight, "device_mesh") else (body, head)
 
 
 def prefill_observations(module: Any, cache: Any, mask: torch.Tensor, next_pos: torch.Tensor, start: int,
@@ -114,10 +114,10 @@ def prefill_observations(module: Any, cache: Any, mask: torch.Tensor, next_pos: 
     mask[:, start + m :] = 1  # later slots: hidden by causality
     positions = next_pos + torch.arange(m, device=device)[None, :]  # [b, m]
     last = (lens - 1).clamp(min=0)
-    head = _plain_head(module)
-    if head is not None:  # the body, then (h Wᵀ + bias) × the logit multiplier at each row's last input token
-        out = decoder_body(module)(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                                   use_cache=True)
+    parts = _body_and_head(module)
+    if parts is not None:  # the body, then (h Wᵀ + bias) × the logit multiplier at each row's last input token
+        body, head = parts
+        out = body(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [b, m, H]
         last_hidden = hidden[torch.arange(b, device=device), last].to(head.weight.dtype)
         logits = F.linear(last_hidden, head.weight, head.bias).float() * head.logit_multiplier

@@ -345,7 +345,7 @@ TRAIN = {"lora": ["train.max_steps=2", "rollout.backend=static", "checkpoint.sav
                   "optim.learning_rate=0.002"],
          # episodes: each rank's environments answer its own rows, the group gathers the replies every turn
          "agent": ["train.max_steps=2", "rollout.backend=static", "agent.environment=tests.agent_fixtures:Turns",
-                   "agent.env_options={turns: 3}", "rollout.max_completion_length=24", "rollout.stop=[e]"]}
+                   "agent.env_options={turns: 3}", "rollout.max_completion_length=24", "rollout.stop=[e]", *EVAL]}
 
 
 def train(out_dir: str, tok_dir: str) -> None:

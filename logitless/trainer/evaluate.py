@@ -55,6 +55,7 @@ class EvalResult:
     mean_length: float = math.nan  # completion tokens per sample
     # multi-turn episodes (agent.*): means per episode of `trainer.episodes.episode_stats` (turns, ...); else empty
     episodes: dict[str, float] = field(default_factory=dict)
+    episode_counts: dict[str, float] = field(default_factory=dict)  # the episodes each of those means is over
 
     def metrics(self) -> dict[str, float]:
         """The `eval/*` metrics of a run: eval/accuracy (share of correct samples: the greedy accuracy, or pass@1
@@ -154,11 +155,12 @@ def evaluate(
                 "correct": bool(correct.view(-1)[b]),
             })
     finite = [r for r in rewards if not math.isnan(r)]
+    merged = merge_metrics(episodes)
     return EvalResult(
         accuracy=sum(solved) / len(solved), mean_reward=sum(finite) / max(len(finite), 1), num_prompts=len(rows),
         pass_k=k, split=split, seconds=time.perf_counter() - t0, samples=samples,
         sample_accuracy=sum(s["correct"] for s in samples) / len(samples), mean_length=sum(lengths) / len(lengths),
-        episodes=stat_means(merge_metrics(episodes)),
+        episodes=stat_means(merged), episode_counts={k: float(v.count) for k, v in merged.items() if float(v.count)},
     )
 
 
@@ -213,5 +215,22 @@ def eval_in_run(ctx: Any) -> dict[str, float]:
         result.accuracy * result.num_prompts, result.num_prompts, result.sample_accuracy * n_samples, n_samples,
         sum(finite), len(finite), result.mean_length * n_samples)]
     merged = dataclasses.replace(result, accuracy=sums[0] / sums[1], sample_accuracy=sums[2] / sums[3],
-                                 mean_reward=sums[4] / max(sums[5], 1), mean_length=sums[6] / sums[3])
+                                 mean_reward=sums[4] / max(sums[5], 1), mean_length=sums[6] / sums[3],
+                                 episodes=episode_means(result, share > 0))
     return merged.metrics()
+
+
+def episode_means(result: EvalResult, counted: bool) -> dict[str, float]:
+    """Each eval/episode/* mean over every rank's episodes (weighted by their counts; `counted`: this rank's
+    episodes count, as one rank of each tensor-parallel group)."""
+    import torch.distributed as dist
+
+    mine = {k: (v * result.episode_counts[k], result.episode_counts[k]) for k, v in result.episodes.items()}
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine if counted else {})
+    totals: dict[str, tuple[float, float]] = {}
+    for part in parts:
+        for k, (total, n) in part.items():
+            a, b = totals.get(k, (0.0, 0.0))
+            totals[k] = (a + total, b + n)
+    return {k: total / n for k, (total, n) in sorted(totals.items()) if n > 0}

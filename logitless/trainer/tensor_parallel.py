@@ -429,7 +429,7 @@ class GroupDecode:
                              "or none, with the same turn-end ids, turn stops and max_turn_tokens")
         if all(p == parts[0] for p in parts):  # one call: the group's first rank answers every episode
             if episodes is not None:
-                episodes = GroupDriver(episodes, self.group, self.rank, [len(prompts)] + [0] * (self.size - 1))
+                episodes = GroupDriver(episodes, self.group, self.rank, [len(prompts)], shared=True)
             return self.engine.generate(prompts, options, episodes=episodes)
         union = [p for mine, _, _ in parts for p in mine]
         if episodes is not None:  # this rank's driver answers its own rows; the replies are gathered every turn

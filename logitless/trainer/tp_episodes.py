@@ -7,7 +7,8 @@ the rank's driver the turns of the rank's own rows (renumbered as its own call w
 rank's replies over the group and returns them in the engine's order; `finish()` gathers the records likewise.
 Every rank of the group decodes the same tokens, so every rank reaches each gather at the same turn, and every
 rank sees the same gathered replies, so a faulty driver is refused on every rank alike (none is left waiting in a
-collective).
+collective). A call every rank of the group makes alike (an eval's chunk) is decoded once; the group's first rank
+answers its episodes, and every rank gets them.
 
     rank 0 rows [0, n0·G) ─┐                       ┌─ rank 0's driver.respond(its turns)
     rank 1 rows [n0·G, …) ─┴─ union decode, a turn ┴─ rank 1's driver.respond(its turns) ─► all_gather ─► replies
@@ -32,16 +33,21 @@ def driver_spec(driver: EpisodeDriver | None) -> tuple | None:
 
 class GroupDriver:
     """The group's driver for a union decode of `counts[r]` prompts of each rank r (rank r's rows first after
-    those of ranks before it, G per prompt); `driver` answers this rank's rows."""
+    those of ranks before it, G per prompt); `driver` answers this rank's rows. shared: every rank of the group
+    asked for the same prompts (`counts` = [their number]) with a driver made for all of them; the group's first
+    rank answers every row, the others' drivers only begin and finish (their tools never run)."""
 
-    def __init__(self, driver: EpisodeDriver, group: Any, rank: int, counts: Sequence[int]):
-        self.driver, self.group, self.rank, self.counts = driver, group, rank, list(counts)
+    def __init__(self, driver: EpisodeDriver, group: Any, rank: int, counts: Sequence[int], shared: bool = False):
+        self.driver, self.group, self.rank, self.counts, self.shared = driver, group, rank, list(counts), shared
         self.turn_end_ids, self.turn_stops = list(driver.turn_end_ids), list(driver.turn_stops)
         self.max_turn_tokens = driver.max_turn_tokens
+        self.size = dist.get_world_size(group)
         self.G = 0
 
     def _owner(self, row: int) -> tuple[int, int]:
         """(rank, the row's index in that rank's own call) of a union row."""
+        if self.shared:
+            return 0, row
         first = 0
         for r, n in enumerate(self.counts):
             if row < first + n * self.G:
@@ -55,7 +61,7 @@ class GroupDriver:
             mine, error = call(), None
         except Exception as e:  # noqa: BLE001  (raised below on every rank, after the gather)
             mine, error = None, f"{type(e).__name__}: {e}"
-        parts: list[Any] = [None] * len(self.counts)
+        parts: list[Any] = [None] * self.size
         dist.all_gather_object(parts, (mine, error), group=self.group)
         failed = [(r, err) for r, (_, err) in enumerate(parts) if err is not None]
         if failed:
@@ -65,8 +71,11 @@ class GroupDriver:
 
     def begin(self, num_rows: int, num_generations: int) -> None:
         self.G = num_generations
-        assert num_rows == sum(self.counts) * num_generations, (num_rows, self.counts, num_generations)
-        self.driver.begin(self.counts[self.rank] * num_generations, num_generations)
+        if num_rows != sum(self.counts) * num_generations:
+            raise ValueError(f"the group's union decode has {num_rows} rows, its ranks asked for "
+                             f"{sum(self.counts)} prompts x {num_generations}")
+        own = num_rows if self.shared else self.counts[self.rank] * num_generations
+        self._gather("begin()", lambda: self.driver.begin(own, num_generations))
 
     def respond(self, turns: list[TurnEnd]) -> list[list[int] | None]:
         owners = [self._owner(te.row) for te in turns]
@@ -80,12 +89,12 @@ class GroupDriver:
             return [r.tolist() if hasattr(r, "tolist") else r for r in replies]
 
         parts = self._gather("respond()", answer)
-        asked = [sum(1 for r, _ in owners if r == k) for k in range(len(self.counts))]
+        asked = [sum(1 for r, _ in owners if r == k) for k in range(self.size)]
         for k, (got, n) in enumerate(zip(parts, asked)):
             if len(got) != n:
                 raise ValueError(f"the episode driver of rank {k} of the tensor-parallel group answered {len(got)} "
                                  f"replies to {n} turns; it must return one (token ids or None) per turn")
-        taken = [0] * len(self.counts)
+        taken = [0] * self.size
         out = []
         for r, _ in owners:
             out.append(parts[r][taken[r]])
@@ -94,4 +103,4 @@ class GroupDriver:
 
     def finish(self) -> list[EpisodeRecord]:
         parts = self._gather("finish()", lambda: list(self.driver.finish()))
-        return [record for part in parts for record in part]
+        return parts[0] if self.shared else [record for part in parts for record in part]

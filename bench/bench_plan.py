@@ -306,11 +306,6 @@ def mp_json(res: Any) -> dict[str, Any]:
     return mp.to_json(res.plan)
 
 
-def _yaml(value: Any) -> str:
-    """A recorded setting's value as a config override writes it."""
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-
-
 def recorded_prediction(result: dict[str, Any], run: dict[str, Any], prompt_len: int) -> dict[str, Any] | None:
     """Predicted peak per phase of one recorded bench_e2e run of logitless (its shape, overrides and budget; the
     settings "auto" resolved where the run recorded them, else the defaults of its time: nothing auto; bench_e2e's
@@ -320,7 +315,7 @@ def recorded_prediction(result: dict[str, Any], run: dict[str, Any], prompt_len:
 
     from logitless.trainer import load_train_config
     from logitless.trainer import memory_plan as mp
-    from logitless.trainer.auto import model_memory, run_facts
+    from logitless.trainer.auto import model_memory, run_facts, setting_text
 
     c = result.get("config")
     m = re.search(r"Qwen2\.5-(\w+(?:\.\d+)?b)", str(c.get("shape", ""))) if isinstance(c, dict) else None
@@ -338,7 +333,7 @@ def recorded_prediction(result: dict[str, Any], run: dict[str, Any], prompt_len:
         completion = T + (turns - 1) * int(c.get("obs_tokens") or 0)
         then += ["agent.tools=[calculator]", f"agent.max_turns={turns}"]
     # a run that recorded its resolved settings ("auto" decided them): those, as the run used them
-    resolved = [f"{x['key']}={_yaml(x['value'])}" for x in (run.get("resolved") or {}).get("choices", [])
+    resolved = [f"{x['key']}={setting_text(x['value'])}" for x in (run.get("resolved") or {}).get("choices", [])
                 if x["key"] != "train.memory_budget_gib"]
     sets = ["data.task=gsm8k", f"rollout.num_generations={G}", f"rollout.max_completion_length={completion}",
             f"train.prompts_per_step={prompts}", f"train.micro_batch_size={c.get('micro_batch') or 8}",

@@ -109,9 +109,10 @@ def turn_cap(driver: EpisodeDriver) -> int | None:
     return cap
 
 
-def checked_replies(replies: Any, turns: Sequence[TurnEnd], vocab: int) -> list[list[int] | None]:
+def checked_replies(replies: Any, turns: Sequence[TurnEnd], vocab: int | None) -> list[list[int] | None]:
     """`driver.respond(turns)`'s answer as one list of token ids (or None) per turn, refused (naming the row and
-    the fault) when it has another length, a reply is not a sequence of ints, or an id is outside `vocab`."""
+    the fault) when it has another length, a reply is not a sequence of ints, or an id is outside `vocab` (None:
+    the ids' range is checked later)."""
     if not isinstance(replies, Sequence) or isinstance(replies, (str, bytes)) or len(replies) != len(turns):
         got = len(replies) if isinstance(replies, Sequence) else repr(replies)
         raise ValueError(f"the episode driver answered {got} replies to {len(turns)} turns; it must return one "
@@ -119,7 +120,7 @@ def checked_replies(replies: Any, turns: Sequence[TurnEnd], vocab: int) -> list[
     return [_checked_reply(reply, te.row, vocab) for te, reply in zip(turns, replies)]
 
 
-def _checked_reply(reply: Any, row: int, vocab: int) -> list[int] | None:
+def _checked_reply(reply: Any, row: int, vocab: int | None) -> list[int] | None:
     if reply is None:
         return None
     if hasattr(reply, "tolist"):  # a tensor or an array
@@ -128,7 +129,7 @@ def _checked_reply(reply: Any, row: int, vocab: int) -> list[int] | None:
             isinstance(i, int) and not isinstance(i, bool) for i in reply):
         raise TypeError(f"the episode driver's reply for row {row} must be a list of token ids or None, got "
                         f"{reply!r:.80}")
-    bad = [i for i in reply if not 0 <= i < vocab]
+    bad = [] if vocab is None else [i for i in reply if not 0 <= i < vocab]
     if bad:
         raise ValueError(f"the episode driver's reply for row {row} holds token id {bad[0]}, outside the model's "
                          f"vocabulary of {vocab} ids")

@@ -215,13 +215,12 @@ def decode_episodes(engine: Any, module: Any, call: Any, rows: torch.Tensor, pro
                     s.done, active[i] = True, False
                     s.truncated = s.truncated or te.ended == "budget" or (reply is not None and te.room <= 0)
                     continue
-                obs = reply
-                s.add(obs[: te.room], None, env=True)
-                if len(obs) >= te.room:  # no room left for the model: the episode ends with the observation cut
+                s.add(reply[: te.room], None, env=True)
+                if len(reply) >= te.room:  # no room left for the model: the episode ends with the observation cut
                     s.done, s.truncated, active[i] = True, True, False
                     continue
-                inputs[i] = [te.ids[-1], *obs]
-                live.next_pos[i] = prompt_len[i] + len(s.ids) - len(obs) - 1  # the position of te.ids[-1]
+                inputs[i] = [te.ids[-1], *reply]
+                live.next_pos[i] = prompt_len[i] + len(s.ids) - len(reply) - 1  # the position of te.ids[-1]
             if not inputs:
                 break
             end = relayout(live.cache, live.mask, start + steps - 1)

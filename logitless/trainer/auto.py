@@ -385,7 +385,8 @@ def run_facts(cfg: TrainerConfig, backend: str, kernels: str, device: torch.devi
 # --- output ---------------------------------------------------------------------------------------------------------
 
 
-def _fmt(v: Any) -> str:
+def setting_text(v: Any) -> str:
+    """A decided setting's value as a config override writes it (true, null, 8192)."""
     if isinstance(v, bool) or v is None:
         return str(v).lower() if v is not None else "null"
     return str(v)
@@ -401,7 +402,7 @@ def print_resolved(res: Resolved, console: Any = None) -> None:
     for col in ("setting", "value", "", "why"):
         table.add_column(col, overflow="fold")
     for c in res.choices:
-        table.add_row(c.key, _fmt(c.value), "auto" if c.auto else "set", c.reason)
+        table.add_row(c.key, setting_text(c.value), "auto" if c.auto else "set", c.reason)
     console.print(table)
     for note in res.notes:
         console.print(f"[yellow]warning:[/] {note}", highlight=False)

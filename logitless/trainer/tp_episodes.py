@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from logitless.rollout.episodes import EpisodeDriver, EpisodeRecord, TurnEnd
+from logitless.rollout.episodes import EpisodeDriver, EpisodeRecord, TurnEnd, checked_replies
 
 
 def driver_spec(driver: EpisodeDriver | None) -> tuple | None:
@@ -80,20 +80,8 @@ class GroupDriver:
     def respond(self, turns: list[TurnEnd]) -> list[list[int] | None]:
         owners = [self._owner(te.row) for te in turns]
         mine = [dataclasses.replace(te, row=local) for te, (r, local) in zip(turns, owners) if r == self.rank]
-
-        def answer() -> list[Any]:
-            replies = self.driver.respond(mine) if mine else []
-            if not isinstance(replies, Sequence) or isinstance(replies, (str, bytes)):
-                raise ValueError(f"the episode driver answered {replies!r:.80} to {len(mine)} turns; it must return "
-                                 "one (token ids or None) per turn")
-            return [r.tolist() if hasattr(r, "tolist") else r for r in replies]
-
-        parts = self._gather("respond()", answer)
-        asked = [sum(1 for r, _ in owners if r == k) for k in range(self.size)]
-        for k, (got, n) in enumerate(zip(parts, asked)):
-            if len(got) != n:
-                raise ValueError(f"the episode driver of rank {k} of the tensor-parallel group answered {len(got)} "
-                                 f"replies to {n} turns; it must return one (token ids or None) per turn")
+        # each rank's replies checked where they are made (the ids' range by the engine, after the gather)
+        parts = self._gather("respond()", lambda: checked_replies(self.driver.respond(mine) if mine else [], mine, None))
         taken = [0] * self.size
         out = []
         for r, _ in owners:

@@ -4,7 +4,8 @@
 # 4+ GPUs: the exactness matrix in two halves (GPUs 0 and 1; the kernel files beside the first half), then the
 # other one-GPU files (GPUs 0 and 1), while the multi-GPU files run on GPUs 2,3. 2 GPUs: the one-GPU shards on GPU 0
 # and 1, then the multi-GPU files on both. 1 GPU: one pytest process. Each shard's log is LOG_DIR/<shard>.log, its
-# exit status on the log's last line; the script exits non-zero when any shard failed. Real tokenizers come from
+# exit status on the log's last line, and LOG_DIR/summary.json gathers them; the script exits non-zero when any shard
+# failed. Real tokenizers come from
 # LOGITLESS_SHARED (see tests/conftest.py); carry bitsandbytes, torchao and liger-kernel so nothing skips.
 set -u
 PY=${PYTHON:-python3}  # the interpreter with torch (PYTHON=.venv/bin/python in a checkout with the venv)
@@ -23,7 +24,7 @@ HALF_B="gemma2 or gemma3 or granite or gpt_oss or olmo2"
 shard() {  # shard NAME GPUS PYTEST-ARGS...
   local name=$1 gpus=$2; shift 2
   echo "$(date +%T) start $name on GPU $gpus" >> "$out/times.txt"
-  CUDA_VISIBLE_DEVICES=$gpus "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "$@" > "$out/$name.log" 2>&1
+  CUDA_VISIBLE_DEVICES=$gpus "$PY" -m pytest -m gpu -q -rfEs -p no:cacheprovider "$@" > "$out/$name.log" 2>&1
   echo "exit $?" >> "$out/$name.log"
   echo "$(date +%T) end $name" >> "$out/times.txt"
 }
@@ -47,4 +48,33 @@ for f in "$out"/*.log; do
   grep -E "^(FAILED|ERROR) " "$f"
   tail -1 "$f" | grep -q "^exit 0$" || fail=1
 done
+# LOG_DIR/summary.json: what bench/results/gpu_tests_*.json records (device, versions, commit, each shard's counts,
+# failures, skips and logitless's own warnings)
+COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} "$PY" - "$out" <<'PY'
+import importlib.metadata as md, json, os, re, sys, pathlib, torch
+out = pathlib.Path(sys.argv[1])
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return "not installed"
+shards = {}
+for log in sorted(out.glob("*.log")):
+    text = log.read_text(errors="replace")
+    last = re.findall(r"^=*\s*(\d+ (?:passed|failed|skipped|error).* in [0-9.]+s.*?)=*$", text, re.M)
+    shards[log.stem] = {"result": last[-1].strip() if last else "no pytest summary (cut short?)",
+                        "exit": text.strip().splitlines()[-1] if text.strip() else "",
+                        "failed": re.findall(r"^(?:FAILED|ERROR) (\S+)", text, re.M),
+                        "skipped": re.findall(r"^SKIPPED \[\d+\] (.*)$", text, re.M),
+                        # logitless's own warnings (a step graph that could not be captured, a fallback) can fail no
+                        # test and still be a regression
+                        "logitless_warnings": sorted({w[:300] for w in re.findall(
+                            r"^\s+\S*logitless/\S+:\d+: (\w*Warning: .*)$", text, re.M)})}
+info = {"device": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "versions": {n: version(n) for n in ("torch", "transformers", "peft", "triton", "bitsandbytes", "torchao",
+                                             "liger_kernel")},
+        "commit": os.environ["COMMIT"]}
+(out / "summary.json").write_text(json.dumps({"info": info, "shards": shards}, indent=1))
+print(f"wrote {out / 'summary.json'}")
+PY
 exit $fail

@@ -225,8 +225,8 @@ class Result:
 
 def mean_bound(r: Result, ref: Result) -> float:
     """The largest mean gap `r` may have against its reference: BOUND_MEAN x the reference's, or one fp32 spacing of
-    the logprobs compared where that is larger (a near-uniform random model's logprobs agree to the last bits in
-    both, and a ratio of two gaps below one ulp measures rounding of the comparison, not of the decode)."""
+    the logprobs compared where that is larger (a ratio of two gaps below one ulp measures the rounding of the
+    comparison, not of the decode)."""
     return max(BOUND_MEAN * ref.mean, r.spacing)
 
 

@@ -77,17 +77,22 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def _args_as_text(record: logging.LogRecord) -> bool:
-    """Log filter: a record's arguments as text. pytest's log capture keeps each record of a test until it ends, and
-    an exception among the arguments keeps its traceback's frames alive: Liger logs each kernel backend it cannot
-    import with the ImportError, at the run's first use of the op, so the frames of that run (its model and
-    optimizer: 0.71 GiB in the one-GPU FSDP-offload peak test, H100) stayed on the GPU through the next run."""
-    if isinstance(record.args, tuple):
-        record.args = tuple(a if isinstance(a, (str, int, float)) else str(a) for a in record.args)
-    return True
+_make_record = logging.getLogRecordFactory()
 
 
-logging.getLogger("liger_kernel.backends.registry").addFilter(_args_as_text)
+def _record_with_exceptions_as_text(*args, **kwargs) -> logging.LogRecord:
+    """Every log record of the test process with its exception arguments as their text. pytest's log capture keeps
+    each record of a test until it ends, and an exception among a record's arguments keeps its traceback's frames
+    alive: Liger logs each kernel backend it cannot import with the ImportError, at a run's first use of the op, so
+    that run's frames (its model and optimizer: 0.71 GiB in the one-GPU FSDP-offload peak test, H100) stayed on the
+    GPU through the next run."""
+    record = _make_record(*args, **kwargs)
+    if isinstance(record.args, tuple) and any(isinstance(a, BaseException) for a in record.args):
+        record.args = tuple(str(a) if isinstance(a, BaseException) else a for a in record.args)
+    return record
+
+
+logging.setLogRecordFactory(_record_with_exceptions_as_text)
 
 
 @pytest.fixture(autouse=True)

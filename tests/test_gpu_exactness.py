@@ -5,7 +5,7 @@ the engine variants and the bound; `python bench/gpu_exactness.py --out DIR` pri
 What "to bf16 rounding" means here: the `hf` backend's sampler logprobs differ from the trainer's
 `completion_logprobs` on the same model and batch by its own rounding noise (two bf16 forwards of the same
 weights, fused differently), and each `static` variant must stay within 1.5x its mean (or one fp32 spacing of the
-logprobs compared, where a near-uniform model's gaps are below it) and 2x its max, measured in the same test on the
+logprobs compared, where both gaps are below it) and 2x its max, measured in the same test on the
 same weights: the compiled decode at its defaults, without the step graph, from the merged
 LoRA weights the trainer decodes on one GPU (against `hf` on the LoRA model), and from the replica the trainer
 keeps for rollout.device. A decode compiles a bounded number of graphs: none in a second call at the same shapes,

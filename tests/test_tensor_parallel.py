@@ -403,4 +403,3 @@ def test_the_memory_model_counts_a_split_replica_per_rank():
         rest = lambda parts: {k: v for k, v in parts.items() if k != "replica (mapped)"}  # noqa: E731
         assert rest(split["train"]) == rest(whole["train"])
     assert mr.decode_step(step, mr.Ranks(4, units, tensor_parallel=2)).rows == 16  # the group's rows
-

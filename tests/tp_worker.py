@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import transformers as tf  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
-from logitless.rollout import SamplingOptions, make_engine  # noqa: E402
+from logitless.rollout import SamplingOptions, make_engine, step_graph  # noqa: E402
 from logitless.rollout.weights import LiveWeights, MergedLoraWeights  # noqa: E402
 from logitless.trainer.parallel import World, rank_seed, rank_share, shard_model  # noqa: E402
 from logitless.trainer.tensor_parallel import TensorParallelCopy, group_decode, local_bytes, tp_mesh  # noqa: E402
@@ -421,6 +421,7 @@ def gpu(out_dir: str, tok_dir: str) -> None:
             ("split_graph", group_decode(make_engine("static", replica.model, tok, step_graph=True), replica),
              lambda: replica.sync(sharded), replica.release)):
         sync()
+        step_graph._warned.clear()  # the capture warning is said once per reason and process: here, for this engine
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             batch = engine.generate(mine, options)

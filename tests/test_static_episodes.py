@@ -185,9 +185,9 @@ def test_driver_mistakes_are_named_as_on_the_hf_engine():
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "qwen2_sliding"])
 def test_compiled_episodes_on_cuda_match_the_trainer_as_single_turn_decoding_does(family):
-    """On CUDA at the engine's defaults (compiled step, step graph, Triton kernels), bf16: the episodes' mismatch
-    with the trainer on model tokens stays within 1.5x (mean) and 2x (max) of a single-turn rollout's with the same
-    engine, model and token count, measured in the same test."""
+    """On CUDA at the engine's defaults (compiled step, step graph, Triton kernels), bf16: the episodes decode
+    through their captured step graph, and their mismatch with the trainer on model tokens stays within 1.5x (mean)
+    and 2x (max) of a single-turn rollout's with the same engine, model and token count, measured in the same test."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     model = make_model(family).to("cuda", torch.bfloat16)
@@ -200,11 +200,28 @@ def test_compiled_episodes_on_cuda_match_the_trainer_as_single_turn_decoding_doe
         d = (lp - b.sampler_logp)[b.loss_mask().bool()].abs()
         return float(d.mean()), float(d.max())
 
+    from logitless.rollout import step_graph
+
+    captured = []
+    real = step_graph.capture
+
+    def counted(fn, side):
+        graph = real(fn, side)
+        captured.append(1)
+        return graph
+
     engine = make_engine("static", model, TOK)
     opts = SamplingOptions(num_generations=8, temperature=1.0, max_new_tokens=64, seed=2, ignore_eos=True)
     single = mismatch(engine.generate(PROMPTS, opts))
     driver = ScriptedDriver(turn_end_ids=range(40, 70), max_turn_tokens=12, turns=4)
-    b = engine.generate(PROMPTS, opts, episodes=driver)
+    step_graph.capture = counted
+    try:
+        b = engine.generate(PROMPTS, opts, episodes=driver)
+    finally:
+        step_graph.capture = real
+    # the episodes' one wave decoded through its captured step (30 turn-end ids: torch.isin's sort, a device sync,
+    # failed this capture until the step compared ids by broadcasting)
+    assert captured == [1]
     assert b.env_mask.any() and max(r.turns for r in b.episodes) >= 3
     multi = mismatch(b)
     assert multi[0] <= 1.5 * single[0] and multi[1] <= 2 * single[1], (family, multi, single)

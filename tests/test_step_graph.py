@@ -96,6 +96,36 @@ def test_profile_times_the_step_as_one_part(models, one_thread):
     assert "forward" not in parts  # the forward runs inside the step
 
 
+def test_the_steps_bookkeeping_syncs_nothing_with_many_stop_ids():
+    """A captured step may hold no op that waits for the device. `torch.isin` sorts once the ids to test outnumber
+    int(10 * b**0.145) (15 at 24 rows), and its sort takes the unique elements, a device sync: an episode driver's 31
+    turn-end ids made the episode step's capture fail on CUDA. The step's draw-and-write (`first`, what every step
+    runs after its forward) with EOS's 29 ids at 24 rows runs no such op here, and flags the rows `isin` does."""
+    from torch.profiler import profile
+
+    b, W = 24, 8
+    eos = torch.tensor(EOS)
+    drawn = torch.arange(b) * 5  # rows 0..23 draw 0, 5, ..., 115: some are in EOS (3, 12, 21, ...)
+
+    def draw(logits, keys, t, codes, T, greedy):
+        return drawn, torch.zeros(b)
+
+    step = step_graph_module.DecodeStep(
+        None, draw, None, mask=torch.ones(b, 4), next_pos=torch.zeros(b, 1, dtype=torch.long),
+        done=torch.zeros(b, dtype=torch.bool), keys=torch.zeros(b, dtype=torch.long),
+        history=torch.zeros(b, W, dtype=torch.long), out_logp=torch.zeros(b, W), prompt_len=0, pad_id=0, eos=eos,
+        codes=torch.zeros(1), temperature=1.0, greedy=False, limit=torch.full((b,), W))
+    with profile() as prof:
+        step.first(torch.zeros(b, 3))
+    ops = {e.name for e in prof.events()}
+    assert not ops & {"aten::_unique", "aten::_unique2", "aten::unique_consecutive", "aten::sort", "aten::item",
+                      "aten::_local_scalar_dense", "aten::nonzero"}, sorted(ops)
+    assert torch.equal(step.done, torch.isin(drawn, eos)) and step.done.any() and not step.done.all()
+    with profile() as prof:
+        torch.isin(drawn, eos)
+    assert "aten::_unique" in {e.name for e in prof.events()}  # what the test guards against is real
+
+
 def test_refused_where_one_graph_cannot_serve_every_step(models):
     from logitless.trainer.config import load_train_config
 
@@ -146,10 +176,15 @@ def test_captured_step_equals_the_compiled_loop_on_cuda():
         assert eng._graph_step(torch.device("cuda"), [])
         graph = eng.generate(PROMPTS, opts)
         graph2 = eng.generate(PROMPTS, opts)
+        many = options(max_new_tokens=70, eos_token_ids=EOS)  # 29 ids: torch.isin would sort (a sync) here
+        graph_many = eng.generate(PROMPTS, many)
     finally:
         step_graph_module.capture = real
     loop = make_engine("static", model, TOK, step_graph=False).generate(PROMPTS, opts)
-    assert captures == [1, 1]  # one capture per wave and call
+    loop_many = make_engine("static", model, TOK, step_graph=False).generate(PROMPTS, many)
+    assert captures == [1, 1, 1]  # one capture per wave and call, with many stop ids too
+    assert torch.equal(graph_many.completion_ids, loop_many.completion_ids)
+    assert graph_many.completion_mask.sum(1).min() < 70  # the stop ids ended rows inside the graph
     assert torch.equal(graph.completion_ids, graph2.completion_ids)
     assert torch.equal(graph.completion_ids, loop.completion_ids)
     torch.testing.assert_close(graph.sampler_logp, loop.sampler_logp, rtol=0, atol=1e-5)

@@ -68,7 +68,7 @@ from .sampling import (apply_filters, resolve_sampler_kernel, sample_tokens, ste
                        vocab_codes)
 from .static_rows import MIN_COMPACT_ROWS, DecodeCall, DecodeRows, mark_stopped, stream_keys
 from .static_turns import check_episode_options, generate_episodes
-from .step_graph import DecodeStep
+from .step_graph import DecodeStep, is_stop
 from .types import Prompt, RolloutBatch, SamplingOptions
 from .vocab_split import VocabShard, shard_codes, split_sampler, whole_logits
 from .weights import LiveWeights, WeightSource
@@ -394,7 +394,7 @@ class StaticEngine:
             history[live.index, P + t] = token
             out_logp[live.index, t] = logp
             if call.eos.numel():
-                live.done = live.done | torch.isin(token, call.eos)
+                live.done = live.done | is_stop(token, call.eos)
             t0 = self._tick("sample", t0, device)
             steps = t + 1
             if t + 1 == S:

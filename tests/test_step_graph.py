@@ -217,7 +217,8 @@ def test_a_forward_that_cannot_be_captured_decodes_on_without_the_graph(tiny_qwe
     try:
         opts = SamplingOptions(num_generations=2, max_new_tokens=24, seed=5, ignore_eos=True)
         rng = torch.cuda.get_rng_state()
-        with pytest.warns(UserWarning, match="could not be captured as one CUDA graph"):
+        # the warning names the first error inside the capture, not capture_end's "previous error during capture"
+        with pytest.warns(UserWarning, match=r"could not be captured as one CUDA graph \(.*CPU tensor is pinned"):
             graph = StaticEngine(model, gpt2_tokenizer, compile=False, step_graph=True).generate(["hi there"], opts)
         assert torch.equal(torch.cuda.get_rng_state(), rng)  # the decode draws no torch random numbers
         assert torch.isfinite(torch.randn(8, device="cuda")).all()  # the generator works after the failed capture

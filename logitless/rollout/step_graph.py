@@ -22,6 +22,7 @@ Off CUDA the same step runs eagerly (no capture), which is what the CPU tests ch
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, Callable
 
@@ -152,8 +153,11 @@ def capture(fn: Callable[[], None], side: Any) -> torch.cuda.CUDAGraph:
             graph.capture_begin(pool=torch.cuda.graph_pool_handle(), capture_error_mode="thread_local")
             try:
                 fn()
-            finally:
-                graph.capture_end()
+            except BaseException:
+                with contextlib.suppress(RuntimeError):  # "a previous error during capture": the first one says why
+                    graph.capture_end()
+                raise
+            graph.capture_end()
     finally:
         generator.graphsafe_set_state(own)
     torch.cuda.current_stream().wait_stream(side)

@@ -1,6 +1,6 @@
 #!/bin/bash
 # The whole GPU suite (`pytest -m gpu tests/`) on a host with 1, 2 or 4+ GPUs, in shards that run side by side:
-#   bash bench/gpu_suite.sh LOG_DIR
+#   bash bench/gpu_suite.sh LOG_DIR [all | one-a | one-b | multi]
 # 4+ GPUs: the exactness matrix in two halves (GPUs 0 and 1; the kernel files beside the first half), then the
 # other one-GPU files (GPUs 0 and 1), while the multi-GPU files run on GPUs 2,3. 2 GPUs: the one-GPU shards on GPU 0
 # and 1, then the multi-GPU files on both. 1 GPU: one pytest process. Each shard's log is LOG_DIR/<shard>.log, its
@@ -29,7 +29,14 @@ shard() {  # shard NAME GPUS PYTEST-ARGS...
   echo "$(date +%T) end $name" >> "$out/times.txt"
 }
 n=$("$PY" -c "import torch; print(torch.cuda.device_count())")
-if [ "$n" -ge 4 ]; then
+part=${2:-all}  # all, or one part for hosts whose calls are time-limited: one-a, one-b (one GPU), multi (2 GPUs)
+if [ "$part" = one-a ]; then  # both exactness halves side by side on GPU 0
+  shard exactness_a 0 $X -k "$HALF_A" & shard exactness_b 0 $X -k "$HALF_B"; wait
+elif [ "$part" = one-b ]; then  # the kernel and other one-GPU files side by side, then the multi-GPU files on one GPU
+  ( shard kernels 0 $KERNELS & shard rest 0 $REST; wait ); shard multi_gpu_files_on_one 0 $TWO  # alone: they measure memory
+elif [ "$part" = multi ]; then
+  shard multi_gpu 0,1 $TWO
+elif [ "$n" -ge 4 ]; then
   ( (shard exactness_a 0 $X -k "$HALF_A" & shard kernels 0 $KERNELS; wait); shard rest 0 $REST ) &
   ( shard exactness_b 1 $X -k "$HALF_B"; shard multi_gpu_files_on_one 1 $TWO ) &
   shard multi_gpu 2,3 $TWO &

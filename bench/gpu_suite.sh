@@ -9,7 +9,9 @@
 # liger-kernel so nothing skips.
 set -u
 PY=${PYTHON:-python3}  # the interpreter with torch (PYTHON=.venv/bin/python in a checkout with the venv)
-out=${1:?usage: bash bench/gpu_suite.sh LOG_DIR}
+out=${1:?usage: bash bench/gpu_suite.sh LOG_DIR [all | one-a | one-b | multi]}
+part=${2:-all}  # all, or one part for hosts whose calls are time-limited: one-a, one-b (one GPU), multi (2 GPUs)
+case $part in all|one-a|one-b|multi) ;; *) echo "gpu_suite.sh: unknown part '$part': use all, one-a, one-b or multi" >&2; exit 2;; esac
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
 X=tests/test_gpu_exactness.py
@@ -29,7 +31,6 @@ shard() {  # shard NAME GPUS PYTEST-ARGS...
   echo "$(date +%T) end $name" >> "$out/times.txt"
 }
 n=$("$PY" -c "import torch; print(torch.cuda.device_count())")
-part=${2:-all}  # all, or one part for hosts whose calls are time-limited: one-a, one-b (one GPU), multi (2 GPUs)
 if [ "$part" = one-a ]; then  # both exactness halves side by side on GPU 0
   shard exactness_a 0 $X -k "$HALF_A" & shard exactness_b 0 $X -k "$HALF_B"; wait
 elif [ "$part" = one-b ]; then  # the kernel and other one-GPU files side by side, then the multi-GPU files on one GPU

@@ -10,6 +10,8 @@ import torch
 from logitless.models import completion_logprobs
 from logitless.rollout import SamplingOptions, make_engine
 from logitless.rollout.episodes import EpisodeDriver, EpisodeRecord, TurnEnd
+from logitless.rollout import static_turns
+from logitless.rollout.kv_cache import set_visible
 from logitless.rollout.static_turns import relayout
 from tests.test_rollout_families import TOK, make_model
 
@@ -51,14 +53,23 @@ def trainer_logprobs(model, b) -> torch.Tensor:
     return lp
 
 
+@pytest.mark.parametrize("multiple", [1, static_turns.VISIBLE_MULTIPLE])
 @pytest.mark.parametrize("family", ["llama", "qwen2_sliding", "mistral_window", "gemma2", "gpt2"])
-def test_model_tokens_are_sampled_from_the_trainers_distribution_across_turns(family):
+def test_model_tokens_are_sampled_from_the_trainers_distribution_across_turns(family, multiple, monkeypatch):
+    """Also with each observation's prefill reading only the slots it fills (multiple=1), not all the cache's."""
+    monkeypatch.setattr(static_turns, "VISIBLE_MULTIPLE", multiple)
+    seen = []
+    monkeypatch.setattr(static_turns, "set_visible", lambda cache, n: seen.append((n, cache.layers[0].max_cache_len))
+                        or set_visible(cache, n))
     model = make_model(family)
     driver = ScriptedDriver(turn_end_ids=range(40, 70))  # ~1/9 of the vocabulary ends a turn: turns of all lengths
     assert isinstance(driver, EpisodeDriver)
     engine = make_engine("static", model, TOK, check_every=2)
     b = engine.generate(PROMPTS, SamplingOptions(num_generations=2, temperature=0.9, max_new_tokens=40, seed=3,
                                                  ignore_eos=True), episodes=driver)
+    reads, full = seen[0::2], seen[1::2]  # each prefill's visible slots, then the whole cache again
+    assert all(n == L for n, L in full) and reads and all(n <= L for n, L in reads)
+    assert multiple > 1 or all(n < L for n, L in reads)  # multiple=1: the prefills read fewer slots than the cache
     model_tok = b.loss_mask().bool()
     env = b.env_mask.bool() & b.completion_mask.bool()
     assert env.any() and model_tok.any()

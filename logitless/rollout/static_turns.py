@@ -39,9 +39,13 @@ from logitless.models.lm_head import decoder_body, lm_head_of
 
 from .engine import PreparedPrompts, _stop_cut, sync, unwrap_model
 from .episodes import EpisodeDriver, EpisodeStream, TurnEnd, checked_replies, episode_batch, finished_records, turn_cap
+from .kv_cache import set_visible
 from .sampling import apply_filters, sample_tokens, step_keys, turn_keys
 from .static_rows import DecodeRows, mark_stopped
 from .step_graph import DecodeStep
+
+
+VISIBLE_MULTIPLE = 64  # the slots an observation's prefill reads are rounded up to this
 
 
 def episode_cache_len(P: int, S: int, multiple: int) -> int:
@@ -69,15 +73,18 @@ def check_episode_options(engine: Any, options: Any, driver: Any) -> None:
 def relayout(cache: Any, mask: torch.Tensor, upto: int) -> int:
     """Move each row's visible slots among the first `upto` (mask 1), in order, to the right end of [0, E), E =
     the most visible slots of any row; mask becomes 1 exactly there below E (slots from E on are left as they
-    are); every layer's write position becomes E. Returns E."""
+    are); every layer's write position becomes E. Returns E. Where every visible slot is in place already, no
+    key or value moves."""
     vis = mask[:, :upto].bool()  # [b, upto]
     n = vis.sum(1)  # [b]
     E = int(n.max())
     order = torch.argsort((~vis).to(torch.int8), dim=1, stable=True)  # [b, upto] visible slots first, in order
-    k = torch.arange(E, device=mask.device)[None, :] - (E - n)[:, None]  # [b, E] rank among the row's visible
+    slot = torch.arange(E, device=mask.device)[None, :]
+    k = slot - (E - n)[:, None]  # [b, E] rank among the row's visible
     src = order.gather(1, k.clamp(min=0))  # [b, E] the slot each destination slot takes
+    moves = bool(((src != slot) & (k >= 0)).any())  # else every visible slot is in place (equal turns, observations)
     for layer in cache.layers:
-        for buf in (layer.keys, layer.values):  # [b, kv, L, d]
+        for buf in (layer.keys, layer.values) if moves else ():  # [b, kv, L, d]
             b, h, _, d = buf.shape
             buf[:, :, :E].copy_(buf.gather(2, src[:, None, :, None].expand(b, h, E, d)))
         layer.cumulative_length.fill_(E)
@@ -100,7 +107,8 @@ def prefill_observations(module: Any, cache: Any, mask: torch.Tensor, next_pos: 
                          inputs: dict[int, list[int]], pad_id: int) -> torch.Tensor:
     """Write the rows' `inputs` (right-padded to the longest) into slots [start, start + m) of the cache, return
     the fp32 logits [b, V] after each row's last input token (zeros for rows without input); `mask` and
-    `next_pos` [b, 1] are updated in place."""
+    `next_pos` [b, 1] are updated in place. Attention reads the first start + m slots (rounded up to
+    VISIBLE_MULTIPLE), not the whole cache: the later ones are hidden by causality."""
     b, device = mask.shape[0], mask.device
     m = max(len(v) for v in inputs.values())
     ids = torch.full((b, m), pad_id, dtype=torch.long)
@@ -115,16 +123,24 @@ def prefill_observations(module: Any, cache: Any, mask: torch.Tensor, next_pos: 
     positions = next_pos + torch.arange(m, device=device)[None, :]  # [b, m]
     last = (lens - 1).clamp(min=0)
     parts = _body_and_head(module)
-    if parts is not None:  # the body, then (h Wᵀ + bias) × the logit multiplier at each row's last input token
-        body, head = parts
-        out = body(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
-        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [b, m, H]
-        last_hidden = hidden[torch.arange(b, device=device), last].to(head.weight.dtype)
-        logits = F.linear(last_hidden, head.weight, head.bias).float() * head.logit_multiplier
-    else:  # the model's own logits, all positions
-        out = module(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                     use_cache=True, logits_to_keep=m)
-        logits = out.logits[torch.arange(b, device=device), last].float()
+    L = mask.shape[1]
+    upto = min(L, -(-(start + m) // VISIBLE_MULTIPLE) * VISIBLE_MULTIPLE)  # attention reads the filled slots only
+    seen = mask[:, :upto]
+    set_visible(cache, upto)
+    try:
+        if parts is not None:  # the body, then (h Wᵀ + bias) × the logit multiplier at each row's last input token
+            body, head = parts
+            out = body(input_ids=ids, attention_mask=seen, position_ids=positions, past_key_values=cache,
+                       use_cache=True)
+            hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [b, m, H]
+            last_hidden = hidden[torch.arange(b, device=device), last].to(head.weight.dtype)
+            logits = F.linear(last_hidden, head.weight, head.bias).float() * head.logit_multiplier
+        else:  # the model's own logits, all positions
+            out = module(input_ids=ids, attention_mask=seen, position_ids=positions, past_key_values=cache,
+                         use_cache=True, logits_to_keep=m)
+            logits = out.logits[torch.arange(b, device=device), last].float()
+    finally:
+        set_visible(cache, L)  # the decode step reads every slot (its graph was captured so)
     next_pos.add_(lens[:, None])
     return logits * (lens > 0)[:, None]
 

@@ -294,7 +294,27 @@ def test_gqa_decode_attention_equals_sdpa(monkeypatch):
     additive = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, float("-inf"))
     torch.testing.assert_close(traced(mod, q, k, v, additive, scaling=0.3)[0], ref, atol=1e-12, rtol=0)
     monkeypatch.undo()
-    # multi-token queries fall back to sdpa
+    # a short masked multi-token query (an observation's prefill) attends as grouped rows too: the mask (causal
+    # over the written slots, padding, a bool or an additive one, per row or broadcast over rows) repeats over the
+    # H/kv heads of a group; K and V are never repeated
+    heads = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda query, *a, **kw: heads.append(query.shape[1]) or sdpa(query, *a, **kw))
     q2 = torch.randn(B, H, 4, d, dtype=torch.float64)
-    m2 = torch.ones(B, 1, 4, L, dtype=torch.bool)
-    torch.testing.assert_close(gqa_decode_attention(mod, q2, k, v, m2)[0], sdpa_attention_forward(mod, q2, k, v, m2)[0])
+    m2 = torch.tril(torch.ones(4, L, dtype=torch.bool), diagonal=L - 4).expand(B, 1, 4, L).clone()
+    m2[0, ..., :3] = False
+    m2[1, ..., 2] = False
+    for m in (m2, torch.zeros(m2.shape, dtype=torch.float64).masked_fill(~m2, float("-inf")), m2[:1]):
+        out, _ = gqa_decode_attention(mod, q2, k, v, m, scaling=0.3)
+        assert heads[-1] == kv and out.shape == (B, 4, H, d)
+        torch.testing.assert_close(out, sdpa_attention_forward(mod, q2, k, v, m, scaling=0.3)[0], atol=1e-12, rtol=0)
+    # without a mask (sdpa's causal kernels), or where the repeated mask would outgrow the repeated K and V (a long
+    # prompt's prefill), transformers' sdpa runs unchanged
+    gqa_decode_attention(mod, q2, k, v, None)
+    assert heads[-1] == H
+    long_q = 2 * H * d * k.element_size()  # the mask repeated over the group: long_q·(H/kv) bytes a slot
+    q3, m3 = torch.randn(1, H, long_q, d, dtype=torch.float64), torch.ones(1, 1, long_q, L, dtype=torch.bool)
+    torch.testing.assert_close(gqa_decode_attention(mod, q3, k[:1], v[:1], m3)[0],
+                               sdpa_attention_forward(mod, q3, k[:1], v[:1], m3)[0])
+    assert heads[-1] == H

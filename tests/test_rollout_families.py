@@ -208,7 +208,7 @@ def test_sdpa_gqa_decode_with_window(family, engine, models, one_thread, monkeyp
     opts = SamplingOptions(num_generations=2, temperature=TEMPERATURE, max_new_tokens=10, seed=5, ignore_eos=True)
     a = make_engine(backend, model, TOK, **kwargs).generate(PROMPTS, opts)
     monkeypatch.undo()
-    assert sum(grouped) == 2 * 9  # both layers at each of the 9 decode steps
+    assert len(grouped) == sum(grouped) == 2 * 10, grouped  # both layers at the prompt's prefill and each of 9 steps
     with torch.no_grad():
         lp, _ = completion_logprobs(model, a.prompt_ids, a.prompt_mask, a.completion_ids, a.completion_mask,
                                     temperature=TEMPERATURE)
@@ -252,7 +252,7 @@ def test_varlen_attention_models_decode_through_grouped_sdpa(models, one_thread,
     a = make_engine("static", model, TOK, check_every=4).generate(PROMPTS, opts)
     assert model.config._attn_implementation == NAME  # the engine restored the model's own implementation
     monkeypatch.undo()
-    assert sum(grouped) == 2 * 9
+    assert len(grouped) == sum(grouped) == 2 * 10, grouped  # the prompt's prefill and the 9 decode steps
     with torch.no_grad():
         lp, _ = completion_logprobs(model, a.prompt_ids, a.prompt_mask, a.completion_ids, a.completion_mask,
                                     temperature=TEMPERATURE)

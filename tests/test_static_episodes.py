@@ -142,6 +142,32 @@ def test_relayout_right_aligns_each_rows_visible_slots_in_order():
     assert int(cache.layers[0].cumulative_length) == 3
 
 
+def test_relayout_moves_nothing_where_every_visible_slot_is_in_place():
+    """Rows right-aligned already (equal turn lengths): the keys and values stay, read by no gather; the mask and
+    the write position are set as when slots move."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import DynamicCache
+
+    from logitless.rollout.kv_cache import decode_cache
+
+    pre = DynamicCache()
+    k = torch.randn(2, 1, 6, 2)
+    pre.update(k, -k, 0)
+    for rows, moved in (([[0, 1, 1, 1, 0, 0, 1, 1], [1, 1, 1, 1, 0, 0, 1, 1]], False),
+                        ([[1, 0, 1, 1, 0, 0, 1, 1], [1, 1, 1, 1, 0, 0, 1, 1]], True)):  # row 0: slot 0 goes to 1
+        cache = decode_cache(pre, torch.tensor([0, 1]), 8)
+        mask = torch.tensor(rows)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            end = relayout(cache, mask, 4)
+        gathers = sum(e.count for e in prof.key_averages() if e.key == "aten::gather")
+        assert gathers == (1 + 2 * len(cache.layers) if moved else 1)  # the slot order, then each layer's K and V
+        assert end == 4 and int(cache.layers[0].cumulative_length) == 4
+        assert mask[:, :4].tolist() == [[0, 1, 1, 1], [1, 1, 1, 1]]
+        keys = cache.layers[0].keys
+        assert torch.equal(keys[1, :, :4], k[1, :, :4]) and torch.equal(keys[0, :, 2:4], k[0, :, 2:4])
+        assert torch.equal(keys[0, :, 1], k[0, :, 0] if moved else k[0, :, 1])
+
+
 def test_the_static_engine_refuses_what_its_episodes_cannot_do():
     model = make_model("llama")
     engine = make_engine("static", model, TOK)

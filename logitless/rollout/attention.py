@@ -6,12 +6,15 @@ For a one-token query the query heads of a KV group can instead be laid out as q
 equivalent to
     sdpa(q [B, H, 1, d], repeat_kv(k), repeat_kv(v), mask [B, 1, 1, L])
     == sdpa(q.view(B, kv, H/kv, d), k [B, kv, L, d], v, mask).view(B, H, 1, d)
-since transformers' repeat_kv maps query head h to KV head h // (H/kv). Multi-token queries (prefill) use
-transformers' sdpa unchanged. Traced by torch.compile (the static engine's decode graph), the grouped query runs
-as two matmuls around a masked fp32 softmax, which inductor fuses: on an H200 that reads the cache faster than
-sdpa's kernels for these shapes (q of H/kv rows: 67 vs 94 us at 512 rows x 384 slots, 208 vs 241 us at 1,280;
-bench/results/attn_decode_h200.json). `rollout.decode_attention=triton` runs one flash-decoding kernel instead
-(`ops/triton_decode.py`: scores, online softmax and p v in one pass over the cache).
+since transformers' repeat_kv maps query head h to KV head h // (H/kv). A masked multi-token query (a prompt's or
+an observation's prefill) is laid out the same way, its q tokens times H/kv heads as query rows of the group and
+the mask repeated over them, where that mask is smaller than the repeated K and V (`_fold_query`: under 2·H·d·2 /
+(H/kv) tokens in bf16, 1,023 at the 1.5B shape); longer queries, and unmasked ones (sdpa's causal kernels), use
+transformers' sdpa unchanged. Traced by torch.compile (the static engine's decode graph), the grouped one-token
+query runs as two matmuls around a masked fp32 softmax, which inductor fuses: on an H200 that reads the cache
+faster than sdpa's kernels for these shapes (q of H/kv rows: 67 vs 94 us at 512 rows x 384 slots, 208 vs 241 us at
+1,280; bench/results/attn_decode_h200.json). `rollout.decode_attention=triton` runs one flash-decoding kernel
+instead (`ops/triton_decode.py`: scores, online softmax and p v in one pass over the cache).
 """
 
 from __future__ import annotations
@@ -41,11 +44,18 @@ def gqa_decode_attention(
 ) -> tuple[torch.Tensor, None]:
     B, H, q, d = query.shape
     kv = key.shape[1]
-    plain = q != 1 or H == kv or dropout > 0 or key.shape[-1] != value.shape[-1]
+    plain = H == kv or dropout > 0 or key.shape[-1] != value.shape[-1]
     # a sliding window or attention chunk needs nothing here: the mask carries it (sdpa ignores those kwargs too)
-    if plain or kwargs.get("softcap") or kwargs.get("position_bias") is not None:
+    if plain or kwargs.get("softcap") or kwargs.get("position_bias") is not None or (
+            q != 1 and not _fold_query(query, key, attention_mask)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    if q != 1:  # the g = H/kv heads of each KV head as g·q query rows of it, the mask repeated over the g heads
+        g, L = H // kv, key.shape[2]
+        rows = query.reshape(B, kv, g * q, d)  # [B, kv, g·q, d]: row j·q + t is head kv_i·g + j at token t
+        mask = attention_mask[:, :, None].expand(-1, -1, g, -1, -1).reshape(attention_mask.shape[0], 1, g * q, L)
+        out = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scaling)  # [B, kv, g·q, d]
+        return out.reshape(B, H, q, d).transpose(1, 2).contiguous(), None  # [B, q, H, d]
     grouped = query.reshape(B, kv, H // kv, d)
     scale = d**-0.5 if scaling is None else scaling
     if _KERNEL["name"] == "triton" and query.is_cuda and (attention_mask is None or attention_mask.dtype == torch.bool):
@@ -59,6 +69,18 @@ def gqa_decode_attention(
         out = _matmul_attention(grouped, key, value, attention_mask, scale)
     # out: [B, kv, H/kv, d]
     return out.reshape(B, H, 1, d).transpose(1, 2).contiguous(), None  # [B, 1, H, d]
+
+
+def _fold_query(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether a multi-token query [B, H, q, d] attends as grouped query rows (see the module doc): eagerly, with a
+    [B or 1, 1, q, L] mask (without one, sdpa runs its causal kernels with grouped heads already), and only where
+    the mask repeated over the H/kv heads of a group (one byte a slot) is smaller than K and V repeated to the H
+    heads (2·H·d elements a slot)."""
+    if mask is None or torch.compiler.is_compiling() or mask.dim() != 4 or mask.shape[1] != 1:
+        return False
+    B, H, q, d = query.shape
+    g = H // key.shape[1]
+    return mask.shape[2] == q and g * q * mask.element_size() < 2 * H * d * key.element_size()
 
 
 def _matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -228,8 +228,10 @@ def generate_bytes(m: ModelMemory, step: StepShape, facts: RunFacts, knobs: Knob
         parts["kv cache"] = float(rows * step.longest_row * m.kv_bytes_per_token)
     parts["sampler"] = float(rows * SAMPLER_BYTES_PER_VOCAB * m.vocab)
     if facts.backend == "static" and step.episodes and m.q_dim > m.kv_dim:
-        # an observation's prefill (several query tokens) attends through transformers' sdpa, which repeats one
-        # layer's K and V over the whole cache to every query head (1.97 GiB of the 4-turn 1.5B step's 14.8)
+        # an observation's prefill (several query tokens): a long one attends through transformers' sdpa, which
+        # repeats one layer's K and V over the filled cache to every query head (1.97 GiB of the 4-turn 1.5B step's
+        # 14.8 GiB at e27c681, over all slots); a short one (attention._fold_query) repeats only its mask. The
+        # observations' length is the environment's, unknown here: the bound of the long case
         parts["observation prefill"] = float(2 * rows * step.cache_len * m.q_dim * m.dtype_bytes)
     # the prompts' own cache (copied into each wave's) and first logits; the prefill's forward ran before the
     # decode cache existed, so it counts where it is larger than the decode's share

@@ -78,7 +78,7 @@ def _fold_query(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | Non
     heads (2·H·d elements a slot)."""
     if mask is None or torch.compiler.is_compiling() or mask.dim() != 4 or mask.shape[1] != 1:
         return False
-    B, H, q, d = query.shape
+    H, q, d = query.shape[1:]
     g = H // key.shape[1]
     return mask.shape[2] == q and g * q * mask.element_size() < 2 * H * d * key.element_size()
 

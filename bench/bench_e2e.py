@@ -49,6 +49,7 @@ sys.path.insert(0, str(REPO))
 
 from bench import update_probe  # noqa: E402
 from bench.synthetic_agent import SyntheticAgent  # noqa: E402
+from bench.torch_profile import StepProfiler  # noqa: E402
 
 SHAPES = {  # Qwen2.5 shapes (vocab 151,936); "tiny" checks the script on CPU
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -171,7 +172,9 @@ def run_logitless(a: argparse.Namespace, model_dir: Path, out_dir: Path) -> list
         context.Agent = SyntheticAgent
         sets += ["agent.tools=[calculator]", f"agent.max_turns={a.turns}",
                  f"rollout.max_completion_length={a.T + (a.turns - 1) * a.obs_tokens}"]
-    res = train(load_train_config(None, sets))
+    profiler = StepProfiler(a.torch_profile) if a.torch_profile else None
+    res = train(load_train_config(None, sets), hook=profiler)
+    a.torch_tables = profiler.summary() if profiler is not None else None
     resolved = out_dir / "resolved.json"  # the settings the run decided ("auto" ones included)
     a.resolved = json.loads(resolved.read_text()) if resolved.is_file() else None
     steps = []
@@ -303,7 +306,8 @@ def worker(a: argparse.Namespace) -> None:
             steps, error = [], f"out of memory: {str(e).splitlines()[0]}"
     # (the step's peak is the largest phase peak: the phase clocks reset the allocator's peak counters)
     out.write_text(json.dumps({"steps": steps, "error": error, "wall_s": time.perf_counter() - t0,
-                               "resolved": getattr(a, "resolved", None)}, indent=1))
+                               "resolved": getattr(a, "resolved", None),
+                               "torch_profile": getattr(a, "torch_tables", None)}, indent=1))
 
 
 # ---------------------------------------------------------------- driver
@@ -338,7 +342,7 @@ def run_config(a: argparse.Namespace, system: str, T: int, model_dir: Path, step
     cmd += ["--qlora"] if a.qlora else []
     cmd += ["--update-only", "--prompt-tokens", str(a.prompt_tokens)] if a.update_only else []
     cmd += ["--one-long-row"] if a.one_long_row else []
-    cmd += ["--turns", str(a.turns), "--obs-tokens", str(a.obs_tokens)]
+    cmd += ["--turns", str(a.turns), "--obs-tokens", str(a.obs_tokens), "--torch-profile", str(a.torch_profile)]
     for s in a.set:
         cmd += ["--set", s]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -455,6 +459,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=1, help="logitless: N-turn episodes of T // N model tokens a turn "
                     "(SyntheticAgent), with --obs-tokens environment tokens after each turn but the last")
     ap.add_argument("--obs-tokens", type=int, default=64)
+    ap.add_argument("--torch-profile", type=int, default=0, metavar="STEP", help="logitless: torch.profiler tables "
+                    "of step STEP's rollout and update in the result (bench/torch_profile.py); 0: none")
     ap.add_argument("--tag", default="")
     ap.add_argument("--model-root", default="", help="folder for the random-init model, reused by later commands "
                     "(default: a new temporary folder)")

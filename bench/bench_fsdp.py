@@ -151,7 +151,7 @@ def run_mode(mode: str, model_dir: Path, args, world: parallel.World, work: Path
     stages.rollout_weights = timed_rollout_weights(sync_log)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    records = train(cfg).records
+    records = train(cfg, overwrite=True).records  # (its run folder is this bench's own: a killed run leaves one)
     # the allocator's peak since the start, or a phase's peak: those also count sleepable weight memory, which
     # lives outside the allocator (rollout/sleep.py); on CPU the phases' own peaks only
     peak = max([max(r.get("memory/peak_gb", 0.0) for r in records)]

@@ -16,6 +16,7 @@ def test_bench_e2e_tiny_logitless(tmp_path, shared_dir):
         sys.executable, str(REPO / "bench" / "bench_e2e.py"), "--tokenizer", str(shared_dir / "tokenizers" / "qwen2.5"),
         "--out", str(tmp_path), "--shape", "tiny", "--systems", "logitless", "--T", "6", "--steps", "2",
         "--prompts", "2", "--G", "2", "--micro", "2", "--backend", "hf", "--set", "train.num_threads=1",
+        "--torch-profile", "2",
     ]
     subprocess.run(cmd, check=True, cwd=tmp_path, timeout=600)
     result = json.loads((tmp_path / "e2e_tiny.json").read_text())
@@ -31,6 +32,9 @@ def test_bench_e2e_tiny_logitless(tmp_path, shared_dir):
     assert abs(summary["step_tokens_per_s"] - steady["completion_tokens"] / summary["step_s"]) < 1e-9
     assert summary["ceiling_fraction"] is None and summary["mfu"] is None  # no device peaks on CPU
     assert result["info"]["device"] == "cpu" and result["config"]["tuning"] == "LoRA r16 all-linear"
+    prof = run["torch_profile"]  # --torch-profile 2: step 2's rollout and update, op by op
+    assert prof["step"] == 2 and set(prof) == {"step", "rollout", "update"}
+    assert "aten::mm" in prof["update"]["by_host_time"] and "aten::" in prof["rollout"]["by_device_time"]
 
 
 def test_find_max_T_goes_on_from_earlier_probes(tmp_path, monkeypatch):

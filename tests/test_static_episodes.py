@@ -101,6 +101,18 @@ def test_a_one_turn_episode_draws_what_a_single_turn_rollout_draws():
     assert not episode.env_mask.any() and not episode.truncated.any()
 
 
+def test_an_episode_calls_profile_names_each_part_of_its_turns():
+    """rollout.profile=true: the seconds of an episode call are split into its decode steps, its turns' host work,
+    the driver's answers, the observations' prefills and the batch built after (as a single-turn call's are)."""
+    model = make_model("llama")
+    opts = SamplingOptions(num_generations=2, temperature=0.9, max_new_tokens=30, seed=5, ignore_eos=True)
+    b = make_engine("static", model, TOK, profile=True).generate(PROMPTS, opts, episodes=ScriptedDriver())
+    around = {"prepare", "weights_sync", "weights_release", "release_gc", "release_cache", "batch"}
+    assert set(b.timing.parts) == {"prefill", "step", "turn_host", "respond", "observation"} | around
+    assert all(v >= 0 for v in b.timing.parts.values())
+    assert b.env_mask.any()  # observations were prefilled
+
+
 def test_budgets_end_turns_and_episodes_and_mark_truncation():
     model = make_model("llama")
 

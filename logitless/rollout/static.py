@@ -54,6 +54,7 @@ from logitless.models.compiled import inductor_options
 
 from .attention import gqa_decode, resolve_decode_attention
 from .engine import PreparedPrompts, build_batch, generation_mode, model_device, prepare_prompts, sync, unwrap_model
+from .episodes import episode_batch
 from .hf import sampling_processors
 from .kv_cache import (
     STATIC_LAYER_TYPES,
@@ -266,7 +267,7 @@ class StaticEngine:
                 self._tick("weights_sync", t0, device, outside)
             try:
                 if episodes is not None:
-                    batch = generate_episodes(self, prep, options, episodes)
+                    raw = generate_episodes(self, prep, options, episodes)
                 else:
                     raw = self._generate_rows(module, prep, options)
             finally:
@@ -275,8 +276,7 @@ class StaticEngine:
                     self.weights.release()  # a sleeping weight copy frees its memory until the next sync
                     self._tick("weights_release", t0, device, outside)
         t0 = time.perf_counter()
-        if episodes is None:
-            batch = build_batch(self.tokenizer, prep, *raw)
+        batch = build_batch(self.tokenizer, prep, *raw) if episodes is None else episode_batch(self.tokenizer, prep, *raw)
         outside["batch"] = time.perf_counter() - t0  # EOS and stop strings, detokenization (host only)
         batch.timing.parts = {**self._last_parts, **outside} if self.profile else {}
         return batch

@@ -33,12 +33,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from logitless.models import UnsupportedModelError
 from logitless.models.lm_head import decoder_body, lm_head_of
 
 from .engine import PreparedPrompts, _stop_cut, sync, unwrap_model
-from .episodes import EpisodeDriver, EpisodeStream, TurnEnd, checked_replies, episode_batch, finished_records, turn_cap
+from .episodes import EpisodeDriver, EpisodeStream, TurnEnd, checked_replies, finished_records, turn_cap
 from .kv_cache import set_visible
 from .sampling import apply_filters, sample_tokens, step_keys, turn_keys
 from .static_rows import DecodeRows, mark_stopped
@@ -169,6 +170,7 @@ def decode_episodes(engine: Any, module: Any, call: Any, rows: torch.Tensor, pro
     live = DecodeRows.start(call, src, call.keys[rows], L)
     live.mask[:, P:] = 1
     engine._caches.append(weakref.ref(live.cache))
+    t0 = engine._tick("prefill", t0, device)  # the copy into this wave's cache, as in the single-turn decode
     b = len(rows)
     base_keys = live.keys.clone()
     history = torch.full((b, W), pad, dtype=torch.long, device=device)
@@ -210,21 +212,26 @@ def decode_episodes(engine: Any, module: Any, call: Any, rows: torch.Tensor, pro
                 step.advance()
                 steps = t + 1
             t0 = engine._tick("step", t0, device)
-            drawn, logps = history[:, :steps].tolist(), out_logp[:, :steps].tolist()
-            turns, kept = [], torch.zeros(b, dtype=torch.long)
-            for i, r in enumerate(row_ids):
-                if not active[i]:
-                    continue
-                n, why = turn_length(drawn[i], ends, stops, min(lim[i], steps), engine.tokenizer)
-                if why == "length" and lim[i] < W and n == lim[i]:
-                    why = "budget"
-                streams[r].add(drawn[i][:n], logps[i][:n], env=False)
-                kept[i] = n - 1  # in the cache (the last token is written again with the observation)
-                turns.append(TurnEnd(r, drawn[i][:n], why, S - len(streams[r].ids)))
-            slots = torch.arange(L - start, device=device)[None, :] < kept.to(device)[:, None]
-            live.mask[:, start:] = slots.to(live.mask.dtype)
-            replies = checked_replies(driver.respond(turns), turns, vocab) if turns else []
+            with record_function("episode.turn_host"):  # the turn's tokens into the streams, on the host
+                drawn, logps = history[:, :steps].tolist(), out_logp[:, :steps].tolist()
+                turns, kept = [], torch.zeros(b, dtype=torch.long)
+                for i, r in enumerate(row_ids):
+                    if not active[i]:
+                        continue
+                    n, why = turn_length(drawn[i], ends, stops, min(lim[i], steps), engine.tokenizer)
+                    if why == "length" and lim[i] < W and n == lim[i]:
+                        why = "budget"
+                    streams[r].add(drawn[i][:n], logps[i][:n], env=False)
+                    kept[i] = n - 1  # in the cache (the last token is written again with the observation)
+                    turns.append(TurnEnd(r, drawn[i][:n], why, S - len(streams[r].ids)))
+                slots = torch.arange(L - start, device=device)[None, :] < kept.to(device)[:, None]
+                live.mask[:, start:] = slots.to(live.mask.dtype)
+            t0 = engine._tick("turn_host", t0, device)
+            with record_function("episode.respond"):
+                replies = checked_replies(driver.respond(turns), turns, vocab) if turns else []
+            t0 = engine._tick("respond", t0, device)
             inputs: dict[int, list[int]] = {}
+            moved: dict[int, int] = {}  # row slot -> the position of its turn's last token
             for te, reply in zip(turns, replies):
                 i, s = slot_of[te.row], streams[te.row]
                 if reply is None or te.room <= 0:
@@ -236,13 +243,15 @@ def decode_episodes(engine: Any, module: Any, call: Any, rows: torch.Tensor, pro
                     s.done, s.truncated, active[i] = True, True, False
                     continue
                 inputs[i] = [te.ids[-1], *reply]
-                live.next_pos[i] = prompt_len[i] + len(s.ids) - len(reply) - 1  # the position of te.ids[-1]
+                moved[i] = prompt_len[i] + len(s.ids) - len(reply) - 1  # the position of te.ids[-1]
             if not inputs:
                 break
-            end = relayout(live.cache, live.mask, start + steps - 1)
-            logits = prefill_observations(module, live.cache, live.mask, live.next_pos, end, inputs, pad)
-            start = relayout(live.cache, live.mask, end + max(len(v) for v in inputs.values()))
-            live.mask[:, start:] = 1
+            live.next_pos[list(moved), 0] = torch.tensor(list(moved.values()), device=device)
+            with record_function("episode.observation"):
+                end = relayout(live.cache, live.mask, start + steps - 1)
+                logits = prefill_observations(module, live.cache, live.mask, live.next_pos, end, inputs, pad)
+                start = relayout(live.cache, live.mask, end + max(len(v) for v in inputs.values()))
+                live.mask[:, start:] = 1
             t0 = engine._tick("observation", t0, device)
             turn += 1
     finally:
@@ -251,8 +260,10 @@ def decode_episodes(engine: Any, module: Any, call: Any, rows: torch.Tensor, pro
         streams[r].done = True
 
 
-def generate_episodes(engine: Any, prep: PreparedPrompts, options: Any, driver: EpisodeDriver) -> Any:
-    """`StaticEngine.generate` with `episodes=driver`: the batch of B = n·G episodes (see the module doc)."""
+def generate_episodes(engine: Any, prep: PreparedPrompts, options: Any,
+                      driver: EpisodeDriver) -> tuple[list[EpisodeStream], list[Any], float]:
+    """`StaticEngine.generate` with `episodes=driver`: the B = n·G episodes (see the module doc) as (the rows'
+    streams, the driver's records, the decode's seconds), which `episodes.episode_batch` makes a batch of."""
     module, device = engine.weights.module, prep.device
     G, (n, P), S = options.num_generations, prep.ids.shape, options.max_new_tokens
     B = n * G
@@ -273,4 +284,4 @@ def generate_episodes(engine: Any, prep: PreparedPrompts, options: Any, driver: 
     sync(device)
     gen_s = time.perf_counter() - tg
     del call
-    return episode_batch(engine.tokenizer, prep, streams, finished_records(driver, B), gen_s)
+    return streams, finished_records(driver, B), gen_s

@@ -1,0 +1,56 @@
+"""`bench_e2e.py --torch-profile STEP`: the kernels and host ranges of one training step, by phase.
+
+A `train(hook=...)` hook that runs `torch.profiler` over the rollout of step STEP (from the "generate" event to
+"after_rollout", scoring included) and over its update ("after_rollout" to "after_update"), and keeps each
+window's `key_averages()` table, sorted by device time and by host time. The tables go into the result JSON
+beside the step's timings, so a slow phase can be read kernel by kernel (and, with `rollout.profile=true`
+or the episode engine's `record_function` ranges, part by part) without a trace file."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+ROWS = 40  # rows of each table
+
+
+class StepProfiler:
+    """hook(event, step): profile step `step`'s rollout and update windows; `tables` holds the results."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.tables, self._prof, self._window = step, {}, None, None
+
+    def _start(self, window: str) -> None:
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        self._prof, self._window = torch.profiler.profile(activities=acts), window
+        self._prof.__enter__()
+
+    def _stop(self) -> None:
+        if self._prof is None:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._prof.__exit__(None, None, None)
+        avg = self._prof.key_averages()
+        device = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        self.tables[self._window] = {"by_device_time": avg.table(sort_by=device, row_limit=ROWS, max_name_column_width=70),
+                                     "by_host_time": avg.table(sort_by="cpu_time_total", row_limit=ROWS,
+                                                               max_name_column_width=70)}
+        self._prof = self._window = None
+
+    def __call__(self, event: str, step: int) -> None:
+        if step != self.step:
+            return
+        if event == "generate":
+            self._start("rollout")
+        elif event == "after_rollout":
+            self._stop()
+            self._start("update")
+        elif event == "after_update":
+            self._stop()
+
+    def summary(self) -> dict[str, Any]:
+        return {"step": self.step, **self.tables}

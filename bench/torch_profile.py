@@ -4,10 +4,14 @@ A `train(hook=...)` hook that runs `torch.profiler` over the rollout of step STE
 "after_rollout", scoring included) and over its update ("after_rollout" to "after_update"), and keeps each
 window's `key_averages()` table, sorted by device time and by host time. The tables go into the result JSON
 beside the step's timings, so a slow phase can be read kernel by kernel (and, with `rollout.profile=true`
-or the episode engine's `record_function` ranges, part by part) without a trace file."""
+or the episode engine's `record_function` ranges, part by part) without a trace file. Python's garbage
+collections in each window are counted and timed too (a full collection over a trainer's objects takes a tenth
+of a second or more)."""
 
 from __future__ import annotations
 
+import gc
+import time
 from typing import Any
 
 import torch
@@ -20,12 +24,22 @@ class StepProfiler:
 
     def __init__(self, step: int) -> None:
         self.step, self.tables, self._prof, self._window = step, {}, None, None
+        self._gc: list[tuple[int, float]] = []  # (generation, seconds) of each collection in the window
+        self._gc_start = 0.0
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self._gc.append((info["generation"], time.perf_counter() - self._gc_start))
 
     def _start(self, window: str) -> None:
         acts = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             acts.append(torch.profiler.ProfilerActivity.CUDA)
         self._prof, self._window = torch.profiler.profile(activities=acts), window
+        self._gc = []
+        gc.callbacks.append(self._on_gc)
         self._prof.__enter__()
 
     def _stop(self) -> None:
@@ -34,11 +48,13 @@ class StepProfiler:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self._prof.__exit__(None, None, None)
+        gc.callbacks.remove(self._on_gc)
         avg = self._prof.key_averages()
         device = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
         self.tables[self._window] = {"by_device_time": avg.table(sort_by=device, row_limit=ROWS, max_name_column_width=70),
                                      "by_host_time": avg.table(sort_by="cpu_time_total", row_limit=ROWS,
-                                                               max_name_column_width=70)}
+                                                               max_name_column_width=70),
+                                     "gc_collections": [{"generation": g, "seconds": round(t, 4)} for g, t in self._gc]}
         self._prof = self._window = None
 
     def __call__(self, event: str, step: int) -> None:

@@ -5,8 +5,8 @@ A `train(hook=...)` hook that runs `torch.profiler` over the rollout of step STE
 window's `key_averages()` table, sorted by device time and by host time. The tables go into the result JSON
 beside the step's timings, so a slow phase can be read kernel by kernel (and, with `rollout.profile=true`
 or the episode engine's `record_function` ranges, part by part) without a trace file. Python's garbage
-collections in each window are counted and timed too (a full collection over a trainer's objects takes a tenth
-of a second or more)."""
+collections in each window are counted and timed too (a full collection in a process holding a model and
+compiled graphs takes a good part of a second: `rollout/engine.py`'s `generation_mode`)."""
 
 from __future__ import annotations
 

@@ -231,7 +231,6 @@ def decode_episodes(engine: Any, module: Any, call: Any, rows: torch.Tensor, pro
                 replies = checked_replies(driver.respond(turns), turns, vocab) if turns else []
             t0 = engine._tick("respond", t0, device)
             inputs: dict[int, list[int]] = {}
-            moved: dict[int, int] = {}  # row slot -> the position of its turn's last token
             for te, reply in zip(turns, replies):
                 i, s = slot_of[te.row], streams[te.row]
                 if reply is None or te.room <= 0:
@@ -243,10 +242,11 @@ def decode_episodes(engine: Any, module: Any, call: Any, rows: torch.Tensor, pro
                     s.done, s.truncated, active[i] = True, True, False
                     continue
                 inputs[i] = [te.ids[-1], *reply]
-                moved[i] = prompt_len[i] + len(s.ids) - len(reply) - 1  # the position of te.ids[-1]
             if not inputs:
                 break
-            live.next_pos[list(moved), 0] = torch.tensor(list(moved.values()), device=device)
+            # each row's next position is that of its turn's last token, the first of its input
+            pos = [prompt_len[i] + len(streams[row_ids[i]].ids) - len(v) for i, v in inputs.items()]
+            live.next_pos[list(inputs), 0] = torch.tensor(pos, device=device)
             with record_function("episode.observation"):
                 end = relayout(live.cache, live.mask, start + steps - 1)
                 logits = prefill_observations(module, live.cache, live.mask, live.next_pos, end, inputs, pad)

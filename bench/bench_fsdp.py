@@ -71,6 +71,19 @@ RECORDED = [
 ]
 
 
+# Runs of other shapes on 2 H100s (file, shape, rollout.tensor_parallel, prompts, G, tokens, overrides), LoRA, at
+# their own longest prompt: one replica per GPU and the rollout split over both (7B), and the 32B split rollout
+# whose peak is the replica's sync (the shards not yet parked beside the whole split replica)
+RECORDED_H100 = [
+    ("fsdp_h100x2_7b_tp1_91af055.json", "7b", 1, 64, 8, 512, ["train.packed=true", "train.micro_batch_tokens=32768"]),
+    ("fsdp_h100x2_7b_tp2_graph_91af055.json", "7b", 2, 64, 8, 512,
+     ["train.packed=true", "train.micro_batch_tokens=32768", "rollout.step_graph=true"]),
+    ("fsdp_h100x2_32b_tp2_graph_91af055.json", "32b", 2, 16, 8, 1024,
+     ["train.packed=true", "rollout.step_graph=true", "train.micro_batch_tokens=8192",
+      "train.offload_during_rollout=true", "rollout.max_kv_gib=16"]),
+]
+
+
 def timed_rollout_weights(log: list[dict[str, float]]):
     """`parallel.rollout_weights` that records the seconds of its weight path before and after `generate`, the GiB
     it holds during the rollout (all-gathered weights) and the GiB of a persistent replica (static backend)."""
@@ -323,6 +336,16 @@ def check_recorded(results: Path = REPO / "bench" / "results") -> list[dict[str,
                 rows.append({"file": name, "variant": key, "gpus": gpus, "phase": phase, "checked": checked,
                              "predicted_gib": pred[phase], "measured_gib": measured[phase],
                              "error": pred[phase] / measured[phase] - 1})
+    for name, shape, tp, prompts, G, tokens, sets in RECORDED_H100:
+        data = json.loads((results / name).read_text())
+        args = argparse.Namespace(shape=shape, backend="static", G=G, tokens=tokens, steps=1, prompts=prompts, micro=16,
+                                  gc=True, scaling="strong", set=sets, tp=tp)
+        measured = data["modes"]["lora"]["peak_gib_per_phase"]
+        pred = prediction("lora", args, 2, data["shape"]["longest_prompt"], DEVICE_GIB["H100"])["phase_gib"]
+        for phase in ("generate", "train"):
+            rows.append({"file": name, "variant": f"lora tp={tp}", "gpus": 2, "phase": phase, "checked": True,
+                         "predicted_gib": pred[phase], "measured_gib": measured[phase],
+                         "error": pred[phase] / measured[phase] - 1})
     return rows
 
 

@@ -20,6 +20,9 @@ from tests.conftest import tiny_qwen2
 # -2.9 %, is the 2-GPU update with parked states). A change of the model or of the plan it builds on that moves
 # a prediction further fails here.
 BOUND = 0.03
+# The 7B and 32B runs on 2 H100s (bench_fsdp.RECORDED_H100): the 7B update misses by -3.7 % (about 1 GiB the
+# model does not place); the 32B rollout's peak is the replica's sync (-2.5 %; -35 % before the sync was modelled).
+BOUND_OTHER_SHAPES = 0.04
 
 
 def test_predictions_match_the_recorded_one_and_two_gpu_runs():
@@ -28,10 +31,13 @@ def test_predictions_match_the_recorded_one_and_two_gpu_runs():
     step's per-GPU peak ratio 2 GPUs / 1 GPU within 0.03 of the measured one (the records
     allow 0.024: 0.634 predicted against 0.657 measured with parked states)."""
     rows = bench_fsdp.check_recorded()
-    checked = [r for r in rows if r["checked"]]
-    assert len(checked) == 16 and {r["gpus"] for r in checked} == {1, 2}
+    other = [r for r in rows if r["file"] in {x[0] for x in bench_fsdp.RECORDED_H100}]
+    checked = [r for r in rows if r["checked"] and r not in other]
+    assert len(checked) == 16 and {r["gpus"] for r in checked} == {1, 2} and len(other) == 6
     bad = [(r["file"], r["variant"], r["gpus"], r["phase"], round(r["error"], 3)) for r in checked
            if abs(r["error"]) > BOUND]
+    bad += [(r["file"], r["variant"], r["phase"], round(r["error"], 3)) for r in other
+            if abs(r["error"]) > BOUND_OTHER_SHAPES]
     assert not bad, bad
     runs: dict[tuple[str, str], dict[int, list[dict]]] = {}
     for r in checked:
@@ -94,6 +100,30 @@ def test_shards_shrink_with_the_ranks_and_the_working_set_does_not(lora, backend
         peaks.append(mr.peak(ph))
     assert peaks == sorted(peaks, reverse=True) and peaks[0] > peaks[-1]  # (at this tiny size not below one
     # process's: the whole decode weights and the root unit outweigh what sharding saves)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_rollout_peak_is_the_replica_s_sync_where_the_parked_shards_outweigh_the_kv_cache(tp):
+    """train.offload_during_rollout parks the shards after the replica's sync, so the sync holds them beside the
+    whole (split) replica, one gathered source and a merged LoRA weight in fp32 (the 32B split rollout's peak,
+    bench_fsdp.RECORDED_H100); with a long rollout the KV cache of the parked decode is the larger moment."""
+    model, m, _ = _model(True, False)
+    units = mr.units_of(model)
+    facts = mp.RunFacts(backend="static")
+    knobs = mp.Knobs(gradient_checkpointing=True, micro_batch_size=3, by_rows=True, offload_during_rollout=True)
+    ranks = mr.Ranks(4, units, tensor_parallel=tp)
+    short = mr.predict(m, mp.StepShape(prompts=4, rows=4, prompt_len=5, completion_len=2), facts, knobs, ranks)
+    gen = short["generate"]
+    one = mp.resident_bytes(m, facts)
+    assert gen["weights (1/4)"] == one["weights"] / 4 > 0  # not parked yet
+    assert gen["replica (whole)" if tp == 1 else "replica (1/2)"] == m.weight_bytes / tp
+    layer = max(m.intermediate, m.q_dim) * m.hidden
+    assert gen["sync: gathered"] == 2 * (max(units.root_params, units.layer_params) if tp > 1 else layer)
+    assert gen["sync: fp32 merge"] == 3 * 4 * layer // tp
+    assert "kv cache" not in gen
+    long = mr.predict(m, mp.StepShape(prompts=8, rows=64, prompt_len=5, completion_len=4096), facts, knobs, ranks)
+    assert long["generate"]["weights (1/4)"] == 0.0 and long["generate"]["kv cache"] > 0  # the parked decode
+    assert mr.peak(long) > mr.peak(short)
 
 
 def test_full_fine_tuning_s_root_reduction_sets_the_peak_where_the_root_dominates():

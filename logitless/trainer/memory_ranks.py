@@ -13,6 +13,10 @@ step's rows, and a working set that does not shrink with N:
                            share); the static backend's replica of the whole model during the rollout (`hf`: the
                            all-gathered model); the part of a merged-LoRA replica that stays mapped between
                            rollouts (everything outside its LoRA layers); a full fine-tuning reference copy
+    at the replica's sync  the static backend's rollout starts by writing its replica from the shards, which stay on
+                           the device until it ends (train.offload_during_rollout parks them only after it): shards,
+                           the whole (split) replica, one gathered source and a merged LoRA weight in fp32, before
+                           any KV cache (a moment of its own: the 32B split rollout's peak)
     at the backward's end  full fine-tuning reduces the root's gradient in fp32: its unsharded bf16 gradient and the
                            fp32 reduce-scatter input (4 bytes per root parameter) are alive together, after the
                            activations are freed (a moment of its own, the larger of the two sets the train peak)
@@ -28,7 +32,9 @@ bench/bench_fsdp.py --check-recorded` prints predicted against measured per phas
 are within 3 % (the largest miss -2.9 %), the bound tests/test_memory_ranks.py holds them to. `LAYERS_IN_FLIGHT`
 is the one term set from the 2-GPU runs, and they pin it only loosely: a 1.5B layer is 0.09 GiB, about 1 % of a
 2-GPU peak (1 layer misses by up to 3.9 %, 3 layers by up to 3.0 %); 2 is what FSDP2's prefetch holds. 4 and 8
-ranks are extrapolation until measured. The root's fp32 reduction was not the peak of any recorded run. Sizes are
+ranks are extrapolation until measured. The root's fp32 reduction was not the peak of any recorded run. On 2 H100s (`bench_fsdp.RECORDED_H100`): 7B with one
+replica per GPU and split over both, rollout within 0.3 % and update -3.7 %; the 32B split rollout's sync -2.5 %
+(modelled as the decode alone it was -35 %). Sizes are
 what torch's allocator holds, plus sleepable replica memory, as `memory/peak_gb/<phase>`.
 """
 
@@ -180,6 +186,30 @@ def _generate(m: mp.ModelMemory, step: mp.StepShape, facts: mp.RunFacts, knobs: 
     else:  # every unit all-gathered for generate
         parts["gathered weights (whole)"] = float(m.weight_bytes + (4 * m.trainable if m.lora else 0))
     parts.update(_step_parts(mp.generate_bytes(split_model(m, t), decode_step(step, ranks), facts, knobs)))
+    if facts.backend != "static":
+        return parts
+    sync = _sync(m, facts, ranks)  # the rollout's other moment: the larger of the two is its peak
+    return sync if sum(sync.values()) > sum(parts.values()) else parts
+
+
+def _sync(m: mp.ModelMemory, facts: mp.RunFacts, ranks: Ranks) -> dict[str, float]:
+    """The replica's sync at the rollout's start, before any KV cache: the shards are still on the device
+    (train.offload_during_rollout parks them after it) beside the whole replica (1/T split), while one source is
+    gathered whole at a time (a split replica: an FSDP unit, the root the largest; one replica: a weight) and a
+    merged LoRA weight is formed in fp32 (its base, B @ A scaled, and their sum: three fp32 copies of a slice)."""
+    t = ranks.tensor_parallel
+    parts = _sharded(m, facts, ranks.count)
+    parts["replica (whole)" if t == 1 else f"replica (1/{t})"] = float(_replica_bytes(m, ranks))
+    layer = max(m.intermediate, m.q_dim) * m.hidden  # the largest weight a LoRA layer merges (an MLP projection)
+    merged = m.lora and ranks.merged_replica
+    if t > 1:
+        assert ranks.units is not None
+        gathered = max(ranks.units.root_params, ranks.units.layer_params)
+    else:  # a weight at a time: the merged layers' (LoRA), every weight, the embedding the largest (full)
+        gathered = layer if merged else 0 if m.lora else max(layer, m.vocab * m.hidden)
+    parts["sync: gathered"] = float(gathered * m.dtype_bytes)
+    if merged:
+        parts["sync: fp32 merge"] = float(3 * 4 * layer // t)
     return parts
 
 

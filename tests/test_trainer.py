@@ -188,6 +188,36 @@ def test_run_turns_cudnn_attention_off_and_restores_it(tmp_path, tok, rewards_mo
     assert torch.backends.cuda.cudnn_sdp_enabled()  # the process's setting is back
 
 
+@pytest.mark.parametrize("frozen_before", [False, True])
+def test_a_run_keeps_its_long_lived_objects_out_of_the_collector_and_hands_them_back(tmp_path, tok, rewards_module,
+                                                                                   frozen_before):
+    """The model, data and engine are frozen (gc.freeze) before step 1 and the first step's objects after it, so
+    a full collection in step 2 scans only what the steps allocated (not the run's hundreds of thousands of
+    objects); everything is unfrozen when the run ends. A process that froze objects itself is left alone."""
+    import gc
+
+    seen = {}
+
+    def hook(event, step):
+        if event == "step_start":
+            seen[step] = (gc.get_freeze_count(), len(gc.get_objects()))  # (get_objects: the unfrozen ones)
+
+    if frozen_before:
+        gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        _train(_cfg(tmp_path / "run", "train.max_steps=2", "checkpoint.save_steps=0"), tok, hook=hook)
+        after = gc.get_freeze_count()
+    finally:
+        gc.unfreeze()
+    if frozen_before:
+        assert before >= seen[1][0] >= seen[2][0] >= after > 0  # never frozen more (frozen objects still die), kept
+        return
+    assert before == 0 and after == 0  # handed back
+    (frozen1, scanned1), (frozen2, scanned2) = seen[1], seen[2]
+    assert frozen1 > 10 * scanned1 and frozen2 > frozen1 and frozen2 > 10 * scanned2
+
+
 @pytest.mark.parametrize(
     "fn, match",
     [

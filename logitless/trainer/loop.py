@@ -28,11 +28,13 @@ device memory is retried once with leaner settings (`trainer/oom.py`).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -183,6 +185,28 @@ def _reset_update(ctx: TrainContext, rng: Any) -> None:
     ckpt.set_rng_state(*rng)
 
 
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[Callable[[], None]]:
+    """Python's cyclic garbage collector kept off the run's long-lived objects. `freeze()` collects, then moves
+    every object alive into the permanent generation (`gc.freeze`), so that a full collection during the run (the
+    rollout's release, an automatic one) scans only what the steps allocate since: one full collection a step of
+    the CPU demo took 0.23-0.24 s over its 440k objects, 0.0002 s once frozen. Frozen objects are still freed when
+    their last reference goes; only a cycle among them waits until the run ends, when they are unfrozen. Leaves
+    the collector alone (a no-op `freeze`) where something else froze objects before."""
+    if gc.get_freeze_count():
+        yield lambda: None
+        return
+
+    def freeze() -> None:
+        gc.collect()
+        gc.freeze()
+
+    try:
+        yield freeze
+    finally:
+        gc.unfreeze()
+
+
 def train(
     cfg: TrainerConfig,
     *,
@@ -213,11 +237,13 @@ def train(
         stop.run_dir = Path(run_cfg.train.output_dir)
         if start is not None:
             check_resume(run_cfg, start)
-        with attention_backends(run_cfg.model):
-            return _train(run_cfg, world, stop, run=run, resume=start, model=model, tokenizer=tokenizer, hook=hook)
+        with attention_backends(run_cfg.model), frozen_heap() as freeze:
+            return _train(freeze, run_cfg, world, stop, run=run, resume=start, model=model, tokenizer=tokenizer,
+                          hook=hook)
 
 
 def _train(
+    freeze: Callable[[], None],
     cfg: TrainerConfig,
     world: World,
     stop: StopSignals,
@@ -241,6 +267,7 @@ def _train(
     report_mismatch = MismatchReport(ctx.logger.print, cfg.logging.mismatch_warning, mismatch_causes(ctx.cfg))  # (decided settings)
     report_none = RewardNoneReport(ctx.logger.print)
     finished = False
+    freeze()  # the model, data and engine: out of every collection from here on
     try:
         if cfg.eval.on_start and ctx.start == 0:  # the policy before training, logged at step 0
             t0 = time.perf_counter()
@@ -289,6 +316,8 @@ def _train(
             stop.requested = stop.requested or agreed  # stays requested, for the next decision
             if checkpoint_and_stop(ctx, result, step, bool(agreed)):
                 break
+            if step == ctx.start + 1 and ctx.prefetch is None:  # the first step's compiled graphs too (not with
+                freeze()  # a rollout in flight: its KV cache, were it in a cycle, would wait until the run's end)
         result.interrupted = stop.requested
         finished = True
     finally:

@@ -172,7 +172,7 @@ def run_logitless(a: argparse.Namespace, model_dir: Path, out_dir: Path) -> list
         context.Agent = SyntheticAgent
         sets += ["agent.tools=[calculator]", f"agent.max_turns={a.turns}",
                  f"rollout.max_completion_length={a.T + (a.turns - 1) * a.obs_tokens}"]
-    profiler = StepProfiler(a.torch_profile) if a.torch_profile else None
+    profiler = StepProfiler(a.torch_profile, a.torch_profile_windows.split(",")) if a.torch_profile else None
     res = train(load_train_config(None, sets), hook=profiler)
     a.torch_tables = profiler.summary() if profiler is not None else None
     resolved = out_dir / "resolved.json"  # the settings the run decided ("auto" ones included)
@@ -342,7 +342,8 @@ def run_config(a: argparse.Namespace, system: str, T: int, model_dir: Path, step
     cmd += ["--qlora"] if a.qlora else []
     cmd += ["--update-only", "--prompt-tokens", str(a.prompt_tokens)] if a.update_only else []
     cmd += ["--one-long-row"] if a.one_long_row else []
-    cmd += ["--turns", str(a.turns), "--obs-tokens", str(a.obs_tokens), "--torch-profile", str(a.torch_profile)]
+    cmd += ["--turns", str(a.turns), "--obs-tokens", str(a.obs_tokens), "--torch-profile", str(a.torch_profile),
+            "--torch-profile-windows", a.torch_profile_windows]
     for s in a.set:
         cmd += ["--set", s]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -461,6 +462,8 @@ def main() -> None:
     ap.add_argument("--obs-tokens", type=int, default=64)
     ap.add_argument("--torch-profile", type=int, default=0, metavar="STEP", help="logitless: torch.profiler tables "
                     "of step STEP's rollout and update in the result (bench/torch_profile.py); 0: none")
+    ap.add_argument("--torch-profile-windows", default="rollout,update", help="--torch-profile: which windows of "
+                    "the step to profile (rollout, update or both: the rollout alone keeps the profiled step short)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--model-root", default="", help="folder for the random-init model, reused by later commands "
                     "(default: a new temporary folder)")

@@ -22,8 +22,11 @@ ROWS = 40  # rows of each table
 class StepProfiler:
     """hook(event, step): profile step `step`'s rollout and update windows; `tables` holds the results."""
 
-    def __init__(self, step: int) -> None:
-        self.step, self.tables, self._prof, self._window = step, {}, None, None
+    def __init__(self, step: int, windows: tuple[str, ...] | list[str] = ("rollout", "update")) -> None:
+        unknown = set(windows) - {"rollout", "update"}
+        if unknown:
+            raise ValueError(f"--torch-profile-windows: unknown window(s) {sorted(unknown)}: use rollout, update")
+        self.step, self.windows, self.tables, self._prof, self._window = step, set(windows), {}, None, None
         self._gc: list[tuple[int, float]] = []  # (generation, seconds) of each collection in the window
         self._gc_start = 0.0
 
@@ -34,6 +37,8 @@ class StepProfiler:
             self._gc.append((info["generation"], time.perf_counter() - self._gc_start))
 
     def _start(self, window: str) -> None:
+        if window not in self.windows:
+            return
         acts = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             acts.append(torch.profiler.ProfilerActivity.CUDA)

@@ -37,6 +37,22 @@ def test_bench_e2e_tiny_logitless(tmp_path, shared_dir):
     assert "aten::mm" in prof["update"]["by_host_time"] and "aten::" in prof["rollout"]["by_device_time"]
 
 
+def test_torch_profile_keeps_only_the_windows_asked_for():
+    import pytest
+    import torch
+
+    from bench.torch_profile import StepProfiler
+
+    prof = StepProfiler(3, ["rollout"])
+    for step in (2, 3):
+        for event in ("step_start", "generate", "after_rollout", "after_update"):
+            prof(event, step)
+            torch.ones(4, 4) @ torch.ones(4, 4)
+    assert set(prof.summary()) == {"step", "rollout"} and "aten::mm" in prof.summary()["rollout"]["by_host_time"]
+    with pytest.raises(ValueError, match="--torch-profile-windows: unknown window"):
+        StepProfiler(3, ["rolout"])
+
+
 def test_find_max_T_goes_on_from_earlier_probes(tmp_path, monkeypatch):
     """--probes-from: outcomes recorded by earlier commands (a find-max-T probe list, plain runs that fit or ran out
     of memory) are reused, a probe cut short decides nothing, and a file of another configuration is refused."""

@@ -151,6 +151,22 @@ def test_auto_keeps_the_loop_off_cuda_and_with_filters(models):
     assert not make_engine("static", models("llama"), TOK, compile=True)._graph_step(torch.device("cpu"), [])
 
 
+def test_auto_captures_an_uncompiled_step_on_cuda_only_where_asked(models):
+    """step_graph unset on CUDA: the compiled decode's step is captured; an uncompiled one only with capture_eager
+    (a tensor-parallel group's: trainer/tensor_parallel.py), and never with filters or step_graph=false. (The
+    decision only: no GPU is touched.)"""
+    cuda = torch.device("cuda")
+    eng = make_engine("static", models("llama"), TOK, compile=False)
+    assert not eng._graph_step(cuda, [])
+    eng.capture_eager = True
+    assert eng._graph_step(cuda, []) and not eng._graph_step(cuda, [object()])
+    assert not eng._graph_step(torch.device("cpu"), [])
+    off = make_engine("static", models("llama"), TOK, compile=False, step_graph=False)
+    off.capture_eager = True
+    assert not off._graph_step(cuda, [])
+    assert make_engine("static", models("llama"), TOK, compile=True)._graph_step(cuda, [])
+
+
 gpu = pytest.mark.gpu
 
 

@@ -352,7 +352,8 @@ def test_two_gpus_split_rollout_samples_the_trainers_policy_like_one_gpu(tmp_pat
     mean gap, 2x the max, measured in the same run on the same weights), and a second call, after the replica's
     sleeping weights were freed and written again, samples the same tokens; the draw over each GPU's vocabulary
     columns (with the Triton kernel) samples the tokens of the same split with the logits gathered; with
-    rollout.step_graph=true the eager split step is captured and samples what the eager loop samples."""
+    rollout.step_graph unset (the default) the eager split step is captured and samples what the eager loop
+    (rollout.step_graph=false) samples."""
     from bench import gpu_exactness as G
 
     argv = [str(WORKER), "gpu", str(tmp_path), str(shared_dir / "tokenizers" / "gpt2")]
@@ -368,7 +369,7 @@ def test_two_gpus_split_rollout_samples_the_trainers_policy_like_one_gpu(tmp_pat
         assert one["same_again"] and split["same_again"]
         same = x["split_vs_gathered"]  # the draw over each GPU's vocabulary columns: the gathered rows' tokens
         assert same["tokens_equal"] and same["logp_diff"] <= TOL, same
-        # rollout.step_graph=true: the eager split step captured as one CUDA graph (NCCL collectives inside) draws
+        # rollout.step_graph unset: the eager split step captured as one CUDA graph (NCCL collectives inside) draws
         # what the eager loop draws
         assert not x["split_graph_uncaptured"], x["split_graph_uncaptured"]
         graph = x["graph_vs_eager"]

@@ -408,7 +408,7 @@ def gpu(out_dir: str, tok_dir: str) -> None:
     shard_model(sharded, device)
     replica.materialize()
     gathered.materialize()
-    split = group_decode(make_engine("static", replica.model, tok), replica)
+    split = group_decode(make_engine("static", replica.model, tok, step_graph=False), replica)  # the eager loop
     alone = make_engine("static", whole, tok, weights=MergedLoraWeights(whole, "resident"))
     out: dict = {"bytes": local_bytes(replica.model), "whole_bytes": sum(
         p.numel() * p.element_size() for n, p in whole.named_parameters() if "lora_" not in n)}
@@ -416,9 +416,9 @@ def gpu(out_dir: str, tok_dir: str) -> None:
     for name, engine, sync, release in (
             ("one_gpu", alone, lambda: None, lambda: None),
             ("split", split, lambda: replica.sync(sharded), replica.release),
-            ("gathered", group_decode(make_engine("static", gathered.model, tok), gathered),
+            ("gathered", group_decode(make_engine("static", gathered.model, tok, step_graph=False), gathered),
              lambda: gathered.sync(sharded), lambda: None),
-            ("split_graph", group_decode(make_engine("static", replica.model, tok, step_graph=True), replica),
+            ("split_graph", group_decode(make_engine("static", replica.model, tok), replica),  # (the default)
              lambda: replica.sync(sharded), replica.release)):
         sync()
         step_graph._warned.clear()  # the capture warning is said once per reason and process: here, for this engine

@@ -114,7 +114,8 @@ class StaticEngine:
     step_graph: run each decode step (forward, draw, writes) as one CUDA graph (`step_graph.py`). None: on the
     compiled CUDA path wherever it applies (no top-k/top-p/min-p/repetition penalty in the call, one length bucket,
     no compaction); True: as None, refused where it does not apply (off CUDA the same step runs eagerly, not
-    captured); False: never (the forward alone is a CUDA graph).
+    captured); False: never (the forward alone is a CUDA graph). `capture_eager` (an attribute, False): with None,
+    capture the eager step too where the forward is not compiled (a tensor-parallel group's decode on CUDA).
     """
 
     def __init__(
@@ -169,6 +170,7 @@ class StaticEngine:
         self.decode_attention = decode_attention
         self.sampler_kernel = sampler_kernel
         self.step_graph = step_graph
+        self.capture_eager = False  # step_graph None: capture the step where it runs eagerly too (see above)
         self._streams: dict[torch.device, Any] = {}  # the side stream the step graphs warm up and capture on
         self.auto_sync = True  # sync the weights at the start of each generate (off: the caller syncs)
         # processes that decode one batch together (tensor parallelism) must agree on its waves: this maps this
@@ -207,7 +209,7 @@ class StaticEngine:
             return False
         fits = not filters and self.length_buckets == 1 and not self.compact_finished
         if self.step_graph is None:
-            return fits and device.type == "cuda" and self._use_compile(device)
+            return fits and device.type == "cuda" and (self._use_compile(device) or self.capture_eager)
         if not fits:
             raise ValueError("rollout.step_graph=true draws with the fused sampler, but this call samples with "
                              "top-k/top-p/min-p or a repetition penalty (transformers' processors run eagerly): "

@@ -247,9 +247,9 @@ class RolloutConfig:
     # rank holds 1/N of the decode weights and a model larger than one GPU's replica can be trained; each group
     # decodes its ranks' prompts together, each rank's samples those of its own rollout. Must divide the number of
     # ranks, the attention and KV heads and the MLP width; families: Llama, Qwen2, Qwen3, Mistral. On CUDA the split
-    # decode runs without torch.compile; rollout.step_graph=true captures its eager step as one CUDA graph per wave
-    # (collectives included; it decodes on without the graph if the capture fails). 1: every rank decodes alone
-    # from a whole replica.
+    # decode runs without torch.compile, its eager step captured as one CUDA graph per wave wherever the step graph
+    # applies (collectives included; it decodes on without the graph if the capture fails; rollout.step_graph=false:
+    # eager, several times slower). 1: every rank decodes alone from a whole replica.
     tensor_parallel: int = 1
 
     def static_settings(self) -> list[str]:

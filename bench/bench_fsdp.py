@@ -71,10 +71,12 @@ RECORDED = [
 ]
 
 
-# Runs of other shapes on 2 H100s (file, shape, rollout.tensor_parallel, prompts, G, tokens, overrides), LoRA, at
-# their own longest prompt: one replica per GPU and the rollout split over both (7B), and the 32B split rollout
-# whose peak is the replica's sync (the shards not yet parked beside the whole split replica)
+# Runs on H100s (file, shape, rollout.tensor_parallel, prompts, G, tokens, overrides), LoRA, at their own longest
+# prompt: 1.5B on 1 and 2 GPUs; 7B on 2, one replica per GPU and the rollout split over both; the 32B split rollout
+# on 2, whose peak is the replica's sync (the shards not yet parked beside the whole split replica)
 RECORDED_H100 = [
+    ("fsdp_h100_1.5b_lora_1v2gpu_packed32k_91af055.json", "1.5b", 1, 64, 8, 512,
+     ["train.packed=true", "train.micro_batch_tokens=32768"]),
     ("fsdp_h100x2_7b_tp1_91af055.json", "7b", 1, 64, 8, 512, ["train.packed=true", "train.micro_batch_tokens=32768"]),
     ("fsdp_h100x2_7b_tp2_graph_91af055.json", "7b", 2, 64, 8, 512,
      ["train.packed=true", "train.micro_batch_tokens=32768", "rollout.step_graph=true"]),
@@ -340,12 +342,15 @@ def check_recorded(results: Path = REPO / "bench" / "results") -> list[dict[str,
         data = json.loads((results / name).read_text())
         args = argparse.Namespace(shape=shape, backend="static", G=G, tokens=tokens, steps=1, prompts=prompts, micro=16,
                                   gc=True, scaling="strong", set=sets, tp=tp)
-        measured = data["modes"]["lora"]["peak_gib_per_phase"]
-        pred = prediction("lora", args, 2, data["shape"]["longest_prompt"], DEVICE_GIB["H100"])["phase_gib"]
-        for phase in ("generate", "train"):
-            rows.append({"file": name, "variant": f"lora tp={tp}", "gpus": 2, "phase": phase, "checked": True,
-                         "predicted_gib": pred[phase], "measured_gib": measured[phase],
-                         "error": pred[phase] / measured[phase] - 1})
+        runs = data["runs"] if "runs" in data else {"2gpu": data}  # (a 1- and 2-GPU record holds both runs)
+        for key, run in runs.items():
+            gpus = int(key.removesuffix("gpu"))
+            measured = run["modes"]["lora"]["peak_gib_per_phase"]
+            pred = prediction("lora", args, gpus, run["shape"]["longest_prompt"], DEVICE_GIB["H100"])["phase_gib"]
+            for phase in ("generate", "train"):
+                rows.append({"file": name, "variant": f"lora tp={tp}", "gpus": gpus, "phase": phase, "checked": True,
+                             "predicted_gib": pred[phase], "measured_gib": measured[phase],
+                             "error": pred[phase] / measured[phase] - 1})
     return rows
 
 

@@ -20,8 +20,9 @@ from tests.conftest import tiny_qwen2
 # -2.9 %, is the 2-GPU update with parked states). A change of the model or of the plan it builds on that moves
 # a prediction further fails here.
 BOUND = 0.03
-# The 7B and 32B runs on 2 H100s (bench_fsdp.RECORDED_H100): the 7B update misses by -3.7 % (about 1 GiB the
-# model does not place); the 32B rollout's peak is the replica's sync (-2.5 %; -35 % before the sync was modelled).
+# The H100 runs (bench_fsdp.RECORDED_H100): the updates miss by -3.7 to -3.9 % (1.5B on 1 and 2 GPUs, 7B on 2:
+# 0.4-1 GiB the model does not place); the 32B rollout's peak is the replica's sync (-2.5 %; -35 % before the
+# sync was modelled).
 BOUND_OTHER_SHAPES = 0.04
 
 
@@ -33,7 +34,7 @@ def test_predictions_match_the_recorded_one_and_two_gpu_runs():
     rows = bench_fsdp.check_recorded()
     other = [r for r in rows if r["file"] in {x[0] for x in bench_fsdp.RECORDED_H100}]
     checked = [r for r in rows if r["checked"] and r not in other]
-    assert len(checked) == 16 and {r["gpus"] for r in checked} == {1, 2} and len(other) == 6
+    assert len(checked) == 16 and {r["gpus"] for r in checked} == {1, 2} and len(other) == 10
     bad = [(r["file"], r["variant"], r["gpus"], r["phase"], round(r["error"], 3)) for r in checked
            if abs(r["error"]) > BOUND]
     bad += [(r["file"], r["variant"], r["phase"], round(r["error"], 3)) for r in other

@@ -32,10 +32,11 @@ bench/bench_fsdp.py --check-recorded` prints predicted against measured per phas
 are within 3 % (the largest miss -2.9 %), the bound tests/test_memory_ranks.py holds them to. `LAYERS_IN_FLIGHT`
 is the one term set from the 2-GPU runs, and they pin it only loosely: a 1.5B layer is 0.09 GiB, about 1 % of a
 2-GPU peak (1 layer misses by up to 3.9 %, 3 layers by up to 3.0 %); 2 is what FSDP2's prefetch holds. 4 and 8
-ranks are extrapolation until measured. The root's fp32 reduction was not the peak of any recorded run. On H100s (`bench_fsdp.RECORDED_H100`): 1.5B on 1 and 2
-GPUs and 7B on 2 (one replica per GPU, and split over both), rollouts within 2.2 %, updates -3.6 to -3.9 % (0.4 to
-1 GiB unplaced); the 32B split rollout's sync -2.5 % (modelled as the decode alone it was -35 %). Sizes are
-what torch's allocator holds, plus sleepable replica memory, as `memory/peak_gb/<phase>`.
+ranks are extrapolation until measured. The root's fp32 reduction was not the peak of any recorded run. On
+H100s (`bench_fsdp.RECORDED_H100`): 1.5B on 1 and 2 GPUs and 7B on 2 (one replica per GPU, and split over both),
+rollouts within 2.2 %, updates -3.6 to -3.9 % (0.4 to 1 GiB unplaced); the 32B split rollout's sync -2.5 %
+(modelled as the decode alone it was -35 %). Sizes are what torch's allocator holds, plus sleepable replica
+memory, as `memory/peak_gb/<phase>`.
 """
 
 from __future__ import annotations

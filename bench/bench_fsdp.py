@@ -334,10 +334,7 @@ def check_recorded(results: Path = REPO / "bench" / "results") -> list[dict[str,
         for gpus in (1, 2):
             measured = data[f"{gpus}gpu"]["peak_gib_per_phase"]
             pred = prediction(mode, args, gpus, GSM8K_SAMPLE_PROMPT, DEVICE_GIB["H200"])["phase_gib"]
-            for phase in ("generate", "train"):
-                rows.append({"file": name, "variant": key, "gpus": gpus, "phase": phase, "checked": checked,
-                             "predicted_gib": pred[phase], "measured_gib": measured[phase],
-                             "error": pred[phase] / measured[phase] - 1})
+            rows += _phase_rows(name, key, gpus, checked, pred, measured)
     for name, shape, tp, prompts, G, tokens, sets in RECORDED_H100:
         data = json.loads((results / name).read_text())
         args = argparse.Namespace(shape=shape, backend="static", G=G, tokens=tokens, steps=1, prompts=prompts, micro=16,
@@ -347,11 +344,16 @@ def check_recorded(results: Path = REPO / "bench" / "results") -> list[dict[str,
             gpus = int(key.removesuffix("gpu"))
             measured = run["modes"]["lora"]["peak_gib_per_phase"]
             pred = prediction("lora", args, gpus, run["shape"]["longest_prompt"], DEVICE_GIB["H100"])["phase_gib"]
-            for phase in ("generate", "train"):
-                rows.append({"file": name, "variant": f"lora tp={tp}", "gpus": gpus, "phase": phase, "checked": True,
-                             "predicted_gib": pred[phase], "measured_gib": measured[phase],
-                             "error": pred[phase] / measured[phase] - 1})
+            rows += _phase_rows(name, f"lora tp={tp}", gpus, True, pred, measured)
     return rows
+
+
+def _phase_rows(name: str, variant: str, gpus: int, checked: bool, pred: dict[str, float],
+                measured: dict[str, float]) -> list[dict[str, Any]]:
+    """check_recorded's rows of one run: its rollout and update peaks, predicted against measured (GiB)."""
+    return [{"file": name, "variant": variant, "gpus": gpus, "phase": phase, "checked": checked,
+             "predicted_gib": pred[phase], "measured_gib": measured[phase], "error": pred[phase] / measured[phase] - 1}
+            for phase in ("generate", "train")]
 
 
 def main() -> None:

@@ -56,9 +56,8 @@ class StepProfiler:
         gc.callbacks.remove(self._on_gc)
         avg = self._prof.key_averages()
         device = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-        self.tables[self._window] = {"by_device_time": avg.table(sort_by=device, row_limit=ROWS, max_name_column_width=70),
-                                     "by_host_time": avg.table(sort_by="cpu_time_total", row_limit=ROWS,
-                                                               max_name_column_width=70),
+        table = lambda key: avg.table(sort_by=key, row_limit=ROWS, max_name_column_width=70)  # noqa: E731
+        self.tables[self._window] = {"by_device_time": table(device), "by_host_time": table("cpu_time_total"),
                                      "gc_collections": [{"generation": g, "seconds": round(t, 4)} for g, t in self._gc]}
         self._prof = self._window = None
 

@@ -395,7 +395,7 @@ class GroupDecode:
             # embedding and on weights in sleepable memory, torch 2.11; bench/LOG.md). The step graph captures the
             # eager step instead, collectives included, wherever it applies (rollout.step_graph unset; false: eager):
             # at 7B on two H100s the eager split decode did not finish two steps in 170 s, the captured one decoded
-            # 27,980 tokens/s
+            # 27,980 tokens/s (bench/results/fsdp_h100x2_7b_tp2_{eager_incomplete_e6c2ab5,graph_91af055}.json)
             engine.compile = False
             engine.capture_eager = True
         engine.shared_budget = self.smallest

@@ -187,6 +187,8 @@ def run_mode(mode: str, model_dir: Path, args, world: parallel.World, work: Path
         "peak_gib_per_phase": {p: global_max(max(r.get(f"memory/peak_gb/{p}", 0.0) for r in records))
                                for p in (k.removeprefix("time/") for k in PHASES)},
         "peak_gib_rank0": peak,
+        # a run cut after its first step (or asked for one) has only that step's times, its compile included
+        "timed_steps": len(steady), "first_step_only": not records[1:],
         "records": records,
     }
     if sync_log[1:] and world.distributed:
@@ -251,7 +253,9 @@ def measure(args: argparse.Namespace) -> None:
         r["predicted"] = prediction(mode, args, world.size, prompt_len, device_gib)
         result["modes"][mode] = {**r, "info": info}
         if world.main:
-            print(f"{world.size} GPU {mode:5s} step {r['median_step_s']:.2f} s  {r['completion_tokens_per_s']:.0f} tok/s  "
+            first = "  (its first step only, compile included)" if r["first_step_only"] else ""
+            print(f"{world.size} GPU {mode:5s} step {r['median_step_s']:.2f} s{first}  "
+                  f"{r['completion_tokens_per_s']:.0f} tok/s  "
                   f"generate {r['generate_tokens_per_s']:.0f} tok/s  "
                   f"peak/GPU {r['peak_gib_per_gpu_max']:.2f} GiB (predicted {r['predicted']['peak_gib']:.2f})  "
                   f"by phase {r['peak_gib_per_phase']}  phases {r['median_phase_s']}  weight path {r.get('weight_path')}",
@@ -275,10 +279,16 @@ def summarize(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"--summarize needs the 1-GPU run {out / result_name(args, 1)}")
     table: dict[str, list[dict[str, Any]]] = {}
     for mode, one in runs[1]["modes"].items():
+        if one.get("first_step_only"):
+            raise SystemExit(f"{out / result_name(args, 1)}: its {mode} run timed only its first step (compile "
+                             "included); rerun it with --steps 3 or more")
         rows = []
         for n, run in sorted(runs.items()):
             r = run["modes"].get(mode)
             if r is None:
+                continue
+            if r.get("first_step_only") and n > 1:  # (a scaling ratio against a step that compiles means nothing)
+                print(f"{args.shape} {args.scaling} {mode:5s} {n} GPU  left out: only its first step was timed")
                 continue
             speedup = r["completion_tokens_per_s"] / one["completion_tokens_per_s"]
             # each phase's prompts per second against one GPU's (strong scaling: t1 / tN; weak: N t1 / tN)

@@ -213,6 +213,23 @@ def test_summary_sets_each_rank_count_against_one_gpu(tmp_path, scaling, capsys)
     assert "4 GPU" in capsys.readouterr().out
 
 
+def test_summary_leaves_out_runs_that_timed_only_their_first_step(tmp_path, capsys):
+    """A run cut after its first step (which compiles) is no measurement: left out of the ratios; a 1-GPU one
+    is refused."""
+    args = bench_fsdp.argparse.Namespace(out=str(tmp_path), shape="1.5b", backend="static", scaling="strong", tag="")
+    runs = {1: _run(1, 16, 1000.0, 4.0, 10.0, 14.0, 14.5), 2: _run(2, 16, 1900.0, 3.0, 5.0, 10.0, 9.5),
+            4: _run(4, 16, 300.0, 52.0, 5.0, 8.0, 8.4)}
+    runs[4]["modes"]["lora"]["first_step_only"] = True
+    for n, run in runs.items():
+        (tmp_path / bench_fsdp.result_name(args, n)).write_text(bench_fsdp.json.dumps(run))
+    assert [r["gpus"] for r in bench_fsdp.summarize(args)["modes"]["lora"]] == [1, 2]
+    assert "4 GPU  left out: only its first step was timed" in capsys.readouterr().out
+    runs[1]["modes"]["lora"]["first_step_only"] = True
+    (tmp_path / bench_fsdp.result_name(args, 1)).write_text(bench_fsdp.json.dumps(runs[1]))
+    with pytest.raises(SystemExit, match="timed only its first step"):
+        bench_fsdp.summarize(args)
+
+
 def test_summary_needs_the_one_gpu_run(tmp_path):
     args = bench_fsdp.argparse.Namespace(out=str(tmp_path), shape="7b", backend="static", scaling="weak", tag="")
     (tmp_path / bench_fsdp.result_name(args, 2)).write_text(bench_fsdp.json.dumps(_run(2, 8, 1.0, 1.0, 1.0, 1.0, 1.0)))

@@ -53,7 +53,8 @@ from logitless.trainer import memory_plan as mp  # noqa: E402
 from logitless.trainer.tensor_parallel import local_bytes  # noqa: E402
 
 PHASES = ("time/generate", "time/score", "time/logprobs", "time/train")
-# "auto" settings decided differently on one process (the memory plan, Liger) and under torchrun (no plan)
+# "auto" settings decided differently on one process (the memory plan, compiled layers) and under torchrun (no
+# plan), and Liger (left off, as in the recorded runs: every rank count runs the same layers)
 PINNED = ["model.liger_kernels=false", "model.compile_layers=false", "model.activation_offload=false",
           "train.offload_during_rollout=false", "train.micro_batch_tokens=null", "train.packed=false"]
 RANKS = (1, 2, 4, 8)

@@ -3,7 +3,8 @@
     python -m torch.distributed.run --nproc-per-node 2 tests/dist_worker.py SCENARIO OUT_DIR TOKENIZER_DIR
     python -m torch.distributed.run --nproc-per-node 4 tests/dist_worker.py equivalence4 OUT_DIR TOKENIZER_DIR
 
-Scenarios: "equivalence" (one step, LoRA and full fine-tuning, on a recorded rollout; `MODES`), "equivalence4"
+Scenarios: "equivalence" (one step, LoRA and full fine-tuning, on a recorded rollout; `MODES`; on GPUs
+"equivalence_liger", `LIGER_MODES`), "equivalence4"
 (the same on 4 ranks with uneven prompt shares; `FOUR_RANK_MODES`) and "resume" (a run, the same run stopped by
 SIGTERM and resumed; then a run on the static backend). `raise_on_rank1` is a reward function for the failure test.
 """
@@ -180,7 +181,17 @@ FOUR_RANK_MODES = {
                             "optim.learning_rate=0.002", "objective.beta=0.04", "train.num_iterations=2"],
 }
 
-ALL_MODES = {**MODES, **FOUR_RANK_MODES}
+# CUDA only (`LOGITLESS_TEST_CUDA=1`, the "equivalence_liger" scenario): Liger's Triton kernels in the decoder layers
+# of the sharded model, against one process with them (tests/test_liger_kernels.py holds one process to the plain
+# model)
+LIGER_MODES = {
+    "lora_liger": ["model.liger_kernels=true", "model.gradient_checkpointing=true", "train.packed=true",
+                   "rollout.max_prompt_length=48", "train.micro_batch_tokens=160"],
+    "full_liger": ["model.liger_kernels=true", "model.lora=false", "optim.learning_rate=0.002",
+                   "model.gradient_checkpointing=true", "objective.beta=0.04", "train.num_iterations=2"],
+}
+
+ALL_MODES = {**MODES, **FOUR_RANK_MODES, **LIGER_MODES}
 
 # Overrides of the ranks' runs only: their MLPs tiled (models/tiled_mlp.py, chunks of 5 tokens, far fewer than a
 # micro-batch's) against the untiled single process, so the comparison also holds the tiled MLP to the untiled one
@@ -274,7 +285,8 @@ def raise_on_rank1(prompts, completions, **fields):
 def main(scenario: str, out_dir: str, tok_dir: str) -> None:
     torch.set_num_threads(1)
     scenarios = {"equivalence": equivalence, "resume": resume,
-                 "equivalence4": lambda out, tok: equivalence(out, tok, FOUR_RANK_MODES)}
+                 "equivalence4": lambda out, tok: equivalence(out, tok, FOUR_RANK_MODES),
+                 "equivalence_liger": lambda out, tok: equivalence(out, tok, LIGER_MODES)}
     scenarios[scenario](Path(out_dir), tokenizer(tok_dir))
     # Every rank is through and its files are written and closed: leave without the interpreter's teardown of
     # torch and the process group, which takes seconds per rank on a loaded 2-core runner.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -57,6 +59,24 @@ def test_short_runs_are_not_compiled_and_liger_takes_over_where_installed():
                        free_gib=80.0)
     assert res.cfg.model.compile_layers is False and "too short" in _reason(res, "model.compile_layers")
     assert res.cfg.model.liger_kernels is True
+
+
+def test_liger_under_torchrun_only_with_a_replica_per_gpu_and_not_with_host_offload():
+    """Under torchrun Liger's kernels run in the sharded update where installed; never with a split rollout (its
+    replica would run them) or train.fsdp_offload (untested), whether installed or not."""
+    skel = bench_plan.skeleton("1.5b")
+    for over, why in ((["rollout.backend=static", "rollout.tensor_parallel=2"], "rollout.tensor_parallel"),
+                      (["train.fsdp_offload=true"], "train.fsdp_offload")):
+        res = auto.resolve(_cfg("train.max_steps=20", *over), world_size=2, device=CUDA, skeleton=skel, free_gib=80.0)
+        assert res.cfg.model.liger_kernels is False and why in _reason(res, "model.liger_kernels")
+    # the per-GPU memory model counts Liger's smaller recompute (fewer fp32 temporaries) when they are set
+    recompute = {on: auto.resolve(_cfg("train.max_steps=20", "model.gradient_checkpointing=true",
+                                       f"model.liger_kernels={on}"), world_size=4, device=CUDA, skeleton=skel,
+                                  free_gib=80.0).rank_memory.phases["train"]["recompute"] for on in ("true", "false")}
+    assert recompute["true"] < 0.9 * recompute["false"]
+    pytest.importorskip("liger_kernel")
+    res = auto.resolve(_cfg("train.max_steps=20"), world_size=4, device=CUDA, skeleton=skel, free_gib=80.0)
+    assert res.cfg.model.liger_kernels is True and "FSDP2" in _reason(res, "model.liger_kernels")
 
 
 def _reason(res, key):
@@ -120,7 +140,9 @@ def test_fp32_models_and_torchrun_get_no_packing_compile_or_plan():
     assert res.cfg.train.packed is False and "float32" in _reason(res, "train.packed")
     res = auto.resolve(_cfg("train.max_steps=500"), world_size=2, device=CUDA, skeleton=bench_plan.skeleton("1.5b"),
                        free_gib=80.0)
-    assert res.plan is None and res.cfg.model.compile_layers is False and res.cfg.model.liger_kernels is False
+    assert res.plan is None and res.cfg.model.compile_layers is False
+    installed = importlib.util.find_spec("liger_kernel") is not None  # (FSDP2 runs Liger's kernels where installed)
+    assert res.cfg.model.liger_kernels is installed
     assert res.rank_memory is not None and res.ranks == 2  # (the per-GPU prediction only: tests/test_memory_ranks.py)
     assert res.cfg.model.gradient_checkpointing is False and "torchrun" in _reason(res, "model.gradient_checkpointing")
 

@@ -254,7 +254,8 @@ def test_torchrun_runs_resolve_the_per_gpu_memory_of_their_rank_count():
     m = model_memory(model, res.cfg.model, torch.bfloat16)
     step = mp.StepShape(prompts=64, rows=64 * 8, prompt_len=200, completion_len=512,
                         context=model.config.max_position_embeddings)
-    facts = auto.run_facts(res.cfg, "static", "eager", torch.device("cuda"))
+    kernels = auto.layer_kernels(res.cfg.model.compile_layers, res.cfg.model.liger_kernels)  # (Liger where installed)
+    facts = auto.run_facts(res.cfg, "static", kernels, torch.device("cuda"))
     assert res.rank_memory.phases == mr.predict(m, step, facts, mp.knobs_of(res.cfg), mr.Ranks(4, mr.units_of(model)))
     saved = res.to_json()["rank_memory"]
     assert saved["ranks"] == 4 and saved["predicted_gib"]["train"] == res.rank_memory.peak("train") / mp.GIB

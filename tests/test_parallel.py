@@ -144,6 +144,18 @@ def test_two_gpus_train_like_one(tmp_path, tok_dir, monkeypatch):
         check_equivalence(tmp_path, single, mode, atol=1e-4, rel=1e-3)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_with_liger_kernels_train_like_one(tmp_path, tok_dir, monkeypatch):
+    """Liger's kernels in the decoder layers under FSDP2 (LoRA, and full fine-tuning whose norm weights' gradients
+    come from Liger's backward and are reduce-scattered) against one process with them, as above."""
+    pytest.importorskip("liger_kernel")
+    monkeypatch.setenv("LOGITLESS_TEST_CUDA", "1")
+    single = run_equivalence(tmp_path, tok_dir, w.LIGER_MODES, "equivalence_liger")
+    for mode in w.LIGER_MODES:
+        check_equivalence(tmp_path, single, mode, atol=1e-4, rel=1e-3)
+
+
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory, tok_dir, one_thread):
     out = tmp_path_factory.mktemp("four_ranks")
@@ -279,7 +291,6 @@ def _cfg(*overrides):
         (["advantage.scale=batch"], r"advantage.scale='batch' .* set advantage.scale=group"),
         (["model.load_in_4bit=true"], r"model.load_in_4bit=true \(QLoRA\) is not supported with FSDP2 under torchrun yet; "
                                       r"set model.load_in_4bit=false"),
-        (["model.liger_kernels=true"], r"model.liger_kernels=true is not supported with FSDP2 under torchrun yet"),
         (["optim.optimizer=adamw_8bit"], r"optim.optimizer=adamw_8bit is not supported .* set optim.optimizer=adamw"),
         (["train.async_rollout=true", "rollout.backend=static"],
          r"train.async_rollout=true is not supported .* set train.async_rollout=false"),
@@ -290,6 +301,15 @@ def test_settings_that_cannot_run_on_several_ranks_are_refused(overrides, match)
     with pytest.raises(ValueError, match=match):
         check_distributed(_cfg(*overrides), World(rank=0, size=2))
     check_distributed(_cfg(*overrides), World())  # one process: no restriction
+
+
+def test_liger_kernels_run_under_torchrun_with_a_replica_per_gpu_not_a_split_one():
+    check_distributed(_cfg("model.liger_kernels=true", "rollout.backend=static"), World(rank=0, size=2))
+    check_distributed(_cfg("model.liger_kernels=true", "rollout.backend=hf"), World(rank=1, size=4))
+    with pytest.raises(ValueError, match=r"model.liger_kernels=true with rollout.tensor_parallel=2: .* set "
+                                         r"model.liger_kernels=false or rollout.tensor_parallel=1"):
+        check_distributed(_cfg("model.liger_kernels=true", "rollout.backend=static", "rollout.tensor_parallel=2"),
+                          World(rank=0, size=2))
 
 
 def test_rank_shares_are_contiguous_and_cover_the_step():

@@ -4,7 +4,8 @@ memory plan; printed as a table and saved in the run folder (`resolved.json`).
     rollout.backend               static on CUDA where its layout check passes (rollout/layouts.py), else hf
     train.packed                  on CUDA for a bf16/fp16 model whose attention runs varlen (full attention only)
     model.compile_layers          on CUDA, one process, train.max_steps >= COMPILE_MIN_STEPS
-    model.liger_kernels           on CUDA, one process, installed, the model type supported, layers not compiled
+    model.liger_kernels           on CUDA, installed, the model type supported, layers not compiled (one process
+                                  or FSDP2 under torchrun without a split rollout; not with train.fsdp_offload)
     model.gradient_checkpointing  \\
     model.activation_offload       |  the memory plan (trainer/memory_plan.py): the fastest settings whose
     train.micro_batch_tokens       |  predicted phases fit train.memory_budget_gib (default: the device's free
@@ -148,11 +149,13 @@ def _compile(cfg: TrainerConfig, device: torch.device, single: bool) -> tuple[bo
     return True, f"train.max_steps >= {COMPILE_MIN_STEPS} repays the first step's compile (about 45 s)"
 
 
-def _liger(device: torch.device, single: bool, compiled: bool, model: Any) -> tuple[bool, str]:
+def _liger(cfg: TrainerConfig, device: torch.device, world_size: int, compiled: bool, model: Any) -> tuple[bool, str]:
     if device.type != "cuda":
         return False, f"{device.type}: Liger's kernels are for CUDA"
-    if not single:
-        return False, "refused under torchrun and train.fsdp_offload"
+    if cfg.train.fsdp_offload:
+        return False, "refused with train.fsdp_offload (not tested on host-offloaded FSDP2 units)"
+    if world_size > 1 and cfg.rollout.tensor_parallel > 1:
+        return False, "refused with rollout.tensor_parallel > 1 (the split replica would run them; not tested)"
     if compiled:
         return False, "compiled layers run the model's own code (Liger added nothing beside them: bench/LOG.md)"
     if importlib.util.find_spec("liger_kernel") is None:
@@ -164,6 +167,8 @@ def _liger(device: torch.device, single: bool, compiled: bool, model: Any) -> tu
     model_type = getattr(text_config(base_model(model)), "model_type", None)
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
         return False, f"Liger-Kernel has no kernels for model type {model_type!r}"
+    if world_size > 1:
+        return True, f"installed, with kernels for {model_type} (FSDP2 runs them on each layer's gathered weights)"
     return True, f"installed, with kernels for {model_type}"
 
 
@@ -241,7 +246,7 @@ def resolve(cfg: TrainerConfig, *, world_size: int = 1, model: Any = None, devic
     backend = choose("rollout.backend", r.backend, lambda: rollout_backend(cfg, device, subject))
     packed = choose("train.packed", t.packed, lambda: _packed(cfg, device, dtype, subject, loaded=model is not None))
     compiled = choose("model.compile_layers", m.compile_layers, lambda: _compile(cfg, device, single))
-    liger = choose("model.liger_kernels", m.liger_kernels, lambda: _liger(device, single, compiled is True, subject))
+    liger = choose("model.liger_kernels", m.liger_kernels, lambda: _liger(cfg, device, world_size, compiled is True, subject))
     kernels = layer_kernels(compiled, liger)
 
     fixed = _fixed_knobs(cfg, packed is True)

@@ -77,8 +77,9 @@ class ModelConfig:
     load_in_4bit: bool = False
     # Liger-Kernel's RMSNorm, SwiGLU and RoPE Triton kernels in the model's layers (its apply_liger_kernel_to_*
     # of the model type; its cross-entropy patches stay off: the fused op computes the logprobs). CUDA only;
-    # `pip install 'logitless[liger]'`. Under torchrun: refused for now. "auto": on a CUDA device in one process
-    # when liger-kernel is installed and has kernels for the model type, unless the layers are compiled
+    # `pip install 'logitless[liger]'`. Under torchrun FSDP2 runs them on each layer's gathered weights (refused
+    # with rollout.tensor_parallel > 1 and train.fsdp_offload for now). "auto": on a CUDA device when
+    # liger-kernel is installed and has kernels for the model type, unless the layers are compiled
     # (model.compile_layers), whose graphs run the model's own code and were as fast without them.
     liger_kernels: bool | Literal["auto"] = "auto"
     # How the LoRA adapters compute in the trainer's forwards. "fp32": peft's default, each LoRA layer casts its

@@ -171,7 +171,6 @@ def check_distributed(cfg: TrainerConfig, world: World) -> None:
         )
     not_yet = [
         (cfg.model.load_in_4bit, "model.load_in_4bit=true (QLoRA)", "model.load_in_4bit=false"),
-        (cfg.model.liger_kernels is True, "model.liger_kernels=true", "model.liger_kernels=false"),
         (cfg.optim.optimizer != "adamw", f"optim.optimizer={cfg.optim.optimizer}", "optim.optimizer=adamw"),
         (cfg.train.async_rollout, "train.async_rollout=true", "train.async_rollout=false"),
         (cfg.rollout.device is not None, f"rollout.device={cfg.rollout.device}",
@@ -180,6 +179,12 @@ def check_distributed(cfg: TrainerConfig, world: World) -> None:
     for on, setting, fix in not_yet:
         if on:
             raise ValueError(f"{setting} is not supported with FSDP2 under torchrun yet; set {fix} or train on one process")
+    if cfg.model.liger_kernels is True and cfg.rollout.tensor_parallel > 1:
+        raise ValueError(
+            f"model.liger_kernels=true with rollout.tensor_parallel={cfg.rollout.tensor_parallel}: the split rollout's "
+            "replica would run Liger's kernels on its slices, which is not tested yet; set model.liger_kernels=false "
+            "or rollout.tensor_parallel=1 (Liger's kernels then run in the update, a replica per GPU decodes)"
+        )
     if cfg.objective.top_entropy_quantile < 1.0:
         raise ValueError(
             f"objective.top_entropy_quantile={cfg.objective.top_entropy_quantile} takes a quantile over the whole "

@@ -55,6 +55,10 @@ def check_exact(ranks: list[dict], case: str) -> None:
             assert x["logp_diff"] <= TOL, (where, x["logp_diff"])
             assert x["tokens"] > 0, where
         assert rounds[1]["moved"] > 0.1  # the update moved the policy: a stale replica would not match
+        # round 2 synced with the shards parked: one unit's lent at a time, then parked again; the 2 layer units
+        # (LoRA: the root's frozen weights are written by the first sync only), and the root's (full)
+        lent = results[case]["lent"]
+        assert lent["blocks"] == (2 if case.endswith("lora") else 3) and lent["only_the_unit"] and lent["parked_after"]
 
 
 def check_bytes(ranks: list[dict], case: str, n: int) -> None:

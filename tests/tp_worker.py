@@ -39,7 +39,7 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from logitless.rollout import SamplingOptions, make_engine, step_graph  # noqa: E402
 from logitless.rollout.weights import LiveWeights, MergedLoraWeights  # noqa: E402
 from logitless.trainer.parallel import World, rank_seed, rank_share, shard_model  # noqa: E402
-from logitless.trainer.tensor_parallel import TensorParallelCopy, group_decode, local_bytes, tp_mesh  # noqa: E402
+from logitless.trainer.tensor_parallel import TensorParallelCopy, group_decode, local, local_bytes, tp_mesh  # noqa: E402
 from tests.test_rollout_families import TOK  # noqa: E402
 
 # 8 query heads, 4 KV heads, MLP width 64: split over 2 or 4 ranks; the byte vocabulary (258) splits unevenly over 4
@@ -107,7 +107,10 @@ def case(tp: int, family: str, lora: bool, world: World) -> dict:
                                    if "norm" in n), "rounds": []}
     before = None
     for r in range(2):
-        replica.sync(sharded)
+        if r == 0:
+            replica.sync(sharded)
+        else:  # the shards parked (train.offload_during_rollout), each unit's lent back for its part of the sync
+            out["lent"] = parked_sync(replica, sharded)
         got = engine.generate(mine, OPTIONS.__class__(**{**OPTIONS.__dict__, "seed": seed}))
         want = one_rank(whole, mine, seed, lora)
         same_shape = (got.completion_ids.shape == want.completion_ids.shape
@@ -343,9 +346,38 @@ EVAL = ["eval.every_steps=2", "eval.num_prompts=5", "eval.batch_size=2", "eval.p
 TRAIN = {"lora": ["train.max_steps=2", "rollout.backend=static", "checkpoint.save_steps=2", *EVAL],
          "full": ["train.max_steps=2", "rollout.backend=static", "checkpoint.save_steps=2", "model.lora=false",
                   "optim.learning_rate=0.002"],
+         # the shards and optimizer states parked before the sync, each FSDP unit's lent back for its part of it
+         "lora_parked": ["train.max_steps=2", "rollout.backend=static", "checkpoint.save_steps=2",
+                         "train.offload_during_rollout=true"],
          # episodes: each rank's environments answer its own rows, the group gathers the replies every turn
          "agent": ["train.max_steps=2", "rollout.backend=static", "agent.environment=tests.agent_fixtures:Turns",
                    "agent.env_options={turns: 3}", "rollout.max_completion_length=24", "rollout.stop=[e]", *EVAL]}
+
+
+def parked_sync(replica: TensorParallelCopy, sharded: torch.nn.Module) -> dict:
+    """`replica.sync` with every shard of `sharded` parked: for each lent block, whether the shards resident are
+    exactly those it was lent (one FSDP unit's), and whether all are parked again after the sync."""
+    from contextlib import contextmanager
+
+    from logitless.trainer.offload import ParkedState
+
+    params = list(sharded.parameters())
+    resident = lambda: {id(p) for p in params if local(p).untyped_storage().nbytes() > 0}  # noqa: E731
+    parked, blocks = ParkedState(), []
+    parked.park(params)
+    assert not resident()
+
+    @contextmanager
+    def lend(tensors):
+        tensors = list(tensors)
+        with parked.lend(tensors):
+            blocks.append(resident() == {id(t) for t in tensors} and len(tensors) > 0)
+            yield
+
+    replica.sync(sharded, lend=lend)
+    after = not resident()
+    parked.unpark()
+    return {"blocks": len(blocks), "only_the_unit": all(blocks), "parked_after": after}
 
 
 def train(out_dir: str, tok_dir: str) -> None:

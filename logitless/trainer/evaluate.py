@@ -199,13 +199,13 @@ def eval_in_run(ctx: Any) -> dict[str, float]:
     the run's rollout engine with the run's reward functions. Under torchrun every rank evaluates every
     world-size-th row and the counts are summed over the ranks."""
     from logitless.trainer.distributed import all_reduce_metrics, all_reduce_sum
-    from logitless.trainer.parallel import rollout_weights
+    from logitless.trainer.stages import rollout_state
 
     cfg, world = ctx.cfg, ctx.world
     split_by = cfg.rollout.tensor_parallel if world.size > 1 else 1  # a tensor-parallel group decodes its rows once
     rows = ctx.eval_rows[world.rank // split_by :: world.size // split_by] if world.size > 1 else ctx.eval_rows
     split = cfg.eval.split or cfg.data.eval_split
-    with rollout_weights(ctx.model, ctx.replica):
+    with rollout_state(ctx):  # (as the step's rollout: the shards parked around a replica's sync where set)
         result = evaluate(ctx.model, ctx.tokenizer, rows, cfg, split=split, engine=ctx.engine, fns=ctx.reward_fns,
                           agent=ctx.agent)
     if world.size == 1:

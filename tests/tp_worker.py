@@ -403,7 +403,7 @@ GPU_TOKENS = 96
 def gpu(out_dir: str, tok_dir: str) -> None:
     """Each rank: the one-GPU rollout of its prompts (whole model, merged LoRA copy, the engine's CUDA defaults), its
     rows of the group's split rollout (its synced weights in sleepable memory, freed and written again between two
-    calls), of the same split with the lm_head's logits gathered (the whole-row draw) and of the split with
+    calls, the second time with the shards parked in host memory and lent back a unit at a time), of the same split with the lm_head's logits gathered (the whole-row draw) and of the split with
     step_graph=true (its eager step captured); each sampler's gap to the trainer's logprobs on its own tokens, the
     decode tokens/s of the second call of each, how the draw over the vocabulary split compares with the gathered
     rows' draw and the captured step with the eager one. Writes OUT_DIR/gpu_rank{R}.json."""
@@ -452,6 +452,9 @@ def gpu(out_dir: str, tok_dir: str) -> None:
              lambda: gathered.sync(sharded), lambda: None),
             ("split_graph", group_decode(make_engine("static", replica.model, tok), replica),  # (the default)
              lambda: replica.sync(sharded), replica.release)):
+        resync = sync
+        if name == "split":  # written again with the shards parked in host memory, a unit's lent back at a time
+            resync = lambda: out.__setitem__("lent", parked_sync(replica, sharded))  # noqa: E731
         sync()
         step_graph._warned.clear()  # the capture warning is said once per reason and process: here, for this engine
         with warnings.catch_warnings(record=True) as caught:
@@ -459,7 +462,7 @@ def gpu(out_dir: str, tok_dir: str) -> None:
             batch = engine.generate(mine, options)
         out[f"{name}_uncaptured"] = [str(w.message)[:300] for w in caught if "could not be captured" in str(w.message)]
         release()  # the replica's weights freed (sleep) and written again: the same samples after
-        sync()
+        resync()
         again = engine.generate(mine, options)  # compiled and captured by now: the decode's own speed
         with torch.no_grad():
             trainer = completion_logprobs(whole, *(t.to(device) for t in (

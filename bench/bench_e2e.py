@@ -62,8 +62,10 @@ SHAPES = {  # Qwen2.5 shapes (vocab 151,936); "tiny" checks the script on CPU
                num_key_value_heads=4, tie_word_embeddings=False),
     "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
                 num_key_value_heads=8, tie_word_embeddings=False),
+    "72b": dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, tie_word_embeddings=False),
 }
-BUILT_IN_DTYPE = {"32b"}  # shapes initialized in bf16 directly (in fp32 the 32B shape takes 128 GB)
+BUILT_IN_DTYPE = {"32b", "72b"}  # shapes initialized in bf16 directly (in fp32 the 32B shape takes 128 GB)
 PHASES = ("generate", "score", "logprobs", "train")
 
 

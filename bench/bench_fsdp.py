@@ -86,6 +86,11 @@ RECORDED_H100 = [
       "train.offload_during_rollout=true", "rollout.max_kv_gib=16"]),
 ]
 
+# Recorded phases of an earlier behaviour, reported by --check-recorded but not checked (file, phase): why
+STALE = {("fsdp_h100x2_32b_tp2_graph_91af055.json", "generate"):
+         "measured when the shards were parked after the replica's sync (67.11 GiB: shards, split replica and a unit "
+         "together); since park-sync the shards are parked before it and lent back a unit at a time: to re-measure"}
+
 
 def timed_rollout_weights(log: list[dict[str, float]]):
     """`parallel.rollout_weights` that records the seconds of its weight path before and after `generate`, the GiB
@@ -93,12 +98,12 @@ def timed_rollout_weights(log: list[dict[str, float]]):
     inner = parallel.rollout_weights
 
     @contextmanager
-    def wrapper(model, replica):
+    def wrapper(model, replica, lend=parallel.no_lend):
         sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
         mem = torch.cuda.memory_allocated if torch.cuda.is_available() else (lambda: 0)
         sync()
         t0, m0 = time.perf_counter(), mem()
-        with inner(model, replica):
+        with inner(model, replica, lend):
             sync()
             entry = {"gather_s": time.perf_counter() - t0, "held_gib": (mem() - m0) / 2**30}
             if replica is not None:
@@ -355,7 +360,8 @@ def check_recorded(results: Path = REPO / "bench" / "results") -> list[dict[str,
             gpus = int(key.removesuffix("gpu"))
             measured = run["modes"]["lora"]["peak_gib_per_phase"]
             pred = prediction("lora", args, gpus, run["shape"]["longest_prompt"], DEVICE_GIB["H100"])["phase_gib"]
-            rows += _phase_rows(name, f"lora tp={tp}", gpus, True, pred, measured)
+            rows += [{**r, "checked": (name, r["phase"]) not in STALE}
+                     for r in _phase_rows(name, f"lora tp={tp}", gpus, True, pred, measured)]
     return rows
 
 

@@ -1,7 +1,8 @@
 """train.offload_during_rollout: the training state the rollout does not read goes to host memory for the
 rollout and comes back bit for bit (trainer/offload.py ParkedState). CPU: the round trip, what is parked, the
-storages really emptied while the rollout runs, and a run that trains exactly like one without it. The 2-rank
-runs with parameter shards parked are in tests/test_parallel.py."""
+storages really emptied while the rollout runs, lending parked storages back to a block (a replica's sync), and a
+run that trains exactly like one without it. The 2-rank runs with parameter shards parked are in
+tests/test_parallel.py and tests/test_tensor_parallel.py."""
 
 from __future__ import annotations
 
@@ -33,6 +34,26 @@ def test_park_and_unpark_round_trip_bit_for_bit_and_keep_identities():
             a.add_(1)  # a change between parks is carried by the next one
         values = (a.detach().clone(), b.clone())
     assert hosts[0] == hosts[1]  # the host buffers are reused
+
+
+def test_lend_brings_parked_storages_back_for_a_block_and_frees_them_after():
+    """A sync with the shards parked reads one unit's at a time: `lend` restores exactly the parked storages under
+    the tensors it is given (a view lends its storage), frees them again after the block, and leaves the rest
+    parked; `unpark` then restores everything bit for bit."""
+    a, b, c = torch.randn(6, 4), torch.randn(9), torch.randn(3, dtype=torch.bfloat16)
+    view = a[1:3]
+    values = [t.clone() for t in (a, b, c)]
+    parked = ParkedState()
+    parked.park([a, b])
+    with parked.lend([view, c]):  # a through a view of it; c was never parked: left alone
+        assert torch.equal(a, values[0]) and b.untyped_storage().nbytes() == 0
+        assert torch.equal(c, values[2])
+    assert a.untyped_storage().nbytes() == 0 and b.untyped_storage().nbytes() == 0  # freed again
+    with pytest.raises(KeyError), parked.lend([b]):  # freed again after a block that raised
+        raise KeyError("x")
+    assert b.untyped_storage().nbytes() == 0
+    parked.unpark()
+    assert all(torch.equal(t, v) for t, v in zip((a, b, c), values))
 
 
 def test_optimizer_state_is_the_moments_not_the_step_counters():

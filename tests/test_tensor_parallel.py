@@ -55,6 +55,10 @@ def check_exact(ranks: list[dict], case: str) -> None:
             assert x["logp_diff"] <= TOL, (where, x["logp_diff"])
             assert x["tokens"] > 0, where
         assert rounds[1]["moved"] > 0.1  # the update moved the policy: a stale replica would not match
+        # round 2 synced with the shards parked: one unit's lent at a time, then parked again; the 2 layer units
+        # (LoRA: the root's frozen weights are written by the first sync only), and the root's (full)
+        lent = results[case]["lent"]
+        assert lent["blocks"] == (2 if case.endswith("lora") else 3) and lent["only_the_unit"] and lent["parked_after"]
 
 
 def check_bytes(ranks: list[dict], case: str, n: int) -> None:
@@ -350,7 +354,8 @@ def test_two_gpus_split_rollout_samples_the_trainers_policy_like_one_gpu(tmp_pat
     """bf16 on 2 GPUs (nccl; the split decode eager, the one-GPU one compiled with its CUDA-graph step): each rank's
     split rollout is as close to the trainer's logprobs on its own tokens as the one-GPU rollout is on its (1.5x the
     mean gap, 2x the max, measured in the same run on the same weights), and a second call, after the replica's
-    sleeping weights were freed and written again, samples the same tokens; the draw over each GPU's vocabulary
+    sleeping weights were freed and written again (with the shards parked, each unit's lent back), samples the same
+    tokens; the draw over each GPU's vocabulary
     columns (with the Triton kernel) samples the tokens of the same split with the logits gathered; with
     rollout.step_graph unset (the default) the eager split step is captured and samples what the eager loop
     (rollout.step_graph=false) samples."""
@@ -366,7 +371,9 @@ def test_two_gpus_split_rollout_samples_the_trainers_policy_like_one_gpu(tmp_pat
         assert one["tokens"] == split["tokens"] == 4 * 4 * tp_worker.GPU_TOKENS  # 4 prompts x 4 samples, EOS ignored
         assert one["mean"] < 0.03, one  # the reference is at bf16 noise, so the bound is not vacuous
         assert split["mean"] <= G.BOUND_MEAN * one["mean"] and split["max"] <= G.BOUND_MAX * one["max"], (one, split)
-        assert one["same_again"] and split["same_again"]
+        assert one["same_again"] and split["same_again"]  # (the split's second sync with the shards parked:)
+        lent = x["lent"]  # one unit's shards on the GPU at a time (4 layers; the root's frozen: written once)
+        assert lent["blocks"] == 4 and lent["only_the_unit"] and lent["parked_after"], lent
         same = x["split_vs_gathered"]  # the draw over each GPU's vocabulary columns: the gathered rows' tokens
         assert same["tokens_equal"] and same["logp_diff"] <= TOL, same
         # rollout.step_graph unset: the eager split step captured as one CUDA graph (NCCL collectives inside) draws

@@ -39,7 +39,7 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from logitless.rollout import SamplingOptions, make_engine, step_graph  # noqa: E402
 from logitless.rollout.weights import LiveWeights, MergedLoraWeights  # noqa: E402
 from logitless.trainer.parallel import World, rank_seed, rank_share, shard_model  # noqa: E402
-from logitless.trainer.tensor_parallel import TensorParallelCopy, group_decode, local_bytes, tp_mesh  # noqa: E402
+from logitless.trainer.tensor_parallel import TensorParallelCopy, group_decode, local, local_bytes, tp_mesh  # noqa: E402
 from tests.test_rollout_families import TOK  # noqa: E402
 
 # 8 query heads, 4 KV heads, MLP width 64: split over 2 or 4 ranks; the byte vocabulary (258) splits unevenly over 4
@@ -107,7 +107,10 @@ def case(tp: int, family: str, lora: bool, world: World) -> dict:
                                    if "norm" in n), "rounds": []}
     before = None
     for r in range(2):
-        replica.sync(sharded)
+        if r == 0:
+            replica.sync(sharded)
+        else:  # the shards parked (train.offload_during_rollout), each unit's lent back for its part of the sync
+            out["lent"] = parked_sync(replica, sharded)
         got = engine.generate(mine, OPTIONS.__class__(**{**OPTIONS.__dict__, "seed": seed}))
         want = one_rank(whole, mine, seed, lora)
         same_shape = (got.completion_ids.shape == want.completion_ids.shape
@@ -343,9 +346,38 @@ EVAL = ["eval.every_steps=2", "eval.num_prompts=5", "eval.batch_size=2", "eval.p
 TRAIN = {"lora": ["train.max_steps=2", "rollout.backend=static", "checkpoint.save_steps=2", *EVAL],
          "full": ["train.max_steps=2", "rollout.backend=static", "checkpoint.save_steps=2", "model.lora=false",
                   "optim.learning_rate=0.002"],
+         # the shards and optimizer states parked before the sync, each FSDP unit's lent back for its part of it
+         "lora_parked": ["train.max_steps=2", "rollout.backend=static", "checkpoint.save_steps=2",
+                         "train.offload_during_rollout=true"],
          # episodes: each rank's environments answer its own rows, the group gathers the replies every turn
          "agent": ["train.max_steps=2", "rollout.backend=static", "agent.environment=tests.agent_fixtures:Turns",
                    "agent.env_options={turns: 3}", "rollout.max_completion_length=24", "rollout.stop=[e]", *EVAL]}
+
+
+def parked_sync(replica: TensorParallelCopy, sharded: torch.nn.Module) -> dict:
+    """`replica.sync` with every shard of `sharded` parked: for each lent block, whether the shards resident are
+    exactly those it was lent (one FSDP unit's), and whether all are parked again after the sync."""
+    from contextlib import contextmanager
+
+    from logitless.trainer.offload import ParkedState
+
+    params = list(sharded.parameters())
+    resident = lambda: {id(p) for p in params if local(p).untyped_storage().nbytes() > 0}  # noqa: E731
+    parked, blocks = ParkedState(), []
+    parked.park(params)
+    assert not resident()
+
+    @contextmanager
+    def lend(tensors):
+        tensors = list(tensors)
+        with parked.lend(tensors):
+            blocks.append(resident() == {id(t) for t in tensors} and len(tensors) > 0)
+            yield
+
+    replica.sync(sharded, lend=lend)
+    after = not resident()
+    parked.unpark()
+    return {"blocks": len(blocks), "only_the_unit": all(blocks), "parked_after": after}
 
 
 def train(out_dir: str, tok_dir: str) -> None:
@@ -371,7 +403,7 @@ GPU_TOKENS = 96
 def gpu(out_dir: str, tok_dir: str) -> None:
     """Each rank: the one-GPU rollout of its prompts (whole model, merged LoRA copy, the engine's CUDA defaults), its
     rows of the group's split rollout (its synced weights in sleepable memory, freed and written again between two
-    calls), of the same split with the lm_head's logits gathered (the whole-row draw) and of the split with
+    calls, the second time with the shards parked in host memory and lent back a unit at a time), of the same split with the lm_head's logits gathered (the whole-row draw) and of the split with
     step_graph=true (its eager step captured); each sampler's gap to the trainer's logprobs on its own tokens, the
     decode tokens/s of the second call of each, how the draw over the vocabulary split compares with the gathered
     rows' draw and the captured step with the eager one. Writes OUT_DIR/gpu_rank{R}.json."""
@@ -420,6 +452,9 @@ def gpu(out_dir: str, tok_dir: str) -> None:
              lambda: gathered.sync(sharded), lambda: None),
             ("split_graph", group_decode(make_engine("static", replica.model, tok), replica),  # (the default)
              lambda: replica.sync(sharded), replica.release)):
+        resync = sync
+        if name == "split":  # written again with the shards parked in host memory, a unit's lent back at a time
+            resync = lambda: out.__setitem__("lent", parked_sync(replica, sharded))  # noqa: E731
         sync()
         step_graph._warned.clear()  # the capture warning is said once per reason and process: here, for this engine
         with warnings.catch_warnings(record=True) as caught:
@@ -427,7 +462,7 @@ def gpu(out_dir: str, tok_dir: str) -> None:
             batch = engine.generate(mine, options)
         out[f"{name}_uncaptured"] = [str(w.message)[:300] for w in caught if "could not be captured" in str(w.message)]
         release()  # the replica's weights freed (sleep) and written again: the same samples after
-        sync()
+        resync()
         again = engine.generate(mine, options)  # compiled and captured by now: the decode's own speed
         with torch.no_grad():
             trainer = completion_logprobs(whole, *(t.to(device) for t in (

@@ -71,6 +71,7 @@ from logitless.trainer.stages import (
     merge_plans,
     part_rows,
     plan_update,
+    rollout_state,
     step_record,
     update_stage,
 )
@@ -271,7 +272,7 @@ def _train(
     try:
         if cfg.eval.on_start and ctx.start == 0:  # the policy before training, logged at step 0
             t0 = time.perf_counter()
-            record = {**eval_in_run(ctx), "time/eval": time.perf_counter() - t0}
+            record = {**eval_in_run(ctx, rollout_state(ctx)), "time/eval": time.perf_counter() - t0}
             ctx.logger.log(0, record)
             result.records.append({"step": 0, **record})
         for step in range(ctx.start + 1, cfg.train.max_steps + 1):
@@ -306,7 +307,7 @@ def _train(
             record = {**step_record(ctx, ro, scored, plan, upd, timer), **sampled, **oom.memory_metrics(ctx, ro, plan)}
             if eval_due(cfg, step):  # held-out eval (eval.every_steps)
                 with timer("eval"):
-                    record.update(eval_in_run(ctx))
+                    record.update(eval_in_run(ctx, rollout_state(ctx)))
                 record["time/eval"] = timer.seconds["eval"]
             log_step(ctx, result, step, record, ro, scored)
             report_mismatch(step, record)

@@ -189,17 +189,18 @@ def _generate(m: mp.ModelMemory, step: mp.StepShape, facts: mp.RunFacts, knobs: 
     parts.update(_step_parts(mp.generate_bytes(split_model(m, t), decode_step(step, ranks), facts, knobs)))
     if facts.backend != "static":
         return parts
-    sync = _sync(m, facts, ranks)  # the rollout's other moment: the larger of the two is its peak
+    sync = _sync(m, facts, ranks, parked)  # the rollout's other moment: the larger of the two is its peak
     return sync if sum(sync.values()) > sum(parts.values()) else parts
 
 
-def _sync(m: mp.ModelMemory, facts: mp.RunFacts, ranks: Ranks) -> dict[str, float]:
-    """The replica's sync at the rollout's start, before any KV cache: the shards are still on the device
-    (train.offload_during_rollout parks them after it) beside the whole replica (1/T split), while one source is
-    gathered whole at a time (a split replica: an FSDP unit, the root the largest; one replica: a weight) and a
-    merged LoRA weight is formed in fp32 (its base, B @ A scaled, and their sum: three fp32 copies of a slice)."""
+def _sync(m: mp.ModelMemory, facts: mp.RunFacts, ranks: Ranks, parked: bool = False) -> dict[str, float]:
+    """The replica's sync at the rollout's start, before any KV cache: the whole replica (1/T split) beside the
+    shards, while one source is gathered whole at a time (a split replica: an FSDP unit, the root the largest; one
+    replica: a weight) and a merged LoRA weight is formed in fp32 (its base, B @ A scaled, and their sum: three
+    fp32 copies of a slice). parked (train.offload_during_rollout): the shards and optimizer states are in host
+    memory and only the gathered source's shard is lent back."""
     t = ranks.tensor_parallel
-    parts = _sharded(m, facts, ranks.count)
+    parts = _sharded(m, facts, ranks.count, parked=parked)
     parts["replica (whole)" if t == 1 else f"replica (1/{t})"] = float(_replica_bytes(m, ranks))
     layer = max(m.intermediate, m.q_dim) * m.hidden  # the largest weight a LoRA layer merges (an MLP projection)
     merged = m.lora and ranks.merged_replica
@@ -209,6 +210,8 @@ def _sync(m: mp.ModelMemory, facts: mp.RunFacts, ranks: Ranks) -> dict[str, floa
     else:  # a weight at a time: the merged layers' (LoRA), every weight, the embedding the largest (full)
         gathered = layer if merged else 0 if m.lora else max(layer, m.vocab * m.hidden)
     parts["sync: gathered"] = float(gathered * m.dtype_bytes)
+    if parked:
+        parts["sync: lent shard"] = float(gathered * m.dtype_bytes) / ranks.count
     if merged:
         parts["sync: fp32 merge"] = float(3 * 4 * layer // t)
     return parts

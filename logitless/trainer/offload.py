@@ -22,8 +22,10 @@ the path tested). Gradients are identical with and without offload: only where t
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -158,6 +160,26 @@ class ParkedState:
         for st, _ in self.parked:
             st.resize_(0)
         self.parked_bytes = sum(h.numel() for _, h in self.parked)
+
+    @contextlib.contextmanager
+    def lend(self, tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+        """The parked storages under `tensors` back on the device for the block (copied from their host bytes),
+        freed again after it; the others stay parked. The block reads them and must not change them: the host bytes
+        stay what `unpark` restores. Tensors not parked are left alone. (The replica's sync with the shards parked:
+        one FSDP unit's shards lent at a time, so the device never holds every shard beside the replica.)"""
+        keys = {getattr(t, "_local_tensor", t).untyped_storage()._cdata for t in tensors}
+        lent = [(st, host) for st, host in self.parked if st._cdata in keys and st.nbytes() == 0]
+        for st, host in lent:
+            st.resize_(host.numel())
+            _bytes(st).copy_(host, non_blocking=True)
+        try:
+            yield
+        finally:
+            cuda = next((st.device for st, _ in lent if st.device.type == "cuda"), None)
+            if cuda is not None:
+                torch.cuda.synchronize(cuda)  # every stream's reads of them (an all-gather's copy-in) are done
+            for st, _ in lent:
+                st.resize_(0)
 
     def unpark(self) -> None:
         for st, host in self.parked:

@@ -43,7 +43,7 @@ import os
 import types
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,15 @@ from logitless.trainer.fsdp_offload import check_host_backend, device_full_tenso
 from logitless.trainer.fsdp_offload import backend as offload_backend
 
 T = TypeVar("T")
+
+# A context in which a sync may read the given parameter shards (`ParkedState.lend`: parked ones are brought back
+# for the block); `no_lend`: they are on the device already
+Lend = Callable[[Iterable[torch.Tensor]], AbstractContextManager]
+
+
+def no_lend(tensors: Iterable[torch.Tensor]) -> AbstractContextManager:
+    return nullcontext()
+
 
 TIMEOUT = timedelta(minutes=30)  # a rank that waits longer on a collective fails instead of hanging
 LOGPROBS_METHOD = "logitless_completion_logprobs"
@@ -346,12 +355,14 @@ class RolloutCopy(_Replica):
         self.memory = SleepableMemory(owners(self.model, self.trainable)) if sleep else None
 
     @torch.no_grad()
-    def sync(self, sharded: nn.Module) -> None:
+    def sync(self, sharded: nn.Module, lend: Lend = no_lend) -> None:
+        """Copy the trainable parameters in, one all-gather each (the shard read within `lend`)."""
         self._wake()
         src = dict(sharded.named_parameters())
         for name in self.trainable:
             w = tensor_at(self.model, name)  # a fused layer's: a view of its group's rows
-            w.copy_(device_full_tensor(src[name], w.device))  # (host shards with train.fsdp_offload: moved first)
+            with lend([src[name]]):
+                w.copy_(device_full_tensor(src[name], w.device))  # (host shards with train.fsdp_offload: moved first)
 
 
 class MergedRolloutCopy(_Replica):
@@ -382,19 +393,21 @@ class MergedRolloutCopy(_Replica):
         return all(".lora_A." in n or ".lora_B." in n for n, p in model.named_parameters() if p.requires_grad)
 
     @torch.no_grad()
-    def sync(self, sharded: nn.Module) -> None:
+    def sync(self, sharded: nn.Module, lend: Lend = no_lend) -> None:
+        """Merge every LoRA layer from its all-gathered base weight and adapters (its shards read within `lend`)."""
         self._wake()
         src = unwrap_model(sharded)
         device = next(self.model.parameters()).device
         full = lambda p: device_full_tensor(p, device)  # noqa: E731  (host shards with train.fsdp_offload: moved first)
         for name in self.names:  # the same order on every rank: each full tensor is a collective
             layer, dst = src.get_submodule(name), tensor_at(self.model, f"{name}.weight")
-            w = full(layer.get_base_layer().weight).float()
-            for adapter in layer.active_adapters:
-                if adapter in layer.lora_A:
-                    delta = full(layer.lora_B[adapter].weight) @ full(layer.lora_A[adapter].weight)
-                    delta = delta.T if layer.fan_in_fan_out else delta
-                    w = w + (delta * layer.scaling[adapter]).float()
+            with lend(layer.parameters()):
+                w = full(layer.get_base_layer().weight).float()
+                for adapter in layer.active_adapters:
+                    if adapter in layer.lora_A:
+                        delta = full(layer.lora_B[adapter].weight) @ full(layer.lora_A[adapter].weight)
+                        delta = delta.T if layer.fan_in_fan_out else delta
+                        w = w + (delta * layer.scaling[adapter]).float()
             dst.copy_(w if w.device == dst.device else w.to(dst.dtype))  # to another GPU: rounded once, then sent
 
 
@@ -410,11 +423,13 @@ def make_replica(model: nn.Module, merge_lora: bool | None, sleep: bool = False,
 
 
 @contextmanager
-def rollout_weights(model: nn.Module, replica: RolloutCopy | MergedRolloutCopy | None) -> Iterator[None]:
-    """The weights the engine samples from, current for the duration of a rollout: the replica synced, or the
-    sharded model's full weights (`full_weights`); nothing to do on one process."""
+def rollout_weights(model: nn.Module, replica: RolloutCopy | MergedRolloutCopy | None,
+                    lend: Lend = no_lend) -> Iterator[None]:
+    """The weights the engine samples from, current for the duration of a rollout: the replica synced (reading
+    the shards within `lend`: parked ones are lent back a unit at a time), or the sharded model's full weights
+    (`full_weights`); nothing to do on one process."""
     if replica is not None:
-        replica.sync(model)
+        replica.sync(model, lend=lend)
         try:
             yield
         finally:

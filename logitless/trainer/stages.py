@@ -132,7 +132,7 @@ def rollout_stage(ctx: TrainContext, step: int, round: int = 0) -> Rollout:
         batch = batch.to(ctx.device)
     else:
         rows = rank_share(ctx.sampler.next_batch(cfg.train.prompts_per_step), ctx.world)  # all of them on one process
-        with torch_threads(cfg.rollout.num_threads), rollout_weights(ctx.model, ctx.replica), parked_state(ctx):
+        with torch_threads(cfg.rollout.num_threads), rollout_state(ctx):
             if ctx.agent is not None:
                 driver = ctx.agent.driver(rows, cfg.rollout.num_generations)
                 batch = ctx.engine.generate(driver.prompt_ids, options, episodes=driver).to(ctx.device)
@@ -142,9 +142,23 @@ def rollout_stage(ctx: TrainContext, step: int, round: int = 0) -> Rollout:
 
 
 @contextlib.contextmanager
+def rollout_state(ctx: TrainContext) -> Iterator[None]:
+    """The rollout's weights current (`rollout_weights`) and, with train.offload_during_rollout, the training state
+    parked (`parked_state`). With a replica the shards are parked first and the sync reads them back one unit (a
+    weight) at a time, so the device never holds every shard beside the whole replica; without one (the hf
+    backend decodes from the sharded model) the optimizer states are parked after the weights are gathered."""
+    if ctx.replica is not None and ctx.cfg.train.offload_during_rollout:
+        with parked_state(ctx), rollout_weights(ctx.model, ctx.replica, lend=ctx.parked.lend):
+            yield
+    else:
+        with rollout_weights(ctx.model, ctx.replica), parked_state(ctx):
+            yield
+
+
+@contextlib.contextmanager
 def parked_state(ctx: TrainContext) -> Iterator[None]:
     """With train.offload_during_rollout: the optimizer states (and the parameter shards, when the engine decodes
-    from a replica) in host memory for the duration of the block (after the replica's sync)."""
+    from a replica) in host memory for the duration of the block."""
     if not ctx.cfg.train.offload_during_rollout:
         yield
         return

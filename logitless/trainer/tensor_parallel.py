@@ -37,6 +37,7 @@ with one copy of the policy split over its ranks, so the rollout holds 1/N of th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any, Sequence
@@ -276,10 +277,11 @@ class TensorParallelCopy:
         return [(units[k], v) for k, v in by_unit.items() if v] + [(sharded, root)]
 
     @torch.no_grad()
-    def sync(self, sharded: nn.Module) -> None:
+    def sync(self, sharded: nn.Module, lend: Any = None) -> None:
         """Write this rank's slice of every weight from the FSDP2 shards of `sharded` (all of them the first time,
-        then those that train), one unit all-gathered at a time. A collective over every rank (the same units in
-        the same order on each)."""
+        then those that train), one unit all-gathered at a time (its shards read within `lend`, e.g. lent back
+        from host memory for that unit alone). A collective over every rank (the same units in the same order on
+        each)."""
         self.materialize()
         if self.memory is not None:
             self.memory.wake()
@@ -288,12 +290,13 @@ class TensorParallelCopy:
             todo = [n for n in names if not self._filled or n in changing]
             if not todo:
                 continue
-            unit.unshard()
-            try:
-                for name in todo:
-                    self._write(src, name)
-            finally:
-                unit.reshard()
+            with lend(_own_parameters(unit)) if lend is not None else contextlib.nullcontext():
+                unit.unshard()
+                try:
+                    for name in todo:
+                        self._write(src, name)
+                finally:
+                    unit.reshard()
         self._filled = True
 
     def _piece(self, full: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
@@ -325,6 +328,14 @@ class TensorParallelCopy:
                     a = torch.chunk(a, self.size, dim=1)[self.rank]
                 w = w + ((b @ a) * layer.scaling[adapter]).float()
         out.copy_(w)
+
+
+def _own_parameters(unit: nn.Module) -> list[torch.Tensor]:
+    """The parameters an FSDP2 unit all-gathers: its module's, less those of the units nested in it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    nested = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule) for p in m.parameters()}
+    return [p for p in unit.parameters() if id(p) not in nested]
 
 
 def _empty(p: torch.Tensor, device: torch.device, placeholder: bool = False) -> torch.Tensor:

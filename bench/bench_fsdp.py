@@ -293,7 +293,7 @@ def summarize(args: argparse.Namespace) -> dict[str, Any]:
             r = run["modes"].get(mode)
             if r is None:
                 continue
-            if r.get("first_step_only") and n > 1:  # (a scaling ratio against a step that compiles means nothing)
+            if r.get("first_step_only"):  # (a scaling ratio against a step that compiles means nothing)
                 print(f"{args.shape} {args.scaling} {mode:5s} {n} GPU  left out: only its first step was timed")
                 continue
             speedup = r["completion_tokens_per_s"] / one["completion_tokens_per_s"]

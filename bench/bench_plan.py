@@ -26,6 +26,9 @@ steps. Step times are medians of the steps after the first (which compiles). Var
     lean         the 24 GiB longest-T setting of bench/LOG.md: static, checkpointing, activation offload,
                  micro-batches of max(16384, the longest row) tokens
     --custom NAME=a=1,b=2   any other set of overrides ({longest}: the longest row's tokens, 512 + T)
+
+model.mlp_chunk_tokens stays auto in every variant: where a variant's untiled update does not fit the budget the plan
+tiles the MLP (on an 80 GB GPU: fast at 1.5B, fast16k at 7B), which the printed settings say.
 """
 
 from __future__ import annotations
@@ -378,6 +381,34 @@ def check_recorded(paths: list[str], prompt_len: int) -> list[dict[str, Any]]:
     return rows
 
 
+def check_plan_records(paths: list[str]) -> list[dict[str, Any]]:
+    """The plan's peak per phase (today's memory model) of every run bench_plan recorded (its shape, overrides and
+    the settings "auto" resolved, pinned), beside the largest measured in any of its steps."""
+    from logitless.trainer import load_train_config
+    from logitless.trainer import memory_plan as mp
+    from logitless.trainer.auto import resolve, setting_text
+
+    rows = []
+    for path in sorted(paths):
+        result = json.loads(Path(path).read_text())
+        c, runs = result.get("config"), result.get("runs")
+        m = re.search(r"Qwen2\.5-(\w+(?:\.\d+)?b)", str(c.get("shape", ""))) if isinstance(c, dict) else None
+        if m is None or not isinstance(runs, list):
+            continue
+        a = argparse.Namespace(prompts=c["prompts"], G=c["G"])
+        for run in runs:
+            if run.get("error") or not run.get("steps") or not (run.get("resolved") or {}).get("choices"):
+                continue
+            pinned = [f"{x['key']}={setting_text(x['value'])}" for x in run["resolved"]["choices"]]
+            sets = base_overrides(Path("unused"), run["T"], a, Path("unused")) + list(c.get("overrides") or []) + pinned
+            res = resolve(load_train_config(None, sets), device=torch.device("cuda"), skeleton=skeleton(m[1]))
+            predicted = {p: sum(v.values()) / mp.GIB for p, v in res.plan.phases.items()}
+            measured = {p: max(s["peak_gib"].get(p) or 0.0 for s in run["steps"]) for p in predicted}
+            rows.append({"file": Path(path).name, "T": run["T"], "variant": run["variant"], "shape": m[1],
+                         "predicted_gib": predicted, "measured_gib": measured, "checked": True})
+    return rows
+
+
 def print_recorded(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         cells = []
@@ -424,6 +455,7 @@ def main() -> None:
         rows = check_recorded([str(p) for p in (REPO / "bench" / "results").glob("e2e_*.json")],
                               longest_prompt(a.tokenizer))
         print_recorded(rows)
+        print_recorded(check_plan_records([str(p) for p in (REPO / "bench" / "results").glob("plan_*.json")]))
         return None
     if a.compare:
         print(json.dumps(compare(a.compare), indent=1))

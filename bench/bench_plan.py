@@ -7,6 +7,8 @@ against hand-tuned settings, one process each, on random-init Qwen2.5 shapes wit
     python bench/bench_plan.py --tokenizer ... --out DIR --shape 7b --T 1024 --memory-budget 24
     # the longest T each variant fits in the budget (one step per probe), from the plan's own prediction
     python bench/bench_plan.py --tokenizer ... --out DIR --memory-budget 24 --find-max-T --variants auto,lean
+    # one probe per T (GPUs side by side), each decoding 256 tokens a row into its full cache, the rest filled
+    python bench/bench_plan.py --tokenizer ... --out DIR --memory-budget 24 --fits-T 31744 --probe-decode 256 --variants auto
     # no GPU: the plan's predicted longest T, and predicted against measured for every run in bench/results
     python bench/bench_plan.py --predict-max-T --shape 1.5b --memory-budget 24
     python bench/bench_plan.py --check-recorded
@@ -45,7 +47,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -107,9 +109,39 @@ def base_overrides(model_dir: Path, T: int, a: argparse.Namespace, out_dir: Path
 # ------------------------------------------------------------------------------ worker: one variant per process
 
 
+def truncate_decode(tokens: int) -> None:
+    """--probe-decode N: in this process the static engine decodes N steps of each wave, into its full-length
+    cache, and the rest of each row is drawn uniformly from the tokenizer's regular vocabulary (never an
+    end-of-sequence id; the sampler's logprob of those tokens is the row's mean), so the update trains on rows of
+    the full T tokens. A memory probe at a long T then holds what a real step holds, the step's KV caches, waves
+    and micro-batches, in minutes instead of the hour a full decode of 16 x 8 rows of 32K tokens takes; its
+    generate seconds, rewards and mismatch are not a real step's (bench_plan records the probe as such)."""
+    import dataclasses
+
+    from logitless.rollout.static import StaticEngine
+
+    decode = StaticEngine._decode_wave
+
+    def short_wave(self, module, call, rows, prompt_of_row, pad_to):  # noqa: ANN001, ANN202 - the engine's own
+        S = call.options.max_new_tokens
+        if S <= tokens:
+            return decode(self, module, call, rows, prompt_of_row, pad_to)
+        short = dataclasses.replace(call, options=dataclasses.replace(call.options, max_new_tokens=tokens))
+        ids, logp, steps = decode(self, module, short, rows, prompt_of_row, pad_to)
+        fill = torch.randint(0, self.tokenizer.vocab_size, (ids.shape[0], S - steps), device=ids.device)
+        if call.eos.numel():
+            fill = torch.where(torch.isin(fill, call.eos), torch.zeros_like(fill), fill)
+        mean = logp.mean(1, keepdim=True) if steps else torch.zeros_like(logp[:, :1])
+        return torch.cat([ids, fill], 1), torch.cat([logp, mean.expand(-1, S - steps)], 1), S
+
+    StaticEngine._decode_wave = short_wave
+
+
 def worker(a: argparse.Namespace) -> None:
     from logitless.trainer import load_train_config, train
 
+    if a.probe_decode:
+        truncate_decode(a.probe_decode)
     if a.memory_budget and torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, a.memory_budget * 2**30 / total))
@@ -166,12 +198,15 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run_variant(a: argparse.Namespace, spec: str, T: int, model_dir: Path, steps: int) -> dict[str, Any]:
+def run_variant(a: argparse.Namespace, spec: str, T: int, model_dir: Path, steps: int,
+                probe: bool = False) -> dict[str, Any]:
+    """One variant at completion length T in a worker process (with `probe`: --probe-decode applies)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = Path(f.name)
     cmd = [sys.executable, __file__, "--worker", "--variant", spec, "--T", str(T), "--model-dir", str(model_dir),
            "--worker-out", str(path), "--steps", str(steps), "--prompts", str(a.prompts), "--G", str(a.G),
-           "--memory-budget", str(a.memory_budget or 0)] + [x for s in a.set for x in ("--set", s)]
+           "--memory-budget", str(a.memory_budget or 0), "--probe-decode", str(a.probe_decode if probe else 0)] + \
+        [x for s in a.set for x in ("--set", s)]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(cmd, env=env, cwd=REPO)
     res = json.loads(path.read_text()) if path.is_file() and path.stat().st_size else {"steps": [], "error": None}
@@ -223,32 +258,46 @@ def compare(paths: list[str]) -> dict[str, Any]:
     return {"devices": devices, "checks": {T: verdict(runs, budget) for T, runs in sorted(by_T.items())}}
 
 
-def find_max_T(a: argparse.Namespace, spec: str, model_dir: Path, lo: int, hi: int) -> dict[str, Any]:
+def probe(a: argparse.Namespace, spec: str, T: int, model_dir: Path) -> dict[str, Any]:
+    """One memory probe: --probe-steps steps of `spec` at T (--probe-decode applies), whether they ran under the
+    budget, their peak and the plan's."""
+    r = run_variant(a, spec, T, model_dir, steps=a.probe_steps, probe=True)
+    s = r.get("summary") or {}
+    return {"T": T, "ok": bool(r["steps"]) and not r.get("error"), "peak_gib": s.get("peak_gib"),
+            "plan_gib": s.get("plan_gib"), "peak_gib_per_phase": {p: s.get(f"peak_gib_{p}") for p in PHASES},
+            "resolved": {c["key"]: c["value"] for c in (r.get("resolved") or {}).get("choices", [])},
+            "step_s": s.get("step_s"), "completion_tokens": max((x["completion_tokens"] for x in r["steps"]), default=0),
+            "error": r.get("error")}
+
+
+def find_max_T(a: argparse.Namespace, spec: str, model_dir: Path, lo: int, hi: int,
+               saved: Callable[[dict[str, Any]], None] = lambda _: None) -> dict[str, Any]:
     """Longest T (to --resolution) whose one-step probe runs under the budget: from `lo` (which must fit), double
-    while it fits (up to --max-T-cap, the context window less the prompt), then bisect."""
-    probes = []
+    while it fits (up to --max-T-cap, the context window less the prompt), then bisect. `saved` gets the search so
+    far after each probe (a call cut by a time limit keeps them)."""
+    out: dict[str, Any] = {"max_T": None, "probes": [], "done": False}
 
     def fits(T: int) -> bool:
-        r = run_variant(a, spec, T, model_dir, steps=a.probe_steps)
-        ok = bool(r["steps"]) and not r.get("error")
-        probes.append({"T": T, "ok": ok, "peak_gib": (r.get("summary") or {}).get("peak_gib"), "error": r.get("error"),
-                       "plan_gib": (r.get("summary") or {}).get("plan_gib")})
-        return ok
+        out["probes"].append(probe(a, spec, T, model_dir))
+        saved(out)
+        return out["probes"][-1]["ok"]
 
     if not fits(lo):
-        return {"max_T": None, "probes": probes}
+        return {**out, "done": True}
     while True:  # double up to the cap (the context window): fitting there ends the search
         if lo >= a.max_T_cap:
-            return {"max_T": lo, "capped": True, "probes": probes}
+            return {**out, "max_T": lo, "capped": True, "done": True}
         nxt = min(hi, a.max_T_cap)
         if not fits(nxt):
             hi = nxt
             break
         lo, hi = nxt, nxt * 2
+        out["max_T"] = lo
     while hi - lo > a.resolution:
         mid = (lo + hi) // 2 // a.resolution * a.resolution
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return {"max_T": lo, "probes": probes}
+        out["max_T"] = lo
+    return {**out, "max_T": lo, "done": True}
 
 
 # ------------------------------------------------------------------------------ no GPU: the plan's own numbers
@@ -435,10 +484,15 @@ def main() -> None:
     ap.add_argument("--G", type=int, default=8)
     ap.add_argument("--memory-budget", type=float, default=0, help="GiB: auto plans for it, every process is capped")
     ap.add_argument("--find-max-T", action="store_true")
+    ap.add_argument("--fits-T", default="", metavar="T,...",
+                    help="one probe per variant at each of these T (no search: several GPUs probe side by side)")
     ap.add_argument("--predict-max-T", action="store_true", help="no GPU: the plan's own longest T in the budget")
     ap.add_argument("--check-recorded", action="store_true", help="no GPU: predicted vs measured of bench/results")
     ap.add_argument("--compare", nargs="+", metavar="JSON", help="the checks over results of several commands")
     ap.add_argument("--probe-steps", type=int, default=1)
+    ap.add_argument("--probe-decode", type=int, default=0, metavar="N",
+                    help="--find-max-T / --fits-T probes decode N tokens a row into the full-length cache and fill "
+                         "the rest at random (memory as a real step, minutes instead of an hour at 32K; 0: off)")
     ap.add_argument("--resolution", type=int, default=1024)
     ap.add_argument("--max-T-cap", type=int, default=32_256, help="the bench shapes' context is 32,768 tokens")
     ap.add_argument("--lo-T", type=int, default=4096)
@@ -480,21 +534,40 @@ def main() -> None:
                    "loss": "dapo, beta=0", "reward": "distinct_chars", "data": "gsm8k packaged sample, chat template"},
         "runs": [], "max_T": {},
     }
+    budget = f"_budget{a.memory_budget:g}" if a.memory_budget else ""
+    names = "-".join(s.split("=")[0] for s in specs)
+    mode = "_maxT" if a.find_max_T else "_fits" if a.fits_T else ""
+    name = f"plan_{a.shape}{budget}{mode}_{names}{('_' + a.tag) if a.tag else ''}.json"
+    if a.probe_decode and (a.find_max_T or a.fits_T):
+        result["config"]["probe_decode"] = a.probe_decode
+
+    def save() -> None:  # after every run and probe: a call cut by its time limit keeps what ran
+        (out / name).write_text(json.dumps(result, indent=1, default=str))
+
     if a.find_max_T:
         for spec in specs:
-            result["max_T"][spec.split("=")[0]] = find_max_T(a, spec, model_dir, a.lo_T, a.hi_T)
-            print(f"{spec.split('=')[0]}: max T = {result['max_T'][spec.split('=')[0]]['max_T']}", flush=True)
+            key = spec.split("=")[0]
+            found = find_max_T(a, spec, model_dir, a.lo_T, a.hi_T,
+                               lambda so_far, key=key: (result["max_T"].__setitem__(key, so_far), save()))
+            result["max_T"][key] = found
+            save()
+            print(f"{key}: max T = {found['max_T']}", flush=True)
+    elif a.fits_T:
+        for spec in specs:
+            for T in (int(t) for t in a.fits_T.split(",")):
+                result.setdefault("fits", {}).setdefault(spec.split("=")[0], {})[str(T)] = p = probe(a, spec, T, model_dir)
+                save()
+                print(f"{spec.split('=')[0]} T={T}: {'fits' if p['ok'] else 'does not fit'} ({p['error'] or p['peak_gib']})",
+                      flush=True)
     else:
         for T in (int(t) for t in a.T.split(",")):
             runs = [run_variant(a, spec, T, model_dir, a.steps) for spec in specs]
             result["runs"] += runs
             checks = verdict(runs, a.memory_budget or None)
             result.setdefault("checks", {})[str(T)] = checks
+            save()
             print(f"T={T}: {json.dumps(checks)}", flush=True)
-    budget = f"_budget{a.memory_budget:g}" if a.memory_budget else ""
-    names = "-".join(s.split("=")[0] for s in specs)
-    name = f"plan_{a.shape}{budget}{'_maxT' if a.find_max_T else ''}_{names}{('_' + a.tag) if a.tag else ''}.json"
-    (out / name).write_text(json.dumps(result, indent=1, default=str))
+    save()
     print(f"wrote {out / name}")
 
 

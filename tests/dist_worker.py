@@ -5,8 +5,9 @@
 
 Scenarios: "equivalence" (one step, LoRA and full fine-tuning, on a recorded rollout; `MODES`; on GPUs
 "equivalence_liger", `LIGER_MODES`), "equivalence4"
-(the same on 4 ranks with uneven prompt shares; `FOUR_RANK_MODES`) and "resume" (a run, the same run stopped by
-SIGTERM and resumed; then a run on the static backend). `raise_on_rank1` is a reward function for the failure test.
+(the same on 4 ranks with uneven prompt shares; `FOUR_RANK_MODES`), "resume" (a run, the same run stopped by
+SIGTERM and resumed; then a run on the static backend) and "async" (train.async_rollout: a run, the same stopped
+and resumed, and full fine-tuning). `raise_on_rank1` is a reward function for the failure test.
 """
 
 from __future__ import annotations
@@ -264,6 +265,29 @@ def resume(out: Path, tok) -> None:
     (out / f"parked_rank{os.environ['RANK']}.json").write_text(json.dumps(parked.records))
 
 
+ASYNC = ["rollout.backend=static", "train.async_rollout=true", "train.max_steps=4",
+         "objective.sampler_is_mode=token_truncate", "objective.sampler_is_clip_max=2.0"]
+
+
+def async_runs(out: Path, tok) -> None:
+    """train.async_rollout on every rank: an uninterrupted LoRA run, the same run stopped by SIGTERM (to rank 0
+    only) after the rollout of step 3 and resumed, and full fine-tuning (a replica of the whole model)."""
+    rank = int(os.environ["RANK"])
+    full = train(config(out / "async_full", *ASYNC), model=model(), tokenizer=tok)
+
+    def hook(event, step):
+        if event == "after_rollout" and step == 3 and rank == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    cut = train(config(out / "async_cut", *ASYNC), model=model(), tokenizer=tok, hook=hook)
+    resumed = train(config(out / "async_cut", *ASYNC), model=model(), tokenizer=tok, resume=out / "async_cut")
+    fft = train(config(out / "async_fft", *ASYNC, "model.lora=false", "optim.learning_rate=0.002"), model=model(),
+                tokenizer=tok)
+    runs = {"full": full.records, "cut": cut.records, "resumed": resumed.records, "cut_step": cut.step,
+            "fft": fft.records}
+    (out / f"async_rank{rank}.json").write_text(json.dumps(runs))
+
+
 def digits(prompts, completions, **fields):
     """Share of digit characters plus a length term: varies between samples, so advantages are non-zero (of an
     episode, the text of its messages)."""
@@ -284,7 +308,7 @@ def raise_on_rank1(prompts, completions, **fields):
 
 def main(scenario: str, out_dir: str, tok_dir: str) -> None:
     torch.set_num_threads(1)
-    scenarios = {"equivalence": equivalence, "resume": resume,
+    scenarios = {"equivalence": equivalence, "resume": resume, "async": async_runs,
                  "equivalence4": lambda out, tok: equivalence(out, tok, FOUR_RANK_MODES),
                  "equivalence_liger": lambda out, tok: equivalence(out, tok, LIGER_MODES)}
     scenarios[scenario](Path(out_dir), tokenizer(tok_dir))

@@ -106,6 +106,23 @@ def test_shards_shrink_with_the_ranks_and_the_working_set_does_not(lora, backend
     # process's: the whole decode weights and the root unit outweigh what sharding saves)
 
 
+def test_async_rollouts_keep_the_replica_and_the_rank_s_kv_cache_beside_the_update():
+    """train.async_rollout on N ranks: the update's peak gains the rank's KV cache and sampler buffers (its share of
+    the rows) and the whole replica stays mapped; the rollout's own phase is unchanged."""
+    model, m, _ = _model(True, False)
+    units = mr.units_of(model)
+    step = mp.StepShape(prompts=6, rows=24, prompt_len=37, completion_len=50)
+    knobs = mp.Knobs(gradient_checkpointing=True, micro_batch_size=3, by_rows=True, max_kv_gib=0.001)
+    sync_facts, async_facts = mp.RunFacts(backend="static"), mp.RunFacts(backend="static", async_rollout=True)
+    for n in (2, 4):
+        plain = mr.predict(m, step, sync_facts, knobs, mr.Ranks(n, units, weight_copy="resident"))
+        both = mr.predict(m, step, async_facts, knobs, mr.Ranks(n, units, weight_copy="resident"))
+        assert both["generate"] == plain["generate"]
+        extra = {k: v for k, v in both["train"].items() if k not in plain["train"]}
+        assert extra == {"rollout kv cache": plain["generate"]["kv cache"], "rollout sampler": plain["generate"]["sampler"]}
+        assert both["train"]["replica (mapped)"] == m.weight_bytes and extra["rollout kv cache"] > 0
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_the_rollout_s_sync_holds_the_replica_and_one_gathered_source_beside_the_shards_unless_parked(tp):
     """The replica's sync at the rollout's start holds the whole (split) replica, one gathered source (split: an

@@ -261,6 +261,28 @@ def test_sigterm_and_resume_on_two_ranks_continue_like_an_uninterrupted_run(resu
               resume=tmp_path / "cut")  # the run's own settings: only the number of ranks differs
 
 
+def test_async_rollouts_on_two_ranks_sample_one_update_behind_and_resume_exactly(tmp_path, tok_dir, one_thread):
+    """train.async_rollout under torchrun: each rank decodes its share of step k + 1 from its replica while step k
+    updates. Step 1 samples the initial weights (its sampler logprobs are the trainer's), every later step's samples
+    are one update behind (|logp - sampler_logp| > 0, with the sampler's real logprobs); LoRA and full fine-tuning.
+    Stopped after step 3's rollout and resumed, the run takes each rank's pending rollout from the checkpoint
+    (its own file: the ranks' shares differ) and continues exactly like the uninterrupted run."""
+    proc = torchrun("async", tmp_path, tok_dir)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"async_rank{rank}.json").read_text())
+        for run in ("full", "fft"):
+            diffs = [x["is/logp_diff"] for x in r[run]]
+            assert len(diffs) == 4 and diffs[0] < 1e-4 and min(diffs[1:]) > 1e-3, (run, diffs)
+        assert r["cut_step"] == 2 and w.untimed(r["cut"] + r["resumed"]) == w.untimed(r["full"])
+    step = tmp_path / "async_cut" / "checkpoints" / "step-000002"  # the checkpoint the resume started from
+    assert "prefetch" not in json.loads((step / "trainer_state.json").read_text())
+    pending = [json.loads((step / dcp.rank_state_file(k)).read_text())["prefetch"] for k in (0, 1)]
+    assert [p["step"] for p in pending] == [3, 3] and pending[0]["batch"] != pending[1]["batch"]
+    a, b = weights(tmp_path / "async_full"), weights(tmp_path / "async_cut")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_failure_on_one_rank_ends_every_rank(tmp_path, tok_dir):
     """`torchrun -m logitless train` with a reward function that raises on rank 1 only: the run ends with the
     error (rank 0 waits in a collective and is ended by torchrun) instead of hanging."""
@@ -292,8 +314,6 @@ def _cfg(*overrides):
         (["model.load_in_4bit=true"], r"model.load_in_4bit=true \(QLoRA\) is not supported with FSDP2 under torchrun yet; "
                                       r"set model.load_in_4bit=false"),
         (["optim.optimizer=adamw_8bit"], r"optim.optimizer=adamw_8bit is not supported .* set optim.optimizer=adamw"),
-        (["train.async_rollout=true", "rollout.backend=static"],
-         r"train.async_rollout=true is not supported .* set train.async_rollout=false"),
         (["model.device=cuda:0"], r"model.device='cuda:0' puts every rank on the same device; .* set model.device=auto"),
     ],
 )
@@ -301,6 +321,14 @@ def test_settings_that_cannot_run_on_several_ranks_are_refused(overrides, match)
     with pytest.raises(ValueError, match=match):
         check_distributed(_cfg(*overrides), World(rank=0, size=2))
     check_distributed(_cfg(*overrides), World())  # one process: no restriction
+
+
+def test_async_rollouts_run_under_torchrun_from_a_replica_per_gpu_not_a_split_one():
+    check_distributed(_cfg("train.async_rollout=true", "rollout.backend=static"), World(rank=0, size=2))
+    with pytest.raises(ValueError, match=r"train.async_rollout=true with rollout.tensor_parallel=2: .* set "
+                                         r"rollout.tensor_parallel=1 .* or train.async_rollout=false"):
+        check_distributed(_cfg("train.async_rollout=true", "rollout.backend=static", "rollout.tensor_parallel=2"),
+                          World(rank=0, size=2))
 
 
 def test_liger_kernels_run_under_torchrun_with_a_replica_per_gpu_not_a_split_one():

@@ -7,7 +7,10 @@ update's GEMMs still hold the SMs they run on, and beside them the decode runs a
 bench/LOG.md): its prompts are drawn and the rollout weights (a merged-LoRA copy, `rollout/weights.py`) are
 synced on the main thread first, so it samples from the weights before update k while update k writes only the
 trainable parameters. With `rollout.device` it decodes from a replica on a GPU of its own, synced the same way
-(across the GPUs; the rollout's stream waits for the copies), and the update has the training GPU to itself. The
+(across the GPUs; the rollout's stream waits for the copies), and the update has the training GPU to itself. Under
+torchrun each rank draws the step's prompts, keeps its share, syncs its replica from the FSDP2 shards (a collective,
+on every rank's main thread, before its rollout starts) and decodes beside its share of the update; the replica stays
+resident, and each rank's pending rollout goes into the checkpoint as a file of its own. The
 objective gets the rollout's real sampler logprobs, so the sampler importance-sampling options
 (`objective.sampler_is_mode`) correct the one-step lag.
 
@@ -77,11 +80,14 @@ class AsyncRollout:
     """One rollout in flight on a worker thread, for the next step.
 
     `device` is the training device. `sync` brings the engine's weights up to date (a replica's sync from the
-    trainer, rollout.device); None: the engine's own merged-LoRA copy (`engine.weights`) is synced. On a GPU of its
-    own (the engine's weights elsewhere than `device`) the rollout shares neither memory nor SMs with the update."""
+    trainer: rollout.device, or each rank's replica under torchrun, where the sync is a collective every rank runs
+    on its main thread); None: the engine's own merged-LoRA copy (`engine.weights`) is synced. On a GPU of its own
+    (the engine's weights elsewhere than `device`) the rollout shares neither memory nor SMs with the update.
+    `share` picks this process's rows of the step's prompts (`parallel.rank_share` under torchrun; all of them)."""
 
     def __init__(self, engine: RolloutEngine, sampler: PromptSampler, prompts_per_step: int, device: torch.device,
-                 sync: Callable[[], None] | None = None, agent: Any = None):
+                 sync: Callable[[], None] | None = None, agent: Any = None,
+                 share: Callable[[list[PromptRow]], list[PromptRow]] = list):
         weights = getattr(engine, "weights", None)
         if sync is None and (weights is None or isinstance(weights, LiveWeights)):
             raise ValueError(
@@ -100,7 +106,7 @@ class AsyncRollout:
                 "decode on another GPU (rollout.device)"
             )
         engine.auto_sync = False  # synced here, on the main thread, before each rollout starts
-        self.engine, self.sampler, self.n, self.agent = engine, sampler, prompts_per_step, agent
+        self.engine, self.sampler, self.n, self.agent, self.share = engine, sampler, prompts_per_step, agent, share
         self.sync: Callable[[], None] = sync or weights.sync
         self.device = where
         self.stream = torch.cuda.Stream(where, priority=ROLLOUT_STREAM_PRIORITY) if where.type == "cuda" else None
@@ -113,7 +119,7 @@ class AsyncRollout:
     def start(self, step: int, options: SamplingOptions) -> None:
         """Draw step `step`'s prompts and start sampling them from the current weights."""
         before = self.sampler.state_dict()
-        rows = self.sampler.next_batch(self.n)
+        rows = self.share(self.sampler.next_batch(self.n))
         self.sync()
         ready = None
         if self.stream is not None:
@@ -151,7 +157,8 @@ class AsyncRollout:
         self.pending, self.taken = self.taken, None
 
     def state(self) -> dict[str, Any]:
-        """The pending rollout for a checkpoint (waits for it); {} when none."""
+        """The pending rollout for a checkpoint (waits for it); {} when none. Under torchrun each rank's is its own
+        (its share of the prompts, its samples): the checkpoint keeps it per rank (`dcp.save_sharded`'s rank_state)."""
         p = self.pending
         if p is None:
             return {}
@@ -164,7 +171,7 @@ class AsyncRollout:
             return
         p = state["prefetch"]
         self.sampler.load_state_dict(p["sampler_before"])
-        rows = self.sampler.next_batch(self.n)
+        rows = self.share(self.sampler.next_batch(self.n))
         done: Future = Future()
         done.set_result(batch_from_json(p["batch"]))
         self.pending = Prefetched(int(p["step"]), p["sampler_before"], rows, SamplingOptions(**p["options"]), done)

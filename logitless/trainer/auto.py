@@ -304,7 +304,7 @@ def rank_memory(cfg: TrainerConfig, model: Any, dtype: torch.dtype, device: torc
     from logitless.trainer import memory_ranks as mr
 
     kernels = layer_kernels(cfg.model.compile_layers, cfg.model.liger_kernels)
-    copy = cfg.rollout.weight_copy or ("sleep" if device.type == "cuda" else "resident")
+    copy = cfg.rollout.weight_copy or ("sleep" if device.type == "cuda" and not cfg.train.async_rollout else "resident")
     layout = mr.Ranks(ranks, mr.units_of(model), weight_copy="resident" if copy == "resident" else "sleep",
                       merged_replica=cfg.rollout.merge_lora is not False,
                       tensor_parallel=cfg.rollout.tensor_parallel if ranks % cfg.rollout.tensor_parallel == 0 else 1)

@@ -368,7 +368,8 @@ class TrainConfig:
     num_threads: int | None = None  # torch.set_num_threads on CPU (None: leave torch's default)
     # Generate step k+1's samples while step k updates (one step off policy; trainer/async_rollout.py). Needs
     # rollout.backend=static with a merged LoRA copy, or a replica on rollout.device (LoRA or full fine-tuning:
-    # the decode and the update then run on separate GPUs); pair it with objective.sampler_is_mode for the lag.
+    # the decode and the update then run on separate GPUs), or torchrun (each rank decodes its share from a replica
+    # of its own beside the update; not with rollout.tensor_parallel > 1); pair it with objective.sampler_is_mode.
     async_rollout: bool = False
     # Move the training state the rollout does not read to pinned host memory while it runs, and back after, bit
     # for bit (trainer/offload.py ParkedState): the optimizer states, and under torchrun with the static

@@ -61,6 +61,7 @@ from logitless.trainer.parallel import (
     RolloutCopy,
     World,
     make_replica,
+    rank_share,
     shard_model,
 )
 from logitless.trainer.rundir import RunDir, write_atomic
@@ -114,13 +115,15 @@ class TrainContext:
         """Write an atomic checkpoint of this step (model, optimizer, schedule, data position, RNG, entropy coef)."""
         if self.run is not None:
             self.run.check_alive()
-        state = {"sampler": self.sampler.state_dict(), "entropy_coef": list(self.entropy_coef),
-                 **(self.prefetch.state() if self.prefetch is not None else {})}
-        if self.world.sharded:  # sharded (DCP), every rank
+        state = {"sampler": self.sampler.state_dict(), "entropy_coef": list(self.entropy_coef)}
+        pending = self.prefetch.state() if self.prefetch is not None else {}  # the next step's rollout in flight
+        if self.world.sharded:  # sharded (DCP), every rank; each rank's pending rollout is its own
             return dcp.save_sharded(
                 self.ckpt_root, step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                 trainer_state=state, world=self.world, device=self.device, keep=self.cfg.checkpoint.save_total_limit,
+                rank_state=pending,
             )
+        state.update(pending)
         return ckpt.save_checkpoint(
             self.ckpt_root, step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             trainer_state=state, keep=self.cfg.checkpoint.save_total_limit,
@@ -269,7 +272,7 @@ def build_context(
         mode = weight_copy(cfg.rollout, device, has_copy=True, distributed=True)
         replica = TensorParallelCopy(model, mesh, device, sleep=mode == "sleep")
     elif (world.sharded or rollout_device is not None) and cfg.rollout.backend in COPY_BACKENDS:
-        mode = ("resident" if rollout_device is not None
+        mode = ("resident" if rollout_device is not None or cfg.train.async_rollout  # async: it decodes beside the update
                 else weight_copy(cfg.rollout, device, has_copy=True, distributed=True))
         replica = make_replica(model, cfg.rollout.merge_lora, sleep=mode == "sleep", device=rollout_device or device,
                                fuse=cfg.rollout.fuse_projections is not False)
@@ -309,7 +312,7 @@ def build_context(
     if cfg.train.async_rollout:
         prefetch = AsyncRollout(engine, sampler, cfg.train.prompts_per_step, device,
                                 sync=_replica_sync(replica, model, engine) if replica is not None else None,
-                                agent=agent)
+                                agent=agent, share=lambda rows: rank_share(rows, world))
         prefetch.restore(state)
     return TrainContext(
         cfg=cfg, model=model, tokenizer=tokenizer, device=device, engine=engine, prefetch=prefetch, agent=agent,

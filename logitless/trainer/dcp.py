@@ -9,6 +9,7 @@ A step folder of a run on N > 1 ranks, or of one process with train.fsdp_offload
                              gathered on rank 0; `logitless eval --checkpoint RUN` loads it in one process
         optimizer.pt         {"optimizer": None, "scheduler": ...} (the optimizer state is in dcp/)
         rng-rank{r}.pt       rank r's python, numpy and torch RNG states
+        state-rank{r}.json   rank r's own trainer state, where it has one (train.async_rollout: its pending rollout)
         trainer_state.json   step, world_size, data sampler position, entropy coefficient
         config.yaml          the run's config; manifest.json: size and sha256 of every file (checkpoint.py)
 
@@ -38,6 +39,10 @@ DCP_DIR = "dcp"
 
 def rng_file(rank: int) -> str:
     return f"rng-rank{rank}.pt"
+
+
+def rank_state_file(rank: int) -> str:
+    return f"state-rank{rank}.json"
 
 
 def saved_world_size(path: Path) -> int:
@@ -105,8 +110,10 @@ def save_sharded(
     world: World,
     device: torch.device,
     keep: int | None = None,
+    rank_state: dict[str, Any] | None = None,
 ) -> Path:
-    """Write checkpoint `step` of every rank atomically under `root`; a collective. Returns the step folder."""
+    """Write checkpoint `step` of every rank atomically under `root`; a collective. Returns the step folder.
+    `rank_state`: this rank's own JSON state beside the shared `trainer_state` (written where not empty)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -129,6 +136,9 @@ def save_sharded(
             py_rng, torch_rng = ckpt.rng_state()
             rng = ckpt._serialized({"py": py_rng, "torch": torch_rng})
             ckpt._write_file(tmp / rng_file(world.rank), lambda f: f.write(rng))
+            if rank_state:
+                own = json.dumps(rank_state).encode()
+                ckpt._write_file(tmp / rank_state_file(world.rank), lambda f: f.write(own))
         except Exception as e:  # safetensors' errors too: every rank must reach the agreement below
             error = e
     if _agree_ok(error is None, device) and world.main:
@@ -198,4 +208,6 @@ def load_sharded(
         scheduler.load_state_dict(opt["scheduler"])
     rng = torch.load(path / rng_file(world.rank), weights_only=True)
     ckpt.set_rng_state(rng["py"], rng["torch"])
-    return json.loads((path / "trainer_state.json").read_text())
+    state = json.loads((path / "trainer_state.json").read_text())
+    own = path / rank_state_file(world.rank)
+    return {**state, **json.loads(own.read_text())} if own.is_file() else state

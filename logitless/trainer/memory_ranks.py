@@ -20,6 +20,8 @@ step's rows, and a working set that does not shrink with N:
     at the backward's end  full fine-tuning reduces the root's gradient in fp32: its unsharded bf16 gradient and the
                            fp32 reduce-scatter input (4 bytes per root parameter) are alive together, after the
                            activations are freed (a moment of its own, the larger of the two sets the train peak)
+    with async rollouts    (train.async_rollout) the next step's rollout decodes beside the update: the replica
+                           stays resident and the rank's KV cache and sampler buffers add to the update's peak
 
 With rollout.tensor_parallel = T (trainer/tensor_parallel.py) the replica is 1/T per rank, and a rank decodes its
 group's rows (T ranks' shares) with 1/T of the heads, MLP width and vocabulary: the same KV cache and sampler bytes
@@ -122,6 +124,9 @@ def predict(m: mp.ModelMemory, step: mp.StepShape, facts: mp.RunFacts, knobs: mp
         out["logprobs"] = {**_sharded(m, facts, n), **_working_set(m, u, ranks, facts),
                            **_step_parts(mp.logprob_bytes(m, mine, one, knobs))}
     out["train"] = _train(m, mine, one, knobs, ranks)
+    if facts.async_rollout and facts.backend == "static":  # the next step's rollout decodes beside the update
+        rollout = mp.generate_bytes(split_model(m, ranks.tensor_parallel), decode_step(step, ranks), one, knobs)
+        out["train"].update({f"rollout {k}": rollout.get(k, 0.0) for k in ("kv cache", "sampler")})
     return out
 
 

@@ -181,13 +181,19 @@ def check_distributed(cfg: TrainerConfig, world: World) -> None:
     not_yet = [
         (cfg.model.load_in_4bit, "model.load_in_4bit=true (QLoRA)", "model.load_in_4bit=false"),
         (cfg.optim.optimizer != "adamw", f"optim.optimizer={cfg.optim.optimizer}", "optim.optimizer=adamw"),
-        (cfg.train.async_rollout, "train.async_rollout=true", "train.async_rollout=false"),
         (cfg.rollout.device is not None, f"rollout.device={cfg.rollout.device}",
          "rollout.device unset (each rank decodes on its own GPU)"),
     ]
     for on, setting, fix in not_yet:
         if on:
             raise ValueError(f"{setting} is not supported with FSDP2 under torchrun yet; set {fix} or train on one process")
+    if cfg.train.async_rollout and cfg.rollout.tensor_parallel > 1:
+        raise ValueError(
+            f"train.async_rollout=true with rollout.tensor_parallel={cfg.rollout.tensor_parallel}: the split "
+            "rollout's all-reduces would run beside the update's collectives, which is not supported yet; set "
+            "rollout.tensor_parallel=1 (each rank then decodes from a replica of its own beside the update) or "
+            "train.async_rollout=false"
+        )
     if cfg.model.liger_kernels is True and cfg.rollout.tensor_parallel > 1:
         raise ValueError(
             f"model.liger_kernels=true with rollout.tensor_parallel={cfg.rollout.tensor_parallel}: the split rollout's "

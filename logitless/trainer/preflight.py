@@ -131,13 +131,15 @@ def _check_training(cfg: TrainerConfig) -> None:
             f"(rollout.max_prompt_length + rollout.max_completion_length = {longest}); set "
             f"train.micro_batch_tokens >= {longest}, or lower those lengths"
         )
-    if cfg.train.async_rollout and r.device is None and (r.backend not in ("static", "auto") or r.merge_lora is False
-                                                         or not cfg.model.lora):
+    replicas = launched_world().size > 1  # under torchrun the static backend decodes from a replica on every rank
+    if cfg.train.async_rollout and r.device is None and (r.backend not in ("static", "auto") or not replicas and (
+            r.merge_lora is False or not cfg.model.lora)):
         raise ValueError(
-            "train.async_rollout=true samples from a merged LoRA copy while the update runs: it needs "
-            f"rollout.backend=static (got {r.backend!r}), model.lora=true (got {cfg.model.lora}) and rollout.merge_lora "
-            f"unset or true (got {r.merge_lora}), or a replica on its own device (rollout.device, e.g. cuda:1); set "
-            "those, or train.async_rollout=false"
+            "train.async_rollout=true samples from a copy of the weights while the update runs: it needs "
+            f"rollout.backend=static (got {r.backend!r}) and, on one process, model.lora=true (got {cfg.model.lora}) "
+            f"and rollout.merge_lora unset or true (got {r.merge_lora}), or a replica on its own device "
+            "(rollout.device, e.g. cuda:1); under torchrun every rank decodes from a replica of its own. Set those, "
+            "or train.async_rollout=false"
         )
     check_rollout_device(cfg)
     if cfg.train.async_rollout and (cfg.eval.every_steps or cfg.eval.on_start):

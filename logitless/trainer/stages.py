@@ -123,12 +123,13 @@ def rollout_stage(ctx: TrainContext, step: int, round: int = 0) -> Rollout:
     cfg = ctx.cfg
     templated = {"chat_template_kwargs": cfg.data.chat_template_kwargs}
     options = sampling_options(cfg.rollout, seed=rank_seed(rollout_seed(cfg, step, round), ctx.world), **templated)
-    if ctx.prefetch is not None:  # single process only (refused under torchrun)
+    if ctx.prefetch is not None:  # under torchrun each rank's share, from its replica (the sync is a collective)
         if ctx.prefetch.pending is None:  # the first step of a run
             ctx.prefetch.start(step, options)
         rows, batch, options = ctx.prefetch.take(step)
         if step < cfg.train.max_steps:
-            ctx.prefetch.start(step + 1, sampling_options(cfg.rollout, seed=rollout_seed(cfg, step + 1), **templated))
+            seed = rank_seed(rollout_seed(cfg, step + 1), ctx.world)
+            ctx.prefetch.start(step + 1, sampling_options(cfg.rollout, seed=seed, **templated))
         batch = batch.to(ctx.device)
     else:
         rows = rank_share(ctx.sampler.next_batch(cfg.train.prompts_per_step), ctx.world)  # all of them on one process

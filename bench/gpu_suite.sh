@@ -2,8 +2,8 @@
 # The whole GPU suite (`pytest -m gpu tests/`) on a host with 1, 2 or 4+ GPUs, in shards that run side by side:
 #   bash bench/gpu_suite.sh LOG_DIR [all | one-a | one-b | multi]
 # 4+ GPUs: the exactness matrix in two halves (GPUs 0 and 1; the kernel files beside the first half, the other
-# one-GPU files beside the second), then the multi-GPU files on one GPU (GPU 0), while they run on GPUs 2,3.
-# 2 GPUs: the one-GPU shards on GPU 0 and 1, then the multi-GPU files on both. 1 GPU: one pytest process. Each
+# one-GPU files beside the second), then the multi-GPU files on one GPU (GPU 0), while their tests that need two
+# GPUs (marked two_gpus) run on GPUs 2,3. 2 GPUs: the one-GPU shards on GPU 0 and 1, then the two_gpus tests on both. 1 GPU: one pytest process. Each
 # shard's log is LOG_DIR/<shard>.log, its exit status on the log's last line, and LOG_DIR/summary.json gathers
 # them; the script exits non-zero when any shard failed. Real tokenizers come from LOGITLESS_SHARED (see
 # tests/conftest.py); carry bitsandbytes, torchao and liger-kernel so nothing skips.
@@ -23,10 +23,11 @@ for f in $(grep -l "pytest.mark.gpu" tests/test_*.py); do
 done
 HALF_A="llama or qwen2_window or qwen3 or mistral or phi3"
 HALF_B="gemma2 or gemma3 or granite or gpt_oss or olmo2"
-shard() {  # shard NAME GPUS PYTEST-ARGS...
+shard() {  # [MARK=...] shard NAME GPUS PYTEST-ARGS...   (MARK: the tests it selects, default "gpu")
   local name=$1 gpus=$2; shift 2
   echo "$(date +%T) start $name on GPU $gpus" >> "$out/times.txt"
-  CUDA_VISIBLE_DEVICES=$gpus "$PY" -m pytest -m gpu -q -rfEs -p no:cacheprovider "$@" > "$out/$name.log" 2>&1
+  CUDA_VISIBLE_DEVICES=$gpus "$PY" -m pytest -m "${MARK:-gpu}" -q -rfEs --durations=8 -p no:cacheprovider "$@" \
+    > "$out/$name.log" 2>&1
   echo "exit $?" >> "$out/$name.log"
   echo "$(date +%T) end $name" >> "$out/times.txt"
 }
@@ -35,18 +36,18 @@ if [ "$part" = one-a ]; then  # both exactness halves side by side on GPU 0
   shard exactness_a 0 $X -k "$HALF_A" & shard exactness_b 0 $X -k "$HALF_B"; wait
 elif [ "$part" = one-b ]; then  # the kernel and other one-GPU files side by side, then the multi-GPU files on one GPU
   ( shard kernels 0 $KERNELS & shard rest 0 $REST; wait ); shard multi_gpu_files_on_one 0 $TWO  # alone: they measure memory
-elif [ "$part" = multi ]; then
-  shard multi_gpu 0,1 $TWO
+elif [ "$part" = multi ]; then  # the tests that need two GPUs (one-b runs the multi-GPU files' others on one)
+  MARK="gpu and two_gpus" shard multi_gpu 0,1 $TWO
 elif [ "$n" -ge 4 ]; then  # about as long as the multi-GPU files alone (~500 s on H100s)
   ( (shard exactness_a 0 $X -k "$HALF_A" & shard kernels 0 $KERNELS; wait); shard multi_gpu_files_on_one 0 $TWO ) &
   ( shard exactness_b 1 $X -k "$HALF_B" & shard rest 1 $REST; wait ) &
-  shard multi_gpu 2,3 $TWO &
+  MARK="gpu and two_gpus" shard multi_gpu 2,3 $TWO &
   wait
 elif [ "$n" -ge 2 ]; then
   ( shard exactness_a 0 $X -k "$HALF_A"; shard kernels 0 $KERNELS; shard rest 0 $REST ) &
   ( shard exactness_b 1 $X -k "$HALF_B"; shard multi_gpu_files_on_one 1 $TWO ) &
   wait
-  shard multi_gpu 0,1 $TWO
+  MARK="gpu and two_gpus" shard multi_gpu 0,1 $TWO
 else
   shard all 0 tests/
 fi

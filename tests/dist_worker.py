@@ -265,8 +265,8 @@ def resume(out: Path, tok) -> None:
     (out / f"parked_rank{os.environ['RANK']}.json").write_text(json.dumps(parked.records))
 
 
-ASYNC = ["rollout.backend=static", "train.async_rollout=true", "train.max_steps=4",
-         "objective.sampler_is_mode=token_truncate", "objective.sampler_is_clip_max=2.0"]
+ASYNC = ["rollout.backend=static", "train.async_rollout=true", "train.max_steps=4", "rollout.max_kv_gib=0.25",
+         "objective.sampler_is_mode=token_truncate", "objective.sampler_is_clip_max=2.0"]  # (the cap: CUDA needs one)
 
 
 def async_runs(out: Path, tok) -> None:

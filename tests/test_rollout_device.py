@@ -159,6 +159,7 @@ def test_torchrun_refuses_a_rollout_device():
 
 
 @pytest.mark.gpu
+@pytest.mark.two_gpus
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_two_gpus_a_step_decoding_on_the_second_trains_like_one_decoding_on_the_first(tmp_path, tok, rewards_module):  # noqa: F811
     from logitless.trainer.loop import train

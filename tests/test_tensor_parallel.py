@@ -349,6 +349,7 @@ def test_the_model_check_before_loading_refuses_a_split_the_model_cannot_take():
 
 
 @pytest.mark.gpu
+@pytest.mark.two_gpus
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_gpus_split_rollout_samples_the_trainers_policy_like_one_gpu(tmp_path, shared_dir):
     """bf16 on 2 GPUs (nccl; the split decode eager, the one-GPU one compiled with its CUDA-graph step): each rank's

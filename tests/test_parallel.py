@@ -350,21 +350,16 @@ def test_settings_that_cannot_run_on_several_ranks_are_refused(overrides, match)
     check_distributed(_cfg(*overrides), World())  # one process: no restriction
 
 
-def test_async_rollouts_run_under_torchrun_from_a_replica_per_gpu_not_a_split_one():
-    check_distributed(_cfg("train.async_rollout=true", "rollout.backend=static"), World(rank=0, size=2))
-    with pytest.raises(ValueError, match=r"train.async_rollout=true with rollout.tensor_parallel=2: .* set "
-                                         r"rollout.tensor_parallel=1 .* or train.async_rollout=false"):
-        check_distributed(_cfg("train.async_rollout=true", "rollout.backend=static", "rollout.tensor_parallel=2"),
+@pytest.mark.parametrize("setting, fix", [("model.liger_kernels", "model.liger_kernels=false or rollout.tensor_parallel=1"),
+                                          ("train.async_rollout", "rollout.tensor_parallel=1 .* or train.async_rollout=false")])
+def test_liger_kernels_and_async_rollouts_run_under_torchrun_with_a_replica_per_gpu_not_a_split_one(setting, fix):
+    check_distributed(_cfg(f"{setting}=true", "rollout.backend=static"), World(rank=0, size=2))
+    check_distributed(_cfg(f"{setting}=true", "rollout.backend=static"), World(rank=1, size=4))
+    with pytest.raises(ValueError, match=rf"{setting}=true with rollout.tensor_parallel=2: .* set {fix}"):
+        check_distributed(_cfg(f"{setting}=true", "rollout.backend=static", "rollout.tensor_parallel=2"),
                           World(rank=0, size=2))
-
-
-def test_liger_kernels_run_under_torchrun_with_a_replica_per_gpu_not_a_split_one():
-    check_distributed(_cfg("model.liger_kernels=true", "rollout.backend=static"), World(rank=0, size=2))
-    check_distributed(_cfg("model.liger_kernels=true", "rollout.backend=hf"), World(rank=1, size=4))
-    with pytest.raises(ValueError, match=r"model.liger_kernels=true with rollout.tensor_parallel=2: .* set "
-                                         r"model.liger_kernels=false or rollout.tensor_parallel=1"):
-        check_distributed(_cfg("model.liger_kernels=true", "rollout.backend=static", "rollout.tensor_parallel=2"),
-                          World(rank=0, size=2))
+    if setting == "model.liger_kernels":  # (the hf rollout decodes from the sharded model: Liger runs there too)
+        check_distributed(_cfg("model.liger_kernels=true", "rollout.backend=hf"), World(rank=1, size=4))
 
 
 def test_rank_shares_are_contiguous_and_cover_the_step():

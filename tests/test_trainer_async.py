@@ -171,3 +171,18 @@ def test_async_rollout_runs_on_a_high_priority_stream():
     finally:
         prefetch.close()
     assert batch == "batch" and seen == [(ROLLOUT_STREAM_PRIORITY, False)]
+
+
+def test_under_torchrun_async_rollouts_need_the_static_backend_only(monkeypatch, rewards_module):  # noqa: F811
+    """Under torchrun every rank decodes from a replica of its own, so full fine-tuning and an unmerged LoRA
+    replica may run async too; the hf rollout (which all-gathers the sharded model) is refused, naming the fix."""
+    from logitless.trainer.preflight import validate_config
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for extra in (["model.lora=false"], ["rollout.merge_lora=false"]):
+        validate_config(_cfg("unused", *ASYNC, *extra))
+    with pytest.raises(ValueError, match=r"train\.async_rollout=true .* rollout\.backend=static \(got 'hf'\)"):
+        validate_config(_cfg("unused", *ASYNC, "rollout.backend=hf"))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match=r"train\.async_rollout=true .* model\.lora=true \(got False\)"):
+        validate_config(_cfg("unused", *ASYNC, "model.lora=false"))

@@ -187,6 +187,9 @@ def run_mode(mode: str, model_dir: Path, args, world: parallel.World, work: Path
         "completion_tokens_per_s": statistics.median(t / s for t, s in zip(tokens, step_s)),
         # the rollout alone: the step's completion tokens over its generate phase (every rank decodes at once)
         "generate_tokens_per_s": statistics.median(t / r["time/generate"] for t, r in zip(tokens, steady)),
+        # the engines' own decode rate, all ranks (with train.async_rollout the generate phase is only the wait)
+        "decode_tokens_per_s": statistics.median(r.get("tokens_per_s", 0.0) for r in steady),
+        "async_rollout": cfg.train.async_rollout,
         "median_phase_s": {k: statistics.median(r.get(k, 0.0) for r in steady) for k in PHASES},
         "peak_gib_per_gpu_max": global_max(peak),
         # where the peak sits: each phase's largest peak over steps, the largest over ranks
@@ -262,7 +265,8 @@ def measure(args: argparse.Namespace) -> None:
             first = "  (its first step only, compile included)" if r["first_step_only"] else ""
             print(f"{world.size} GPU {mode:5s} step {r['median_step_s']:.2f} s{first}  "
                   f"{r['completion_tokens_per_s']:.0f} tok/s  "
-                  f"generate {r['generate_tokens_per_s']:.0f} tok/s  "
+                  f"generate {r['generate_tokens_per_s']:.0f} tok/s (decode {r['decode_tokens_per_s']:.0f}"
+                  f"{', beside the update' if r['async_rollout'] else ''})  "
                   f"peak/GPU {r['peak_gib_per_gpu_max']:.2f} GiB (predicted {r['predicted']['peak_gib']:.2f})  "
                   f"by phase {r['peak_gib_per_phase']}  phases {r['median_phase_s']}  weight path {r.get('weight_path')}",
                   flush=True)

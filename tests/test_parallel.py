@@ -371,3 +371,46 @@ def test_rank_shares_are_contiguous_and_cover_the_step():
         shares = [rank_share(list(range(n)), World(rank=r, size=k)) for r in range(k)]
         assert sum(shares, []) == list(range(n))
         assert [len(s) for s in shares] == [n // k + (r < n % k) for r in range(k)]
+
+
+def test_a_replica_sync_all_gathers_one_fsdp_unit_at_a_time(monkeypatch):
+    """The static backend's replicas read the sharded model one FSDP2 unit at a time: one all-gather per decoder
+    layer (and the root's, where it holds trained weights), not one per weight, and write what the unsharded model
+    holds: W + scaling x B @ A for a merged LoRA replica, the adapters for an unmerged one, every weight for full
+    fine-tuning. (One gloo rank in this process: the unit logic is the same on N.)"""
+    import copy
+
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.fsdp import FSDPModule
+
+    from logitless.trainer.parallel import make_replica, shard_model
+    from tests.conftest import tiny_qwen2
+
+    unshards: list[str] = []
+    real = FSDPModule.unshard
+    monkeypatch.setattr(FSDPModule, "unshard", lambda self, *a, **k: (unshards.append(type(self).__name__),
+                                                                    real(self, *a, **k))[1])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        for kind in ("merged", "unmerged", "full"):
+            base = tiny_qwen2(vocab_size=100, hidden=32, layers=3)
+            model = base if kind == "full" else get_peft_model(base, LoraConfig(r=2, target_modules="all-linear"))
+            for n, p in model.named_parameters():  # non-zero adapters (B starts at 0), so the merge shows
+                if "lora_B" in n:
+                    p.data.normal_()
+            want = (copy.deepcopy(model).merge_and_unload() if kind == "merged" else copy.deepcopy(model)).state_dict()
+            replica = make_replica(model, False if kind == "unmerged" else None)
+            for p in replica.model.parameters():  # everything the sync writes starts wrong
+                p.data.zero_()
+            sharded = shard_model(model, torch.device("cpu"))
+            unshards.clear()
+            replica.sync(sharded)
+            assert unshards == ["FSDPQwen2DecoderLayer"] * 3 + (["FSDPQwen2ForCausalLM"] if kind == "full" else [])
+            got = replica.model.state_dict()
+            written = [k for k in got if ("lora_" in k if kind == "unmerged" else k.endswith("proj.weight") or
+                                          kind == "full")]
+            assert written and all(torch.allclose(got[k], want[k], atol=1e-6) for k in written)
+    finally:
+        dist.destroy_process_group()

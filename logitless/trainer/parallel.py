@@ -330,9 +330,52 @@ def copy_to(module: nn.Module, device: torch.device | None) -> nn.Module:
     return fresh_copy(module, memo).eval().requires_grad_(False)
 
 
+def by_unit(sharded: nn.Module, names: Sequence[str], base: nn.Module | None = None) -> list[tuple[nn.Module | None,
+                                                                                           list[str]]]:
+    """`names` (qualified in `base`, a module inside `sharded`; default `sharded` itself) grouped by the FSDP2 unit
+    that all-gathers them, the deepest unit above each: every decoder layer's in module order, then the root's
+    (`sharded`) last; one group under None where `sharded` is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(sharded, FSDPModule):
+        return [(None, list(names))]
+    base = sharded if base is None else base
+    units = {n: m for n, m in base.named_modules() if isinstance(m, FSDPModule) and m is not sharded}
+    groups: dict[str, list[str]] = {k: [] for k in units}
+    root: list[str] = []
+    for name in names:
+        owner = max((k for k in units if name.startswith(f"{k}.")), key=len, default=None)
+        (groups[owner] if owner is not None else root).append(name)
+    return [(units[k], v) for k, v in groups.items() if v] + ([(sharded, root)] if root else [])
+
+
+def own_parameters(unit: nn.Module) -> list[torch.Tensor]:
+    """The parameters an FSDP2 unit all-gathers: its module's, less those of the units nested in it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    nested = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule) for p in m.parameters()}
+    return [p for p in unit.parameters() if id(p) not in nested]
+
+
+@contextmanager
+def gathered(unit: nn.Module | None, lend: Lend = no_lend) -> Iterator[None]:
+    """Inside: FSDP2 unit `unit`'s own parameters whole on every rank from one all-gather (a collective), their
+    shards read within `lend` (parked ones lent back for this unit alone); resharded after. None: nothing."""
+    if unit is None:
+        yield
+        return
+    with lend(own_parameters(unit)):
+        unit.unshard()
+        try:
+            yield
+        finally:
+            unit.reshard()
+
+
 class _Replica:
     """What both replicas share: with sleep, the weights each `sync` rewrites in full live in sleepable memory,
-    mapped back at the start of a sync and freed by `release` after the rollout."""
+    mapped back at the start of a sync and freed by `release` after the rollout. A sync reads the sharded model one
+    FSDP2 unit at a time (`by_unit`): one all-gather per decoder layer, not one per weight."""
 
     memory: SleepableMemory | None = None
 
@@ -362,13 +405,13 @@ class RolloutCopy(_Replica):
 
     @torch.no_grad()
     def sync(self, sharded: nn.Module, lend: Lend = no_lend) -> None:
-        """Copy the trainable parameters in, one all-gather each (the shard read within `lend`)."""
+        """Copy the trainable parameters in, one FSDP2 unit at a time (its shards read within `lend`)."""
         self._wake()
-        src = dict(sharded.named_parameters())
-        for name in self.trainable:
-            w = tensor_at(self.model, name)  # a fused layer's: a view of its group's rows
-            with lend([src[name]]):
-                w.copy_(device_full_tensor(src[name], w.device))  # (host shards with train.fsdp_offload: moved first)
+        for unit, names in by_unit(sharded, self.trainable):  # the same units in the same order on every rank
+            with gathered(unit, lend):
+                for name in names:  # (the unit's parameters whole inside; read after the unshard swapped them in)
+                    w = tensor_at(self.model, name)  # a fused layer's: a view of its group's rows
+                    w.copy_(device_full_tensor(sharded.get_parameter(name), w.device))  # (not sharded: as it is)
 
 
 class MergedRolloutCopy(_Replica):
@@ -405,16 +448,18 @@ class MergedRolloutCopy(_Replica):
         src = unwrap_model(sharded)
         device = next(self.model.parameters()).device
         full = lambda p: device_full_tensor(p, device)  # noqa: E731  (host shards with train.fsdp_offload: moved first)
-        for name in self.names:  # the same order on every rank: each full tensor is a collective
-            layer, dst = src.get_submodule(name), tensor_at(self.model, f"{name}.weight")
-            with lend(layer.parameters()):
-                w = full(layer.get_base_layer().weight).float()
-                for adapter in layer.active_adapters:
-                    if adapter in layer.lora_A:
-                        delta = full(layer.lora_B[adapter].weight) @ full(layer.lora_A[adapter].weight)
-                        delta = delta.T if layer.fan_in_fan_out else delta
-                        w = w + (delta * layer.scaling[adapter]).float()
-            dst.copy_(w if w.device == dst.device else w.to(dst.dtype))  # to another GPU: rounded once, then sent
+        for unit, names in by_unit(sharded, self.names, base=src):  # the same units in the same order on every rank
+            with gathered(unit, lend):
+                for name in names:
+                    layer = src.get_submodule(name)
+                    w = full(layer.get_base_layer().weight).float()
+                    for adapter in layer.active_adapters:
+                        if adapter in layer.lora_A:
+                            delta = full(layer.lora_B[adapter].weight) @ full(layer.lora_A[adapter].weight)
+                            delta = delta.T if layer.fan_in_fan_out else delta
+                            w = w + (delta * layer.scaling[adapter]).float()
+                    dst = tensor_at(self.model, f"{name}.weight")
+                    dst.copy_(w if w.device == dst.device else w.to(dst.dtype))  # another GPU: rounded once, sent
 
 
 def make_replica(model: nn.Module, merge_lora: bool | None, sleep: bool = False,

@@ -37,7 +37,6 @@ with one copy of the policy split over its ranks, so the rollout holds 1/N of th
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from typing import Any, Sequence
@@ -54,6 +53,7 @@ from logitless.rollout.types import Prompt, RolloutBatch, RolloutTiming, Samplin
 from logitless.rollout.vocab_split import VocabShard, shard_of
 from logitless.rollout.weights import fresh_copy, lora_layers, merge_refusal
 from logitless.trainer.fsdp_offload import device_full_tensor
+from logitless.trainer.parallel import by_unit, gathered, no_lend
 from logitless.trainer.tp_episodes import GroupDriver, driver_spec
 
 KEY = "rollout.tensor_parallel"
@@ -262,20 +262,6 @@ class TensorParallelCopy:
         if self.memory is not None:
             self.memory.sleep()
 
-    def _units(self, sharded: nn.Module) -> list[tuple[Any, list[str]]]:
-        """(FSDP unit, the replica parameters whose source it holds) for every unit, the root's last: each
-        parameter goes to the unit of the deepest module above it that is a unit."""
-        from torch.distributed.fsdp import FSDPModule
-
-        src = unwrap_model(sharded)
-        units = {name: m for name, m in src.named_modules() if isinstance(m, FSDPModule) and m is not sharded}
-        by_unit: dict[str, list[str]] = {k: [] for k in units}
-        root: list[str] = []
-        for name, _ in self.model.named_parameters():
-            owner = max((k for k in units if name.startswith(f"{k}.")), key=len, default=None)
-            (by_unit[owner] if owner is not None else root).append(name)
-        return [(units[k], v) for k, v in by_unit.items() if v] + [(sharded, root)]
-
     @torch.no_grad()
     def sync(self, sharded: nn.Module, lend: Any = None) -> None:
         """Write this rank's slice of every weight from the FSDP2 shards of `sharded` (all of them the first time,
@@ -286,17 +272,13 @@ class TensorParallelCopy:
         if self.memory is not None:
             self.memory.wake()
         src, changing = unwrap_model(sharded), set(self.changing)
-        for unit, names in self._units(sharded):
+        for unit, names in by_unit(sharded, [n for n, _ in self.model.named_parameters()], base=src):
             todo = [n for n in names if not self._filled or n in changing]
             if not todo:
                 continue
-            with lend(_own_parameters(unit)) if lend is not None else contextlib.nullcontext():
-                unit.unshard()
-                try:
-                    for name in todo:
-                        self._write(src, name)
-                finally:
-                    unit.reshard()
+            with gathered(unit, lend or no_lend):
+                for name in todo:
+                    self._write(src, name)
         self._filled = True
 
     def _piece(self, full: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
@@ -328,14 +310,6 @@ class TensorParallelCopy:
                     a = torch.chunk(a, self.size, dim=1)[self.rank]
                 w = w + ((b @ a) * layer.scaling[adapter]).float()
         out.copy_(w)
-
-
-def _own_parameters(unit: nn.Module) -> list[torch.Tensor]:
-    """The parameters an FSDP2 unit all-gathers: its module's, less those of the units nested in it."""
-    from torch.distributed.fsdp import FSDPModule
-
-    nested = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule) for p in m.parameters()}
-    return [p for p in unit.parameters() if id(p) not in nested]
 
 
 def _empty(p: torch.Tensor, device: torch.device, placeholder: bool = False) -> torch.Tensor:

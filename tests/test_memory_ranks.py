@@ -124,18 +124,18 @@ def test_async_rollouts_keep_the_replica_and_the_rank_s_kv_cache_beside_the_upda
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_the_rollout_s_sync_holds_the_replica_and_one_gathered_source_beside_the_shards_unless_parked(tp):
-    """The replica's sync at the rollout's start holds the whole (split) replica, one gathered source (split: an
-    FSDP unit, the root the largest; one replica: a weight) and a merged LoRA weight in fp32, beside the shards;
-    train.offload_during_rollout parks the shards before it and lends back the gathered source's alone. With a
-    short rollout the sync is the rollout's peak; with a long one the parked decode's KV cache is."""
+def test_the_rollout_s_sync_holds_the_replica_and_one_gathered_unit_beside_the_shards_unless_parked(tp):
+    """The replica's sync at the rollout's start holds the whole (split) replica, one gathered FSDP unit (a decoder
+    layer; a split replica's first fill gathers the root too, the largest) and a merged LoRA weight in fp32, beside
+    the shards; train.offload_during_rollout parks the shards before it and lends back the gathered unit's alone.
+    With a short rollout the sync is the rollout's peak; with a long one the parked decode's KV cache is."""
     model, m, _ = _model(True, False)
     units = mr.units_of(model)
     facts = mp.RunFacts(backend="static")
     ranks = mr.Ranks(4, units, tensor_parallel=tp)
     one = mp.resident_bytes(m, facts)
     layer = max(m.intermediate, m.q_dim) * m.hidden
-    gathered = 2 * (max(units.root_params, units.layer_params) if tp > 1 else layer)
+    gathered = 2 * (max(units.root_params, units.layer_params) if tp > 1 else units.layer_params)
     peaks = {}
     for parked in (False, True):
         knobs = mp.Knobs(gradient_checkpointing=True, micro_batch_size=3, by_rows=True, offload_during_rollout=parked)

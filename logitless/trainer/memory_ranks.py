@@ -15,7 +15,7 @@ step's rows, and a working set that does not shrink with N:
                            rollouts (everything outside its LoRA layers); a full fine-tuning reference copy
     at the replica's sync  the static backend's rollout starts by writing its replica from the shards, which stay on
                            the device until it ends (train.offload_during_rollout parks them only after it): shards,
-                           the whole (split) replica, one gathered source and a merged LoRA weight in fp32, before
+                           the whole (split) replica, one gathered FSDP unit and a merged LoRA weight in fp32, before
                            any KV cache (a moment of its own: the 32B split rollout's peak)
     at the backward's end  full fine-tuning reduces the root's gradient in fp32: its unsharded bf16 gradient and the
                            fp32 reduce-scatter input (4 bytes per root parameter) are alive together, after the
@@ -200,20 +200,18 @@ def _generate(m: mp.ModelMemory, step: mp.StepShape, facts: mp.RunFacts, knobs: 
 
 def _sync(m: mp.ModelMemory, facts: mp.RunFacts, ranks: Ranks, parked: bool = False) -> dict[str, float]:
     """The replica's sync at the rollout's start, before any KV cache: the whole replica (1/T split) beside the
-    shards, while one source is gathered whole at a time (a split replica: an FSDP unit, the root the largest; one
-    replica: a weight) and a merged LoRA weight is formed in fp32 (its base, B @ A scaled, and their sum: three
-    fp32 copies of a slice). parked (train.offload_during_rollout): the shards and optimizer states are in host
-    memory and only the gathered source's shard is lent back."""
-    t = ranks.tensor_parallel
+    shards, while one FSDP unit is gathered whole at a time (a decoder layer; the root too where it holds trained
+    weights, full fine-tuning, or when a split replica fills the first time) and a merged LoRA weight is formed in
+    fp32 (its base, B @ A scaled, and their sum: three fp32 copies of a slice). parked
+    (train.offload_during_rollout): the shards and optimizer states are in host memory and only the gathered
+    unit's shards are lent back."""
+    t, u = ranks.tensor_parallel, ranks.units
+    assert u is not None
     parts = _sharded(m, facts, ranks.count, parked=parked)
     parts["replica (whole)" if t == 1 else f"replica (1/{t})"] = float(_replica_bytes(m, ranks))
     layer = max(m.intermediate, m.q_dim) * m.hidden  # the largest weight a LoRA layer merges (an MLP projection)
     merged = m.lora and ranks.merged_replica
-    if t > 1:
-        assert ranks.units is not None
-        gathered = max(ranks.units.root_params, ranks.units.layer_params)
-    else:  # a weight at a time: the merged layers' (LoRA), every weight, the embedding the largest (full)
-        gathered = layer if merged else 0 if m.lora else max(layer, m.vocab * m.hidden)
+    gathered = max(u.root_params, u.layer_params) if t > 1 or not m.lora else u.layer_params
     parts["sync: gathered"] = float(gathered * m.dtype_bytes)
     if parked:
         parts["sync: lent shard"] = float(gathered * m.dtype_bytes) / ranks.count

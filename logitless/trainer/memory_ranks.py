@@ -14,7 +14,8 @@ step's rows, and a working set that does not shrink with N:
                            all-gathered model); the part of a merged-LoRA replica that stays mapped between
                            rollouts (everything outside its LoRA layers); a full fine-tuning reference copy
     at the replica's sync  the static backend's rollout starts by writing its replica from the shards, which stay on
-                           the device until it ends (train.offload_during_rollout parks them only after it): shards,
+                           the device until it ends (train.offload_during_rollout parks them before it and lends each
+                           unit's back for its part): shards,
                            the whole (split) replica, one gathered FSDP unit and a merged LoRA weight in fp32, before
                            any KV cache (a moment of its own: the 32B split rollout's peak)
     at the backward's end  full fine-tuning reduces the root's gradient in fp32: its unsharded bf16 gradient and the

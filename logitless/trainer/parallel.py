@@ -43,7 +43,7 @@ import os
 import types
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -60,17 +60,10 @@ from logitless.trainer.batching import MicroBatch
 from logitless.trainer.config import TrainerConfig
 from logitless.trainer.distributed import is_distributed
 from logitless.trainer.fsdp_offload import check_host_backend, device_full_tensor, offload_policy, one_rank_group
+from logitless.trainer.fsdp_units import Lend, by_unit, gathered, no_lend
 from logitless.trainer.fsdp_offload import backend as offload_backend
 
 T = TypeVar("T")
-
-# A context in which a sync may read the given parameter shards (`ParkedState.lend`: parked ones are brought back
-# for the block); `no_lend`: they are on the device already
-Lend = Callable[[Iterable[torch.Tensor]], AbstractContextManager]
-
-
-def no_lend(tensors: Iterable[torch.Tensor]) -> AbstractContextManager:
-    return nullcontext()
 
 
 TIMEOUT = timedelta(minutes=30)  # a rank that waits longer on a collective fails instead of hanging
@@ -328,48 +321,6 @@ def copy_to(module: nn.Module, device: torch.device | None) -> nn.Module:
             c = t.detach().to(device if device is not None else t.device, copy=True)
             memo[id(t)] = nn.Parameter(c, requires_grad=False) if isinstance(t, nn.Parameter) else c
     return fresh_copy(module, memo).eval().requires_grad_(False)
-
-
-def by_unit(sharded: nn.Module, names: Sequence[str], base: nn.Module | None = None) -> list[tuple[nn.Module | None,
-                                                                                           list[str]]]:
-    """`names` (qualified in `base`, a module inside `sharded`; default `sharded` itself) grouped by the FSDP2 unit
-    that all-gathers them, the deepest unit above each: every decoder layer's in module order, then the root's
-    (`sharded`) last; one group under None where `sharded` is not sharded."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if not isinstance(sharded, FSDPModule):
-        return [(None, list(names))]
-    base = sharded if base is None else base
-    units = {n: m for n, m in base.named_modules() if isinstance(m, FSDPModule) and m is not sharded}
-    groups: dict[str, list[str]] = {k: [] for k in units}
-    root: list[str] = []
-    for name in names:
-        owner = max((k for k in units if name.startswith(f"{k}.")), key=len, default=None)
-        (groups[owner] if owner is not None else root).append(name)
-    return [(units[k], v) for k, v in groups.items() if v] + ([(sharded, root)] if root else [])
-
-
-def own_parameters(unit: nn.Module) -> list[torch.Tensor]:
-    """The parameters an FSDP2 unit all-gathers: its module's, less those of the units nested in it."""
-    from torch.distributed.fsdp import FSDPModule
-
-    nested = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule) for p in m.parameters()}
-    return [p for p in unit.parameters() if id(p) not in nested]
-
-
-@contextmanager
-def gathered(unit: nn.Module | None, lend: Lend = no_lend) -> Iterator[None]:
-    """Inside: FSDP2 unit `unit`'s own parameters whole on every rank from one all-gather (a collective), their
-    shards read within `lend` (parked ones lent back for this unit alone); resharded after. None: nothing."""
-    if unit is None:
-        yield
-        return
-    with lend(own_parameters(unit)):
-        unit.unshard()
-        try:
-            yield
-        finally:
-            unit.reshard()
 
 
 class _Replica:

@@ -53,7 +53,7 @@ from logitless.rollout.types import Prompt, RolloutBatch, RolloutTiming, Samplin
 from logitless.rollout.vocab_split import VocabShard, shard_of
 from logitless.rollout.weights import fresh_copy, lora_layers, merge_refusal
 from logitless.trainer.fsdp_offload import device_full_tensor
-from logitless.trainer.parallel import by_unit, gathered, no_lend
+from logitless.trainer.fsdp_units import by_unit, gathered, no_lend
 from logitless.trainer.tp_episodes import GroupDriver, driver_spec
 
 KEY = "rollout.tensor_parallel"

@@ -121,15 +121,18 @@ def rollout_stage(ctx: TrainContext, step: int, round: int = 0) -> Rollout:
     environment's first observation) and answers the model between turns. `round`: which rollout of the step this
     is (train.dynamic_sampling draws more than one)."""
     cfg = ctx.cfg
-    templated = {"chat_template_kwargs": cfg.data.chat_template_kwargs}
-    options = sampling_options(cfg.rollout, seed=rank_seed(rollout_seed(cfg, step, round), ctx.world), **templated)
+
+    def options_of(s: int) -> SamplingOptions:  # this rank's sampling options of step s's rollout
+        return sampling_options(cfg.rollout, seed=rank_seed(rollout_seed(cfg, s, round), ctx.world),
+                                chat_template_kwargs=cfg.data.chat_template_kwargs)
+
+    options = options_of(step)
     if ctx.prefetch is not None:  # under torchrun each rank's share, from its replica (the sync is a collective)
         if ctx.prefetch.pending is None:  # the first step of a run
             ctx.prefetch.start(step, options)
         rows, batch, options = ctx.prefetch.take(step)
         if step < cfg.train.max_steps:
-            seed = rank_seed(rollout_seed(cfg, step + 1), ctx.world)
-            ctx.prefetch.start(step + 1, sampling_options(cfg.rollout, seed=seed, **templated))
+            ctx.prefetch.start(step + 1, options_of(step + 1))
         batch = batch.to(ctx.device)
     else:
         rows = rank_share(ctx.sampler.next_batch(cfg.train.prompts_per_step), ctx.world)  # all of them on one process

@@ -53,7 +53,7 @@ from logitless.rollout.types import Prompt, RolloutBatch, RolloutTiming, Samplin
 from logitless.rollout.vocab_split import VocabShard, shard_of
 from logitless.rollout.weights import fresh_copy, lora_layers, merge_refusal
 from logitless.trainer.fsdp_offload import device_full_tensor
-from logitless.trainer.fsdp_units import by_unit, gathered, no_lend
+from logitless.trainer.fsdp_units import Lend, by_unit, gathered, no_lend
 from logitless.trainer.tp_episodes import GroupDriver, driver_spec
 
 KEY = "rollout.tensor_parallel"
@@ -263,7 +263,7 @@ class TensorParallelCopy:
             self.memory.sleep()
 
     @torch.no_grad()
-    def sync(self, sharded: nn.Module, lend: Any = None) -> None:
+    def sync(self, sharded: nn.Module, lend: Lend = no_lend) -> None:
         """Write this rank's slice of every weight from the FSDP2 shards of `sharded` (all of them the first time,
         then those that train), one unit all-gathered at a time (its shards read within `lend`, e.g. lent back
         from host memory for that unit alone). A collective over every rank (the same units in the same order on
@@ -276,7 +276,7 @@ class TensorParallelCopy:
             todo = [n for n in names if not self._filled or n in changing]
             if not todo:
                 continue
-            with gathered(unit, lend or no_lend):
+            with gathered(unit, lend):
                 for name in todo:
                     self._write(src, name)
         self._filled = True

@@ -199,13 +199,13 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_variant(a: argparse.Namespace, spec: str, T: int, model_dir: Path, steps: int,
-                probe: bool = False) -> dict[str, Any]:
-    """One variant at completion length T in a worker process (with `probe`: --probe-decode applies)."""
+                probing: bool = False) -> dict[str, Any]:
+    """One variant at completion length T in a worker process (`probing`: a memory probe, --probe-decode applies)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = Path(f.name)
     cmd = [sys.executable, __file__, "--worker", "--variant", spec, "--T", str(T), "--model-dir", str(model_dir),
            "--worker-out", str(path), "--steps", str(steps), "--prompts", str(a.prompts), "--G", str(a.G),
-           "--memory-budget", str(a.memory_budget or 0), "--probe-decode", str(a.probe_decode if probe else 0)] + \
+           "--memory-budget", str(a.memory_budget or 0), "--probe-decode", str(a.probe_decode if probing else 0)] + \
         [x for s in a.set for x in ("--set", s)]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(cmd, env=env, cwd=REPO)
@@ -261,7 +261,7 @@ def compare(paths: list[str]) -> dict[str, Any]:
 def probe(a: argparse.Namespace, spec: str, T: int, model_dir: Path) -> dict[str, Any]:
     """One memory probe: --probe-steps steps of `spec` at T (--probe-decode applies), whether they ran under the
     budget, their peak and the plan's."""
-    r = run_variant(a, spec, T, model_dir, steps=a.probe_steps, probe=True)
+    r = run_variant(a, spec, T, model_dir, steps=a.probe_steps, probing=True)
     s = r.get("summary") or {}
     return {"T": T, "ok": bool(r["steps"]) and not r.get("error"), "peak_gib": s.get("peak_gib"),
             "plan_gib": s.get("plan_gib"), "peak_gib_per_phase": {p: s.get(f"peak_gib_{p}") for p in PHASES},
@@ -547,18 +547,21 @@ def main() -> None:
     if a.find_max_T:
         for spec in specs:
             key = spec.split("=")[0]
-            found = find_max_T(a, spec, model_dir, a.lo_T, a.hi_T,
-                               lambda so_far, key=key: (result["max_T"].__setitem__(key, so_far), save()))
-            result["max_T"][key] = found
-            save()
+
+            def saved(so_far: dict[str, Any], key: str = key) -> None:
+                result["max_T"][key] = so_far
+                save()
+
+            found = find_max_T(a, spec, model_dir, a.lo_T, a.hi_T, saved)
+            saved(found)
             print(f"{key}: max T = {found['max_T']}", flush=True)
     elif a.fits_T:
         for spec in specs:
+            key = spec.split("=")[0]
             for T in (int(t) for t in a.fits_T.split(",")):
-                result.setdefault("fits", {}).setdefault(spec.split("=")[0], {})[str(T)] = p = probe(a, spec, T, model_dir)
+                p = result.setdefault("fits", {}).setdefault(key, {})[str(T)] = probe(a, spec, T, model_dir)
                 save()
-                print(f"{spec.split('=')[0]} T={T}: {'fits' if p['ok'] else 'does not fit'} ({p['error'] or p['peak_gib']})",
-                      flush=True)
+                print(f"{key} T={T}: {'fits' if p['ok'] else 'does not fit'} ({p['error'] or p['peak_gib']})", flush=True)
     else:
         for T in (int(t) for t in a.T.split(",")):
             runs = [run_variant(a, spec, T, model_dir, a.steps) for spec in specs]

@@ -445,16 +445,27 @@ def check_plan_records(paths: list[str]) -> list[dict[str, Any]]:
         if m is None or not isinstance(runs, list):
             continue
         a = argparse.Namespace(prompts=c["prompts"], G=c["G"])
+
+        def row(T: int, variant: str, settings: dict[str, Any], measured: dict[str, float]) -> dict[str, Any]:
+            pinned = [f"{k}={setting_text(v)}" for k, v in settings.items()]
+            sets = base_overrides(Path("unused"), T, a, Path("unused")) + list(c.get("overrides") or []) + pinned
+            res = resolve(load_train_config(None, sets), device=torch.device("cuda"), skeleton=skeleton(m[1]))
+            predicted = {p: sum(v.values()) / mp.GIB for p, v in res.plan.phases.items()}
+            return {"file": Path(path).name, "T": T, "variant": variant, "shape": m[1], "predicted_gib": predicted,
+                    "measured_gib": {p: measured.get(p) or 0.0 for p in predicted}, "checked": True}
+
         for run in runs:
             if run.get("error") or not run.get("steps") or not (run.get("resolved") or {}).get("choices"):
                 continue
-            pinned = [f"{x['key']}={setting_text(x['value'])}" for x in run["resolved"]["choices"]]
-            sets = base_overrides(Path("unused"), run["T"], a, Path("unused")) + list(c.get("overrides") or []) + pinned
-            res = resolve(load_train_config(None, sets), device=torch.device("cuda"), skeleton=skeleton(m[1]))
-            predicted = {p: sum(v.values()) / mp.GIB for p, v in res.plan.phases.items()}
-            measured = {p: max(s["peak_gib"].get(p) or 0.0 for s in run["steps"]) for p in predicted}
-            rows.append({"file": Path(path).name, "T": run["T"], "variant": run["variant"], "shape": m[1],
-                         "predicted_gib": predicted, "measured_gib": measured, "checked": True})
+            measured = {p: max(s["peak_gib"].get(p) or 0.0 for s in run["steps"]) for p in PHASES}
+            rows.append(row(run["T"], run["variant"], {x["key"]: x["value"] for x in run["resolved"]["choices"]},
+                            measured))
+        # the memory probes (--fits-T, --find-max-T) that ran: one step at their T, the settings they resolved
+        probes = [(v, p) for v, by_T in (result.get("fits") or {}).items() for p in by_T.values()]
+        probes += [(v, p) for v, search in (result.get("max_T") or {}).items() for p in search.get("probes", [])]
+        for variant, p in probes:
+            if p.get("ok") and p.get("resolved") and p.get("peak_gib_per_phase"):
+                rows.append(row(p["T"], f"{variant} probe", p["resolved"], p["peak_gib_per_phase"]))
     return rows
 
 

@@ -338,6 +338,8 @@ def _cfg(*overrides):
         (["rollout.backend=continuous"], r"rollout.backend='continuous' cannot run under torchrun .* set rollout.backend=hf"),
         (["objective.top_entropy_quantile=0.8"], r"objective.top_entropy_quantile=0.8 .* set objective.top_entropy_quantile=1.0"),
         (["advantage.scale=batch"], r"advantage.scale='batch' .* set advantage.scale=group"),
+        (["advantage.multi_reward=normalize_then_sum"],
+         r"advantage.multi_reward='normalize_then_sum' \(GDPO\) .* set advantage.multi_reward=sum_then_normalize"),
         (["model.load_in_4bit=true"], r"model.load_in_4bit=true \(QLoRA\) is not supported with FSDP2 under torchrun yet; "
                                       r"set model.load_in_4bit=false"),
         (["optim.optimizer=adamw_8bit"], r"optim.optimizer=adamw_8bit is not supported .* set optim.optimizer=adamw"),

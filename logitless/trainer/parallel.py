@@ -204,6 +204,12 @@ def check_distributed(cfg: TrainerConfig, world: World) -> None:
             "advantage.scale='batch' needs the std of the whole step's rewards, which is not gathered across "
             "ranks yet; set advantage.scale=group (or none), or train on one process"
         )
+    if cfg.advantage.multi_reward == "normalize_then_sum":
+        raise ValueError(
+            "advantage.multi_reward='normalize_then_sum' (GDPO) z-scores the weighted sum of the rewards over the "
+            "whole step's rows, which are not gathered across ranks yet (each rank would normalize its own share); "
+            "set advantage.multi_reward=sum_then_normalize, or train on one process"
+        )
 
 
 @contextmanager

@@ -369,9 +369,8 @@ def recorded_prediction(result: dict[str, Any], run: dict[str, Any], prompt_len:
     from logitless.trainer import memory_plan as mp
     from logitless.trainer.auto import model_memory, run_facts, setting_text
 
-    c = result.get("config")
-    m = re.search(r"Qwen2\.5-(\w+(?:\.\d+)?b)", str(c.get("shape", ""))) if isinstance(c, dict) else None
-    if m is None or run.get("system") != "logitless" or not run.get("steps") or m[1] not in SHAPES:
+    c, shape = result.get("config"), record_shape(result)
+    if shape is None or run.get("system") != "logitless" or not run.get("steps") or shape not in SHAPES:
         return None
     overrides = list(c.get("overrides") or [])
     if any(o.split("=")[0] in ("train.fsdp_offload", "rollout.device") for o in overrides):
@@ -394,7 +393,7 @@ def recorded_prediction(result: dict[str, Any], run: dict[str, Any], prompt_len:
         cfg = load_train_config(None, sets)
     except ValueError:  # a key of an older version
         return None
-    model = skeleton(m[1])
+    model = skeleton(shape)
     kernels = "compiled" if cfg.model.compile_layers else "liger" if cfg.model.liger_kernels else "eager"
     mem = model_memory(model, cfg.model, torch.bfloat16)
     device = next((k for k in DEVICE_GIB if k in str(result.get("info", {}).get("device", "H200"))), "H200")
@@ -433,40 +432,48 @@ def check_recorded(paths: list[str], prompt_len: int) -> list[dict[str, Any]]:
 def check_plan_records(paths: list[str]) -> list[dict[str, Any]]:
     """The plan's peak per phase (today's memory model) of every run bench_plan recorded (its shape, overrides and
     the settings "auto" resolved, pinned), beside the largest measured in any of its steps."""
+    rows = []
+    for path in sorted(paths):
+        result = json.loads(Path(path).read_text())
+        shape, runs = record_shape(result), result.get("runs")
+        if shape is None or not isinstance(runs, list):
+            continue
+        # each timed run, and the memory probes (--fits-T, --find-max-T) that ran: one step at their T
+        measured = [(run["T"], run["variant"], {x["key"]: x["value"] for x in run["resolved"]["choices"]},
+                     {p: max(s["peak_gib"].get(p) or 0.0 for s in run["steps"]) for p in PHASES})
+                    for run in runs
+                    if not run.get("error") and run.get("steps") and (run.get("resolved") or {}).get("choices")]
+        probes = [(v, p) for v, by_T in (result.get("fits") or {}).items() for p in by_T.values()]
+        probes += [(v, p) for v, search in (result.get("max_T") or {}).items() for p in search.get("probes", [])]
+        measured += [(p["T"], f"{v} probe", p["resolved"], p["peak_gib_per_phase"]) for v, p in probes
+                     if p.get("ok") and p.get("resolved") and p.get("peak_gib_per_phase")]
+        for T, variant, settings, peaks in measured:
+            predicted = _plan_gib(result["config"], shape, T, settings)
+            rows.append({"file": Path(path).name, "T": T, "variant": variant, "shape": shape,
+                         "predicted_gib": predicted, "measured_gib": {p: peaks.get(p) or 0.0 for p in predicted},
+                         "checked": True})
+    return rows
+
+
+def record_shape(result: dict[str, Any]) -> str | None:
+    """The Qwen2.5 shape ("1.5b", "7b") a bench result file's config names, or None."""
+    c = result.get("config")
+    m = re.search(r"Qwen2\.5-(\w+(?:\.\d+)?b)", str(c.get("shape", ""))) if isinstance(c, dict) else None
+    return m[1] if m else None
+
+
+def _plan_gib(c: dict[str, Any], shape: str, T: int, settings: dict[str, Any]) -> dict[str, float]:
+    """The plan's peak per phase (GiB) of a recorded bench_plan step: its config `c`, T and the settings it resolved
+    (pinned)."""
     from logitless.trainer import load_train_config
     from logitless.trainer import memory_plan as mp
     from logitless.trainer.auto import resolve, setting_text
 
-    rows = []
-    for path in sorted(paths):
-        result = json.loads(Path(path).read_text())
-        c, runs = result.get("config"), result.get("runs")
-        m = re.search(r"Qwen2\.5-(\w+(?:\.\d+)?b)", str(c.get("shape", ""))) if isinstance(c, dict) else None
-        if m is None or not isinstance(runs, list):
-            continue
-        a = argparse.Namespace(prompts=c["prompts"], G=c["G"])
-
-        def row(T: int, variant: str, settings: dict[str, Any], measured: dict[str, float]) -> dict[str, Any]:
-            pinned = [f"{k}={setting_text(v)}" for k, v in settings.items()]
-            sets = base_overrides(Path("unused"), T, a, Path("unused")) + list(c.get("overrides") or []) + pinned
-            res = resolve(load_train_config(None, sets), device=torch.device("cuda"), skeleton=skeleton(m[1]))
-            predicted = {p: sum(v.values()) / mp.GIB for p, v in res.plan.phases.items()}
-            return {"file": Path(path).name, "T": T, "variant": variant, "shape": m[1], "predicted_gib": predicted,
-                    "measured_gib": {p: measured.get(p) or 0.0 for p in predicted}, "checked": True}
-
-        for run in runs:
-            if run.get("error") or not run.get("steps") or not (run.get("resolved") or {}).get("choices"):
-                continue
-            measured = {p: max(s["peak_gib"].get(p) or 0.0 for s in run["steps"]) for p in PHASES}
-            rows.append(row(run["T"], run["variant"], {x["key"]: x["value"] for x in run["resolved"]["choices"]},
-                            measured))
-        # the memory probes (--fits-T, --find-max-T) that ran: one step at their T, the settings they resolved
-        probes = [(v, p) for v, by_T in (result.get("fits") or {}).items() for p in by_T.values()]
-        probes += [(v, p) for v, search in (result.get("max_T") or {}).items() for p in search.get("probes", [])]
-        for variant, p in probes:
-            if p.get("ok") and p.get("resolved") and p.get("peak_gib_per_phase"):
-                rows.append(row(p["T"], f"{variant} probe", p["resolved"], p["peak_gib_per_phase"]))
-    return rows
+    a = argparse.Namespace(prompts=c["prompts"], G=c["G"])
+    pinned = [f"{k}={setting_text(v)}" for k, v in settings.items()]
+    sets = base_overrides(Path("unused"), T, a, Path("unused")) + list(c.get("overrides") or []) + pinned
+    res = resolve(load_train_config(None, sets), device=torch.device("cuda"), skeleton=skeleton(shape))
+    return {p: sum(v.values()) / mp.GIB for p, v in res.plan.phases.items()}
 
 
 def print_recorded(rows: list[dict[str, Any]]) -> None:

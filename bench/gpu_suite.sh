@@ -3,10 +3,10 @@
 #   bash bench/gpu_suite.sh LOG_DIR [all | one-a | one-b | multi]
 # 4+ GPUs: the exactness matrix in two halves (GPUs 0 and 1; the kernel files beside the first half, the other
 # one-GPU files beside the second), then the multi-GPU files on one GPU (GPU 0), while their tests that need two
-# GPUs (marked two_gpus) run on GPUs 2,3. 2 GPUs: the one-GPU shards on GPU 0 and 1, then the two_gpus tests on both. 1 GPU: one pytest process. Each
-# shard's log is LOG_DIR/<shard>.log, its exit status on the log's last line, and LOG_DIR/summary.json gathers
-# them; the script exits non-zero when any shard failed. Real tokenizers come from LOGITLESS_SHARED (see
-# tests/conftest.py); carry bitsandbytes, torchao and liger-kernel so nothing skips.
+# GPUs (marked two_gpus) run on GPUs 2,3. 2 GPUs: the one-GPU shards on GPU 0 and 1, then the two_gpus tests on
+# both. 1 GPU: one pytest process. Each shard's log is LOG_DIR/<shard>.log, its exit status on the log's last
+# line, and LOG_DIR/summary.json gathers them; the script exits non-zero when any shard failed. Real tokenizers
+# come from LOGITLESS_SHARED (see tests/conftest.py); carry bitsandbytes, torchao and liger-kernel so nothing skips.
 set -u
 PY=${PYTHON:-python3}  # the interpreter with torch (PYTHON=.venv/bin/python in a checkout with the venv)
 out=${1:?usage: bash bench/gpu_suite.sh LOG_DIR [all | one-a | one-b | multi]}

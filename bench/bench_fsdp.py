@@ -19,6 +19,8 @@ the one-GPU run serves both scalings. --summarize then sets each against the one
     # CPU smoke run (gloo): --shape tiny --backend hf --tokens 8 --prompts 2 --G 2 --micro 2 --steps 2
     # the rollout split over groups of 2 GPUs (rollout.tensor_parallel=2): --backend static --tp 2; an 80 GB
     # GPU's room on a larger one: --gpu-gib 76
+    # a GPU no rank trains on decoding for all (3 ranks + 1): --nproc-per-node 3 ... --set rollout.device=cuda:3
+    # [--set train.async_rollout=true --set rollout.max_kv_gib=G], written as fsdp_..._4gpu_rollgpu.json
 
 With one process the run is the plain single-GPU trainer (no process group, no FSDP). Settings that "auto" decides
 differently on one process and under torchrun are pinned (`PINNED`; --set overrides them), so every rank count runs
@@ -106,7 +108,7 @@ def timed_rollout_weights(log: list[dict[str, float]]):
         with inner(model, replica, lend):
             sync()
             entry = {"gather_s": time.perf_counter() - t0, "held_gib": (mem() - m0) / 2**30}
-            if replica is not None:
+            if getattr(replica, "model", None) is not None:  # (a shared rollout's: rank 0's)
                 entry["replica_gib"] = local_bytes(replica.model) / 2**30  # this rank's slices with --tp
             yield
             sync()
@@ -128,6 +130,11 @@ def global_max(x: float) -> float:
 
 def global_prompts(args: argparse.Namespace, ranks: int) -> int:
     return args.prompts * ranks if args.scaling == "weak" else args.prompts
+
+
+def rollout_gpu(args: argparse.Namespace) -> bool:
+    """--set rollout.device=cuda:N under torchrun: one more GPU, which decodes for every rank (shared_rollout.py)."""
+    return any(x.startswith("rollout.device=") for x in getattr(args, "set", []))
 
 
 def split(args: argparse.Namespace) -> int:
@@ -159,7 +166,10 @@ def prediction(mode: str, args: argparse.Namespace, ranks: int, prompt_len: int,
                   free_gib=device_gib)
     plan = res.plan if ranks == 1 else res.rank_memory
     assert plan is not None, res.notes
-    return {"peak_gib": plan.step_peak / mp.GIB, "phase_gib": {p: plan.peak(p) / mp.GIB for p in plan.phases},
+    from logitless.trainer import memory_ranks as mr
+
+    return {"peak_gib": mr.training_peak(plan.phases) / mp.GIB,  # a training GPU's (not a shared rollout GPU's)
+            "phase_gib": {p: plan.peak(p) / mp.GIB for p in plan.phases},
             "parts_gib": {p: {k: round(x / mp.GIB, 4) for k, x in v.items() if x} for p, v in plan.phases.items()}}
 
 
@@ -196,6 +206,8 @@ def run_mode(mode: str, model_dir: Path, args, world: parallel.World, work: Path
         "peak_gib_per_phase": {p: global_max(max(r.get(f"memory/peak_gb/{p}", 0.0) for r in records))
                                for p in (k.removeprefix("time/") for k in PHASES)},
         "peak_gib_rank0": peak,
+        # a shared rollout GPU's (rollout.device under torchrun; rank 0 records it)
+        "rollout_device_peak_gib": max((r.get("memory/rollout_device_peak_gb", 0.0) for r in records), default=0.0),
         # a run cut after its first step (or asked for one) has only that step's times, its compile included
         "timed_steps": len(steady), "first_step_only": not records[1:],
         "records": records,
@@ -210,7 +222,8 @@ def result_name(args: argparse.Namespace, ranks: int | str) -> str:
     tag = f"_{args.tag}" if args.tag else ""
     if ranks == 1:
         return f"fsdp_{args.shape}_{args.backend}_1gpu{tag}.json"
-    suffix = "summary" if ranks == "summary" else f"{ranks}gpu" + (f"_tp{split(args)}" if split(args) > 1 else "")
+    suffix = "summary" if ranks == "summary" else (f"{ranks + 1}gpu_rollgpu" if rollout_gpu(args) else f"{ranks}gpu") \
+        + (f"_tp{split(args)}" if split(args) > 1 else "")  # (a shared rollout GPU counted)
     return f"fsdp_{args.shape}_{args.backend}_{args.scaling}_{suffix}{tag}.json"
 
 
@@ -253,7 +266,8 @@ def measure(args: argparse.Namespace) -> None:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else DEVICE_GIB["H200"]
     device_gib = min(device_gib, args.gpu_gib) if args.gpu_gib is not None else device_gib
-    info = {"device": gpu, "gpus": world.size, "versions": versions(), "commit": args.commit or commit(),
+    info = {"device": gpu, "gpus": world.size + rollout_gpu(args), "training_ranks": world.size,
+            "versions": versions(), "commit": args.commit or commit(),
             "date": time.strftime("%Y-%m-%d")}
     # (each mode keeps the info of the command that measured it; the file's is the latest command's)
     result = {"info": info, "shape": shape, "modes": dict(earlier["modes"]) if earlier is not None else {}}
@@ -267,7 +281,8 @@ def measure(args: argparse.Namespace) -> None:
                   f"{r['completion_tokens_per_s']:.0f} tok/s  "
                   f"generate {r['generate_tokens_per_s']:.0f} tok/s (decode {r['decode_tokens_per_s']:.0f}"
                   f"{', beside the update' if r['async_rollout'] else ''})  "
-                  f"peak/GPU {r['peak_gib_per_gpu_max']:.2f} GiB (predicted {r['predicted']['peak_gib']:.2f})  "
+                  f"peak/GPU {r['peak_gib_per_gpu_max']:.2f} GiB (predicted {r['predicted']['peak_gib']:.2f}; "
+                  f"rollout GPU {r['rollout_device_peak_gib']:.2f})  "
                   f"by phase {r['peak_gib_per_phase']}  phases {r['median_phase_s']}  weight path {r.get('weight_path')}",
                   flush=True)
     if world.distributed:

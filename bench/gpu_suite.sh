@@ -1,17 +1,18 @@
 #!/bin/bash
 # The whole GPU suite (`pytest -m gpu tests/`) on a host with 1, 2 or 4+ GPUs, in shards that run side by side:
-#   bash bench/gpu_suite.sh LOG_DIR [all | one-a | one-b | multi]
+#   bash bench/gpu_suite.sh LOG_DIR [all | one-a | one-b | multi | three]
 # 4+ GPUs: the exactness matrix in two halves (GPUs 0 and 1; the kernel files beside the first half, the other
 # one-GPU files beside the second), then the multi-GPU files on one GPU (GPU 0), while their tests that need two
 # GPUs (marked two_gpus) run on GPUs 2,3. 2 GPUs: the one-GPU shards on GPU 0 and 1, then the two_gpus tests on
-# both. 1 GPU: one pytest process. Each shard's log is LOG_DIR/<shard>.log, its exit status on the log's last
+# both. With 3+ GPUs the tests that need three (marked three_gpus) run last on GPUs 0,1,2 (THREE=0 leaves them out;
+# part `three` runs only them). 1 GPU: one pytest process. Each shard's log is LOG_DIR/<shard>.log, its exit status on the log's last
 # line, and LOG_DIR/summary.json gathers them; the script exits non-zero when any shard failed. Real tokenizers
 # come from LOGITLESS_SHARED (see tests/conftest.py); carry bitsandbytes, torchao and liger-kernel so nothing skips.
 set -u
 PY=${PYTHON:-python3}  # the interpreter with torch (PYTHON=.venv/bin/python in a checkout with the venv)
-out=${1:?usage: bash bench/gpu_suite.sh LOG_DIR [all | one-a | one-b | multi]}
-part=${2:-all}  # all, or one part for hosts whose calls are time-limited: one-a, one-b (one GPU), multi (2 GPUs)
-case $part in all|one-a|one-b|multi) ;; *) echo "gpu_suite.sh: unknown part '$part': use all, one-a, one-b or multi" >&2; exit 2;; esac
+out=${1:?usage: bash bench/gpu_suite.sh LOG_DIR [all | one-a | one-b | multi | three]}
+part=${2:-all}  # all, or one part for time-limited calls: one-a, one-b (one GPU), multi (2 GPUs), three (3 GPUs)
+case $part in all|one-a|one-b|multi|three) ;; *) echo "gpu_suite.sh: unknown part '$part': use all, one-a, one-b, multi or three" >&2; exit 2;; esac
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
 X=tests/test_gpu_exactness.py
@@ -26,7 +27,7 @@ HALF_B="gemma2 or gemma3 or granite or gpt_oss or olmo2"
 shard() {  # [MARK=...] shard NAME GPUS PYTEST-ARGS...   (MARK: the tests it selects, default "gpu")
   local name=$1 gpus=$2; shift 2
   echo "$(date +%T) start $name on GPU $gpus" >> "$out/times.txt"
-  CUDA_VISIBLE_DEVICES=$gpus "$PY" -m pytest -m "${MARK:-gpu}" -q -rfEs --durations=8 -p no:cacheprovider "$@" \
+  CUDA_VISIBLE_DEVICES=$gpus "$PY" -m pytest -m "${MARK:-gpu and not three_gpus}" -q -rfEs --durations=8 -p no:cacheprovider "$@" \
     > "$out/$name.log" 2>&1
   echo "exit $?" >> "$out/$name.log"
   echo "$(date +%T) end $name" >> "$out/times.txt"
@@ -38,6 +39,8 @@ elif [ "$part" = one-b ]; then  # the kernel and other one-GPU files side by sid
   ( shard kernels 0 $KERNELS & shard rest 0 $REST; wait ); shard multi_gpu_files_on_one 0 $TWO  # alone: they measure memory
 elif [ "$part" = multi ]; then  # the tests that need two GPUs (one-b runs the multi-GPU files' others on one)
   MARK="gpu and two_gpus" shard multi_gpu 0,1 $TWO
+elif [ "$part" = three ]; then
+  MARK="gpu and three_gpus" shard three_gpus 0,1,2 tests/
 elif [ "$n" -ge 4 ]; then  # about as long as the multi-GPU files alone (~500 s on H100s)
   ( (shard exactness_a 0 $X -k "$HALF_A" & shard kernels 0 $KERNELS; wait); shard multi_gpu_files_on_one 0 $TWO ) &
   ( shard exactness_b 1 $X -k "$HALF_B" & shard rest 1 $REST; wait ) &
@@ -50,6 +53,9 @@ elif [ "$n" -ge 2 ]; then
   MARK="gpu and two_gpus" shard multi_gpu 0,1 $TWO
 else
   shard all 0 tests/
+fi
+if [ "$part" = all ] && [ "$n" -ge 3 ] && [ "${THREE:-1}" != 0 ]; then
+  MARK="gpu and three_gpus" shard three_gpus 0,1,2 tests/
 fi
 fail=0
 for f in "$out"/*.log; do

@@ -288,6 +288,59 @@ def async_runs(out: Path, tok) -> None:
     (out / f"async_rank{rank}.json").write_text(json.dumps(runs))
 
 
+SHARED = ["rollout.backend=static", "train.max_steps=3", "objective.beta=0.04"]
+
+
+def shared_runs(out: Path, tok) -> None:
+    """rollout.device under torchrun (trainer/shared_rollout.py), against the same runs with a replica on every rank:
+    LoRA with an eval during training, full fine-tuning with uneven shares (3 prompts on 2 ranks), and async rollouts
+    (uninterrupted, and stopped by SIGTERM to rank 0 after step 3's rollout and resumed)."""
+    rank, here = int(os.environ["RANK"]), "cuda:2" if device().type == "cuda" else "cpu"
+    # 5 held-out prompts in chunks of 2, 2 samples each, before training and after step 2: every rank asks for the
+    # same chunks, which rank 0 decodes once (against one process's eval of the initial policy, below)
+    eval_ = ["eval.every_steps=2", "eval.on_start=true", "eval.num_prompts=5", "eval.batch_size=2", "eval.pass_k=2",
+             "data.eval_options={n: 10}"]
+    full = ["model.lora=false", "optim.learning_rate=0.002", "train.prompts_per_step=3"]
+    runs = {}
+    for name, overrides in {"lora": SHARED + eval_, "full": SHARED + full,
+                            "async": ASYNC}.items():
+        for where in ("own", "shared"):
+            device_ = [f"rollout.device={here}"] if where == "shared" else []
+            runs[f"{name}_{where}"] = train(config(out / f"{name}_{where}", *overrides, *device_), model=model(),
+                                            tokenizer=tok).records
+
+    def hook(event, step):
+        if event == "after_rollout" and step == 3 and rank == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    cut_cfg = [*ASYNC, f"rollout.device={here}"]
+    cut = train(config(out / "async_cut", *cut_cfg), model=model(), tokenizer=tok, hook=hook)
+    resumed = train(config(out / "async_cut", *cut_cfg), model=model(), tokenizer=tok, resume=out / "async_cut")
+    runs.update(cut=cut.records, resumed=resumed.records, cut_step=cut.step)
+    if rank == 0:  # the initial policy's eval in this process alone, with an engine of its own (no collective)
+        from logitless.trainer.builders import load_rows
+        from logitless.trainer.evaluate import evaluate
+
+        cfg = config(out / "unused", *SHARED, *eval_)
+        rows = load_rows(cfg.data, cfg.eval.split or cfg.data.eval_split, eval=True)[: cfg.eval.num_prompts]
+        runs["one_process_eval"] = evaluate(model(), tok, rows, cfg).metrics()
+    (out / f"shared_rank{rank}.json").write_text(json.dumps(runs))
+
+
+def shared_failure(out: Path, tok) -> None:
+    """A decode that fails on rank 0 under a shared rollout: every rank raises (none waits in a collective)."""
+    from logitless.rollout.static import StaticEngine
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the decode failed")
+
+    StaticEngine.generate = fail
+    try:
+        train(config(out / "fail", *SHARED, "rollout.device=cpu"), model=model(), tokenizer=tok)
+    except RuntimeError as e:
+        (out / f"failure_rank{os.environ['RANK']}.txt").write_text(str(e))
+
+
 def digits(prompts, completions, **fields):
     """Share of digit characters plus a length term: varies between samples, so advantages are non-zero (of an
     episode, the text of its messages)."""
@@ -309,6 +362,7 @@ def raise_on_rank1(prompts, completions, **fields):
 def main(scenario: str, out_dir: str, tok_dir: str) -> None:
     torch.set_num_threads(1)
     scenarios = {"equivalence": equivalence, "resume": resume, "async": async_runs,
+                 "shared": shared_runs, "shared_failure": shared_failure,
                  "equivalence4": lambda out, tok: equivalence(out, tok, FOUR_RANK_MODES),
                  "equivalence_liger": lambda out, tok: equivalence(out, tok, LIGER_MODES)}
     scenarios[scenario](Path(out_dir), tokenizer(tok_dir))

@@ -151,11 +151,16 @@ def test_async_needs_no_merged_lora_copy_with_a_replica_but_does_without():
         validate_config(load_train_config(None, full))
 
 
-def test_torchrun_refuses_a_rollout_device():
-    cfg = load_train_config(None, ["rollout.backend=static", "rollout.device=cpu", "train.prompts_per_step=2"])
-    with pytest.raises(ValueError, match=r"rollout\.device=cpu is not supported with FSDP2 under torchrun"):
-        check_distributed(cfg, World(rank=0, size=2))
-    check_distributed(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, device=None)), World(size=2))
+def test_torchrun_takes_a_rollout_device_no_rank_trains_on_and_refuses_a_training_gpu():
+    """Under torchrun rollout.device is the shared rollout GPU (trainer/shared_rollout.py, tests/test_shared_rollout.py):
+    a GPU a rank trains on is refused, naming the fix."""
+    cfg = load_train_config(None, ["rollout.backend=static", "rollout.device=cpu", "train.prompts_per_step=2",
+                                   "model.device=cpu"])
+    check_distributed(cfg, World(rank=0, size=2))
+    gpu = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, device="cuda:0"),
+                              model=dataclasses.replace(cfg.model, device="auto"))
+    with pytest.raises(ValueError, match=r"rollout\.device=cuda:0 under torchrun names a GPU a rank trains on"):
+        check_distributed(gpu, World(rank=0, size=2))
 
 
 @pytest.mark.gpu

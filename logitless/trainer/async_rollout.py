@@ -10,7 +10,9 @@ trainable parameters. With `rollout.device` it decodes from a replica on a GPU o
 (across the GPUs; the rollout's stream waits for the copies), and the update has the training GPU to itself. Under
 torchrun each rank draws the step's prompts, keeps its share, syncs its replica from the FSDP2 shards (a collective,
 on every rank's main thread, before its rollout starts) and decodes beside its share of the update; the replica stays
-resident, and each rank's pending rollout goes into the checkpoint as a file of its own. The
+resident, and each rank's pending rollout goes into the checkpoint as a file of its own. With a shared rollout GPU
+(rollout.device under torchrun, trainer/shared_rollout.py) the ranks' prompts are gathered when the rollout starts,
+rank 0 decodes them all on its thread, and each rank gets its rows when the step takes them (`Handout`). The
 objective gets the rollout's real sampler logprobs, so the sampler importance-sampling options
 (`objective.sampler_is_mode`) correct the one-step lag.
 
@@ -40,6 +42,7 @@ from logitless.rollout import RolloutBatch, RolloutEngine, RolloutTiming, Sampli
 from logitless.rollout.engine import model_device, same_device
 from logitless.rollout.episodes import EpisodeRecord
 from logitless.rollout.weights import LiveWeights
+from logitless.trainer.shared_rollout import Handout, SharedDecode
 
 ROLLOUT_STREAM_PRIORITY = -1  # CUDA stream priority of the rollout (lower runs first; -1 is torch's "high")
 BATCH_TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "sampler_logp", "finished",
@@ -52,7 +55,7 @@ class Prefetched:
     sampler_before: dict[str, Any]  # the prompt sampler's state before this step's prompts were drawn
     rows: list[PromptRow]
     options: SamplingOptions
-    future: Future  # -> RolloutBatch
+    future: Future | Handout  # -> RolloutBatch (`result()`)
 
 
 def batch_to_json(b: RolloutBatch) -> dict[str, Any]:
@@ -88,7 +91,9 @@ class AsyncRollout:
     def __init__(self, engine: RolloutEngine, sampler: PromptSampler, prompts_per_step: int, device: torch.device,
                  sync: Callable[[], None] | None = None, agent: Any = None,
                  share: Callable[[list[PromptRow]], list[PromptRow]] = list):
-        weights = getattr(engine, "weights", None)
+        self.shared = isinstance(engine, SharedDecode)  # rank 0 decodes every rank's share (rollout.device, torchrun)
+        local = engine.engine if self.shared else engine  # the engine that decodes here (None: a rank that does not)
+        weights = getattr(local, "weights", None)
         if sync is None and (weights is None or isinstance(weights, LiveWeights)):
             raise ValueError(
                 "train.async_rollout=true samples from a copy of the weights while the update writes the trainable "
@@ -98,7 +103,10 @@ class AsyncRollout:
             )
         module = getattr(weights, "module", None)
         where = model_device(module) if module is not None else device  # the device the rollout decodes on
-        if same_device(where, device) and device.type == "cuda" and getattr(engine, "max_kv_gib", None) is None:
+        if self.shared and local is None:
+            where = engine.device  # the rollout's GPU, another process's: no stream here
+        if (same_device(where, device) and device.type == "cuda" and local is not None
+                and getattr(engine, "max_kv_gib", None) is None):
             raise ValueError(
                 "train.async_rollout=true on CUDA needs rollout.max_kv_gib: the rollout then shares the GPU with the "
                 "update, and the automatic budget (85 % of the memory free when the rollout starts) would take the "
@@ -109,7 +117,9 @@ class AsyncRollout:
         self.engine, self.sampler, self.n, self.agent, self.share = engine, sampler, prompts_per_step, agent, share
         self.sync: Callable[[], None] = sync or weights.sync
         self.device = where
-        self.stream = torch.cuda.Stream(where, priority=ROLLOUT_STREAM_PRIORITY) if where.type == "cuda" else None
+        decodes = local is not None
+        self.stream = (torch.cuda.Stream(where, priority=ROLLOUT_STREAM_PRIORITY)
+                       if where.type == "cuda" and decodes else None)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="logitless-rollout")
         self._nested_fx = torch._dynamo.config.error_on_nested_fx_trace
         torch._dynamo.config.error_on_nested_fx_trace = False  # one thread compiling must not fail the other's call
@@ -127,18 +137,26 @@ class AsyncRollout:
             ready.record(torch.cuda.current_stream(self.device))  # after the sync's copies (from another GPU too)
         driver = None if self.agent is None else self.agent.driver(rows, options.num_generations)
         prompts = [r.prompt for r in rows] if driver is None else driver.prompt_ids
-        future = self.pool.submit(self._generate, prompts, options, ready, driver)
+        if self.shared:  # the ranks' prompts gathered here (main thread); rank 0 decodes them, handed out at take
+            parts, future, shared = self.engine.gather(prompts, options), None, False
+            if parts is not None:
+                union, opts, shared = SharedDecode.union(parts)
+                future = self.pool.submit(self._generate, union, opts, ready, None, self.engine.engine)
+            future = Handout(self.engine, parts, future, shared)
+        else:
+            future = self.pool.submit(self._generate, prompts, options, ready, driver)
         self.pending = Prefetched(step, before, rows, options, future)
 
     def _generate(self, prompts: list, options: SamplingOptions, ready: torch.cuda.Event | None,
-                  driver: Any) -> RolloutBatch:
+                  driver: Any, engine: Any = None) -> RolloutBatch:
         episodes = {} if driver is None else {"episodes": driver}
+        engine = engine or self.engine
         with torch._dynamo.config.patch(error_on_nested_fx_trace=False):  # dynamo's config can be per thread
             if self.stream is None:
-                return self.engine.generate(prompts, options, **episodes)
+                return engine.generate(prompts, options, **episodes)
             self.stream.wait_event(ready)
             with torch.cuda.stream(self.stream):
-                batch = self.engine.generate(prompts, options, **episodes)
+                batch = engine.generate(prompts, options, **episodes)
             self.stream.synchronize()
             return batch
 

@@ -307,14 +307,16 @@ def rank_memory(cfg: TrainerConfig, model: Any, dtype: torch.dtype, device: torc
     copy = cfg.rollout.weight_copy or ("sleep" if device.type == "cuda" and not cfg.train.async_rollout else "resident")
     layout = mr.Ranks(ranks, mr.units_of(model), weight_copy="resident" if copy == "resident" else "sleep",
                       merged_replica=cfg.rollout.merge_lora is not False,
-                      tensor_parallel=cfg.rollout.tensor_parallel if ranks % cfg.rollout.tensor_parallel == 0 else 1)
+                      tensor_parallel=cfg.rollout.tensor_parallel if ranks % cfg.rollout.tensor_parallel == 0 else 1,
+                      rollout_gpu=cfg.rollout.device is not None)
     knobs, step = mp.knobs_of(cfg), step_shape(cfg, model)
     phases = mr.predict(model_memory(model, cfg.model, dtype), step, run_facts(
         cfg, cfg.rollout.backend, kernels, device), knobs, layout)
     out = mp.Plan(knobs=knobs, budget=budget, phases=phases, rows_per_wave=mr.decode_step(step, layout).rows)
     # (the static engine decodes in waves under its own KV cap where rollout.max_kv_gib is unset)
     capped = cfg.rollout.backend == "static" and cfg.rollout.max_kv_gib is None
-    over = [p for p in phases if out.peak(p) > mp.HEADROOM * out.budget and not (p == "generate" and capped)]
+    over = [p for p in phases if out.peak(p) > mp.HEADROOM * out.budget
+            and not (p in ("generate", mr.ROLLOUT_DEVICE) and capped)]
     if over:
         out.fits = False
         worst = max(over, key=out.peak)

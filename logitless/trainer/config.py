@@ -241,7 +241,11 @@ class RolloutConfig:
     # Backend "static" only. The device the rollout decodes on, e.g. "cuda:1" (one process): a replica of the policy
     # (merged for LoRA) lives there, synced from the trainer before every rollout, so the KV cache and the decode's
     # weights never take the training GPU's memory, and with train.async_rollout the decode and the update run on
-    # separate GPUs. None: the training device. Naming the training device itself keeps a replica there.
+    # separate GPUs. None: the training device. Naming the training device itself keeps a replica there. Under
+    # torchrun a GPU no rank trains on (--nproc-per-node 3 with rollout.device=cuda:3): rank 0 keeps the replica
+    # there and decodes every rank's prompts as one batch, each rank's rows from its own random streams, and hands
+    # each rank its rows (trainer/shared_rollout.py); with train.async_rollout that GPU decodes step k+1 while the
+    # ranks update step k.
     device: str | None = None
     # Backend "static" under torchrun only. Split the rollout's weights over groups of this many consecutive ranks
     # (tensor parallelism: transformers' plan of q/k/v, o, gate/up, down, the embedding and the lm_head), so each

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from rich.console import Console
 
 from logitless.agents import Agent
@@ -56,6 +57,7 @@ from logitless.trainer.oom import MemoryState
 from logitless.trainer.tracking import open_trackers, resolve_report_to
 from logitless.trainer.parallel import (
     COPY_BACKENDS,
+    TIMEOUT,
     MergedRolloutCopy,
     QuietLogger,
     RolloutCopy,
@@ -65,6 +67,7 @@ from logitless.trainer.parallel import (
     shard_model,
 )
 from logitless.trainer.rundir import RunDir, write_atomic
+from logitless.trainer.shared_rollout import PeerSync, SharedDecode
 from logitless.trainer.tensor_parallel import TensorParallelCopy, check_tensor_parallel, group_decode, tp_mesh
 
 
@@ -95,7 +98,7 @@ class TrainContext:
     world: World = field(default_factory=World)  # this process's rank among torchrun's workers
     # the engine's own weights (static backend with a sharded model: torchrun or train.fsdp_offload, or on
     # rollout.device), else None
-    replica: RolloutCopy | MergedRolloutCopy | TensorParallelCopy | None = None
+    replica: RolloutCopy | MergedRolloutCopy | TensorParallelCopy | PeerSync | None = None
     rollout_device: torch.device | None = None  # rollout.device where it is not the training device
     empty_steps: int = 0  # consecutive steps whose completions were all empty
     parked: ParkedState = field(default_factory=ParkedState)  # train.offload_during_rollout's host buffers
@@ -266,11 +269,17 @@ def build_context(
     reference = ReferencePolicy(model, device) if cfg.objective.beta > 0 else None
     replica, rollout_device = None, torch.device(cfg.rollout.device) if cfg.rollout.device is not None else None
     split = cfg.rollout.tensor_parallel > 1 and world.distributed  # (checked before: a static backend, torchrun)
+    shared = world.distributed and rollout_device is not None  # rank 0 decodes for every rank (shared_rollout.py)
+    if shared and cfg.rollout.backend not in COPY_BACKENDS:
+        raise ValueError(f"rollout.device={cfg.rollout.device} under torchrun needs rollout.backend=static (resolved: "
+                         f"{cfg.rollout.backend}); set rollout.backend=static or unset rollout.device")
     mesh = tp_mesh(world.size, cfg.rollout.tensor_parallel, device) if split else None
     if split:
         check_tensor_parallel(cfg, world.size, unwrap_model(model).config)
         mode = weight_copy(cfg.rollout, device, has_copy=True, distributed=True)
         replica = TensorParallelCopy(model, mesh, device, sleep=mode == "sleep")
+    elif shared and not world.main:  # rank 0 keeps the replica on the rollout's GPU; this rank joins its syncs
+        replica = PeerSync(model, MergedRolloutCopy.applies(model, cfg.rollout.merge_lora))
     elif (world.sharded or rollout_device is not None) and cfg.rollout.backend in COPY_BACKENDS:
         mode = ("resident" if rollout_device is not None or cfg.train.async_rollout  # async: it decodes beside the update
                 else weight_copy(cfg.rollout, device, has_copy=True, distributed=True))
@@ -305,14 +314,18 @@ def build_context(
     if cfg.rollout.decode_attention == "auto":  # decode attention rounding as the trainer's attention does
         engine_changes["decode_attention"] = decode_attention_for(cfg.train.packed is True)
     rollout_cfg = dataclasses.replace(cfg.rollout, **engine_changes)
-    engine = make_rollout_engine(rollout_cfg, replica.model if replica else model, tokenizer)  # merged: a plain model
+    engine = None
+    if not isinstance(replica, PeerSync):  # merged: a plain model
+        engine = make_rollout_engine(rollout_cfg, replica.model if replica else model, tokenizer)
     if isinstance(replica, TensorParallelCopy):
         engine = group_decode(engine, replica)
+    sync = None if replica is None else _replica_sync(replica, model, engine)
+    if shared:  # (every rank makes the group, in the same order)
+        engine = SharedDecode(engine, dist.new_group(backend="gloo", timeout=TIMEOUT), rollout_device)
     prefetch = None
     if cfg.train.async_rollout:
-        prefetch = AsyncRollout(engine, sampler, cfg.train.prompts_per_step, device,
-                                sync=_replica_sync(replica, model, engine) if replica is not None else None,
-                                agent=agent, share=lambda rows: rank_share(rows, world))
+        prefetch = AsyncRollout(engine, sampler, cfg.train.prompts_per_step, device, sync=sync, agent=agent,
+                                share=lambda rows: rank_share(rows, world))
         prefetch.restore(state)
     return TrainContext(
         cfg=cfg, model=model, tokenizer=tokenizer, device=device, engine=engine, prefetch=prefetch, agent=agent,
@@ -323,16 +336,18 @@ def build_context(
         peaks=device_peaks(device, cfg.logging.peak_tflops, cfg.logging.hbm_tbs),
         run_dir=run_dir, logger=logger, start=start, entropy_coef=coef, world=world, replica=replica, run=run,
         lora_compute=LoraCompute(model, cfg.model),
-        rollout_device=None if rollout_device is None or same_device(rollout_device, device) else rollout_device,
+        rollout_device=None if rollout_device is None or same_device(rollout_device, device) or not world.main
+        else rollout_device,  # (a shared rollout's GPU is rank 0's alone)
         eval_rows=eval_rows,
     )
 
 
-def _replica_sync(replica: RolloutCopy | MergedRolloutCopy, model: torch.nn.Module, engine: Any) -> Callable[[], None]:
+def _replica_sync(replica: Any, model: torch.nn.Module, engine: Any) -> Callable[[], None]:
     """Bring the replica up to date with `model`, then the engine's weights with the replica (a merged copy of an
-    unmerged replica, where the engine keeps one)."""
+    unmerged replica, where the engine keeps one; no engine: a rank that only joins a shared rollout's sync)."""
     def sync() -> None:
         replica.sync(model)
-        engine.weights.sync()
+        if engine is not None:
+            engine.weights.sync()
 
     return sync

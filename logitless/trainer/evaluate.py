@@ -203,7 +203,8 @@ def eval_in_run(ctx: Any, weights: AbstractContextManager) -> dict[str, float]:
     from logitless.trainer.distributed import all_reduce_metrics, all_reduce_sum
 
     cfg, world = ctx.cfg, ctx.world
-    split_by = cfg.rollout.tensor_parallel if world.size > 1 else 1  # a tensor-parallel group decodes its rows once
+    # a tensor-parallel group decodes its rows once; a shared rollout GPU (rollout.device) every rank's, once
+    split_by = (world.size if cfg.rollout.device is not None else cfg.rollout.tensor_parallel) if world.size > 1 else 1
     rows = ctx.eval_rows[world.rank // split_by :: world.size // split_by] if world.size > 1 else ctx.eval_rows
     split = cfg.eval.split or cfg.data.eval_split
     with weights:

@@ -75,6 +75,9 @@ class Ranks:
     # rollout.tensor_parallel: the replica split over groups of this many ranks (1/T of it on each, its norms aside),
     # each rank decoding its group's rows with 1/T of the attention heads and MLP width and the whole vocabulary
     tensor_parallel: int = 1
+    # rollout.device under torchrun (trainer/shared_rollout.py): rank 0 keeps the replica on a GPU no rank trains on
+    # and decodes every rank's rows there; the training GPUs hold no replica and no KV cache
+    rollout_gpu: bool = False
 
 
 def units_of(model: Any) -> Units:
@@ -120,6 +123,8 @@ def predict(m: mp.ModelMemory, step: mp.StepShape, facts: mp.RunFacts, knobs: mp
         raise ValueError("the unit sizes (Ranks.units, from units_of(model)) are needed for more than one rank")
     n, u, mine = ranks.count, ranks.units, rank_step(step, ranks.count)
     one = dataclasses.replace(facts, decode_copy=False, async_rollout=False, rollout_elsewhere=False)
+    if ranks.rollout_gpu:
+        return _shared_rollout(m, step, mine, one, knobs, ranks)
     out = {"generate": _generate(m, step, one, knobs, ranks)}
     if facts.logprob_pass:
         out["logprobs"] = {**_sharded(m, facts, n), **_working_set(m, u, ranks, facts),
@@ -129,6 +134,35 @@ def predict(m: mp.ModelMemory, step: mp.StepShape, facts: mp.RunFacts, knobs: mp
         rollout = mp.generate_bytes(split_model(m, ranks.tensor_parallel), decode_step(step, ranks), one, knobs)
         out["train"].update({f"rollout {k}": rollout.get(k, 0.0) for k in ("kv cache", "sampler")})
     return out
+
+
+ROLLOUT_DEVICE = "rollout device"  # the phase of the shared rollout's own GPU (`Ranks.rollout_gpu`)
+
+
+def _shared_rollout(m: mp.ModelMemory, step: mp.StepShape, mine: mp.StepShape, facts: mp.RunFacts, knobs: mp.Knobs,
+                    ranks: Ranks) -> dict[str, dict[str, float]]:
+    """The phases with the shared rollout GPU: on the training GPUs the replica's sync (rank 0 merges each LoRA weight
+    in fp32 there before sending it) and the update, neither with a replica or KV cache; on the rollout's GPU
+    (`ROLLOUT_DEVICE`) the resident replica and the whole step's KV cache, sampler and prefill."""
+    n, u = ranks.count, ranks.units
+    assert u is not None
+    alone = dataclasses.replace(ranks, weight_copy="sleep", rollout_gpu=False)  # no replica mapped on a training GPU
+    sync = {k: v for k, v in _sync(m, facts, alone).items() if not k.startswith("replica")}
+    out = {"generate": sync}
+    if facts.logprob_pass:
+        out["logprobs"] = {**_sharded(m, facts, n), **_working_set(m, u, alone, facts),
+                           **_step_parts(mp.logprob_bytes(m, mine, facts, knobs))}
+    out["train"] = _train(m, mine, facts, knobs, alone)
+    for phase in ("logprobs", "train"):  # (the working set's replica is on the rollout's GPU)
+        out.get(phase, {}).pop("replica (mapped)", None)
+    out[ROLLOUT_DEVICE] = {"replica (whole)": float(_replica_bytes(m, ranks)),
+                           **_step_parts(mp.generate_bytes(m, step, facts, knobs))}
+    return out
+
+
+def training_peak(phases: dict[str, dict[str, float]]) -> float:
+    """The step's peak on a training GPU: the largest phase but the shared rollout GPU's."""
+    return max(sum(p.values()) for name, p in phases.items() if name != ROLLOUT_DEVICE)
 
 
 def peak(phases: dict[str, dict[str, float]]) -> float:

@@ -33,6 +33,8 @@ How the weights are handled:
     - `RolloutCopy` (full fine-tuning, or LoRA unmerged): a replica of the policy as it is (adapters
       unmerged, so it computes exactly what the trainer computes); the sync all-gathers the trainable
       parameters only.
+    - With rollout.device naming a GPU no rank trains on, rank 0 alone keeps the replica, there, and decodes for
+      every rank (`shared_rollout.py`); the other ranks join its syncs' all-gathers.
 """
 
 from __future__ import annotations
@@ -151,9 +153,12 @@ def check_distributed(cfg: TrainerConfig, world: World) -> None:
     """Refuse settings that cannot run on `world.size` ranks, naming the setting and the fix."""
     from logitless.trainer.tensor_parallel import check_tensor_parallel
 
+    from logitless.trainer.shared_rollout import check_shared_rollout
+
     check_tensor_parallel(cfg, world.size)
     if not world.distributed:
         return
+    check_shared_rollout(cfg, world.size)
     n, k = cfg.train.prompts_per_step, world.size
     if n < k:
         raise ValueError(
@@ -174,8 +179,6 @@ def check_distributed(cfg: TrainerConfig, world: World) -> None:
     not_yet = [
         (cfg.model.load_in_4bit, "model.load_in_4bit=true (QLoRA)", "model.load_in_4bit=false"),
         (cfg.optim.optimizer != "adamw", f"optim.optimizer={cfg.optim.optimizer}", "optim.optimizer=adamw"),
-        (cfg.rollout.device is not None, f"rollout.device={cfg.rollout.device}",
-         "rollout.device unset (each rank decodes on its own GPU)"),
     ]
     for on, setting, fix in not_yet:
         if on:

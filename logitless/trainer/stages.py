@@ -59,6 +59,7 @@ from logitless.trainer.parallel import (
     rank_share,
     rollout_weights,
 )
+from logitless.trainer.shared_rollout import SharedDecode
 from logitless.trainer.tensor_parallel import local_bytes
 
 MAX_EMPTY_STEPS = 3  # consecutive steps whose completions are all empty before the run is stopped
@@ -393,8 +394,15 @@ def efficiency_metrics(ctx: TrainContext, ro: Rollout, plan: UpdatePlan, timer: 
     env = getattr(b, "env_mask", None)  # multi-turn episodes: the model's tokens; all completion tokens otherwise
     m_lens = t_lens if env is None else (b.completion_mask * (1 - env)).sum(1).tolist()
     # the decode ideal counts the model's tokens as decoded, each row's observations as prefilled context
-    ideal = all_reduce_sum(decode_ideal_seconds(ctx.shape, [p + t - m for p, t, m in zip(p_lens, t_lens, m_lens)],
-                                                m_lens, ctx.peaks[1]), dev)
+    if isinstance(ctx.engine, SharedDecode):  # one GPU decoded every rank's rows as one batch
+        lens = gather_rows(torch.tensor([[p, t, m] for p, t, m in zip(p_lens, t_lens, m_lens)], dtype=torch.float64),
+                           dev).long().tolist()
+        rollout = decode_ideal_seconds(ctx.shape, [p + t - m for p, t, m in lens], [m for _, _, m in lens],
+                                       ctx.peaks[1]) / max(b.timing.seconds, 1e-9)
+    else:
+        ideal = all_reduce_sum(decode_ideal_seconds(ctx.shape, [p + t - m for p, t, m in zip(p_lens, t_lens, m_lens)],
+                                                    m_lens, ctx.peaks[1]), dev)
+        rollout = ideal / world / max(b.timing.seconds, 1e-9)
     trained = plan.trained.tolist()
     flops = update_flops(ctx.shape, [(p_lens[i], t_lens[i]) for i in trained],
                          head_lens=[m_lens[i] for i in trained]) * ctx.cfg.train.num_iterations
@@ -402,7 +410,7 @@ def efficiency_metrics(ctx: TrainContext, ro: Rollout, plan: UpdatePlan, timer: 
     train_s = timer.seconds.get("train", math.nan)
     return {
         # the rollout's own seconds: with async_rollout the generate phase is only the wait for it
-        "rollout/ceiling_fraction": ideal / world / max(b.timing.seconds, 1e-9),
+        "rollout/ceiling_fraction": rollout,
         "train/mfu": flops / world / max(train_s, 1e-9) / ctx.peaks[0],
         "train/tflops_per_s": flops / max(train_s, 1e-9) / 1e12,  # all ranks together
         "train/tflop": flops / 1e12,  # the step's update FLOPs, all ranks (recompute not counted)
@@ -434,13 +442,15 @@ def step_record(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan
         "completion/length_max": float(lengths.max()),
         "completion/truncated": float(gather_rows(b.truncated.float(), dev).mean()),
         "completion/empty": float(empty.mean()),
-        "tokens_per_s": all_reduce_sum(b.timing.tokens_per_s, dev),  # the ranks sample side by side
+        "tokens_per_s": all_reduce_sum(b.timing.tokens_per_s, dev),  # the ranks' rows (side by side, or of one
+        # shared decode: each rank's tokens over its seconds)
         "train_tokens_per_s": plan.n_tokens * ctx.cfg.train.num_iterations / max(train_s, 1e-9),
         **timer.metrics(),
         **{f"rollout/{part}_s": sec for part, sec in b.timing.parts.items()},  # rollout.profile=true
         "rollout/weights_copy_gib": getattr(getattr(ctx.engine, "weights", None), "extra_bytes", 0) / 2**30,
         "rollout/replica_gib": local_bytes(ctx.replica.model) / 2**30  # (this rank's slices with a split replica)
-        if ctx.replica is not None else 0.0,  # the static backend's replica (torchrun, fsdp_offload, rollout.device)
+        if getattr(ctx.replica, "model", None) is not None else 0.0,  # the static backend's replica (torchrun,
+        # fsdp_offload, rollout.device; a shared rollout's is rank 0's)
         "memory/parked_gib": ctx.parked.parked_bytes / 2**30 if ctx.cfg.train.offload_during_rollout else 0.0,
         **efficiency_metrics(ctx, ro, plan, timer),
         "skipped": float(plan.n_tokens == 0),

@@ -1,0 +1,148 @@
+"""rollout.device under torchrun (trainer/shared_rollout.py): rank 0 decodes every rank's prompts on a device no rank
+trains on and hands each rank its rows. Against the same runs where every rank decodes its own share from a replica of
+its own (same seeds, so the same samples): the same metrics and weights, LoRA with an eval, full fine-tuning with
+uneven shares, async rollouts with an exact resume; a failed decode ending every rank; refusals; the memory model's
+phases."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from logitless.trainer import dcp
+from logitless.trainer import memory_plan as mp
+from logitless.trainer import memory_ranks as mr
+from logitless.trainer.parallel import World, check_distributed
+from logitless.trainer.shared_rollout import check_shared_rollout
+from logitless.trainer.auto import model_memory
+from logitless.trainer.config import load_train_config
+from tests import dist_worker as w
+from tests.conftest import tiny_qwen2
+from tests.test_parallel import close, torchrun, weights
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+RANK_ONLY = ("rollout/replica_gib",)  # rank 0 holds the replica, the others none
+
+
+@pytest.fixture(scope="module")
+def tok_dir(shared_dir):
+    return shared_dir / "tokenizers" / "gpt2"
+
+
+def check_shared(out: Path, rel: float = 0.0, abs_: float = 0.0) -> None:
+    """The "shared" scenario (`dist_worker.shared_runs`): each run with rank 0 decoding for both ranks logs what the
+    run with a replica per rank logs (exactly; within `rel`/`abs_` where given), but the eval after step 2 (each rank
+    evaluated its own rows there, in other chunks); the eval before training is one process's eval; the async run
+    stopped after step 3's rollout and resumed continues like the uninterrupted one, each rank's pending rows in its
+    own checkpoint file."""
+    same = (lambda a, b: a == b) if not rel else (lambda a, b: close(a, b, rel=rel, abs_=abs_))
+    for rank in (0, 1):
+        r = json.loads((out / f"shared_rank{rank}.json").read_text())
+        for name in ("lora", "full", "async"):
+            own, shared = w.untimed(r[f"{name}_own"]), w.untimed(r[f"{name}_shared"])
+            assert len(own) == len(shared) == {"lora": 4, "full": 3, "async": 4}[name]  # lora: an eval at step 0
+            for a, b in zip(own, shared):
+                keys = [k for k in a if k not in RANK_ONLY and not (k.startswith("eval/") and a["step"] > 0)]
+                assert a.keys() == b.keys()
+                diff = {k: (a[k], b[k]) for k in keys if not same(a[k], b[k])}
+                assert not diff, (name, a["step"], diff)
+            replica = [x["rollout/replica_gib"] for x in shared if x["step"] > 0]
+            assert all(x > 0 for x in replica) if rank == 0 else replica == [0.0] * len(replica)
+        assert r["lora_shared"][-1]["kl"] > 1e-3 and r["full_shared"][-1]["kl"] > 0  # the policies moved
+        diffs = [x["is/logp_diff"] for x in r["async_shared"]]  # one update behind from step 2 on
+        assert diffs[0] < 1e-4 and min(diffs[1:]) > 1e-3, diffs
+        evals = [x for x in r["lora_shared"] if "eval/reward" in x]
+        assert [x["step"] for x in evals] == [0, 2, 3]  # before training, every 2 steps and at the end
+        if rank == 0:
+            one = r["one_process_eval"]
+            assert one.keys() <= evals[0].keys() and all(same(one[k], evals[0][k]) for k in one), (one, evals[0])
+        assert r["cut_step"] == 2
+        assert len(r["cut"]) + len(r["resumed"]) == 4
+        for a, b in zip(w.untimed(r["cut"] + r["resumed"]), w.untimed(r["async_shared"]), strict=True):
+            assert a.keys() == b.keys() and all(same(a[k], b[k]) for k in a), (a, b)
+    step = out / "async_cut" / "checkpoints" / "step-000002"
+    pending = [json.loads((step / dcp.rank_state_file(k)).read_text())["prefetch"] for k in (0, 1)]
+    assert [p["step"] for p in pending] == [3, 3] and pending[0]["batch"] != pending[1]["batch"]
+    for name in ("lora", "full", "async"):
+        a, b = weights(out / f"{name}_own"), weights(out / f"{name}_shared")
+        assert a.keys() == b.keys() and a
+        assert all(torch.equal(a[k], b[k]) if not rel else torch.allclose(a[k], b[k], rtol=rel, atol=abs_) for k in a)
+
+
+def test_two_ranks_with_rank0_decoding_for_both_train_as_with_a_replica_each(tmp_path, tok_dir, one_thread):
+    """On CPU (gloo), rollout.device=cpu: the union decode draws each rank's rows from that rank's streams, so the
+    samples, metrics and weights are bitwise those of each rank decoding its own share."""
+    proc = torchrun("shared", tmp_path, tok_dir, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    check_shared(tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.three_gpus
+@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 GPUs")
+def test_three_gpus_rank0_decoding_on_the_third_trains_as_with_a_replica_each(tmp_path, tok_dir, monkeypatch):
+    """2 ranks on GPUs 0 and 1 (nccl), rollout.device=cuda:2: rank 0's compiled decode on the third GPU (its step
+    graphs, on the rollout thread with async rollouts) against each rank's own compiled decode. Within 1e-4: the
+    union batch's kernels are not the shares' (batch sizes pick other GEMM tilings)."""
+    monkeypatch.setenv("LOGITLESS_TEST_CUDA", "1")
+    proc = torchrun("shared", tmp_path, tok_dir, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    check_shared(tmp_path, rel=1e-4, abs_=1e-5)
+
+
+def test_a_failed_decode_on_rank0_is_raised_on_every_rank(tmp_path, tok_dir, one_thread):
+    proc = torchrun("shared_failure", tmp_path, tok_dir, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert (tmp_path / "failure_rank0.txt").read_text() == "the decode failed"
+    assert (tmp_path / "failure_rank1.txt").read_text() == (
+        "rollout.device: rank 0's rollout of every rank's prompts failed: RuntimeError: the decode failed")
+
+
+def _cfg(*overrides):
+    return w.config("unused", "rollout.backend=static", *overrides)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["rollout.device=cuda:1"], r"rollout.device=cuda:1 under torchrun names a GPU a rank trains on \(ranks use "
+                                r"cuda:0..cuda:2\); name a GPU no rank uses, e.g. rollout.device=cuda:3"),
+    (["rollout.device=cuda"], r"rollout.device=cuda under torchrun names a GPU a rank trains on"),
+    (["rollout.device=cpu", "model.device=cuda"], r"rollout.device=cpu under torchrun with ranks training on GPUs"),
+    (["rollout.device=cuda:3", "rollout.tensor_parallel=3"], r"rollout.tensor_parallel=3 cannot run with"),
+    (["rollout.device=cuda:3", "agent.tools=[calculator]"], r"agent.tools / agent.environment .* cannot run with"),
+    (["rollout.device=cuda:3", "train.fsdp_offload=true"], r"train.fsdp_offload=true cannot run with"),
+])
+def test_a_shared_rollout_device_that_cannot_work_is_refused(overrides, match):
+    if "cuda" in " ".join(overrides) and "model.device=cuda" not in overrides:
+        overrides = [*overrides, "model.device=auto"]
+    with pytest.raises(ValueError, match=match):
+        check_shared_rollout(_cfg(*overrides), ranks=3, local_ranks=3)
+
+
+def test_a_shared_rollout_device_that_can_work_passes():
+    check_shared_rollout(_cfg("rollout.device=cuda:3", "model.device=auto"), ranks=3, local_ranks=3)
+    check_shared_rollout(_cfg("rollout.device=cuda:1"), ranks=1, local_ranks=1)  # one process: rollout.device as ever
+    check_shared_rollout(_cfg("rollout.device=cpu", "model.device=cpu"), ranks=2, local_ranks=2)
+    check_distributed(_cfg("rollout.device=cpu", "model.device=cpu"), World(rank=0, size=2))
+
+
+def test_the_memory_model_puts_the_replica_and_kv_cache_on_the_rollout_gpu():
+    """Ranks(rollout_gpu=True): the training GPUs hold no replica and no KV cache (their rollout phase is the sync's
+    gathered unit and fp32 merge beside the shards), the rollout GPU the replica and the whole step's KV cache."""
+    model = tiny_qwen2(vocab_size=1000, hidden=48, layers=3, tie=False).to(torch.bfloat16)
+    cfg = load_train_config(None, ["model.lora=true", "model.lora_r=4"])
+    m, units = model_memory(model, cfg.model, torch.bfloat16), mr.units_of(model)
+    step = mp.StepShape(prompts=6, rows=24, prompt_len=37, completion_len=50)
+    facts, knobs = mp.RunFacts(backend="static"), mp.Knobs(micro_batch_size=3, by_rows=True)
+    plain = mr.predict(m, step, facts, knobs, mr.Ranks(3, units, weight_copy="resident"))
+    shared = mr.predict(m, step, facts, knobs, mr.Ranks(3, units, weight_copy="resident", rollout_gpu=True))
+    assert set(shared) == {"generate", "train", mr.ROLLOUT_DEVICE}
+    assert not any(k.startswith(("replica", "kv")) for p in ("generate", "train") for k in shared[p])
+    device = shared[mr.ROLLOUT_DEVICE]
+    assert device["replica (whole)"] == m.weight_bytes
+    whole = mp.generate_bytes(m, step, facts, knobs)["kv cache"]
+    assert device["kv cache"] == whole and whole >= 3 * plain["generate"]["kv cache"]  # the step's, not a third
+    assert mr.training_peak(shared) < mr.training_peak(plain)
+    assert shared["train"] == {k: v for k, v in plain["train"].items() if k != "replica (mapped)"}

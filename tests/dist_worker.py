@@ -328,15 +328,25 @@ def shared_runs(out: Path, tok) -> None:
 
 
 def shared_failure(out: Path, tok) -> None:
-    """A decode that fails on rank 0 under a shared rollout: every rank raises (none waits in a collective)."""
-    from logitless.rollout.static import StaticEngine
+    """Rank 0's decode process killed after step 1's rollout, under a shared rollout: step 2's rollout fails on
+    every rank with the reason (none waits in a collective)."""
+    from logitless.trainer import rollout_worker
 
-    def fail(*args, **kwargs):
-        raise RuntimeError("the decode failed")
+    workers, init = [], rollout_worker.DecodeWorker.__init__
 
-    StaticEngine.generate = fail
+    def record(self, *args, **kwargs):  # the real worker, remembered so that the hook can kill its process
+        init(self, *args, **kwargs)
+        workers.append(self)
+
+    rollout_worker.DecodeWorker.__init__ = record
+
+    def hook(event, step):
+        if event == "after_rollout" and step == 1 and workers:
+            workers[0].proc.kill()
+            workers[0].proc.wait()
+
     try:
-        train(config(out / "fail", *SHARED, "rollout.device=cpu"), model=model(), tokenizer=tok)
+        train(config(out / "fail", *SHARED, "rollout.device=cpu"), model=model(), tokenizer=tok, hook=hook)
     except RuntimeError as e:
         (out / f"failure_rank{os.environ['RANK']}.txt").write_text(str(e))
 

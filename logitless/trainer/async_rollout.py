@@ -12,7 +12,7 @@ torchrun each rank draws the step's prompts, keeps its share, syncs its replica 
 on every rank's main thread, before its rollout starts) and decodes beside its share of the update; the replica stays
 resident, and each rank's pending rollout goes into the checkpoint as a file of its own. With a shared rollout GPU
 (rollout.device under torchrun, trainer/shared_rollout.py) the ranks' prompts are gathered when the rollout starts,
-rank 0 decodes them all on its thread, and each rank gets its rows when the step takes them (`Handout`). The
+rank 0's decode process decodes them all, and each rank gets its rows when the step takes them (`Handout`). The
 objective gets the rollout's real sampler logprobs, so the sampler importance-sampling options
 (`objective.sampler_is_mode`) correct the one-step lag.
 
@@ -91,8 +91,8 @@ class AsyncRollout:
     def __init__(self, engine: RolloutEngine, sampler: PromptSampler, prompts_per_step: int, device: torch.device,
                  sync: Callable[[], None] | None = None, agent: Any = None,
                  share: Callable[[list[PromptRow]], list[PromptRow]] = list):
-        self.shared = isinstance(engine, SharedDecode)  # rank 0 decodes every rank's share (rollout.device, torchrun)
-        local = engine.engine if self.shared else engine  # the engine that decodes here (None: a rank that does not)
+        self.shared = isinstance(engine, SharedDecode)  # rank 0's decode process decodes every rank's share
+        local = None if self.shared else engine  # the engine that decodes in this process
         weights = getattr(local, "weights", None)
         if sync is None and (weights is None or isinstance(weights, LiveWeights)):
             raise ValueError(
@@ -103,8 +103,8 @@ class AsyncRollout:
             )
         module = getattr(weights, "module", None)
         where = model_device(module) if module is not None else device  # the device the rollout decodes on
-        if self.shared and local is None:
-            where = engine.device  # the rollout's GPU, another process's: no stream here
+        if self.shared:
+            where = engine.device  # the rollout's GPU, where another process decodes: no stream here
         if (same_device(where, device) and device.type == "cuda" and local is not None
                 and getattr(engine, "max_kv_gib", None) is None):
             raise ValueError(
@@ -137,26 +137,22 @@ class AsyncRollout:
             ready.record(torch.cuda.current_stream(self.device))  # after the sync's copies (from another GPU too)
         driver = None if self.agent is None else self.agent.driver(rows, options.num_generations)
         prompts = [r.prompt for r in rows] if driver is None else driver.prompt_ids
-        if self.shared:  # the ranks' prompts gathered here (main thread); rank 0 decodes them, handed out at take
-            parts, future, shared = self.engine.gather(prompts, options), None, False
-            if parts is not None:
-                union, opts, shared = SharedDecode.union(parts)
-                future = self.pool.submit(self._generate, union, opts, ready, None, self.engine.engine)
-            future = Handout(self.engine, parts, future, shared)
+        if self.shared:  # the ranks' prompts gathered here (main thread), decoded by rank 0's decode process,
+            parts = self.engine.gather(prompts, options)  # handed out when the step takes them
+            future = Handout(self.engine, parts, self.engine.submit(parts))
         else:
             future = self.pool.submit(self._generate, prompts, options, ready, driver)
         self.pending = Prefetched(step, before, rows, options, future)
 
     def _generate(self, prompts: list, options: SamplingOptions, ready: torch.cuda.Event | None,
-                  driver: Any, engine: Any = None) -> RolloutBatch:
+                  driver: Any) -> RolloutBatch:
         episodes = {} if driver is None else {"episodes": driver}
-        engine = engine or self.engine
         with torch._dynamo.config.patch(error_on_nested_fx_trace=False):  # dynamo's config can be per thread
             if self.stream is None:
-                return engine.generate(prompts, options, **episodes)
+                return self.engine.generate(prompts, options, **episodes)
             self.stream.wait_event(ready)
             with torch.cuda.stream(self.stream):
-                batch = engine.generate(prompts, options, **episodes)
+                batch = self.engine.generate(prompts, options, **episodes)
             self.stream.synchronize()
             return batch
 

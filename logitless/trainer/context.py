@@ -67,6 +67,7 @@ from logitless.trainer.parallel import (
     shard_model,
 )
 from logitless.trainer.rundir import RunDir, write_atomic
+from logitless.trainer.rollout_worker import DecodeWorker
 from logitless.trainer.shared_rollout import PeerSync, SharedDecode
 from logitless.trainer.tensor_parallel import TensorParallelCopy, check_tensor_parallel, group_decode, tp_mesh
 
@@ -315,13 +316,14 @@ def build_context(
         engine_changes["decode_attention"] = decode_attention_for(cfg.train.packed is True)
     rollout_cfg = dataclasses.replace(cfg.rollout, **engine_changes)
     engine = None
-    if not isinstance(replica, PeerSync):  # merged: a plain model
+    if shared:  # rank 0's decode process (the replica shared with it), every rank's handle; one group, made by all
+        worker = DecodeWorker(replica.model, rollout_cfg, tokenizer) if world.main else None
+        engine = SharedDecode(worker, dist.new_group(backend="gloo", timeout=TIMEOUT), rollout_device)
+    else:  # merged: a plain model
         engine = make_rollout_engine(rollout_cfg, replica.model if replica else model, tokenizer)
     if isinstance(replica, TensorParallelCopy):
         engine = group_decode(engine, replica)
-    sync = None if replica is None else _replica_sync(replica, model, engine)
-    if shared:  # (every rank makes the group, in the same order)
-        engine = SharedDecode(engine, dist.new_group(backend="gloo", timeout=TIMEOUT), rollout_device)
+    sync = None if replica is None else _replica_sync(replica, model, None if shared else engine)
     prefetch = None
     if cfg.train.async_rollout:
         prefetch = AsyncRollout(engine, sampler, cfg.train.prompts_per_step, device, sync=sync, agent=agent,

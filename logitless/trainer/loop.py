@@ -325,6 +325,8 @@ def _train(
         ctx.logger.close()
         if ctx.prefetch is not None:
             ctx.prefetch.close(wait=finished)  # on an error or a stop-at-once, the rollout in flight is not awaited
+        if hasattr(ctx.engine, "close"):  # a shared rollout GPU's decode process (trainer/shared_rollout.py)
+            ctx.engine.close()
     if result.interrupted:
         sig = result.interrupted
         when = f"after step {result.step}" if result.step > ctx.start else f"before step {ctx.start + 1} finished"

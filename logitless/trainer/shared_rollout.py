@@ -12,12 +12,14 @@ and the other ranks keep none:
   on its training GPU, rounded once, sent to the rollout's GPU). `PeerSync` is the other ranks' side: the same units
   gathered in the same order, nothing written.
 - `SharedDecode` is every rank's engine: `generate` gathers the ranks' prompts and sampling options on rank 0 (a gloo
-  group of its own, host objects), which decodes their union as one batch, each rank's part drawing from the random
-  streams its own call would (`SamplingOptions.streams`: the rank's seed), so the tokens and logprobs are those each
-  rank would sample alone from the same weights; then rank 0 hands every rank its rows (`tensor_parallel.prompt_rows`).
-  An error in rank 0's decode is handed to every rank and raised there, so no rank waits in a collective.
-- With train.async_rollout the gather happens when the next step's rollout starts (every rank, main thread), rank 0
-  decodes on its rollout thread while the ranks update, and the hand-out happens when the step takes its rollout
+  group of its own, host objects), whose decode process (`rollout_worker.py`: a static engine on the replica's own
+  memory, in a process of its own so that it never takes turns with the update on rank 0's interpreter lock)
+  decodes their union as one batch, each rank's part drawing from the random streams its own call would
+  (`SamplingOptions.streams`: the rank's seed), so the tokens and logprobs are those each rank would sample alone
+  from the same weights; then rank 0 hands every rank its rows (`tensor_parallel.prompt_rows`). An error (a decode
+  process that failed or died) is handed to every rank and raised there, so no rank waits in a collective.
+- With train.async_rollout the gather happens when the next step's rollout starts (every rank, main thread), the
+  decode process decodes while the ranks update, and the hand-out happens when the step takes its rollout
   (`Handout`); the collectives stay on the main threads, in the same order on every rank.
 
 An eval during training (eval.every_steps) gives every rank the same rows: the call is decoded once and every rank
@@ -27,8 +29,7 @@ gets all of it (rank 0 counts it, `evaluate.eval_in_run`).
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import Future
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -111,35 +112,26 @@ class DecodeError:
     """What rank 0 hands the ranks when its decode fails (the exception itself may not pickle)."""
 
     def __init__(self, error: BaseException):
-        self.text = f"{type(error).__name__}: {error}"
+        self.text, self.error = f"{type(error).__name__}: {error}", error
+
+    def __getstate__(self) -> dict:
+        return {"text": self.text, "error": None}  # (the exception itself stays on rank 0)
 
 
 class SharedDecode:
-    """Every rank's rollout engine when rank 0 decodes for all (see the module docstring). `engine`: rank 0's static
-    engine on the replica (None on the other ranks); every other attribute is that engine's (read and set; held here on
-    the ranks without one)."""
+    """Every rank's rollout engine when rank 0 decodes for all (see the module docstring). `worker`: rank 0's decode
+    process (`rollout_worker.DecodeWorker`; None on the other ranks). Attributes the trainer sets on an engine (the
+    async rollout's auto_sync, an OOM retry's max_kv_gib) are held here: the decode process's engine runs on the
+    settings it was made with."""
 
-    OWN = ("engine", "group", "rank", "size", "device", "local")
+    def __init__(self, worker: Any, group: Any, device: torch.device):
+        self.worker, self.group, self.device = worker, group, device
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
 
-    def __init__(self, engine: Any, group: Any, device: torch.device):
-        self.__dict__.update(engine=engine, group=group, rank=dist.get_rank(group), size=dist.get_world_size(group),
-                             device=device, local={})
-
-    def __getattr__(self, name: str) -> Any:
-        d = self.__dict__
-        if d["engine"] is not None:
-            return getattr(d["engine"], name)
-        if name in d["local"]:
-            return d["local"][name]
-        raise AttributeError(name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in self.OWN:
-            self.__dict__[name] = value
-        elif self.engine is not None:
-            setattr(self.engine, name, value)  # e.g. the async rollout's auto_sync, an OOM retry's max_kv_gib
-        else:
-            self.local[name] = value
+    @property
+    def device_peak_gib(self) -> float:
+        """The decode process's allocator peak on the rollout GPU in the last rollout (0 on other ranks, on CPU)."""
+        return self.worker.peak_gib if self.worker is not None else 0.0
 
     def gather(self, prompts: Sequence[Prompt], options: SamplingOptions) -> list[tuple[list, SamplingOptions]] | None:
         """Every rank's (prompts, options) on rank 0 (None on the others); a collective of every rank."""
@@ -161,26 +153,36 @@ class SharedDecode:
         union = [p for mine, _ in parts for p in mine]
         return union, dataclasses.replace(parts[0][1], streams=[(o.seed, len(mine)) for mine, o in parts]), False
 
-    def hand_out(self, parts: list | None, decoded: Callable[[], tuple[RolloutBatch, bool]] | None) -> RolloutBatch:
-        """This rank's rows of rank 0's decode: rank 0 runs `decoded()` (the union's batch and whether it is one
-        shared call) and scatters each rank its rows, or the error to every rank; a collective of every rank."""
+    def submit(self, parts: list | None) -> bool | DecodeError | None:
+        """Rank 0: start decoding the ranks' `parts` in the decode process; whether it is one shared call, or the
+        error that kept it from starting (handed out by `hand_out`). None on the other ranks."""
+        if parts is None:
+            return None
+        try:
+            union, options, shared = self.union(parts)
+            self.worker.submit(union, options)
+            return shared
+        except Exception as e:
+            return DecodeError(e)
+
+    def hand_out(self, parts: list | None, started: bool | DecodeError | None) -> RolloutBatch:
+        """This rank's rows of the rollout `submit` started: rank 0 waits for its batch and scatters each rank its
+        rows, or the error to every rank; a collective of every rank."""
         mine: list[Any] = [None]
-        error: BaseException | None = None
         outs: list[Any] | None = None
         if self.rank == 0:
-            assert parts is not None and decoded is not None
+            assert parts is not None
             try:
-                batch, shared = decoded()
-                batch = batch.to(torch.device("cpu"))
+                if isinstance(started, DecodeError):
+                    raise started.error
+                batch = self.worker.result()
                 G = parts[0][1].num_generations
                 starts = [sum(len(m) for m, _ in parts[:r]) for r in range(self.size)]
-                outs = [batch if shared else prompt_rows(batch, starts[r], len(parts[r][0]), G)
+                outs = [batch if started else prompt_rows(batch, starts[r], len(parts[r][0]), G)
                         for r in range(self.size)]
             except Exception as e:  # every rank learns of it and raises, none waits in a collective
-                error, outs = e, [DecodeError(e)] * self.size
+                outs = [DecodeError(e)] * self.size
         dist.scatter_object_list(mine, outs, src=0, group=self.group)
-        if error is not None:
-            raise error
         if isinstance(mine[0], DecodeError):
             raise RuntimeError(f"{KEY}: rank 0's rollout of every rank's prompts failed: {mine[0].text}")
         return mine[0]
@@ -190,24 +192,23 @@ class SharedDecode:
         if episodes is not None:
             raise ValueError(f"{KEY} under torchrun does not run multi-turn episodes yet")
         parts = self.gather(prompts, options)
-        decoded = None
-        if parts is not None:
-            def decoded() -> tuple[RolloutBatch, bool]:
-                union, opts, shared = self.union(parts)
-                return self.engine.generate(union, opts), shared
-        return self.hand_out(parts, decoded)
+        return self.hand_out(parts, self.submit(parts))
+
+    def close(self) -> None:
+        """End rank 0's decode process."""
+        if self.worker is not None:
+            self.worker.close()
 
 
 class Handout:
-    """A pending async rollout under a shared decode: rank 0's decode in flight (`future`, None on the other ranks),
-    handed out on the first `result()`, which every rank calls at the same point (a collective)."""
+    """A pending async rollout under a shared decode, started in rank 0's decode process: handed out on the first
+    `result()`, which every rank calls at the same point (a collective)."""
 
-    def __init__(self, engine: SharedDecode, parts: list | None, future: Future | None, shared: bool):
-        self.engine, self.parts, self.future, self.shared = engine, parts, future, shared
+    def __init__(self, engine: SharedDecode, parts: list | None, started: bool | DecodeError | None):
+        self.engine, self.parts, self.started = engine, parts, started
         self.batch: RolloutBatch | None = None
 
     def result(self) -> RolloutBatch:
         if self.batch is None:
-            decoded = None if self.future is None else (lambda: (self.future.result(), self.shared))
-            self.batch = self.engine.hand_out(self.parts, decoded)
+            self.batch = self.engine.hand_out(self.parts, self.started)
         return self.batch

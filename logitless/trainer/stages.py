@@ -417,6 +417,13 @@ def efficiency_metrics(ctx: TrainContext, ro: Rollout, plan: UpdatePlan, timer: 
     }
 
 
+def shared_device_peak(ctx: TrainContext, timer: PhaseTimer) -> dict[str, float]:
+    """A shared rollout GPU's peak (rank 0): the replica, this process's, and the decode process's own peak."""
+    if not isinstance(ctx.engine, SharedDecode) or "memory/rollout_device_peak_gb" not in (m := timer.metrics()):
+        return {}
+    return {"memory/rollout_device_peak_gb": m["memory/rollout_device_peak_gb"] + ctx.engine.device_peak_gib}
+
+
 def step_record(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan, upd: UpdateResult, timer: PhaseTimer) -> dict[str, Any]:
     """The step's metrics: rewards, advantages, objective, lengths, time and memory per phase, efficiency."""
     s, b, dev = scored.scores, ro.batch, ctx.device  # every per-row value gathered over the ranks (rank order)
@@ -446,6 +453,7 @@ def step_record(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan
         # shared decode: each rank's tokens over its seconds)
         "train_tokens_per_s": plan.n_tokens * ctx.cfg.train.num_iterations / max(train_s, 1e-9),
         **timer.metrics(),
+        **shared_device_peak(ctx, timer),
         **{f"rollout/{part}_s": sec for part, sec in b.timing.parts.items()},  # rollout.profile=true
         "rollout/weights_copy_gib": getattr(getattr(ctx.engine, "weights", None), "extra_bytes", 0) / 2**30,
         "rollout/replica_gib": local_bytes(ctx.replica.model) / 2**30  # (this rank's slices with a split replica)

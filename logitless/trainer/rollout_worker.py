@@ -1,0 +1,119 @@
+"""The shared rollout's decode in a process of its own (rollout.device under torchrun, `shared_rollout.py`).
+
+Rank 0 owns the replica on the rollout's GPU and writes it at every sync; a child process decodes from those same
+weights (CUDA IPC: no copy) with a static engine of its own. In rank 0's process the update's host work (FSDP2's
+hooks, kernel launches) and a decode on a thread of its own would take turns on one interpreter lock: on four H100s
+(3 ranks + the rollout GPU, 1.5B, LoRA) the update beside such a thread took 4.69 s against 4.33 s alone and the async
+step 4.92-5.04 s against 4.44 s for the run's last step, which has no rollout beside it (bench/LOG.md). The child is
+started with `python -m logitless.trainer.rollout_worker` (not multiprocessing's spawn, which would re-run the
+caller's main module) and talks over a socket pair: rank 0 sends the replica once (shared, not copied: CUDA IPC
+handles, or shared host memory on CPU), then one request per rollout, each after the replica's sync has finished on
+the device; the child answers with the batch (`async_rollout.batch_to_json`, exact) or the error's text. The child
+ends when rank 0 closes the connection or exits.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from logitless.rollout.engine import model_device
+from logitless.rollout.types import RolloutBatch, SamplingOptions
+
+AUTHKEY = "LOGITLESS_DECODE_AUTHKEY"  # rank 0's multiprocessing authkey: the child fetches shared host tensors with it
+
+
+class DecodeWorker:
+    """Rank 0's handle on the decode process: `submit` a rollout, `result` waits for its batch; `close` ends it."""
+
+    def __init__(self, model: torch.nn.Module, cfg: Any, tokenizer: Any):
+        self.device = model_device(model)
+        mine, theirs = multiprocessing.Pipe(duplex=True)
+        env = {**os.environ, AUTHKEY: bytes(multiprocessing.current_process().authkey).hex()}
+        self.proc = subprocess.Popen([sys.executable, "-m", "logitless.trainer.rollout_worker", str(theirs.fileno())],
+                                     pass_fds=[theirs.fileno()], env=env)
+        theirs.close()
+        self.conn: Connection = mine
+        self.peak_gib = 0.0  # the decode process's allocator peak on the rollout GPU, in the last rollout
+        self._send((model, cfg, tokenizer))  # the replica's tensors shared, not copied
+
+    def _send(self, obj: Any) -> None:
+        try:
+            self.conn.send(obj)
+        except (BrokenPipeError, ConnectionResetError, EOFError) as e:
+            raise RuntimeError(f"the rollout's decode process ended (exit code {self.proc.poll()})") from e
+
+    def submit(self, prompts: list, options: SamplingOptions) -> None:
+        """Start decoding `prompts` from the replica as it is now (its sync finished on the device first)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the replica's copies (queued from the training GPU too) are done
+            torch.cuda.synchronize()
+        self._send((prompts, options))
+
+    def result(self) -> RolloutBatch:
+        """The batch of the rollout last submitted (waits for it); the decode's error raised here."""
+        from logitless.trainer.async_rollout import batch_from_json
+
+        try:
+            kind, payload, peak = self.conn.recv()
+        except (EOFError, ConnectionResetError) as e:
+            raise RuntimeError(f"the rollout's decode process ended (exit code {self.proc.wait()})") from e
+        if kind == "error":
+            raise RuntimeError(payload)
+        self.peak_gib = peak
+        return batch_from_json(payload)
+
+    def close(self) -> None:
+        """End the decode process (it leaves when its connection closes)."""
+        self.conn.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def serve(conn: Connection) -> None:
+    """The decode process: the replica and the engine's settings, then one rollout per request until the
+    connection closes."""
+    from logitless.trainer.async_rollout import batch_to_json
+    from logitless.trainer.builders import make_rollout_engine
+
+    engine = error = None
+    try:
+        model, cfg, tokenizer = conn.recv()
+        device = model_device(model)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        engine = make_rollout_engine(cfg, model, tokenizer)
+    except Exception as e:  # answered at the first request
+        error = f"the rollout's decode process could not start: {type(e).__name__}: {e}"
+    while True:
+        try:
+            prompts, options = conn.recv()
+        except EOFError:
+            return
+        if error is not None:
+            conn.send(("error", error, 0.0))
+            continue
+        try:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            batch = engine.generate(prompts, options)
+            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+            conn.send(("ok", batch_to_json(batch), peak))
+        except Exception as e:
+            conn.send(("error", f"{type(e).__name__}: {e}", 0.0))
+
+
+if __name__ == "__main__":
+    multiprocessing.current_process().authkey = bytes.fromhex(os.environ.pop(AUTHKEY))
+    serve(Connection(int(sys.argv[1])))

@@ -32,16 +32,17 @@ def tok_dir(shared_dir):
     return shared_dir / "tokenizers" / "gpt2"
 
 
-def check_shared(out: Path, rel: float = 0.0, abs_: float = 0.0) -> None:
+def check_shared(out: Path, rel: float = 0.0, abs_: float = 0.0, cuda: bool = False) -> None:
     """The "shared" scenario (`dist_worker.shared_runs`): each run with rank 0 decoding for both ranks logs what the
     run with a replica per rank logs (exactly; within `rel`/`abs_` where given), but the eval after step 2 (each rank
     evaluated its own rows there, in other chunks); the eval before training is one process's eval; the async run
     stopped after step 3's rollout and resumed continues like the uninterrupted one, each rank's pending rows in its
-    own checkpoint file."""
+    own checkpoint file. On GPUs (`cuda`) the scenario runs LoRA and async only, without the resume."""
+    names = ("lora", "async") if cuda else ("lora", "full", "async")
     same = (lambda a, b: a == b) if not rel else (lambda a, b: close(a, b, rel=rel, abs_=abs_))
     for rank in (0, 1):
         r = json.loads((out / f"shared_rank{rank}.json").read_text())
-        for name in ("lora", "full", "async"):
+        for name in names:
             own, shared = w.untimed(r[f"{name}_own"]), w.untimed(r[f"{name}_shared"])
             assert len(own) == len(shared) == {"lora": 4, "full": 3, "async": 4}[name]  # lora: an eval at step 0
             for a, b in zip(own, shared):
@@ -51,7 +52,7 @@ def check_shared(out: Path, rel: float = 0.0, abs_: float = 0.0) -> None:
                 assert not diff, (name, a["step"], diff)
             replica = [x["rollout/replica_gib"] for x in shared if x["step"] > 0]
             assert all(x > 0 for x in replica) if rank == 0 else replica == [0.0] * len(replica)
-        assert r["lora_shared"][-1]["kl"] > 1e-3 and r["full_shared"][-1]["kl"] > 0  # the policies moved
+        assert r["lora_shared"][-1]["kl"] > 1e-3 and (cuda or r["full_shared"][-1]["kl"] > 0)  # the policies moved
         diffs = [x["is/logp_diff"] for x in r["async_shared"]]  # one update behind from step 2 on
         assert diffs[0] < 1e-4 and min(diffs[1:]) > 1e-3, diffs
         evals = [x for x in r["lora_shared"] if "eval/reward" in x]
@@ -59,14 +60,17 @@ def check_shared(out: Path, rel: float = 0.0, abs_: float = 0.0) -> None:
         if rank == 0:
             one = r["one_process_eval"]
             assert one.keys() <= evals[0].keys() and all(same(one[k], evals[0][k]) for k in one), (one, evals[0])
+        if cuda:
+            continue
         assert r["cut_step"] == 2
         assert len(r["cut"]) + len(r["resumed"]) == 4
         for a, b in zip(w.untimed(r["cut"] + r["resumed"]), w.untimed(r["async_shared"]), strict=True):
             assert a.keys() == b.keys() and all(same(a[k], b[k]) for k in a), (a, b)
-    step = out / "async_cut" / "checkpoints" / "step-000002"
-    pending = [json.loads((step / dcp.rank_state_file(k)).read_text())["prefetch"] for k in (0, 1)]
-    assert [p["step"] for p in pending] == [3, 3] and pending[0]["batch"] != pending[1]["batch"]
-    for name in ("lora", "full", "async"):
+    if not cuda:
+        step = out / "async_cut" / "checkpoints" / "step-000002"
+        pending = [json.loads((step / dcp.rank_state_file(k)).read_text())["prefetch"] for k in (0, 1)]
+        assert [p["step"] for p in pending] == [3, 3] and pending[0]["batch"] != pending[1]["batch"]
+    for name in names:
         a, b = weights(out / f"{name}_own"), weights(out / f"{name}_shared")
         assert a.keys() == b.keys() and a
         assert all(torch.equal(a[k], b[k]) if not rel else torch.allclose(a[k], b[k], rtol=rel, atol=abs_) for k in a)
@@ -84,13 +88,14 @@ def test_two_ranks_with_rank0_decoding_for_both_train_as_with_a_replica_each(tmp
 @pytest.mark.three_gpus
 @pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 GPUs")
 def test_three_gpus_rank0_decoding_on_the_third_trains_as_with_a_replica_each(tmp_path, tok_dir, monkeypatch):
-    """2 ranks on GPUs 0 and 1 (nccl), rollout.device=cuda:2: rank 0's compiled decode on the third GPU (its step
-    graphs, on the rollout thread with async rollouts) against each rank's own compiled decode. Within 1e-4: the
-    union batch's kernels are not the shares' (batch sizes pick other GEMM tilings)."""
+    """2 ranks on GPUs 0 and 1 (nccl), rollout.device=cuda:2: rank 0's decode process (its compiled decode and step
+    graphs on the third GPU, from the replica shared by CUDA IPC; Liger's kernels in the trained model) against each
+    rank's own compiled decode, LoRA with an eval and async rollouts. Within 1e-4: the union batch's kernels are not
+    the shares' (batch sizes pick other GEMM tilings)."""
     monkeypatch.setenv("LOGITLESS_TEST_CUDA", "1")
     proc = torchrun("shared", tmp_path, tok_dir, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:]
-    check_shared(tmp_path, rel=1e-4, abs_=1e-5)
+    check_shared(tmp_path, rel=1e-4, abs_=1e-5, cuda=True)
 
 
 def test_a_decode_process_that_dies_fails_every_rank_with_the_reason(tmp_path, tok_dir, one_thread):
@@ -147,3 +152,45 @@ def test_the_memory_model_puts_the_replica_and_kv_cache_on_the_rollout_gpu():
     assert device["kv cache"] == whole and whole >= 3 * plain["generate"]["kv cache"]  # the step's, not a third
     assert mr.training_peak(shared) < mr.training_peak(plain)
     assert shared["train"] == {k: v for k, v in plain["train"].items() if k != "replica (mapped)"}
+
+
+def test_the_decode_process_decodes_what_an_engine_in_this_process_decodes(tok_dir):
+    """rank 0's decode process (`rollout_worker.DecodeWorker`) on a model whose MLP forwards a kernel patch rebound
+    (`modeling.outside_compile`, as Liger's kernels are) and whose layers were compiled in place: the same tokens and
+    logprobs as the static engine on the plain model in this process; the replica's later in-place writes are seen
+    there (its memory is shared, not copied)."""
+    import types
+
+    from logitless.models.lm_head import decoder_layers
+    from logitless.trainer import modeling
+    from logitless.trainer.builders import make_rollout_engine, sampling_options
+    from logitless.trainer.rollout_worker import DecodeWorker
+
+    tok, cfg = w.tokenizer(tok_dir), w.config("unused", "rollout.backend=static").rollout
+    options = sampling_options(cfg, seed=11, chat_template_kwargs=None)
+    prompts = ["12+7=", "3*4=", "100-1="]
+    plain = w.model()
+    patched = w.model()
+    patched.load_state_dict(plain.state_dict())
+
+    def patch():
+        for layer in decoder_layers(patched):
+            layer.mlp.forward = types.MethodType(type(layer.mlp).forward, layer.mlp)
+
+    modeling.outside_compile(patched, types.ModuleType("unused"), patch)
+    modeling.compile_layers(patched)
+    worker = DecodeWorker(patched, cfg, tok)
+    try:
+        for step in range(2):
+            worker.submit(prompts, options)
+            got, want = worker.result(), make_rollout_engine(cfg, plain, tok).generate(prompts, options)
+            assert torch.equal(got.completion_ids, want.completion_ids) and got.completions == want.completions
+            assert torch.equal(got.sampler_logp, want.sampler_logp)
+            with torch.no_grad():  # the next "sync": both weights moved alike, in place
+                for a, b in zip(plain.parameters(), patched.parameters()):
+                    a.mul_(1.5)
+                    b.mul_(1.5)
+        assert not torch.equal(got.sampler_logp, make_rollout_engine(cfg, plain, tok).generate(prompts, options).sampler_logp)
+    finally:
+        worker.close()
+    assert worker.proc.returncode == 0

@@ -41,7 +41,7 @@ class DecodeWorker:
         theirs.close()
         self.conn: Connection = mine
         self.peak_gib = 0.0  # the decode process's allocator peak on the rollout GPU, in the last rollout
-        self._send((model, cfg, tokenizer))  # the replica's tensors shared, not copied
+        self._send((plain_calls(model), cfg, tokenizer))  # the replica's tensors shared, not copied
 
     def _send(self, obj: Any) -> None:
         try:
@@ -77,6 +77,24 @@ class DecodeWorker:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def plain_calls(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` (rank 0's replica, which rank 0 no longer runs) with its modules' own calls: a forward that
+    `modeling.outside_compile` rebound (Liger's kernels, model.liger_kernels) gets its class's forward back, and a
+    layer compiled in place (model.compile_layers) its plain call. Neither pickles, and neither changes the decode
+    process's compiled decode: torch.compile traces the plain forwards (Liger's dispatch runs them there) and compiles
+    the decode as a whole. A forward rebound otherwise is refused."""
+    for m in model.modules():
+        if "forward" in m.__dict__:
+            if getattr(m, "_plain_forward", None) is not type(m).forward:
+                raise ValueError(f"rollout.device under torchrun: the replica's {type(m).__name__} has a forward of its "
+                                 "own, which the decode process cannot take; unset rollout.device")
+            for name in ("forward", "_kernel_forward", "_plain_forward"):
+                m.__dict__.pop(name, None)
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            m._compiled_call_impl = None
+    return model
 
 
 def serve(conn: Connection) -> None:

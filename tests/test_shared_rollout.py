@@ -156,7 +156,8 @@ def test_the_memory_model_puts_the_replica_and_kv_cache_on_the_rollout_gpu():
 
 def test_the_decode_process_decodes_what_an_engine_in_this_process_decodes(tok_dir):
     """rank 0's decode process (`rollout_worker.DecodeWorker`) on a model whose MLP forwards a kernel patch rebound
-    (`modeling.outside_compile`, as Liger's kernels are) and whose layers were compiled in place: the same tokens and
+    (`modeling.outside_compile`, as Liger's kernels are), whose layers were compiled in place and whose embedding
+    has gradient checkpointing's input hook: the same tokens and
     logprobs as the static engine on the plain model in this process; the replica's later in-place writes are seen
     there (its memory is shared, not copied)."""
     import types
@@ -173,12 +174,15 @@ def test_the_decode_process_decodes_what_an_engine_in_this_process_decodes(tok_d
     patched = w.model()
     patched.load_state_dict(plain.state_dict())
 
-    def patch():
+    def patch():  # as Liger's kernels bind their forwards, and lambdas as `_get_name`
         for layer in decoder_layers(patched):
             layer.mlp.forward = types.MethodType(type(layer.mlp).forward, layer.mlp)
+            layer.mlp._get_name = types.MethodType(lambda self: "KernelMLP", layer.mlp)
 
     modeling.outside_compile(patched, types.ModuleType("unused"), patch)
     modeling.compile_layers(patched)
+    patched.gradient_checkpointing_enable()
+    patched.enable_input_require_grads()  # a forward hook that is a local function
     worker = DecodeWorker(patched, cfg, tok)
     try:
         for step in range(2):

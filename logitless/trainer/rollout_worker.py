@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import types
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -80,19 +81,25 @@ class DecodeWorker:
 
 
 def plain_calls(model: torch.nn.Module) -> torch.nn.Module:
-    """`model` (rank 0's replica, which rank 0 no longer runs) with its modules' own calls: a forward that
-    `modeling.outside_compile` rebound (Liger's kernels, model.liger_kernels) gets its class's forward back, and a
-    layer compiled in place (model.compile_layers) its plain call. Neither pickles, and neither changes the decode
-    process's compiled decode: torch.compile traces the plain forwards (Liger's dispatch runs them there) and compiles
-    the decode as a whole. A forward rebound otherwise is refused."""
+    """`model` (rank 0's replica, which rank 0 itself no longer runs) as its classes define it, so that it pickles:
+    no methods bound to a module instance (a forward that `modeling.outside_compile` made dispatch to Liger's kernels
+    outside torch.compile gets its class's forward back, as do Liger's `extra_repr` and `_get_name`), no hooks
+    (gradient checkpointing's input hook and the like: the decode needs none), no layer compiled in place. None of
+    these changes the decode process's compiled decode: torch.compile traces the plain forwards (Liger's dispatch
+    runs them there) and compiles the decode as a whole. Any other forward of a module's own is refused."""
     for m in model.modules():
-        if "forward" in m.__dict__:
-            if getattr(m, "_plain_forward", None) is not type(m).forward:
-                raise ValueError(f"rollout.device under torchrun: the replica's {type(m).__name__} has a forward of its "
-                                 "own, which the decode process cannot take; unset rollout.device")
-            for name in ("forward", "_kernel_forward", "_plain_forward"):
-                m.__dict__.pop(name, None)
-        if getattr(m, "_compiled_call_impl", None) is not None:
+        d = m.__dict__
+        forward = d.get("forward")
+        if forward is not None and getattr(forward, "__func__", None) is not type(m).forward and \
+                d.get("_plain_forward") is not type(m).forward:
+            raise ValueError(f"rollout.device under torchrun: the replica's {type(m).__name__} has a forward of its own, "
+                             "which the decode process cannot take; unset rollout.device")
+        for name, value in list(d.items()):
+            if isinstance(value, types.MethodType) and value.__self__ is m or name in ("_kernel_forward", "_plain_forward"):
+                del d[name]
+            elif name.endswith("hooks") and isinstance(value, dict):
+                d[name] = type(value)()
+        if d.get("_compiled_call_impl") is not None:
             m._compiled_call_impl = None
     return model
 

@@ -394,7 +394,7 @@ def efficiency_metrics(ctx: TrainContext, ro: Rollout, plan: UpdatePlan, timer: 
     env = getattr(b, "env_mask", None)  # multi-turn episodes: the model's tokens; all completion tokens otherwise
     m_lens = t_lens if env is None else (b.completion_mask * (1 - env)).sum(1).tolist()
     # the decode ideal counts the model's tokens as decoded, each row's observations as prefilled context
-    if isinstance(ctx.engine, SharedDecode):  # one GPU decoded every rank's rows as one batch
+    if isinstance(getattr(ctx, "engine", None), SharedDecode):  # one GPU decoded every rank's rows as one batch
         lens = gather_rows(torch.tensor([[p, t, m] for p, t, m in zip(p_lens, t_lens, m_lens)], dtype=torch.float64),
                            dev).long().tolist()
         rollout = decode_ideal_seconds(ctx.shape, [p + t - m for p, t, m in lens], [m for _, _, m in lens],

@@ -52,6 +52,7 @@ from bench.bench_e2e import SHAPES, commit, make_model_dir, versions  # noqa: E4
 from bench.bench_plan import DEVICE_GIB, GSM8K_SAMPLE_PROMPT, longest_prompt, skeleton  # noqa: E402
 from logitless.trainer import load_train_config, parallel, stages, train  # noqa: E402
 from logitless.trainer import memory_plan as mp  # noqa: E402
+from logitless.trainer import memory_ranks as mr  # noqa: E402
 from logitless.trainer.tensor_parallel import local_bytes  # noqa: E402
 
 PHASES = ("time/generate", "time/score", "time/logprobs", "time/train")
@@ -166,8 +167,6 @@ def prediction(mode: str, args: argparse.Namespace, ranks: int, prompt_len: int,
                   free_gib=device_gib)
     plan = res.plan if ranks == 1 else res.rank_memory
     assert plan is not None, res.notes
-    from logitless.trainer import memory_ranks as mr
-
     return {"peak_gib": mr.training_peak(plan.phases) / mp.GIB,  # a training GPU's (not a shared rollout GPU's)
             "phase_gib": {p: plan.peak(p) / mp.GIB for p in plan.phases},
             "parts_gib": {p: {k: round(x / mp.GIB, 4) for k, x in v.items() if x} for p, v in plan.phases.items()}}

@@ -24,7 +24,7 @@ for f in $(grep -l "pytest.mark.gpu" tests/test_*.py); do
 done
 HALF_A="llama or qwen2_window or qwen3 or mistral or phi3"
 HALF_B="gemma2 or gemma3 or granite or gpt_oss or olmo2"
-shard() {  # [MARK=...] shard NAME GPUS PYTEST-ARGS...   (MARK: the tests it selects, default "gpu")
+shard() {  # [MARK=...] shard NAME GPUS PYTEST-ARGS...   (MARK: the tests it selects, default "gpu and not three_gpus")
   local name=$1 gpus=$2; shift 2
   echo "$(date +%T) start $name on GPU $gpus" >> "$out/times.txt"
   CUDA_VISIBLE_DEVICES=$gpus "$PY" -m pytest -m "${MARK:-gpu and not three_gpus}" -q -rfEs --durations=8 -p no:cacheprovider "$@" \

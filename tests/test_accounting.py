@@ -141,6 +141,7 @@ def test_ceiling_fraction_is_measured_against_the_rollouts_own_time():
     mask = torch.ones(2, 6, dtype=torch.long)
     batch = SimpleNamespace(prompt_mask=mask, completion_mask=mask[:, :4], timing=SimpleNamespace(seconds=2.0))
     ctx = SimpleNamespace(peaks=(1e12, 1e9), shape=shape, device=torch.device("cpu"), world=SimpleNamespace(size=1),
+                          engine=None,
                           cfg=SimpleNamespace(train=SimpleNamespace(num_iterations=1)))
     plan = SimpleNamespace(trained=torch.arange(2))
     for waited in (0.01, 2.0, 7.0):

@@ -92,8 +92,7 @@ class AsyncRollout:
                  sync: Callable[[], None] | None = None, agent: Any = None,
                  share: Callable[[list[PromptRow]], list[PromptRow]] = list):
         self.shared = isinstance(engine, SharedDecode)  # rank 0's decode process decodes every rank's share
-        local = None if self.shared else engine  # the engine that decodes in this process
-        weights = getattr(local, "weights", None)
+        weights = None if self.shared else getattr(engine, "weights", None)
         if sync is None and (weights is None or isinstance(weights, LiveWeights)):
             raise ValueError(
                 "train.async_rollout=true samples from a copy of the weights while the update writes the trainable "
@@ -102,10 +101,9 @@ class AsyncRollout:
                 "otherwise"
             )
         module = getattr(weights, "module", None)
-        where = model_device(module) if module is not None else device  # the device the rollout decodes on
-        if self.shared:
-            where = engine.device  # the rollout's GPU, where another process decodes: no stream here
-        if (same_device(where, device) and device.type == "cuda" and local is not None
+        # the device the rollout decodes on (a shared rollout's GPU: another process decodes there)
+        where = engine.device if self.shared else model_device(module) if module is not None else device
+        if (same_device(where, device) and device.type == "cuda" and not self.shared
                 and getattr(engine, "max_kv_gib", None) is None):
             raise ValueError(
                 "train.async_rollout=true on CUDA needs rollout.max_kv_gib: the rollout then shares the GPU with the "
@@ -117,9 +115,8 @@ class AsyncRollout:
         self.engine, self.sampler, self.n, self.agent, self.share = engine, sampler, prompts_per_step, agent, share
         self.sync: Callable[[], None] = sync or weights.sync
         self.device = where
-        decodes = local is not None
         self.stream = (torch.cuda.Stream(where, priority=ROLLOUT_STREAM_PRIORITY)
-                       if where.type == "cuda" and decodes else None)
+                       if where.type == "cuda" and not self.shared else None)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="logitless-rollout")
         self._nested_fx = torch._dynamo.config.error_on_nested_fx_trace
         torch._dynamo.config.error_on_nested_fx_trace = False  # one thread compiling must not fail the other's call

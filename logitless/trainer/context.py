@@ -280,7 +280,8 @@ def build_context(
         mode = weight_copy(cfg.rollout, device, has_copy=True, distributed=True)
         replica = TensorParallelCopy(model, mesh, device, sleep=mode == "sleep")
     elif shared and not world.main:  # rank 0 keeps the replica on the rollout's GPU; this rank joins its syncs
-        replica = PeerSync(model, MergedRolloutCopy.applies(model, cfg.rollout.merge_lora))
+        merged = MergedRolloutCopy.applies(model, cfg.rollout.merge_lora)
+        replica = PeerSync((MergedRolloutCopy if merged else RolloutCopy).synced_names(model), merged)
     elif (world.sharded or rollout_device is not None) and cfg.rollout.backend in COPY_BACKENDS:
         mode = ("resident" if rollout_device is not None or cfg.train.async_rollout  # async: it decodes beside the update
                 else weight_copy(cfg.rollout, device, has_copy=True, distributed=True))
@@ -315,7 +316,6 @@ def build_context(
     if cfg.rollout.decode_attention == "auto":  # decode attention rounding as the trainer's attention does
         engine_changes["decode_attention"] = decode_attention_for(cfg.train.packed is True)
     rollout_cfg = dataclasses.replace(cfg.rollout, **engine_changes)
-    engine = None
     if shared:  # rank 0's decode process (the replica shared with it), every rank's handle; one group, made by all
         worker = DecodeWorker(replica.model, rollout_cfg, tokenizer) if world.main else None
         engine = SharedDecode(worker, dist.new_group(backend="gloo", timeout=TIMEOUT), rollout_device)

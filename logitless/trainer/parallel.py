@@ -151,9 +151,8 @@ def shutdown() -> None:
 
 def check_distributed(cfg: TrainerConfig, world: World) -> None:
     """Refuse settings that cannot run on `world.size` ranks, naming the setting and the fix."""
-    from logitless.trainer.tensor_parallel import check_tensor_parallel
-
     from logitless.trainer.shared_rollout import check_shared_rollout
+    from logitless.trainer.tensor_parallel import check_tensor_parallel
 
     check_tensor_parallel(cfg, world.size)
     if not world.distributed:
@@ -359,9 +358,14 @@ class RolloutCopy(_Replica):
 
     def __init__(self, model: nn.Module, sleep: bool = False, device: torch.device | None = None, fuse: bool = False):
         self.model = copy_to(model, device)
-        self.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.trainable = self.synced_names(model)
         self.groups = fuse_projections(self.model) if fuse else []  # plain q/k/v, gate/up layers (full fine-tuning)
         self.memory = SleepableMemory(owners(self.model, self.trainable)) if sleep else None
+
+    @staticmethod
+    def synced_names(model: nn.Module) -> list[str]:
+        """What `sync` copies, in its order: the trainable parameters of `model` (unsharded)."""
+        return [n for n, p in model.named_parameters() if p.requires_grad]
 
     @torch.no_grad()
     def sync(self, sharded: nn.Module, lend: Lend = no_lend) -> None:
@@ -386,12 +390,17 @@ class MergedRolloutCopy(_Replica):
     def __init__(self, peft_model: nn.Module, sleep: bool = False, device: torch.device | None = None,
                  fuse: bool = False):
         self.model = copy_to(unwrap_model(peft_model), device)
-        self.names = [name for name, _ in lora_layers(self.model)]
+        self.names = self.synced_names(peft_model)
         for name, layer in lora_layers(self.model):  # each LoRA layer becomes its base layer: the merged storage
             self.model.set_submodule(name, layer.get_base_layer())
         self.groups = fuse_projections(self.model, self.names) if fuse else []
         merged = owners(self.model, [f"{name}.weight" for name in self.names])  # rewritten at every sync
         self.memory = SleepableMemory(merged) if sleep else None
+
+    @staticmethod
+    def synced_names(peft_model: nn.Module) -> list[str]:
+        """What `sync` merges, in its order: the LoRA layers of `peft_model` (unsharded)."""
+        return [name for name, _ in lora_layers(unwrap_model(peft_model))]
 
     @staticmethod
     def applies(model: nn.Module, merge_lora: bool | None) -> bool:

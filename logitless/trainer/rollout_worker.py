@@ -106,8 +106,8 @@ def serve(conn: Connection) -> None:
     connection closes."""
     from logitless.trainer.builders import make_rollout_engine
 
-    def answer(*message: Any) -> None:  # the batch's tensors by value: 12 ms each way for 512 rows of 700 tokens,
-        conn.send_bytes(pickle.dumps(message, protocol=5))  # against 270 ms through batch_to_json (a 2-core host)
+    def answer(*message: Any) -> None:  # the batch's tensors by value: about 20x faster than batch_to_json's lists
+        conn.send_bytes(pickle.dumps(message, protocol=5))  # (bench/bench_handoff.py)
 
     engine = error = None
     try:

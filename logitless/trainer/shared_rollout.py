@@ -28,7 +28,6 @@ gets all of it (rank 0 counts it, `evaluate.eval_in_run`).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Sequence
 
 import torch
@@ -37,9 +36,8 @@ from torch import nn
 
 from logitless.rollout.engine import unwrap_model
 from logitless.rollout.types import Prompt, RolloutBatch, SamplingOptions
-from logitless.rollout.weights import lora_layers
 from logitless.trainer.fsdp_units import Lend, by_unit, gathered, no_lend
-from logitless.trainer.tensor_parallel import prompt_rows
+from logitless.trainer.tensor_parallel import joint_options, prompt_rows
 
 KEY = "rollout.device"
 
@@ -86,16 +84,13 @@ def check_shared_rollout(cfg: Any, ranks: int, local_ranks: int | None = None) -
 
 class PeerSync:
     """A rank without the replica: its `sync` joins the replica sync's all-gathers (the same FSDP2 units in the same
-    order as rank 0's `RolloutCopy` / `MergedRolloutCopy`, built from the same unsharded model) and writes nothing."""
+    order as rank 0's `RolloutCopy` / `MergedRolloutCopy`: `names` is that replica's `synced_names` of the same
+    unsharded model; `merged`: a merged one, whose names are LoRA layers of the unwrapped model) and writes nothing."""
 
     model = None  # no replica here
 
-    def __init__(self, model: nn.Module, merged: bool):
-        self.merged = merged
-        if merged:  # MergedRolloutCopy's names: the LoRA layers, found from the unwrapped model
-            self.names = [name for name, _ in lora_layers(unwrap_model(model))]
-        else:  # RolloutCopy's: the trainable parameters
-            self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+    def __init__(self, names: list[str], merged: bool):
+        self.names, self.merged = names, merged
 
     @torch.no_grad()
     def sync(self, sharded: nn.Module, lend: Lend = no_lend) -> None:
@@ -145,13 +140,9 @@ class SharedDecode:
         `shared`; else the ranks' prompts in rank order, each part with its rank's random streams."""
         if all(p == parts[0] for p in parts):
             return parts[0][0], parts[0][1], True
-        rest = [dataclasses.replace(o, seed=None, streams=None) for _, o in parts]
-        if any(o.seed is None or o.streams is not None for _, o in parts) or any(r != rest[0] for r in rest):
-            raise ValueError(f"{KEY} under torchrun: rank 0 decodes the ranks' prompts together, so each rank's "
-                             "rollout needs a seed (SamplingOptions.seed), no streams of its own, and the same other "
-                             "sampling options")
-        union = [p for mine, _ in parts for p in mine]
-        return union, dataclasses.replace(parts[0][1], streams=[(o.seed, len(mine)) for mine, o in parts]), False
+        options = joint_options(parts, f"{KEY} under torchrun: rank 0 decodes the ranks' prompts together, so each "
+                                "rank's rollout needs")
+        return [p for mine, _ in parts for p in mine], options, False
 
     def submit(self, parts: list | None) -> bool | DecodeError | None:
         """Rank 0: start decoding the ranks' `parts` in the decode process; whether it is one shared call, or the

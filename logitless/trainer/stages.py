@@ -394,15 +394,12 @@ def efficiency_metrics(ctx: TrainContext, ro: Rollout, plan: UpdatePlan, timer: 
     env = getattr(b, "env_mask", None)  # multi-turn episodes: the model's tokens; all completion tokens otherwise
     m_lens = t_lens if env is None else (b.completion_mask * (1 - env)).sum(1).tolist()
     # the decode ideal counts the model's tokens as decoded, each row's observations as prefilled context
-    if isinstance(getattr(ctx, "engine", None), SharedDecode):  # one GPU decoded every rank's rows as one batch
-        lens = gather_rows(torch.tensor([[p, t, m] for p, t, m in zip(p_lens, t_lens, m_lens)], dtype=torch.float64),
-                           dev).long().tolist()
-        rollout = decode_ideal_seconds(ctx.shape, [p + t - m for p, t, m in lens], [m for _, _, m in lens],
-                                       ctx.peaks[1]) / max(b.timing.seconds, 1e-9)
+    context = [p + t - m for p, t, m in zip(p_lens, t_lens, m_lens)]
+    if isinstance(ctx.engine, SharedDecode):  # one GPU decoded every rank's rows as one batch
+        lens = gather_rows(torch.tensor([context, m_lens], dtype=torch.float64).T, dev).long()
+        ideal, gpus = decode_ideal_seconds(ctx.shape, lens[:, 0].tolist(), lens[:, 1].tolist(), ctx.peaks[1]), 1
     else:
-        ideal = all_reduce_sum(decode_ideal_seconds(ctx.shape, [p + t - m for p, t, m in zip(p_lens, t_lens, m_lens)],
-                                                    m_lens, ctx.peaks[1]), dev)
-        rollout = ideal / world / max(b.timing.seconds, 1e-9)
+        ideal, gpus = all_reduce_sum(decode_ideal_seconds(ctx.shape, context, m_lens, ctx.peaks[1]), dev), world
     trained = plan.trained.tolist()
     flops = update_flops(ctx.shape, [(p_lens[i], t_lens[i]) for i in trained],
                          head_lens=[m_lens[i] for i in trained]) * ctx.cfg.train.num_iterations
@@ -410,18 +407,20 @@ def efficiency_metrics(ctx: TrainContext, ro: Rollout, plan: UpdatePlan, timer: 
     train_s = timer.seconds.get("train", math.nan)
     return {
         # the rollout's own seconds: with async_rollout the generate phase is only the wait for it
-        "rollout/ceiling_fraction": rollout,
+        "rollout/ceiling_fraction": ideal / gpus / max(b.timing.seconds, 1e-9),
         "train/mfu": flops / world / max(train_s, 1e-9) / ctx.peaks[0],
         "train/tflops_per_s": flops / max(train_s, 1e-9) / 1e12,  # all ranks together
         "train/tflop": flops / 1e12,  # the step's update FLOPs, all ranks (recompute not counted)
     }
 
 
-def shared_device_peak(ctx: TrainContext, timer: PhaseTimer) -> dict[str, float]:
-    """A shared rollout GPU's peak (rank 0): the replica, this process's, and the decode process's own peak."""
-    if not isinstance(ctx.engine, SharedDecode) or "memory/rollout_device_peak_gb" not in (m := timer.metrics()):
-        return {}
-    return {"memory/rollout_device_peak_gb": m["memory/rollout_device_peak_gb"] + ctx.engine.device_peak_gib}
+def timer_metrics(ctx: TrainContext, timer: PhaseTimer) -> dict[str, Any]:
+    """The step's time and memory per phase; a shared rollout GPU's peak (rank 0) is the replica's, in this process,
+    plus the decode process's own."""
+    out = timer.metrics()
+    if isinstance(ctx.engine, SharedDecode) and "memory/rollout_device_peak_gb" in out:
+        out["memory/rollout_device_peak_gb"] += ctx.engine.device_peak_gib
+    return out
 
 
 def step_record(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan, upd: UpdateResult, timer: PhaseTimer) -> dict[str, Any]:
@@ -452,8 +451,7 @@ def step_record(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan
         "tokens_per_s": all_reduce_sum(b.timing.tokens_per_s, dev),  # the ranks' rows (side by side, or of one
         # shared decode: each rank's tokens over its seconds)
         "train_tokens_per_s": plan.n_tokens * ctx.cfg.train.num_iterations / max(train_s, 1e-9),
-        **timer.metrics(),
-        **shared_device_peak(ctx, timer),
+        **timer_metrics(ctx, timer),
         **{f"rollout/{part}_s": sec for part, sec in b.timing.parts.items()},  # rollout.profile=true
         "rollout/weights_copy_gib": getattr(getattr(ctx.engine, "weights", None), "extra_bytes", 0) / 2**30,
         "rollout/replica_gib": local_bytes(ctx.replica.model) / 2**30  # (this rank's slices with a split replica)

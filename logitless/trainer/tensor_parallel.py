@@ -409,10 +409,8 @@ class GroupDecode:
         parts: list[Any] = [None] * self.size
         dist.all_gather_object(parts, (list(prompts), options, driver_spec(episodes)), group=self.group)
         # every rank sees the same parts, so every rank raises alike (none is left waiting in a collective)
-        rest = [dataclasses.replace(o, seed=None, streams=None) for _, o, _ in parts]
-        if any(o.seed is None or o.streams is not None for _, o, _ in parts) or any(r != rest[0] for r in rest):
-            raise ValueError(f"{KEY}: the ranks of a group decode together, so each must give its rollout a seed "
-                             "(SamplingOptions.seed), no streams of its own, and the same other sampling options")
+        joint = joint_options([(mine, o) for mine, o, _ in parts],
+                              f"{KEY}: the ranks of a group decode together, so each must give its rollout")
         if any(spec != parts[0][2] for _, _, spec in parts):
             raise ValueError(f"{KEY}: the ranks of a group decode their episodes together, so each must run episodes "
                              "or none, with the same turn-end ids, turn stops and max_turn_tokens")
@@ -423,10 +421,20 @@ class GroupDecode:
         union = [p for mine, _, _ in parts for p in mine]
         if episodes is not None:  # this rank's driver answers its own rows; the replies are gathered every turn
             episodes = GroupDriver(episodes, self.group, self.rank, [len(mine) for mine, _, _ in parts])
-        batch = self.engine.generate(union, dataclasses.replace(
-            options, streams=[(o.seed, len(mine)) for mine, o, _ in parts]), episodes=episodes)
+        batch = self.engine.generate(union, joint, episodes=episodes)
         start = sum(len(mine) for mine, _, _ in parts[: self.rank])
         return prompt_rows(batch, start, len(prompts), options.num_generations)
+
+
+def joint_options(parts: Sequence[tuple[Sequence[Prompt], SamplingOptions]], who: str) -> SamplingOptions:
+    """The options of one decode of every part's prompts in order, each part drawing from the random streams its own
+    call would (`SamplingOptions.streams`: the part's seed, its prompt count). Refused, `who` + the reason, unless
+    every part has a seed, no streams of its own, and the same other options."""
+    rest = [dataclasses.replace(o, seed=None, streams=None) for _, o in parts]
+    if any(o.seed is None or o.streams is not None for _, o in parts) or any(r != rest[0] for r in rest):
+        raise ValueError(f"{who} a seed (SamplingOptions.seed), no streams of its own, and the same other sampling "
+                         "options")
+    return dataclasses.replace(parts[0][1], streams=[(o.seed, len(mine)) for mine, o in parts])
 
 
 def group_decode(engine: Any, replica: TensorParallelCopy) -> GroupDecode:

@@ -23,7 +23,7 @@ from pathlib import Path
 CHILD = r"""
 import json, resource, sys, time
 from logitless.trainer.builders import check_prompt_lengths, load_rows, sampling_options
-from logitless.trainer.config import DataConfig
+from logitless.trainer.config.schema import DataConfig
 from logitless.trainer.demo import demo_config
 
 def rss_mib():
@@ -32,7 +32,7 @@ def rss_mib():
 path, chat, check = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1"
 if check:  # the demo's tokenizer (SmolLM2, byte-level BPE) and its 8192 positions, loaded before the clock starts
     from transformers import AutoConfig
-    from logitless.trainer.modeling import load_tokenizer
+    from logitless.trainer.policy.modeling import load_tokenizer
 
     cfg = demo_config()
     tokenizer = load_tokenizer(cfg.model)

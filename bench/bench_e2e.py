@@ -4,7 +4,7 @@ random-init models of real shapes (Qwen2.5 0.5B / 1.5B / 7B) with the real token
 Every configuration runs in its own process (clean CUDA memory, no shared compile caches). Per step it records
 seconds split into generate / score / old-ref logprobs / train, completion tokens, peak GPU memory of each
 phase, rollout tokens/s with its share of the HBM-bandwidth ceiling, and the update's MFU; both definitions are
-in `logitless/trainer/accounting.py` and are applied to TRL's steps too (from the prompt and completion lengths
+in `logitless/trainer/report/accounting.py` and are applied to TRL's steps too (from the prompt and completion lengths
 TRL generated).
 
 A random model writes random text, so the reward is `distinct_chars` (distinct characters / 100): it varies
@@ -234,7 +234,7 @@ def run_trl(a: argparse.Namespace, model_dir: Path, out_dir: Path, liger: bool) 
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from logitless.trainer.accounting import ModelShape, decode_ideal_seconds, device_peaks, update_flops
+    from logitless.trainer.report.accounting import ModelShape, decode_ideal_seconds, device_peaks, update_flops
 
     B = a.prompts * a.G
     args = GRPOConfig(

@@ -1,6 +1,6 @@
 """Whole GRPO steps on 1, 2, 4 and 8 GPUs (torchrun, FSDP2), LoRA and full fine-tuning: completion tokens per second
 and per-GPU peak memory per rank count, each measurement beside the memory model's prediction
-(logitless/trainer/memory_ranks.py). Also the cost of the rollout's weight path per step (`hf`: all-gather of the
+(logitless/trainer/memory/ranks.py). Also the cost of the rollout's weight path per step (`hf`: all-gather of the
 sharded model before `generate` and its release after; `static`: the in-place sync of the persistent replica).
 
 Scaling (--scaling): `strong` keeps --prompts the global prompt count of a step at every rank count (the same
@@ -50,10 +50,11 @@ sys.path.insert(0, str(REPO))
 
 from bench.bench_e2e import SHAPES, commit, make_model_dir, versions  # noqa: E402
 from bench.bench_plan import DEVICE_GIB, GSM8K_SAMPLE_PROMPT, longest_prompt, skeleton  # noqa: E402
-from logitless.trainer import load_train_config, parallel, stages, train  # noqa: E402
-from logitless.trainer import memory_plan as mp  # noqa: E402
-from logitless.trainer import memory_ranks as mr  # noqa: E402
-from logitless.trainer.tensor_parallel import local_bytes  # noqa: E402
+from logitless.trainer import load_train_config, stages, train  # noqa: E402
+from logitless.trainer.distributed import parallel  # noqa: E402
+from logitless.trainer.memory import plan as mp  # noqa: E402
+from logitless.trainer.memory import ranks as mr  # noqa: E402
+from logitless.trainer.placement.tensor_parallel import local_bytes  # noqa: E402
 
 PHASES = ("time/generate", "time/score", "time/logprobs", "time/train")
 # "auto" settings decided differently on one process (the memory plan, compiled layers) and under torchrun (no
@@ -159,7 +160,7 @@ def prediction(mode: str, args: argparse.Namespace, ranks: int, prompt_len: int,
     """The per-GPU peak of each phase (GiB) for this mode at `ranks` ranks as the trainer resolves it (`resolve`:
     on one process the memory plan, with its KV cap for `device_gib`; on several the memory model of
     `auto.rank_memory`), at the step's longest prompt."""
-    from logitless.trainer.auto import resolve
+    from logitless.trainer.memory.auto import resolve
 
     cfg = load_train_config(None, ["model.name_or_path=unused", f"rollout.max_prompt_length={prompt_len}",
                                    *overrides(mode, args, ranks)])

@@ -1,4 +1,4 @@
-"""What it costs to hand a rollout batch between processes (the shared rollout's decode process, trainer/rollout_worker.py):
+"""What it costs to hand a rollout batch between processes (the shared rollout's decode process, trainer/placement/rollout_worker.py):
 the batch pickled with its tensors by value (what the decode process sends) against `async_rollout.batch_to_json`'s
 lists (what it sent at 11b159c; what a checkpoint keeps of a pending rollout). Host only; medians of --repeats.
 
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_e2e import commit, versions  # noqa: E402
 from logitless.rollout.types import RolloutBatch, RolloutTiming  # noqa: E402
-from logitless.trainer.async_rollout import batch_from_json, batch_to_json  # noqa: E402
+from logitless.trainer.placement.async_rollout import batch_from_json, batch_to_json  # noqa: E402
 
 
 def batch(rows: int, prompt: int, tokens: int) -> RolloutBatch:

@@ -336,7 +336,7 @@ def longest_prompt(tokenizer: str | None) -> int:
 def predict_max_T(a: argparse.Namespace) -> dict[str, Any]:
     """The longest T (to --resolution) whose automatic plan fits --memory-budget, by the plan's prediction."""
     from logitless.trainer import load_train_config
-    from logitless.trainer.auto import resolve
+    from logitless.trainer.memory.auto import resolve
 
     model = skeleton(a.shape)
     best, T = None, a.resolution
@@ -353,7 +353,7 @@ def predict_max_T(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def mp_json(res: Any) -> dict[str, Any]:
-    from logitless.trainer import memory_plan as mp
+    from logitless.trainer.memory import plan as mp
 
     return mp.to_json(res.plan)
 
@@ -366,8 +366,8 @@ def recorded_prediction(result: dict[str, Any], run: dict[str, Any], prompt_len:
     import dataclasses
 
     from logitless.trainer import load_train_config
-    from logitless.trainer import memory_plan as mp
-    from logitless.trainer.auto import model_memory, run_facts, setting_text
+    from logitless.trainer.memory import plan as mp
+    from logitless.trainer.memory.auto import model_memory, run_facts, setting_text
 
     c, shape = result.get("config"), record_shape(result)
     if shape is None or run.get("system") != "logitless" or not run.get("steps") or shape not in SHAPES:
@@ -466,8 +466,8 @@ def _plan_gib(c: dict[str, Any], shape: str, T: int, settings: dict[str, Any]) -
     """The plan's peak per phase (GiB) of a recorded bench_plan step: its config `c`, T and the settings it resolved
     (pinned)."""
     from logitless.trainer import load_train_config
-    from logitless.trainer import memory_plan as mp
-    from logitless.trainer.auto import resolve, setting_text
+    from logitless.trainer.memory import plan as mp
+    from logitless.trainer.memory.auto import resolve, setting_text
 
     a = argparse.Namespace(prompts=c["prompts"], G=c["G"])
     pinned = [f"{k}={setting_text(v)}" for k, v in settings.items()]

@@ -17,7 +17,7 @@ unless --no-checkpointing):
 Timing: CUDA events, median of --reps after one warm-up; peak = max_memory_allocated during a rep minus the
 memory before it. `gpu_busy` = summed kernel time / wall time of one profiled rep (torch.profiler): well under 1
 means the GPU waits for the CPU to launch kernels. MFU counts forward + backward FLOPs once, attention included,
-recompute not (logitless.trainer.accounting.update_flops), at the device's dense bf16 peak.
+recompute not (logitless.trainer.report.accounting.update_flops), at the device's dense bf16 peak.
 Attention runs with the trainer's sdpa backends (cuDNN's off: `model.cudnn_attention`); the numbers recorded before
 that change ran cuDNN's kernels, whose per-shape setup a repeated micro-batch does not show.
 
@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_e2e import commit, make_model_dir, versions  # noqa: E402
 from logitless.models import completion_logprobs  # noqa: E402
-from logitless.trainer.accounting import ModelShape, device_peaks, update_flops  # noqa: E402
-from logitless.trainer.config import ModelConfig  # noqa: E402
-from logitless.trainer.modeling import LoraCompute, attention_backends, load_model_and_tokenizer  # noqa: E402
+from logitless.trainer.report.accounting import ModelShape, device_peaks, update_flops  # noqa: E402
+from logitless.trainer.config.schema import ModelConfig  # noqa: E402
+from logitless.trainer.policy.modeling import LoraCompute, attention_backends, load_model_and_tokenizer  # noqa: E402
 
 VARIANTS = {
     "full": dict(lora=False),

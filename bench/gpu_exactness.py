@@ -9,13 +9,13 @@ Tiny random models (hidden 256, 4 layers, GPT-2's 50,257-token vocabulary, slidi
 
     hf                    transformers `generate` (the reference: its bf16 forward is the trainer's up to rounding)
     static                the static engine as a run with padded micro-batches builds it (compiled, step graph, Triton
-                          draw, decode attention `trainer.builders.decode_attention_for(packed=False)`: sdpa)
+                          draw, decode attention `trainer.placement.engines.decode_attention_for(packed=False)`: sdpa)
     static_no_step_graph  the same with rollout.step_graph=false (the forward alone a CUDA graph)
     static_eager          the same uncompiled (the eager decode; a diagnosis column, not a trainer setting)
     hf_lora               `hf` on a LoRA model (random adapters, B != 0): the reference of merged_lora
     merged_lora           the trainer's one-GPU LoRA decode weights (rollout/weights.py MergedLoraWeights: merged
                           in place, fused q/k/v and gate/up projections), static at its defaults
-    rollout_device        the trainer's replica for rollout.device (trainer/parallel.py RolloutCopy, fused
+    rollout_device        the trainer's replica for rollout.device (trainer/distributed/parallel.py RolloutCopy, fused
                           projections) on cuda:1 when there is one, else cuda:0, static at its defaults
     static_sdpa, static_matmul, static_triton
                           diagnosis columns: static with rollout.decode_attention=sdpa, =matmul or =triton
@@ -233,10 +233,10 @@ def mean_bound(r: Result, ref: Result) -> float:
 def engine_of(variant: str, model: torch.nn.Module, tok: Any) -> tuple[Any, Any]:
     """(engine, what it keeps alive) of `variant` decoding `model` (the trainer's model for that variant; off CUDA
     the static variants run eagerly and rollout_device's replica stays on the host)."""
-    from logitless.trainer.builders import make_rollout_engine
-    from logitless.trainer.config import RolloutConfig
+    from logitless.trainer.placement.engines import make_rollout_engine
+    from logitless.trainer.config.schema import RolloutConfig
 
-    from logitless.trainer.builders import decode_attention_for
+    from logitless.trainer.placement.engines import decode_attention_for
 
     padded = decode_attention_for(packed=False)  # what a run with padded micro-batches (as trainer_logprobs) decodes with
     if variant in ("hf", "hf_lora"):
@@ -252,7 +252,7 @@ def engine_of(variant: str, model: torch.nn.Module, tok: Any) -> tuple[Any, Any]
     if variant == "merged_lora":  # as trainer/context.py builds it on one GPU: in place, fused projections
         return make_rollout_engine(RolloutConfig(backend="static"), model, tok), None
     if variant == "rollout_device":  # as trainer/context.py builds it for rollout.device
-        from logitless.trainer.parallel import make_replica
+        from logitless.trainer.distributed.parallel import make_replica
 
         here = model.get_input_embeddings().weight.device
         device = torch.device("cuda", 1 if torch.cuda.device_count() > 1 else 0) if here.type == "cuda" else here
@@ -266,8 +266,8 @@ def engine_of(variant: str, model: torch.nn.Module, tok: Any) -> tuple[Any, Any]
 def trainer_logprobs(model: torch.nn.Module, batch: Any, temperature: float) -> torch.Tensor:
     """[B, T] fp32 on the host: `completion_logprobs` as the trainer's update computes it (LoRA under the default
     model.lora_compute, autocast in the model's dtype)."""
-    from logitless.trainer.config import ModelConfig
-    from logitless.trainer.modeling import LoraCompute
+    from logitless.trainer.config.schema import ModelConfig
+    from logitless.trainer.policy.modeling import LoraCompute
 
     device = model.get_input_embeddings().weight.device
     args = [x.to(device) for x in (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)]

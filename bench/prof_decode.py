@@ -8,7 +8,7 @@ call at the same shapes, one timed call, one call under torch.profiler (CUDA ker
 `--compile-mode MODE` (e.g. max-autotune) also times the decode step compiled with that torch.compile mode in the
 same process, to compare (the engine's own is "reduce-overhead"). `--fuse-projections` also times a copy of the
 model with fused QKV and gate-up projections (`logitless/rollout/fused.py`), before the plain model.
-Every timed engine also reports its share of the HBM ceiling (`trainer/accounting.py`, over the decode's own
+Every timed engine also reports its share of the HBM ceiling (`trainer/report/accounting.py`, over the decode's own
 seconds). `--fuse-baseline` makes the timed and profiled engine decode a copy with fused projections, as the
 trainer's merged decode weights do. The timed and profiled engine decodes with `--baseline-attention` (default
 matmul, named since the engine's own default, auto, takes the Triton kernel for bf16 on CUDA); `--length-buckets N`
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_rollout import make_model, make_prompts  # noqa: E402
 from logitless.rollout import SamplingOptions, make_engine  # noqa: E402
-from logitless.trainer.accounting import ModelShape, decode_ideal_seconds, device_peaks  # noqa: E402
+from logitless.trainer.report.accounting import ModelShape, decode_ideal_seconds, device_peaks  # noqa: E402
 
 
 def main() -> None:
@@ -101,7 +101,7 @@ def main() -> None:
 
     def timed(engine) -> dict:
         """Seconds of a call after a warm-up call at the same shapes (`s`), its rates, its share of the HBM
-        ceiling (`trainer/accounting.py`, the decode's own wall time), and the warm-up's seconds."""
+        ceiling (`trainer/report/accounting.py`, the decode's own wall time), and the warm-up's seconds."""
         t = time.perf_counter()
         engine.generate(prompts, opts)  # compiles and captures at these shapes
         torch.cuda.synchronize()

@@ -34,7 +34,7 @@ CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 def _looks_like_key(item: str) -> bool:
     """True for a dotted name of the config schema ('rollout.temperature', 'optim') that is not a file here."""
     from logitless.configlib import valid_keys
-    from logitless.trainer.config import TrainerConfig
+    from logitless.trainer.config.schema import TrainerConfig
 
     if Path(item).suffix in CONFIG_SUFFIXES or Path(item).exists():
         return False
@@ -85,7 +85,7 @@ def _run_config(path: str | None, flag: str) -> Path | None:
         return None
     from logitless.trainer import checkpoint as ckpt
     from logitless.trainer.rundir import run_dir_of_checkpoint
-    from logitless.trainer.runconfig import current_config
+    from logitless.trainer.config.files import current_config
 
     folder = run_dir_of_checkpoint(path)
     if not folder.is_dir():
@@ -111,7 +111,7 @@ def _run_config(path: str | None, flag: str) -> Path | None:
 
 def _load(items: list[str], run_dir: str | None, flag: str, config_flag: str | None = None):
     """The run's config (for --resume/--checkpoint) or the given CONFIG, else the embedded demo; then overrides."""
-    from logitless.trainer.config import load_train_config
+    from logitless.trainer.config.schema import load_train_config
     from logitless.trainer.demo import demo_config
 
     config, overrides = _split_args(items, config_flag)
@@ -141,18 +141,18 @@ def _dry_run(cfg, *, training: bool, ranks: int = 1) -> int:
     """Every check a run makes before its model loads, then the resolved config (stdout) and what was checked
     (stderr, one line each); for training, the settings "auto" decides on this machine and the memory plan
     (stderr, from the model's config), or on `ranks` > 1 (torchrun) the memory model's per-GPU peaks."""
-    from logitless.trainer.config import to_yaml
-    from logitless.trainer.parallel import World, check_distributed
-    from logitless.trainer.preflight import preflight
+    from logitless.trainer.config.schema import to_yaml
+    from logitless.trainer.distributed.parallel import World
+    from logitless.trainer.preflight import check_world, preflight
 
     if training:  # (config only: before the slower checks; one rank refuses a split rollout as a run does)
-        check_distributed(cfg, World(rank=0, size=ranks))
+        check_world(cfg, World(rank=0, size=ranks))
     checked = preflight(cfg, training=training)
     print(to_yaml(cfg), end="")
     for line in checked:
         print(f"checked: {line}", file=sys.stderr)
     if training:
-        from logitless.trainer.auto import print_dry_run
+        from logitless.trainer.memory.auto import print_dry_run
 
         print_dry_run(cfg, ranks=ranks)
     return 0
@@ -165,18 +165,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.ranks is not None and (args.ranks < 1 or not args.dry_run):
         args.command_parser.error(f"--ranks {args.ranks}: give a rank count of at least 1, with --dry-run")
     if args.dry_run:
-        from logitless.trainer.parallel import launched_world
+        from logitless.trainer.distributed.parallel import launched_world
 
         return _dry_run(cfg, training=True, ranks=args.ranks or launched_world().size)
     validate_config(cfg)
     from logitless.trainer.loop import train
-    from logitless.trainer.parallel import launched_world, shutdown
+    from logitless.trainer.distributed.parallel import launched_world, shutdown
     from logitless.trainer.rundir import restart_advice, run_dir_of_checkpoint
     from logitless.trainer.signals import StopNow
 
     if args.allow_config_change and args.resume is None:
         raise ConfigError("--allow-config-change goes with --resume: it lets a resumed run train with changed settings")
-    try:  # under torchrun: one rank of a sharded run (trainer/parallel.py)
+    try:  # under torchrun: one rank of a sharded run (trainer/distributed/parallel.py)
         result = train(cfg, resume=args.resume, overwrite=args.overwrite, allow_config_change=args.allow_config_change)
     except StopNow as e:  # its message was printed when the signal came
         _end_of_run(now=True)
@@ -218,7 +218,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from logitless.trainer.plot import plot_run
+    from logitless.trainer.report.plot import plot_run
 
     print(plot_run(args.run_dir, args.output))  # checks --output's folder and format before drawing
     return 0

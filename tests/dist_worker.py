@@ -27,8 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from logitless.rollout import RolloutBatch  # noqa: E402
 from logitless.rollout.episodes import EpisodeRecord  # noqa: E402
 from logitless.rollout.types import RolloutTiming  # noqa: E402
-from logitless.trainer import context, loop, offload  # noqa: E402
-from logitless.trainer.config import load_train_config  # noqa: E402
+from logitless.trainer import context, loop  # noqa: E402
+from logitless.trainer.policy import offload  # noqa: E402
+from logitless.trainer.config.schema import load_train_config  # noqa: E402
 from logitless.trainer.loop import train  # noqa: E402
 from tests.conftest import TINY_LORA_QUIET, tiny_qwen2  # noqa: E402
 from tests.episode_driver import ScriptedDriver  # noqa: E402
@@ -292,7 +293,7 @@ SHARED = ["rollout.backend=static", "train.max_steps=3", "objective.beta=0.04"]
 
 
 def shared_runs(out: Path, tok) -> None:
-    """rollout.device under torchrun (trainer/shared_rollout.py), against the same runs with a replica on every rank:
+    """rollout.device under torchrun (trainer/placement/shared_rollout.py), against the same runs with a replica on every rank:
     LoRA with an eval during training, full fine-tuning with uneven shares (3 prompts on 2 ranks), and async rollouts
     (uninterrupted, and stopped by SIGTERM to rank 0 after step 3's rollout and resumed)."""
     rank, here = int(os.environ["RANK"]), "cuda:2" if device().type == "cuda" else "cpu"
@@ -332,7 +333,7 @@ def shared_runs(out: Path, tok) -> None:
 def shared_failure(out: Path, tok) -> None:
     """Rank 0's decode process killed after step 1's rollout, under a shared rollout: step 2's rollout fails on
     every rank with the reason (none waits in a collective)."""
-    from logitless.trainer import rollout_worker
+    from logitless.trainer.placement import rollout_worker
 
     workers, init = [], rollout_worker.DecodeWorker.__init__
 

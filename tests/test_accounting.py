@@ -1,4 +1,4 @@
-"""The step accounting (trainer/accounting.py): FLOPs against torch's own FLOP counter on real forward/backward
+"""The step accounting (trainer/report/accounting.py): FLOPs against torch's own FLOP counter on real forward/backward
 passes, the decode-ceiling bytes against a step-by-step count, and the phase timer."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import transformers as tf
 from torch.utils.flop_counter import FlopCounterMode
 
 from logitless.models import completion_logprobs
-from logitless.trainer.accounting import ModelShape, PhaseTimer, decode_ideal_seconds, device_peaks, update_flops
+from logitless.trainer.report.accounting import ModelShape, PhaseTimer, decode_ideal_seconds, device_peaks, update_flops
 
 COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2)

@@ -1,4 +1,4 @@
-"""Settings left "auto" (trainer/auto.py): what each becomes on CPU and on CUDA, from the model's config alone."""
+"""Settings left "auto" (trainer/memory/auto.py): what each becomes on CPU and on CUDA, from the model's config alone."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from bench import bench_plan
-from logitless.trainer import auto
-from logitless.trainer.config import load_train_config
+from logitless.trainer.memory import auto
+from logitless.trainer.config.schema import load_train_config
 from logitless.trainer.demo import demo_config
 
 CUDA = torch.device("cuda")

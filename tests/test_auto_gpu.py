@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers as tf
 
-from logitless.trainer.config import load_train_config
+from logitless.trainer.config.schema import load_train_config
 from logitless.trainer.loop import train
 from tests.test_rollout_families import byte_tokenizer
 

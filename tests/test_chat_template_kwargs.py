@@ -7,10 +7,10 @@ import copy
 
 import pytest
 
-from logitless.trainer.config import load_train_config
+from logitless.trainer.config.schema import load_train_config
 from logitless.trainer.context import build_context
 from logitless.trainer.evaluate import eval_options
-from logitless.trainer.parallel import World
+from logitless.trainer.distributed.parallel import World
 from logitless.trainer.stages import rollout_stage
 from tests.conftest import TINY_LORA_QUIET, tiny_qwen2
 

@@ -12,8 +12,8 @@ import torch
 
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.builders import make_optimizer, make_scheduler
-from logitless.trainer.config import ModelConfig, OptimConfig
-from logitless.trainer.modeling import prepare_for_training, trainable_parameters
+from logitless.trainer.config.schema import ModelConfig, OptimConfig
+from logitless.trainer.policy.modeling import prepare_for_training, trainable_parameters
 from tests.conftest import tiny_qwen2
 
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from logitless.trainer import checkpoint as ckpt
-from logitless.trainer.config import ModelConfig
-from logitless.trainer.modeling import prepare_for_training
+from logitless.trainer.config.schema import ModelConfig
+from logitless.trainer.policy.modeling import prepare_for_training
 from tests.conftest import tiny_qwen2
 
 

@@ -17,8 +17,8 @@ import yaml
 from logitless.cli import main
 from logitless.rewards.builtin import extract_numeric_answer
 from logitless.trainer import checkpoint as ckpt
-from logitless.trainer import modeling
-from logitless.trainer.config import load_train_config
+from logitless.trainer.policy import modeling
+from logitless.trainer.config.schema import load_train_config
 from logitless.trainer.demo import demo_config
 from tests.conftest import subprocess_env, tiny_qwen2
 from tests.pngcheck import curve_cells
@@ -204,7 +204,7 @@ def test_config_dash_from_a_terminal_says_to_pipe(capsys, monkeypatch):
 
 
 def test_plot_output_is_checked_before_anything_is_drawn(tmp_path, capsys, monkeypatch):
-    from logitless.trainer import plot as plot_mod
+    from logitless.trainer.report import plot as plot_mod
 
     run = tmp_path / "run"
     run.mkdir()

@@ -11,7 +11,7 @@ import torch
 
 from logitless.data import load_task
 from logitless.rewards import code_tests, math_verify
-from logitless.trainer.config import load_train_config
+from logitless.trainer.config.schema import load_train_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,7 +61,7 @@ def test_example_configs_load():
     assert cfg.data.task == "gsm8k" and cfg.train.packed == "auto" and cfg.rollout.backend == "auto"
     # on a 24 GiB GPU, auto gives the measured fast settings of bench/LOG.md (the model's shape: no weights read)
     from bench.bench_plan import skeleton
-    from logitless.trainer.auto import resolve
+    from logitless.trainer.memory.auto import resolve
 
     fast = resolve(cfg, device=torch.device("cuda"), skeleton=skeleton("1.5b"), free_gib=24.0).cfg
     assert fast.rollout.backend == "static" and fast.train.packed is True and fast.model.compile_layers is True

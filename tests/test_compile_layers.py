@@ -13,8 +13,8 @@ from logitless.models.lm_head import decoder_layers
 from logitless.models.varlen import NAME as VARLEN
 from logitless.models.varlen import register as register_varlen_attention
 from logitless.rollout.weights import fresh_copy
-from logitless.trainer.config import ModelConfig
-from logitless.trainer.modeling import prepare_for_training, trainable_parameters
+from logitless.trainer.config.schema import ModelConfig
+from logitless.trainer.policy.modeling import prepare_for_training, trainable_parameters
 from tests.test_packing import batch, tiny
 
 

@@ -1,4 +1,4 @@
-"""docs/configuration.md is what `python -m logitless.trainer.config_docs` prints: every section and key of the
+"""docs/configuration.md is what `python -m logitless.trainer.config.docs` prints: every section and key of the
 config dataclasses with its type, default and the comments at its definition."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Literal
 
 from logitless.configlib import valid_keys
-from logitless.trainer import config_docs
-from logitless.trainer.config import TrainerConfig
+from logitless.trainer.config import docs as config_docs
+from logitless.trainer.config.schema import TrainerConfig
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 

@@ -111,7 +111,7 @@ def test_a_large_file_shows_progress_through_the_trainer_console(tmp_path, monke
     from rich.console import Console
 
     from logitless.trainer import builders
-    from logitless.trainer.config import DataConfig
+    from logitless.trainer.config.schema import DataConfig
 
     path = write_jsonl(tmp_path, [{"prompt": f"p{i}", "answer": str(i)} for i in range(5)])
     monkeypatch.setattr(builders, "BIG_FILE", 1)  # every file counts as large

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from logitless.trainer import checkpoint as ckpt
-from logitless.trainer.config import load_train_config
+from logitless.trainer.config.schema import load_train_config
 from logitless.trainer.loop import train
 from logitless.trainer.preflight import validate_config
 from tests.conftest import TINY_LORA_QUIET, reward_module, tiny_qwen2

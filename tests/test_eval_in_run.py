@@ -9,11 +9,11 @@ import pytest
 
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.builders import load_rows
-from logitless.trainer.config import load_train_config
+from logitless.trainer.config.schema import load_train_config
 from logitless.trainer.evaluate import evaluate
 from logitless.trainer.loop import train
-from logitless.trainer.modeling import prepare_for_training
-from logitless.trainer.plot import plot_run
+from logitless.trainer.policy.modeling import prepare_for_training
+from logitless.trainer.report.plot import plot_run
 from logitless.trainer.preflight import validate_config
 from tests.conftest import TINY_LORA_QUIET, reward_module, tiny_qwen2
 from tests.pngcheck import curve_cells

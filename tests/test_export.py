@@ -10,7 +10,7 @@ import torch
 
 from logitless.cli import main
 from logitless.models import completion_logprobs
-from logitless.trainer.config import load_train_config
+from logitless.trainer.config.schema import load_train_config
 from logitless.trainer.export import export_run, load_policy, run_config
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.loop import train

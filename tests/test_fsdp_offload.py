@@ -1,5 +1,5 @@
 """train.fsdp_offload: FSDP2 with CPU offload (ZeRO-3 offload), on one process through a 1-rank group it makes
-itself (trainer/fsdp_offload.py).
+itself (trainer/distributed/fsdp_offload.py).
 
 CPU (gloo): a step with the option leaves the same parameters and logs the same metrics as without it, for full
 fine-tuning (static backend's replica, reference copy, μ = 2, clipping, gradient checkpointing) and LoRA (hf
@@ -23,10 +23,10 @@ import torch.distributed as dist
 
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer import dcp
-from logitless.trainer.fsdp_offload import check_fsdp_offload
+from logitless.trainer.distributed.fsdp_offload import check_fsdp_offload
 from logitless.trainer.loop import train
-from logitless.trainer.fsdp_offload import reduces_host_tensors
-from logitless.trainer.parallel import init_distributed
+from logitless.trainer.distributed.fsdp_offload import reduces_host_tensors
+from logitless.trainer.distributed.parallel import init_distributed
 from tests import dist_worker as w
 from tests.test_parallel import close, weights
 

@@ -72,3 +72,32 @@ def test_no_import_cycles():
     graph = import_graph()
     assert "logitless.rollout.hf" in graph["logitless.rollout.factory"]  # the graph sees lazy imports
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+
+
+# The trainer's wings, lowest first: a module of a wing imports only from its own wing, wings listed before it and
+# the layers below the trainer; the trainer's own modules (the loop, its stages, checkpoints) import any wing.
+WINGS = ["config", "report", "policy", "distributed", "placement", "checks", "memory"]
+
+
+def _wing(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["logitless", "trainer"] and len(parts) > 3 else None
+
+
+def test_trainer_wings_import_down_only():
+    graph = import_graph()
+    up = []
+    for m, targets in graph.items():
+        w = _wing(m)
+        if w is None:
+            continue
+        for t in targets:
+            tw = _wing(t)
+            if t.startswith("logitless.trainer.") and (tw is None or WINGS.index(tw) > WINGS.index(w)):
+                up.append(f"{m} -> {t}")
+    assert not up, "a wing imports a wing above it or the trainer's own modules:\n" + "\n".join(sorted(up))
+
+
+def test_no_package_folder_holds_more_than_25_modules():
+    counts = {d: len(list(d.glob("*.py"))) for d in [ROOT, *(p.parent for p in ROOT.rglob("__init__.py"))]}
+    assert {str(d.relative_to(ROOT.parent)): n for d, n in counts.items() if n > 25} == {}

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from logitless.trainer.config import ModelConfig
-from logitless.trainer.modeling import LIGER_INSTALL_HINT, apply_liger_kernels, prepare_for_training, require_cuda_package
+from logitless.trainer.config.schema import ModelConfig
+from logitless.trainer.policy.modeling import LIGER_INSTALL_HINT, apply_liger_kernels, prepare_for_training, require_cuda_package
 from tests.conftest import subprocess_env
 from tests.test_packing import tiny
 
@@ -51,8 +51,8 @@ def test_install_hint_names_the_extra():
 SCRIPT = r"""
 import json, sys, torch
 from logitless.models import completion_logprobs
-from logitless.trainer.config import ModelConfig
-from logitless.trainer.modeling import prepare_for_training, trainable_parameters
+from logitless.trainer.config.schema import ModelConfig
+from logitless.trainer.policy.modeling import prepare_for_training, trainable_parameters
 from tests.test_packing import batch, tiny
 
 def run(liger):
@@ -94,7 +94,7 @@ def test_patched_forwards_run_only_outside_torch_compile(monkeypatch):
     import copy
     import types
 
-    from logitless.trainer.modeling import outside_compile
+    from logitless.trainer.policy.modeling import outside_compile
 
     model = tiny("qwen2")
     modeling = sys.modules[type(model).__module__]

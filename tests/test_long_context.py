@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from logitless.models import completion_logprobs
-from logitless.trainer import memory_plan as mp
+from logitless.trainer.memory import plan as mp
 from logitless.trainer.batching import make_micro_batches
-from logitless.trainer.config import ModelConfig
-from logitless.trainer.modeling import prepare_for_training, trainable_parameters
-from logitless.trainer.offload import ActivationOffload
+from logitless.trainer.config.schema import ModelConfig
+from logitless.trainer.policy.modeling import prepare_for_training, trainable_parameters
+from logitless.trainer.policy.offload import ActivationOffload
 from tests.test_packing import batch, tiny
 
 

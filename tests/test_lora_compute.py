@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from logitless.models import completion_logprobs
-from logitless.trainer.config import ModelConfig, load_train_config
+from logitless.trainer.config.schema import ModelConfig, load_train_config
 from logitless.trainer.loop import train
-from logitless.trainer.modeling import LoraCompute, prepare_for_training
+from logitless.trainer.policy.modeling import LoraCompute, prepare_for_training
 from tests.conftest import TINY_LORA_QUIET, tiny_qwen2
 from tests.test_trainer import VOCAB, tok  # noqa: F401 (fixture)
 

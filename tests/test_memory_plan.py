@@ -1,4 +1,4 @@
-"""The memory plan (trainer/memory_plan.py): its predictions against every recorded GPU run, the waves it plans
+"""The memory plan (trainer/memory/plan.py): its predictions against every recorded GPU run, the waves it plans
 against the static engine's own split, the fastest settings it picks for a budget, and the leaner settings of a
 retry."""
 
@@ -13,9 +13,9 @@ import torch
 
 from bench import bench_plan
 from logitless.rollout.kv_cache import wave_rows
-from logitless.trainer import memory_plan as mp
-from logitless.trainer.auto import model_memory, run_facts
-from logitless.trainer.config import load_train_config
+from logitless.trainer.memory import plan as mp
+from logitless.trainer.memory.auto import model_memory, run_facts
+from logitless.trainer.config.schema import load_train_config
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -99,7 +99,7 @@ def test_episode_cache_length_is_the_static_engine_s():
         step = mp.StepShape(prompts=1, rows=8, prompt_len=P, completion_len=T, episodes=True)
         assert step.cache_len == episode_cache_len(P, T, mp.CACHE_MULTIPLE)
     res = _qwen("1.5b", "agent.tools=[calculator]")[0]
-    from logitless.trainer.auto import step_shape
+    from logitless.trainer.memory.auto import step_shape
 
     assert step_shape(res, bench_plan.skeleton("1.5b")).episodes
 
@@ -222,7 +222,7 @@ def test_the_plan_tiles_the_mlp_only_where_nothing_untiled_fits():
 
 
 def test_auto_tiles_the_mlp_of_a_long_row_and_says_why():
-    from logitless.trainer.auto import resolve
+    from logitless.trainer.memory.auto import resolve
 
     over = ["rollout.max_completion_length=65536", "rollout.max_prompt_length=512", "train.prompts_per_step=1",
             "rollout.num_generations=2"]
@@ -288,7 +288,7 @@ def test_leaner_settings_after_an_out_of_memory_error():
 
 def test_per_step_prediction_uses_the_step_s_own_sizes():
     """A step with short prompts and small micro-batches is predicted below the plan's worst case."""
-    from logitless.trainer.oom import MemoryState, step_predictions
+    from logitless.trainer.memory.oom import MemoryState, step_predictions
 
     cfg, mem, step = _qwen()
     facts = run_facts(cfg, "static", "compiled", torch.device("cuda"))
@@ -317,7 +317,7 @@ def test_adapters_counted_from_the_config_are_peft_s(targets):
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from logitless.trainer.config import ModelConfig
+    from logitless.trainer.config.schema import ModelConfig
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

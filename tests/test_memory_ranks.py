@@ -1,4 +1,4 @@
-"""The per-GPU memory model on N ranks (trainer/memory_ranks.py): its predictions against the recorded 1- and 2-GPU
+"""The per-GPU memory model on N ranks (trainer/memory/ranks.py): its predictions against the recorded 1- and 2-GPU
 runs, what shrinks with the rank count and what does not, and the unit sizes it reads off a model; the scaling
 summary of bench/bench_fsdp.py (its runs themselves need torchrun: see its docstring)."""
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from bench import bench_fsdp
-from logitless.trainer import memory_plan as mp
-from logitless.trainer import memory_ranks as mr
-from logitless.trainer.auto import model_memory
-from logitless.trainer.config import load_train_config
+from logitless.trainer.memory import plan as mp
+from logitless.trainer.memory import ranks as mr
+from logitless.trainer.memory.auto import model_memory
+from logitless.trainer.config.schema import load_train_config
 from tests.conftest import tiny_qwen2
 
 # The recorded runs allow this much: every checked phase of every 1- and 2-GPU run is within it (the largest miss,
@@ -267,7 +267,7 @@ def test_torchrun_runs_resolve_the_per_gpu_memory_of_their_rank_count():
     """Under torchrun (world_size > 1) `resolve` makes no plan but gives the memory model's phases for the run's
     own settings, saved in resolved.json; one that cannot fit names the settings that make it leaner."""
     from bench.bench_plan import skeleton
-    from logitless.trainer import auto
+    from logitless.trainer.memory import auto
 
     model = skeleton("1.5b")
     over = ["rollout.max_completion_length=512", "rollout.max_prompt_length=200", "train.prompts_per_step=64",

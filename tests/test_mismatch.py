@@ -14,7 +14,7 @@ from logitless.objectives import merge_metrics
 from logitless.objectives.mismatch import mismatch_summary, sampler_mismatch
 from logitless.trainer import context
 from logitless.trainer.loop import train
-from logitless.trainer.metrics import MismatchReport, mismatch_causes
+from logitless.trainer.report.metrics import MismatchReport, mismatch_causes
 from tests import dist_worker as w
 
 KEYS = ("rollout/mismatch_mean", "rollout/mismatch_max", "rollout/mismatch_kl")

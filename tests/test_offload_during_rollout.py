@@ -1,5 +1,5 @@
 """train.offload_during_rollout: the training state the rollout does not read goes to host memory for the
-rollout and comes back bit for bit (trainer/offload.py ParkedState). CPU: the round trip, what is parked, the
+rollout and comes back bit for bit (trainer/policy/offload.py ParkedState). CPU: the round trip, what is parked, the
 storages really emptied while the rollout runs, lending parked storages back to a block (a replica's sync), and a
 run that trains exactly like one without it. The 2-rank runs with parameter shards parked are in
 tests/test_parallel.py and tests/test_tensor_parallel.py."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from logitless.rollout.hf import HFEngine
-from logitless.trainer.offload import ParkedState, optimizer_state
+from logitless.trainer.policy.offload import ParkedState, optimizer_state
 from tests.test_trainer import _cfg, _train, _untimed, rewards_module, tok  # noqa: F401 (fixtures)
 
 

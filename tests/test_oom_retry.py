@@ -1,4 +1,4 @@
-"""A step that runs out of memory is retried once with leaner settings from the same state (trainer/oom.py), and
+"""A step that runs out of memory is retried once with leaner settings from the same state (trainer/memory/oom.py), and
 the run ends exactly as a run without the fault (CPU, tiny model; the fault is a hook raising
 torch.OutOfMemoryError where the device would)."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from logitless.trainer import checkpoint as ckpt
-from logitless.trainer.config import load_train_config
+from logitless.trainer.config.schema import load_train_config
 from logitless.trainer.loop import train
 from tests.conftest import TINY_LORA_QUIET, reward_module, tiny_qwen2
 from tests.test_trainer import tok  # noqa: F401 (fixture: GPT-2, left padding, pad = EOS)
@@ -102,7 +102,7 @@ def test_a_retry_past_the_smallest_micro_batch_tiles_the_mlp(tmp_path, tok, rewa
     (model.mlp_chunk_tokens), kept for the rest of the run; the tiny rows are under one chunk, so the results are the
     clean run's bit for bit."""
     from logitless.models.tiled_mlp import mlp_chunk_tokens
-    from logitless.trainer import memory_plan as mp
+    from logitless.trainer.memory import plan as mp
 
     lean = ("train.max_steps=2", "model.gradient_checkpointing=true", "model.activation_offload=true")
     clean = _run(_cfg(tmp_path / "clean", *lean), tok)

@@ -17,7 +17,7 @@ from logitless.models.varlen import register as register_varlen_attention
 from logitless.models.varlen import row_boundaries
 from logitless.objectives import ObjectiveOptions, loss_normalizer, policy_loss
 from logitless.trainer.batching import make_micro_batches
-from logitless.trainer.modeling import check_packed_attention
+from logitless.trainer.policy.modeling import check_packed_attention
 
 V = 300
 FAMILIES = ["qwen2", "llama", "gpt2"]
@@ -200,7 +200,7 @@ def test_varlen_attention_gpu_matches_padded_with_gradients():
 
 def test_packed_run_loads_the_varlen_attention_unless_another_is_named():
     """train.packed with transformers' default sdpa would build a dense [S, S] mask: the run picks logitless_varlen."""
-    from logitless.trainer.config import load_train_config
+    from logitless.trainer.config.schema import load_train_config
     from logitless.trainer.context import model_config
 
     assert model_config(load_train_config(None, ["train.packed=true"])).attn_implementation == VARLEN

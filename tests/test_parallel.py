@@ -17,7 +17,8 @@ import torch
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer import dcp
 from logitless.trainer.loop import train
-from logitless.trainer.parallel import World, check_distributed, rank_share
+from logitless.trainer.preflight import check_world
+from logitless.trainer.distributed.parallel import World, rank_share
 from tests import dist_worker as w
 from tests.conftest import subprocess_env
 
@@ -348,20 +349,20 @@ def _cfg(*overrides):
 )
 def test_settings_that_cannot_run_on_several_ranks_are_refused(overrides, match):
     with pytest.raises(ValueError, match=match):
-        check_distributed(_cfg(*overrides), World(rank=0, size=2))
-    check_distributed(_cfg(*overrides), World())  # one process: no restriction
+        check_world(_cfg(*overrides), World(rank=0, size=2))
+    check_world(_cfg(*overrides), World())  # one process: no restriction
 
 
 @pytest.mark.parametrize("setting, fix", [("model.liger_kernels", "model.liger_kernels=false or rollout.tensor_parallel=1"),
                                           ("train.async_rollout", "rollout.tensor_parallel=1 .* or train.async_rollout=false")])
 def test_liger_kernels_and_async_rollouts_run_under_torchrun_with_a_replica_per_gpu_not_a_split_one(setting, fix):
-    check_distributed(_cfg(f"{setting}=true", "rollout.backend=static"), World(rank=0, size=2))
-    check_distributed(_cfg(f"{setting}=true", "rollout.backend=static"), World(rank=1, size=4))
+    check_world(_cfg(f"{setting}=true", "rollout.backend=static"), World(rank=0, size=2))
+    check_world(_cfg(f"{setting}=true", "rollout.backend=static"), World(rank=1, size=4))
     with pytest.raises(ValueError, match=rf"{setting}=true with rollout.tensor_parallel=2: .* set {fix}"):
-        check_distributed(_cfg(f"{setting}=true", "rollout.backend=static", "rollout.tensor_parallel=2"),
+        check_world(_cfg(f"{setting}=true", "rollout.backend=static", "rollout.tensor_parallel=2"),
                           World(rank=0, size=2))
     if setting == "model.liger_kernels":  # (the hf rollout decodes from the sharded model: Liger runs there too)
-        check_distributed(_cfg("model.liger_kernels=true", "rollout.backend=hf"), World(rank=1, size=4))
+        check_world(_cfg("model.liger_kernels=true", "rollout.backend=hf"), World(rank=1, size=4))
 
 
 def test_rank_shares_are_contiguous_and_cover_the_step():
@@ -386,7 +387,7 @@ def test_a_replica_sync_all_gathers_one_fsdp_unit_at_a_time(monkeypatch):
     from peft import LoraConfig, get_peft_model
     from torch.distributed.fsdp import FSDPModule
 
-    from logitless.trainer.parallel import make_replica, shard_model
+    from logitless.trainer.distributed.parallel import make_replica, shard_model
     from tests.conftest import tiny_qwen2
 
     unshards: list[str] = []

@@ -9,7 +9,7 @@ import torch
 
 from logitless.rollout import make_engine
 from logitless.rollout.weights import lora_layers
-from logitless.trainer.parallel import MergedRolloutCopy, RolloutCopy, make_replica
+from logitless.trainer.distributed.parallel import MergedRolloutCopy, RolloutCopy, make_replica
 
 from tests.test_rollout_families import TOK
 from tests.test_rollout_weights import OPTS, PROMPTS, TARGETS, lora_model, peft_logprobs, perturb

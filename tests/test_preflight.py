@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from logitless.cli import main
-from logitless.trainer.config import load_train_config
+from logitless.trainer.config.schema import load_train_config
 from tests.conftest import tiny_qwen2
 
 context_mod = importlib.import_module("logitless.trainer.context")
@@ -138,7 +138,7 @@ def test_dry_run_of_packed_training_checks_the_varlen_attention(tmp_path, model_
 
 
 def test_a_prompt_limit_beyond_the_positions_is_reported_not_refused():
-    from logitless.trainer.model_checks import check_positions
+    from logitless.trainer.checks.model import check_positions
 
     # the rollout limits prompts to the positions the completion leaves, and every prompt is checked before training
     line = check_positions(512, 100, 512, prompt_key="rollout.max_prompt_length",

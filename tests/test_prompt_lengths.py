@@ -17,7 +17,7 @@ from transformers import Qwen2Config
 from logitless.data import PromptRow
 from logitless.rollout import SamplingOptions
 from logitless.rollout.engine import encode_prompts
-from logitless.trainer.prompt_lengths import check_prompt_lengths, token_bound
+from logitless.trainer.checks.prompt_lengths import check_prompt_lengths, token_bound
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

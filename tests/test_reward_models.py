@@ -12,7 +12,7 @@ import torch
 
 from logitless.rewards import RewardFunctionError, get_reward_fn, score_completions
 from logitless.rewards.models import Judge, RewardModel
-from logitless.trainer.config import load_train_config
+from logitless.trainer.config.schema import load_train_config
 from logitless.trainer.loop import train
 from logitless.trainer.preflight import validate_config
 from tests.conftest import TINY_LORA_QUIET, reward_module, tiny_qwen2
@@ -221,7 +221,7 @@ def test_reward_model_and_judge_run_in_bf16_on_the_gpu(saved):
 
 
 def test_a_missing_reward_model_is_refused_before_anything_loads(tmp_path, monkeypatch):
-    from logitless.trainer.sources import SourceError, check_sources
+    from logitless.trainer.checks.sources import SourceError, check_sources
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     missing = tmp_path / "nowhere" / "rm"

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from logitless.rewards import RewardFunctionError, get_reward_fn, score_completions
-from logitless.trainer.config import ConfigError, load_train_config
+from logitless.trainer.config.schema import ConfigError, load_train_config
 from tests.test_rundir import _e2e_cfg, _tiny_train, tok  # noqa: F401  (fixture)
 
 PROMPTS = ["1 + 1 ="] * 4

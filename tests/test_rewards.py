@@ -241,7 +241,7 @@ def test_the_row_fields_each_reward_reads():
 
 
 def test_a_reward_that_is_none_for_every_sample_is_warned_once():
-    from logitless.trainer.metrics import RewardNoneReport
+    from logitless.trainer.report.metrics import RewardNoneReport
 
     shown = []
     report = RewardNoneReport(shown.append)

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from logitless.trainer import checkpoint as ckpt
-from logitless.trainer.config import load_train_config
-from logitless.trainer.parallel import World, check_distributed, copy_to, make_replica
+from logitless.trainer.config.schema import load_train_config
+from logitless.trainer.distributed.parallel import World, check_distributed, copy_to, make_replica
 from logitless.trainer.preflight import validate_config
 from tests.conftest import tiny_qwen2
 from tests.test_trainer import VOCAB, _cfg, _train, _untimed, rewards_module, tok  # noqa: F401 (fixtures)
@@ -152,7 +152,7 @@ def test_async_needs_no_merged_lora_copy_with_a_replica_but_does_without():
 
 
 def test_torchrun_takes_a_rollout_device_no_rank_trains_on_and_refuses_a_training_gpu():
-    """Under torchrun rollout.device is the shared rollout GPU (trainer/shared_rollout.py, tests/test_shared_rollout.py):
+    """Under torchrun rollout.device is the shared rollout GPU (trainer/placement/shared_rollout.py, tests/test_shared_rollout.py):
     a GPU a rank trains on is refused, naming the fix."""
     cfg = load_train_config(None, ["rollout.backend=static", "rollout.device=cpu", "train.prompts_per_step=2",
                                    "model.device=cpu"])

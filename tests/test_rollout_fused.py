@@ -157,7 +157,7 @@ def test_merged_lora_weights_fused_decode_the_same_tokens(family, mode, one_thre
 
 
 def test_replica_fuses_its_copy_and_a_sync_by_name_fills_the_groups(one_thread):
-    from logitless.trainer.parallel import RolloutCopy
+    from logitless.trainer.distributed.parallel import RolloutCopy
 
     model = make_model("qwen2")
     replica = RolloutCopy(model, fuse=True)
@@ -172,8 +172,8 @@ def test_replica_fuses_its_copy_and_a_sync_by_name_fills_the_groups(one_thread):
 
 
 def test_fuse_projections_true_is_refused_where_nothing_can_fuse(one_thread):
-    from logitless.trainer.builders import make_rollout_engine
-    from logitless.trainer.config import RolloutConfig
+    from logitless.trainer.placement.engines import make_rollout_engine
+    from logitless.trainer.config.schema import RolloutConfig
 
     with pytest.raises(ValueError, match=r"rollout\.fuse_projections=True needs rollout\.backend=static"):
         RolloutConfig(backend="hf", fuse_projections=True)

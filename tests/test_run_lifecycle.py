@@ -17,10 +17,10 @@ import yaml
 from logitless.cli import main
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer import loop as loop_mod
-from logitless.trainer.config import load_train_config, to_yaml
-from logitless.trainer.metrics import read_metrics
+from logitless.trainer.config.schema import load_train_config, to_yaml
+from logitless.trainer.report.metrics import read_metrics
 from logitless.trainer.rundir import LOCK_FILE, RunDirError, claim_run_dir
-from logitless.trainer.runconfig import current_config
+from logitless.trainer.config.files import current_config
 from tests.test_cli import _config, tiny_folder  # noqa: F401  (fixture)
 from tests.test_rundir import (  # noqa: F401  (fixtures)
     _cli,
@@ -192,7 +192,7 @@ def test_an_allowed_change_keeps_the_config_and_saves_the_new_one_beside_it(tmp_
 
 
 def test_which_keys_may_change_on_resume():
-    from logitless.trainer.runconfig import changes_training
+    from logitless.trainer.config.files import changes_training
 
     cfg = load_train_config()
     assert not changes_training("train.max_steps", cfg)  # constant schedule: only how long the run goes

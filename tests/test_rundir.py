@@ -24,10 +24,10 @@ import yaml
 from logitless.cli import main
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer import loop as loop_mod
-from logitless.trainer.config import load_train_config, to_yaml
+from logitless.trainer.config.schema import load_train_config, to_yaml
 from logitless.trainer.demo import demo_config
-from logitless.trainer.metrics import RewardErrorReport, read_metrics
-from logitless.trainer.modeling import prepare_for_training
+from logitless.trainer.report.metrics import RewardErrorReport, read_metrics
+from logitless.trainer.policy.modeling import prepare_for_training
 from logitless.trainer.preflight import validate_config
 from logitless.trainer.rundir import LOCK_FILE, RunDirError, claim_run_dir
 from tests.conftest import start_with_sigint, subprocess_env, tiny_qwen2
@@ -137,7 +137,7 @@ def test_overwrite_never_clears_foreign_files(tmp_path, capsys, no_model_load):
 
 LOCK_HOLDER = """
 import sys
-from logitless.trainer.config import load_train_config, to_yaml
+from logitless.trainer.config.schema import load_train_config, to_yaml
 from logitless.trainer.rundir import claim_run_dir
 run = claim_run_dir(load_train_config(None, [f"train.output_dir={sys.argv[1]}"]))
 print("locked", flush=True)
@@ -250,11 +250,11 @@ def test_truncated_last_metrics_line_is_dropped_with_a_warning(earlier_run, tmp_
     path.write_text(path.read_text() + '{"step": 3, "lo')
     with pytest.warns(UserWarning, match=r"metrics.jsonl: dropping its last line 3, which is incomplete"):
         assert [r["step"] for r in read_metrics(earlier_run)] == [1, 2]
-    from logitless.trainer.plot import plot_run
+    from logitless.trainer.report.plot import plot_run
 
     with pytest.warns(UserWarning, match="incomplete"):
         assert plot_run(earlier_run, tmp_path / "c.png").is_file()
-    from logitless.trainer.metrics import MetricsLogger
+    from logitless.trainer.report.metrics import MetricsLogger
 
     with pytest.warns(UserWarning, match="incomplete"):  # --resume from step 2 keeps steps 1-2, drops the tail
         MetricsLogger(earlier_run, tensorboard=False, progress=False, resume_step=2).close()
@@ -350,7 +350,8 @@ def test_a_folder_given_as_config_file(earlier_run, capsys):
 
 def test_prompt_length_error_names_config_keys_only(gpt2_tokenizer):
     from logitless.data import PromptRow
-    from logitless.trainer.builders import check_prompt_lengths, sampling_options
+    from logitless.trainer.builders import check_prompt_lengths
+    from logitless.trainer.placement.engines import sampling_options
 
     cfg = demo_config(["rollout.max_prompt_length=4"])
     model = tiny_qwen2(vocab_size=50_257, hidden=16, layers=1)

@@ -1,4 +1,4 @@
-"""rollout.device under torchrun (trainer/shared_rollout.py): rank 0 decodes every rank's prompts on a device no rank
+"""rollout.device under torchrun (trainer/placement/shared_rollout.py): rank 0 decodes every rank's prompts on a device no rank
 trains on and hands each rank its rows. Against the same runs where every rank decodes its own share from a replica of
 its own (same seeds, so the same samples): the same metrics and weights, LoRA with an eval, full fine-tuning with
 uneven shares, async rollouts with an exact resume; a failed decode ending every rank; refusals; the memory model's
@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from logitless.trainer import dcp
-from logitless.trainer import memory_plan as mp
-from logitless.trainer import memory_ranks as mr
-from logitless.trainer.parallel import World, check_distributed
-from logitless.trainer.shared_rollout import check_shared_rollout
-from logitless.trainer.auto import model_memory
-from logitless.trainer.config import load_train_config
+from logitless.trainer.memory import plan as mp
+from logitless.trainer.memory import ranks as mr
+from logitless.trainer.distributed.parallel import World, check_distributed
+from logitless.trainer.placement.shared_rollout import check_shared_rollout
+from logitless.trainer.memory.auto import model_memory
+from logitless.trainer.config.schema import load_train_config
 from tests import dist_worker as w
 from tests.conftest import tiny_qwen2
 from tests.test_parallel import close, torchrun, weights
@@ -163,9 +163,9 @@ def test_the_decode_process_decodes_what_an_engine_in_this_process_decodes(tok_d
     import types
 
     from logitless.models.lm_head import decoder_layers
-    from logitless.trainer import modeling
-    from logitless.trainer.builders import make_rollout_engine, sampling_options
-    from logitless.trainer.rollout_worker import DecodeWorker
+    from logitless.trainer.policy import modeling
+    from logitless.trainer.placement.engines import make_rollout_engine, sampling_options
+    from logitless.trainer.placement.rollout_worker import DecodeWorker
 
     tok, cfg = w.tokenizer(tok_dir), w.config("unused", "rollout.backend=static").rollout
     options = sampling_options(cfg, seed=11, chat_template_kwargs=None)

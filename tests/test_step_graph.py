@@ -127,7 +127,7 @@ def test_the_steps_bookkeeping_syncs_nothing_with_many_stop_ids():
 
 
 def test_refused_where_one_graph_cannot_serve_every_step(models):
-    from logitless.trainer.config import load_train_config
+    from logitless.trainer.config.schema import load_train_config
 
     model = models("llama")
     with pytest.raises(ValueError, match=r"rollout\.step_graph=true captures one decode step .* set rollout\.length_buckets=1, or"):
@@ -153,7 +153,7 @@ def test_auto_keeps_the_loop_off_cuda_and_with_filters(models):
 
 def test_auto_captures_an_uncompiled_step_on_cuda_only_where_asked(models):
     """step_graph unset on CUDA: the compiled decode's step is captured; an uncompiled one only with capture_eager
-    (a tensor-parallel group's: trainer/tensor_parallel.py), and never with filters or step_graph=false. (The
+    (a tensor-parallel group's: trainer/placement/tensor_parallel.py), and never with filters or step_graph=false. (The
     decision only: no GPU is touched.)"""
     cuda = torch.device("cuda")
     eng = make_engine("static", models("llama"), TOK, compile=False)

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from logitless.objectives import AdvantageOutput
-from logitless.trainer.config import load_train_config
+from logitless.trainer.config.schema import load_train_config
 from logitless.trainer.context import build_context
 from logitless.trainer.dynamic import select_rows, select_scores
 from logitless.trainer.loop import train
-from logitless.trainer.modeling import trainable_parameters
-from logitless.trainer.parallel import World
+from logitless.trainer.policy.modeling import trainable_parameters
+from logitless.trainer.distributed.parallel import World
 from logitless.trainer.stages import Rollout, Scored, logprob_stage, plan_update, rollout_stage, score_stage, update_stage
 from tests.conftest import TINY_LORA_QUIET, reward_module, tiny_qwen2
 from tests.test_trainer import tok  # noqa: F401 (fixture: GPT-2, left padding, pad = EOS)

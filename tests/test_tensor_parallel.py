@@ -17,8 +17,9 @@ import torch
 
 from logitless.rollout import SamplingOptions, make_engine
 from logitless.trainer.loop import train
-from logitless.trainer.parallel import World, check_distributed, rank_seed, rank_share
-from logitless.trainer.tensor_parallel import check_tensor_parallel, family_refusal, prompt_rows
+from logitless.trainer.preflight import check_world
+from logitless.trainer.distributed.parallel import World, rank_seed, rank_share
+from logitless.trainer.placement.tensor_parallel import check_tensor_parallel, family_refusal, prompt_rows
 from tests import tp_worker
 from tests.test_parallel import close, torchrun, weights
 from tests.test_rollout_families import TOK, make_model
@@ -167,7 +168,7 @@ def test_the_split_rollout_in_bf16_is_as_close_to_the_trainer_as_one_rank(two_ra
 def test_a_partial_product_on_cuda_keeps_the_fp32_sum_of_its_bf16_inputs():
     """`partial_product` on CUDA (a bf16 GEMM with an fp32 output), eager and compiled: the fp32 product of the bf16
     inputs, within fp32 accumulation (a bf16 output would be 2**-9 off)."""
-    from logitless.trainer.tp_styles import partial_product
+    from logitless.trainer.placement.tp_styles import partial_product
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(3, 5, 1536, device="cuda", generator=g).to(torch.bfloat16)
@@ -303,7 +304,7 @@ def _cfg(*overrides):
 )
 def test_settings_the_split_rollout_cannot_run_are_refused(overrides, size, match):
     with pytest.raises(ValueError, match=match):
-        check_distributed(_cfg(*overrides, "train.prompts_per_step=12"), World(rank=0, size=size))
+        check_world(_cfg(*overrides, "train.prompts_per_step=12"), World(rank=0, size=size))
 
 
 def test_the_hf_backend_and_a_split_of_zero_are_refused_in_the_config():
@@ -312,7 +313,7 @@ def test_the_hf_backend_and_a_split_of_zero_are_refused_in_the_config():
     with pytest.raises(ValueError, match=r"rollout.tensor_parallel must be > 0, got 0"):
         _cfg("rollout.tensor_parallel=0")
     check_tensor_parallel(_cfg("rollout.backend=hf"), 2)  # 1: nothing to split
-    from logitless.trainer.auto import rollout_backend
+    from logitless.trainer.memory.auto import rollout_backend
 
     backend, why = rollout_backend(_cfg("rollout.tensor_parallel=2"), torch.device("cpu"), None)
     assert backend == "static" and "rollout.tensor_parallel" in why  # backend auto: the engine that splits
@@ -337,7 +338,7 @@ def test_models_the_split_cannot_run_are_refused_naming_the_key():
 
 def test_the_model_check_before_loading_refuses_a_split_the_model_cannot_take():
     """preflight's model check (the config and a meta skeleton, no weights) names the key and the sizes that work."""
-    from logitless.trainer.model_checks import check_model
+    from logitless.trainer.checks.model import check_model
     from tests.test_rollout_families import FAMILIES
 
     config = FAMILIES["llama"][0]()  # 4 query heads, 2 KV heads
@@ -390,10 +391,10 @@ def test_the_memory_model_counts_a_split_replica_per_rank():
     rollout.tensor_parallel=2: half the replica on each rank; the KV cache of the group's rows (twice the rank's)
     at half the KV heads, the same bytes; the sampler's buffers of the group's rows over half the vocabulary, the
     same bytes; the update's working set with half the replica mapped, the rest of it unchanged."""
-    from logitless.trainer import memory_plan as mp
-    from logitless.trainer import memory_ranks as mr
-    from logitless.trainer.auto import model_memory
-    from logitless.trainer.config import load_train_config
+    from logitless.trainer.memory import plan as mp
+    from logitless.trainer.memory import ranks as mr
+    from logitless.trainer.memory.auto import model_memory
+    from logitless.trainer.config.schema import load_train_config
     from tests.conftest import tiny_qwen2
 
     model = tiny_qwen2(vocab_size=1000, hidden=64, layers=3, tie=False).to(torch.bfloat16)  # 4 heads, 2 KV heads

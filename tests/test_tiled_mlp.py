@@ -20,8 +20,8 @@ import transformers as tf
 from logitless.models import completion_logprobs
 from logitless.models import tiled_mlp as tm
 from logitless.models.lm_head import decoder_layers
-from logitless.trainer.config import ModelConfig
-from logitless.trainer.modeling import prepare_for_training, trainable_parameters
+from logitless.trainer.config.schema import ModelConfig
+from logitless.trainer.policy.modeling import prepare_for_training, trainable_parameters
 from tests.conftest import subprocess_env
 from tests.test_packing import batch, tiny
 
@@ -228,8 +228,8 @@ def test_models_without_a_dense_gated_mlp_and_bad_sizes_are_refused():
 
 
 def test_preflight_refuses_tiling_a_model_it_cannot_tile():
-    from logitless.trainer.config import load_train_config
-    from logitless.trainer.model_checks import check_model
+    from logitless.trainer.config.schema import load_train_config
+    from logitless.trainer.checks.model import check_model
 
     model = tiny("gpt2")
     cfg = load_train_config(None, ["model.mlp_chunk_tokens=4096", "model.device=cpu"])
@@ -327,8 +327,8 @@ def test_tiled_bf16_on_cuda_is_as_close_to_fp32_as_the_untiled_model():
 LIGER = r"""
 import json, sys, torch
 from logitless.models import completion_logprobs
-from logitless.trainer.config import ModelConfig
-from logitless.trainer.modeling import prepare_for_training, trainable_parameters
+from logitless.trainer.config.schema import ModelConfig
+from logitless.trainer.policy.modeling import prepare_for_training, trainable_parameters
 from tests.test_packing import batch, tiny
 
 def run(liger, chunk):

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from logitless.trainer import tracking
-from logitless.trainer.config import load_train_config
+from logitless.trainer.report import tracking
+from logitless.trainer.config.schema import load_train_config
 from logitless.trainer.loop import train
 from logitless.trainer.preflight import validate_config
 from tests.conftest import tiny_qwen2

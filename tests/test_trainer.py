@@ -15,7 +15,7 @@ import torch
 
 from logitless.rewards import RewardFunctionError
 from logitless.trainer import checkpoint as ckpt
-from logitless.trainer.config import load_train_config
+from logitless.trainer.config.schema import load_train_config
 from logitless.trainer.loop import train
 from tests.conftest import TINY_LORA_QUIET, sigint_handler, tiny_qwen2
 from tests.pngcheck import curve_cells

@@ -189,7 +189,7 @@ def test_an_environment_reward_alone_needs_no_reward_function(monkeypatch):
     current folder, as `python -m` would); without an environment an empty list is refused, naming the key."""
     from pathlib import Path
 
-    from logitless.trainer.config import load_train_config
+    from logitless.trainer.config.schema import load_train_config
 
     root = Path(__file__).resolve().parents[1]
     monkeypatch.chdir(root)

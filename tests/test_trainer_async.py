@@ -89,7 +89,7 @@ def test_a_compile_on_one_thread_does_not_fail_a_compiled_call_on_the_other():
     Here the main thread is inside a real FX trace while the rollout runs a compiled function and finishes."""
     from logitless.data import PromptRow, PromptSampler
     from logitless.rollout import SamplingOptions
-    from logitless.trainer.async_rollout import AsyncRollout
+    from logitless.trainer.placement.async_rollout import AsyncRollout
 
     double = torch.compile(lambda x: x * 2, backend="eager")
 
@@ -144,7 +144,7 @@ def test_async_rollout_runs_on_a_high_priority_stream():
     decode kernels before the update's), not on the default stream."""
     from logitless.data import PromptRow, PromptSampler
     from logitless.rollout import SamplingOptions
-    from logitless.trainer.async_rollout import ROLLOUT_STREAM_PRIORITY, AsyncRollout
+    from logitless.trainer.placement.async_rollout import ROLLOUT_STREAM_PRIORITY, AsyncRollout
 
     seen = []
 

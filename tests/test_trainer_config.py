@@ -9,10 +9,10 @@ import torch
 
 from logitless.configlib import ConfigError
 from logitless.objectives import ObjectiveOptions
-from logitless.trainer import modeling
+from logitless.trainer.policy import modeling
 from logitless.trainer.batching import make_micro_batches
 from logitless.trainer.builders import lr_factor
-from logitless.trainer.config import ModelConfig, OptimConfig, TrainerConfig, load_train_config, to_yaml
+from logitless.trainer.config.schema import ModelConfig, OptimConfig, TrainerConfig, load_train_config, to_yaml
 from logitless.trainer.demo import DEMO, demo_config
 from tests.conftest import tiny_qwen2
 

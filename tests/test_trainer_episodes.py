@@ -22,11 +22,11 @@ from logitless.objectives import (
     merge_metrics,
     policy_loss,
 )
-from logitless.trainer.builders import sampling_options
-from logitless.trainer.auto import resolve
-from logitless.trainer.config import load_train_config
+from logitless.trainer.placement.engines import sampling_options
+from logitless.trainer.memory.auto import resolve
+from logitless.trainer.config.schema import load_train_config
 from logitless.trainer.context import build_context
-from logitless.trainer.parallel import World
+from logitless.trainer.distributed.parallel import World
 from logitless.trainer.stages import Rollout, Scored, logprob_stage, micro_batch_backward, plan_update
 from tests.conftest import TINY_LORA_QUIET
 from tests.episode_driver import ScriptedDriver

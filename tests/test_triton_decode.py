@@ -164,7 +164,7 @@ def test_an_engine_on_cpu_resolves_auto_to_the_matmul_path(tiny_qwen2_model, gpt
 
 
 def test_the_option_needs_the_static_backend():
-    from logitless.trainer.config import load_train_config
+    from logitless.trainer.config.schema import load_train_config
 
     with pytest.raises(ValueError, match=r"rollout\.decode_attention='triton' needs rollout\.backend=static"):
         load_train_config(None, ["rollout.backend=hf", "rollout.decode_attention=triton"])

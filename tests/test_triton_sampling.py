@@ -193,7 +193,7 @@ def test_an_engine_refuses_the_kernel_on_cpu(tiny_qwen2_model, gpt2_tokenizer):
 
 
 def test_the_option_needs_the_static_backend():
-    from logitless.trainer.config import load_train_config
+    from logitless.trainer.config.schema import load_train_config
 
     with pytest.raises(ValueError, match=r"rollout\.sampler_kernel='triton' needs rollout\.backend=static"):
         load_train_config(None, ["rollout.backend=hf", "rollout.sampler_kernel=triton"])

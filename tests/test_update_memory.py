@@ -21,16 +21,16 @@ from logitless.trainer.builders import (
     make_scheduler,
     sync_offloaded_params,
 )
-from logitless.trainer.config import ModelConfig, OptimConfig, load_train_config
-from logitless.trainer.modeling import (
+from logitless.trainer.config.schema import ModelConfig, OptimConfig, load_train_config
+from logitless.trainer.policy.modeling import (
     QLORA_INSTALL_HINT,
     load_model,
     prepare_for_training,
     require_cuda_package,
     trainable_parameters,
 )
-from logitless.trainer import offload as offload_module
-from logitless.trainer.offload import ActivationOffload
+from logitless.trainer.policy import offload as offload_module
+from logitless.trainer.policy.offload import ActivationOffload
 from tests.test_packing import batch, tiny
 from tests.test_trainer import _cfg, _lora, _train, rewards_module, tok  # noqa: F401 (fixtures)
 
@@ -165,7 +165,7 @@ def test_model_shape_counts_4bit_weights_by_their_own_shape():
     """MFU counts a QLoRA weight's FLOPs from its real shape; bitsandbytes stores it packed (4 values per bf16)."""
     from types import SimpleNamespace
 
-    from logitless.trainer.accounting import ModelShape
+    from logitless.trainer.report.accounting import ModelShape
 
     model = tiny("qwen2")
     before = ModelShape.of(model)

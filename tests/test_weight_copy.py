@@ -312,7 +312,7 @@ def test_every_mode_samples_what_a_resident_copy_samples_and_in_place_saves_the_
 @gpu
 @needs_cuda
 def test_the_phase_clock_counts_mapped_memory_in_the_phase_that_mapped_it():
-    from logitless.trainer.accounting import PhaseTimer
+    from logitless.trainer.report.accounting import PhaseTimer
 
     timer = PhaseTimer(torch.device("cuda"))
     mem = sleep.SleepableMemory([torch.zeros(2**24, device="cuda")])  # 64 MiB
@@ -347,9 +347,9 @@ def test_qlora_decodes_from_a_dequantized_merged_copy(tmp_path):
     pytest.importorskip("bitsandbytes")
     from logitless.rollout import SamplingOptions, make_engine
     from logitless.rollout.weights import in_place_refusal
-    from logitless.trainer.builders import weight_copy
-    from logitless.trainer.config import ModelConfig, RolloutConfig
-    from logitless.trainer.modeling import load_model, prepare_for_training
+    from logitless.trainer.placement.engines import weight_copy
+    from logitless.trainer.config.schema import ModelConfig, RolloutConfig
+    from logitless.trainer.policy.modeling import load_model, prepare_for_training
     from tests.test_rollout_budget_gpu import MAX_TOL, MEAN_TOL, PROMPTS, TOK, logp_diff, model
 
     model().save_pretrained(tmp_path / "m")

@@ -38,8 +38,8 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 
 from logitless.rollout import SamplingOptions, make_engine, step_graph  # noqa: E402
 from logitless.rollout.weights import LiveWeights, MergedLoraWeights  # noqa: E402
-from logitless.trainer.parallel import World, rank_seed, rank_share, shard_model  # noqa: E402
-from logitless.trainer.tensor_parallel import TensorParallelCopy, group_decode, local, local_bytes, tp_mesh  # noqa: E402
+from logitless.trainer.distributed.parallel import World, rank_seed, rank_share, shard_model  # noqa: E402
+from logitless.trainer.placement.tensor_parallel import TensorParallelCopy, group_decode, local, local_bytes, tp_mesh  # noqa: E402
 from tests.test_rollout_families import TOK  # noqa: E402
 
 # 8 query heads, 4 KV heads, MLP width 64: split over 2 or 4 ranks; the byte vocabulary (258) splits unevenly over 4
@@ -359,7 +359,7 @@ def parked_sync(replica: TensorParallelCopy, sharded: torch.nn.Module) -> dict:
     exactly those it was lent (one FSDP unit's), and whether all are parked again after the sync."""
     from contextlib import contextmanager
 
-    from logitless.trainer.offload import ParkedState
+    from logitless.trainer.policy.offload import ParkedState
 
     params = list(sharded.parameters())
     resident = lambda: {id(p) for p in params if local(p).untyped_storage().nbytes() > 0}  # noqa: E731
@@ -484,7 +484,7 @@ def plain_rowwise() -> None:
     replica did before it summed them in fp32: a measurement's "before"."""
     from torch.distributed.tensor.parallel import RowwiseParallel
 
-    from logitless.trainer import tensor_parallel as tp
+    from logitless.trainer.placement import tensor_parallel as tp
 
     split = tp.style
     tp.style = lambda name: RowwiseParallel() if name == "rowwise" else split(name)

@@ -1,5 +1,5 @@
 """The token draw over a vocabulary split across a group of processes (the tensor-parallel rollout's lm_head split
-by vocabulary rows, `trainer/tensor_parallel.py`): each process holds the logits of its own token ids only, and no
+by vocabulary rows, `trainer/placement/tensor_parallel.py`): each process holds the logits of its own token ids only, and no
 [B, V] tensor is gathered.
 
 The static engine's unfiltered draw (`sampling.py`) is a Gumbel-max race, argmax over v of z[v] + g(key, v) with

@@ -1,11 +1,18 @@
 """Micro-batches of a rollout for the training passes: rows sorted by length, padding columns trimmed, split by
-row count or by a token budget."""
+row count or by a token budget; the padding passes of a rank with fewer micro-batches than another."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+import torch.distributed as dist
+from torch import nn
+
+from logitless.trainer.distributed.collectives import is_distributed
+from logitless.trainer.distributed.parallel import model_logprobs
 
 
 @dataclass
@@ -120,3 +127,32 @@ def token_budget_chunks(
         p_max, c_max, total = np_, nc, nt
     edges = [0, *bounds, len(ps)]
     return [order[a:b] for a, b in zip(edges[:-1], edges[1:])]
+
+
+def padding_micro_batches(
+    micro: list[MicroBatch], spare: Callable[[], MicroBatch], device: torch.device
+) -> list[MicroBatch]:
+    """Copies of a micro-batch (the last, or `spare()` for a rank with none) for a rank with fewer micro-batches
+    than the most any rank has.
+
+    Every forward and backward of a sharded model is a collective, so all ranks must run as many; the padding
+    passes add exactly zero to the gradient (`padding_backward`) and nothing to the metrics.
+    """
+    if not is_distributed():
+        return []
+    count = torch.tensor([len(micro)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    missing = int(count.item()) - len(micro)
+    return [micro[-1] if micro else spare()] * missing
+
+
+def padding_backward(model: nn.Module, m: MicroBatch, temperature: float,
+                     forward: Callable[[], AbstractContextManager] = nullcontext) -> torch.Tensor:
+    """A forward (under `forward()`, as the real micro-batches run) and backward of micro-batch `m` whose gradient
+    is exactly zero; returns the zero loss."""
+    ids = (m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask)
+    with forward():
+        logp, _ = model_logprobs(model, *ids, temperature=temperature, logp_mask=m.loss_mask)
+    loss = logp.sum() * 0.0
+    loss.backward()
+    return loss.detach()

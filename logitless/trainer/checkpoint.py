@@ -39,8 +39,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from logitless.trainer.modeling import is_peft_model
-from logitless.trainer.runconfig import RUN_CONFIG, current_config
+from logitless.trainer.policy.modeling import is_peft_model
+from logitless.trainer.config.files import RUN_CONFIG, current_config
 
 LATEST = "latest"
 STEP_PREFIX = "step-"

@@ -22,29 +22,31 @@ from logitless.rollout import RolloutEngine
 from logitless.rollout.engine import same_device, unwrap_model
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer import dcp
-from logitless.trainer.accounting import ModelShape, device_peaks
-from logitless.trainer.async_rollout import AsyncRollout
-from logitless.trainer.auto import has_auto, resolve
+from logitless.trainer.report.accounting import ModelShape, device_peaks
+from logitless.trainer.placement.async_rollout import AsyncRollout
+from logitless.trainer.memory.auto import has_auto, resolve
 from logitless.trainer.builders import (
     accuracy_index,
-    check_fused,
     check_prompt_lengths,
-    decode_attention_for,
     load_rows,
     make_optimizer,
-    make_rollout_engine,
     make_scheduler,
     reward_functions,
-    sampling_options,
     sync_offloaded_params,
+)
+from logitless.trainer.placement.engines import (
+    check_fused,
+    decode_attention_for,
+    make_rollout_engine,
+    sampling_options,
     weight_copy,
 )
-from logitless.trainer.config import TrainerConfig, to_dict, to_yaml
+from logitless.trainer.config.schema import TrainerConfig, to_dict, to_yaml
 from logitless.trainer.episodes import environment_weight
 from logitless.trainer.evaluate import eval_options
-from logitless.trainer.metrics import MetricsLogger
-from logitless.trainer.model_checks import model_config
-from logitless.trainer.modeling import (
+from logitless.trainer.report.metrics import MetricsLogger
+from logitless.trainer.checks.model import model_config
+from logitless.trainer.policy.modeling import (
     LoraCompute,
     ReferencePolicy,
     check_packed_attention,
@@ -52,10 +54,10 @@ from logitless.trainer.modeling import (
     prepare_for_training,
     trainable_parameters,
 )
-from logitless.trainer.offload import ParkedState
-from logitless.trainer.oom import MemoryState
-from logitless.trainer.tracking import open_trackers, resolve_report_to
-from logitless.trainer.parallel import (
+from logitless.trainer.policy.offload import ParkedState
+from logitless.trainer.memory.oom import MemoryState
+from logitless.trainer.report.tracking import open_trackers, resolve_report_to
+from logitless.trainer.distributed.parallel import (
     COPY_BACKENDS,
     TIMEOUT,
     MergedRolloutCopy,
@@ -67,9 +69,9 @@ from logitless.trainer.parallel import (
     shard_model,
 )
 from logitless.trainer.rundir import RunDir, write_atomic
-from logitless.trainer.rollout_worker import DecodeWorker
-from logitless.trainer.shared_rollout import PeerSync, SharedDecode
-from logitless.trainer.tensor_parallel import TensorParallelCopy, check_tensor_parallel, group_decode, tp_mesh
+from logitless.trainer.placement.rollout_worker import DecodeWorker
+from logitless.trainer.placement.shared_rollout import PeerSync, SharedDecode
+from logitless.trainer.placement.tensor_parallel import TensorParallelCopy, check_tensor_parallel, group_decode, tp_mesh
 
 
 @dataclass
@@ -104,7 +106,7 @@ class TrainContext:
     empty_steps: int = 0  # consecutive steps whose completions were all empty
     parked: ParkedState = field(default_factory=ParkedState)  # train.offload_during_rollout's host buffers
     prefetch: AsyncRollout | None = None  # train.async_rollout: the next step's rollout in flight
-    memory: MemoryState | None = None  # the memory plan's model and settings (trainer/oom.py), where one is made
+    memory: MemoryState | None = None  # the memory plan's model and settings (trainer/memory/oom.py), where one is made
     on_micro_batch: Callable[[int], None] | None = None  # called before each micro-batch's forward (a test hook)
     agent: Agent | None = None  # agent.tools / agent.environment: what answers the model between turns
     run: RunDir | None = None  # the claimed run folder (rank 0): checked before each write

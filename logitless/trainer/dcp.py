@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 
 from logitless.trainer import checkpoint as ckpt
-from logitless.trainer.modeling import is_peft_model
-from logitless.trainer.parallel import World
-from logitless.trainer.runconfig import current_config
+from logitless.trainer.policy.modeling import is_peft_model
+from logitless.trainer.distributed.parallel import World
+from logitless.trainer.config.files import current_config
 
 DCP_DIR = "dcp"
 

@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 
 from logitless.configlib import apply_overrides, from_dict
-from logitless.trainer.config import TrainerConfig
+from logitless.trainer.config.schema import TrainerConfig
 
 # The embedded CPU demo (`logitless train` without a config file): LoRA-GRPO on SmolLM2-135M-Instruct learning
 # two-digit addition/subtraction. Raw-text prompt with one worked example; the completion stops at the end of

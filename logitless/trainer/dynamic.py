@@ -24,7 +24,7 @@ import torch
 from logitless.objectives import compute_advantages
 from logitless.rewards import RewardScores
 from logitless.rollout import RolloutBatch, RolloutTiming
-from logitless.trainer.accounting import PhaseTimer
+from logitless.trainer.report.accounting import PhaseTimer
 from logitless.trainer.context import TrainContext
 from logitless.trainer.stages import Rollout, Scored, reward_metrics, rollout_stage, score_stage
 

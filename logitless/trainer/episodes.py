@@ -18,7 +18,7 @@ import torch
 
 from logitless.objectives import Stat
 from logitless.rollout import RolloutBatch
-from logitless.trainer.distributed import all_reduce_metrics
+from logitless.trainer.distributed.collectives import all_reduce_metrics
 
 ENVIRONMENT_REWARD = "environment"  # name of the environment's reward column
 

@@ -28,10 +28,10 @@ from logitless.trainer.builders import (
     check_prompt_lengths,
     load_rows,
     reward_functions,
-    sampling_options,
     torch_threads,
 )
-from logitless.trainer.config import TrainerConfig
+from logitless.trainer.placement.engines import sampling_options
+from logitless.trainer.config.schema import TrainerConfig
 from logitless.trainer.episodes import (
     ENVIRONMENT_REWARD,
     environment_rewards,
@@ -40,7 +40,7 @@ from logitless.trainer.episodes import (
     reward_completions,
     stat_means,
 )
-from logitless.trainer.modeling import attention_backends, load_model_and_tokenizer, prepare_for_training
+from logitless.trainer.policy.modeling import attention_backends, load_model_and_tokenizer, prepare_for_training
 
 
 @dataclass
@@ -119,7 +119,7 @@ def evaluate(
     if engine is None:
         backend = cfg.rollout.backend
         if backend == "auto":
-            from logitless.trainer.auto import rollout_backend
+            from logitless.trainer.memory.auto import rollout_backend
 
             backend = rollout_backend(cfg, next(model.parameters()).device, model)[0]
         engine = make_engine(backend, model, tokenizer)
@@ -200,7 +200,7 @@ def eval_in_run(ctx: Any, weights: AbstractContextManager) -> dict[str, float]:
     the run's rollout engine with the run's reward functions, within `weights` (a context manager that makes the
     engine's weights current: the trainer's `stages.rollout_state`). Under torchrun every rank evaluates every
     world-size-th row and the counts are summed over the ranks."""
-    from logitless.trainer.distributed import all_reduce_metrics, all_reduce_sum
+    from logitless.trainer.distributed.collectives import all_reduce_metrics, all_reduce_sum
 
     cfg, world = ctx.cfg, ctx.world
     # a tensor-parallel group decodes its rows once; a shared rollout GPU (rollout.device) every rank's, once

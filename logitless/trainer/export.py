@@ -24,7 +24,7 @@ from typing import Any
 
 from logitless.configlib import from_dict
 from logitless.trainer import checkpoint as ckpt
-from logitless.trainer.config import TrainerConfig
+from logitless.trainer.config.schema import TrainerConfig
 
 HUB_PROBE_TIMEOUT_S = 10.0
 
@@ -72,7 +72,7 @@ def run_config(checkpoint: Path) -> TrainerConfig:
 
 def load_policy(cfg: TrainerConfig, checkpoint: Path, device: str = "cpu") -> tuple[Any, Any]:
     """(the trained policy as the run computed it: base model + adapters or full weights, eval mode; its tokenizer)."""
-    from logitless.trainer.modeling import load_model_and_tokenizer, prepare_for_training
+    from logitless.trainer.policy.modeling import load_model_and_tokenizer, prepare_for_training
 
     model_cfg = dataclasses.replace(cfg.model, device=device, gradient_checkpointing=False, activation_offload=False,
                                     attn_implementation=None)
@@ -87,7 +87,7 @@ def model_card(cfg: TrainerConfig, checkpoint: Path, merged: bool) -> str:
     """A model card (README.md with metadata) for the exported folder."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    from logitless.trainer.metrics import read_metrics
+    from logitless.trainer.report.metrics import read_metrics
 
     base = cfg.model.name_or_path or "HuggingFaceTB/SmolLM2-135M-Instruct"
     step = ckpt.checkpoint_step(checkpoint)

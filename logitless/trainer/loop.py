@@ -21,9 +21,9 @@ dropped (its data position and RNG are rewound, so a resumed run is identical); 
 signal says so at once; a second one stops at once (`signals.py`). Before each step's metrics and checkpoint are
 written, the run folder is checked to still be there (`RunDir.check_alive`).
 
-Before the model loads, every setting left "auto" is decided (`trainer/auto.py`: the fast exact path for this
+Before the model loads, every setting left "auto" is decided (`trainer/memory/auto.py`: the fast exact path for this
 device and model, and the memory plan), printed and saved as resolved.json. A rollout or update that runs out of
-device memory is retried once with leaner settings (`trainer/oom.py`).
+device memory is retried once with leaner settings (`trainer/memory/oom.py`).
 """
 
 from __future__ import annotations
@@ -39,26 +39,25 @@ from typing import Any, Callable, Iterator
 import torch
 
 from logitless.trainer import checkpoint as ckpt
-from logitless.trainer import oom
-from logitless.trainer.accounting import PhaseTimer
-from logitless.trainer.auto import resolve_run, save_resolved
-from logitless.trainer.config import TrainerConfig
+from logitless.trainer.memory import oom
+from logitless.trainer.report.accounting import PhaseTimer
+from logitless.trainer.memory.auto import resolve_run, save_resolved
+from logitless.trainer.config.schema import TrainerConfig
 from logitless.trainer.context import TrainContext, build_context
 from logitless.trainer.dynamic import sample_step
 from logitless.trainer.episodes import conversation_texts
 from logitless.trainer.evaluate import eval_due, eval_in_run
-from logitless.trainer.metrics import MismatchReport, RewardErrorReport, RewardNoneReport, mismatch_causes
-from logitless.trainer.modeling import attention_backends
-from logitless.trainer.parallel import (
+from logitless.trainer.report.metrics import MismatchReport, RewardErrorReport, RewardNoneReport, mismatch_causes
+from logitless.trainer.policy.modeling import attention_backends
+from logitless.trainer.distributed.parallel import (
     World,
     agree,
-    check_distributed,
     claimed_on_rank0,
     launched_world,
     process_group,
 )
-from logitless.trainer.plot import plot_run
-from logitless.trainer.preflight import check_resume, preflight
+from logitless.trainer.report.plot import plot_run
+from logitless.trainer.preflight import check_resume, check_world, preflight
 from logitless.trainer.rundir import RunDir, claim_run_dir, restart_advice
 from logitless.trainer.signals import StopSignals, label
 from logitless.trainer.stages import (
@@ -227,7 +226,7 @@ def train(
     `signals.StopNow` (a KeyboardInterrupt).
     """
     preflight(cfg, model_given=model is not None)
-    check_distributed(cfg, launched_world())
+    check_world(cfg, launched_world())
     device = cfg.model.device if model is None else str(next(model.parameters()).device)
     stop = StopSignals(quiet=not launched_world().main)
     stop.advice = lambda: restart_advice(stop.run_dir)
@@ -325,7 +324,7 @@ def _train(
         ctx.logger.close()
         if ctx.prefetch is not None:
             ctx.prefetch.close(wait=finished)  # on an error or a stop-at-once, the rollout in flight is not awaited
-        if hasattr(ctx.engine, "close"):  # a shared rollout GPU's decode process (trainer/shared_rollout.py)
+        if hasattr(ctx.engine, "close"):  # a shared rollout GPU's decode process (trainer/placement/shared_rollout.py)
             ctx.engine.close()
     if result.interrupted:
         sig = result.interrupted

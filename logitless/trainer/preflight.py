@@ -25,16 +25,18 @@ from logitless.objectives.options import ADVANTAGE_ESTIMATORS
 from logitless.rewards import reward_name
 from logitless.rollout import BACKENDS
 from logitless.trainer import checkpoint as ckpt
-from logitless.trainer.builders import OFFLOAD_INSTALL_HINT, accuracy_index, load_rows, reward_functions, sampling_options
-from logitless.trainer.config import TrainerConfig
-from logitless.trainer.data_checks import FIRST_ROWS, check_reward_fields
+from logitless.trainer.builders import OFFLOAD_INSTALL_HINT, accuracy_index, load_rows, reward_functions
+from logitless.trainer.placement.engines import sampling_options
+from logitless.trainer.config.schema import TrainerConfig
+from logitless.trainer.checks.data import FIRST_ROWS, check_reward_fields
 from logitless.trainer.episodes import ENVIRONMENT_REWARD, environment_weight
-from logitless.trainer.fsdp_offload import check_fsdp_offload
-from logitless.trainer.parallel import launched_world
-from logitless.trainer.tracking import check_report_to
-from logitless.trainer.model_checks import check_model, model_config, read_model_config
-from logitless.trainer.modeling import LIGER_INSTALL_HINT, QLORA_INSTALL_HINT, require_cuda_package, resolve_device
-from logitless.trainer.sources import check_sources, model_cached
+from logitless.trainer.distributed.fsdp_offload import check_fsdp_offload
+from logitless.trainer.distributed.parallel import World, check_distributed, launched_world
+from logitless.trainer.placement import check_placement
+from logitless.trainer.report.tracking import check_report_to
+from logitless.trainer.checks.model import check_model, model_config, read_model_config
+from logitless.trainer.policy.modeling import LIGER_INSTALL_HINT, QLORA_INSTALL_HINT, require_cuda_package, resolve_device
+from logitless.trainer.checks.sources import check_sources, model_cached
 
 # Model keys that change the weights a checkpoint holds (or what they mean): they must match on resume / eval.
 WEIGHT_KEYS = ("name_or_path", "gguf_file", "revision", "lora", "lora_r", "lora_alpha", "lora_target_modules")
@@ -297,3 +299,10 @@ def check_output_file(path: str | Path, flag: str) -> None:
         raise ValueError(f"{flag} {str(path)!r}: the folder {folder} does not exist; create it or choose another path")
     if not os.access(folder, os.W_OK):
         raise ValueError(f"{flag} {str(path)!r}: the folder {folder} is not writable; choose another path")
+
+
+def check_world(cfg: TrainerConfig, world: World) -> None:
+    """Refuse settings that cannot run on `world.size` ranks: the rollout's placement, then the sharding; naming the
+    setting and the fix. Config only, so `--dry-run --ranks N` runs it as each rank of a run does."""
+    check_placement(cfg, world.size)
+    check_distributed(cfg, world)

@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from logitless.trainer import checkpoint as ckpt
-from logitless.trainer.config import ConfigError, TrainerConfig, load_train_config, to_yaml
-from logitless.trainer.metrics import METRICS_FILE, check_metrics_file
-from logitless.trainer.runconfig import (
+from logitless.trainer.config.schema import ConfigError, TrainerConfig, load_train_config, to_yaml
+from logitless.trainer.report.metrics import METRICS_FILE, check_metrics_file
+from logitless.trainer.config.files import (
     CHANGED_CONFIG_PREFIX,
     CHANGED_CONFIG_SUFFIX,
     changed_config_name,

@@ -37,11 +37,12 @@ from logitless.objectives.mismatch import ABS as MISMATCH
 from logitless.objectives.mismatch import mismatch_summary, sampler_mismatch
 from logitless.rewards import RewardScores, add_reward_column, score_completions
 from logitless.rollout import RolloutBatch, SamplingOptions
-from logitless.trainer.accounting import PhaseTimer, decode_ideal_seconds, update_flops
+from logitless.trainer.report.accounting import PhaseTimer, decode_ideal_seconds, update_flops
 from logitless.trainer.batching import MicroBatch, make_micro_batches
-from logitless.trainer.builders import clip_offloaded_grads, sampling_options, torch_threads
+from logitless.trainer.builders import clip_offloaded_grads, torch_threads
+from logitless.trainer.placement.engines import sampling_options
 from logitless.trainer.context import TrainContext
-from logitless.trainer.distributed import all_reduce_metrics, all_reduce_sum, gather_rows
+from logitless.trainer.distributed.collectives import all_reduce_metrics, all_reduce_sum, gather_rows
 from logitless.trainer.episodes import (
     ENVIRONMENT_REWARD,
     environment_rewards,
@@ -49,18 +50,17 @@ from logitless.trainer.episodes import (
     episode_metrics,
     reward_completions,
 )
-from logitless.trainer.offload import ActivationOffload, optimizer_state
-from logitless.trainer.parallel import (
+from logitless.trainer.policy.offload import ActivationOffload, optimizer_state
+from logitless.trainer.distributed.parallel import (
     clip_grad_norm,
     model_logprobs,
-    padding_backward,
-    padding_micro_batches,
     rank_seed,
     rank_share,
     rollout_weights,
 )
-from logitless.trainer.shared_rollout import SharedDecode
-from logitless.trainer.tensor_parallel import local_bytes
+from logitless.trainer.batching import padding_backward, padding_micro_batches
+from logitless.trainer.placement.shared_rollout import SharedDecode
+from logitless.trainer.placement.tensor_parallel import local_bytes
 
 MAX_EMPTY_STEPS = 3  # consecutive steps whose completions are all empty before the run is stopped
 
@@ -117,7 +117,7 @@ def rollout_seed(cfg: Any, step: int, round: int = 0) -> int:
 
 def rollout_stage(ctx: TrainContext, step: int, round: int = 0) -> Rollout:
     """G samples for each of the step's prompts, with the sampler's logprobs. With train.async_rollout they were
-    started during the step before, and the next step's rollout starts here (trainer/async_rollout.py). With an
+    started during the step before, and the next step's rollout starts here (trainer/placement/async_rollout.py). With an
     agent each sample is a multi-turn episode: the agent renders the prompts (tools in the chat template, an
     environment's first observation) and answers the model between turns. `round`: which rollout of the step this
     is (train.dynamic_sampling draws more than one)."""
@@ -308,7 +308,7 @@ def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i:
         m.loss_mask, m.advantages, o, plan.normalizer, sampler_logp=m.sampler_logp, truncated=m.truncated,
         entropy_coef=ctx.entropy_coef.effective if entropy_grad else 0.0,
     )
-    # Activation offload: the tensors this forward saves for backward wait in host memory (trainer/offload.py).
+    # Activation offload: the tensors this forward saves for backward wait in host memory (trainer/policy/offload.py).
     with ActivationOffload(ctx.model) if ctx.cfg.model.activation_offload else contextlib.nullcontext(), \
             ctx.lora_compute.forward():
         logp, entropy = model_logprobs(
@@ -383,7 +383,7 @@ def reward_metrics(rewards: torch.Tensor, total: torch.Tensor, names: list[str],
 
 
 def efficiency_metrics(ctx: TrainContext, ro: Rollout, plan: UpdatePlan, timer: PhaseTimer) -> dict[str, float]:
-    """Rollout share of the HBM-bandwidth ceiling and update MFU (trainer/accounting.py defines both), over all
+    """Rollout share of the HBM-bandwidth ceiling and update MFU (trainer/report/accounting.py defines both), over all
     ranks: the ranks' ideal seconds and FLOPs are summed and set against world size × this rank's phase seconds
     (the phases end in step across ranks). Empty where the device's peaks are unknown (CPU), since a ratio to an
     unknown peak says nothing."""

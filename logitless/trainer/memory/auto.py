@@ -7,7 +7,7 @@ memory plan; printed as a table and saved in the run folder (`resolved.json`).
     model.liger_kernels           on CUDA, installed, the model type supported, layers not compiled (one process
                                   or FSDP2 under torchrun without a split rollout; not with train.fsdp_offload)
     model.gradient_checkpointing  \\
-    model.activation_offload       |  the memory plan (trainer/memory_plan.py): the fastest settings whose
+    model.activation_offload       |  the memory plan (trainer/memory/plan.py): the fastest settings whose
     train.micro_batch_tokens       |  predicted phases fit train.memory_budget_gib (default: the device's free
     train.offload_during_rollout   |  memory); made on CUDA (or wherever the budget is set), one process
     model.mlp_chunk_tokens         |  (tiled MLP only where nothing untiled fits)
@@ -31,9 +31,9 @@ from logitless.models import UnsupportedModelError
 from logitless.rollout.engine import same_device
 from logitless.rollout.kv_cache import STATIC_LAYER_TYPES, auto_kv_budget
 from logitless.rollout.layouts import FULL, check_layout, layer_types, text_config
-from logitless.trainer import memory_plan as mp
-from logitless.trainer.config import ModelConfig, TrainerConfig
-from logitless.trainer.model_memory import base_model, model_memory, model_skeleton
+from logitless.trainer.memory import plan as mp
+from logitless.trainer.config.schema import ModelConfig, TrainerConfig
+from logitless.trainer.memory.model import base_model, model_memory, model_skeleton
 
 # model.compile_layers=auto compiles for runs of at least this many steps. Measured at the 1.5B shape, T = 1,024
 # (bench/LOG.md): the compile adds about 42 s to the first step and saves about 0.7 s of every later one (update
@@ -76,7 +76,7 @@ class Resolved:
 
 def run_device(cfg: TrainerConfig, model: Any = None) -> torch.device:
     """The training device: the given model's, else model.device ("auto": cuda if available)."""
-    from logitless.trainer.modeling import resolve_device
+    from logitless.trainer.policy.modeling import resolve_device
 
     if model is not None:
         return next(model.parameters()).device
@@ -84,7 +84,7 @@ def run_device(cfg: TrainerConfig, model: Any = None) -> torch.device:
 
 
 def compute_dtype(cfg: ModelConfig, device: torch.device, model: Any = None) -> torch.dtype:
-    from logitless.trainer.modeling import resolve_dtype
+    from logitless.trainer.policy.modeling import resolve_dtype
 
     if model is not None:
         return base_model(model).get_input_embeddings().weight.dtype
@@ -301,7 +301,7 @@ def rank_memory(cfg: TrainerConfig, model: Any, dtype: torch.dtype, device: torc
     """The per-GPU memory of each phase of a step of the resolved `cfg` on `ranks` FSDP2 ranks
     (`memory_ranks.predict`, at the longest prompt the config allows), against one GPU's `budget` (bytes): fits is
     False, with a note, where the update (or an hf rollout, which has no waves) is predicted over its headroom."""
-    from logitless.trainer import memory_ranks as mr
+    from logitless.trainer.memory import ranks as mr
 
     kernels = layer_kernels(cfg.model.compile_layers, cfg.model.liger_kernels)
     copy = cfg.rollout.weight_copy or ("sleep" if device.type == "cuda" and not cfg.train.async_rollout else "resident")
@@ -375,7 +375,7 @@ def layer_kernels(compile_layers: Any, liger_kernels: Any) -> str:
 
 
 def run_facts(cfg: TrainerConfig, backend: str, kernels: str, device: torch.device) -> mp.RunFacts:
-    """What the plan reads of the config (the rollout's decode copy as `builders.weight_copy` decides it)."""
+    """What the plan reads of the config (the rollout's decode copy as `placement.engines.weight_copy` decides it)."""
     r, m, o = cfg.rollout, cfg.model, cfg.objective
     merged = backend == "static" and m.lora and r.merge_lora is not False
     mode = r.weight_copy or ("resident" if cfg.train.async_rollout or device.type != "cuda" else

@@ -36,8 +36,8 @@ from torch import nn
 
 from logitless.rollout.engine import unwrap_model
 from logitless.rollout.types import Prompt, RolloutBatch, SamplingOptions
-from logitless.trainer.fsdp_units import Lend, by_unit, gathered, no_lend
-from logitless.trainer.tensor_parallel import joint_options, prompt_rows
+from logitless.trainer.distributed.fsdp_units import Lend, by_unit, gathered, no_lend
+from logitless.trainer.placement.tensor_parallel import joint_options, prompt_rows
 
 KEY = "rollout.device"
 

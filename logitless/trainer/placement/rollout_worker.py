@@ -3,7 +3,7 @@
 Rank 0 owns the replica on the rollout's GPU and writes it at every sync; a child process decodes from those same
 weights (CUDA IPC: no copy) with a static engine of its own, so that the decode's host work never takes turns with
 the update's (FSDP2's hooks, kernel launches) on rank 0's interpreter lock, and its CUDA context and compiled graphs
-are its own. The child is started with `python -m logitless.trainer.rollout_worker` (not multiprocessing's spawn,
+are its own. The child is started with `python -m logitless.trainer.placement.rollout_worker` (not multiprocessing's spawn,
 which would re-run the caller's main module) and talks over a socket pair: rank 0 sends the replica once (shared, not
 copied: CUDA IPC handles, or shared host memory on CPU), then one request per rollout, each after the replica's sync
 has finished on the device; the child answers with the batch (pickled, its tensors by value) or the error's text. The
@@ -36,7 +36,7 @@ class DecodeWorker:
         self.device = model_device(model)
         mine, theirs = multiprocessing.Pipe(duplex=True)
         env = {**os.environ, AUTHKEY: bytes(multiprocessing.current_process().authkey).hex()}
-        self.proc = subprocess.Popen([sys.executable, "-m", "logitless.trainer.rollout_worker", str(theirs.fileno())],
+        self.proc = subprocess.Popen([sys.executable, "-m", "logitless.trainer.placement.rollout_worker", str(theirs.fileno())],
                                      pass_fds=[theirs.fileno()], env=env)
         theirs.close()
         self.conn: Connection = mine
@@ -104,7 +104,7 @@ def plain_calls(model: torch.nn.Module) -> torch.nn.Module:
 def serve(conn: Connection) -> None:
     """The decode process: the replica and the engine's settings, then one rollout per request until the
     connection closes."""
-    from logitless.trainer.builders import make_rollout_engine
+    from logitless.trainer.placement.engines import make_rollout_engine
 
     def answer(*message: Any) -> None:  # the batch's tensors by value: about 20x faster than batch_to_json's lists
         conn.send_bytes(pickle.dumps(message, protocol=5))  # (bench/bench_handoff.py)

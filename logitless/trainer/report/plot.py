@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from logitless.trainer.metrics import read_metrics
+from logitless.trainer.report.metrics import read_metrics
 
 # (title, metric keys drawn on that panel; a key ending in "*" stands for every logged key it begins); panels
 # whose keys are all absent are skipped.

@@ -24,8 +24,8 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from logitless.models.tiled_mlp import tile_mlps
-from logitless.trainer import memory_plan as mp
-from logitless.trainer.model_memory import base_model
+from logitless.trainer.memory import plan as mp
+from logitless.trainer.memory.model import base_model
 
 T = TypeVar("T")
 
@@ -169,7 +169,7 @@ def _no_retry(ctx: Any, state: MemoryState | None, where: str, steps_before: int
 def memory_state(ctx: Any, resolved: Any) -> MemoryState:
     """The run's MemoryState: the plan's model and sizes where a plan was made, else read from the loaded model
     (so that a retry has its ladder on CPU too)."""
-    from logitless.trainer import auto
+    from logitless.trainer.memory import auto
 
     cfg = ctx.cfg
     if resolved.plan is not None:

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from logitless.data import PromptRow
 from logitless.rewards import reward_row_fields
-from logitless.trainer.config import TrainerConfig
+from logitless.trainer.config.schema import TrainerConfig
 
 FIRST_ROWS = 64  # rows read from the start of the split for the check (a file stops reading there)
 

@@ -64,12 +64,12 @@ class ModelConfig:
     # peft's target_modules: "all-linear" (every linear layer but the lm_head), a list of module names, or a regex
     lora_target_modules: list[str] | str = "all-linear"
     # Recompute each decoder layer's activations in the backward instead of keeping them. "auto": on where the
-    # memory plan needs it (trainer/memory_plan.py), off otherwise (and off when no plan is made: CPU without
+    # memory plan needs it (trainer/memory/plan.py), off otherwise (and off when no plan is made: CPU without
     # train.memory_budget_gib, torchrun, train.fsdp_offload).
     gradient_checkpointing: bool | Literal["auto"] = "auto"
     # Checkpointed layer inputs (and the other tensors saved for backward outside the layers) go to pinned CPU
     # memory on a side stream during the forward and come back one layer ahead of the backward
-    # (trainer/offload.py). Needs gradient_checkpointing. On CPU the tensors are copied but stay in host memory.
+    # (trainer/policy/offload.py). Needs gradient_checkpointing. On CPU the tensors are copied but stay in host memory.
     # "auto": on where the memory plan needs it, off otherwise.
     activation_offload: bool | Literal["auto"] = "auto"
     # QLoRA: NF4 4-bit base weights (bitsandbytes, double quantization), compute in model.dtype, LoRA adapters
@@ -97,7 +97,7 @@ class ModelConfig:
     # every micro-batch size), LoRA layers included, inside gradient checkpointing: fewer, fused kernels in the
     # update. Costs a compile in the first step. The rollout's decode copies run uncompiled layers (the static
     # engine compiles its own decode step). "auto": on a CUDA device in one process (triton installed) when
-    # train.max_steps is at least COMPILE_MIN_STEPS of trainer/auto.py, a run long enough to repay the compile.
+    # train.max_steps is at least COMPILE_MIN_STEPS of trainer/memory/auto.py, a run long enough to repay the compile.
     compile_layers: bool | Literal["auto"] = "auto"
     # Sequence-tiled MLP: each decoder layer's MLP runs over chunks of at most this many tokens of a micro-batch,
     # and its backward recomputes one chunk at a time, so the MLP's [tokens, intermediate] activations never exist
@@ -105,7 +105,7 @@ class ModelConfig:
     # Costs one more forward of the MLP per backward. Dense gated MLPs only (Llama, Qwen, Mistral, Gemma; not
     # mixtures of experts). Composes with LoRA/QLoRA, checkpointing, packing, FSDP2, Liger's SwiGLU and compiled
     # layers (the tiled MLP runs eagerly between the layer's compiled parts). null: off. "auto": 8,192 tokens
-    # (MLP_CHUNK_TOKENS of trainer/memory_plan.py) where the memory plan finds that nothing untiled fits the budget
+    # (MLP_CHUNK_TOKENS of trainer/memory/plan.py) where the memory plan finds that nothing untiled fits the budget
     # (a long row), off otherwise and where no plan is made.
     mlp_chunk_tokens: int | None | Literal["auto"] = "auto"
 
@@ -244,7 +244,7 @@ class RolloutConfig:
     # separate GPUs. None: the training device. Naming the training device itself keeps a replica there. Under
     # torchrun a GPU no rank trains on (--nproc-per-node 3 with rollout.device=cuda:3): rank 0 keeps the replica
     # there and decodes every rank's prompts as one batch, each rank's rows from its own random streams, and hands
-    # each rank its rows (trainer/shared_rollout.py); with train.async_rollout that GPU decodes step k+1 while the
+    # each rank its rows (trainer/placement/shared_rollout.py); with train.async_rollout that GPU decodes step k+1 while the
     # ranks update step k.
     device: str | None = None
     # Backend "static" under torchrun only. Split the rollout's weights over groups of this many consecutive ranks
@@ -370,24 +370,24 @@ class TrainConfig:
     seed: int = 0  # seeds the data order, the LoRA init and the sampler's random streams
     output_dir: str = "runs/logitless"  # the run folder: config, resolved.json, metrics, checkpoints, curves
     num_threads: int | None = None  # torch.set_num_threads on CPU (None: leave torch's default)
-    # Generate step k+1's samples while step k updates (one step off policy; trainer/async_rollout.py). Needs
+    # Generate step k+1's samples while step k updates (one step off policy; trainer/placement/async_rollout.py). Needs
     # rollout.backend=static with a merged LoRA copy, or a replica on rollout.device (LoRA or full fine-tuning:
     # the decode and the update then run on separate GPUs), or torchrun (each rank decodes its share from a replica
     # of its own beside the update; not with rollout.tensor_parallel > 1); pair it with objective.sampler_is_mode.
     async_rollout: bool = False
     # Move the training state the rollout does not read to pinned host memory while it runs, and back after, bit
-    # for bit (trainer/offload.py ParkedState): the optimizer states, and under torchrun with the static
+    # for bit (trainer/policy/offload.py ParkedState): the optimizer states, and under torchrun with the static
     # backend (which decodes from a replica) the parameter shards too. Costs one copy each way per step.
     # "auto": on where the memory plan decodes in fewer waves with the optimizer states parked, off otherwise.
     offload_during_rollout: bool | Literal["auto"] = "auto"
-    # ZeRO-3 offload (trainer/fsdp_offload.py): FSDP2 with CPUOffloadPolicy on every decoder layer and the root.
+    # ZeRO-3 offload (trainer/distributed/fsdp_offload.py): FSDP2 with CPUOffloadPolicy on every decoder layer and the root.
     # Parameters, gradients (accumulated across micro-batches) and the AdamW step live on the host; the device
     # holds the units being computed (the root's embeddings and lm_head, a layer or two), plus the static
     # backend's replica during the rollout. On one process the run makes a 1-rank process group itself (no
     # torchrun needed). optim.optimizer=adamw only. A full fine-tuning reference copy (objective.beta > 0) stays
     # on the device.
     fsdp_offload: bool = False
-    # Device memory (GiB) a step may use: the memory plan (trainer/memory_plan.py) sets what is "auto" among
+    # Device memory (GiB) a step may use: the memory plan (trainer/memory/plan.py) sets what is "auto" among
     # model.gradient_checkpointing, model.activation_offload, train.micro_batch_tokens, rollout.max_kv_gib (when
     # unset) and train.offload_during_rollout so that every phase's predicted peak fits it, prints the plan and
     # logs memory/predicted_gb/<phase> beside the measured memory/peak_gb/<phase>. None: the device's free memory
@@ -424,7 +424,7 @@ class LoggingConfig:
     num_completions_to_print: int = 4  # rows of that table
     progress: bool = True  # rich progress bar (off when not a terminal)
     # Experiment trackers (TRL's report_to): any of tensorboard, wandb, trackio, each logging the metrics.jsonl names
-    # and the run's config (trainer/tracking.py; `pip install 'logitless[wandb]'` / `[trackio]`). Unset: TensorBoard
+    # and the run's config (trainer/report/tracking.py; `pip install 'logitless[wandb]'` / `[trackio]`). Unset: TensorBoard
     # when installed, unless logging.tensorboard=false; [] or [none]: none; [all]: every installed one.
     report_to: list[str] | str | None = None  # one name may be given alone: report_to=wandb
     tensorboard: bool | None = None  # the older switch: unset/true = TensorBoard when installed (with report_to unset)

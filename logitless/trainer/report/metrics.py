@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from logitless.trainer.config import TrainerConfig
+    from logitless.trainer.config.schema import TrainerConfig
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -187,7 +187,7 @@ class MetricsLogger:
         self._file = open(self.path, "a")
         self.console = console or Console(stderr=True)
         if trackers is None:
-            from logitless.trainer.tracking import open_trackers
+            from logitless.trainer.report.tracking import open_trackers
 
             trackers = open_trackers(["tensorboard"] if tensorboard else [], self.run_dir, config={}, project="",
                                      run_name=None, options={}, resume_step=resume_step, required=False)
@@ -212,7 +212,7 @@ class MetricsLogger:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self.trackers:
-            from logitless.trainer.tracking import scalars
+            from logitless.trainer.report.tracking import scalars
 
             values = scalars(record)
             for tracker in self.trackers:

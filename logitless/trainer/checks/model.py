@@ -23,8 +23,8 @@ import torch
 from logitless.models.tiled_mlp import check_tileable
 from logitless.models.varlen import NAME as VARLEN_ATTENTION
 from logitless.models.varlen import register as register_varlen_attention
-from logitless.trainer.config import ModelConfig, TrainerConfig
-from logitless.trainer.modeling import lora_config, resolve_dtype, resolve_device, resolve_source
+from logitless.trainer.config.schema import ModelConfig, TrainerConfig
+from logitless.trainer.policy.modeling import lora_config, resolve_dtype, resolve_device, resolve_source
 
 
 def _first_line(e: BaseException) -> str:
@@ -227,11 +227,11 @@ def check_model(cfg: TrainerConfig, config: Any, *, training: bool = True, attn:
                      f"{chunk} tokens")
     if cfg.model.lora:
         lines.append(check_lora_targets(model, cfg.model))
-    if cfg.model.liger_kernels is True:  # ("auto" turns them on only where they apply: trainer/auto.py)
+    if cfg.model.liger_kernels is True:  # ("auto" turns them on only where they apply: trainer/memory/auto.py)
         lines.append(check_liger(config))
     n = cfg.rollout.tensor_parallel
     if training and n > 1:
-        from logitless.trainer.tensor_parallel import KEY, family_refusal
+        from logitless.trainer.placement.tensor_parallel import KEY, family_refusal
 
         why = family_refusal(config, n)
         if why is not None:

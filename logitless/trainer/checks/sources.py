@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from logitless.trainer.config import DataConfig, ModelConfig, TrainerConfig
+from logitless.trainer.config.schema import DataConfig, ModelConfig, TrainerConfig
 
 PROBE_TIMEOUT_S = 10.0
 

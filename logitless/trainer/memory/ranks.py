@@ -1,4 +1,4 @@
-"""The per-GPU device memory of a step on N ranks (torchrun + FSDP2, trainer/parallel.py), as a function of N.
+"""The per-GPU device memory of a step on N ranks (torchrun + FSDP2, trainer/distributed/parallel.py), as a function of N.
 
 One process is `memory_plan.predict`. On N ranks each rank holds 1/N of the sharded state, its own share of the
 step's rows, and a working set that does not shrink with N:
@@ -24,7 +24,7 @@ step's rows, and a working set that does not shrink with N:
     with async rollouts    (train.async_rollout) the next step's rollout decodes beside the update: the replica
                            stays resident and the rank's KV cache and sampler buffers add to the update's peak
 
-With rollout.tensor_parallel = T (trainer/tensor_parallel.py) the replica is 1/T per rank, and a rank decodes its
+With rollout.tensor_parallel = T (trainer/placement/tensor_parallel.py) the replica is 1/T per rank, and a rank decodes its
 group's rows (T ranks' shares) with 1/T of the heads, MLP width and vocabulary: the same KV cache and sampler bytes
 as its own rows whole (the logits stay split by vocabulary rows; top-k/top-p/min-p or a repetition penalty gather
 them, which this does not count), T times the prefill's prompts.
@@ -48,7 +48,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from logitless.trainer import memory_plan as mp
+from logitless.trainer.memory import plan as mp
 
 # The decoder layers whose full parameters a rank holds at once during the update: the one computed (or
 # recomputed) and the one FSDP2 prefetches (the 2-GPU full fine-tuning and LoRA runs at the 1.5B shape hold 0.60
@@ -75,7 +75,7 @@ class Ranks:
     # rollout.tensor_parallel: the replica split over groups of this many ranks (1/T of it on each, its norms aside),
     # each rank decoding its group's rows with 1/T of the attention heads and MLP width and the whole vocabulary
     tensor_parallel: int = 1
-    # rollout.device under torchrun (trainer/shared_rollout.py): rank 0 keeps the replica on a GPU no rank trains on
+    # rollout.device under torchrun (trainer/placement/shared_rollout.py): rank 0 keeps the replica on a GPU no rank trains on
     # and decodes every rank's rows there; the training GPUs hold no replica and no KV cache
     rollout_gpu: bool = False
 

@@ -1,7 +1,7 @@
 """Several processes under torchrun: the process group, FSDP2 sharding, each rank's prompts, the rollout's full
 weights, and agreement on when to stop. On a single process every function here is the identity: no process
 group, no wrapping; except with train.fsdp_offload=true, where the one process makes a 1-rank group and shards
-its model with FSDP2 CPU offload (`trainer/fsdp_offload.py`), and everything below that keys on "the model is
+its model with FSDP2 CPU offload (`trainer/distributed/fsdp_offload.py`), and everything below that keys on "the model is
 sharded" (`World.sharded`) applies to it too.
 
     torchrun --nproc-per-node 2 -m logitless train CONFIG
@@ -43,7 +43,7 @@ import dataclasses
 import math
 import os
 import types
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
@@ -58,12 +58,11 @@ from logitless.rollout.engine import unwrap_model
 from logitless.rollout.fused import fuse_projections, owners, tensor_at
 from logitless.rollout.sleep import SleepableMemory
 from logitless.rollout.weights import fresh_copy, lora_layers, merge_refusal
-from logitless.trainer.batching import MicroBatch
-from logitless.trainer.config import TrainerConfig
-from logitless.trainer.distributed import is_distributed
-from logitless.trainer.fsdp_offload import check_host_backend, device_full_tensor, offload_policy, one_rank_group
-from logitless.trainer.fsdp_units import Lend, by_unit, gathered, no_lend
-from logitless.trainer.fsdp_offload import backend as offload_backend
+from logitless.trainer.config.schema import TrainerConfig
+from logitless.trainer.distributed.collectives import is_distributed
+from logitless.trainer.distributed.fsdp_offload import check_host_backend, device_full_tensor, offload_policy, one_rank_group
+from logitless.trainer.distributed.fsdp_units import Lend, by_unit, gathered, no_lend
+from logitless.trainer.distributed.fsdp_offload import backend as offload_backend
 
 T = TypeVar("T")
 
@@ -150,14 +149,10 @@ def shutdown() -> None:
 
 
 def check_distributed(cfg: TrainerConfig, world: World) -> None:
-    """Refuse settings that cannot run on `world.size` ranks, naming the setting and the fix."""
-    from logitless.trainer.shared_rollout import check_shared_rollout
-    from logitless.trainer.tensor_parallel import check_tensor_parallel
-
-    check_tensor_parallel(cfg, world.size)
+    """Refuse settings that cannot be sharded over `world.size` ranks, naming the setting and the fix (the
+    rollout's placement is checked by `placement.check_placement`)."""
     if not world.distributed:
         return
-    check_shared_rollout(cfg, world.size)
     n, k = cfg.train.prompts_per_step, world.size
     if n < k:
         raise ValueError(
@@ -457,35 +452,6 @@ def rollout_weights(model: nn.Module, replica: RolloutCopy | MergedRolloutCopy |
     else:
         with full_weights(model):
             yield
-
-
-def padding_micro_batches(
-    micro: list[MicroBatch], spare: Callable[[], MicroBatch], device: torch.device
-) -> list[MicroBatch]:
-    """Copies of a micro-batch (the last, or `spare()` for a rank with none) for a rank with fewer micro-batches
-    than the most any rank has.
-
-    Every forward and backward of a sharded model is a collective, so all ranks must run as many; the padding
-    passes add exactly zero to the gradient (`padding_backward`) and nothing to the metrics.
-    """
-    if not is_distributed():
-        return []
-    count = torch.tensor([len(micro)], device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    missing = int(count.item()) - len(micro)
-    return [micro[-1] if micro else spare()] * missing
-
-
-def padding_backward(model: nn.Module, m: MicroBatch, temperature: float,
-                     forward: Callable[[], AbstractContextManager] = nullcontext) -> torch.Tensor:
-    """A forward (under `forward()`, as the real micro-batches run) and backward of micro-batch `m` whose gradient
-    is exactly zero; returns the zero loss."""
-    ids = (m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask)
-    with forward():
-        logp, _ = model_logprobs(model, *ids, temperature=temperature, logp_mask=m.loss_mask)
-    loss = logp.sum() * 0.0
-    loss.backward()
-    return loss.detach()
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None) -> float:

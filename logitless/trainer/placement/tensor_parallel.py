@@ -52,9 +52,9 @@ from logitless.rollout.sleep import SleepableMemory
 from logitless.rollout.types import Prompt, RolloutBatch, RolloutTiming, SamplingOptions
 from logitless.rollout.vocab_split import VocabShard, shard_of
 from logitless.rollout.weights import fresh_copy, lora_layers, merge_refusal
-from logitless.trainer.fsdp_offload import device_full_tensor
-from logitless.trainer.fsdp_units import Lend, by_unit, gathered, no_lend
-from logitless.trainer.tp_episodes import GroupDriver, driver_spec
+from logitless.trainer.distributed.fsdp_offload import device_full_tensor
+from logitless.trainer.distributed.fsdp_units import Lend, by_unit, gathered, no_lend
+from logitless.trainer.placement.tp_episodes import GroupDriver, driver_spec
 
 KEY = "rollout.tensor_parallel"
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # model_type values whose attention takes its heads per rank
@@ -67,7 +67,7 @@ def style(name: str) -> Any:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from logitless.trainer.tp_styles import RowwiseFp32Sum
+    from logitless.trainer.placement.tp_styles import RowwiseFp32Sum
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseFp32Sum,
               "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from logitless.trainer.config import TrainerConfig
+from logitless.trainer.config.schema import TrainerConfig
 
 SETTING = "train.fsdp_offload=true"
 

@@ -11,7 +11,7 @@ trainable parameters. With `rollout.device` it decodes from a replica on a GPU o
 torchrun each rank draws the step's prompts, keeps its share, syncs its replica from the FSDP2 shards (a collective,
 on every rank's main thread, before its rollout starts) and decodes beside its share of the update; the replica stays
 resident, and each rank's pending rollout goes into the checkpoint as a file of its own. With a shared rollout GPU
-(rollout.device under torchrun, trainer/shared_rollout.py) the ranks' prompts are gathered when the rollout starts,
+(rollout.device under torchrun, trainer/placement/shared_rollout.py) the ranks' prompts are gathered when the rollout starts,
 rank 0's decode process decodes them all, and each rank gets its rows when the step takes them (`Handout`). The
 objective gets the rollout's real sampler logprobs, so the sampler importance-sampling options
 (`objective.sampler_is_mode`) correct the one-step lag.
@@ -42,7 +42,7 @@ from logitless.rollout import RolloutBatch, RolloutEngine, RolloutTiming, Sampli
 from logitless.rollout.engine import model_device, same_device
 from logitless.rollout.episodes import EpisodeRecord
 from logitless.rollout.weights import LiveWeights
-from logitless.trainer.shared_rollout import Handout, SharedDecode
+from logitless.trainer.placement.shared_rollout import Handout, SharedDecode
 
 ROLLOUT_STREAM_PRIORITY = -1  # CUDA stream priority of the rollout (lower runs first; -1 is torch's "high")
 BATCH_TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "sampler_logp", "finished",

@@ -1,0 +1,118 @@
+"""The rollout's engine for a run: which backend decodes, from which weights (the model itself or a merged-LoRA copy,
+kept where rollout.weight_copy says), and the sampling options of the rollout section."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from logitless.rollout import RolloutEngine, SamplingOptions, make_engine, sleep
+from logitless.rollout.weights import LiveWeights, MergedLoraWeights, in_place_refusal, merges
+from logitless.trainer.config.schema import RolloutConfig
+
+
+def make_rollout_engine(cfg: RolloutConfig, model: Any, tokenizer: Any) -> RolloutEngine:
+    """The rollout section's engine; backend "static" decodes from merged LoRA weights when rollout.merge_lora
+    allows (`MergedLoraWeights`, kept where rollout.weight_copy says), else from the model, under the
+    rollout.max_kv_gib budget."""
+    if cfg.backend != "static":
+        return make_engine(cfg.backend, model, tokenizer)
+    merged = merges(model, cfg.merge_lora)
+    mode = weight_copy(cfg, next(model.parameters()).device, has_copy=merged, distributed=False,
+                       in_place_why=in_place_refusal(model) if merged else None)
+    weights = MergedLoraWeights(model, mode, fuse=cfg.fuse_projections is not False) if merged else LiveWeights(model)
+    check_fused(cfg, getattr(weights, "groups", []),
+                "the model has no plain q/k/v or gate/up layers" if merged else
+                "the engine decodes with the training model itself (full fine-tuning on one process, "
+                "rollout.merge_lora=false, or DoRA adapters), whose layout the rollout does not change")
+    return make_engine("static", model, tokenizer, weights=weights, max_kv_gib=cfg.max_kv_gib, profile=cfg.profile,
+                       length_buckets=cfg.length_buckets, compact_finished=cfg.compact_finished,
+                       decode_attention=cfg.decode_attention, sampler_kernel=cfg.sampler_kernel,
+                       step_graph=cfg.step_graph)
+
+def decode_attention_for(packed: bool) -> str:
+    """rollout.decode_attention for `auto` in a run: the static engine's decode attention rounds as the trainer's own
+    attention does where one of its kernels is the trainer's. Padded micro-batches run torch's sdpa (its
+    memory-efficient kernel), so the decode takes sdpa: the sampler then tracks the trainer to hf's level on every
+    family (bench/LOG.md, "The decode kernel rounds as the trainer does"). Packed ones run varlen flash attention,
+    which none of the decode's kernels is, so the decode takes the engine's own choice (`auto`: the Triton
+    flash-decoding kernel on a recent CUDA GPU, 1.38-1.60x faster than sdpa per decode step); each run logs the gap
+    it has (`rollout/mismatch_*`)."""
+    return "auto" if packed else "sdpa"
+
+def check_fused(cfg: RolloutConfig, groups: list, why: str) -> None:
+    """Refuse rollout.fuse_projections=true where the rollout's weights fused nothing (`why` says why not)."""
+    if cfg.fuse_projections and not groups:
+        raise ValueError(f"rollout.fuse_projections=true found no projections to fuse: {why}; unset "
+                         "rollout.fuse_projections")
+
+def weight_copy(cfg: RolloutConfig, device: torch.device, *, has_copy: bool, distributed: bool,
+                in_place_why: str | None = None) -> str:
+    """Where the rollout's merged weights or replica live (rollout.weight_copy; see `MergedLoraWeights`): the
+    setting, or when unset in_place on one CUDA process (sleep where the base weights cannot take the merge:
+    4-bit), sleep under torchrun on CUDA, resident otherwise. Raises when the setting cannot apply."""
+    mode = cfg.weight_copy
+    if mode is None:
+        if not has_copy or device.type != "cuda":
+            return "resident"
+        if not distributed and in_place_why is None:
+            return "in_place"
+        return "sleep" if sleep.unavailable(device) is None else "resident"
+    why = None
+    if not has_copy:
+        why = ("the engine decodes with the training model itself (no merged-LoRA copy: full fine-tuning on one "
+               "process, rollout.merge_lora=false, or DoRA adapters)")
+    elif mode == "sleep":
+        why = sleep.unavailable(device)
+    elif mode == "in_place":
+        why = ("the training weights are sharded (torchrun or train.fsdp_offload; use sleep or resident)" if distributed
+               else in_place_why)
+    if why is not None and mode != "resident":
+        raise ValueError(f"rollout.weight_copy={mode} cannot apply: {why}; unset rollout.weight_copy or set it to "
+                         "resident")
+    return mode
+
+def sampling_options(
+    cfg: RolloutConfig,
+    *,
+    seed: int | None,
+    num_generations: int | None = None,
+    temperature: float | None = None,
+    max_new_tokens: int | None = None,
+    section: str = "rollout",
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> SamplingOptions:
+    """`logitless.rollout.SamplingOptions` of the rollout section (TRL names mapped to the engine's);
+    `chat_template_kwargs`: data.chat_template_kwargs.
+
+    An invalid option is reported under its config key (`rollout.top_p`, or `eval.pass_k` for `section="eval"`).
+    """
+    options = SamplingOptions(
+        num_generations=cfg.num_generations if num_generations is None else num_generations,
+        temperature=cfg.temperature if temperature is None else temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        min_p=cfg.min_p,
+        repetition_penalty=cfg.repetition_penalty,
+        max_new_tokens=cfg.max_completion_length if max_new_tokens is None else max_new_tokens,
+        stop=list(cfg.stop),
+        seed=seed,
+        max_prompt_length=cfg.max_prompt_length,
+        chat_template_kwargs=dict(chat_template_kwargs) if chat_template_kwargs else None,
+    )
+    keys = {f: f"rollout.{f}" for f in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop",
+                                         "max_prompt_length", "num_generations")}
+    keys["max_new_tokens"] = "rollout.max_completion_length"
+    if section == "eval":
+        keys["num_generations"] = "eval.pass_k"
+        if max_new_tokens is not None:
+            keys["max_new_tokens"] = "eval.max_completion_length"
+    try:
+        options.validate()
+    except (ValueError, TypeError) as e:
+        message = str(e)
+        for name, key in keys.items():
+            message = message.replace(f"SamplingOptions.{name}", key)
+        raise type(e)(message) from None
+    return options

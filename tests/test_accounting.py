@@ -141,7 +141,7 @@ def test_ceiling_fraction_is_measured_against_the_rollouts_own_time():
     mask = torch.ones(2, 6, dtype=torch.long)
     batch = SimpleNamespace(prompt_mask=mask, completion_mask=mask[:, :4], timing=SimpleNamespace(seconds=2.0))
     ctx = SimpleNamespace(peaks=(1e12, 1e9), shape=shape, device=torch.device("cpu"), world=SimpleNamespace(size=1),
-                          engine=None,
+                          rollout=SimpleNamespace(shared=False),
                           cfg=SimpleNamespace(train=SimpleNamespace(num_iterations=1)))
     plan = SimpleNamespace(trained=torch.arange(2))
     for waited in (0.01, 2.0, 7.0):
@@ -164,7 +164,7 @@ def test_decode_bytes_are_those_of_the_module_the_engine_decodes_with():
     proj.weight = packed
     own = ModelShape.of(quantized)
     assert own.decode_weight_bytes < ModelShape.of(plain).decode_weight_bytes
-    merged = _shape(quantized, SimpleNamespace(weights=SimpleNamespace(module=plain)))
+    merged = _shape(quantized, plain)
     assert merged == dataclasses.replace(own, decode_weight_bytes=ModelShape.of(plain).decode_weight_bytes)
-    assert _shape(quantized, SimpleNamespace(weights=SimpleNamespace(module=quantized))) == own  # quantized decode
-    assert _shape(quantized, object()) == own  # an engine that does not say
+    assert _shape(quantized, quantized) == own  # quantized decode
+    assert _shape(quantized, None) == own  # an engine that does not say

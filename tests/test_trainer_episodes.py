@@ -57,7 +57,7 @@ def episode_ctx(tmp_path_factory, one_thread):
     rows = ctx.sampler.next_batch(3)
     options = sampling_options(cfg.rollout, seed=7)
     drv = ScriptedDriver(lambda b: 1 + b % 4, obs, max_turn_tokens=7)
-    batch = ctx.engine.generate([r.prompt for r in rows], options, episodes=drv)
+    batch = ctx.rollout.generate([r.prompt for r in rows], options, episodes=drv)
     assert batch.env_mask.sum() > 20 and batch.truncated.any() and not batch.truncated.all()
     ro = Rollout(rows, [rows[i] for i in batch.prompt_index.tolist()], batch, options)
     adv = torch.randn(12, generator=torch.Generator().manual_seed(3))

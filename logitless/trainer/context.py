@@ -11,20 +11,14 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from rich.console import Console
 
 from logitless.agents import Agent
 from logitless.data import PromptRow, PromptSampler
 from logitless.objectives import AdvantageOptions, EntropyCoef, initial_entropy_coef
 from logitless.rewards.models import load_reward_models
-from logitless.rollout import RolloutEngine
-from logitless.rollout.engine import same_device, unwrap_model
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer import dcp
-from logitless.trainer.report.accounting import ModelShape, device_peaks
-from logitless.trainer.placement.async_rollout import AsyncRollout
-from logitless.trainer.memory.auto import has_auto, resolve
 from logitless.trainer.builders import (
     accuracy_index,
     check_prompt_lengths,
@@ -34,18 +28,15 @@ from logitless.trainer.builders import (
     reward_functions,
     sync_offloaded_params,
 )
-from logitless.trainer.placement.engines import (
-    check_fused,
-    decode_attention_for,
-    make_rollout_engine,
-    sampling_options,
-    weight_copy,
-)
+from logitless.trainer.checks.model import model_config
 from logitless.trainer.config.schema import TrainerConfig, to_dict, to_yaml
+from logitless.trainer.distributed.parallel import QuietLogger, World, shard_model
 from logitless.trainer.episodes import environment_weight
 from logitless.trainer.evaluate import eval_options
-from logitless.trainer.report.metrics import MetricsLogger
-from logitless.trainer.checks.model import model_config
+from logitless.trainer.memory.auto import has_auto, resolve
+from logitless.trainer.memory.oom import MemoryState
+from logitless.trainer.placement.engines import sampling_options
+from logitless.trainer.placement.placement import RolloutPlacement
 from logitless.trainer.policy.modeling import (
     LoraCompute,
     ReferencePolicy,
@@ -55,23 +46,10 @@ from logitless.trainer.policy.modeling import (
     trainable_parameters,
 )
 from logitless.trainer.policy.offload import ParkedState
-from logitless.trainer.memory.oom import MemoryState
+from logitless.trainer.report.accounting import ModelShape, device_peaks
+from logitless.trainer.report.metrics import MetricsLogger
 from logitless.trainer.report.tracking import open_trackers, resolve_report_to
-from logitless.trainer.distributed.parallel import (
-    COPY_BACKENDS,
-    TIMEOUT,
-    MergedRolloutCopy,
-    QuietLogger,
-    RolloutCopy,
-    World,
-    make_replica,
-    rank_share,
-    shard_model,
-)
 from logitless.trainer.rundir import RunDir, write_atomic
-from logitless.trainer.placement.rollout_worker import DecodeWorker
-from logitless.trainer.placement.shared_rollout import PeerSync, SharedDecode
-from logitless.trainer.placement.tensor_parallel import TensorParallelCopy, check_tensor_parallel, group_decode, tp_mesh
 
 
 @dataclass
@@ -82,7 +60,7 @@ class TrainContext:
     model: torch.nn.Module
     tokenizer: Any
     device: torch.device
-    engine: RolloutEngine
+    rollout: RolloutPlacement  # what decodes the step's samples, from which weights, where (placement/)
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     scheduler: Any
@@ -99,13 +77,8 @@ class TrainContext:
     entropy_coef: EntropyCoef  # carried across steps (adaptive entropy control)
     lora_compute: LoraCompute  # how the trainer's forwards run the LoRA adapters (model.lora_compute)
     world: World = field(default_factory=World)  # this process's rank among torchrun's workers
-    # the engine's own weights (static backend with a sharded model: torchrun or train.fsdp_offload, or on
-    # rollout.device), else None
-    replica: RolloutCopy | MergedRolloutCopy | TensorParallelCopy | PeerSync | None = None
-    rollout_device: torch.device | None = None  # rollout.device where it is not the training device
     empty_steps: int = 0  # consecutive steps whose completions were all empty
     parked: ParkedState = field(default_factory=ParkedState)  # train.offload_during_rollout's host buffers
-    prefetch: AsyncRollout | None = None  # train.async_rollout: the next step's rollout in flight
     memory: MemoryState | None = None  # the memory plan's model and settings (trainer/memory/oom.py), where one is made
     on_micro_batch: Callable[[int], None] | None = None  # called before each micro-batch's forward (a test hook)
     agent: Agent | None = None  # agent.tools / agent.environment: what answers the model between turns
@@ -122,7 +95,8 @@ class TrainContext:
         if self.run is not None:
             self.run.check_alive()
         state = {"sampler": self.sampler.state_dict(), "entropy_coef": list(self.entropy_coef)}
-        pending = self.prefetch.state() if self.prefetch is not None else {}  # the next step's rollout in flight
+        prefetch = self.rollout.prefetch
+        pending = prefetch.state() if prefetch is not None else {}  # the next step's rollout in flight
         if self.world.sharded:  # sharded (DCP), every rank; each rank's pending rollout is its own
             return dcp.save_sharded(
                 self.ckpt_root, step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
@@ -226,132 +200,89 @@ def _logger(cfg: TrainerConfig, run_dir: Path, world: World, start: int, run: Ru
     return logger
 
 
-def _shape(model: torch.nn.Module, engine: Any, split: int = 1) -> ModelShape:
+def _shape(model: torch.nn.Module, decoded: torch.nn.Module | None, split: int = 1) -> ModelShape:
     """The training model's shape, with the weight bytes of the module the rollout decodes with (a merged bf16
     copy of a QLoRA model reads bf16 weights, not 4-bit ones); the model's own where the engine does not say.
     split: rollout.tensor_parallel, each rank reading 1/split of them per step."""
     shape = ModelShape.of(model)
-    decoded = getattr(getattr(engine, "weights", None), "module", None)
     if decoded is None or decoded is model:
         return shape
     return dataclasses.replace(shape, decode_weight_bytes=ModelShape.of(decoded).decode_weight_bytes // split)
+
+
+@dataclass
+class Inputs:
+    """The run's prompts and rewards, read before the model loads (their errors need no model)."""
+
+    rows: list[PromptRow]
+    sampler: PromptSampler
+    eval_rows: list[PromptRow] | None  # held-out rows of the eval during training
+    reward_fns: list[Callable[..., list[float | None]]]
+    acc_col: int
+
+    @classmethod
+    def load(cls, cfg: TrainerConfig, console: Console | None) -> Inputs:
+        rows = load_rows(cfg.data, console=console)
+        eval_rows = None
+        if cfg.eval.every_steps or cfg.eval.on_start:
+            eval_rows = load_rows(cfg.data, cfg.eval.split or cfg.data.eval_split, eval=True)[: cfg.eval.num_prompts]
+        return cls(rows, PromptSampler(rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle), eval_rows,
+                   reward_functions(cfg.reward), accuracy_index(cfg.reward))
+
+    def check_lengths(self, cfg: TrainerConfig, tokenizer: Any, model: torch.nn.Module) -> None:
+        """Every prompt within the rollout's prompt limit and the model's context (`check_prompt_lengths`)."""
+        options = sampling_options(cfg.rollout, seed=None, chat_template_kwargs=cfg.data.chat_template_kwargs)
+        check_prompt_lengths(self.rows, tokenizer, model, options, f"data.task={cfg.data.task!r}")
+        if self.eval_rows is not None:
+            check_prompt_lengths(self.eval_rows, tokenizer, model, eval_options(cfg),
+                                 "eval during training (eval.every_steps)")
 
 
 def build_context(
     cfg: TrainerConfig, world: World, *, resume: str | Path | None = None, model: torch.nn.Module | None = None,
     tokenizer: Any = None, run: RunDir | None = None, given: TrainerConfig | None = None,
 ) -> TrainContext:
-    """Data and rewards first (their errors need no model), then model, engine, optimizer, and the resumed state.
-    `world`: this process's place, its process group already made (`parallel.process_group`); `run`: the claimed
-    run folder (rank 0). `cfg`: the run's settings, "auto" decided (`trainer.auto`; decided here, without the
-    table, where the caller has not); `given`: the config as written (saved as the run's config)."""
+    """Data and rewards first (their errors need no model), then model, rollout placement, optimizer, and the
+    resumed state. `world`: this process's place, its process group already made (`parallel.process_group`); `run`:
+    the claimed run folder (rank 0). `cfg`: the run's settings, "auto" decided (`memory.auto`; decided here, without
+    the table, where the caller has not); `given`: the config as written (saved as the run's config)."""
     if has_auto(cfg):
         given = given or cfg
         cfg = resolve(cfg, world_size=world.size, model=model).cfg
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)  # the same on every rank: the model's random init (LoRA) must agree
-    adv_options = advantage_options(cfg)
     console = Console(stderr=True) if world.main else None  # the run's console (MetricsLogger prints there too)
-    rows: list[PromptRow] = load_rows(cfg.data, console=console)
-    sampler = PromptSampler(rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
-    eval_rows = None
-    if cfg.eval.every_steps or cfg.eval.on_start:
-        eval_rows = load_rows(cfg.data, cfg.eval.split or cfg.data.eval_split, eval=True)[: cfg.eval.num_prompts]
-    reward_fns, acc_col = reward_functions(cfg.reward), accuracy_index(cfg.reward)
+    inputs = Inputs.load(cfg, console)
     model, tokenizer, device = _model(cfg, model, tokenizer, host=world.offload)
-    load_reward_models(reward_fns, device)  # model:/judge: rewards, on the training device unless they name one
+    load_reward_models(inputs.reward_fns, device)  # model:/judge: rewards, on the training device unless they name one
     agent = Agent(tokenizer, cfg.agent) if cfg.agent.enabled else None  # tools, environment, template: checked here
-    check_prompt_lengths(rows, tokenizer, model, sampling_options(
-        cfg.rollout, seed=None, chat_template_kwargs=cfg.data.chat_template_kwargs), f"data.task={cfg.data.task!r}")
-    if eval_rows is not None:
-        check_prompt_lengths(eval_rows, tokenizer, model, eval_options(cfg), "eval during training (eval.every_steps)")
+    inputs.check_lengths(cfg, tokenizer, model)
     if cfg.train.packed:
         check_packed_attention(model)
-    # before a resume loads trained weights
-    reference = ReferencePolicy(model, device) if cfg.objective.beta > 0 else None
-    replica, rollout_device = None, torch.device(cfg.rollout.device) if cfg.rollout.device is not None else None
-    split = cfg.rollout.tensor_parallel > 1 and world.distributed  # (checked before: a static backend, torchrun)
-    shared = world.distributed and rollout_device is not None  # rank 0 decodes for every rank (shared_rollout.py)
-    if shared and cfg.rollout.backend not in COPY_BACKENDS:
-        raise ValueError(f"rollout.device={cfg.rollout.device} under torchrun needs rollout.backend=static (resolved: "
-                         f"{cfg.rollout.backend}); set rollout.backend=static or unset rollout.device")
-    mesh = tp_mesh(world.size, cfg.rollout.tensor_parallel, device) if split else None
-    if split:
-        check_tensor_parallel(cfg, world.size, unwrap_model(model).config)
-        mode = weight_copy(cfg.rollout, device, has_copy=True, distributed=True)
-        replica = TensorParallelCopy(model, mesh, device, sleep=mode == "sleep")
-    elif shared and not world.main:  # rank 0 keeps the replica on the rollout's GPU; this rank joins its syncs
-        merged = MergedRolloutCopy.applies(model, cfg.rollout.merge_lora)
-        replica = PeerSync((MergedRolloutCopy if merged else RolloutCopy).synced_names(model), merged)
-    elif (world.sharded or rollout_device is not None) and cfg.rollout.backend in COPY_BACKENDS:
-        mode = ("resident" if rollout_device is not None or cfg.train.async_rollout  # async: it decodes beside the update
-                else weight_copy(cfg.rollout, device, has_copy=True, distributed=True))
-        replica = make_replica(model, cfg.rollout.merge_lora, sleep=mode == "sleep", device=rollout_device or device,
-                               fuse=cfg.rollout.fuse_projections is not False)
-        check_fused(cfg.rollout, replica.groups, "the rollout's replica has no plain q/k/v or gate/up layers "
-                    "(unmerged LoRA layers, or another layout)")
+    reference = ReferencePolicy(model, device) if cfg.objective.beta > 0 else None  # before a resume loads weights
+    rollout = RolloutPlacement.plan(cfg, world, model, device)  # a replica copies the full weights: before sharding
     if world.sharded:
         model = shard_model(model, device, offload=world.offload)
         if world.rank:
             seed_everything(cfg.train.seed + world.rank)  # per-rank streams from here on (dropout, rewards)
-    if isinstance(replica, TensorParallelCopy):
-        replica.materialize()  # this rank's slices, now that the model is sharded
     params = trainable_parameters(model)
     optimizer = make_optimizer(params, cfg.optim, host=world.offload)
     steps_per_rollout = cfg.train.num_iterations * cfg.train.steps_per_rollout  # optimizer steps per rollout batch
     scheduler = make_scheduler(optimizer, cfg.train.max_steps * steps_per_rollout, cfg.optim)
-    run_dir = Path(cfg.train.output_dir)
     state = _resumed_state(resume, world, model, optimizer, scheduler) if resume is not None else {}
-    start = int(state.get("step", 0))
     if state:
-        sampler.load_state_dict(state["sampler"])
+        inputs.sampler.load_state_dict(state["sampler"])
+    start, run_dir = int(state.get("step", 0)), Path(cfg.train.output_dir)
     logger = _logger(given or cfg, run_dir, world, start, run, console)
     coef = EntropyCoef(*state["entropy_coef"]) if "entropy_coef" in state else initial_entropy_coef(cfg.objective)
-    engine_changes: dict[str, Any] = {}
-    if replica is not None:  # the replica merged (a plain model), fused its projections and sleeps by itself
-        engine_changes.update(fuse_projections=None, weight_copy="resident")
-        if isinstance(replica, (MergedRolloutCopy, TensorParallelCopy)):
-            engine_changes["merge_lora"] = None
-    if cfg.train.async_rollout:  # async samples during updates: a copy of its own
-        engine_changes["weight_copy"] = "resident"
-    if cfg.rollout.decode_attention == "auto":  # decode attention rounding as the trainer's attention does
-        engine_changes["decode_attention"] = decode_attention_for(cfg.train.packed is True)
-    rollout_cfg = dataclasses.replace(cfg.rollout, **engine_changes)
-    if shared:  # rank 0's decode process (the replica shared with it), every rank's handle; one group, made by all
-        worker = DecodeWorker(replica.model, rollout_cfg, tokenizer) if world.main else None
-        engine = SharedDecode(worker, dist.new_group(backend="gloo", timeout=TIMEOUT), rollout_device)
-    else:  # merged: a plain model
-        engine = make_rollout_engine(rollout_cfg, replica.model if replica else model, tokenizer)
-    if isinstance(replica, TensorParallelCopy):
-        engine = group_decode(engine, replica)
-    sync = None if replica is None else _replica_sync(replica, model, None if shared else engine)
-    prefetch = None
-    if cfg.train.async_rollout:
-        prefetch = AsyncRollout(engine, sampler, cfg.train.prompts_per_step, device, sync=sync, agent=agent,
-                                share=lambda rows: rank_share(rows, world))
-        prefetch.restore(state)
+    rollout.start(cfg, world, model, tokenizer, device, sampler=inputs.sampler, agent=agent, state=state)
     return TrainContext(
-        cfg=cfg, model=model, tokenizer=tokenizer, device=device, engine=engine, prefetch=prefetch, agent=agent,
-        params=params, optimizer=optimizer, scheduler=scheduler, sampler=sampler, reward_fns=reward_fns,
-        acc_col=acc_col, adv_options=adv_options,
-        reference=reference,
-        shape=_shape(model, engine, cfg.rollout.tensor_parallel if split else 1),
-        peaks=device_peaks(device, cfg.logging.peak_tflops, cfg.logging.hbm_tbs),
-        run_dir=run_dir, logger=logger, start=start, entropy_coef=coef, world=world, replica=replica, run=run,
-        lora_compute=LoraCompute(model, cfg.model),
-        rollout_device=None if rollout_device is None or same_device(rollout_device, device) or not world.main
-        else rollout_device,  # (a shared rollout's GPU is rank 0's alone)
-        eval_rows=eval_rows,
+        cfg=cfg, model=model, tokenizer=tokenizer, device=device, rollout=rollout, agent=agent, params=params,
+        optimizer=optimizer, scheduler=scheduler, sampler=inputs.sampler, reward_fns=inputs.reward_fns,
+        acc_col=inputs.acc_col, adv_options=advantage_options(cfg), reference=reference,
+        shape=_shape(model, rollout.decoded_module(), rollout.split),
+        peaks=device_peaks(device, cfg.logging.peak_tflops, cfg.logging.hbm_tbs), run_dir=run_dir, logger=logger,
+        start=start, entropy_coef=coef, world=world, run=run, lora_compute=LoraCompute(model, cfg.model),
+        eval_rows=inputs.eval_rows,
     )
-
-
-def _replica_sync(replica: Any, model: torch.nn.Module, engine: Any) -> Callable[[], None]:
-    """Bring the replica up to date with `model`, then the engine's weights with the replica (a merged copy of an
-    unmerged replica, where the engine keeps one; no engine: a rank that only joins a shared rollout's sync)."""
-    def sync() -> None:
-        replica.sync(model)
-        if engine is not None:
-            engine.weights.sync()
-
-    return sync

@@ -208,7 +208,7 @@ def eval_in_run(ctx: Any, weights: AbstractContextManager) -> dict[str, float]:
     rows = ctx.eval_rows[world.rank // split_by :: world.size // split_by] if world.size > 1 else ctx.eval_rows
     split = cfg.eval.split or cfg.data.eval_split
     with weights:
-        result = evaluate(ctx.model, ctx.tokenizer, rows, cfg, split=split, engine=ctx.engine, fns=ctx.reward_fns,
+        result = evaluate(ctx.model, ctx.tokenizer, rows, cfg, split=split, engine=ctx.rollout.engine, fns=ctx.reward_fns,
                           agent=ctx.agent)
     if world.size == 1:
         return result.metrics()

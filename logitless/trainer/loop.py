@@ -39,16 +39,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from logitless.trainer import checkpoint as ckpt
-from logitless.trainer.memory import oom
-from logitless.trainer.report.accounting import PhaseTimer
-from logitless.trainer.memory.auto import resolve_run, save_resolved
 from logitless.trainer.config.schema import TrainerConfig
 from logitless.trainer.context import TrainContext, build_context
-from logitless.trainer.dynamic import sample_step
-from logitless.trainer.episodes import conversation_texts
-from logitless.trainer.evaluate import eval_due, eval_in_run
-from logitless.trainer.report.metrics import MismatchReport, RewardErrorReport, RewardNoneReport, mismatch_causes
-from logitless.trainer.policy.modeling import attention_backends
 from logitless.trainer.distributed.parallel import (
     World,
     agree,
@@ -56,8 +48,16 @@ from logitless.trainer.distributed.parallel import (
     launched_world,
     process_group,
 )
-from logitless.trainer.report.plot import plot_run
+from logitless.trainer.dynamic import sample_step
+from logitless.trainer.episodes import conversation_texts
+from logitless.trainer.evaluate import eval_due, eval_in_run
+from logitless.trainer.memory import oom
+from logitless.trainer.memory.auto import resolve_run, save_resolved
+from logitless.trainer.policy.modeling import attention_backends
 from logitless.trainer.preflight import check_resume, check_world, preflight
+from logitless.trainer.report.accounting import PhaseTimer
+from logitless.trainer.report.metrics import MismatchReport, RewardErrorReport, RewardNoneReport, mismatch_causes
+from logitless.trainer.report.plot import plot_run
 from logitless.trainer.rundir import RunDir, claim_run_dir, restart_advice
 from logitless.trainer.signals import StopSignals, label
 from logitless.trainer.stages import (
@@ -148,8 +148,8 @@ def rewind_step(ctx: TrainContext, rewind: tuple[Any, Any]) -> None:
 def drop_step(ctx: TrainContext, result: TrainResult, step: int, rewind: tuple[Any, Any]) -> None:
     """A stop before the first optimizer step of `step`: rewind its data position and RNG (so a resumed run
     redoes it identically) and checkpoint the step before."""
-    if ctx.prefetch is not None:
-        ctx.prefetch.put_back()  # its rollout is the checkpoint's pending one
+    if ctx.rollout.prefetch is not None:
+        ctx.rollout.prefetch.put_back()  # its rollout is the checkpoint's pending one
     rewind_step(ctx, rewind)
     if step - 1 > 0:
         result.checkpoint = ctx.save(step - 1)  # (a resumed run re-saves the step it started from)
@@ -242,6 +242,27 @@ def train(
                           hook=hook)
 
 
+@dataclass
+class StepReports:
+    """The warnings that follow each step's outcome: reward errors, rewards that came back None, a sampler that
+    drifted from the trainer."""
+
+    reward_errors: RewardErrorReport
+    reward_none: RewardNoneReport
+    mismatch: MismatchReport
+
+    @classmethod
+    def of(cls, ctx: TrainContext) -> StepReports:
+        say, cfg = ctx.logger.print, ctx.cfg  # (the decided settings)
+        return cls(RewardErrorReport(say, cfg.reward.error_penalty), RewardNoneReport(say),
+                   MismatchReport(say, cfg.logging.mismatch_warning, mismatch_causes(cfg)))
+
+    def scored(self, step: int, ro: Rollout, sc: Any) -> None:
+        self.reward_errors(step, sc.names, sc.num_errors, sc.error_texts, len(sc.total))
+        self.reward_none(step, sc.names, sc.num_none, len(sc.total), sorted(ro.sample_rows[0].fields) if ro.sample_rows
+                         else [])
+
+
 def _train(
     freeze: Callable[[], None],
     cfg: TrainerConfig,
@@ -262,11 +283,7 @@ def _train(
     ctx.memory = oom.memory_state(ctx, resolved)
     if world.main:
         save_resolved(resolved, ctx.run_dir)  # beside config.yaml, both written once the model has loaded
-    result = TrainResult(run_dir=ctx.run_dir, step=ctx.start)
-    report_reward_errors = RewardErrorReport(ctx.logger.print, cfg.reward.error_penalty)
-    report_mismatch = MismatchReport(ctx.logger.print, cfg.logging.mismatch_warning, mismatch_causes(ctx.cfg))  # (decided settings)
-    report_none = RewardNoneReport(ctx.logger.print)
-    finished = False
+    result, reports, finished = TrainResult(run_dir=ctx.run_dir, step=ctx.start), StepReports.of(ctx), False
     freeze()  # the model, data and engine: out of every collection from here on
     try:
         if cfg.eval.on_start and ctx.start == 0:  # the policy before training, logged at step 0
@@ -275,57 +292,15 @@ def _train(
             ctx.logger.log(0, record)
             result.records.append({"step": 0, **record})
         for step in range(ctx.start + 1, cfg.train.max_steps + 1):
-            stop.step, stop.updating = step, False
-            hook("step_start", step)
-            rewind = (ctx.sampler.state_dict(), ckpt.rng_state())
-            timer = PhaseTimer(ctx.device, ctx.rollout_device)
-            # generate and score (with train.dynamic_sampling: until the step has its informative groups); out of
-            # memory: once more, with fewer rows per wave, from the step's data position and RNG
-            ctx.memory.retries = 0
-            ro, scored, sc, sampled = oom.retry_on_oom(ctx, step, "generate", lambda: _sample(ctx, step, timer, hook),
-                                                       reset=lambda: rewind_step(ctx, rewind))
-            report_reward_errors(step, sc.names, sc.num_errors, sc.error_texts, len(sc.total))
-            fields = sorted(ro.sample_rows[0].fields) if ro.sample_rows else []
-            report_none(step, sc.names, sc.num_none, len(sc.total), fields)
-            hook("after_rollout", step)
-            dropped = agree(stop.commit_step(), ctx.device)  # a signal to any rank before the update began
-            if dropped:  # nothing trained yet: every rank drops this step
-                stop.requested = stop.requested or dropped
-                drop_step(ctx, result, step, rewind)
+            if _step(ctx, step, stop, result, reports, hook):
                 break
-            check_empty(ctx, ro, step)
-            plans = _plans(ctx, ro, scored)
-            plan, upd = merge_plans(plans), UpdateResult()
-            if plan.n_tokens > 0:  # (0 only if the engine returned no token at all, not even EOS)
-                rng, tried = ckpt.rng_state(), [plans]  # a retry plans its micro-batches anew
-                plans, upd = oom.retry_on_oom(
-                    ctx, step, "update", lambda: _update(ctx, ro, scored, tried[-1], timer, hook, step),
-                    reset=lambda: (_reset_update(ctx, rng), tried.append(None)))
-                plan = merge_plans(plans)
-            hook("after_update", step)
-            record = {**step_record(ctx, ro, scored, plan, upd, timer), **sampled, **oom.memory_metrics(ctx, ro, plan)}
-            if eval_due(cfg, step):  # held-out eval (eval.every_steps)
-                with timer("eval"):
-                    record.update(eval_in_run(ctx, rollout_state(ctx)))
-                record["time/eval"] = timer.seconds["eval"]
-            log_step(ctx, result, step, record, ro, scored)
-            report_mismatch(step, record)
-            if run is not None:
-                run.first_step_done()  # --overwrite: the run it replaces goes now
-            agreed = agree(stop.requested, ctx.device)  # the ranks decide together; a signal that comes meanwhile
-            stop.requested = stop.requested or agreed  # stays requested, for the next decision
-            if checkpoint_and_stop(ctx, result, step, bool(agreed)):
-                break
-            if step == ctx.start + 1 and ctx.prefetch is None:  # the first step's compiled graphs too (not with
+            if step == ctx.start + 1 and ctx.rollout.prefetch is None:  # the first step's compiled graphs too (not with
                 freeze()  # a rollout in flight: its KV cache, were it in a cycle, would wait until the run's end)
         result.interrupted = stop.requested
         finished = True
     finally:
         ctx.logger.close()
-        if ctx.prefetch is not None:
-            ctx.prefetch.close(wait=finished)  # on an error or a stop-at-once, the rollout in flight is not awaited
-        if hasattr(ctx.engine, "close"):  # a shared rollout GPU's decode process (trainer/placement/shared_rollout.py)
-            ctx.engine.close()
+        ctx.rollout.close(wait=finished)  # on an error or a stop-at-once, the rollout in flight is not awaited
     if result.interrupted:
         sig = result.interrupted
         when = f"after step {result.step}" if result.step > ctx.start else f"before step {ctx.start + 1} finished"
@@ -334,3 +309,52 @@ def _train(
     elif cfg.logging.plot and result.records and ctx.world.main:
         plot_run(ctx.run_dir)
     return result
+
+
+def _step(ctx: TrainContext, step: int, stop: StopSignals, result: TrainResult, reports: StepReports,
+          hook: Hook) -> bool:
+    """One step: rollout and scores, the update, metrics, eval, checkpoint; True when the run ends after it."""
+    stop.step, stop.updating = step, False
+    hook("step_start", step)
+    rewind = (ctx.sampler.state_dict(), ckpt.rng_state())
+    timer = PhaseTimer(ctx.device, ctx.rollout.device)
+    # generate and score (with train.dynamic_sampling: until the step has its informative groups); out of
+    # memory: once more, with fewer rows per wave, from the step's data position and RNG
+    ctx.memory.retries = 0
+    ro, scored, sc, sampled = oom.retry_on_oom(ctx, step, "generate", lambda: _sample(ctx, step, timer, hook),
+                                               reset=lambda: rewind_step(ctx, rewind))
+    reports.scored(step, ro, sc)
+    hook("after_rollout", step)
+    dropped = agree(stop.commit_step(), ctx.device)  # a signal to any rank before the update began
+    if dropped:  # nothing trained yet: every rank drops this step
+        stop.requested = stop.requested or dropped
+        drop_step(ctx, result, step, rewind)
+        return True
+    check_empty(ctx, ro, step)
+    plan, upd = _train_on(ctx, ro, scored, timer, hook, step)
+    hook("after_update", step)
+    record = {**step_record(ctx, ro, scored, plan, upd, timer), **sampled, **oom.memory_metrics(ctx, ro, plan)}
+    if eval_due(ctx.cfg, step):  # held-out eval (eval.every_steps)
+        with timer("eval"):
+            record.update(eval_in_run(ctx, rollout_state(ctx)))
+        record["time/eval"] = timer.seconds["eval"]
+    log_step(ctx, result, step, record, ro, scored)
+    reports.mismatch(step, record)
+    if ctx.run is not None:
+        ctx.run.first_step_done()  # --overwrite: the run it replaces goes now
+    agreed = agree(stop.requested, ctx.device)  # the ranks decide together; a signal that comes meanwhile
+    stop.requested = stop.requested or agreed  # stays requested, for the next decision
+    return checkpoint_and_stop(ctx, result, step, bool(agreed))
+
+
+def _train_on(ctx: TrainContext, ro: Rollout, scored: Scored, timer: PhaseTimer, hook: Hook, step: int
+              ) -> tuple[UpdatePlan, UpdateResult]:
+    """The step's optimizer steps on its rollout, none where the engine returned no token at all (not even EOS);
+    out of memory: once more, from the same state, with micro-batches planned anew under leaner settings."""
+    plans = _plans(ctx, ro, scored)
+    if merge_plans(plans).n_tokens == 0:
+        return merge_plans(plans), UpdateResult()
+    rng, tried = ckpt.rng_state(), [plans]
+    plans, upd = oom.retry_on_oom(ctx, step, "update", lambda: _update(ctx, ro, scored, tried[-1], timer, hook, step),
+                                  reset=lambda: (_reset_update(ctx, rng), tried.append(None)))
+    return merge_plans(plans), upd

@@ -37,12 +37,16 @@ from logitless.objectives.mismatch import ABS as MISMATCH
 from logitless.objectives.mismatch import mismatch_summary, sampler_mismatch
 from logitless.rewards import RewardScores, add_reward_column, score_completions
 from logitless.rollout import RolloutBatch, SamplingOptions
-from logitless.trainer.report.accounting import PhaseTimer, decode_ideal_seconds, update_flops
-from logitless.trainer.batching import MicroBatch, make_micro_batches
+from logitless.trainer.batching import MicroBatch, make_micro_batches, padding_backward, padding_micro_batches
 from logitless.trainer.builders import clip_offloaded_grads, torch_threads
-from logitless.trainer.placement.engines import sampling_options
 from logitless.trainer.context import TrainContext
 from logitless.trainer.distributed.collectives import all_reduce_metrics, all_reduce_sum, gather_rows
+from logitless.trainer.distributed.parallel import (
+    clip_grad_norm,
+    model_logprobs,
+    rank_seed,
+    rank_share,
+)
 from logitless.trainer.episodes import (
     ENVIRONMENT_REWARD,
     environment_rewards,
@@ -50,17 +54,9 @@ from logitless.trainer.episodes import (
     episode_metrics,
     reward_completions,
 )
+from logitless.trainer.placement.engines import sampling_options
 from logitless.trainer.policy.offload import ActivationOffload, optimizer_state
-from logitless.trainer.distributed.parallel import (
-    clip_grad_norm,
-    model_logprobs,
-    rank_seed,
-    rank_share,
-    rollout_weights,
-)
-from logitless.trainer.batching import padding_backward, padding_micro_batches
-from logitless.trainer.placement.shared_rollout import SharedDecode
-from logitless.trainer.placement.tensor_parallel import local_bytes
+from logitless.trainer.report.accounting import PhaseTimer, decode_ideal_seconds, update_flops
 
 MAX_EMPTY_STEPS = 3  # consecutive steps whose completions are all empty before the run is stopped
 
@@ -128,21 +124,22 @@ def rollout_stage(ctx: TrainContext, step: int, round: int = 0) -> Rollout:
                                 chat_template_kwargs=cfg.data.chat_template_kwargs)
 
     options = options_of(step)
-    if ctx.prefetch is not None:  # under torchrun each rank's share, from its replica (the sync is a collective)
-        if ctx.prefetch.pending is None:  # the first step of a run
-            ctx.prefetch.start(step, options)
-        rows, batch, options = ctx.prefetch.take(step)
+    prefetch = ctx.rollout.prefetch
+    if prefetch is not None:  # under torchrun each rank's share, from its replica (the sync is a collective)
+        if prefetch.pending is None:  # the first step of a run
+            prefetch.start(step, options)
+        rows, batch, options = prefetch.take(step)
         if step < cfg.train.max_steps:
-            ctx.prefetch.start(step + 1, options_of(step + 1))
+            prefetch.start(step + 1, options_of(step + 1))
         batch = batch.to(ctx.device)
     else:
         rows = rank_share(ctx.sampler.next_batch(cfg.train.prompts_per_step), ctx.world)  # all of them on one process
         with torch_threads(cfg.rollout.num_threads), rollout_state(ctx):
             if ctx.agent is not None:
                 driver = ctx.agent.driver(rows, cfg.rollout.num_generations)
-                batch = ctx.engine.generate(driver.prompt_ids, options, episodes=driver).to(ctx.device)
+                batch = ctx.rollout.generate(driver.prompt_ids, options, episodes=driver).to(ctx.device)
             else:
-                batch = ctx.engine.generate([r.prompt for r in rows], options).to(ctx.device)
+                batch = ctx.rollout.generate([r.prompt for r in rows], options).to(ctx.device)
     return Rollout(rows, [rows[i] for i in batch.prompt_index.tolist()], batch, options)
 
 
@@ -152,11 +149,11 @@ def rollout_state(ctx: TrainContext) -> Iterator[None]:
     parked (`parked_state`). With a replica the shards are parked first and the sync reads them back one unit (a
     weight) at a time, so the device never holds every shard beside the whole replica; without one (the hf
     backend decodes from the sharded model) the optimizer states are parked after the weights are gathered."""
-    if ctx.replica is not None and ctx.cfg.train.offload_during_rollout:
-        with parked_state(ctx), rollout_weights(ctx.model, ctx.replica, lend=ctx.parked.lend):
+    if ctx.rollout.replica is not None and ctx.cfg.train.offload_during_rollout:
+        with parked_state(ctx), ctx.rollout.weights(ctx.model, lend=ctx.parked.lend):
             yield
     else:
-        with rollout_weights(ctx.model, ctx.replica), parked_state(ctx):
+        with ctx.rollout.weights(ctx.model), parked_state(ctx):
             yield
 
 
@@ -168,7 +165,7 @@ def parked_state(ctx: TrainContext) -> Iterator[None]:
         yield
         return
     tensors = optimizer_state(ctx.optimizer, ctx.device)
-    if ctx.replica is not None:  # the shards on the device (with train.fsdp_offload they are on the host already)
+    if ctx.rollout.replica is not None:  # the shards on the device (with train.fsdp_offload they are on the host already)
         tensors += [p for p in ctx.model.parameters() if p.device.type == ctx.device.type]  # (a DTensor: its shard's)
     ctx.parked.park(tensors)
     try:
@@ -395,7 +392,7 @@ def efficiency_metrics(ctx: TrainContext, ro: Rollout, plan: UpdatePlan, timer: 
     m_lens = t_lens if env is None else (b.completion_mask * (1 - env)).sum(1).tolist()
     # the decode ideal counts the model's tokens as decoded, each row's observations as prefilled context
     context = [p + t - m for p, t, m in zip(p_lens, t_lens, m_lens)]
-    if isinstance(ctx.engine, SharedDecode):  # one GPU decoded every rank's rows as one batch
+    if ctx.rollout.shared:  # one GPU decoded every rank's rows as one batch
         lens = gather_rows(torch.tensor([context, m_lens], dtype=torch.float64).T, dev).long()
         ideal, gpus = decode_ideal_seconds(ctx.shape, lens[:, 0].tolist(), lens[:, 1].tolist(), ctx.peaks[1]), 1
     else:
@@ -418,8 +415,8 @@ def timer_metrics(ctx: TrainContext, timer: PhaseTimer) -> dict[str, Any]:
     """The step's time and memory per phase; a shared rollout GPU's peak (rank 0) is the replica's, in this process,
     plus the decode process's own."""
     out = timer.metrics()
-    if isinstance(ctx.engine, SharedDecode) and "memory/rollout_device_peak_gb" in out:
-        out["memory/rollout_device_peak_gb"] += ctx.engine.device_peak_gib
+    if "memory/rollout_device_peak_gb" in out:
+        out["memory/rollout_device_peak_gb"] += ctx.rollout.extra_peak_gib()
     return out
 
 
@@ -453,10 +450,7 @@ def step_record(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan
         "train_tokens_per_s": plan.n_tokens * ctx.cfg.train.num_iterations / max(train_s, 1e-9),
         **timer_metrics(ctx, timer),
         **{f"rollout/{part}_s": sec for part, sec in b.timing.parts.items()},  # rollout.profile=true
-        "rollout/weights_copy_gib": getattr(getattr(ctx.engine, "weights", None), "extra_bytes", 0) / 2**30,
-        "rollout/replica_gib": local_bytes(ctx.replica.model) / 2**30  # (this rank's slices with a split replica)
-        if getattr(ctx.replica, "model", None) is not None else 0.0,  # the static backend's replica (torchrun,
-        # fsdp_offload, rollout.device; a shared rollout's is rank 0's)
+        **ctx.rollout.metrics(),  # its weight copy and replica
         "memory/parked_gib": ctx.parked.parked_bytes / 2**30 if ctx.cfg.train.offload_during_rollout else 0.0,
         **efficiency_metrics(ctx, ro, plan, timer),
         "skipped": float(plan.n_tokens == 0),

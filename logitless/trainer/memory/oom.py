@@ -82,7 +82,7 @@ def apply_knobs(ctx: Any, knobs: mp.Knobs) -> list[str]:
     if knobs.micro_batch_size != old.micro_batch_size:
         changes["train.micro_batch_size"] = knobs.micro_batch_size
     if knobs.max_kv_gib != old.max_kv_gib:
-        ctx.engine.max_kv_gib = knobs.max_kv_gib
+        ctx.rollout.engine.max_kv_gib = knobs.max_kv_gib
         changes["rollout.max_kv_gib"] = knobs.max_kv_gib
     sections: dict[str, dict[str, Any]] = {}
     for key, value in changes.items():
@@ -143,7 +143,7 @@ def _first_line(e: BaseException) -> str:
 
 def _leaner(ctx: Any, state: MemoryState, where: str) -> mp.Knobs | None:
     return mp.leaner(state.model, state.step, state.facts, state.knobs, where,
-                     cache_len=getattr(ctx.engine, "cache_length", 0))
+                     cache_len=getattr(ctx.rollout.engine, "cache_length", 0))
 
 
 def _no_retry(ctx: Any, state: MemoryState | None, where: str, steps_before: int) -> str | None:
@@ -154,7 +154,7 @@ def _no_retry(ctx: Any, state: MemoryState | None, where: str, steps_before: int
         return "under torchrun the other ranks would wait in a collective"
     if ctx.world.sharded:
         return "train.fsdp_offload's sharded model keeps its settings"
-    if ctx.prefetch is not None:
+    if ctx.rollout.prefetch is not None:
         return "train.async_rollout runs the rollout on another thread"
     if state.retries:
         return "the step was retried once already"

@@ -3,6 +3,7 @@ kept where rollout.weight_copy says), and the sampling options of the rollout se
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,24 +13,40 @@ from logitless.rollout.weights import LiveWeights, MergedLoraWeights, in_place_r
 from logitless.trainer.config.schema import RolloutConfig
 
 
-def make_rollout_engine(cfg: RolloutConfig, model: Any, tokenizer: Any) -> RolloutEngine:
+@dataclass(frozen=True)
+class EngineChoice:
+    """What a run's placement decides for its engine beside the rollout section, which it never rewrites: the
+    defaults leave every decision to the section."""
+
+    replica: bool = False  # the engine decodes from a replica, which fused its projections and syncs itself
+    merged_replica: bool = False  # ... a plain model with the LoRA merged in (nothing left to merge)
+    resident: bool = False  # a weight copy of the engine's own, kept resident (a replica; an async rollout)
+    decode_attention: str | None = None  # rollout.decode_attention's "auto" as the run decides it
+
+
+def make_rollout_engine(cfg: RolloutConfig, model: Any, tokenizer: Any, choice: EngineChoice = EngineChoice()
+                        ) -> RolloutEngine:
     """The rollout section's engine; backend "static" decodes from merged LoRA weights when rollout.merge_lora
     allows (`MergedLoraWeights`, kept where rollout.weight_copy says), else from the model, under the
-    rollout.max_kv_gib budget."""
+    rollout.max_kv_gib budget. `choice`: the run's placement decisions (`placement.RolloutPlacement`)."""
     if cfg.backend != "static":
         return make_engine(cfg.backend, model, tokenizer)
-    merged = merges(model, cfg.merge_lora)
-    mode = weight_copy(cfg, next(model.parameters()).device, has_copy=merged, distributed=False,
-                       in_place_why=in_place_refusal(model) if merged else None)
-    weights = MergedLoraWeights(model, mode, fuse=cfg.fuse_projections is not False) if merged else LiveWeights(model)
-    check_fused(cfg, getattr(weights, "groups", []),
-                "the model has no plain q/k/v or gate/up layers" if merged else
-                "the engine decodes with the training model itself (full fine-tuning on one process, "
-                "rollout.merge_lora=false, or DoRA adapters), whose layout the rollout does not change")
+    merged = merges(model, None if choice.merged_replica else cfg.merge_lora)
+    mode = "resident" if choice.resident else weight_copy(
+        cfg, next(model.parameters()).device, has_copy=merged, distributed=False,
+        in_place_why=in_place_refusal(model) if merged else None)
+    fuse = choice.replica or cfg.fuse_projections is not False
+    weights = MergedLoraWeights(model, mode, fuse=fuse) if merged else LiveWeights(model)
+    if not choice.replica:
+        check_fused(cfg, getattr(weights, "groups", []),
+                    "the model has no plain q/k/v or gate/up layers" if merged else
+                    "the engine decodes with the training model itself (full fine-tuning on one process, "
+                    "rollout.merge_lora=false, or DoRA adapters), whose layout the rollout does not change")
     return make_engine("static", model, tokenizer, weights=weights, max_kv_gib=cfg.max_kv_gib, profile=cfg.profile,
                        length_buckets=cfg.length_buckets, compact_finished=cfg.compact_finished,
-                       decode_attention=cfg.decode_attention, sampler_kernel=cfg.sampler_kernel,
-                       step_graph=cfg.step_graph)
+                       decode_attention=choice.decode_attention or cfg.decode_attention,
+                       sampler_kernel=cfg.sampler_kernel, step_graph=cfg.step_graph)
+
 
 def decode_attention_for(packed: bool) -> str:
     """rollout.decode_attention for `auto` in a run: the static engine's decode attention rounds as the trainer's own

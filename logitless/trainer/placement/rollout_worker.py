@@ -32,7 +32,7 @@ AUTHKEY = "LOGITLESS_DECODE_AUTHKEY"  # rank 0's multiprocessing authkey: the ch
 class DecodeWorker:
     """Rank 0's handle on the decode process: `submit` a rollout, `result` waits for its batch; `close` ends it."""
 
-    def __init__(self, model: torch.nn.Module, cfg: Any, tokenizer: Any):
+    def __init__(self, model: torch.nn.Module, cfg: Any, tokenizer: Any, choice: Any = None):
         self.device = model_device(model)
         mine, theirs = multiprocessing.Pipe(duplex=True)
         env = {**os.environ, AUTHKEY: bytes(multiprocessing.current_process().authkey).hex()}
@@ -41,7 +41,7 @@ class DecodeWorker:
         theirs.close()
         self.conn: Connection = mine
         self.peak_gib = 0.0  # the decode process's allocator peak on the rollout GPU, in the last rollout
-        self._send((plain_calls(model), cfg, tokenizer))  # the replica's tensors shared, not copied
+        self._send((plain_calls(model), cfg, choice, tokenizer))  # the replica's tensors shared, not copied
 
     def _send(self, obj: Any) -> None:
         try:
@@ -104,20 +104,20 @@ def plain_calls(model: torch.nn.Module) -> torch.nn.Module:
 def serve(conn: Connection) -> None:
     """The decode process: the replica and the engine's settings, then one rollout per request until the
     connection closes."""
-    from logitless.trainer.placement.engines import make_rollout_engine
+    from logitless.trainer.placement.engines import EngineChoice, make_rollout_engine
 
     def answer(*message: Any) -> None:  # the batch's tensors by value: about 20x faster than batch_to_json's lists
         conn.send_bytes(pickle.dumps(message, protocol=5))  # (bench/bench_handoff.py)
 
     engine = error = None
     try:
-        model, cfg, tokenizer = conn.recv()
+        model, cfg, choice, tokenizer = conn.recv()
         device = model_device(model)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        engine = make_rollout_engine(cfg, model, tokenizer)
+        engine = make_rollout_engine(cfg, model, tokenizer, choice or EngineChoice())
     except Exception as e:  # answered at the first request
         error = f"the rollout's decode process could not start: {type(e).__name__}: {e}"
     while True:

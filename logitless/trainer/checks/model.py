@@ -14,8 +14,10 @@ added to it as the run adds it (`peft.get_peft_model`), so the targets match exa
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,13 +43,30 @@ def model_config(cfg: TrainerConfig) -> ModelConfig:
     return cfg.model
 
 
+_READ: dict[tuple, Any] = {}  # the configs read in this process, by what names them (a GGUF's metadata: ~1 s)
+
+
 def read_model_config(cfg: ModelConfig, *, cached: bool = False) -> Any:
     """The transformers config of the model `cfg` names (config.json of a local folder or of the hub, or the
-    metadata of a GGUF file), read without its weights. `cached`: the hub files are in the local cache (read them
-    from there, no request)."""
+    metadata of a GGUF file), read without its weights, once per process (the preflight's and the memory plan's
+    reads are one; each caller gets its own copy). `cached`: the hub files are in the local cache (read them from
+    there, no request)."""
+    source, gguf = resolve_source(cfg)
+    key = (str(source), gguf, cfg.revision, cfg.trust_remote_code, _mtime(source, gguf))
+    if key not in _READ:
+        _READ[key] = _read_config(cfg, source, gguf, cached)
+    return copy.deepcopy(_READ[key])
+
+
+def _mtime(source: Any, gguf: str | None) -> float | None:
+    """When a local model's config (or GGUF file) last changed: a folder saved anew is read anew."""
+    path = Path(str(source)) / (gguf or "config.json")
+    return path.stat().st_mtime if path.is_file() else None
+
+
+def _read_config(cfg: ModelConfig, source: Any, gguf: str | None, cached: bool) -> Any:
     from transformers import AutoConfig
 
-    source, gguf = resolve_source(cfg)
     kwargs: dict[str, Any] = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
     if gguf:
         kwargs["gguf_file"] = gguf

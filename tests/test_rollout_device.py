@@ -18,9 +18,10 @@ import dataclasses
 import pytest
 import torch
 
+from logitless.trainer.preflight import check_world
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.config.schema import load_train_config
-from logitless.trainer.distributed.parallel import World, check_distributed, copy_to, make_replica
+from logitless.trainer.distributed.parallel import World, copy_to, make_replica
 from logitless.trainer.preflight import validate_config
 from tests.conftest import tiny_qwen2
 from tests.test_trainer import VOCAB, _cfg, _train, _untimed, rewards_module, tok  # noqa: F401 (fixtures)
@@ -156,11 +157,11 @@ def test_torchrun_takes_a_rollout_device_no_rank_trains_on_and_refuses_a_trainin
     a GPU a rank trains on is refused, naming the fix."""
     cfg = load_train_config(None, ["rollout.backend=static", "rollout.device=cpu", "train.prompts_per_step=2",
                                    "model.device=cpu"])
-    check_distributed(cfg, World(rank=0, size=2))
+    check_world(cfg, World(rank=0, size=2))
     gpu = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, device="cuda:0"),
                               model=dataclasses.replace(cfg.model, device="auto"))
     with pytest.raises(ValueError, match=r"rollout\.device=cuda:0 under torchrun names a GPU a rank trains on"):
-        check_distributed(gpu, World(rank=0, size=2))
+        check_world(gpu, World(rank=0, size=2))
 
 
 @pytest.mark.gpu

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from logitless.trainer.preflight import check_world
 from logitless.trainer import dcp
 from logitless.trainer.memory import plan as mp
 from logitless.trainer.memory import ranks as mr
-from logitless.trainer.distributed.parallel import World, check_distributed
+from logitless.trainer.distributed.parallel import World
 from logitless.trainer.placement.shared_rollout import check_shared_rollout
 from logitless.trainer.memory.auto import model_memory
 from logitless.trainer.config.schema import load_train_config
@@ -131,7 +132,7 @@ def test_a_shared_rollout_device_that_can_work_passes():
     check_shared_rollout(_cfg("rollout.device=cuda:3", "model.device=auto"), ranks=3, local_ranks=3)
     check_shared_rollout(_cfg("rollout.device=cuda:1"), ranks=1, local_ranks=1)  # one process: rollout.device as ever
     check_shared_rollout(_cfg("rollout.device=cpu", "model.device=cpu"), ranks=2, local_ranks=2)
-    check_distributed(_cfg("rollout.device=cpu", "model.device=cpu"), World(rank=0, size=2))
+    check_world(_cfg("rollout.device=cpu", "model.device=cpu"), World(rank=0, size=2))
 
 
 def test_the_memory_model_puts_the_replica_and_kv_cache_on_the_rollout_gpu():

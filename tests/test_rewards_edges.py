@@ -120,3 +120,14 @@ def test_bad_value_found_on_a_single_sample_names_the_function():
 
     with pytest.raises(RewardFunctionError, match=r"reward function 'flaky' returned str 'high' for sample 0"):
         score_completions([flaky], None, ["", ""], ["a", "b"], [{}, {}])
+
+
+def test_no_reward_functions_score_an_empty_column_set_without_a_warning():
+    """`reward_funcs: []` (an environment's reward alone): [B, 0] rewards and zero totals, no torch deprecation
+    warning at every step (a 1-D tensor's `.T`)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scores = score_completions([], None, ["p", "q", "r"], ["a", "b", "c"], [{}, {}, {}])
+    assert scores.rewards.shape == (3, 0) and torch.equal(scores.total, torch.zeros(3))

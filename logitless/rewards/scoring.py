@@ -248,7 +248,7 @@ def score_completions(
         num_none.append(sum(math.isnan(v) for v in values))
         num_errors.append(errors)
         error_texts.append(first_error)
-    rewards = torch.tensor(columns, dtype=torch.float32).T.reshape(B, len(fns))  # [B, R]
+    rewards = torch.tensor(columns, dtype=torch.float32).reshape(len(fns), B).T.contiguous()  # [B, R] (R may be 0)
     w = torch.tensor(weights, dtype=torch.float32)  # [R]
     total = torch.nansum(rewards * w, dim=1)  # [B]
     return RewardScores(rewards=rewards, total=total, names=names, num_none=num_none, num_errors=num_errors,

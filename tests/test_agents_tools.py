@@ -90,6 +90,26 @@ def test_tool_options_bind_parameters_and_hide_them_from_the_model():
         function_tool(add, {"c": 1}, 1.0)
 
 
+def lookup(key: str, table: dict) -> str:
+    """Look up a key.
+
+    Args:
+        key: the key to look up
+    """
+    return str(table.get(key))
+
+
+def test_a_bound_parameter_needs_no_docstring_line():
+    """agent.tool_options binds `table`, so the model never sees it and the docstring need not describe it."""
+    with pytest.raises(ValueError, match=r"'lookup'.*Args:"):
+        function_schema(lookup, "agent.tools")  # unbound, `table` is a parameter the model would have to fill
+    tool = function_tool(lookup, {"table": {"x": 1}}, 1.0)
+    assert tool.parameters["properties"].keys() == {"key"} and tool.parameters["required"] == ["key"]
+    assert run_call(tool, {"key": "x"}, None).text == "1"
+    hidden = function_tool(lookup, {"table": {"x": 1}, "key": "x"}, 1.0)  # every parameter bound
+    assert hidden.parameters["properties"] == {} and "required" not in hidden.parameters
+
+
 def test_function_tool_from_a_module_path_and_bad_paths():
     tool = function_tool("tests.test_agents_tools:add", {}, 1.0)
     assert tool.name == "add"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import difflib
-from logitless.rewards.builtin import import_user_module, missing_attribute
+import functools
 import inspect
 import json
 import math
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from logitless.agents.calculator import Calculator, CalculatorError
+from logitless.rewards.builtin import import_user_module, missing_attribute
 
 ERROR_PREFIX = "Error: "
 
@@ -95,7 +96,7 @@ def function_schema(fn: Callable[..., Any], where: str, hidden: tuple[str, ...] 
 
     name = getattr(fn, "__name__", repr(fn))
     try:
-        schema = get_json_schema(fn)
+        schema = get_json_schema(_without(fn, hidden) if hidden else fn)
     except DocstringParsingException as e:
         raise ValueError(
             f"{where}: cannot describe the tool '{name}' to the model ({e}). Give it a Google-style docstring: "
@@ -106,14 +107,20 @@ def function_schema(fn: Callable[..., Any], where: str, hidden: tuple[str, ...] 
             f"{where}: cannot describe the tool '{name}' to the model ({e}). Give every parameter a JSON-like "
             "type hint (str, int, float, bool, list[...], dict[str, ...], Literal[...], Optional[...])"
         ) from None
-    params = schema["function"]["parameters"]
-    for h in hidden:
-        params["properties"].pop(h, None)
-    if "required" in params:
-        params["required"] = [r for r in params["required"] if r not in hidden]
-        if not params["required"]:
-            del params["required"]
     return schema
+
+
+def _without(fn: Callable[..., Any], hidden: tuple[str, ...]) -> Callable[..., Any]:
+    """`fn` as the model sees it: the `hidden` parameters (bound from agent.tool_options) gone from its signature
+    and type hints, so its docstring need not describe them."""
+    @functools.wraps(fn)
+    def visible(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    sig = inspect.signature(fn)
+    visible.__signature__ = sig.replace(parameters=[p for n, p in sig.parameters.items() if n not in hidden])
+    visible.__annotations__ = {k: v for k, v in fn.__annotations__.items() if k not in hidden}
+    return visible
 
 
 # ----------------------------------------------------------------------------------------------------------

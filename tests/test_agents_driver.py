@@ -119,6 +119,11 @@ def test_every_bad_call_is_answered_with_an_error_and_counted():
         assert tok.decode(out[row]).startswith("\n<|im_start|>user\n<tool_response>\nError: ")
         rec = driver.episodes[row].record
         assert (rec.tool_calls, rec.tool_errors) == (1, 1)
+        said, answer = rec.messages[-2], rec.messages[-1]  # every result answers a call of the turn (D4)
+        assert answer["tool_call_id"] in [c["id"] for c in said["tool_calls"]]
+        if row in (0, len(cases) - 1):  # malformed: the turn's text is kept as the model wrote it
+            assert said["content"] == cases[row][0].removesuffix("<|im_end|>").strip()
+            assert said["tool_calls"][0]["function"] == {"name": "invalid_call", "arguments": {}}
     ok = run_turns(driver, tok, ["Fine.<|im_end|>"] * len(cases))
     assert ok == [None] * len(cases)
     assert not any(r.truncated for r in driver.finish())

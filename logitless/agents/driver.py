@@ -266,12 +266,13 @@ class AgentDriver:
             ep.record.messages.append({"role": "assistant", "content": text.strip()})
             return self._end(ep, truncated=True)
         parsed = self.parse(text) if self.agent.toolset else ParsedTurn(text.strip(), [])
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         for c in parsed.calls:
             c.id = c.id or next(self._ids)
-        good = [c for c in parsed.calls if c.error is None and c.name is not None]
-        if good:
-            message["tool_calls"] = [tool_call_message(c.name, c.arguments, c.id) for c in good]  # type: ignore[arg-type]
+        malformed = any(c.error is not None or c.name is None for c in parsed.calls)
+        # a malformed call keeps the turn's whole text, so that rewards and eval samples see what the model wrote
+        message: dict[str, Any] = {"role": "assistant", "content": text.strip() if malformed else parsed.content}
+        if parsed.calls:  # as the template renders them to the model: each tool result answers one of these
+            message["tool_calls"] = call_messages(parsed.calls)
         ep.record.messages.append(message)
         # chat: only a turn closed by the template's end-of-turn token continues token-exactly; raw: a call
         # continues only when its </call> ended the turn (an EOS after an unclosed call ends the episode)
@@ -370,9 +371,7 @@ class AgentDriver:
             if self.format == "raw":
                 ids = self._encode("".join(f"<result>{m['content']}</result>" for m in msgs))
             else:
-                calls = [tool_call_message(c.name or "invalid_call", c.arguments if c.error is None else {}, c.id)
-                         for c in p.parsed.calls]  # type: ignore[arg-type]
-                ids = self.agent.bridge.tool_suffix(calls, msgs)  # type: ignore[union-attr]
+                ids = self.agent.bridge.tool_suffix(call_messages(p.parsed.calls), msgs)  # type: ignore[union-attr]
         else:
             out = p.step_out
             assert out is not None
@@ -434,3 +433,9 @@ def _failed(tool: Tool, out: Outcome) -> ToolResult:
 
 def _count(rec: EpisodeRecord, key: str, value: int | bool) -> None:
     rec.metrics[key] = rec.metrics.get(key, 0.0) + float(value)
+
+
+def call_messages(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    """The `tool_calls` of an assistant turn: a malformed call as `invalid_call` with no arguments."""
+    return [tool_call_message(c.name or "invalid_call", c.arguments if c.error is None else {}, c.id)  # type: ignore[arg-type]
+            for c in calls]

@@ -187,7 +187,7 @@ def run_logitless(a: argparse.Namespace, model_dir: Path, out_dir: Path) -> list
             "seconds": {p: r.get(f"time/{p}", 0.0) for p in PHASES},
             "peak_gib": {p: r.get(f"memory/peak_gb/{p}", 0.0) for p in PHASES},
             "rollout_tokens_per_s": r["tokens_per_s"], "ceiling_fraction": r.get("rollout/ceiling_fraction"),
-            "mfu": r.get("train/mfu"),
+            "mfu": r.get("train/mfu"), "limit_s": r.get("step/limit_s"),
             # rollout.profile=true: seconds of each decode part; the merged-LoRA copy's size
             "rollout_parts_s": {k[8:-2]: v for k, v in r.items() if k.startswith("rollout/") and k.endswith("_s")},
             "weights_copy_gib": r.get("rollout/weights_copy_gib"),
@@ -281,6 +281,7 @@ def run_trl(a: argparse.Namespace, model_dir: Path, out_dir: Path, liger: bool) 
                 "rollout_tokens_per_s": sum(t_lens) / max(s.get("generate", 1e-9), 1e-9),
                 "ceiling_fraction": decode_ideal_seconds(shape, p_lens, t_lens, hbm) / max(s.get("generate", 1e-9), 1e-9),
                 "mfu": flops / max(train_s, 1e-9) / peak_flops,
+                "limit_s": decode_ideal_seconds(shape, p_lens, t_lens, hbm) + flops / peak_flops,
             })
             print(f"trl step {len(steps)}: {total:.1f} s", flush=True)
 
@@ -328,9 +329,11 @@ def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
     rollout_gpu = [s["rollout_device_peak_gib"] for s in steps if s.get("rollout_device_peak_gib") is not None]
     out["rollout_device_peak_gib"] = max(rollout_gpu) if rollout_gpu else None  # rollout.device: its own GPU
     for k in ("rollout_tokens_per_s", "ceiling_fraction", "mfu", "mismatch_mean", "mismatch_max", "turns_mean",
-              "env_tokens_mean"):
+              "env_tokens_mean", "limit_s"):
         vals = [s[k] for s in steady if s.get(k) is not None]
         out[k] = statistics.median(vals) if vals else None
+    # the step against its physical limit on this GPU: decode at the HBM bandwidth plus the update at peak FLOP/s
+    out["x_limit"] = total / out["limit_s"] if out["limit_s"] else None
     return out
 
 

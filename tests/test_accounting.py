@@ -148,6 +148,9 @@ def test_ceiling_fraction_is_measured_against_the_rollouts_own_time():
         timer = SimpleNamespace(seconds={"generate": waited, "train": 1.0})
         out = efficiency_metrics(ctx, SimpleNamespace(batch=batch), plan, timer)
         assert out["rollout/ceiling_fraction"] == pytest.approx(decode_ideal_seconds(shape, [6, 6], [4, 4], 1e9) / 2.0)
+        limit = decode_ideal_seconds(shape, [6, 6], [4, 4], 1e9) + update_flops(shape, [(6, 4), (6, 4)]) / 1e12
+        assert out["step/limit_s"] == pytest.approx(limit)  # decode at the bandwidth + the update at peak FLOP/s
+        assert out["step/x_limit"] == pytest.approx((waited + 1.0) / limit)  # the step's phases over it
 
 
 def test_decode_bytes_are_those_of_the_module_the_engine_decodes_with():

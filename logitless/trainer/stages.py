@@ -380,8 +380,8 @@ def reward_metrics(rewards: torch.Tensor, total: torch.Tensor, names: list[str],
 
 
 def efficiency_metrics(ctx: TrainContext, ro: Rollout, plan: UpdatePlan, timer: PhaseTimer) -> dict[str, float]:
-    """Rollout share of the HBM-bandwidth ceiling and update MFU (trainer/report/accounting.py defines both), over all
-    ranks: the ranks' ideal seconds and FLOPs are summed and set against world size × this rank's phase seconds
+    """Rollout share of the HBM-bandwidth ceiling, update MFU and the step against its physical limit
+    (trainer/report/accounting.py defines them), over all ranks: the ranks' ideal seconds and FLOPs are summed and set against world size × this rank's phase seconds
     (the phases end in step across ranks). Empty where the device's peaks are unknown (CPU), since a ratio to an
     unknown peak says nothing."""
     if not all(math.isfinite(x) for x in ctx.peaks):
@@ -402,9 +402,12 @@ def efficiency_metrics(ctx: TrainContext, ro: Rollout, plan: UpdatePlan, timer: 
                          head_lens=[m_lens[i] for i in trained]) * ctx.cfg.train.num_iterations
     flops = all_reduce_sum(flops, dev)
     train_s = timer.seconds.get("train", math.nan)
+    limit = ideal / gpus + flops / world / ctx.peaks[0]  # decode at the HBM bandwidth, the update at peak FLOP/s
     return {
         # the rollout's own seconds: with async_rollout the generate phase is only the wait for it
         "rollout/ceiling_fraction": ideal / gpus / max(b.timing.seconds, 1e-9),
+        "step/limit_s": limit,  # the step's physical limit on this GPU (docs/benchmarks.md)
+        "step/x_limit": sum(timer.seconds.values()) / max(limit, 1e-9),  # the step's phases over that limit
         "train/mfu": flops / world / max(train_s, 1e-9) / ctx.peaks[0],
         "train/tflops_per_s": flops / max(train_s, 1e-9) / 1e12,  # all ranks together
         "train/tflop": flops / 1e12,  # the step's update FLOPs, all ranks (recompute not counted)

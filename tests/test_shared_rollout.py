@@ -28,8 +28,8 @@ RANK_ONLY = ("rollout/replica_gib",)  # rank 0 holds the replica, the others non
 
 
 @pytest.fixture(scope="module")
-def tok_dir(shared_dir):
-    return shared_dir / "tokenizers" / "gpt2"
+def tok_dir(gpt2_tokenizer_dir):
+    return gpt2_tokenizer_dir
 
 
 def check_shared(out: Path, rel: float = 0.0, abs_: float = 0.0, cuda: bool = False) -> None:

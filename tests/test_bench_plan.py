@@ -78,7 +78,8 @@ def test_probe_decode_decodes_n_tokens_into_the_full_cache_and_fills_the_rest(mo
     torch.testing.assert_close(short.sampler_logp[:, 4:], short.sampler_logp[:, :4].mean(1, keepdim=True).expand(-1, 8))
     with_eos = StaticEngine(model, TOK).generate(["ab"] * 8, SamplingOptions(num_generations=4, max_new_tokens=64, seed=0))
     early = with_eos.completion_mask[:, :4].sum(1) < 4  # rows ended by EOS within the 4 decoded steps
-    assert (~early).sum() >= 16 and (with_eos.completion_mask[~early].sum(1) == 64).all() and (with_eos.completion_ids[~early, 4:] != TOK.eos_token_id).all()
+    assert (~early).sum() >= 16 and (with_eos.completion_mask[~early].sum(1) == 64).all()
+    assert (with_eos.completion_ids[~early, 4:] != TOK.eos_token_id).all()
 
 
 def test_fits_T_probes_each_T_with_full_length_rows(tmp_path, qwen_tokenizer_dir):

@@ -56,7 +56,8 @@ def test_jsonl_existing_chat_messages(tmp_path):
 
 def test_missing_field_names_field_and_available_fields(tmp_path):
     path = write_jsonl(tmp_path, RECS)
-    with pytest.raises(ValueError, match=r"row 0 has no field 'question' \(needed as prompt_field\); available fields: \['id', 'q', 'sol'\]"):
+    with pytest.raises(ValueError, match=r"row 0 has no field 'question' \(needed as prompt_field\); "
+                                         r"available fields: \['id', 'q', 'sol'\]"):
         load_jsonl_prompts(path, prompt_field="question")
     with pytest.raises(ValueError, match=r"no field 'answer' \(needed as field_map/answer_field source\)"):
         load_jsonl_prompts(path, prompt_field="q", answer_field="answer")

@@ -150,7 +150,8 @@ def flaky(prompts, completions, **kw):
 
 def test_reward_raising_names_function_and_sample():
     comps = ["fine", "also fine", "boom here"]
-    with pytest.raises(RewardFunctionError, match=r"'flaky' raised ZeroDivisionError: division by zero on sample 2 \(completion 'boom here'\)"):
+    with pytest.raises(RewardFunctionError,
+                       match=r"'flaky' raised ZeroDivisionError: division by zero on sample 2 \(completion 'boom here'\)"):
         score_completions([flaky], None, ["q"] * 3, comps, rows_of([None] * 3))
     s = score_completions([flaky], None, ["q"] * 3, comps, rows_of([None] * 3), on_error="penalty", penalty=-2.0)
     assert s.rewards[:, 0].tolist() == [1.0, 1.0, -2.0] and s.num_errors == [1]

@@ -6,7 +6,8 @@ cross-device copies. A run with the replica samples exactly what the engine's ow
 same updates (merged LoRA, unmerged LoRA, full fine-tuning); the replica is a copy (no storage shared with the
 model, tied weights still tied) that follows the trainer only through its sync; with train.async_rollout it
 feeds the stale sampler's real logprobs, full fine-tuning included (no merged LoRA copy needed), and a stopped run
-resumes exactly (tests/test_trainer_async.py); every setting that cannot go with it is refused before the model loads, naming both and the fix.
+resumes exactly (tests/test_trainer_async.py); every setting that cannot go with it is refused before the model
+loads, naming both and the fix.
 GPU (2 GPUs, `python -m pytest -m gpu tests/test_rollout_device.py`): a step decoding on cuda:1 trains like one
 decoding on cuda:0, and the training GPU's generate phase holds neither the cache nor the decode weights.
 """

@@ -185,7 +185,7 @@ def test_the_decode_process_decodes_what_an_engine_in_this_process_decodes(tok_d
     patched.enable_input_require_grads()  # a forward hook that is a local function
     worker = DecodeWorker(patched, cfg, tok)
     try:
-        for step in range(2):
+        for _ in range(2):
             worker.submit(prompts, options)
             got, want = worker.result(), make_rollout_engine(cfg, plain, tok).generate(prompts, options)
             assert torch.equal(got.completion_ids, want.completion_ids) and got.completions == want.completions

@@ -265,7 +265,8 @@ def _train(
         save_resolved(resolved, ctx.run_dir)  # beside config.yaml, both written once the model has loaded
     result = TrainResult(run_dir=ctx.run_dir, step=ctx.start)
     report_reward_errors = RewardErrorReport(ctx.logger.print, cfg.reward.error_penalty)
-    report_mismatch = MismatchReport(ctx.logger.print, cfg.logging.mismatch_warning, mismatch_causes(ctx.cfg))  # (decided settings)
+    report_mismatch = MismatchReport(ctx.logger.print, cfg.logging.mismatch_warning,
+                                     mismatch_causes(ctx.cfg))  # (decided settings)
     report_none = RewardNoneReport(ctx.logger.print)
     finished = False
     freeze()  # the model, data and engine: out of every collection from here on

@@ -423,7 +423,8 @@ def timer_metrics(ctx: TrainContext, timer: PhaseTimer) -> dict[str, Any]:
     return out
 
 
-def step_record(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan, upd: UpdateResult, timer: PhaseTimer) -> dict[str, Any]:
+def step_record(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan, upd: UpdateResult,
+                timer: PhaseTimer) -> dict[str, Any]:
     """The step's metrics: rewards, advantages, objective, lengths, time and memory per phase, efficiency."""
     s, b, dev = scored.scores, ro.batch, ctx.device  # every per-row value gathered over the ranks (rank order)
     lengths = gather_rows(b.loss_mask().sum(1).float(), dev)  # the model's tokens (multi-turn: not observations)

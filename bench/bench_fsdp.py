@@ -354,7 +354,8 @@ def predict_table(args: argparse.Namespace) -> dict[str, Any]:
         for n, p in rows.items():
             ratio = f"{p['peak_gib'] / one:.2f}x" if one else ""
             phases = "  ".join(f"{k} {v:.2f}" for k, v in p["phase_gib"].items())
-            print(f"{args.shape} {mode:5s} {args.scaling} {n} GPU: predicted peak/GPU {p['peak_gib']:.2f} GiB {ratio}  ({phases})")
+            print(f"{args.shape} {mode:5s} {args.scaling} {n} GPU: predicted peak/GPU {p['peak_gib']:.2f} GiB {ratio}  "
+                  f"({phases})")
         out[mode] = rows
     return out
 

@@ -321,7 +321,8 @@ def markdown(rows):
         if k not in keys:
             keys.append(k)
     variants = ["dense", "dense_lsm", "dense_bf16", "chunked", "liger", "triton", "triton_hint", "triton_hint32"]
-    out = ["| N | H | V | T | mode | " + " | ".join(f"{v} ms (GiB)" for v in variants) + " | ours / best dense time | ours / leanest dense mem |",
+    out = ["| N | H | V | T | mode | " + " | ".join(f"{v} ms (GiB)" for v in variants)
+           + " | ours / best dense time | ours / leanest dense mem |",
            "|" + "---|" * (5 + len(variants) + 2)]
     for k in keys:
         cell, got = [], {}

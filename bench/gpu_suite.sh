@@ -6,8 +6,8 @@
 # GPUs (marked two_gpus) run on GPUs 2,3. 2 GPUs: the one-GPU shards on GPU 0 and 1, then the two_gpus tests on
 # both. With 3+ GPUs the tests that need three (marked three_gpus) run last on GPUs 0,1,2 (THREE=0 leaves them out;
 # part `three` runs only them). 1 GPU: one pytest process. Each shard's log is LOG_DIR/<shard>.log, its exit status on the log's last
-# line, and LOG_DIR/summary.json gathers them; the script exits non-zero when any shard failed. Real tokenizers
-# come from LOGITLESS_SHARED (see tests/conftest.py); carry bitsandbytes, torchao and liger-kernel so nothing skips.
+# line, and LOG_DIR/summary.json gathers them; the script exits non-zero when any shard failed. The tests' tokenizers
+# ship in tests/fixtures/; carry bitsandbytes, torchao and liger-kernel so nothing skips.
 set -u
 PY=${PYTHON:-python3}  # the interpreter with torch (PYTHON=.venv/bin/python in a checkout with the venv)
 out=${1:?usage: bash bench/gpu_suite.sh LOG_DIR [all | one-a | one-b | multi | three]}

@@ -83,7 +83,7 @@ def main() -> None:
                 m = masks[t]
                 span_bytes = float(m.sum()) * KV * D * 2 * 2  # keys and values of the visible slots
 
-                def fn(m=m, cfg=cfg):
+                def fn(m=m, cfg=cfg, q=q, caches=caches):
                     for kc, vc in caches:
                         td.decode_attention(q, kc, vc, m, D**-0.5, **cfg)
 

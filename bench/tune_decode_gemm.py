@@ -88,14 +88,14 @@ def main() -> None:
             x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16, generator=gen)
             ref = x.float() @ ws[0].float().T
             bytes_ = N * K * 2
-            cublas = time_graph(lambda: [torch.nn.functional.linear(x, w) for w in ws], LAYERS)
+            cublas = time_graph(lambda x=x, ws=ws: [torch.nn.functional.linear(x, w) for w in ws], LAYERS)
             best = None
             for bm, bn, bk, split, warps, stages in itertools.product(
                     sorted({min(rows, 128), 64}), (64, 128), (64, 128), (1, 2, 4, 8), (4, 8), (3, 4)):
                 cfg = dict(block_m=bm, block_n=bn, block_k=bk, split=split, warps=warps, stages=stages)
                 try:
                     err = float((splitk_linear(x, ws[0], **cfg).float() - ref).abs().max())
-                    us = time_graph(lambda cfg=cfg: [splitk_linear(x, w, **cfg) for w in ws], LAYERS)
+                    us = time_graph(lambda x=x, ws=ws, cfg=cfg: [splitk_linear(x, w, **cfg) for w in ws], LAYERS)
                 except Exception as e:  # shared memory or register limits
                     results.append({"shape": name, "rows": rows, **cfg, "error": str(e)[:160]})
                     continue

@@ -61,8 +61,6 @@ sed -n '/^\[tool.pytest.ini_options\]/,/^\[/p' pyproject.toml | sed '$d' > "$wor
   # formatting a tensor could deadlock the mutant's process until its timeout (a minute or more each)
   printf 'pytest_add_cli_args =\n    -x\n    -q\n    --tb=no\n    -p\n    no:cacheprovider\n'
 } > "$work/setup.cfg"
-shared=$(pwd)/../shared
-[ -d "$shared/tokenizers" ] && export LOGITLESS_SHARED=${LOGITLESS_SHARED:-$shared}
 echo "mutating $mutate in $work against: $tests"
 cd "$work"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one worker, one thread: no pool to deadlock in a forked child

@@ -55,7 +55,7 @@ def recheck(names: list[str], repo: Path, tests: list[str]) -> set[str]:
             os._exit(int(pytest.main(["-x", "-q", "--tb=no", "-p", "no:cacheprovider", *tests])))
         _, code = os.waitpid(pid, 0)
         if code != 0 and not name:
-            raise SystemExit(f"the tests fail on the unmutated code in ./mutants (source changed since the run?)")
+            raise SystemExit("the tests fail on the unmutated code in ./mutants (source changed since the run?)")
         if code != 0:
             killed.add(name)
     return killed

@@ -1,14 +1,17 @@
 """Shared test fixtures.
 
-Real tokenizers and data come from the `shared/` folder that sits beside a checkout of this repository
-(or the path in LOGITLESS_SHARED); tests that need it skip cleanly when it is absent.
+Real tokenizers ship in this repository under `tests/fixtures/tokenizers/` (their `tokenizer.json` xz-compressed,
+each with its licence) and are unpacked once per session; the real GSM8K rows are the package's own sample
+(`logitless/data/gsm8k_sample.jsonl`). No test needs anything outside the repository.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import lzma
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +23,7 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
@@ -58,13 +62,6 @@ def sigint_handler(handler) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-
-
-def _shared_dir() -> Path | None:
-    for cand in (os.environ.get("LOGITLESS_SHARED"), REPO_ROOT / "shared", REPO_ROOT.parent / "shared"):
-        if cand and Path(cand, "tokenizers").is_dir():
-            return Path(cand)
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -113,26 +110,51 @@ def fresh_gpu_state(request):
     yield
 
 
-@pytest.fixture(scope="session")
-def shared_dir() -> Path:
-    d = _shared_dir()
-    if d is None:
-        pytest.skip("shared/ data folder (tokenizers, datasets) not found beside the repository")
-    return d
+def unpack_tokenizer(name: str, dest: Path) -> Path:
+    """The tokenizer folder `tests/fixtures/tokenizers/<name>` as `AutoTokenizer.from_pretrained` reads it: its
+    files copied into `dest`, `tokenizer.json.xz` decompressed to `tokenizer.json`."""
+    src = FIXTURES / "tokenizers" / name
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name == "tokenizer.json.xz":
+            (dest / "tokenizer.json").write_bytes(lzma.decompress(f.read_bytes()))
+        elif f.name != "LICENSE":
+            shutil.copyfile(f, dest / f.name)
+    return dest
 
 
 @pytest.fixture(scope="session")
-def qwen_tokenizer(shared_dir):
+def qwen_tokenizer_dir(tmp_path_factory) -> Path:
+    """Folder of the Qwen2.5 tokenizer (151,643 byte-level BPE ranks + 22 specials, a ChatML template)."""
+    return unpack_tokenizer("qwen2.5", tmp_path_factory.mktemp("tokenizers") / "qwen2.5")
+
+
+@pytest.fixture(scope="session")
+def gpt2_tokenizer_dir(tmp_path_factory) -> Path:
+    """Folder of the GPT-2 tokenizer (50,257 tokens)."""
+    return unpack_tokenizer("gpt2", tmp_path_factory.mktemp("tokenizers") / "gpt2")
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer(qwen_tokenizer_dir):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(shared_dir / "tokenizers" / "qwen2.5"))
+    return AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir))
 
 
 @pytest.fixture(scope="session")
-def gpt2_tokenizer(shared_dir):
+def gpt2_tokenizer(gpt2_tokenizer_dir):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(shared_dir / "tokenizers" / "gpt2"))
+    return AutoTokenizer.from_pretrained(str(gpt2_tokenizer_dir))
+
+
+@pytest.fixture(scope="session")
+def gsm8k_test_rows() -> Path:
+    """A JSONL file of real GSM8K rows: the first 50 of the test split, unchanged (the package's sample)."""
+    from logitless.data.tasks import GSM8K_SAMPLE
+
+    return GSM8K_SAMPLE
 
 
 # config overrides of the tiny training runs: small LoRA adapters, no TensorBoard, progress bar, tables or plot

@@ -11,9 +11,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_bench_e2e_tiny_logitless(tmp_path, shared_dir):
+def test_bench_e2e_tiny_logitless(tmp_path, qwen_tokenizer_dir):
     cmd = [
-        sys.executable, str(REPO / "bench" / "bench_e2e.py"), "--tokenizer", str(shared_dir / "tokenizers" / "qwen2.5"),
+        sys.executable, str(REPO / "bench" / "bench_e2e.py"), "--tokenizer", str(qwen_tokenizer_dir),
         "--out", str(tmp_path), "--shape", "tiny", "--systems", "logitless", "--T", "6", "--steps", "2",
         "--prompts", "2", "--G", "2", "--micro", "2", "--backend", "hf", "--set", "train.num_threads=1",
         "--torch-profile", "2",
@@ -101,12 +101,12 @@ def test_find_max_T_goes_on_from_earlier_probes(tmp_path, monkeypatch):
         b.known_probes([str(paths[0])], "logitless", dict(config, probe="update-only"))  # (no probe: a full step)
 
 
-def test_update_only_probe_runs_the_trainer_s_update_on_given_completions(tmp_path, shared_dir):
+def test_update_only_probe_runs_the_trainer_s_update_on_given_completions(tmp_path, qwen_tokenizer_dir):
     """--update-only on a tiny Qwen3 shape (CPU): no decode, one given row of T completion tokens per prompt and the
     group's other one token, the tiled MLP and checkpointing set; the results say it is an update-only probe."""
     T, P = 200, 30
     cmd = [
-        sys.executable, str(REPO / "bench" / "bench_e2e.py"), "--tokenizer", str(shared_dir / "tokenizers" / "qwen2.5"),
+        sys.executable, str(REPO / "bench" / "bench_e2e.py"), "--tokenizer", str(qwen_tokenizer_dir),
         "--out", str(tmp_path), "--shape", "tiny-qwen3", "--systems", "logitless", "--update-only", "--one-long-row",
         "--T", str(T), "--prompt-tokens", str(P), "--steps", "1", "--prompts", "2", "--G", "2", "--micro", "1",
         "--set", "train.num_threads=1", "--set", "model.mlp_chunk_tokens=64",

@@ -56,7 +56,8 @@ def test_jsonl_existing_chat_messages(tmp_path):
 
 def test_missing_field_names_field_and_available_fields(tmp_path):
     path = write_jsonl(tmp_path, RECS)
-    with pytest.raises(ValueError, match=r"row 0 has no field 'question' \(needed as prompt_field\); available fields: \['id', 'q', 'sol'\]"):
+    with pytest.raises(ValueError, match=r"row 0 has no field 'question' \(needed as prompt_field\); "
+                                         r"available fields: \['id', 'q', 'sol'\]"):
         load_jsonl_prompts(path, prompt_field="question")
     with pytest.raises(ValueError, match=r"no field 'answer' \(needed as field_map/answer_field source\)"):
         load_jsonl_prompts(path, prompt_field="q", answer_field="answer")
@@ -144,16 +145,23 @@ def test_hf_prompts_without_datasets_says_pip_install(monkeypatch):
         load_hf_prompts("openai/gsm8k", "test")
 
 
-def test_gsm8k_sample_matches_real_test_rows(shared_dir):
-    real = [json.loads(line) for line in (shared_dir / "data/gsm8k/test.jsonl").read_text().splitlines()[:50]]
+# sha256 of the first 50 lines of test.jsonl in github.com/openai/grade-school-math (grade_school_math/data)
+GSM8K_TEST_HEAD_SHA256 = "4718cc77e7d7b11c3fc2a049d7a0dbda483fc4bd37e5432488c9f9d0f2cf181a"
+
+
+def test_gsm8k_sample_matches_real_test_rows():
+    import hashlib
+
+    assert hashlib.sha256(GSM8K_SAMPLE.read_bytes()).hexdigest() == GSM8K_TEST_HEAD_SHA256  # the real rows, unchanged
+    real = [json.loads(line) for line in GSM8K_SAMPLE.read_text().splitlines()]
     rows = load_task("gsm8k", "sample")
-    assert len(rows) == 50 == len(GSM8K_SAMPLE.read_text().splitlines())
+    assert len(rows) == 50 == len(real)
     for row, rec in zip(rows, real):
         assert row.fields["solution"] == rec["answer"]
         assert row.fields["answer"] == rec["answer"].split("####")[-1].strip().replace(",", "")
         assert rec["question"] in row.prompt[-1]["content"]
     # a local path gives the same rows; answers with thousands separators lose their commas
-    from_path = load_task("gsm8k", "test", path=str(shared_dir / "data/gsm8k/test.jsonl"), limit=50)
+    from_path = load_task("gsm8k", "test", path=str(GSM8K_SAMPLE), limit=50)
     assert from_path == rows
     assert gsm8k_answer("so 1,000 + 200\n#### 1,200") == "1200"
     with pytest.raises(ValueError, match="no '####'"):

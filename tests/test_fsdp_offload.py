@@ -49,8 +49,8 @@ REPLICA = ("rollout/replica_gib", "rollout/weights_copy_gib")  # what the engine
 
 
 @pytest.fixture(scope="module")
-def tok(shared_dir):
-    return w.tokenizer(shared_dir / "tokenizers" / "gpt2")
+def tok(gpt2_tokenizer_dir):
+    return w.tokenizer(gpt2_tokenizer_dir)
 
 
 def _run(path, tok, *overrides, model=None, **kw):

@@ -30,8 +30,8 @@ REFERENCE_NOISE = 0.03  # the reference itself is at bf16 noise (nats per token)
 
 
 @pytest.fixture(scope="module")
-def tok(shared_dir):
-    return G.tokenizer(shared_dir / "tokenizers" / "gpt2")
+def tok(gpt2_tokenizer_dir):
+    return G.tokenizer(gpt2_tokenizer_dir)
 
 
 @pytest.fixture(scope="module")

@@ -68,8 +68,8 @@ def test_compiled_layers_around_a_tiled_mlp_keep_what_crosses_the_graph_breaks()
     assert same[0] == same[1]
 
 
-def test_recorded_prompt_length_is_the_bench_data_s(shared_dir):
-    assert bench_plan.longest_prompt(str(shared_dir / "tokenizers" / "qwen2.5")) == bench_plan.GSM8K_SAMPLE_PROMPT
+def test_recorded_prompt_length_is_the_bench_data_s(qwen_tokenizer_dir):
+    assert bench_plan.longest_prompt(str(qwen_tokenizer_dir)) == bench_plan.GSM8K_SAMPLE_PROMPT
 
 
 def _qwen(shape: str = "1.5b", *over: str):

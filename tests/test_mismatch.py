@@ -59,8 +59,8 @@ class Offset:
 
 
 @pytest.fixture(scope="module")
-def tok(shared_dir):
-    return w.tokenizer(shared_dir / "tokenizers" / "gpt2")
+def tok(gpt2_tokenizer_dir):
+    return w.tokenizer(gpt2_tokenizer_dir)
 
 
 def run(tmp_path, tok, monkeypatch, offsets, *overrides):

@@ -68,8 +68,8 @@ def close(a, b, rel=1e-5, abs_=1e-6) -> bool:
 
 
 @pytest.fixture(scope="module")
-def tok_dir(shared_dir):
-    return shared_dir / "tokenizers" / "gpt2"
+def tok_dir(gpt2_tokenizer_dir):
+    return gpt2_tokenizer_dir
 
 
 def run_equivalence(out: Path, tok_dir: Path, modes: dict[str, list[str]] = w.MODES, scenario: str = "equivalence",

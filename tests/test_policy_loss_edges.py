@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from logitless.objectives import ObjectiveOptions, loss_normalizer, policy_loss
+from logitless.objectives import loss_normalizer, policy_loss
 from logitless.objectives.entropy import entropy_bonus_normalizer
 from logitless.objectives.kl import kl_estimate
 from tests.test_objectives import F64, _batch, _opts, _run

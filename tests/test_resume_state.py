@@ -45,11 +45,11 @@ def rewards_module(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def tok(shared_dir):
+def tok(gpt2_tokenizer_dir):
     """A GPT-2 tokenizer of its own (the session's `gpt2_tokenizer` must keep having no pad token)."""
     from transformers import AutoTokenizer
 
-    t = AutoTokenizer.from_pretrained(str(shared_dir / "tokenizers" / "gpt2"))
+    t = AutoTokenizer.from_pretrained(str(gpt2_tokenizer_dir))
     t.pad_token = t.eos_token
     t.padding_side = "left"
     return t

@@ -22,9 +22,9 @@ from logitless.rewards import (
 )
 
 
-def test_numeric_answer_on_real_gsm8k_reference_solutions(shared_dir):
-    recs = [json.loads(line) for line in (shared_dir / "data/gsm8k/test.jsonl").read_text().splitlines()[:50]]
-    rows = load_task("gsm8k", "test", path=str(shared_dir / "data/gsm8k/test.jsonl"), limit=50)
+def test_numeric_answer_on_real_gsm8k_reference_solutions(gsm8k_test_rows):
+    recs = [json.loads(line) for line in gsm8k_test_rows.read_text().splitlines()]
+    rows = load_task("gsm8k", "test", path=str(gsm8k_test_rows), limit=50)
     solutions = [r["answer"] for r in recs]
     answers = [r.fields["answer"] for r in rows]
     assert numeric_answer([""] * 50, solutions, answer=answers) == [1.0] * 50
@@ -150,7 +150,8 @@ def flaky(prompts, completions, **kw):
 
 def test_reward_raising_names_function_and_sample():
     comps = ["fine", "also fine", "boom here"]
-    with pytest.raises(RewardFunctionError, match=r"'flaky' raised ZeroDivisionError: division by zero on sample 2 \(completion 'boom here'\)"):
+    with pytest.raises(RewardFunctionError,
+                       match=r"'flaky' raised ZeroDivisionError: division by zero on sample 2 \(completion 'boom here'\)"):
         score_completions([flaky], None, ["q"] * 3, comps, rows_of([None] * 3))
     s = score_completions([flaky], None, ["q"] * 3, comps, rows_of([None] * 3), on_error="penalty", penalty=-2.0)
     assert s.rewards[:, 0].tolist() == [1.0, 1.0, -2.0] and s.num_errors == [1]

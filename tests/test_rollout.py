@@ -28,10 +28,10 @@ def peaked_model():
 
 
 @pytest.fixture(scope="module")
-def tok(shared_dir):
+def tok(qwen_tokenizer_dir):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(shared_dir / "tokenizers" / "qwen2.5"))
+    return AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir))
 
 
 def dense_logprobs(model, b: RolloutBatch, temperature: float) -> torch.Tensor:

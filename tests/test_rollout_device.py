@@ -6,7 +6,8 @@ cross-device copies. A run with the replica samples exactly what the engine's ow
 same updates (merged LoRA, unmerged LoRA, full fine-tuning); the replica is a copy (no storage shared with the
 model, tied weights still tied) that follows the trainer only through its sync; with train.async_rollout it
 feeds the stale sampler's real logprobs, full fine-tuning included (no merged LoRA copy needed), and a stopped run
-resumes exactly (tests/test_trainer_async.py); every setting that cannot go with it is refused before the model loads, naming both and the fix.
+resumes exactly (tests/test_trainer_async.py); every setting that cannot go with it is refused before the model
+loads, naming both and the fix.
 GPU (2 GPUs, `python -m pytest -m gpu tests/test_rollout_device.py`): a step decoding on cuda:1 trains like one
 decoding on cuda:0, and the training GPU's generate phase holds neither the cache nor the decode weights.
 """
@@ -153,8 +154,8 @@ def test_async_needs_no_merged_lora_copy_with_a_replica_but_does_without():
 
 
 def test_torchrun_takes_a_rollout_device_no_rank_trains_on_and_refuses_a_training_gpu():
-    """Under torchrun rollout.device is the shared rollout GPU (trainer/placement/shared_rollout.py, tests/test_shared_rollout.py):
-    a GPU a rank trains on is refused, naming the fix."""
+    """Under torchrun rollout.device is the shared rollout GPU (trainer/placement/shared_rollout.py,
+    tests/test_shared_rollout.py): a GPU a rank trains on is refused, naming the fix."""
     cfg = load_train_config(None, ["rollout.backend=static", "rollout.device=cpu", "train.prompts_per_step=2",
                                    "model.device=cpu"])
     check_world(cfg, World(rank=0, size=2))

@@ -53,7 +53,8 @@ def prompts() -> list[str]:
             for n in (12, 16, 20, 24)]  # 50-130 bytes = tokens, each over the window
 
 
-def sampler_error(model: torch.nn.Module, decode_attention: str = "matmul") -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+def sampler_error(model: torch.nn.Module,
+                  decode_attention: str = "matmul") -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """|sampler logp - completion_logprobs| over completion tokens [n], the batch tensors, the mask."""
     eng = make_engine("static", model, TOK, compile=True, decode_attention=decode_attention)
     opts = SamplingOptions(num_generations=4, temperature=1.0, max_new_tokens=64, seed=0, ignore_eos=True)

@@ -218,10 +218,12 @@ def test_static_wave_size_from_max_kv_gib():
     ("top_k", 2.0, ValueError, "SamplingOptions.top_k=2.0 is invalid"),
     ("top_k", -1, ValueError, "SamplingOptions.top_k=-1 is invalid"),
     ("min_p", 1.0, ValueError, "SamplingOptions.min_p=1.0 is invalid: use 0 <= min_p < 1 (0 disables min-p)"),
-    ("repetition_penalty", 0.0, ValueError, "SamplingOptions.repetition_penalty=0.0 is invalid: use a positive value (1.0 disables it)"),
+    ("repetition_penalty", 0.0, ValueError,
+     "SamplingOptions.repetition_penalty=0.0 is invalid: use a positive value (1.0 disables it)"),
     ("max_new_tokens", True, TypeError, "SamplingOptions.max_new_tokens must be an int, got True"),
     ("max_new_tokens", 0, ValueError, "SamplingOptions.max_new_tokens=0 is invalid: use max_new_tokens >= 1"),
-    ("stop", [""], ValueError, "SamplingOptions.stop=[''] is invalid: pass a list of non-empty strings, e.g. stop=[\"</answer>\"]"),
+    ("stop", [""], ValueError,
+     "SamplingOptions.stop=[''] is invalid: pass a list of non-empty strings, e.g. stop=[\"</answer>\"]"),
     ("stop", [3], ValueError, "SamplingOptions.stop=[3] is invalid"),
 ])
 def test_sampling_options_refuse_each_bad_field_by_its_text(field, value, error, text):

@@ -29,8 +29,8 @@ RANK_ONLY = ("rollout/replica_gib",)  # rank 0 holds the replica, the others non
 
 
 @pytest.fixture(scope="module")
-def tok_dir(shared_dir):
-    return shared_dir / "tokenizers" / "gpt2"
+def tok_dir(gpt2_tokenizer_dir):
+    return gpt2_tokenizer_dir
 
 
 def check_shared(out: Path, rel: float = 0.0, abs_: float = 0.0, cuda: bool = False) -> None:
@@ -186,7 +186,7 @@ def test_the_decode_process_decodes_what_an_engine_in_this_process_decodes(tok_d
     patched.enable_input_require_grads()  # a forward hook that is a local function
     worker = DecodeWorker(patched, cfg, tok)
     try:
-        for step in range(2):
+        for _ in range(2):
             worker.submit(prompts, options)
             got, want = worker.result(), make_rollout_engine(cfg, plain, tok).generate(prompts, options)
             assert torch.equal(got.completion_ids, want.completion_ids) and got.completions == want.completions

@@ -130,7 +130,8 @@ def test_refused_where_one_graph_cannot_serve_every_step(models):
     from logitless.trainer.config.schema import load_train_config
 
     model = models("llama")
-    with pytest.raises(ValueError, match=r"rollout\.step_graph=true captures one decode step .* set rollout\.length_buckets=1, or"):
+    with pytest.raises(ValueError,
+                       match=r"rollout\.step_graph=true captures one decode step .* set rollout\.length_buckets=1, or"):
         make_engine("static", model, TOK, step_graph=True, length_buckets=2)
     with pytest.raises(ValueError, match=r"compaction change its shapes between steps: set rollout\.compact_finished=false, or"):
         make_engine("static", model, TOK, step_graph=True, compact_finished=True)

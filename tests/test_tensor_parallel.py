@@ -229,13 +229,13 @@ class RankStreams:
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
-def training(request, tmp_path_factory, shared_dir, one_thread):
+def training(request, tmp_path_factory, gpt2_tokenizer_dir, one_thread):
     """The run of `tp_worker.TRAIN` on one process (the rollout as above) and on 2 or 4 ranks with
     rollout.tensor_parallel=2 (one group, or two: the eval's rows split over them)."""
     from tests import dist_worker as w
 
     ranks = request.param
-    out, tok_dir = tmp_path_factory.mktemp(f"tp_train{ranks}"), shared_dir / "tokenizers" / "gpt2"
+    out, tok_dir = tmp_path_factory.mktemp(f"tp_train{ranks}"), gpt2_tokenizer_dir
     single = {}
     for mode, overrides in tp_worker.TRAIN.items():
         real = w.context.make_rollout_engine
@@ -352,7 +352,7 @@ def test_the_model_check_before_loading_refuses_a_split_the_model_cannot_take():
 @pytest.mark.gpu
 @pytest.mark.two_gpus
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_two_gpus_split_rollout_samples_the_trainers_policy_like_one_gpu(tmp_path, shared_dir):
+def test_two_gpus_split_rollout_samples_the_trainers_policy_like_one_gpu(tmp_path, gpt2_tokenizer_dir):
     """bf16 on 2 GPUs (nccl; the split decode eager, the one-GPU one compiled with its CUDA-graph step): each rank's
     split rollout is as close to the trainer's logprobs on its own tokens as the one-GPU rollout is on its (1.5x the
     mean gap, 2x the max, measured in the same run on the same weights), and a second call, after the replica's
@@ -363,7 +363,7 @@ def test_two_gpus_split_rollout_samples_the_trainers_policy_like_one_gpu(tmp_pat
     (rollout.step_graph=false) samples."""
     from bench import gpu_exactness as G
 
-    argv = [str(WORKER), "gpu", str(tmp_path), str(shared_dir / "tokenizers" / "gpt2")]
+    argv = [str(WORKER), "gpu", str(tmp_path), str(gpt2_tokenizer_dir)]
     proc = torchrun("tp_gpu", tmp_path, None, timeout=900, argv=argv)
     assert proc.returncode == 0, proc.stdout[-6000:]
     for rank in (0, 1):

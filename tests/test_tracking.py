@@ -32,10 +32,10 @@ def _cfg(run_dir, *overrides):
 
 
 @pytest.fixture(scope="module")
-def tok(shared_dir):
+def tok(gpt2_tokenizer_dir):
     from transformers import AutoTokenizer
 
-    t = AutoTokenizer.from_pretrained(str(shared_dir / "tokenizers" / "gpt2"))
+    t = AutoTokenizer.from_pretrained(str(gpt2_tokenizer_dir))
     t.pad_token, t.padding_side = t.eos_token, "left"
     return t
 

@@ -10,8 +10,8 @@ from logitless.rollout.weights import MergedLoraWeights
 from tests.test_trainer import _cfg, _train, rewards_module, tok  # noqa: F401 (fixtures)
 
 STATIC = ["rollout.backend=static", "rollout.merge_lora=true", "rollout.max_kv_gib=0.00004",  # 2 rows of 16 KiB a wave
-          "rollout.profile=true", "rollout.length_buckets=3", "rollout.compact_finished=true", "train.max_steps=3", "objective.sampler_is_mode=token_truncate",
-          "objective.sampler_is_clip_max=2.0"]
+          "rollout.profile=true", "rollout.length_buckets=3", "rollout.compact_finished=true", "train.max_steps=3",
+          "objective.sampler_is_mode=token_truncate", "objective.sampler_is_clip_max=2.0"]
 
 
 def logp_diff(record: dict) -> float:

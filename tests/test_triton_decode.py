@@ -3,12 +3,13 @@
 CPU, under TRITON_INTERPRET=1 (`tests/interpret.py`): against the fp64 oracle on odd shapes (group sizes 1-7, head
 dims that are not powers of 2, cache lengths across block and chunk edges), left-padding, sliding-window and no
 masks, one chunk and several (chunks with no visible slot included), strided cache views (a length bucket of a
-longer cache), slots outside the mask's visible span never read (NaN there leaves the output finite); the oracle itself against the matmul path it replaces. In fp32 only: Triton 3.6's interpreter
-multiplies bf16 operands of `tl.dot` as their raw bits (a 16 x 16 bf16 dot is off by 1e10 there), so bf16 is
-checked on the GPU. "auto" picks the kernel only for bf16 weights on a CUDA GPU of compute capability 8.0+ with
-triton. Refusals: the kernel off CUDA, without triton, for fp32 weights, and off the static backend; an unknown
-value. GPU (`python -m pytest -m gpu tests/test_triton_decode.py`): bf16 at the 1.5B shape against the matmul
-path, and no [g, L] score buffer (the extra memory is the output's, or the split partials').
+longer cache), slots outside the mask's visible span never read (NaN there leaves the output finite); the oracle
+itself against the matmul path it replaces. In fp32 only: Triton 3.6's interpreter multiplies bf16 operands of
+`tl.dot` as their raw bits (a 16 x 16 bf16 dot is off by 1e10 there), so bf16 is checked on the GPU. "auto" picks
+the kernel only for bf16 weights on a CUDA GPU of compute capability 8.0+ with triton. Refusals: the kernel off
+CUDA, without triton, for fp32 weights, and off the static backend; an unknown value. GPU (`python -m pytest -m gpu
+tests/test_triton_decode.py`): bf16 at the 1.5B shape against the matmul path, and no [g, L] score buffer (the extra
+memory is the output's, or the split partials').
 """
 
 from __future__ import annotations

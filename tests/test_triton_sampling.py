@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.interpret import patch_interpreter, run_cases
-from tests.test_fused_sampler import LOGITS, N, V, check_distribution
+from tests.test_fused_sampler import LOGITS, N, check_distribution
 
 pytest.importorskip("triton")
 
@@ -94,7 +94,7 @@ def _run_cases() -> dict:
     from tests.test_vocab_split import group_draw
 
     split = {}
-    for name, (B, V, N, T, greedy, dtype, step) in {
+    for name, (B, V, n_ranks, T, greedy, dtype, step) in {
         "empty_block": (3, 8193, 2, 0.9, False, torch.float32, 3),  # rank 1: 4,096 columns, its 2nd block empty
         "bf16_3_ranks": (2, 10000, 3, 1.0, False, torch.bfloat16, 4),
         "greedy_two_blocks": (2, 9000, 2, 1.0, True, torch.float32, 5),
@@ -105,7 +105,7 @@ def _run_cases() -> dict:
         salt = step if torch.is_tensor(step) else step_salt(step)
         want_tok, want_logp = sample_step(logits, keys, salt, T, greedy)
         torch_tok, _ = sample_tokens(logits, None, step_keys(keys, step), vocab_codes(V, "cpu"), T, greedy)
-        ranks = group_draw(logits, N, keys, step, T, greedy, kernel="triton")
+        ranks = group_draw(logits, n_ranks, keys, step, T, greedy, kernel="triton")
         split[name] = {"same_tokens": all(torch.equal(t, want_tok) and torch.equal(t, torch_tok) for t, _ in ranks),
                        "logp_err": max(float((lp - want_logp).abs().max()) for _, lp in ranks)}
     res["vocab_split"] = split

@@ -21,7 +21,7 @@ from logitless.trainer.builders import (
     make_scheduler,
     sync_offloaded_params,
 )
-from logitless.trainer.config.schema import ModelConfig, OptimConfig, load_train_config
+from logitless.trainer.config.schema import ModelConfig, OptimConfig
 from logitless.trainer.policy.modeling import (
     QLORA_INSTALL_HINT,
     load_model,

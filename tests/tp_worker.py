@@ -403,10 +403,11 @@ GPU_TOKENS = 96
 def gpu(out_dir: str, tok_dir: str) -> None:
     """Each rank: the one-GPU rollout of its prompts (whole model, merged LoRA copy, the engine's CUDA defaults), its
     rows of the group's split rollout (its synced weights in sleepable memory, freed and written again between two
-    calls, the second time with the shards parked in host memory and lent back a unit at a time), of the same split with the lm_head's logits gathered (the whole-row draw) and of the split with
-    step_graph=true (its eager step captured); each sampler's gap to the trainer's logprobs on its own tokens, the
-    decode tokens/s of the second call of each, how the draw over the vocabulary split compares with the gathered
-    rows' draw and the captured step with the eager one. Writes OUT_DIR/gpu_rank{R}.json."""
+    calls, the second time with the shards parked in host memory and lent back a unit at a time), of the same split
+    with the lm_head's logits gathered (the whole-row draw) and of the split with step_graph=true (its eager step
+    captured); each sampler's gap to the trainer's logprobs on its own tokens, the decode tokens/s of the second
+    call of each, how the draw over the vocabulary split compares with the gathered rows' draw and the captured step
+    with the eager one. Writes OUT_DIR/gpu_rank{R}.json."""
     from logitless.models import completion_logprobs
     from tests import dist_worker as w
 

@@ -4,8 +4,8 @@ Numbers are integers (exact, up to `max_digits` digits, default 1000) and decima
 binary floats); arithmetic is on exact fractions, so 0.1 + 0.2 is 0.3 and 10 / 4 is 2.5. Operators:
 + - * / // % ** and parentheses, unary minus; "×", "÷" and "−" are read as *, / and -. Functions: abs, min,
 max, round(x[, digits]), floor, ceil, sqrt. A result that is not a finite decimal (1/3) is written with 20
-significant digits; irrational steps (sqrt(2), 2 ** 0.5) are rounded to 20 significant digits. Anything else (names, attributes, comparisons, strings, huge powers) is refused with
-a message saying what is allowed.
+significant digits; irrational steps (sqrt(2), 2 ** 0.5) are rounded to 20 significant digits. Anything else
+(names, attributes, comparisons, strings, huge powers) is refused with a message saying what is allowed.
 """
 
 from __future__ import annotations

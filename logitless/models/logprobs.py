@@ -150,7 +150,8 @@ def _packed_hidden(model: nn.Module, input_ids: Tensor, mask: Tensor, P: int) ->
     state that predicts each completion token.
 
     input_ids, mask: [B, L] (L = P + T; a row's real tokens, prompt then completion, in column order).
-    Returns hidden [1, S, H] (S = real tokens of the rows with completion tokens) and flat [N] (N = completion tokens), row-major like `mask[:, P:]`.
+    Returns hidden [1, S, H] (S = real tokens of the rows with completion tokens) and flat [N] (N = completion
+    tokens), row-major like `mask[:, P:]`.
     """
     mask = mask & mask[:, P:].any(1, keepdim=True)  # rows without completion tokens add nothing: left out
     packed_ids = input_ids[mask].unsqueeze(0)  # [1, S]

@@ -13,8 +13,9 @@ Exact: each token's output is the same computation; the gradients of the weights
 instead of inside one GEMM (float rounding of the order of the sum; 16-bit gradients are summed in fp32 and rounded
 once, as the GEMM's fp32 accumulator does, which holds one layer's MLP gradients in fp32 while it back-propagates).
 Dropout inside the MLP (peft's lora_dropout) draws the same masks in the recompute (the RNG state of the forward
-restored, chunks in the forward's order), and the recompute runs under the forward's autocast state. The gradients of the MLP's trained parameters come back
-through autograd as those of any input (hooks, FSDP2's reduce-scatter and `torch.autograd.grad` see them as usual).
+restored, chunks in the forward's order), and the recompute runs under the forward's autocast state. The gradients
+of the MLP's trained parameters come back through autograd as those of any input (hooks, FSDP2's reduce-scatter
+and `torch.autograd.grad` see them as usual).
 
 At most `chunk` tokens the MLP runs whole, as before. Under torch.compile (`model.compile_layers`) a tiled call
 runs eagerly (`torch.compiler.disable`): the layer compiles into the graphs before and after its MLP. The wrapped

@@ -79,7 +79,7 @@ def _with_failures(name: str, out: Any, completions: list[str], on_error: str,
 def is_async(fn: Any) -> bool:
     """Whether calling `fn` returns a coroutine (an `async def` function, a partial of one, or an object whose
     __call__ is one)."""
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004
 
 
 async def _gather(calls: list[tuple[Any, tuple, dict]], timeout_s: float | None) -> list[Any]:

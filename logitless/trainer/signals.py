@@ -129,9 +129,9 @@ class StopSignals:
             what = (f"stopping. Step {step} has not begun its update, so it is dropped (a resumed run redoes it) and "
                     f"a checkpoint of step {step - 1} is saved. {resume}")
         else:
-            what = (f"stopping. Step 1 has not begun its update, so it is dropped: nothing was trained, no checkpoint "
-                    f"is saved and there is nothing to resume; start again with --overwrite, or set "
-                    f"train.output_dir to a new folder.")
+            what = ("stopping. Step 1 has not begun its update, so it is dropped: nothing was trained, no checkpoint "
+                    "is saved and there is nothing to resume; start again with --overwrite, or set "
+                    "train.output_dir to a new folder.")
         return f"{name}: {what} {name} again stops at once, without saving."
 
     def _force_exit(self, signum: int) -> None:

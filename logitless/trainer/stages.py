@@ -381,8 +381,8 @@ def reward_metrics(rewards: torch.Tensor, total: torch.Tensor, names: list[str],
 
 def efficiency_metrics(ctx: TrainContext, ro: Rollout, plan: UpdatePlan, timer: PhaseTimer) -> dict[str, float]:
     """Rollout share of the HBM-bandwidth ceiling, update MFU and the step against its physical limit
-    (trainer/report/accounting.py defines them), over all ranks: the ranks' ideal seconds and FLOPs are summed and set against world size × this rank's phase seconds
-    (the phases end in step across ranks). Empty where the device's peaks are unknown (CPU), since a ratio to an
+    (trainer/report/accounting.py defines them), over all ranks: the ranks' ideal seconds and FLOPs are summed and
+    set against world size × this rank's phase seconds (the phases end in step across ranks). Empty where the device's peaks are unknown (CPU), since a ratio to an
     unknown peak says nothing."""
     if not all(math.isfinite(x) for x in ctx.peaks):
         return {}
@@ -423,7 +423,8 @@ def timer_metrics(ctx: TrainContext, timer: PhaseTimer) -> dict[str, Any]:
     return out
 
 
-def step_record(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan, upd: UpdateResult, timer: PhaseTimer) -> dict[str, Any]:
+def step_record(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan, upd: UpdateResult,
+                timer: PhaseTimer) -> dict[str, Any]:
     """The step's metrics: rewards, advantages, objective, lengths, time and memory per phase, efficiency."""
     s, b, dev = scored.scores, ro.batch, ctx.device  # every per-row value gathered over the ranks (rank order)
     lengths = gather_rows(b.loss_mask().sum(1).float(), dev)  # the model's tokens (multi-turn: not observations)

@@ -24,8 +24,8 @@ How the weights are handled:
     memory during the rollout only.
   - `static` backend (CUDA-graph decode, which needs weights at fixed addresses): a persistent replica updated
     in place before each rollout (`make_replica`). Cost: the replica's memory all the time, or, with
-    rollout.weight_copy=sleep (the default under torchrun on CUDA), only during the rollout: the weights each sync rewrites live in
-    `rollout.sleep.SleepableMemory`, freed after the rollout and mapped back at the same addresses before it.
+    rollout.weight_copy=sleep (the default under torchrun on CUDA), only during the rollout: the weights each sync
+    rewrites live in `rollout.sleep.SleepableMemory`, freed after the rollout and mapped back at the same addresses before it.
     - `MergedRolloutCopy` (LoRA, unless rollout.merge_lora=false): a plain model whose LoRA layers hold
       W + ΔW. The sync all-gathers the LoRA layers' frozen base weights and the adapters and merges them, as
       the single-process merged copy does; the replica is the size of the model, with no second copy of the

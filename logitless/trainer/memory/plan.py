@@ -17,8 +17,8 @@ recorded in bench/results (`python bench/bench_plan.py --check-recorded` prints 
 every one of them; tests/test_memory_plan.py keeps them within 15 %).
 
 `plan()` picks, for what the config leaves "auto", the fastest candidate of `TRAIN_LADDER` (untiled, then with the
-tiled MLP) whose train (and logprobs) phase fits, and the KV cap (rows per wave) that fits the rollout, parking the optimizer states during
-the rollout when that saves a wave. `leaner()` is the next plan after an out-of-memory error.
+tiled MLP) whose train (and logprobs) phase fits, and the KV cap (rows per wave) that fits the rollout, parking the
+optimizer states during the rollout when that saves a wave. `leaner()` is the next plan after an out-of-memory error.
 """
 
 from __future__ import annotations

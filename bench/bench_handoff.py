@@ -1,6 +1,7 @@
 """What it costs to hand a rollout batch between processes (the shared rollout's decode process,
-trainer/placement/rollout_worker.py): the batch pickled with its tensors by value (what the decode process sends) against `async_rollout.batch_to_json`'s
-lists (what it sent at 11b159c; what a checkpoint keeps of a pending rollout). Host only; medians of --repeats.
+trainer/placement/rollout_worker.py): the batch pickled with its tensors by value (what the decode process sends)
+against `async_rollout.batch_to_json`'s lists (what it sent at 11b159c; what a checkpoint keeps of a pending
+rollout). Host only; medians of --repeats.
 
     python bench/bench_handoff.py --out bench/results/handoff_cpu.json [--rows 512 --prompt 200 --tokens 512]
 """

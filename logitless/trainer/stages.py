@@ -382,8 +382,8 @@ def reward_metrics(rewards: torch.Tensor, total: torch.Tensor, names: list[str],
 def efficiency_metrics(ctx: TrainContext, ro: Rollout, plan: UpdatePlan, timer: PhaseTimer) -> dict[str, float]:
     """Rollout share of the HBM-bandwidth ceiling, update MFU and the step against its physical limit
     (trainer/report/accounting.py defines them), over all ranks: the ranks' ideal seconds and FLOPs are summed and
-    set against world size × this rank's phase seconds (the phases end in step across ranks). Empty where the device's peaks are unknown (CPU), since a ratio to an
-    unknown peak says nothing."""
+    set against world size × this rank's phase seconds (the phases end in step across ranks). Empty where the
+    device's peaks are unknown (CPU), since a ratio to an unknown peak says nothing."""
     if not all(math.isfinite(x) for x in ctx.peaks):
         return {}
     b, dev, world = ro.batch, ctx.device, ctx.world.size

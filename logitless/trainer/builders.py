@@ -99,6 +99,18 @@ def accuracy_index(cfg: RewardConfig) -> int:
     return cfg.reward_funcs.index(cfg.accuracy_reward)
 
 
+ACCURACY_REWARDS = ("numeric_answer", "math_verify", "code_tests")  # built-ins whose 1.0 means "correct"
+
+
+def training_accuracy_index(cfg: RewardConfig) -> int | None:
+    """Column of the reward a run's `accuracy` metric (the progress bar's "acc") counts 1.0 of: reward.accuracy_reward
+    when set, else the first reward when it is a built-in correctness check (`ACCURACY_REWARDS`); None for any other
+    reward, whose 1.0 need not mean "correct" (a constant reward would print acc 1.000)."""
+    if cfg.accuracy_reward is None and (not cfg.reward_funcs or cfg.reward_funcs[0] not in ACCURACY_REWARDS):
+        return None
+    return accuracy_index(cfg)
+
+
 OFFLOAD_INSTALL_HINT = "pip install 'logitless[offload]'  (torchao)"
 
 

@@ -26,7 +26,6 @@ from logitless.trainer.accounting import ModelShape, device_peaks
 from logitless.trainer.async_rollout import AsyncRollout
 from logitless.trainer.auto import has_auto, resolve
 from logitless.trainer.builders import (
-    accuracy_index,
     check_fused,
     check_prompt_lengths,
     decode_attention_for,
@@ -37,6 +36,7 @@ from logitless.trainer.builders import (
     reward_functions,
     sampling_options,
     sync_offloaded_params,
+    training_accuracy_index,
     weight_copy,
 )
 from logitless.trainer.config import TrainerConfig, to_dict, to_yaml
@@ -86,7 +86,7 @@ class TrainContext:
     scheduler: Any
     sampler: PromptSampler
     reward_fns: list[Callable[..., list[float | None]]]
-    acc_col: int  # column of the reward whose 1.0 means "correct"
+    acc_col: int | None  # column of the reward whose 1.0 means "correct" (None: no accuracy reward)
     adv_options: AdvantageOptions
     reference: ReferencePolicy | None  # the KL term's policy (objective.beta > 0)
     shape: ModelShape  # for the ceiling and MFU accounting
@@ -256,7 +256,7 @@ def build_context(
     eval_rows = None
     if cfg.eval.every_steps or cfg.eval.on_start:
         eval_rows = load_rows(cfg.data, cfg.eval.split or cfg.data.eval_split, eval=True)[: cfg.eval.num_prompts]
-    reward_fns, acc_col = reward_functions(cfg.reward), accuracy_index(cfg.reward)
+    reward_fns, acc_col = reward_functions(cfg.reward), training_accuracy_index(cfg.reward)
     model, tokenizer, device = _model(cfg, model, tokenizer, host=world.offload)
     load_reward_models(reward_fns, device)  # model:/judge: rewards, on the training device unless they name one
     agent = Agent(tokenizer, cfg.agent) if cfg.agent.enabled else None  # tools, environment, template: checked here

@@ -268,18 +268,22 @@ class RewardNoneReport:
         self._warned: set[str] = set()
 
     def __call__(self, step: int, names: Sequence[str], num_none: Sequence[int], num_samples: int,
-                 row_fields: Sequence[str]) -> None:
+                 row_fields: Sequence[str]) -> dict[str, str]:
+        """Emit the warnings due; returns them as `warning/reward_none/<name>` entries of the step's record."""
         every = num_samples > 0 and all(n == num_samples for n in num_none)
+        out = {}
         for name, n in zip(names, num_none):
             if num_samples == 0 or n < num_samples or name in self._warned:
                 continue
             self._warned.add(name)
             effect = ("every reward function did, so every advantage is 0 and this step trained nothing" if every else
                       "the other reward functions alone decide these samples' advantages")
-            self.emit(
-                f"[yellow]warning:[/] step {step}: reward function '{escape(name)}' returned None for all "
-                f"{num_samples} samples. None means 'not applicable to this sample' and adds nothing; {effect}. "
-                f"Check the row fields it reads (these rows have: {escape(', '.join(row_fields)) or 'none'}; "
-                "numeric_answer and math_verify give None where the row's answer is None or unparseable) and that it "
-                "returns a number for the samples it can judge. Shown once per reward function."
+            text = (
+                f"reward function '{name}' returned None for all {num_samples} samples. None means 'not applicable "
+                f"to this sample' and adds nothing; {effect}. Check the row fields it reads (these rows have: "
+                f"{', '.join(row_fields) or 'none'}; numeric_answer and math_verify give None where the row's answer "
+                "is None or unparseable) and that it returns a number for the samples it can judge"
             )
+            self.emit(f"[yellow]warning:[/] step {step}: {escape(text)}. Shown once per reward function.")
+            out[f"warning/reward_none/{name}"] = text
+        return out

@@ -227,7 +227,7 @@ def train(
     (`rundir`). From here on Ctrl-C and SIGTERM say what they do (`signals`); a second one raises
     `signals.StopNow` (a KeyboardInterrupt).
     """
-    preflight(cfg, model_given=model is not None)
+    preflight(cfg, model_given=model is not None, tokenizer=tokenizer)
     check_distributed(cfg, launched_world())
     device = cfg.model.device if model is None else str(next(model.parameters()).device)
     stop = StopSignals(quiet=not launched_world().main)

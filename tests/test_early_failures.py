@@ -219,3 +219,39 @@ def test_reward_device_and_judge_template_fields_are_checked_by_dry_run(tmp_path
         preflight(_tiny_cfg(tmp_path / "run", f"reward.reward_funcs=['{judge}']",
                             f"reward.reward_options={{'{judge}': {{template: '{{completion}} {{rubric}}'}}}}"),
                   model_given=True, tokenizer=tok)
+
+
+def test_wandb_without_a_key_is_refused_by_dry_run(tmp_path, monkeypatch, capsys, no_model_load):
+    pytest.importorskip("wandb")
+    from logitless.trainer.preflight import validate_config
+
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DISABLED", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    cfg = _run_cfg(tmp_path / "run", "logging.report_to=wandb", "logging.tensorboard=null")
+    with pytest.raises(ValueError, match=r"logging.report_to includes wandb, but no W&B API key is set .*wandb "
+                                         r"login.*WANDB_MODE=offline"):
+        validate_config(cfg)
+    code, err = _cli(capsys, "train", "--dry-run", f"train.output_dir={tmp_path / 'run'}", "logging.report_to=wandb")
+    assert code == 1 and "no W&B API key" in err and not (tmp_path / "run").exists()
+    validate_config(_run_cfg(tmp_path / "run", "logging.report_to=wandb", "logging.tensorboard=null",
+                             "logging.tracker_options={wandb: {mode: offline}}"))
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    validate_config(cfg)
+
+
+# ---- item 6: a full disk names the file and says what to do
+
+
+def test_a_full_disk_names_the_metrics_file_and_the_resume(tmp_path):
+    from logitless.trainer.metrics import MetricsLogger
+
+    run = tmp_path / "run"
+    logger = MetricsLogger(run, tensorboard=False, progress=False)
+    (run / "checkpoints" / "step-000003").mkdir(parents=True)
+    logger._file.close()
+    logger._file = open("/dev/full", "w")  # the OS's own always-full device: every flush fails with ENOSPC
+    with pytest.raises(RuntimeError, match=rf"could not write step 4's record to {run / 'metrics.jsonl'}: No space "
+                                           rf"left on device \(ENOSPC\).*continue it with: logitless train --resume"):
+        logger.log(4, {"loss": 1.0})

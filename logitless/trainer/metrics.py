@@ -209,8 +209,15 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        except OSError as e:  # a full disk, a folder made read-only: one line naming the file and what to do
+            from logitless.trainer.checkpoint import failure_reason
+            from logitless.trainer.rundir import restart_advice
+
+            raise RuntimeError(f"could not write step {step}'s record to {self.path}: {failure_reason(e)}. "
+                               f"Free space or fix the folder's permissions; {restart_advice(self.run_dir)}") from None
         if self.trackers:
             from logitless.trainer.tracking import scalars
 

@@ -31,7 +31,7 @@ from logitless.trainer.data_checks import FIRST_ROWS, check_reward_fields
 from logitless.trainer.episodes import ENVIRONMENT_REWARD, environment_weight
 from logitless.trainer.fsdp_offload import check_fsdp_offload
 from logitless.trainer.parallel import launched_world
-from logitless.trainer.tracking import check_report_to
+from logitless.trainer.tracking import check_report_to, check_tracker_credentials
 from logitless.trainer.model_checks import check_model, model_config, read_model_config
 from logitless.trainer.modeling import (
     LIGER_INSTALL_HINT,
@@ -182,6 +182,7 @@ def _check_training(cfg: TrainerConfig) -> None:
             "samples its own share) do not support yet; set train.dynamic_sampling=false, or run one process with "
             "train.async_rollout=false")
     check_report_to(cfg.logging.report_to, cfg.logging.tensorboard)
+    check_tracker_credentials(cfg.logging.report_to, cfg.logging.tensorboard, cfg.logging.tracker_options)
 
 
     if cfg.train.async_rollout and cfg.train.offload_during_rollout is True:

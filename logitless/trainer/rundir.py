@@ -96,28 +96,39 @@ class RunDir:
             self.replaced = None
             shutil.rmtree(doomed, ignore_errors=True)
 
-    def check_alive(self) -> None:
-        """Raise RunDirError naming the folder when it was removed, moved, replaced or made unwritable since the
-        claim (nothing this run writes could be kept there)."""
+    def _lost(self) -> str | None:
+        """How the claimed folder was lost since the claim (removed, replaced, unwritable), or None."""
         if self._fd is None:
-            return
+            return None
         held = os.fstat(self._fd)
         try:
             now = os.stat(self.path / LOCK_FILE)
         except OSError:
             now = None
         if held.st_nlink == 0 or now is None:
-            why = "was removed (or moved away)"
-        elif (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
-            why = "was replaced by another folder"
-        elif not os.access(self.path, os.W_OK | os.X_OK):
-            why = "is no longer writable"
-        else:
+            return "was removed (or moved away)"
+        if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            return "was replaced by another folder"
+        if not os.access(self.path, os.W_OK | os.X_OK):
+            return "is no longer writable"
+        return None
+
+    def check_alive(self) -> None:
+        """Raise RunDirError naming the folder when it was removed, moved, replaced or made unwritable since the
+        claim (nothing this run writes could be kept there)."""
+        why = self._lost()
+        if why is None:
             return
+        if why == "is no longer writable":
+            name = newest_checkpoint_name(self.path)
+            then = (f"make it writable again (chmod u+w {self.path}) and continue from its checkpoint {name} with: "
+                    f"logitless train --resume {self.path}" if name is not None else
+                    "make it writable again and start again with the same command (no checkpoint was saved)")
+        else:
+            then = "if you moved it, continue it from its new place with --resume <folder>; otherwise start again"
         raise RunDirError(
             f"the run folder {self.path} (train.output_dir) {why} while the run was training; stopping now, since "
-            "its metrics and checkpoints can no longer be written there. If you moved it, continue it from its new "
-            "place with --resume <folder>; otherwise start the run again"
+            f"its metrics and checkpoints can no longer be written there. To go on, {then}"
         )
 
     def release(self) -> None:
@@ -131,10 +142,13 @@ class RunDir:
                 _put_back(self.path, replaced)
                 warnings.warn(f"--overwrite: the new run ended before finishing its first step, so the run it was "
                               f"to replace is back in {self.path}, as it was", stacklevel=2)
-            elif self.new_run and not self.stepped and self._fd is not None and self.path.is_dir():
+            elif self.new_run and not self.stepped and self._lost() is None:  # (never in a folder not ours)
                 for e in list(self.path.iterdir()):
                     if is_run_file(e.name) and e.name != LOCK_FILE:
-                        shutil.rmtree(e) if e.is_dir() and not e.is_symlink() else e.unlink()
+                        try:
+                            shutil.rmtree(e) if e.is_dir() and not e.is_symlink() else e.unlink()
+                        except OSError:  # best effort: the error that ended the run is the one to report
+                            pass
         finally:
             if self._fd is not None:
                 fd, self._fd = self._fd, None

@@ -255,3 +255,31 @@ def test_a_full_disk_names_the_metrics_file_and_the_resume(tmp_path):
     with pytest.raises(RuntimeError, match=rf"could not write step 4's record to {run / 'metrics.jsonl'}: No space "
                                            rf"left on device \(ENOSPC\).*continue it with: logitless train --resume"):
         logger.log(4, {"loss": 1.0})
+
+
+# ---- item 8: data mistakes name the key
+
+
+def test_chat_prompts_without_a_chat_template_fail_on_the_first_rows(tmp_path, tok):
+    """GPT-2's tokenizer has no chat template; a large JSON-lines file of plain strings read as chat (the default) is
+    refused after its first rows, naming data.options.chat=false."""
+    from logitless.trainer.preflight import preflight
+
+    data = tmp_path / "big.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "answer": str(i + 1)}) + "\n" for i in range(20_000)))
+    cfg = _tiny_cfg(tmp_path / "run", "data.task=jsonl", f"data.options={{path: {data}}}")
+    with pytest.raises(ValueError, match=r"gives chat-message prompts, but the tokenizer .* has no chat template.*set "
+                                         r"data.options.chat=false"):
+        preflight(cfg, model_given=True, tokenizer=tok)
+    preflight(_tiny_cfg(tmp_path / "run", "data.task=jsonl", f"data.options={{path: {data}, chat: false}}"),
+              model_given=True, tokenizer=tok)
+
+
+@pytest.mark.parametrize("override, key", [("eval.split=nosuch", "eval.split"), ("data.eval_split=nosuch", "data.eval_split")])
+def test_a_bad_eval_split_names_its_key(override, key):
+    from logitless.trainer.builders import load_rows
+    from logitless.trainer.config import load_train_config
+
+    cfg = load_train_config(None, [override])
+    with pytest.raises(ValueError, match=rf"^{key}='nosuch': .*set {key} to a split"):
+        load_rows(cfg.data, cfg.eval.split or cfg.data.eval_split, eval=True)

@@ -26,6 +26,8 @@ def load_rows(cfg: DataConfig, split: str | None = None, *, eval: bool = False, 
     a large file is read with a progress bar there (one line when it is not a terminal). `limit`: at most this
     many rows, where the source can stop early (a file, a task with a `limit` option)."""
     split = split or (cfg.eval_split if eval else cfg.split)
+    # the key that chose the split: eval.split when it overrides data.eval_split
+    key = "data.split" if not eval else "data.eval_split" if split == cfg.eval_split else "eval.split"
     options = {**cfg.options, **(cfg.eval_options if eval else {})}
     takes_limit = cfg.task in ("jsonl", "hub") or (
         cfg.task in TASKS and "limit" in inspect.signature(TASKS[cfg.task]).parameters)
@@ -36,12 +38,15 @@ def load_rows(cfg: DataConfig, split: str | None = None, *, eval: bool = False, 
             raise ValueError("data.task='jsonl' needs data.options.path=<file.jsonl> (and data.eval_options.path for eval)")
         with reading_progress(options["path"], console) as progress:
             rows = load_jsonl_prompts(**options, progress=progress)
-    elif cfg.task == "hub":
-        if "name" not in options:
-            raise ValueError("data.task='hub' needs data.options.name=<dataset name on the Hugging Face hub>")
-        rows = load_hf_prompts(split=split, **options)
     else:
-        rows = load_task(cfg.task, split, **options)
+        if cfg.task == "hub" and "name" not in options:
+            raise ValueError("data.task='hub' needs data.options.name=<dataset name on the Hugging Face hub>")
+        try:
+            rows = load_hf_prompts(split=split, **options) if cfg.task == "hub" else load_task(cfg.task, split, **options)
+        except ValueError as e:
+            if repr(split) not in str(e) and f"split {split}" not in str(e):
+                raise
+            raise ValueError(f"{key}={split!r}: {e}; set {key} to a split data.task={cfg.task!r} has") from None
     if not rows:
         raise ValueError(f"data.task={cfg.task!r} split {split!r} has no rows; check data.options")
     return rows if limit is None else rows[:limit]

@@ -92,12 +92,30 @@ def preflight(cfg: TrainerConfig, *, training: bool = True, model_given: bool = 
     if cfg.agent.enabled:
         from logitless.agents import Agent
 
-        Agent(tokenizer if tokenizer is not None else load_tokenizer(cfg.model), cfg.agent)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
+        Agent(tokenizer, cfg.agent)
         lines.append("agent: every tool and the environment import and check, and the chat template renders them")
     split = cfg.data.split if training else (cfg.eval.split or cfg.data.eval_split)
     rows = load_rows(cfg.data, split, eval=not training, limit=FIRST_ROWS)
+    if any(isinstance(r.prompt, list) and r.prompt and isinstance(r.prompt[0], dict) for r in rows) and not (
+            cfg.agent.enabled and cfg.agent.chat_template):
+        check_chat_template(tokenizer if tokenizer is not None else load_tokenizer(cfg.model), cfg, split)
+        lines.append("chat prompts: the tokenizer has a chat template")
     lines.append(check_reward_fields(cfg, cfg.reward.reward_funcs, reward_functions(cfg.reward), rows, split))
     return lines
+
+
+def check_chat_template(tokenizer: Any, cfg: TrainerConfig, split: str) -> None:
+    """Chat-message prompts (the data's first rows) need the tokenizer's chat template: refuse a tokenizer without
+    one, naming the data option that makes the prompts raw text."""
+    if getattr(tokenizer, "chat_template", None):
+        return
+    model = cfg.model.name_or_path or "the demo model"
+    raise ValueError(f"data.task={cfg.data.task!r} split {split!r} gives chat-message prompts, but the tokenizer of "
+                     f"model.name_or_path={model!r} has no chat template (a base model?): set data.options.chat=false "
+                     "to train on "
+                     "the prompts as plain text, or use a model whose tokenizer has a chat template (an instruct "
+                     "model)")
 
 
 def check_reward_models(cfg: TrainerConfig) -> int:

@@ -18,7 +18,7 @@ Values of overrides are parsed with `yaml.safe_load` (`x=null`, `xs=[a,b]`, `fla
 mapping (a section twice, or a key twice in a section), which YAML would resolve by keeping the last, is refused
 naming the key and both lines. Unknown keys and
 values of the wrong type are refused with a `ConfigError` that names the key, the expected type and the
-nearest valid key. Supported field types: int, float (int accepted; strings such as "1e-4" accepted), bool,
+nearest valid key. Supported field types: int, float (int accepted; strings such as "1e-4" accepted; nan and inf refused), bool,
 str, Any, Optional/unions, Literal, list[...], tuple[..., ...], dict[str, ...] and nested dataclasses.
 """
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import types
 import typing
@@ -40,6 +41,10 @@ _MISSING = object()
 
 class ConfigError(ValueError):
     """A config file or override that does not match the config schema."""
+
+
+class NonFiniteError(ConfigError):
+    """A float config value that is nan or infinite (refused for every float key)."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -151,6 +156,8 @@ def _check(value: Any, tp: Any, key: str, root: type) -> Any:
                 continue
             try:
                 return _check(value, arm, key, root)
+            except NonFiniteError as e:
+                raise NonFiniteError(f"{e} (or null)" if type(None) in args else str(e)) from None
             except ConfigError:
                 pass
         raise _type_error(key, tp, value)
@@ -174,14 +181,19 @@ def _check(value: Any, tp: Any, key: str, root: type) -> Any:
             return value
         raise _type_error(key, tp, value)
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
             try:
-                return float(value.strip())
+                number = float(value.strip())
             except ValueError:
                 pass
-        raise _type_error(key, tp, value)
+        if number is None:
+            raise _type_error(key, tp, value)
+        if not math.isfinite(number):  # nan and inf pass every "> 0" and "< x" check; no setting means either
+            raise NonFiniteError(f"config key '{key}' expects a finite number, got {value!r}; give a finite value")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value

@@ -333,3 +333,16 @@ class Quiet(CountDown):
 
     def close(self):
         self.closed = True
+
+
+class FailingClose(CountDown):
+    """Ends at once with reward 1.0, and its close() raises."""
+
+    def step(self, text):
+        return None, None, True
+
+    def reward(self):
+        return 1.0
+
+    def close(self):
+        raise OSError("cannot release the board")

@@ -63,6 +63,17 @@ def test_rewards_are_none_when_the_environment_gives_none_and_close_is_called():
     assert rec.reward is None and env.closed and rec.messages == [{"role": "assistant", "content": "3"}]
 
 
+def test_a_close_that_raises_is_reported_as_close_and_the_reward_stands():
+    tok = chatml_tokenizer()
+    driver = make_agent(tok, environment="tests.agent_fixtures:FailingClose").driver(
+        [PromptRow([{"role": "user", "content": "x"}])], 1)
+    driver.begin(1, 1)
+    assert run_turns(driver, tok, ["3<|im_end|>"]) == [None]
+    with pytest.warns(UserWarning, match=r"FailingClose.close\(\) raised OSError: cannot release the board"):
+        rec = driver.finish()[0]
+    assert rec.reward == 1.0 and rec.metrics["env_errors"] == 1.0
+
+
 def test_max_turns_truncates_an_environment_that_goes_on():
     tok = chatml_tokenizer()
     driver = make_agent(tok, environment="tests.agent_fixtures:CountDown", env_options={"start": 5},

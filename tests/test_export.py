@@ -125,3 +125,53 @@ def test_full_fine_tuning_exports_the_merged_model_only(tmp_path, gpt2_tokenizer
         assert torch.allclose(_plain_logprobs(merged, ids), want, rtol=0, atol=1e-5)
         assert (_plain_logprobs(base, ids) - want).abs().max() > 1e-4
     assert "full fine-tuning" in (result.merged / "README.md").read_text()
+
+
+def test_a_bad_output_is_refused_before_loading_and_a_failed_export_leaves_nothing(trained, tmp_path, capsys):
+    """--output naming a file is refused at once; an export the OS cannot write (here: paths past PATH_MAX under
+    the output folder) is one line naming the OS error, and removes the folders it made, so a rerun is not refused."""
+    (tmp_path / "file").write_text("x")
+    assert main(["export", str(trained / "run"), "--output", str(tmp_path / "file")]) == 1
+    assert "--output" in (err := capsys.readouterr().err) and "is a file" in err
+    deep = tmp_path
+    while len(str(deep)) < 4096 - 20:  # adapter/ fits in PATH_MAX (4096), adapter/adapter_model.safetensors does not
+        deep = deep / ("d" * min(200, 4096 - 20 - len(str(deep)) - 1))
+    deep.mkdir(parents=True)
+    with pytest.raises(RuntimeError, match=r"export to .* failed: File name too long \(ENAMETOOLONG\).*nothing was left"):
+        export_run(trained / "run", output=deep, merged=True)
+    assert list(deep.iterdir()) == []
+
+
+def test_a_model_dequantized_from_gguf_saves_as_plain_safetensors(tmp_path):
+    """What transformers leaves on a model it loaded from a GGUF file and dequantized (the demo's SmolLM2 Q4_1:
+    its GgufHfQuantizer with no packed module, and the GgufConfig): save_pretrained refuses it ("quantized with
+    GGUF... not serializable"); `dense` drops those marks and the saved model computes the same logits. (On the demo
+    GGUF itself, the merged model saved this way gave logits equal to the loaded one's, max |diff| 0.0.)"""
+    from transformers import AutoModelForCausalLM
+    from transformers.quantizers.quantizer_gguf import GgufHfQuantizer
+    from transformers.utils.quantization_config import GgufConfig
+
+    from logitless.trainer.export import dense
+
+    model = tiny_qwen2(vocab_size=96, hidden=32, layers=1)
+    model.config.quantization_config = GgufConfig(gguf_file="model.Q4_1.gguf")
+    model.hf_quantizer, model.is_quantized = GgufHfQuantizer(model.config.quantization_config), True
+    with pytest.raises(ValueError, match="not serializable"):
+        model.save_pretrained(tmp_path / "refused")
+    dense(model).save_pretrained(tmp_path / "merged")
+    ids = torch.tensor([[1, 5, 9, 2]])
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, again(input_ids=ids).logits)
+
+
+def test_the_card_of_a_gguf_run_names_the_gguf_it_trained_on(trained):
+    from logitless.trainer.demo import demo_config
+    from logitless.trainer.export import gguf_source, model_card
+    from logitless.trainer.policy.modeling import DEMO_GGUF_FILE
+
+    checkpoint = ckpt.resolve_checkpoint(trained / "run")
+    assert gguf_source(run_config(checkpoint)) is None  # a model folder
+    card = model_card(demo_config([]), checkpoint, merged=False)
+    assert f"Trained on `{DEMO_GGUF_FILE}`, a GGUF quantization of `HuggingFaceTB/SmolLM2-135M-Instruct`" in card
+    assert "this adapter on the weights of" in card

@@ -124,11 +124,12 @@ def test_a_run_folder_made_read_only_stops_the_run(tmp_path, tok):
     run = tmp_path / "run"
 
     def hook(event, step):
-        if event == "after_update":
+        if event == "after_update" and step == 2:  # step 1's checkpoint was saved
             run.chmod(0o555)
 
     try:
-        with pytest.raises(RunDirError, match=rf"the run folder {run} .*is no longer writable"):
+        with pytest.raises(RunDirError, match=rf"the run folder {run} .*is no longer writable.*make it writable again "
+                                              rf".*checkpoint step-000001 with: logitless train --resume {run}"):
             _tiny_train(_e2e_cfg(run), tok, hook=hook)
     finally:
         run.chmod(0o755)

@@ -241,11 +241,15 @@ class AgentDriver:
                              [self.options.tool_timeout_s] * len(self.episodes), self.options.max_parallel_tools)
             for ep, out in zip(self.episodes, outs):
                 if out.error is not None or out.timed_out:
-                    self._env_error(ep, "reward", out)
-                elif env.has_reward:
-                    value = check_reward(f"{env.name}.reward()", out.value)
+                    self._env_error(ep, "reward" if env.has_reward else "close", out)
+                    continue
+                value, closing = out.value
+                if env.has_reward:
+                    value = check_reward(f"{env.name}.reward()", value)
                     if value is not None:
                         ep.rewards.append(value)
+                if closing is not None:  # the reward stands; close() is named as what failed
+                    self._env_error(ep, "close", Outcome(error=closing))
         records = []
         for ep in self.episodes:
             ep.record.reward = sum(ep.rewards) if ep.rewards else None
@@ -413,13 +417,19 @@ class AgentDriver:
                           "episode metric env_errors; further errors of this rollout are not warned)", stacklevel=3)
 
 
-def _final_reward(env: Any, reward: bool, close: bool) -> float | None:
-    """`env.reward()` (None without one), then `env.close()` if it has one."""
+def _final_reward(env: Any, reward: bool, close: bool) -> tuple[float | None, BaseException | None]:
+    """`env.reward()` (None without one), then `env.close()` if it has one (also after reward() raised, whose
+    error then propagates); returns the reward and what close() raised, so that each is reported under its name."""
+    closing = None
     try:
-        return env.reward() if reward else None
+        value = env.reward() if reward else None
     finally:
         if close:
-            env.close()
+            try:
+                env.close()
+            except Exception as e:  # noqa: BLE001 (user code: any error is close()'s)
+                closing = e
+    return value, closing
 
 
 def _failed(tool: Tool, out: Outcome) -> ToolResult:

@@ -22,7 +22,9 @@ the logit of `label` (0) as the reward; batched (`batch_size`), right-padded, tr
   error of that sample: reward.on_error decides (raise, or error_penalty), never a silent 0.
 
 Both load their weights once (`load`, called by the trainer with the training device before the first step, or at
-the first call), on `device` (None: the training device) in `dtype` ("auto": bf16 on CUDA, fp32 elsewhere).
+the first call), on `device` (None: the training device) in `dtype` ("auto": bf16 on CUDA, fp32 elsewhere). Before
+the policy loads, `check` reads their config and tokenizer (no weights): a `model:` that names a causal LM (its score
+head would be random) or a `judge:` that names a sequence classifier is refused.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from typing import Any, Literal, Sequence
 
 import torch
 
+# architectures with a score head instead of an LM head (transformers' names end so)
+SCORE_ARCHITECTURES = ("ForSequenceClassification", "ForRewardModel", "RewardModel")
 YES_NO_TEMPLATE = (
     "Here is a question and an answer.\n\nQuestion:\n{prompt}\n\nAnswer:\n{completion}\n\n"
     "Is the answer correct and well reasoned? Reply with Yes or No."
@@ -86,14 +90,31 @@ class _ModelReward:
         from transformers import AutoTokenizer
 
         kw = {"revision": self.revision, "trust_remote_code": self.trust_remote_code}
-        self.tokenizer = AutoTokenizer.from_pretrained(self.name_or_path, **kw)
+        self.tokenizer = self._tokenizer(AutoTokenizer.from_pretrained(self.name_or_path, **kw))
         self.model = self._load_model(dtype=_dtype(self.dtype_name, dev), **kw).to(dev).eval()
         self.model.requires_grad_(False)
-        if self.tokenizer.pad_token_id is None:
-            if self.tokenizer.eos_token is None:
+
+    def _tokenizer(self, tok: Any) -> Any:
+        """`tok` with a pad token (its EOS when it has none: batches are padded), before the model is built."""
+        if tok.pad_token_id is None:
+            if tok.eos_token is None:
                 raise ValueError(f"reward '{self.kind}:{self.name_or_path}': its tokenizer has neither a pad nor an "
-                                 "EOS token; set one in the tokenizer's files")
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+                                 "EOS token, so its batches cannot be padded; set pad_token in the tokenizer's files "
+                                 "(tokenizer_config.json), or reward_options batch_size: 1")
+            tok.pad_token = tok.eos_token
+        return tok
+
+    def check(self) -> None:
+        """What can be checked without the weights, before the policy loads: the kind of model its config.json
+        names (`_check_config`) and its tokenizer (a pad or EOS token). ValueError naming the reward and the fix."""
+        from transformers import AutoConfig, AutoTokenizer
+
+        kw = {"revision": self.revision, "trust_remote_code": self.trust_remote_code}
+        self._check_config(AutoConfig.from_pretrained(self.name_or_path, **kw))
+        self._tokenizer(AutoTokenizer.from_pretrained(self.name_or_path, **kw))
+
+    def _check_config(self, config: Any) -> None:
+        raise NotImplementedError
 
     def _load_model(self, **kw: Any) -> Any:
         raise NotImplementedError
@@ -115,10 +136,30 @@ class RewardModel(_ModelReward):
                          trust_remote_code=trust_remote_code)
         self.max_length, self.label = max_length, label
 
+    def _check_config(self, config: Any) -> None:
+        """Refuse a model whose config names only architectures without a score head (a causal LM): loaded as a
+        sequence classifier, its head would be random weights and every reward noise."""
+        names = list(getattr(config, "architectures", None) or [])
+        if names and not any(a.endswith(SCORE_ARCHITECTURES) for a in names):
+            raise ValueError(
+                f"reward.reward_funcs 'model:{self.name_or_path}': its config names the architecture(s) {names}, "
+                "not a sequence-classification reward model, so its score head would be randomly initialised and "
+                "the rewards noise. Name a reward model (architectures ending in ForSequenceClassification, e.g. "
+                f"Skywork/Skywork-Reward-V2-Qwen3-0.6B), or ask this model as an LLM judge: 'judge:{self.name_or_path}'"
+            )
+
     def _load_model(self, **kw: Any) -> Any:
         from transformers import AutoModelForSequenceClassification
 
-        model = AutoModelForSequenceClassification.from_pretrained(self.name_or_path, **kw)
+        model, info = AutoModelForSequenceClassification.from_pretrained(self.name_or_path, output_loading_info=True,
+                                                                         **kw)
+        head = [k for k in info.get("missing_keys", []) if k.split(".")[0] in ("score", "classifier")]
+        if head:  # a checkpoint without a score head (its config named none): the head would be random
+            raise ValueError(
+                f"reward.reward_funcs 'model:{self.name_or_path}': its weights hold no score head ({head[0]} is "
+                "missing), so it is not a trained reward model and its rewards would be noise. Name a reward model, "
+                f"or ask this model as an LLM judge: 'judge:{self.name_or_path}'"
+            )
         if model.config.pad_token_id is None:  # the model finds each row's last token by the pad id
             model.config.pad_token_id = self.tokenizer.pad_token_id
         if not 0 <= self.label < model.config.num_labels:
@@ -179,6 +220,7 @@ class Judge(_ModelReward):
         if "completion" not in fields:
             raise ValueError(f"{where}: template must contain '{{completion}}', got {self.template!r}")
         self.fields = [f for f in dict.fromkeys(fields) if f not in ("prompt", "completion")]
+        self.row_fields = self.fields  # checked against the data's first rows before the policy loads
         try:
             self.pattern = re.compile(pattern)
         except re.error as e:
@@ -190,6 +232,16 @@ class Judge(_ModelReward):
             raise ValueError(f"{where}: max_new_tokens must be a positive int, got {max_new_tokens!r}")
         self.parser, self.system_prompt, self.chat = parser, system_prompt, chat
         self.yes, self.no, self.score_range, self.max_new_tokens = list(yes), list(no), (lo, hi), max_new_tokens
+
+    def _check_config(self, config: Any) -> None:
+        """Refuse a model whose config names only sequence-classification architectures: it has no LM head."""
+        names = list(getattr(config, "architectures", None) or [])
+        if names and all(a.endswith(SCORE_ARCHITECTURES) for a in names):
+            raise ValueError(
+                f"reward.reward_funcs 'judge:{self.name_or_path}': its config names the architecture(s) {names}, a "
+                f"reward model without a language-model head, which cannot answer as a judge; use "
+                f"'model:{self.name_or_path}' for it, or name a causal LM after 'judge:'"
+            )
 
     def _load_model(self, **kw: Any) -> Any:
         from transformers import AutoModelForCausalLM

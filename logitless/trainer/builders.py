@@ -25,6 +25,8 @@ def load_rows(cfg: DataConfig, split: str | None = None, *, eval: bool = False, 
     a large file is read with a progress bar there (one line when it is not a terminal). `limit`: at most this
     many rows, where the source can stop early (a file, a task with a `limit` option)."""
     split = split or (cfg.eval_split if eval else cfg.split)
+    # the key that chose the split: eval.split when it overrides data.eval_split
+    key = "data.split" if not eval else "data.eval_split" if split == cfg.eval_split else "eval.split"
     options = {**cfg.options, **(cfg.eval_options if eval else {})}
     takes_limit = cfg.task in ("jsonl", "hub") or (
         cfg.task in TASKS and "limit" in inspect.signature(TASKS[cfg.task]).parameters)
@@ -35,12 +37,15 @@ def load_rows(cfg: DataConfig, split: str | None = None, *, eval: bool = False, 
             raise ValueError("data.task='jsonl' needs data.options.path=<file.jsonl> (and data.eval_options.path for eval)")
         with reading_progress(options["path"], console) as progress:
             rows = load_jsonl_prompts(**options, progress=progress)
-    elif cfg.task == "hub":
-        if "name" not in options:
-            raise ValueError("data.task='hub' needs data.options.name=<dataset name on the Hugging Face hub>")
-        rows = load_hf_prompts(split=split, **options)
     else:
-        rows = load_task(cfg.task, split, **options)
+        if cfg.task == "hub" and "name" not in options:
+            raise ValueError("data.task='hub' needs data.options.name=<dataset name on the Hugging Face hub>")
+        try:
+            rows = load_hf_prompts(split=split, **options) if cfg.task == "hub" else load_task(cfg.task, split, **options)
+        except ValueError as e:
+            if repr(split) not in str(e) and f"split {split}" not in str(e):
+                raise
+            raise ValueError(f"{key}={split!r}: {e}; set {key} to a split data.task={cfg.task!r} has") from None
     if not rows:
         raise ValueError(f"data.task={cfg.task!r} split {split!r} has no rows; check data.options")
     return rows if limit is None else rows[:limit]
@@ -96,6 +101,18 @@ def accuracy_index(cfg: RewardConfig) -> int:
             f"reward.accuracy_reward={cfg.accuracy_reward!r} is not one of reward.reward_funcs={cfg.reward_funcs}"
         )
     return cfg.reward_funcs.index(cfg.accuracy_reward)
+
+
+ACCURACY_REWARDS = ("numeric_answer", "math_verify", "code_tests")  # built-ins whose 1.0 means "correct"
+
+
+def training_accuracy_index(cfg: RewardConfig) -> int | None:
+    """Column of the reward a run's `accuracy` metric (the progress bar's "acc") counts 1.0 of: reward.accuracy_reward
+    when set, else the first reward when it is a built-in correctness check (`ACCURACY_REWARDS`); None for any other
+    reward, whose 1.0 need not mean "correct" (a constant reward would print acc 1.000)."""
+    if cfg.accuracy_reward is None and (not cfg.reward_funcs or cfg.reward_funcs[0] not in ACCURACY_REWARDS):
+        return None
+    return accuracy_index(cfg)
 
 
 OFFLOAD_INSTALL_HINT = "pip install 'logitless[offload]'  (torchao)"

@@ -238,6 +238,18 @@ def _write_files(tmp: Path, model: torch.nn.Module, optimizer: Any, scheduler: A
     _fsync_tree(tmp)
 
 
+def check_finite_weights(model: torch.nn.Module, step: int) -> None:
+    """Raise CheckpointError when a trained parameter holds nan or inf: such weights are never saved (a resume
+    would load them, and every later sample would be garbage)."""
+    bad = [name for name, p in model.named_parameters() if p.requires_grad and not bool(torch.isfinite(p).all())]
+    if bad:
+        raise CheckpointError(
+            f"checkpoint {step_dirname(step)} not written: {len(bad)} trained tensor(s) hold nan or inf (e.g. "
+            f"{bad[0]}); the weights diverged (lower optim.learning_rate, keep optim.max_grad_norm set). The previous "
+            "checkpoint stays the latest; resume from it with a lower learning rate"
+        )
+
+
 def save_checkpoint(
     root: str | Path,
     step: int,
@@ -255,6 +267,7 @@ def save_checkpoint(
     Leftovers of an earlier interrupted save are removed first.
     """
     root = Path(root)
+    check_finite_weights(model, step)
     root.mkdir(parents=True, exist_ok=True)
     clean_temporaries(root)
     final = root / step_dirname(step)

@@ -20,13 +20,13 @@ from logitless.rewards.models import load_reward_models
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer import dcp
 from logitless.trainer.builders import (
-    accuracy_index,
     check_prompt_lengths,
     load_rows,
     make_optimizer,
     make_scheduler,
     reward_functions,
     sync_offloaded_params,
+    training_accuracy_index,
 )
 from logitless.trainer.checks.model import model_config
 from logitless.trainer.config.schema import TrainerConfig, to_dict, to_yaml
@@ -49,7 +49,7 @@ from logitless.trainer.policy.offload import ParkedState
 from logitless.trainer.report.accounting import ModelShape, device_peaks
 from logitless.trainer.report.metrics import MetricsLogger
 from logitless.trainer.report.tracking import open_trackers, resolve_report_to
-from logitless.trainer.rundir import RunDir, write_atomic
+from logitless.trainer.rundir import RunDir, restart_advice, write_atomic
 
 
 @dataclass
@@ -66,7 +66,7 @@ class TrainContext:
     scheduler: Any
     sampler: PromptSampler
     reward_fns: list[Callable[..., list[float | None]]]
-    acc_col: int  # column of the reward whose 1.0 means "correct"
+    acc_col: int | None  # column of the reward whose 1.0 means "correct" (None: no accuracy reward)
     adv_options: AdvantageOptions
     reference: ReferencePolicy | None  # the KL term's policy (objective.beta > 0)
     shape: ModelShape  # for the ceiling and MFU accounting
@@ -177,6 +177,12 @@ def _keep_configured(optimizer: Any, scheduler: Any, configured: list[dict[str, 
         scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
+def write_error_advice(run_dir: Path) -> Callable[[OSError], str]:
+    """What a failed write in the run folder says: the OS error, and what to do (free space, --resume)."""
+    return lambda e: (f"{ckpt.failure_reason(e)}. Free space or fix the folder's permissions; "
+                      f"{restart_advice(run_dir)}")
+
+
 def _logger(cfg: TrainerConfig, run_dir: Path, world: World, start: int, run: RunDir | None,
             console: Console | None = None) -> MetricsLogger | QuietLogger:
     """Only rank 0 writes the run folder's files (its config as given, "auto" kept, where the claim says:
@@ -194,6 +200,7 @@ def _logger(cfg: TrainerConfig, run_dir: Path, world: World, start: int, run: Ru
     trackers = open_trackers(names, run_dir, config=to_dict(cfg), project=log.project, run_name=log.run_name,
                              options=log.tracker_options, resume_step=start, required=required)
     logger = MetricsLogger(run_dir, progress=log.progress, total_steps=cfg.train.max_steps, resume_step=start,
+                           write_error=write_error_advice(run_dir),
                            trackers=trackers, console=console)
     if run is not None and run.config_note:
         logger.console.print(run.config_note, highlight=False, markup=False, soft_wrap=True)
@@ -227,7 +234,7 @@ class Inputs:
         if cfg.eval.every_steps or cfg.eval.on_start:
             eval_rows = load_rows(cfg.data, cfg.eval.split or cfg.data.eval_split, eval=True)[: cfg.eval.num_prompts]
         return cls(rows, PromptSampler(rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle), eval_rows,
-                   reward_functions(cfg.reward), accuracy_index(cfg.reward))
+                   reward_functions(cfg.reward), training_accuracy_index(cfg.reward))
 
     def check_lengths(self, cfg: TrainerConfig, tokenizer: Any, model: torch.nn.Module) -> None:
         """Every prompt within the rollout's prompt limit and the model's context (`check_prompt_lengths`)."""

@@ -83,13 +83,26 @@ def load_policy(cfg: TrainerConfig, checkpoint: Path, device: str = "cpu") -> tu
     return model.eval(), tokenizer
 
 
+def gguf_source(cfg: TrainerConfig) -> str | None:
+    """The GGUF file the run trained on (the demo's, a .gguf path, or model.gguf_file), else None."""
+    from logitless.trainer.policy.modeling import DEMO_GGUF_FILE
+
+    name = cfg.model.name_or_path
+    if not name:
+        return DEMO_GGUF_FILE
+    if cfg.model.gguf_file:
+        return Path(cfg.model.gguf_file).name
+    return Path(name).name if name.endswith(".gguf") else None
+
+
 def model_card(cfg: TrainerConfig, checkpoint: Path, merged: bool) -> str:
     """A model card (README.md with metadata) for the exported folder."""
     from huggingface_hub import ModelCard, ModelCardData
 
     from logitless.trainer.report.metrics import read_metrics
+    from logitless.trainer.policy.modeling import DEMO_BASE_MODEL
 
-    base = cfg.model.name_or_path or "HuggingFaceTB/SmolLM2-135M-Instruct"
+    base = cfg.model.name_or_path or DEMO_BASE_MODEL
     step = ckpt.checkpoint_step(checkpoint)
     try:
         records = [r for r in read_metrics(checkpoint.parent.parent) if r.get("step", 0) <= step]
@@ -102,6 +115,7 @@ def model_card(cfg: TrainerConfig, checkpoint: Path, merged: bool) -> str:
     data = ModelCardData(library_name="transformers" if merged else "peft", base_model=base,
                          tags=["logitless", "grpo", "reinforcement-learning", *([] if merged else ["lora"])])
     o, t, r = cfg.objective, cfg.train, cfg.rollout
+    gguf = gguf_source(cfg)
     lines = [
         "---", data.to_yaml(), "---", "",
         f"# {checkpoint.parent.parent.name}", "",
@@ -109,6 +123,10 @@ def model_card(cfg: TrainerConfig, checkpoint: Path, merged: bool) -> str:
         "[logitless](https://pypi.org/project/logitless/)" + (" and merged into its weights." if merged else
                                                              ", as a LoRA adapter."),
         "",
+        *([f"Trained on `{gguf}`, a GGUF quantization of `{base}` (dequantized when loaded): its weights differ from "
+           f"`{base}`'s by the quantization, so the policy as trained is "
+           + ("these merged weights." if merged else f"this adapter on the weights of `{gguf}`, and on `{base}` "
+                                                     "itself a close approximation of it."), ""] if gguf else []),
         f"- steps: {step} (of train.max_steps = {t.max_steps}), {t.prompts_per_step} prompts × "
         f"{r.num_generations} samples each, up to {r.max_completion_length} new tokens",
         f"- data: `{cfg.data.task}`; rewards: {', '.join(f'`{f}`' for f in cfg.reward.reward_funcs)}",
@@ -126,9 +144,39 @@ def model_card(cfg: TrainerConfig, checkpoint: Path, merged: bool) -> str:
     return str(ModelCard("\n".join(lines)))
 
 
-def _fresh_folder(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
+def _fresh_folder(path: Path, made: list[Path]) -> Path:
+    """Create `path` (recorded in `made`, to be removed if the export fails)."""
+    if not path.exists():
+        path.mkdir(parents=True)
+        made.append(path)
     return path
+
+
+def check_output(out: Path) -> None:
+    """--output is a folder, or can be made one, that this process can write: checked before the model loads."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output {out} is a file; give a folder (the export writes adapter/ and merged/ into it)")
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--output {out}: {existing} is not a writable folder; nothing was exported. Choose another "
+                         "--output")
+
+
+def dense(model: Any) -> Any:
+    """`model` saveable as plain safetensors: a model loaded from a GGUF file and dequantized on load (the only
+    way logitless trains one) is an ordinary dense model that still carries the GGUF quantizer, which
+    `save_pretrained` refuses; the quantizer and its config entry are dropped. Weights kept in GGUF blocks are
+    refused, naming the fix."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None or quantizer.quantization_config.quant_method != "gguf":
+        return model
+    if getattr(quantizer, "packed_modules", None):
+        raise ValueError("the model keeps GGUF-quantized weights, which cannot be saved as safetensors; export the "
+                         "adapter alone (without --merged)")
+    model.hf_quantizer, model.is_quantized = None, False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model
 
 
 def export_run(run: str | Path, *, output: str | Path | None = None, merged: bool = False,
@@ -140,29 +188,39 @@ def export_run(run: str | Path, *, output: str | Path | None = None, merged: boo
     cfg = run_config(checkpoint)
     merged = merged or not cfg.model.lora
     out = Path(output) if output is not None else run_dir_of_checkpoint(checkpoint) / "export"
+    check_output(out)
     for t in ([out / "adapter"] if cfg.model.lora else []) + ([out / "merged"] if merged else []):
-        if t.exists() and any(t.iterdir()):  # before anything slow
+        if t.exists() and (not t.is_dir() or any(t.iterdir())):  # before anything slow
             raise ValueError(f"--output {out}: {t} exists and is not empty; nothing was changed. Choose another "
                              "--output or delete it")
     if push_to_hub is not None:
         check_hub(push_to_hub)
     result = ExportResult(adapter=None, merged=None)
     model, tokenizer = load_policy(cfg, checkpoint)
-    if cfg.model.lora:
-        folder = _fresh_folder(out / "adapter")
-        for f in (checkpoint / "model").iterdir():
-            shutil.copy2(f, folder / f.name)
-        _base_in_adapter_config(folder, cfg)
-        tokenizer.save_pretrained(folder)
-        (folder / "README.md").write_text(model_card(cfg, checkpoint, merged=False))
-        result.adapter = folder
-    if merged:
-        folder = _fresh_folder(out / "merged")
-        plain = model.merge_and_unload() if cfg.model.lora else model
-        plain.save_pretrained(folder, safe_serialization=True)
-        tokenizer.save_pretrained(folder)
-        (folder / "README.md").write_text(model_card(cfg, checkpoint, merged=True))
-        result.merged = folder
+    made: list[Path] = []  # folders this export created: removed if it fails, so a rerun is not refused
+    try:
+        if cfg.model.lora:
+            folder = _fresh_folder(out / "adapter", made)
+            for f in (checkpoint / "model").iterdir():
+                shutil.copy2(f, folder / f.name)
+            _base_in_adapter_config(folder, cfg)
+            tokenizer.save_pretrained(folder)
+            (folder / "README.md").write_text(model_card(cfg, checkpoint, merged=False))
+            result.adapter = folder
+        if merged:
+            folder = _fresh_folder(out / "merged", made)
+            plain = dense(model.merge_and_unload() if cfg.model.lora else model)
+            plain.save_pretrained(folder, safe_serialization=True)
+            tokenizer.save_pretrained(folder)
+            (folder / "README.md").write_text(model_card(cfg, checkpoint, merged=True))
+            result.merged = folder
+    except BaseException as e:
+        for folder in reversed(made):
+            shutil.rmtree(folder, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise RuntimeError(f"export to {out} failed: {ckpt.failure_reason(e)} ({e.filename or out}); nothing "
+                               "was left there. Free space or choose another --output") from None
+        raise
     if push_to_hub is not None:
         from huggingface_hub import HfApi
 

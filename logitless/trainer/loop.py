@@ -51,6 +51,7 @@ from logitless.trainer.distributed.parallel import (
 from logitless.trainer.dynamic import sample_step
 from logitless.trainer.episodes import conversation_texts
 from logitless.trainer.evaluate import eval_due, eval_in_run
+from logitless.trainer.report.health import RunHealth
 from logitless.trainer.memory import oom
 from logitless.trainer.memory.auto import resolve_run, save_resolved
 from logitless.trainer.policy.modeling import attention_backends
@@ -225,7 +226,7 @@ def train(
     (`rundir`). From here on Ctrl-C and SIGTERM say what they do (`signals`); a second one raises
     `signals.StopNow` (a KeyboardInterrupt).
     """
-    preflight(cfg, model_given=model is not None)
+    preflight(cfg, model_given=model is not None, tokenizer=tokenizer)
     check_world(cfg, launched_world())
     device = cfg.model.device if model is None else str(next(model.parameters()).device)
     stop = StopSignals(quiet=not launched_world().main)
@@ -250,17 +251,19 @@ class StepReports:
     reward_errors: RewardErrorReport
     reward_none: RewardNoneReport
     mismatch: MismatchReport
+    health: RunHealth  # warnings of a run that trains on nothing
 
     @classmethod
     def of(cls, ctx: TrainContext) -> StepReports:
         say, cfg = ctx.logger.print, ctx.cfg  # (the decided settings)
         return cls(RewardErrorReport(say, cfg.reward.error_penalty), RewardNoneReport(say),
-                   MismatchReport(say, cfg.logging.mismatch_warning, mismatch_causes(cfg)))
+                   MismatchReport(say, cfg.logging.mismatch_warning, mismatch_causes(cfg)), RunHealth(cfg, say))
 
-    def scored(self, step: int, ro: Rollout, sc: Any) -> None:
+    def scored(self, step: int, ro: Rollout, sc: Any) -> dict[str, Any]:
+        """The warnings of the step's scores; returns what goes into its record."""
         self.reward_errors(step, sc.names, sc.num_errors, sc.error_texts, len(sc.total))
-        self.reward_none(step, sc.names, sc.num_none, len(sc.total), sorted(ro.sample_rows[0].fields) if ro.sample_rows
-                         else [])
+        return self.reward_none(step, sc.names, sc.num_none, len(sc.total),
+                                sorted(ro.sample_rows[0].fields) if ro.sample_rows else [])
 
 
 def _train(
@@ -323,7 +326,7 @@ def _step(ctx: TrainContext, step: int, stop: StopSignals, result: TrainResult, 
     ctx.memory.retries = 0
     ro, scored, sc, sampled = oom.retry_on_oom(ctx, step, "generate", lambda: _sample(ctx, step, timer, hook),
                                                reset=lambda: rewind_step(ctx, rewind))
-    reports.scored(step, ro, sc)
+    warned = reports.scored(step, ro, sc)
     hook("after_rollout", step)
     dropped = agree(stop.commit_step(), ctx.device)  # a signal to any rank before the update began
     if dropped:  # nothing trained yet: every rank drops this step
@@ -338,6 +341,7 @@ def _step(ctx: TrainContext, step: int, stop: StopSignals, result: TrainResult, 
         with timer("eval"):
             record.update(eval_in_run(ctx, rollout_state(ctx)))
         record["time/eval"] = timer.seconds["eval"]
+    record.update({**warned, **reports.health(step, record)})
     log_step(ctx, result, step, record, ro, scored)
     reports.mismatch(step, record)
     if ctx.run is not None:

@@ -33,9 +33,15 @@ from logitless.trainer.episodes import ENVIRONMENT_REWARD, environment_weight
 from logitless.trainer.distributed.fsdp_offload import check_fsdp_offload
 from logitless.trainer.distributed.parallel import World, check_distributed, launched_world
 from logitless.trainer.placement import check_placement
-from logitless.trainer.report.tracking import check_report_to
+from logitless.trainer.report.tracking import check_report_to, check_tracker_credentials
 from logitless.trainer.checks.model import check_model, model_config, read_model_config
-from logitless.trainer.policy.modeling import LIGER_INSTALL_HINT, QLORA_INSTALL_HINT, require_cuda_package, resolve_device
+from logitless.trainer.policy.modeling import (
+    LIGER_INSTALL_HINT,
+    QLORA_INSTALL_HINT,
+    load_tokenizer,
+    require_cuda_package,
+    resolve_device,
+)
 from logitless.trainer.checks.sources import check_sources, model_cached
 
 # Model keys that change the weights a checkpoint holds (or what they mean): they must match on resume / eval.
@@ -67,10 +73,11 @@ def validate_config(cfg: TrainerConfig, *, training: bool = True) -> None:
     check_cuda_settings(cfg, training=training)
 
 
-def preflight(cfg: TrainerConfig, *, training: bool = True, model_given: bool = False) -> list[str]:
+def preflight(cfg: TrainerConfig, *, training: bool = True, model_given: bool = False, tokenizer: Any = None) -> list[str]:
     """Every check of `cfg` made before the model loads (`--dry-run` makes these and stops), cheapest first:
     `validate_config`, the model and dataset sources (cached or reachable), the model's config (positions, attention
-    implementation, LoRA targets; skipped for a model passed in, `model_given`), then the split's first rows against
+    implementation, LoRA targets; skipped for a model passed in, `model_given`), the agent's tools, environment and
+    chat template (with `tokenizer`, else the model's, loaded without weights), then the split's first rows against
     the fields the rewards read. Raises naming the config key and the fix; returns one line per check."""
     validate_config(cfg, training=training)
     lines = ["every config key and value, sampling options, rollout backend, devices, task options, reward functions"]
@@ -82,10 +89,49 @@ def preflight(cfg: TrainerConfig, *, training: bool = True, model_given: bool = 
         config = read_model_config(cfg.model, cached=model_cached(cfg.model))
         attn = model_config(cfg).attn_implementation if training else cfg.model.attn_implementation
         lines += check_model(cfg, config, training=training, attn=attn)
+    if check_reward_models(cfg):
+        lines.append("reward models and judges: devices, config (the kind of model) and tokenizer")
+    if cfg.agent.enabled:
+        from logitless.agents import Agent
+
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
+        Agent(tokenizer, cfg.agent)
+        lines.append("agent: every tool and the environment import and check, and the chat template renders them")
     split = cfg.data.split if training else (cfg.eval.split or cfg.data.eval_split)
     rows = load_rows(cfg.data, split, eval=not training, limit=FIRST_ROWS)
+    if any(isinstance(r.prompt, list) and r.prompt and isinstance(r.prompt[0], dict) for r in rows) and not (
+            cfg.agent.enabled and cfg.agent.chat_template):
+        check_chat_template(tokenizer if tokenizer is not None else load_tokenizer(cfg.model), cfg, split)
+        lines.append("chat prompts: the tokenizer has a chat template")
     lines.append(check_reward_fields(cfg, cfg.reward.reward_funcs, reward_functions(cfg.reward), rows, split))
     return lines
+
+
+def check_chat_template(tokenizer: Any, cfg: TrainerConfig, split: str) -> None:
+    """Chat-message prompts (the data's first rows) need the tokenizer's chat template: refuse a tokenizer without
+    one, naming the data option that makes the prompts raw text."""
+    if getattr(tokenizer, "chat_template", None):
+        return
+    model = cfg.model.name_or_path or "the demo model"
+    raise ValueError(f"data.task={cfg.data.task!r} split {split!r} gives chat-message prompts, but the tokenizer of "
+                     f"model.name_or_path={model!r} has no chat template (a base model?): set data.options.chat=false "
+                     "to train on "
+                     "the prompts as plain text, or use a model whose tokenizer has a chat template (an instruct "
+                     "model)")
+
+
+def check_reward_models(cfg: TrainerConfig) -> int:
+    """The `model:` and `judge:` rewards' `device` options are devices here, and their config and tokenizer (read
+    without weights) fit what they are used as (`_ModelReward.check`); returns how many were checked."""
+    from logitless.rewards.models import RewardModel, Judge
+
+    fns = [(spec, fn) for spec, fn in zip(cfg.reward.reward_funcs, reward_functions(cfg.reward))
+           if isinstance(fn, (RewardModel, Judge))]
+    for spec, fn in fns:
+        if fn.device_name is not None:
+            check_device(fn.device_name, f"reward.reward_options[{spec!r}].device")
+        fn.check()
+    return len(fns)
 
 
 def check_cuda_settings(cfg: TrainerConfig, *, training: bool = True) -> None:
@@ -156,6 +202,7 @@ def _check_training(cfg: TrainerConfig) -> None:
             "samples its own share) do not support yet; set train.dynamic_sampling=false, or run one process with "
             "train.async_rollout=false")
     check_report_to(cfg.logging.report_to, cfg.logging.tensorboard)
+    check_tracker_credentials(cfg.logging.report_to, cfg.logging.tensorboard, cfg.logging.tracker_options)
 
 
     if cfg.train.async_rollout and cfg.train.offload_during_rollout is True:
@@ -175,7 +222,7 @@ def _check_training(cfg: TrainerConfig) -> None:
 def check_agent(cfg: TrainerConfig) -> None:
     """Refuse settings that cannot run multi-turn episodes (agent.tools / agent.environment), naming both keys and
     the fix. What needs the tokenizer or imports user code (tools, the environment, the chat template) is checked
-    when the run builds its `Agent`."""
+    by `preflight`, which builds the run's `Agent` before the weights load."""
     agent = cfg.agent
     if not agent.enabled:
         return

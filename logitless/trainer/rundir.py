@@ -6,7 +6,10 @@
   over; a live owner is named in the error;
 - refuses a new run into a folder that already holds a run, unless `--resume` (continue it) or `--overwrite`
   (replace it); nothing of an old run is deleted without `--overwrite`, and a folder holding files that no run
-  writes is never cleared;
+  writes is never cleared. A run that saved no checkpoint (it failed early: nothing to resume) is taken over by a
+  new run as if `--overwrite` were given, with a warning;
+- a new run that ends before finishing its first step removes what it wrote (its config, an empty metrics.jsonl),
+  so a failure before step 1 leaves no debris;
 - `--overwrite` moves the old run aside into `<run>/.replaced-<time>/` and deletes it only once the new run has
   finished its first step (`RunDir.first_step_done`). A new run that ends before that (an error, a stop signal)
   puts the old run back (`RunDir.release`, with a warning); one that was killed leaves it for the next claim of
@@ -76,6 +79,8 @@ class RunDir:
     replaced: Path | None = None  # --overwrite: the old run, set aside until the new one finishes a step
     config_file: Path | None = None  # where the run's config is written when it starts (None: it is unchanged)
     config_note: str | None = None  # what changed (--allow-config-change), said when the run starts
+    new_run: bool = False  # a run started anew (not --resume): what it wrote goes if it ends before its first step
+    stepped: bool = False  # the run finished a step
 
     def save_config(self, cfg: TrainerConfig) -> None:
         """Write the run's config into `config_file` (atomically), and say what changed."""
@@ -84,45 +89,66 @@ class RunDir:
 
     def first_step_done(self) -> None:
         """The new run finished a step: the old run it replaces (--overwrite) is deleted."""
+        self.stepped = True
         if self.replaced is not None:
             doomed = self.path / (DISCARDED + self.replaced.name[len(REPLACED):])
             os.rename(self.replaced, doomed)  # first out of the way, so a crash here never puts it back
             self.replaced = None
             shutil.rmtree(doomed, ignore_errors=True)
 
-    def check_alive(self) -> None:
-        """Raise RunDirError naming the folder when it was removed, moved, replaced or made unwritable since the
-        claim (nothing this run writes could be kept there)."""
+    def _lost(self) -> str | None:
+        """How the claimed folder was lost since the claim (removed, replaced, unwritable), or None."""
         if self._fd is None:
-            return
+            return None
         held = os.fstat(self._fd)
         try:
             now = os.stat(self.path / LOCK_FILE)
         except OSError:
             now = None
         if held.st_nlink == 0 or now is None:
-            why = "was removed (or moved away)"
-        elif (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
-            why = "was replaced by another folder"
-        elif not os.access(self.path, os.W_OK | os.X_OK):
-            why = "is no longer writable"
-        else:
+            return "was removed (or moved away)"
+        if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            return "was replaced by another folder"
+        if not os.access(self.path, os.W_OK | os.X_OK):
+            return "is no longer writable"
+        return None
+
+    def check_alive(self) -> None:
+        """Raise RunDirError naming the folder when it was removed, moved, replaced or made unwritable since the
+        claim (nothing this run writes could be kept there)."""
+        why = self._lost()
+        if why is None:
             return
+        if why == "is no longer writable":
+            name = newest_checkpoint_name(self.path)
+            then = (f"make it writable again (chmod u+w {self.path}) and continue from its checkpoint {name} with: "
+                    f"logitless train --resume {self.path}" if name is not None else
+                    "make it writable again and start again with the same command (no checkpoint was saved)")
+        else:
+            then = "if you moved it, continue it from its new place with --resume <folder>; otherwise start again"
         raise RunDirError(
             f"the run folder {self.path} (train.output_dir) {why} while the run was training; stopping now, since "
-            "its metrics and checkpoints can no longer be written there. If you moved it, continue it from its new "
-            "place with --resume <folder>; otherwise start the run again"
+            f"its metrics and checkpoints can no longer be written there. To go on, {then}"
         )
 
     def release(self) -> None:
-        """Put back an old run that --overwrite set aside if the new run never finished a step (with a warning),
-        then give up the lock (the lock file stays: unlinking it would let two later runs lock different files)."""
+        """Put back an old run that --overwrite set aside if the new run never finished a step (with a warning), or
+        remove what a new run that never finished a step wrote into its folder (its config, an empty metrics.jsonl,
+        a tracker's folder: no debris that a rerun would take for a run); then give up the lock (the lock file
+        stays: unlinking it would let two later runs lock different files)."""
         try:
             if self.replaced is not None and self.replaced.is_dir():
                 replaced, self.replaced = self.replaced, None
                 _put_back(self.path, replaced)
                 warnings.warn(f"--overwrite: the new run ended before finishing its first step, so the run it was "
                               f"to replace is back in {self.path}, as it was", stacklevel=2)
+            elif self.new_run and not self.stepped and self._lost() is None:  # (never in a folder not ours)
+                for e in list(self.path.iterdir()):
+                    if is_run_file(e.name) and e.name != LOCK_FILE:
+                        try:
+                            shutil.rmtree(e) if e.is_dir() and not e.is_symlink() else e.unlink()
+                        except OSError:  # best effort: the error that ended the run is the one to report
+                            pass
         finally:
             if self._fd is not None:
                 fd, self._fd = self._fd, None
@@ -210,25 +236,26 @@ def _recover(path: Path) -> None:
             p.unlink()
 
 
-def restart_advice(path: str | Path | None) -> str:
-    """What to run after a run in folder `path` stopped: --resume when it has a checkpoint, else how to start
-    again (no --resume that would fail)."""
-    if path is None:
-        return "nothing was written"
-    path = Path(path)
+def newest_checkpoint_name(path: Path) -> str | None:
+    """The name of the checkpoint run folder `path` would resume from (its `latest`, else its newest step folder;
+    intact or not), or None when it holds none."""
     root = path / "checkpoints"
     try:
         latest = ckpt.read_latest(root)
     except ckpt.CheckpointError:  # a damaged pointer: resume falls back to an intact step folder, if any
         latest = None
     steps = sorted(p.name for p in root.glob(ckpt.STEP_PREFIX + "*") if p.is_dir()) if root.is_dir() else []
-    if latest is not None or steps:
-        name = latest.name if latest is not None else steps[-1]
+    return latest.name if latest is not None else (steps[-1] if steps else None)
+
+
+def restart_advice(path: str | Path | None) -> str:
+    """What to run after a run in folder `path` stopped: --resume when it has a checkpoint, else how to start
+    again (no --resume that would fail; a folder without a checkpoint is taken over by the same command)."""
+    if path is None:
+        return "nothing was written"
+    name = newest_checkpoint_name(Path(path))
+    if name is not None:
         return f"the run keeps its checkpoint {name}; continue it with: logitless train --resume {path}"
-    written = path.is_dir() and any(is_run_file(e.name) and e.name != LOCK_FILE for e in path.iterdir())
-    if written:
-        return (f"no checkpoint was saved, so there is nothing to resume: start again with --overwrite (it replaces "
-                f"what {path} holds now), or set train.output_dir to a new folder")
     return "no checkpoint was saved, so there is nothing to resume: start again with the same command"
 
 
@@ -339,7 +366,11 @@ def _check_fresh(path: Path, overwrite: bool) -> Path | None:
             f"train.output_dir={str(path)!r} holds files that no logitless run writes ({', '.join(foreign[:5])}); "
             "nothing was changed. Set train.output_dir=<a new or empty folder>"
         )
-    if not overwrite:
+    if not overwrite and newest_checkpoint_name(path) is None:  # nothing to resume: a run that ended early
+        warnings.warn(f"train.output_dir={str(path)!r} holds a run that saved no checkpoint "
+                      f"({_describe(path, entries)}); starting anew there: its files are replaced once this run "
+                      "finishes its first step (and put back if it does not)", stacklevel=3)
+    elif not overwrite:
         raise RunDirError(
             f"train.output_dir={str(path)!r} already holds a run ({_describe(path, entries)}); nothing was changed. "
             f"Continue it with --resume {path}, replace it with --overwrite, or set train.output_dir=<a new folder>"
@@ -414,9 +445,15 @@ def claim_run_dir(cfg: TrainerConfig, *, resume: str | Path | None = None, overw
         if resume is None:
             run.replaced = _check_fresh(path, overwrite)
             run.config_file = path / ckpt.RUN_CONFIG
+            run.new_run = True
         else:
             ckpt.clean_temporaries(path / "checkpoints")
             given = Path(resume)
+            if not given.name.startswith(ckpt.STEP_PREFIX) and newest_checkpoint_name(path) is None:
+                raise ckpt.CheckpointError(
+                    f"--resume {str(resume)!r}: the run in {path} saved no checkpoint, so there is nothing to resume; "
+                    f"start it anew with the same command without --resume (a run folder with no checkpoint is "
+                    "taken over)")
             run.resume_from = ckpt.resolve_checkpoint(given if given.name.startswith(ckpt.STEP_PREFIX) else path)
             check_metrics_file(path / METRICS_FILE)  # a damaged record, found before the model loads
             _plan_config(run, ckpt.checkpoint_step(run.resume_from), allow_config_change)

@@ -130,8 +130,7 @@ class StopSignals:
                     f"a checkpoint of step {step - 1} is saved. {resume}")
         else:
             what = ("stopping. Step 1 has not begun its update, so it is dropped: nothing was trained, no checkpoint "
-                    "is saved and there is nothing to resume; start again with --overwrite, or set "
-                    "train.output_dir to a new folder.")
+                    "is saved and there is nothing to resume; start again with the same command.")
         return f"{name}: {what} {name} again stops at once, without saving."
 
     def _force_exit(self, signum: int) -> None:

@@ -98,6 +98,7 @@ class UpdateResult:
     losses: list[float] = field(default_factory=list)  # one per optimizer step
     grad_norms: list[float] = field(default_factory=list)
     metrics: list[dict[str, Stat]] = field(default_factory=list)  # objective metrics per optimizer step
+    nonfinite: int = 0  # optimizer steps skipped because the loss or the gradient norm was nan or infinite
 
 
 def _entropy_terms(ctx: TrainContext) -> tuple[bool, bool]:
@@ -326,18 +327,24 @@ def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i:
     return out.loss.detach(), out.metrics
 
 
-def optimizer_step(ctx: TrainContext) -> float:
-    """Clip, step, schedule, zero; returns the gradient norm before clipping."""
+def optimizer_step(ctx: TrainContext, loss: float) -> tuple[float, bool]:
+    """Clip, step, schedule, zero; returns the gradient norm before clipping and whether the weights were updated.
+
+    A non-finite `loss` (the step's, all ranks) or gradient norm (over all ranks, so every rank decides alike) skips
+    the AdamW step and the schedule's: the weights, the optimizer's moments and the learning rate stay as they were
+    (finite), and the gradients are dropped, as a mixed-precision loss scaler skips an overflowing step."""
     for p in ctx.params:  # a step without trained rows still is an AdamW step with zero gradients
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     max_norm = ctx.cfg.optim.max_grad_norm if ctx.cfg.optim.max_grad_norm is not None else math.inf
     norm = clip_grad_norm(ctx.params, max_norm)  # plain or FSDP2 DTensor gradients
-    clip_offloaded_grads(ctx.optimizer, norm, max_norm)
-    ctx.optimizer.step()
-    ctx.scheduler.step()
+    finite = math.isfinite(norm) and math.isfinite(loss)
+    if finite:
+        clip_offloaded_grads(ctx.optimizer, norm, max_norm)
+        ctx.optimizer.step()
+        ctx.scheduler.step()
     ctx.optimizer.zero_grad(set_to_none=True)
-    return norm
+    return norm, finite
 
 
 def update_stage(ctx: TrainContext, plan: UpdatePlan | list[UpdatePlan], oldref: OldRef | list[OldRef]) -> UpdateResult:
@@ -357,8 +364,10 @@ def update_stage(ctx: TrainContext, plan: UpdatePlan | list[UpdatePlan], oldref:
                 loss, metrics = micro_batch_backward(ctx, plan, oldref, i, first=first)
                 step_loss += loss
                 parts += [metrics] if i < len(plan.micro) - plan.padding else []
-        res.grad_norms.append(optimizer_step(ctx))
         res.losses.append(all_reduce_sum(float(step_loss), ctx.device))
+        norm, applied = optimizer_step(ctx, res.losses[-1])
+        res.grad_norms.append(norm)
+        res.nonfinite += not applied
         merged = all_reduce_metrics(merge_metrics(parts), ctx.device)
         res.metrics.append(merged)
         if ctx.cfg.objective.use_adaptive_entropy:
@@ -366,16 +375,18 @@ def update_stage(ctx: TrainContext, plan: UpdatePlan | list[UpdatePlan], oldref:
     return res
 
 
-def reward_metrics(rewards: torch.Tensor, total: torch.Tensor, names: list[str], acc_col: int) -> dict[str, float]:
+def reward_metrics(rewards: torch.Tensor, total: torch.Tensor, names: list[str], acc_col: int | None) -> dict[str, float]:
     """Mean/std of each reward function [B, R] and of the weighted total [B]; accuracy = share of samples whose
-    accuracy reward is 1 (samples it could not score count as wrong)."""
+    accuracy reward is 1 (samples it could not score count as wrong), left out without an accuracy reward
+    (`acc_col` None: builders.training_accuracy_index)."""
     out: dict[str, float] = {"reward/mean": float(total.mean()), "reward/std": float(total.std(unbiased=False))}
     for k, name in enumerate(names):
         col = rewards[:, k]
         ok = col[~torch.isnan(col)]
         out[f"reward/{name}/mean"] = float(ok.mean()) if ok.numel() else math.nan
         out[f"reward/{name}/std"] = float(ok.std(unbiased=False)) if ok.numel() else math.nan
-    out["accuracy"] = float((rewards[:, acc_col] == 1.0).float().mean())
+    if acc_col is not None:
+        out["accuracy"] = float((rewards[:, acc_col] == 1.0).float().mean())
     return out
 
 
@@ -442,6 +453,7 @@ def step_record(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan
     record.update({
         "loss": sum(upd.losses) / len(upd.losses) if upd.losses else math.nan,
         "grad_norm": sum(upd.grad_norms) / len(upd.grad_norms) if upd.grad_norms else math.nan,
+        "train/nonfinite_skipped": float(upd.nonfinite),  # optimizer steps skipped (non-finite loss or gradients)
         "learning_rate": ctx.optimizer.param_groups[0]["lr"],
         "entropy_coef": ctx.entropy_coef.effective,
         **episode_metrics(b, dev),  # multi-turn episodes only

@@ -12,6 +12,7 @@ option to its key.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -40,9 +41,10 @@ __all__ = [
 
 
 def _positive(section: str, **values: float) -> None:
+    """Refuse a value that is not a finite number > 0 (None: unset, accepted), naming `section`.name."""
     for name, v in values.items():
-        if v is not None and v <= 0:
-            raise ValueError(f"{section}.{name} must be > 0, got {v!r}")
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise ValueError(f"{section}.{name} must be > 0, got {v!r}" + ("" if math.isfinite(v) else "; give a finite number"))
 
 
 @dataclass
@@ -323,7 +325,7 @@ class OptimConfig:
                     f"optim.{name} must be in [0, 1) (AdamW's decay rate of its {'first' if name[-1] == '1' else 'second'}"
                     f" moment; 1 would never update it), got {beta!r}; typical: adam_beta1=0.9, adam_beta2=0.99 to 0.999"
                 )
-        if self.weight_decay < 0:
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise ValueError(f"optim.weight_decay must be >= 0 (AdamW shrinks the weights by lr * weight_decay each "
                              f"step; a negative value grows them), got {self.weight_decay!r}; 0 turns it off")
         if self.warmup_steps < 0 or not 0.0 <= self.warmup_ratio < 1.0:

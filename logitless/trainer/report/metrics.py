@@ -176,8 +176,10 @@ class MetricsLogger:
         resume_step: int = 0,
         console: Console | None = None,
         trackers: list[Any] | None = None,
+        write_error: Callable[[OSError], str] = str,  # what a failed write of a record says (and what to do)
     ):
         self.run_dir = Path(run_dir)
+        self.write_error = write_error
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
         kept = []
@@ -209,8 +211,11 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        except OSError as e:  # a full disk, a folder made read-only: one line naming the file and what to do
+            raise RuntimeError(f"could not write step {step}'s record to {self.path}: {self.write_error(e)}") from None
         if self.trackers:
             from logitless.trainer.report.tracking import scalars
 
@@ -268,18 +273,22 @@ class RewardNoneReport:
         self._warned: set[str] = set()
 
     def __call__(self, step: int, names: Sequence[str], num_none: Sequence[int], num_samples: int,
-                 row_fields: Sequence[str]) -> None:
+                 row_fields: Sequence[str]) -> dict[str, str]:
+        """Emit the warnings due; returns them as `warning/reward_none/<name>` entries of the step's record."""
         every = num_samples > 0 and all(n == num_samples for n in num_none)
+        out = {}
         for name, n in zip(names, num_none):
             if num_samples == 0 or n < num_samples or name in self._warned:
                 continue
             self._warned.add(name)
             effect = ("every reward function did, so every advantage is 0 and this step trained nothing" if every else
                       "the other reward functions alone decide these samples' advantages")
-            self.emit(
-                f"[yellow]warning:[/] step {step}: reward function '{escape(name)}' returned None for all "
-                f"{num_samples} samples. None means 'not applicable to this sample' and adds nothing; {effect}. "
-                f"Check the row fields it reads (these rows have: {escape(', '.join(row_fields)) or 'none'}; "
-                "numeric_answer and math_verify give None where the row's answer is None or unparseable) and that it "
-                "returns a number for the samples it can judge. Shown once per reward function."
+            text = (
+                f"reward function '{name}' returned None for all {num_samples} samples. None means 'not applicable "
+                f"to this sample' and adds nothing; {effect}. Check the row fields it reads (these rows have: "
+                f"{', '.join(row_fields) or 'none'}; numeric_answer and math_verify give None where the row's answer "
+                "is None or unparseable) and that it returns a number for the samples it can judge"
             )
+            self.emit(f"[yellow]warning:[/] step {step}: {escape(text)}. Shown once per reward function.")
+            out[f"warning/reward_none/{name}"] = text
+        return out

@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -87,6 +88,39 @@ def check_report_to(report_to: list[str] | None, tensorboard: bool | None) -> No
                              f"pip install 'logitless[{name}]' (or drop it from logging.report_to)")
 
 
+def wandb_credentials(options: dict[str, Any]) -> str | None:
+    """Why wandb.init would fail for want of credentials, or None: it runs offline or disabled (WANDB_MODE,
+    WANDB_DISABLED, or logging.tracker_options.wandb.mode), or an API key is set (WANDB_API_KEY, or `wandb login`'s
+    entry in ~/.netrc for the W&B host)."""
+    import netrc
+    from urllib.parse import urlparse
+
+    mode = str(options.get("mode") or os.environ.get("WANDB_MODE") or "").lower()
+    if mode in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_DISABLED", "").lower() in ("true", "1"):
+        return None
+    if os.environ.get("WANDB_API_KEY"):
+        return None
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    try:
+        if netrc.netrc().authenticators(host):
+            return None
+    except (OSError, netrc.NetrcParseError):
+        pass
+    return f"no W&B API key is set (WANDB_API_KEY, or an entry for {host} in ~/.netrc from `wandb login`)"
+
+
+def check_tracker_credentials(report_to: list[str] | None, tensorboard: bool | None,
+                              options: dict[str, dict[str, Any]]) -> None:
+    """Refuse, before the model loads, a tracker that would fail when the run opens it: wandb without an API key
+    and not offline. Names the key and the fixes."""
+    names, _ = resolve_report_to(report_to, tensorboard)
+    if "wandb" in names and installed("wandb") and (why := wandb_credentials(options.get("wandb", {}))) is not None:
+        raise ValueError(f"logging.report_to includes wandb, but {why}, so wandb.init would fail once the model has "
+                         "loaded. Run `wandb login` (or set WANDB_API_KEY), log offline with WANDB_MODE=offline (or "
+                         "logging.tracker_options={wandb: {mode: offline}}; `wandb sync` uploads it later), or drop "
+                         "wandb from logging.report_to")
+
+
 def scalars(record: dict[str, Any]) -> dict[str, float]:
     """The numbers of a metrics record that trackers log: ints and floats (not bools), finite, without `step`."""
     return {k: float(v) if isinstance(v, float) else v for k, v in record.items()
@@ -137,7 +171,11 @@ class WandbTracker:
         if resume_step and saved.get("id"):
             kwargs.update(id=saved["id"], resume="allow")
         kwargs.update(options)
-        self.run = wandb.init(**kwargs)
+        try:
+            self.run = wandb.init(**kwargs)
+        except Exception as e:  # noqa: BLE001 (wandb's errors have no common base class): one line, not its traceback
+            raise RuntimeError(f"logging.report_to=wandb: wandb.init failed ({type(e).__name__}: {e}); fix that, "
+                               "log offline with WANDB_MODE=offline, or drop wandb from logging.report_to") from None
         _save_state(run_dir, "wandb", {"id": self.run.id, "project": self.run.project})
 
     def log(self, step: int, scalars: dict[str, float]) -> None:

@@ -7,6 +7,8 @@ text has one encoding, so it tests the bridge's logic; the real Qwen2.5 tokenize
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 from typing import Any
 
@@ -322,6 +324,30 @@ class HangingStep(CountDown):
     def step(self, text):
         HANG.wait(60)
         return None, None, True
+
+
+class SpinningStep(CountDown):
+    """A step() in a busy loop (until HANG): Python cannot stop its thread."""
+
+    def step(self, text):
+        while not HANG.is_set():
+            pass
+        return None, None, True
+
+
+class HangingReset(CountDown):
+    def reset(self, row):
+        HANG.wait(60)
+        return "late"
+
+
+class SignalledReset(CountDown):
+    """Sends this process SIGTERM from reset(), then hangs in it: a stop while the rollout waits on reset."""
+
+    def reset(self, row):
+        os.kill(os.getpid(), signal.SIGTERM)
+        HANG.wait(60)
+        return "late"
 
 
 class Quiet(CountDown):

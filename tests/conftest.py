@@ -93,6 +93,23 @@ logging.setLogRecordFactory(_record_with_exceptions_as_text)
 
 
 @pytest.fixture(autouse=True)
+def release_hung_agent_calls():
+    """After each test: the agent calls a test left hanging on `agent_fixtures.HANG` (abandoned at their timeout)
+    are released and have ended, so that no later test finds them stuck (`agents.runner.check_abandoned`)."""
+    yield
+    runner, fixtures = sys.modules.get("logitless.agents.runner"), sys.modules.get("tests.agent_fixtures")
+    if runner is None or fixtures is None:
+        return
+    fixtures.HANG.set()
+    try:
+        for stuck in list(runner._abandoned):
+            stuck.thread.join(timeout=10)
+        runner.check_abandoned()  # forgets the ended ones; raises for one that ignores HANG
+    finally:
+        fixtures.HANG.clear()
+
+
+@pytest.fixture(autouse=True)
 def fresh_gpu_state(request):
     """Before each GPU test: the process's CUDA and compile state as a fresh process would have it. Earlier tests'
     garbage (a compiled model keeps itself in a reference cycle), dynamo's code caches (one code object of

@@ -3,6 +3,7 @@ rewards, and environments that break the protocol, raise or hang."""
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -83,3 +84,14 @@ def test_max_turns_truncates_an_environment_that_goes_on():
     assert run_turns(driver, tok, ["4<|im_end|>"]) == [None]
     rec = driver.finish()[0]
     assert rec.truncated and rec.reward == 2.5 and rec.turns == 2
+
+
+def test_a_hung_reset_ends_the_run_at_the_tool_timeout():
+    """reset() has the bound of every other environment call (it hung the run at step 1)."""
+    rows = [PromptRow([{"role": "user", "content": "x"}])]
+    agent = make_agent(chatml_tokenizer(), environment="tests.agent_fixtures:HangingReset", tool_timeout_s=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"resetting HangingReset for prompt 0 did not return within "
+                                           r"agent.tool_timeout_s=0.3 s; make reset\(\) return sooner"):
+        agent.driver(rows, 2)
+    assert 0.3 <= time.monotonic() - t0 < 3.0

@@ -319,6 +319,47 @@ def test_a_hung_task_is_abandoned_at_its_timeout_and_frees_its_slot():
     never.set()
 
 
+def test_a_task_still_running_at_twice_its_timeout_fails_the_run_naming_it():
+    """Python cannot stop a thread: an abandoned task gets its timeout once more to end, then the run fails naming
+    it and where it runs, rather than let busy threads pile up from step to step (the rollout slowed 9 -> 28 -> 82 s)."""
+    from logitless.agents.runner import TaskStuck, _abandoned
+
+    release = threading.Event()
+
+    def spin() -> None:
+        while not release.is_set():
+            pass
+
+    t0 = time.monotonic()
+    try:
+        out = run_tasks([spin], [0.2], 1, ["the tool 'spin'"])  # abandoned, as before
+        assert out[0].timed_out
+        with pytest.raises(TaskStuck) as e:  # a later call's wait finds it still running at 0.4 s
+            run_tasks([lambda: release.wait(5)], [5.0], 1, ["the tool 'wait'"])
+        elapsed = time.monotonic() - t0
+    finally:
+        release.set()
+    msg = str(e.value)
+    assert msg.startswith("the tool 'spin' did not return within 0.2 s (agent.tool_timeout_s) and was still running "
+                          "0.2 s after it was abandoned") and "raise agent.tool_timeout_s" in msg
+    assert "in spin\n" in msg  # its stack
+    assert 0.4 <= elapsed < 3.0
+    for a in list(_abandoned):
+        a.thread.join(timeout=5)
+    assert run_tasks([lambda: 1], [1.0], 1)[0].value == 1  # the ended thread is forgotten
+
+
+def test_an_abandoned_task_that_ends_within_its_grace_is_forgotten():
+    from logitless.agents.runner import _abandoned
+
+    release = threading.Event()
+    out = run_tasks([lambda: release.wait(5)], [0.2], 1, ["the tool 'late'"])
+    assert out[0].timed_out and len(_abandoned) == 1
+    release.set()
+    _abandoned[0].thread.join(timeout=5)
+    assert run_tasks([lambda: 2], [1.0], 1)[0].value == 2 and not _abandoned
+
+
 def test_a_task_that_exits_does_not_end_the_process():
     import sys
 

@@ -5,6 +5,8 @@ uninterrupted one; a step that finds too few keeps what it has and logs the shor
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.config.schema import load_train_config
 from logitless.trainer.loop import train
 from logitless.trainer.preflight import validate_config
-from tests.conftest import TINY_LORA_QUIET, reward_module, tiny_qwen2
+from tests.conftest import TINY_LORA_QUIET, reward_module, sigint_handler, tiny_qwen2
 from tests.test_trainer import tok  # noqa: F401 (fixture: GPT-2, left padding, pad = EOS)
 
 VOCAB = 50_257
@@ -111,3 +113,31 @@ def test_shortfall_is_logged_and_the_step_keeps_its_first_rollout(tmp_path, tok,
 def test_bad_settings_are_refused(tmp_path, overrides, match):
     with pytest.raises(ValueError, match=match):
         validate_config(_cfg(tmp_path / "run", *overrides))
+
+
+def test_rounds_without_signal_warn_and_a_ctrl_c_between_rounds_stops(tmp_path, tok, rewards_module, one_thread,
+                                                                      monkeypatch, capfd):
+    """Equal rewards and a huge dynamic_sampling_max_rounds: a warning after WARN_ROUNDS rounds names the cause and
+    the setting, and a Ctrl-C between rounds drops the step and stops the run (it used to sample on in silence)."""
+    from logitless.trainer import dynamic
+
+    rounds, real = [], dynamic.rollout_stage
+
+    def rollout_then_ctrl_c(ctx, step, round=0):  # the round's rollout, then Ctrl-C after the 10th
+        out = real(ctx, step, round=round)
+        rounds.append(round)
+        if len(rounds) == 10:
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(dynamic, "rollout_stage", rollout_then_ctrl_c)
+    cfg = _cfg(tmp_path / "run", "reward.reward_funcs=[dyn_rewards:constant]", "train.dynamic_sampling_max_rounds=1000000")
+    with sigint_handler(signal.default_int_handler):
+        result = _run(cfg, tok)
+    assert result.interrupted == signal.SIGINT and result.exit_code == 130 and result.step == 0
+    assert rounds == list(range(10))  # none after the signal
+    out = capfd.readouterr()
+    text = " ".join((out.out + out.err).split())
+    assert (f"warning: step 1: {dynamic.WARN_ROUNDS} rounds of dynamic sampling found no prompt whose samples got "
+            "different rewards (no gradient signal); it goes on for up to train.dynamic_sampling_max_rounds=1000000") in text
+    assert "Ctrl-C: stopping. Step 1 has not begun its update, so it is dropped" in text

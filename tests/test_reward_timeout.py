@@ -71,6 +71,42 @@ def test_a_hung_call_is_stopped_and_named_with_the_setting(how):
     assert fn.ended == 1  # stopped, its finally block ran: nothing is left running
 
 
+SWALLOWS_EVERYTHING = """
+import time
+from logitless.rewards import score_completions
+
+def hang(prompts, completions, **fields):
+    while True:  # a retry loop that swallows every exception, the stop's too
+        try:
+            time.sleep(600)
+        except BaseException:
+            pass
+
+score_completions([hang], None, ["1 + 1 ="], ["2"], [{}], on_error="penalty", timeout_s=0.3)
+print("returned")
+"""
+
+
+def test_a_call_that_swallows_the_stop_ends_the_process_naming_it():
+    """Python cannot stop a thread: a reward that catches BaseException and never returns ends the process (exit 1,
+    its stack printed) GIVE_UP_S seconds after its deadline, even under on_error=penalty; it used to hang."""
+    import subprocess
+    import sys
+
+    from logitless.rewards.deadline import GIVE_UP_S
+    from tests.conftest import subprocess_env
+
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", SWALLOWS_EVERYTHING], env=subprocess_env(OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=120)
+    seconds = time.monotonic() - t0
+    assert proc.returncode == 1 and "returned" not in proc.stdout, proc.stderr
+    assert ("error: reward function 'hang' did not return within reward.timeout_s=0.3 s and was still running 5 s "
+            "after it was stopped: it catches the stop") in proc.stderr, proc.stderr
+    assert "catch Exception, not BaseException" in proc.stderr and ", in hang\n" in proc.stderr  # its stack
+    assert LIMIT + GIVE_UP_S <= seconds < LIMIT + GIVE_UP_S + 60  # (most of the slack: the child's imports)
+
+
 def test_under_penalty_the_samples_of_a_timed_out_call_score_the_penalty_as_errors():
     fn = Hang()
     scores = _score(["numeric_answer", fn], on_error="penalty", penalty=-1.0, timeout_s=LIMIT)

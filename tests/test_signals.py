@@ -27,6 +27,17 @@ import pathlib, time
 
 def hang(prompts, completions, **fields):
     pathlib.Path({marker!r}).write_text("scoring")
+    while True:  # a retry loop that swallows every exception, the stop's too
+        try:
+            time.sleep(600)
+        except BaseException:
+            pass
+"""
+SIGNALLED_REWARD = """
+import os, signal, time
+
+def hang(prompts, completions, **fields):
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while it hangs (reward.timeout_s: 300 s)
     time.sleep(600)
 """
 SAID_WITHIN = 15.0  # seconds a loaded machine may take to show a line or end the process
@@ -55,7 +66,11 @@ def _wait_for(q: queue.Queue, needle: str, seen: list[str]) -> str:
             return line
 
 
-def test_ctrl_c_while_a_reward_hangs_says_at_once_and_the_second_stops(tmp_path, tiny_folder):
+def test_ctrl_c_while_a_reward_swallows_every_exception_still_ends_the_run(tmp_path, tiny_folder):
+    """The first Ctrl-C says at once what it does and interrupts the reward; one that swallows the interrupt ends the
+    process GRACE_S seconds later with 130 (it used to print "stopping" and hang until killed)."""
+    from logitless.trainer.signals import GRACE_S
+
     marker = tmp_path / "in_reward"
     (tmp_path / "hung_rewards.py").write_text(HANGING_REWARD.format(marker=str(marker)))
     cfg_path = _config(tmp_path, tiny_folder, max_steps=5)
@@ -73,25 +88,41 @@ def test_ctrl_c_while_a_reward_hangs_says_at_once_and_the_second_stops(tmp_path,
             assert time.monotonic() < deadline, "the reward was not called in time"
             time.sleep(0.05)  # polling for the reward phase of step 1, not synchronization
         proc.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
         first = _wait_for(lines, "Ctrl-C", seen)
         assert first.startswith("Ctrl-C: stopping. Step 1 has not begun its update, so it is dropped: nothing was "
                                 "trained, no checkpoint is saved and there is nothing to resume; start again with "
                                 "the same command"), first
-        assert first.endswith("Ctrl-C again stops at once, without saving.") and proc.poll() is None
-        proc.send_signal(signal.SIGINT)
-        second = _wait_for(lines, "Ctrl-C again", seen)
-        assert proc.wait(timeout=SAID_WITHIN) == 130
+        assert first.endswith("Ctrl-C again stops at once, without saving.")
+        assert proc.wait(timeout=GRACE_S + SAID_WITHIN) == 130
+        assert GRACE_S <= time.monotonic() - t0
     finally:
         proc.kill()
         proc.wait()
     while (line := lines.get(timeout=SAID_WITHIN)) is not None:
         seen.append(line)
     out = "\n".join(seen)
-    assert second.startswith("Ctrl-C again: stopping now, without saving; no checkpoint was saved, so there is "
-                             "nothing to resume: start again with the same command"), out
-    assert "--resume" not in out and "Traceback" not in out and "done" not in out, out
+    assert (f"Ctrl-C: the reward function 'hang' still running {GRACE_S:.0f} s after it was interrupted (it catches "
+            "the interrupt); exiting") in out, out
+    assert "--resume" not in out and "Traceback" not in out, out
     run = tmp_path / "run"
     assert not (run / "checkpoints").exists() and not [p for p in run.iterdir() if p.name.startswith(".tmp")]
+
+
+def test_ctrl_c_while_a_reward_hangs_stops_at_once_with_130(tmp_path, tok, capfd, monkeypatch):
+    """The first signal interrupts a hung reward call (one process): step 1 is dropped and the run ends with 130 at
+    once, not after reward.timeout_s with 1."""
+    (tmp_path / "signalled_rewards.py").write_text(SIGNALLED_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    t0 = time.monotonic()
+    with sigint_handler(signal.default_int_handler):
+        result = _tiny_train(_e2e_cfg(tmp_path / "run", "reward.reward_funcs=[numeric_answer, signalled_rewards:hang]"),
+                             tok)
+    assert result.interrupted == signal.SIGINT and result.exit_code == 130 and result.step == 0
+    assert time.monotonic() - t0 < SAID_WITHIN
+    err = capfd.readouterr().err
+    assert "Ctrl-C: stopping. Step 1 has not begun its update, so it is dropped" in err
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def _kill_at(*when: tuple[str, int, int]):

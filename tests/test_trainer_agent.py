@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -101,6 +102,31 @@ def test_evaluation_runs_episodes(tmp_path, tok, rewards_module, env_module):  #
     # raw prompts too: the messages the rewards scored, the environment's observations among them
     assert all(any("left]" in m["content"] for m in s["completion"] if m["role"] == "user") for s in result.samples)
     assert "turns and" in result.summary()
+
+
+def test_a_stuck_environment_step_fails_the_run_naming_it(tmp_path, tok, rewards_module):  # noqa: F811
+    """A step() in a busy loop is abandoned at agent.tool_timeout_s; still running as long again, it fails the run
+    (its thread cannot be stopped) instead of slowing every later step."""
+    from logitless.agents.runner import TaskStuck
+
+    t0 = time.monotonic()
+    with pytest.raises(TaskStuck, match=r"SpinningStep.step\(\) did not return within 0.5 s .*Where it runs:"):
+        _train(_cfg(tmp_path / "run", "agent.environment=tests.agent_fixtures:SpinningStep", "agent.tool_timeout_s=0.5",
+                    "rollout.max_completion_length=24", "rollout.stop=[e]", "train.prompts_per_step=1",
+                    "rollout.num_generations=2"), tok)
+    assert time.monotonic() - t0 < 30.0  # (the starting code trained on, each step slower than the one before)
+
+
+def test_sigterm_while_the_rollout_waits_on_reset_stops_the_run(tmp_path, tok, rewards_module, capfd):  # noqa: F811
+    """The first SIGTERM abandons the wait on a hung reset() (here within agent.tool_timeout_s=30): step 1 is
+    dropped and the run stops at once with 143."""
+    t0 = time.monotonic()
+    result = _train(_cfg(tmp_path / "run", "agent.environment=tests.agent_fixtures:SignalledReset",
+                         "agent.tool_timeout_s=30", "rollout.max_completion_length=24", "rollout.stop=[e]"), tok)
+    assert result.interrupted == signal.SIGTERM and result.exit_code == 143 and result.step == 0
+    assert time.monotonic() - t0 < 20.0
+    assert "SIGTERM: stopping. Step 1 has not begun its update, so it is dropped" in capfd.readouterr().err
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 @pytest.mark.parametrize("setting, match", [

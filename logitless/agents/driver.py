@@ -192,22 +192,33 @@ class AgentDriver:
             self.prompt_ids.append(ids)
 
     def _reset(self, i: int, row: Any) -> str | None:
-        """Build and reset the environments of prompt i's episodes; their common first observation."""
+        """Build and reset the environments of prompt i's episodes (concurrently, each within
+        agent.tool_timeout_s); their common first observation."""
         env = self.agent.env
         if env is None:
             return None
-        G, firsts = self.num_generations, []
-        for g in range(G):
-            ep = self.episodes[i * G + g]
-            fields = dict(getattr(row, "fields", {}) or {})
-            fields.setdefault("prompt", row.prompt)
-            try:
-                ep.env = env.make()
-                first = ep.env.reset(fields)
-            except Exception as e:
+        G = self.num_generations
+        fields = dict(getattr(row, "fields", {}) or {})
+        fields.setdefault("prompt", row.prompt)
+
+        def start(ep: _Episode) -> Any:
+            ep.env = env.make()
+            return ep.env.reset(dict(fields))
+
+        eps = self.episodes[i * G:(i + 1) * G]
+        outs = run_tasks([lambda ep=ep: start(ep) for ep in eps], [self.options.tool_timeout_s] * G,
+                         self.options.max_parallel_tools, [f"{env.name}.reset()"] * G)
+        firsts = []
+        for out in outs:
+            if out.timed_out:
+                raise RuntimeError(f"agent.environment: building or resetting {env.name} for prompt {i} did not "
+                                   f"return within agent.tool_timeout_s={self.options.tool_timeout_s:g} s; make "
+                                   "reset() return sooner, or raise agent.tool_timeout_s")
+            if out.error is not None:
+                e = out.error
                 raise RuntimeError(f"agent.environment: building or resetting {env.name} for prompt {i} failed "
                                    f"({type(e).__name__}: {e})") from e
-            firsts.append(check_first(env.name, first))
+            firsts.append(check_first(env.name, out.value))
         if any(f != firsts[0] for f in firsts):
             raise ValueError(f"agent.environment: {env.name}.reset() gave the {G} episodes of prompt {i} different "
                              "first observations; GRPO compares samples of one state, so seed any randomness of "
@@ -237,8 +248,10 @@ class AgentDriver:
             return self._records
         env = self.agent.env
         if env is not None and (env.has_reward or env.has_close):
+            n = len(self.episodes)
             outs = run_tasks([lambda e=ep.env: _final_reward(e, env.has_reward, env.has_close) for ep in self.episodes],
-                             [self.options.tool_timeout_s] * len(self.episodes), self.options.max_parallel_tools)
+                             [self.options.tool_timeout_s] * n, self.options.max_parallel_tools,
+                             [f"{env.name}.reward()/close()"] * n)
             for ep, out in zip(self.episodes, outs):
                 if out.error is not None or out.timed_out:
                     self._env_error(ep, "reward" if env.has_reward else "close", out)
@@ -294,7 +307,7 @@ class AgentDriver:
 
     def _run(self, plans: list[_Plan | None]) -> None:
         """Run every call and environment step of these turns concurrently (see runner.run_tasks)."""
-        tasks, timeouts, sinks = [], [], []  # sink(outcome) stores a task's outcome
+        tasks, timeouts, names, sinks = [], [], [], []  # sink(outcome) stores a task's outcome
         batches: dict[str, list[tuple[_Plan, int, dict[str, Any]]]] = {}
         for p in plans:
             if p is None:
@@ -303,6 +316,7 @@ class AgentDriver:
             if not p.parsed.calls:  # an environment step
                 tasks.append(lambda e=ep.env, text=p.step_text: e.step(text))
                 timeouts.append(self.options.tool_timeout_s)
+                names.append(f"{self.agent.env.name}.step()")  # type: ignore[union-attr]
                 sinks.append(lambda out, p=p: setattr(p, "step_out", out))
                 continue
             chain = []  # environment-method calls of this episode: one after another, in the model's order
@@ -317,17 +331,20 @@ class AgentDriver:
                 else:
                     tasks.append(lambda tool=tool, args=args: [run_call(tool, args, None)])
                     timeouts.append(tool.timeout_s)
+                    names.append(f"the tool '{tool.name}'")
                     sinks.append(lambda out, p=p, ks=[k], tools=[tool]: self._store(p, ks, tools, out))
             if chain:
                 tasks.append(lambda chain=chain, e=ep.env: [run_call(tool, args, e) for _, tool, args in chain])
                 timeouts.append(sum(tool.timeout_s for _, tool, _ in chain))
+                names.append(" then ".join(f"the tool '{tool.name}'" for _, tool, _ in chain))
                 sinks.append(lambda out, p=p, c=chain: self._store(p, [k for k, _, _ in c], [t for _, t, _ in c], out))
         for name, items in batches.items():
             tool = self.agent.toolset[name]
             tasks.append(lambda tool=tool, items=items: tool.batch([a for _, _, a in items]))  # type: ignore[misc]
             timeouts.append(tool.batch_timeout(len(items)) if tool.batch_timeout else tool.timeout_s)
+            names.append(f"the tool '{tool.name}' ({len(items)} calls)")
             sinks.append(lambda out, items=items, tool=tool: self._store_batch(items, tool, out))
-        for sink, out in zip(sinks, run_tasks(tasks, timeouts, self.options.max_parallel_tools)):
+        for sink, out in zip(sinks, run_tasks(tasks, timeouts, self.options.max_parallel_tools, names)):
             sink(out)
 
     def _check(self, call: ToolCall) -> tuple[Tool | None, dict[str, Any], str | None]:

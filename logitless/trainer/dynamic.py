@@ -12,6 +12,9 @@ Reproducible and resumable: round r of step s samples with its own seed (`stages
 position the checkpoint holds), and nothing carries from one step to the next, so a resumed run equals the
 uninterrupted one. Advantages are computed again over the kept groups (batch-level scaling sees the kept batch).
 
+A stop signal is honoured between rounds (`signals.check_stop`: the step is dropped), and a warning says so when
+WARN_ROUNDS rounds (then 2x, 4x as many...) brought no informative group.
+
 Metrics: reward/*, accuracy and reward errors over every sampled row of every round (what the policy did);
 dynamic/rounds, dynamic/groups (sampled), dynamic/informative (groups with a signal among them),
 dynamic/kept (trained), dynamic/shortfall (prompts_per_step - kept).
@@ -26,7 +29,11 @@ from logitless.rewards import RewardScores
 from logitless.rollout import RolloutBatch, RolloutTiming
 from logitless.trainer.report.accounting import PhaseTimer
 from logitless.trainer.context import TrainContext
+from logitless.trainer.distributed.parallel import agree
+from logitless.trainer.signals import check_stop
 from logitless.trainer.stages import Rollout, Scored, reward_metrics, rollout_stage, score_stage
+
+WARN_ROUNDS = 8  # rounds without an informative group before the first warning (then at 2x, 4x, ...)
 
 
 def _pad(x: torch.Tensor, width: int, value: float, left: bool) -> torch.Tensor:
@@ -120,6 +127,14 @@ def sample_step(ctx: TrainContext, step: int, timer: PhaseTimer) -> tuple[Rollou
     scores: list[RewardScores] = []
     informative: list[torch.Tensor] = []  # per round: [groups] bool
     for r in range(rounds):
+        if r:  # a stop signal: the step is dropped (under torchrun the ranks agree, as their rounds must match)
+            check_stop((lambda v: agree(v, ctx.device)) if ctx.world.distributed else None)
+        if r >= WARN_ROUNDS and r & (r - 1) == 0 and not any(bool(x.any()) for x in informative):
+            ctx.logger.print(
+                f"[yellow]warning:[/] step {step}: {r} rounds of dynamic sampling found no prompt whose samples got "
+                f"different rewards (no gradient signal); it goes on for up to train.dynamic_sampling_max_rounds="
+                f"{rounds}. Check that the reward functions can tell the completions apart (a constant reward, "
+                f"completions cut at rollout.max_completion_length), or lower train.dynamic_sampling_max_rounds")
         with timer("generate"):
             ro = rollout_stage(ctx, step, round=r)
         with timer("score"):

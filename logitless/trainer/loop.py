@@ -60,7 +60,7 @@ from logitless.trainer.report.accounting import PhaseTimer
 from logitless.trainer.report.metrics import MismatchReport, RewardErrorReport, RewardNoneReport, mismatch_causes
 from logitless.trainer.report.plot import plot_run
 from logitless.trainer.rundir import RunDir, claim_run_dir, restart_advice
-from logitless.trainer.signals import StopSignals, label
+from logitless.trainer.signals import StopRequested, StopSignals, label
 from logitless.trainer.stages import (
     Rollout,
     Scored,
@@ -230,6 +230,7 @@ def train(
     check_world(cfg, launched_world())
     device = cfg.model.device if model is None else str(next(model.parameters()).device)
     stop = StopSignals(quiet=not launched_world().main)
+    stop.abandons_waits = not launched_world().distributed  # ranks must leave their collectives together
     stop.advice = lambda: restart_advice(stop.run_dir)
     claim = lambda: claim_run_dir(cfg, resume=resume, overwrite=overwrite,  # noqa: E731
                                   allow_config_change=allow_config_change)
@@ -324,10 +325,14 @@ def _step(ctx: TrainContext, step: int, stop: StopSignals, result: TrainResult, 
     # generate and score (with train.dynamic_sampling: until the step has its informative groups); out of
     # memory: once more, with fewer rows per wave, from the step's data position and RNG
     ctx.memory.retries = 0
-    ro, scored, sc, sampled = oom.retry_on_oom(ctx, step, "generate", lambda: _sample(ctx, step, timer, hook),
-                                               reset=lambda: rewind_step(ctx, rewind))
-    warned = reports.scored(step, ro, sc)
-    hook("after_rollout", step)
+    try:
+        ro, scored, sc, sampled = oom.retry_on_oom(ctx, step, "generate", lambda: _sample(ctx, step, timer, hook),
+                                                   reset=lambda: rewind_step(ctx, rewind))
+    except StopRequested as e:  # a stop abandoned the rollout or its scoring: the step is dropped below
+        stop.requested = stop.requested or e.signum
+    else:
+        warned = reports.scored(step, ro, sc)
+        hook("after_rollout", step)
     dropped = agree(stop.commit_step(), ctx.device)  # a signal to any rank before the update began
     if dropped:  # nothing trained yet: every rank drops this step
         stop.requested = stop.requested or dropped

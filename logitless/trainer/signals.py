@@ -6,6 +6,12 @@
         and the line says how to resume. A second signal stops at once, without saving (StopNow).
     after a StopNow, one more signal exits at once (os._exit); so does the process itself when it is still
         unwinding GRACE_S seconds after the StopNow (a thread busy in native code).
+    while the main thread waits on user code (a reward function, tools, environments: `stoppable(what)`) in a
+        step that has not begun its update, on one process: the first signal also abandons that wait at once
+        (StopRequested), so the step is dropped without waiting for the hung code's own timeout; code that
+        swallows the interrupt (`except BaseException`) ends the process GRACE_S seconds later (exit 128 + signal).
+        Between rounds of train.dynamic_sampling the loop stops the same way (`check_stop`). Under torchrun the
+        ranks decide together at the step's safe points instead, as their collectives must match.
     inside a finalizer (`__del__`, run by a garbage collection at any point), where a raised StopNow would be
         printed and dropped, the signal is sent again REPEAT_S later, after the finalizer has returned.
 
@@ -25,9 +31,10 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import Callable
+from typing import Callable, Iterator
 
 GRACE_S = 10.0  # after a StopNow, the longest the process may take to unwind before it exits by force
 REPEAT_S = 0.01  # a stop signal handled inside a finalizer is sent again this much later
@@ -43,6 +50,15 @@ class StopNow(KeyboardInterrupt):
     @property
     def exit_code(self) -> int:
         return 128 + self.signum
+
+
+class StopRequested(KeyboardInterrupt):
+    """The first stop signal abandoned a wait on user code of a step that had not begun its update: the loop drops
+    the step and stops as the signal's message said."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 def in_finalizer(frame: FrameType | None) -> bool:
@@ -92,6 +108,9 @@ class StopSignals:
         self._previous: dict[int, object] = {}
         self._stopping_now = False
         self._unwound = threading.Event()
+        self.abandons_waits = False  # the first signal abandons a wait on user code (one process: set by the loop)
+        self._waiting: str | None = None  # what the main thread waits on (`stoppable`), or None
+        self._left_wait = threading.Event()  # set when the abandoned wait has been left
 
     def _say(self, text: str) -> None:
         if not self.quiet:
@@ -105,6 +124,8 @@ class StopSignals:
         if self.requested is None and self.step > 0:
             self.requested = signum
             self._say(self.first_message(name))
+            if self._waiting is not None and self.abandons_waits and not self.updating and not in_finalizer(frame):
+                self._abandon()
             return
         if in_finalizer(frame):  # raised there, Python would print the exception and drop it: the signal comes
             again = threading.Timer(REPEAT_S, os.kill, (os.getpid(), signum))  # back once the finalizer is done
@@ -133,6 +154,41 @@ class StopSignals:
                     "is saved and there is nothing to resume; start again with the same command.")
         return f"{name}: {what} {name} again stops at once, without saving."
 
+    def _abandon(self) -> None:
+        """Raise StopRequested into the wait on user code; the process exits if that code swallows it."""
+        signum, what = self.requested, self._waiting
+        assert signum is not None
+        self._left_wait.clear()
+
+        def force() -> None:
+            if not self._left_wait.wait(GRACE_S):
+                say(f"{label(signum)}: {what} still running {GRACE_S:.0f} s after it was interrupted (it catches "
+                    f"the interrupt); exiting")
+                os._exit(128 + signum)
+
+        threading.Thread(target=force, name="logitless-stop-wait", daemon=True).start()
+        raise StopRequested(signum)
+
+    @contextmanager
+    def waiting(self, what: str) -> Iterator[None]:
+        """The main thread waits on user code (`what`, e.g. "reward function 'f'"): a stop may abandon it."""
+        if threading.current_thread() is not threading.main_thread() or self._waiting is not None:
+            yield
+            return
+        self._waiting = what
+        try:
+            if self.requested is not None and self.abandons_waits and not self.updating and self.step > 0:
+                self._abandon()
+            yield
+        finally:
+            self._waiting = None
+            self._left_wait.set()
+
+    def check_stop(self) -> None:
+        """Raise StopRequested when a signal asked to stop and this step may still be dropped (one process)."""
+        if self.requested is not None and self.abandons_waits and not self.updating and self.step > 0:
+            raise StopRequested(self.requested)
+
     def _force_exit(self, signum: int) -> None:
         if not self._unwound.wait(GRACE_S):
             say(f"{label(signum)}: still stopping after {GRACE_S:.0f} s (a thread is busy in native code); exiting")
@@ -152,8 +208,10 @@ class StopSignals:
         return before
 
     def __enter__(self) -> StopSignals:
+        global _active
         if threading.current_thread() is not threading.main_thread():  # signal handlers only install there
             return self
+        _active = self
         for s in self.SIGNALS:
             if s == signal.SIGINT and signal.getsignal(s) == signal.SIG_IGN:
                 self.sigint_ignored = True
@@ -164,7 +222,11 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc) -> None:
+        global _active
+        if _active is self:
+            _active = None
         self._unwound.set()
+        self._left_wait.set()
         for s, h in self._previous.items():
             signal.signal(s, h)
         self._previous.clear()
@@ -173,3 +235,33 @@ class StopSignals:
     def exit_code(self) -> int:
         """Shell convention 128 + signal number (130 for Ctrl-C, 143 for SIGTERM); 0 if none."""
         return 128 + self.requested if self.requested is not None else 0
+
+
+_active: StopSignals | None = None  # the handlers installed now (a run in progress), if any
+
+
+@contextmanager
+def stoppable(what: str) -> Iterator[None]:
+    """A wait of the main thread on user code (`what` names it in messages) that the first stop signal of a run on
+    one process may abandon (`StopSignals.waiting`); nothing without a run in progress."""
+    active = _active
+    if active is None:
+        yield
+        return
+    with active.waiting(what):
+        yield
+
+
+def check_stop(together: Callable[[int | None], int | None] | None = None) -> None:
+    """Raise StopRequested when a stop signal asked the run in progress to stop and its step may still be dropped;
+    nothing without a run in progress. One process: `StopSignals.check_stop`. Several (`together`: the ranks'
+    agreement, `parallel.agree`): every rank calls it at the same point and all stop when any was signalled."""
+    active = _active
+    if active is None or active.updating or active.step <= 0:
+        return
+    if together is not None:
+        signum = together(active.requested)
+        if signum:
+            raise StopRequested(int(signum))
+        return
+    active.check_stop()

@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from logitless.rollout import RolloutBatch  # noqa: E402
 from logitless.rollout.episodes import EpisodeRecord  # noqa: E402
 from logitless.rollout.types import RolloutTiming  # noqa: E402
-from logitless.trainer import context, loop  # noqa: E402
+from logitless.trainer import loop  # noqa: E402
+from logitless.trainer.placement import placement  # noqa: E402
 from logitless.trainer.policy import offload  # noqa: E402
 from logitless.trainer.config.schema import load_train_config  # noqa: E402
 from logitless.trainer.loop import train  # noqa: E402
@@ -146,8 +147,8 @@ class Episodes:
 
 def use_engine(make):
     """Replace the trainer's engine factory (the multi-process code under test is left as it is)."""
-    real = context.make_rollout_engine
-    context.make_rollout_engine = lambda cfg, m, tok: make(real(cfg, m, tok))
+    real = placement.make_rollout_engine
+    placement.make_rollout_engine = lambda *args: make(real(*args))
 
 
 MODES = {

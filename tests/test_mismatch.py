@@ -12,13 +12,13 @@ import torch
 from logitless.models import completion_logprobs
 from logitless.objectives import merge_metrics
 from logitless.objectives.mismatch import mismatch_summary, sampler_mismatch
-from logitless.trainer import context
+from logitless.trainer.placement import placement
 from logitless.trainer.loop import train
 from logitless.trainer.report.metrics import MismatchReport, mismatch_causes
 from tests import dist_worker as w
 
 KEYS = ("rollout/mismatch_mean", "rollout/mismatch_max", "rollout/mismatch_kl")
-MAKE_ENGINE = context.make_rollout_engine  # the trainer's own factory
+MAKE_ENGINE = placement.make_rollout_engine  # the trainer's own factory
 
 
 def direct(logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -65,8 +65,8 @@ def tok(gpt2_tokenizer_dir):
 
 def run(tmp_path, tok, monkeypatch, offsets, *overrides):
     engines: list[Offset] = []
-    monkeypatch.setattr(context, "make_rollout_engine",
-                        lambda cfg, m, t: engines.append(Offset(MAKE_ENGINE(cfg, m, t), offsets)) or engines[-1])
+    monkeypatch.setattr(placement, "make_rollout_engine",
+                        lambda *args: engines.append(Offset(MAKE_ENGINE(*args), offsets)) or engines[-1])
     cfg = w.config(tmp_path, f"train.max_steps={len(offsets)}", "train.skip_zero_advantage=false",
                    "train.num_iterations=2", "optim.learning_rate=0.05", *overrides)
     return train(cfg, model=w.model(), tokenizer=tok).records, engines[0].batches

@@ -79,14 +79,14 @@ def run_equivalence(out: Path, tok_dir: Path, modes: dict[str, list[str]] = w.MO
     tok = w.tokenizer(tok_dir)
     single = {}
     for mode, overrides in modes.items():
-        real = w.context.make_rollout_engine
+        real = w.placement.make_rollout_engine
         w.use_engine(lambda engine, mode=mode: w.Recording(w.Episodes(engine) if "episodes" in mode else engine,
                                                            out / f"rollout_{mode}.pt"))
         try:
             with w.offload_every_saved_tensor():
                 single[mode] = train(w.config(out / f"{mode}_single", *overrides), model=w.model(), tokenizer=tok).records
         finally:
-            w.context.make_rollout_engine = real
+            w.placement.make_rollout_engine = real
     proc = torchrun(scenario, out, tok_dir, ranks=ranks)
     assert proc.returncode == 0, proc.stdout[-6000:]
     return single

@@ -238,13 +238,13 @@ def training(request, tmp_path_factory, gpt2_tokenizer_dir, one_thread):
     out, tok_dir = tmp_path_factory.mktemp(f"tp_train{ranks}"), gpt2_tokenizer_dir
     single = {}
     for mode, overrides in tp_worker.TRAIN.items():
-        real = w.context.make_rollout_engine
+        real = w.placement.make_rollout_engine
         w.use_engine(lambda engine: RankStreams(engine, ranks))
         try:
             single[mode] = train(w.config(out / f"{mode}_single", *overrides), model=w.model(),
                                  tokenizer=w.tokenizer(tok_dir)).records
         finally:
-            w.context.make_rollout_engine = real
+            w.placement.make_rollout_engine = real
     proc = torchrun("tp_train", out, None, timeout=400, ranks=ranks,
                     argv=[str(WORKER), "train", str(out), str(tok_dir)])
     assert proc.returncode == 0, proc.stdout[-6000:]

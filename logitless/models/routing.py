@@ -70,6 +70,14 @@ RULES: dict[str, Callable[[nn.Module, Tensor, Tensor], Tensor]] = {
     "GptOssTopKRouter": _gpt_oss,
     "DeepseekV3TopkRouter": _deepseek_v3,
 }
+
+
+def rule_of(module: nn.Module) -> Callable[[nn.Module, Tensor, Tensor], Tensor] | None:
+    """The weight rule of a supported router module (by its class or a base class: torch's parametrization, e.g. a
+    LoRA on the router weight, subclasses it), else None."""
+    return next((RULES[c.__name__] for c in type(module).__mro__ if c.__name__ in RULES), None)
+
+
 # config fields that mark a mixture-of-experts model (for the error on an unsupported one)
 MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
@@ -175,7 +183,7 @@ def _router_hook(module: nn.Module, args: Any, output: tuple[Tensor, Tensor, Ten
         state.stats[slot] = torch.stack([differ.sum(), valid.sum()]).to(torch.float64)
     if state.mode == "compare":
         return None
-    return logits, RULES[type(module).__name__](module, logits, given), given
+    return logits, rule_of(module)(module, logits, given), given
 
 
 _found: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its MoERouting or None
@@ -186,7 +194,7 @@ def routing_of(model: nn.Module) -> MoERouting | None:
     of the same modules); None for a model without supported routers (`is_moe` tells the unsupported ones)."""
     if model in _found:
         return _found[model]
-    routers = [m for m in model.modules() if type(m).__name__ in RULES]
+    routers = [m for m in model.modules() if rule_of(m) is not None]
     state = None
     if routers:
         tagged = getattr(routers[0], "_logitless_routing", None)

@@ -13,7 +13,9 @@ import torch
 
 from logitless.data import TASKS, PromptRow, load_hf_prompts, load_jsonl_prompts, load_task
 from logitless.rewards import get_reward_fn
+from logitless.models.routing import require_routing, routing_of
 from logitless.rollout import RolloutEngine, SamplingOptions, make_engine, sleep
+from logitless.rollout.engine import unwrap_model
 from logitless.rollout.weights import LiveWeights, MergedLoraWeights, in_place_refusal, merges
 from logitless.trainer.config import DataConfig, OptimConfig, RewardConfig, RolloutConfig
 from logitless.trainer.modeling import QLORA_INSTALL_HINT, require_cuda_package
@@ -167,12 +169,41 @@ def make_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, cfg: Opti
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))
 
 
-def make_rollout_engine(cfg: RolloutConfig, model: Any, tokenizer: Any) -> RolloutEngine:
+ROUTE_BACKENDS = ("static", "hf")  # rollout backends that record mixture-of-experts routes
+
+
+def routing_replay_on(cfg: Any, model: Any, *, agent: bool, separate_decode: bool) -> bool:
+    """model.routing_replay resolved: whether the rollout records each token's experts and the trainer's forwards
+    replay them (`models/routing.py`). "auto": on for a mixture-of-experts model with a supported router wherever
+    routes can be recorded (rollout.backend static or hf, single-turn, decoded in this process); true: the same,
+    with an error naming what stands in the way."""
+    want = cfg.model.routing_replay
+    if want is False:
+        return False
+    base = unwrap_model(model)
+    why = None
+    if routing_of(base) is None:
+        if want is True:
+            require_routing(base, "model.routing_replay")  # raises, saying why
+        return False
+    if cfg.rollout.backend not in ROUTE_BACKENDS:
+        why = f"rollout.backend={cfg.rollout.backend} does not record routes (use static or hf)"
+    elif agent:
+        why = "multi-turn episodes (agent.tools / agent.environment) do not record routes yet"
+    elif separate_decode:
+        why = ("a shared rollout GPU's decode process or a tensor-parallel rollout (rollout.device or "
+               "rollout.tensor_parallel under torchrun) does not record routes yet")
+    if why is not None and want is True:
+        raise ValueError(f"model.routing_replay=true: {why}; set model.routing_replay=auto (off here) or false")
+    return why is None
+
+
+def make_rollout_engine(cfg: RolloutConfig, model: Any, tokenizer: Any, record_routes: bool = False) -> RolloutEngine:
     """The rollout section's engine; backend "static" decodes from merged LoRA weights when rollout.merge_lora
     allows (`MergedLoraWeights`, kept where rollout.weight_copy says), else from the model, under the
-    rollout.max_kv_gib budget."""
+    rollout.max_kv_gib budget. record_routes: record mixture-of-experts routes (`routing_replay_on`)."""
     if cfg.backend != "static":
-        return make_engine(cfg.backend, model, tokenizer)
+        return make_engine(cfg.backend, model, tokenizer, **({"record_routes": True} if record_routes else {}))
     merged = merges(model, cfg.merge_lora)
     mode = weight_copy(cfg, next(model.parameters()).device, has_copy=merged, distributed=False,
                        in_place_why=in_place_refusal(model) if merged else None)
@@ -184,7 +215,7 @@ def make_rollout_engine(cfg: RolloutConfig, model: Any, tokenizer: Any) -> Rollo
     return make_engine("static", model, tokenizer, weights=weights, max_kv_gib=cfg.max_kv_gib, profile=cfg.profile,
                        length_buckets=cfg.length_buckets, compact_finished=cfg.compact_finished,
                        decode_attention=cfg.decode_attention, sampler_kernel=cfg.sampler_kernel,
-                       step_graph=cfg.step_graph)
+                       step_graph=cfg.step_graph, record_routes=record_routes)
 
 
 def decode_attention_for(packed: bool) -> str:

@@ -35,6 +35,7 @@ from logitless.trainer.builders import (
     make_rollout_engine,
     make_scheduler,
     reward_functions,
+    routing_replay_on,
     sampling_options,
     sync_offloaded_params,
     weight_copy,
@@ -289,6 +290,7 @@ def build_context(
                                fuse=cfg.rollout.fuse_projections is not False)
         check_fused(cfg.rollout, replica.groups, "the rollout's replica has no plain q/k/v or gate/up layers "
                     "(unmerged LoRA layers, or another layout)")
+    replay = routing_replay_on(cfg, model, agent=agent is not None, separate_decode=shared or split)
     if world.sharded:
         model = shard_model(model, device, offload=world.offload)
         if world.rank:
@@ -320,7 +322,7 @@ def build_context(
         worker = DecodeWorker(replica.model, rollout_cfg, tokenizer) if world.main else None
         engine = SharedDecode(worker, dist.new_group(backend="gloo", timeout=TIMEOUT), rollout_device)
     else:  # merged: a plain model
-        engine = make_rollout_engine(rollout_cfg, replica.model if replica else model, tokenizer)
+        engine = make_rollout_engine(rollout_cfg, replica.model if replica else model, tokenizer, record_routes=replay)
     if isinstance(replica, TensorParallelCopy):
         engine = group_decode(engine, replica)
     sync = None if replica is None else _replica_sync(replica, model, None if shared else engine)

@@ -322,3 +322,33 @@ def test_trainer_replays_the_rollouts_routes(tmp_path, tok, lora, one_thread):
     assert all(r["rollout/mismatch_max"] < 1e-4 for r in records)
     off = moe_run(tmp_path / "off", tok, f"model.lora={str(lora).lower()}", "model.routing_replay=false")
     assert all("rollout/route_disagreement" not in r for r in off)
+
+
+def test_step_graph_and_compaction_record_the_same_routes(one_thread, monkeypatch):
+    """The static engine's decode through `DecodeStep` (its device step counter; eager off CUDA) and with finished
+    rows compacted away (rows reordered) records the routes of the plain loop, which the trainer's own routing
+    reproduces."""
+    from logitless.rollout.static_rows import DecodeRows
+
+    compacted, original = [], DecodeRows.compacted
+
+    def spy(self, token):
+        out = original(self, token)
+        compacted.append(len(out[0].index) < len(self.index))
+        return out
+
+    monkeypatch.setattr(DecodeRows, "compacted", spy)
+    model = make_model("qwen3_moe")
+    prompts = [p + "!" * i for i in range(4) for p in PROMPTS[:2]]  # 8 prompts x G = 2: 16 rows
+    opts = SamplingOptions(num_generations=2, temperature=TEMPERATURE, max_new_tokens=12, seed=3,
+                           eos_token_ids=list(range(0, 256, 6)))  # a sixth of the bytes end a row: rows end early
+    runs = {name: make_engine("static", model, TOK, record_routes=True, check_every=2, **kw).generate(prompts, opts)
+            for name, kw in {"loop": {}, "step_graph": {"step_graph": True},
+                             "compacted": {"compact_finished": True}}.items()}
+    base = runs["loop"]
+    assert any(compacted)
+    for name, b in runs.items():
+        assert torch.equal(b.completion_ids, base.completion_ids), name
+        assert torch.equal(b.completion_routes, base.completion_routes), name
+        assert torch.equal(b.prompt_routes, base.prompt_routes), name
+    assert disagreement(model, base, replay=False) == 0.0

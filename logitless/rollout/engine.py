@@ -319,14 +319,17 @@ def build_batch(
     logp[:, :width] = raw_logp.detach().to("cpu", torch.float32)[:, :width]
     logp = logp * mask
     prompt_routes = completion_routes = None
-    if raw_routes is not None:  # the sentinel everywhere outside the masks (padding, tokens cut by EOS or a stop)
+    if raw_routes is not None:  # the sentinel outside the masks (padding, tokens cut by EOS or a stop)
         P, none = prompt_ids.shape[1], no_route(raw_routes.dtype)
         raw_routes = raw_routes.cpu()
         prompt_routes = raw_routes[:, :P].masked_fill(~prompt_mask.cpu().bool().repeat_interleave(G, 0)[..., None, None],
                                                       none)
         completion_routes = raw_routes.new_full((B, T, *raw_routes.shape[2:]), none)
         completion_routes[:, :width] = raw_routes[:, P : P + width]
-        completion_routes.masked_fill_(~mask.bool()[..., None, None], none)
+        # a row's last token has no route: never fed forward, or fed only while other rows decoded on (which
+        # varies with the wave, compaction and the loop's exit), and no logprob depends on it
+        routed = pos[None, :] < (lens[:, None] - 1)  # [B, T]
+        completion_routes.masked_fill_(~routed[..., None, None], none)
     truncated = ~finished & (lens >= options.max_new_tokens)
     num_tokens = int(mask.sum())
     seconds = time.perf_counter() - t_start

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import transformers as tf
 
 from logitless.models import completion_logprobs
-from logitless.models.routing import UnsupportedRoutingError, no_route, routing_of, routing_scope
+from logitless.models.routing import UnsupportedRoutingError, check_routes, no_route, routing_of, routing_scope
 from logitless.rollout import SamplingOptions, make_engine
 from tests.test_rollout_families import TOK
 from tests.test_trainer import tok  # noqa: F401 (fixture: GPT-2, left padding, pad = EOS)
@@ -254,6 +254,11 @@ def test_routes_of_another_shape_are_refused(rollouts, one_thread):
                             prompt_routes=b.prompt_routes[:, 1:], completion_routes=b.completion_routes)
     with pytest.raises(ValueError, match="MoE layers"):
         routing_of(model).set_forward(torch.zeros(4, 3, 2, dtype=torch.uint8), True)
+    bad = b.completion_routes.clone()
+    bad[0, 0, 0, 0] = 8  # the model has experts 0..7
+    check_routes(b.completion_routes, 8)
+    with pytest.raises(ValueError, match=r"outside 0\.\.7"):
+        check_routes(bad, 8)
 
 
 def test_dense_models_are_refused_naming_the_key():
@@ -311,17 +316,17 @@ def moe_run(tmp_path, tok, *overrides):
     return train(cfg, model=model, tokenizer=tok).records
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_trainer_replays_the_rollouts_routes(tmp_path, tok, lora, one_thread):
-    """A run on a tiny Qwen3-MoE: routes are recorded and replayed (full fine-tuning, and LoRA decoding from a merged
-    copy), the live routers agree with every recorded route before the first optimizer step
-    (rollout/route_disagreement 0) and the sampler's logprobs match the trainer's; model.routing_replay=false records
-    nothing and logs no disagreement."""
-    records = moe_run(tmp_path / "on", tok, f"model.lora={str(lora).lower()}")
+@pytest.mark.parametrize("setting", ["model.lora=false", "model.lora=true"])
+def test_trainer_replays_the_rollouts_routes(tmp_path, tok, setting, one_thread):
+    """Runs on a tiny Qwen3-MoE: routes are recorded and replayed (full fine-tuning; LoRA), the live routers agree with every recorded route before
+    the first optimizer step (rollout/route_disagreement 0) and the sampler's logprobs match the trainer's;
+    model.routing_replay=false records nothing and logs no disagreement."""
+    records = moe_run(tmp_path / "on", tok, setting)
     assert all(r["rollout/route_disagreement"] == 0.0 for r in records)
     assert all(r["rollout/mismatch_max"] < 1e-4 for r in records)
-    off = moe_run(tmp_path / "off", tok, f"model.lora={str(lora).lower()}", "model.routing_replay=false")
-    assert all("rollout/route_disagreement" not in r for r in off)
+    if setting == "model.lora=false":
+        off = moe_run(tmp_path / "off", tok, setting, "model.routing_replay=false")
+        assert all("rollout/route_disagreement" not in r for r in off)
 
 
 def test_step_graph_and_compaction_record_the_same_routes(one_thread, monkeypatch):
@@ -352,3 +357,20 @@ def test_step_graph_and_compaction_record_the_same_routes(one_thread, monkeypatc
         assert torch.equal(b.completion_routes, base.completion_routes), name
         assert torch.equal(b.prompt_routes, base.prompt_routes), name
     assert disagreement(model, base, replay=False) == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("step_graph", [True, False])
+def test_compiled_cuda_decode_records_routes(step_graph):
+    """On CUDA the static engine records inside its compiled decode (the captured step graph, or the forward alone
+    as a CUDA graph): fp32, the trainer's own routing agrees with the recorded routes and replay reproduces the
+    sampler's logprobs."""
+    model = make_model("qwen3_moe").cuda()
+    eng = make_engine("static", model, TOK, record_routes=True, check_every=4, step_graph=step_graph)
+    opts = SamplingOptions(num_generations=2, temperature=TEMPERATURE, max_new_tokens=8, seed=3, ignore_eos=True)
+    b = eng.generate(PROMPTS, opts).to("cuda")
+    recorded = (b.completion_routes != no_route(torch.uint8)).all(-1).all(-1)
+    assert int(recorded.sum()) == b.completion_ids.shape[0] * 7  # every fed token of every row
+    assert disagreement(model, b, replay=False) == 0.0
+    with torch.no_grad():
+        torch.testing.assert_close(logprobs(model, b, True), b.sampler_logp, atol=1e-4, rtol=0)

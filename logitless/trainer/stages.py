@@ -35,7 +35,7 @@ from logitless.objectives import (
 )
 from logitless.objectives.mismatch import ABS as MISMATCH
 from logitless.objectives.mismatch import mismatch_summary, sampler_mismatch
-from logitless.models.routing import routing_scope
+from logitless.models.routing import check_routes, require_routing, routing_scope
 from logitless.rewards import RewardScores, add_reward_column, score_completions
 from logitless.rollout import RolloutBatch, SamplingOptions
 from logitless.trainer.accounting import PhaseTimer, decode_ideal_seconds, update_flops
@@ -244,6 +244,9 @@ def plan_update(ctx: TrainContext, ro: Rollout, scored: Scored, rows: torch.Tens
     episodes = None if b.env_mask is None else loss
     # mixture-of-experts routes of the rollout, replayed by every forward of these rows (model.routing_replay)
     routes = (b.prompt_routes, b.completion_routes) if b.prompt_routes is not None else None
+    if routes is not None:  # once per step (one host sync): a route naming no expert of the model fails here
+        for r in routes:
+            check_routes(r, require_routing(ctx.model, "model.routing_replay").num_experts)
     micro = make_micro_batches(
         b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, b.sampler_logp, b.truncated, adv,
         cfg.train.micro_batch_size, rows=trained, max_tokens=cfg.train.micro_batch_tokens, packed=cfg.train.packed,

@@ -6,6 +6,7 @@ weight formula written out here."""
 from __future__ import annotations
 
 import contextlib
+import json
 import types
 
 import pytest
@@ -374,3 +375,28 @@ def test_compiled_cuda_decode_records_routes(step_graph):
     assert disagreement(model, b, replay=False) == 0.0
     with torch.no_grad():
         torch.testing.assert_close(logprobs(model, b, True), b.sampler_logp, atol=1e-4, rtol=0)
+
+
+def test_routes_survive_the_batch_handoffs(rollouts, one_thread):
+    """Routes follow their rows through the JSON form an async run's checkpoint keeps, through dynamic sampling's
+    concatenation (padded with the sentinel like the ids) and row selection, and through a tensor-parallel group's
+    per-prompt split."""
+    from logitless.trainer.async_rollout import batch_from_json, batch_to_json
+    from logitless.trainer.dynamic import concat_batches, select_rows
+    from logitless.trainer.tensor_parallel import prompt_rows
+
+    model, b = rollouts("qwen3_moe", "static")
+    back = batch_from_json(json.loads(json.dumps(batch_to_json(b))))
+    assert back.prompt_routes.dtype == torch.uint8
+    assert torch.equal(back.prompt_routes, b.prompt_routes) and torch.equal(back.completion_routes, b.completion_routes)
+    short = prompt_rows(b, 2, 1, 2)  # the last prompt's 2 rows, its padding trimmed
+    both = concat_batches([b, short], TOK.pad_token_id)
+    assert both.prompt_routes.shape[:2] == both.prompt_ids.shape and both.completion_routes.shape[:2] == \
+        both.completion_ids.shape
+    again = select_rows(both, torch.arange(6, 8))
+    with torch.no_grad():
+        for part in (short, again):
+            assert part.prompt_routes.shape[:2] == part.prompt_ids.shape
+            torch.testing.assert_close(logprobs(model, part, True), b.sampler_logp[4:6, : part.completion_ids.shape[1]],
+                                       atol=1e-5, rtol=0)
+            assert disagreement(model, part, replay=False) == 0.0

@@ -273,14 +273,14 @@ def test_dense_models_are_refused_naming_the_key():
 # The trainer: routes through micro-batches and packing, and a run
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_micro_batches_and_packing_replay_each_rows_routes(packed, rollouts, one_thread):
+@pytest.mark.parametrize("family,packed", [(f, False) for f in FAMILIES] + [(f, True) for f in PACKS])
+def test_micro_batches_and_packing_replay_each_rows_routes(family, packed, rollouts, one_thread):
     """Rows split into micro-batches (sorted by length, padding columns trimmed; packed or padded) replay the same
     routes as the whole batch: with the routers perturbed, every micro-batch's logprobs equal the whole batch's
     masked-router reference."""
     from logitless.trainer.batching import make_micro_batches
 
-    model, b = rollouts("qwen3_moe", "static")
+    model, b = rollouts(family, "static")
     B = b.completion_ids.shape[0]
     with perturbed_routers(model), torch.no_grad():
         with masked_routers(model, padded_routes(b)):
@@ -317,12 +317,13 @@ def moe_run(tmp_path, tok, *overrides):
     return train(cfg, model=model, tokenizer=tok).records
 
 
-@pytest.mark.parametrize("setting", ["model.lora=false", "model.lora=true"])
+@pytest.mark.parametrize("setting", ["model.lora=false", "model.lora=true", "objective.beta=0.04 train.packed=true"])
 def test_trainer_replays_the_rollouts_routes(tmp_path, tok, setting, one_thread):
-    """Runs on a tiny Qwen3-MoE: routes are recorded and replayed (full fine-tuning; LoRA), the live routers agree with every recorded route before
+    """Runs on a tiny Qwen3-MoE: routes are recorded and replayed (full fine-tuning; LoRA; a reference model and
+    packed micro-batches; two passes, so old logprobs too), the live routers agree with every recorded route before
     the first optimizer step (rollout/route_disagreement 0) and the sampler's logprobs match the trainer's;
     model.routing_replay=false records nothing and logs no disagreement."""
-    records = moe_run(tmp_path / "on", tok, setting)
+    records = moe_run(tmp_path / "on", tok, *setting.split())
     assert all(r["rollout/route_disagreement"] == 0.0 for r in records)
     assert all(r["rollout/mismatch_max"] < 1e-4 for r in records)
     if setting == "model.lora=false":

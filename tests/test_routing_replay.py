@@ -297,7 +297,7 @@ def test_micro_batches_and_packing_replay_each_rows_routes(family, packed, rollo
     torch.testing.assert_close(got, reference, atol=1e-5, rtol=0)
 
 
-def moe_run(tmp_path, tok, *overrides):
+def moe_run(tmp_path, tok, *overrides):  # noqa: F811
     from logitless.trainer.config import load_train_config
     from logitless.trainer.loop import train
     from tests.conftest import TINY_LORA_QUIET
@@ -318,7 +318,7 @@ def moe_run(tmp_path, tok, *overrides):
 
 
 @pytest.mark.parametrize("setting", ["model.lora=false", "model.lora=true", "objective.beta=0.04 train.packed=true"])
-def test_trainer_replays_the_rollouts_routes(tmp_path, tok, setting, one_thread):
+def test_trainer_replays_the_rollouts_routes(tmp_path, tok, setting, one_thread):  # noqa: F811
     """Runs on a tiny Qwen3-MoE: routes are recorded and replayed (full fine-tuning; LoRA; a reference model and
     packed micro-batches; two passes, so old logprobs too), the live routers agree with every recorded route before
     the first optimizer step (rollout/route_disagreement 0) and the sampler's logprobs match the trainer's;

@@ -30,8 +30,6 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-MODES = ("off", "record", "replay", "compare")
-
 
 def _softmax_gather(always_renorm: bool, cast_back: bool) -> Callable[[nn.Module, Tensor, Tensor], Tensor]:
     """Qwen2/Qwen3-MoE, OLMoE (renormalised if the router's norm_topk_prob, cast back to the logits' dtype), Mixtral

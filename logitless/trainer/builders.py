@@ -12,8 +12,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from logitless.data import TASKS, PromptRow, load_hf_prompts, load_jsonl_prompts, load_task
-from logitless.rewards import get_reward_fn
 from logitless.models.routing import require_routing, routing_of
+from logitless.rewards import get_reward_fn
 from logitless.rollout import RolloutEngine, SamplingOptions, make_engine, sleep
 from logitless.rollout.engine import unwrap_model
 from logitless.rollout.weights import LiveWeights, MergedLoraWeights, in_place_refusal, merges

@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import torch
 
 from logitless.data import PromptRow
+from logitless.models.routing import check_routes, require_routing, routing_scope
 from logitless.objectives import (
     AdvantageOutput,
     Stat,
@@ -35,7 +36,6 @@ from logitless.objectives import (
 )
 from logitless.objectives.mismatch import ABS as MISMATCH
 from logitless.objectives.mismatch import mismatch_summary, sampler_mismatch
-from logitless.models.routing import check_routes, require_routing, routing_scope
 from logitless.rewards import RewardScores, add_reward_column, score_completions
 from logitless.rollout import RolloutBatch, SamplingOptions
 from logitless.trainer.accounting import PhaseTimer, decode_ideal_seconds, update_flops

@@ -332,9 +332,9 @@ def test_trainer_replays_the_rollouts_routes(tmp_path, tok, setting, one_thread)
 
 
 def test_step_graph_and_compaction_record_the_same_routes(one_thread, monkeypatch):
-    """The static engine's decode through `DecodeStep` (its device step counter; eager off CUDA) and with finished
-    rows compacted away (rows reordered) records the routes of the plain loop, which the trainer's own routing
-    reproduces."""
+    """The static engine's decode through `DecodeStep` (its device step counter; eager off CUDA), with finished rows
+    compacted away (rows reordered) and in waves of 5 rows (the last one short) records the routes of the plain loop
+    in one wave, which the trainer's own routing reproduces."""
     from logitless.rollout.static_rows import DecodeRows
 
     compacted, original = [], DecodeRows.compacted
@@ -349,9 +349,11 @@ def test_step_graph_and_compaction_record_the_same_routes(one_thread, monkeypatc
     prompts = [p + "!" * i for i in range(4) for p in PROMPTS[:2]]  # 8 prompts x G = 2: 16 rows
     opts = SamplingOptions(num_generations=2, temperature=TEMPERATURE, max_new_tokens=12, seed=3,
                            eos_token_ids=list(range(0, 256, 6)))  # a sixth of the bytes end a row: rows end early
-    runs = {name: make_engine("static", model, TOK, record_routes=True, check_every=2, **kw).generate(prompts, opts)
-            for name, kw in {"loop": {}, "step_graph": {"step_graph": True},
-                             "compacted": {"compact_finished": True}}.items()}
+    engines = {name: make_engine("static", model, TOK, record_routes=True, check_every=2, **kw)
+               for name, kw in {"loop": {}, "step_graph": {"step_graph": True}, "compacted": {"compact_finished": True},
+                                "waves": {}}.items()}
+    monkeypatch.setattr(engines["waves"], "_wave_size", lambda call, B: 5)
+    runs = {name: eng.generate(prompts, opts) for name, eng in engines.items()}
     base = runs["loop"]
     assert any(compacted)
     for name, b in runs.items():

@@ -403,3 +403,20 @@ def test_routes_survive_the_batch_handoffs(rollouts, one_thread):
             torch.testing.assert_close(logprobs(model, part, True), b.sampler_logp[4:6, : part.completion_ids.shape[1]],
                                        atol=1e-5, rtol=0)
             assert disagreement(model, part, replay=False) == 0.0
+
+
+def test_a_copys_routers_have_their_own_state(rollouts, one_thread):
+    """A copy of a hooked model (a replica or merged rollout copy is one) records its routes while the original
+    replays its own (an async rollout during the update): neither disturbs the other."""
+    from logitless.trainer.parallel import copy_to
+
+    model, b = rollouts("qwen3_moe", "static")
+    clone = copy_to(model, None)
+    assert routing_of(clone) is not routing_of(model)
+    assert all(r in list(clone.modules()) for r in routing_of(clone).routers)
+    with torch.no_grad(), routing_scope(model) as state:
+        logprobs(model, b, True)
+        routes, stats = state.routes, state.stats.clone()
+        again = sample("static", clone)
+        assert state.mode == "replay" and state.routes is routes and torch.equal(state.stats, stats)
+    assert torch.equal(again.completion_routes, b.completion_routes) and torch.equal(again.prompt_routes, b.prompt_routes)

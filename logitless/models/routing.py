@@ -195,11 +195,15 @@ def routing_of(model: nn.Module) -> MoERouting | None:
     routers = [m for m in model.modules() if rule_of(m) is not None]
     state = None
     if routers:
-        tagged = getattr(routers[0], "_logitless_routing", None)
-        state = tagged[0] if tagged is not None else MoERouting(routers, routers[0].num_experts, routers[0].top_k)
-        for slot, r in enumerate(routers if tagged is None else []):
-            r._logitless_routing = (state, slot)
-            r.register_forward_hook(_router_hook)
+        tags = [getattr(r, "_logitless_routing", None) for r in routers]
+        state = tags[0][0] if tags[0] is not None else None
+        if state is None or state.routers != routers or any(t is None or t[0] is not state for t in tags):
+            # untagged, or tags that came with a copy of another model's routers: a state of these routers' own
+            state = MoERouting(routers, routers[0].num_experts, routers[0].top_k)
+            for slot, (r, tag) in enumerate(zip(routers, tags)):
+                if tag is None:  # a copy keeps the hook it was copied with
+                    r.register_forward_hook(_router_hook)
+                r._logitless_routing = (state, slot)
     _found[model] = state
     return state
 

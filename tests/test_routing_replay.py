@@ -420,3 +420,15 @@ def test_a_copys_routers_have_their_own_state(rollouts, one_thread):
         again = sample("static", clone)
         assert state.mode == "replay" and state.routes is routes and torch.equal(state.stats, stats)
     assert torch.equal(again.completion_routes, b.completion_routes) and torch.equal(again.prompt_routes, b.prompt_routes)
+
+
+@pytest.mark.parametrize("setting,why", [("rollout.backend=continuous", "does not record routes"),
+                                         ("agent.tools=[calculator]", "multi-turn episodes")])
+def test_routing_replay_true_is_refused_before_the_model_loads(tmp_path, setting, why):
+    from logitless.trainer.config import load_train_config
+    from logitless.trainer.preflight import validate_config
+
+    cfg = load_train_config(None, [f"train.output_dir={tmp_path}", "model.routing_replay=true", setting])
+    with pytest.raises(ValueError, match=f"model.routing_replay=true: .*{why}.*model.routing_replay=auto"):
+        validate_config(cfg)
+    validate_config(load_train_config(None, [f"train.output_dir={tmp_path}", setting]))  # auto: off there, no error

@@ -181,21 +181,26 @@ def routing_replay_on(cfg: Any, model: Any, *, agent: bool, separate_decode: boo
     if want is False:
         return False
     base = unwrap_model(model)
-    why = None
     if routing_of(base) is None:
         if want is True:
             require_routing(base, "model.routing_replay")  # raises, saying why
         return False
-    if cfg.rollout.backend not in ROUTE_BACKENDS:
-        why = f"rollout.backend={cfg.rollout.backend} does not record routes (use static or hf)"
-    elif agent:
-        why = "multi-turn episodes (agent.tools / agent.environment) do not record routes yet"
-    elif separate_decode:
-        why = ("a shared rollout GPU's decode process or a tensor-parallel rollout (rollout.device or "
-               "rollout.tensor_parallel under torchrun) does not record routes yet")
+    why = routing_replay_obstacle(cfg.rollout.backend, agent, separate_decode)
     if why is not None and want is True:
         raise ValueError(f"model.routing_replay=true: {why}; set model.routing_replay=auto (off here) or false")
     return why is None
+
+
+def routing_replay_obstacle(backend: str, agent: bool, separate_decode: bool) -> str | None:
+    """Why the rollout cannot record routes for replay (None: it can; backend "auto" counts as one that can)."""
+    if backend not in (*ROUTE_BACKENDS, "auto"):
+        return f"rollout.backend={backend} does not record routes (use static or hf)"
+    if agent:
+        return "multi-turn episodes (agent.tools / agent.environment) do not record routes yet"
+    if separate_decode:
+        return ("a shared rollout GPU's decode process or a tensor-parallel rollout (rollout.device or "
+                "rollout.tensor_parallel under torchrun) does not record routes yet")
+    return None
 
 
 def make_rollout_engine(cfg: RolloutConfig, model: Any, tokenizer: Any, record_routes: bool = False) -> RolloutEngine:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 from torch import Tensor, nn
 
 from logitless.models.lm_head import decoder_body, final_hidden_states, lm_head_of, position_ids_from_mask
+from logitless.models.routing import no_route, routing_of, routing_scope
 from logitless.models.varlen import NAME as VARLEN, packed_kwargs
 from logitless.ops import token_logprobs
 
@@ -55,6 +57,9 @@ def completion_logprobs(
     grad_hint: Tensor | None = None,  # [B, T] expected d loss / d logp (see `token_logprobs`)
     packed: bool = False,
     logp_mask: Tensor | None = None,  # [B, T] the completion positions to compute (within completion_mask)
+    prompt_routes: Tensor | None = None,  # [B, P, layers, k] recorded MoE routes of prompt_ids (`models/routing.py`)
+    completion_routes: Tensor | None = None,  # [B, T, layers, k] of completion_ids
+    replay: bool = True,  # with routes: use them (else only measure the model's own routing against them)
 ) -> tuple[Tensor, Tensor | None]:  # logp [B, T] fp32 (0 at padding), entropy [B, T] fp32 or None
     """Log-probability (and entropy) of each completion token under `model` at `temperature`.
 
@@ -75,6 +80,12 @@ def completion_logprobs(
     sequence with position_ids restarting at 0 for each row and no attention mask, which transformers'
     packed-sequence attention turns into per-row causal attention (varlen flash attention, a flex document
     mask, or a block-diagonal mask for sdpa/eager). Same result as the padded forward, without the padding.
+
+    With `prompt_routes` and `completion_routes` (a mixture-of-experts model, `models/routing.py`) every MoE layer
+    routes each token to its recorded experts (`replay`; tokens with the sentinel route and padding route on their
+    own), the weights recomputed from the live router; `routing_of(model).stats` then holds the tokens whose own
+    top-k differs. The routes stay set until the outermost `routing_scope(model)` ends: run the backward inside one so
+    a gradient-checkpoint recompute replays them too. Without routes a MoE model routes on its own.
     """
     if not isinstance(prompt_ids, Tensor) or prompt_ids.dim() != 2 or prompt_ids.shape[1] < 1:
         raise ValueError(f"prompt_ids must be a [B, P] tensor with P >= 1, got {getattr(prompt_ids, 'shape', None)}")
@@ -116,16 +127,32 @@ def completion_logprobs(
     head = lm_head_of(model)
     input_ids = torch.cat([prompt_ids, completion_ids], 1)  # [B, L]
     attention_mask = torch.cat([pmask, cmask], 1)  # [B, L]
-    if packed:
-        hidden, flat = _packed_hidden(model, input_ids, attention_mask, P)  # [1, S, H], [N]
-        if tmask is not cmask:
-            flat = flat[tmask[cmask]]  # [n] of the N completion tokens
-    else:
-        hidden = final_hidden_states(model, input_ids, attention_mask.long())  # [B, L, H]
-        L = hidden.shape[1]
-        src = (P - 1 + torch.arange(T, device=device)).expand(B, T).clone()  # [B, T]
-        src[:, 0] = last_prompt
-        flat = (torch.arange(B, device=device)[:, None] * L + src)[tmask]  # [n]
+    routing = routing_of(model)
+    routes = None
+    if (prompt_routes is None) != (completion_routes is None):
+        raise ValueError("pass prompt_routes and completion_routes together (both recorded by the rollout), or neither")
+    if prompt_routes is not None:
+        if routing is None:
+            raise ValueError("prompt_routes/completion_routes were given but the model has no supported MoE router")
+        if tuple(prompt_routes.shape[:2]) != (B, P) or tuple(completion_routes.shape[:2]) != (B, T):
+            raise ValueError(f"prompt_routes {tuple(prompt_routes.shape)} and completion_routes "
+                             f"{tuple(completion_routes.shape)} must start with [B, P] = [{B}, {P}] and [B, T] = "
+                             f"[{B}, {T}] like prompt_ids and completion_ids")
+        routes = torch.cat([prompt_routes, completion_routes], 1).to(device)  # [B, L, layers, k]
+        routes = routes.masked_fill(~attention_mask[..., None, None], no_route(routes.dtype))
+    with routing_scope(model) if routing is not None else contextlib.nullcontext():
+        if packed:
+            hidden, flat = _packed_hidden(model, input_ids, attention_mask, P, routes, replay)  # [1, S, H], [N]
+            if tmask is not cmask:
+                flat = flat[tmask[cmask]]  # [n] of the N completion tokens
+        else:
+            if routing is not None:
+                routing.set_forward(None if routes is None else routes.flatten(0, 1), replay)
+            hidden = final_hidden_states(model, input_ids, attention_mask.long())  # [B, L, H]
+            L = hidden.shape[1]
+            src = (P - 1 + torch.arange(T, device=device)).expand(B, T).clone()  # [B, T]
+            src[:, 0] = last_prompt
+            flat = (torch.arange(B, device=device)[:, None] * L + src)[tmask]  # [n]
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat)  # [n, H]
     if h.dtype != head.weight.dtype:
         h = h.to(head.weight.dtype)
@@ -145,11 +172,13 @@ def completion_logprobs(
     return logp, entropy
 
 
-def _packed_hidden(model: nn.Module, input_ids: Tensor, mask: Tensor, P: int) -> tuple[Tensor, Tensor]:
+def _packed_hidden(model: nn.Module, input_ids: Tensor, mask: Tensor, P: int, routes: Tensor | None = None,
+                   replay: bool = True) -> tuple[Tensor, Tensor]:
     """Final hidden states of the rows' real tokens packed into one sequence, and the packed index of the hidden
     state that predicts each completion token.
 
-    input_ids, mask: [B, L] (L = P + T; a row's real tokens, prompt then completion, in column order).
+    input_ids, mask: [B, L] (L = P + T; a row's real tokens, prompt then completion, in column order). routes:
+    [B, L, layers, k] MoE routes of those tokens, packed alike (see `completion_logprobs`).
     Returns hidden [1, S, H] (S = real tokens of the rows with completion tokens) and flat [N] (N = completion
     tokens), row-major like `mask[:, P:]`.
     """
@@ -159,6 +188,9 @@ def _packed_hidden(model: nn.Module, input_ids: Tensor, mask: Tensor, P: int) ->
     lengths = mask.sum(1)  # [B]
     varlen = getattr(decoder_body(model).config, "_attn_implementation", None) == VARLEN
     extra = packed_kwargs(lengths[lengths > 0]) if varlen else {}  # row boundaries once, not per layer
+    routing = routing_of(model)
+    if routing is not None:
+        routing.set_forward(None if routes is None else routes[mask], replay)
     hidden = final_hidden_states(model, packed_ids, None, position_ids, **extra)  # [1, S, H]
     index = mask.flatten().long().cumsum(0).view(mask.shape) - 1  # [B, L] packed index of each real token
     # A completion token is predicted by the real token just before it in its row, which is packed right before it.

@@ -12,6 +12,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from logitless.models.routing import no_route
+
 from .types import Prompt, RolloutBatch, RolloutTiming, SamplingOptions
 
 
@@ -272,6 +274,7 @@ def build_batch(
     raw_logp: torch.Tensor,  # [B, S] sampler logprobs of raw_ids
     raw_len: torch.Tensor,  # [B] number of valid sampled tokens per row (<= S)
     generate_seconds: float,
+    raw_routes: torch.Tensor | None = None,  # [B, P + S, layers, k] routes of prompt_ids + raw_ids (record_routes)
 ) -> RolloutBatch:
     """Apply EOS (unless ignore_eos) and stop strings, build masks/flags/texts: one definition for all backends.
 
@@ -315,6 +318,18 @@ def build_batch(
     logp = torch.zeros((B, T), dtype=torch.float32)
     logp[:, :width] = raw_logp.detach().to("cpu", torch.float32)[:, :width]
     logp = logp * mask
+    prompt_routes = completion_routes = None
+    if raw_routes is not None:  # the sentinel outside the masks (padding, tokens cut by EOS or a stop)
+        P, none = prompt_ids.shape[1], no_route(raw_routes.dtype)
+        raw_routes = raw_routes.cpu()
+        prompt_routes = raw_routes[:, :P].masked_fill(~prompt_mask.cpu().bool().repeat_interleave(G, 0)[..., None, None],
+                                                      none)
+        completion_routes = raw_routes.new_full((B, T, *raw_routes.shape[2:]), none)
+        completion_routes[:, :width] = raw_routes[:, P : P + width]
+        # a row's last token has no route: never fed forward, or fed only while other rows decoded on (which
+        # varies with the wave, compaction and the loop's exit), and no logprob depends on it
+        routed = pos[None, :] < (lens[:, None] - 1)  # [B, T]
+        completion_routes.masked_fill_(~routed[..., None, None], none)
     truncated = ~finished & (lens >= options.max_new_tokens)
     num_tokens = int(mask.sum())
     seconds = time.perf_counter() - t_start
@@ -328,6 +343,8 @@ def build_batch(
         truncated=truncated,
         prompt_index=torch.arange(prompt_ids.shape[0]).repeat_interleave(G),
         completions=texts,
+        prompt_routes=prompt_routes,
+        completion_routes=completion_routes,
         timing=RolloutTiming(
             seconds=seconds,
             num_tokens=num_tokens,

@@ -18,6 +18,7 @@ from transformers.generation.logits_process import (
 )
 
 from logitless.models import UnsupportedModelError
+from logitless.models.routing import ForwardLog, MoERouting, recording, require_routing
 
 from .attention import gqa_decode
 from .engine import build_batch, generation_mode, prepare_prompts, refuse_streams, seeded, sync, unwrap_model
@@ -106,6 +107,10 @@ class HFEngine:
         compile=False. The compiled graph is reused by later calls of the same shapes.
     fast_gqa: decode attention without expanding the KV cache to all query heads (`attention.py`).
     Prompts are tokenized once per prompt and the ids expanded G times (generate has no shared-prefix prefill).
+    record_routes: record the experts of every token (`RolloutBatch.prompt_routes`/`completion_routes`; a
+        mixture-of-experts model, `models/routing.py`) by the routers' hooks during `generate` itself, one entry per
+        forward (the prefill, then one per step), so the routes are those the sampler used (a later forward of the
+        whole sequence computes other shapes and may flip near-tied experts).
     """
 
     def __init__(
@@ -116,12 +121,14 @@ class HFEngine:
         static_cache: bool = False,
         compile: bool | None = None,
         fast_gqa: bool = True,
+        record_routes: bool = False,
     ):
         self.model = model
         self.fast_gqa = fast_gqa
         self.tokenizer = tokenizer
         self.static_cache = static_cache
         self.compile = static_cache if compile is None else compile
+        self.routing = require_routing(unwrap_model(model), "model.routing_replay") if record_routes else None
         if self.compile and not static_cache:
             raise ValueError("HFEngine(compile=True) needs static_cache=True (only static caches are compiled)")
         cfg = text_config(unwrap_model(model))
@@ -166,6 +173,9 @@ class HFEngine:
     def generate(self, prompts: Sequence[Prompt], options: SamplingOptions, episodes: Any = None) -> RolloutBatch:
         refuse_streams(options, "hf")
         if episodes is not None:
+            if self.routing is not None:
+                raise ValueError("routing replay does not cover multi-turn episodes yet (their observations are "
+                                 "prefilled between turns): set model.routing_replay=false")
             return generate_episodes(self, prompts, options, episodes)
         prep = prepare_prompts(self.model, self.tokenizer, prompts, options)
         pad_id, eos_ids, device, ids, mask = prep.pad_id, prep.eos_ids, prep.device, prep.ids, prep.mask  # [n, P]
@@ -173,7 +183,9 @@ class HFEngine:
         cfg = self.generation_config(options, options.max_new_tokens, pad_id,
                                      None if options.ignore_eos else eos_ids, list(options.stop))
         extra = {"tokenizer": self.tokenizer} if options.stop else {}
-        with self.sampling(options, device):
+        log = None if self.routing is None else ForwardLog(self.routing.layers, self.routing.dtype)
+        record = recording(unwrap_model(self.model), log) if log is not None else contextlib.nullcontext()
+        with self.sampling(options, device), record:
             sync(device)
             tg = time.perf_counter()
             G = options.num_generations  # rows i*G+g; tokenized once, expanded here (greedy allows no
@@ -184,8 +196,22 @@ class HFEngine:
             )
             completion = out[:, ids.shape[1] :]  # [B, S]
             logp = recorder.finish(completion)
+            routes = None if log is None else forward_routes(self.routing, log, *completion.shape, ids.shape[1])
             sync(device)
             gen_s = time.perf_counter() - tg
             del out
         B, S = completion.shape
-        return build_batch(self.tokenizer, prep, completion, logp, torch.full((B,), S, dtype=torch.long), gen_s)
+        return build_batch(self.tokenizer, prep, completion, logp, torch.full((B,), S, dtype=torch.long), gen_s,
+                           routes)
+
+
+def forward_routes(routing: MoERouting, log: ForwardLog, B: int, S: int, P: int) -> torch.Tensor:
+    """[B, P + S, layers, k] routes of `generate`'s forwards: the prefill of the B rows' P prompt columns, then one
+    forward per fed token (S - 1 of them: the last sampled token is never fed, its column keeps the sentinel)."""
+    if len(log.forwards) != S:
+        raise RuntimeError(f"routing record: generate ran {len(log.forwards)} forwards for {S} sampled tokens")
+    routes = routing.empty(B, P + S, device=log.forwards[0].device)
+    routes[:, :P] = log.forwards[0].view(B, P, routing.layers, routing.top_k)
+    if S > 1:
+        routes[:, P : P + S - 1] = torch.stack(log.forwards[1:], 1)
+    return routes

@@ -27,6 +27,10 @@
   the model itself, or a merged-LoRA inference copy that decodes at plain-model speed (and, sleeping, frees its
   memory between calls).
 - The recorded logprob is log_softmax(raw_logits / T)[token], as documented in `types.py`.
+- With `record_routes` (a mixture-of-experts model, `models/routing.py`) the routers' chosen experts are recorded
+  too: each prompt's at its prefill (once, shared by its G rows), each row's decode step's into a [b, S, layers, k]
+  device buffer at the column the step counter names (inside the step, no host sync), copied to the host with the
+  tokens. The last sampled token is never fed forward and keeps the sentinel route.
 
 The KV cache lives only for one `generate` call; its length is rounded up to `cache_multiple` tokens and never
 shrinks across calls, so calls with different prompt lengths reuse the compiled graph. A new row count (wave
@@ -51,6 +55,7 @@ from transformers.generation.configuration_utils import CompileConfig
 from transformers.generation.logits_process import TemperatureLogitsWarper
 
 from logitless.models.compiled import inductor_options
+from logitless.models.routing import RouteSink, no_route, recording, require_routing, routing_of
 
 from .attention import gqa_decode, resolve_decode_attention
 from .engine import PreparedPrompts, build_batch, generation_mode, model_device, prepare_prompts, sync, unwrap_model
@@ -116,6 +121,8 @@ class StaticEngine:
     no compaction); True: as None, refused where it does not apply (off CUDA the same step runs eagerly, not
     captured); False: never (the forward alone is a CUDA graph). `capture_eager` (an attribute, False): with None,
     capture the eager step too where the forward is not compiled (a tensor-parallel group's decode on CUDA).
+    record_routes: record the experts every token was routed to (`RolloutBatch.prompt_routes`/`completion_routes`;
+    a mixture-of-experts model with a supported router family, `models/routing.py`; not with episodes).
     """
 
     def __init__(
@@ -134,6 +141,7 @@ class StaticEngine:
         decode_attention: str = "auto",
         sampler_kernel: str = "auto",
         step_graph: bool | None = None,
+        record_routes: bool = False,
     ):
         if check_every < 1 or cache_multiple < 1:
             raise ValueError(
@@ -152,6 +160,9 @@ class StaticEngine:
             raise ValueError(f"rollout.max_kv_gib={max_kv_gib!r} must be > 0 (GiB), or unset for the automatic budget")
         self.weights = weights if weights is not None else LiveWeights(model)
         check_layout(unwrap_model(self.weights.module), "static", STATIC_LAYER_TYPES)
+        if record_routes:
+            require_routing(unwrap_model(self.weights.module), "model.routing_replay")
+        self.record_routes = record_routes
         where = model_device(self.weights.module)
         dtype = getattr(unwrap_model(self.weights.module), "dtype", torch.float32)
         has_triton = importlib.util.find_spec("triton") is not None
@@ -254,6 +265,9 @@ class StaticEngine:
         prep = prepare_prompts(module, self.tokenizer, prompts, options)
         if episodes is not None:
             check_episode_options(self, options, episodes)
+            if self.record_routes:
+                raise ValueError("routing replay does not cover multi-turn episodes yet (their observations are "
+                                 "prefilled between turns): set model.routing_replay=false")
         outside = {"prepare": time.perf_counter() - t_call}  # with profile: the parts around the decode
         device = prep.device
         # the decode's GPU is the current one for the call: an eagerly launched Triton kernel runs on the current
@@ -284,7 +298,8 @@ class StaticEngine:
         return batch
 
     def _generate_rows(self, module: Any, prep: PreparedPrompts, options: SamplingOptions):
-        """The single-turn decode of every row: (tokens [B, S], logps [B, S], lengths [B], seconds), on the host."""
+        """The single-turn decode of every row: (tokens [B, S], logps [B, S], lengths [B], seconds, routes
+        [B, P + S, layers, k] or None), on the host."""
         G, (n, P), S = options.num_generations, prep.ids.shape, options.max_new_tokens
         B, device = n * G, prep.device
         completion = torch.full((B, S), prep.pad_id, dtype=torch.long)
@@ -293,15 +308,19 @@ class StaticEngine:
         sync(device)
         tg = time.perf_counter()
         call, prompt_of_row = self._start_call(module, prep, options, self._cache_len(P, S, prep.context))
+        routes = None if call.routing is None else call.routing.empty(B, P + S)
         wave = self._wave_size(call, B)
         for r0 in range(0, B, wave):
             rows = torch.arange(r0, min(r0 + wave, B), device=device)
-            ids, lp, steps = self._decode_wave(module, call, rows, prompt_of_row, pad_to=wave)
+            ids, lp, steps, wave_routes = self._decode_wave(module, call, rows, prompt_of_row, pad_to=wave)
             completion[r0 : r0 + len(rows), :steps] = ids.cpu()
             logps[r0 : r0 + len(rows), :steps] = lp.cpu()
             lens[r0 : r0 + len(rows)] = steps
+            if routes is not None:
+                routes[r0 : r0 + len(rows), :P] = call.prompt_routes[prompt_of_row[rows]].cpu()
+                routes[r0 : r0 + len(rows), P : P + steps] = wave_routes.cpu()
         sync(device)
-        return completion, logps, lens, time.perf_counter() - tg
+        return completion, logps, lens, time.perf_counter() - tg, routes
 
     def _start_call(self, module: Any, prep: PreparedPrompts, options: SamplingOptions, cache_len: int,
                     extra_eos: Sequence[int] = ()) -> tuple[DecodeCall, torch.Tensor]:
@@ -330,16 +349,27 @@ class StaticEngine:
         return step_sampler(device, self.sampler_kernel, self._use_compile(device))
 
     def _prefill(self, module: Any, prep: PreparedPrompts, options: SamplingOptions, cache_len: int) -> DecodeCall:
-        """Prefill the n distinct prompts once; every wave copies its rows' prompt keys/values from this."""
+        """Prefill the n distinct prompts once; every wave copies its rows' prompt keys/values from this (and, with
+        record_routes, the prompts' routes)."""
         t0 = time.perf_counter()
         pos = (prep.mask.cumsum(1) - 1).clamp(min=0)
         pre_cache = prefill_cache()
         self._caches.append(weakref.ref(pre_cache))
-        out = module(input_ids=prep.ids, attention_mask=prep.mask, position_ids=pos, past_key_values=pre_cache,
-                     use_cache=True, logits_to_keep=1)
+        routing = routing_of(unwrap_model(module)) if self.record_routes else None
+        sink = None
+        if routing is not None:  # each prompt token's routes, once per prompt
+            sink = RouteSink(routing.empty(prep.ids.numel(), 1, device=prep.device),
+                             torch.zeros((), dtype=torch.long, device=prep.device))
+        with recording(unwrap_model(module), sink) if sink is not None else contextlib.nullcontext():
+            out = module(input_ids=prep.ids, attention_mask=prep.mask, position_ids=pos, past_key_values=pre_cache,
+                         use_cache=True, logits_to_keep=1)
         first = out.logits[:, -1].float()  # [n, V]
         del out
         call = DecodeCall(prep, options, cache_len, pre_cache, first, keys=None, codes=None, filters=[], eos=None)
+        if sink is not None:
+            prompt_routes = sink.buffer.view(*prep.ids.shape, routing.layers, routing.top_k)
+            call.routing = routing
+            call.prompt_routes = prompt_routes.masked_fill(~prep.mask.bool()[..., None, None], no_route(routing.dtype))
         self._last_parts = {}
         self._tick("prefill", t0, prep.device)
         return call
@@ -357,9 +387,10 @@ class StaticEngine:
 
     def _decode_wave(
         self, module: Any, call: DecodeCall, rows: torch.Tensor, prompt_of_row: torch.Tensor, pad_to: int
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Decode rows `rows` [w] of the call together: (tokens [w, steps], logps [w, steps], steps). On the
-        compiled path a short last wave is padded with copies of its last row so every wave has one shape."""
+    ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
+        """Decode rows `rows` [w] of the call together: (tokens [w, steps], logps [w, steps], steps, routes
+        [w, steps, layers, k] or None). On the compiled path a short last wave is padded with copies of its last row
+        so every wave has one shape."""
         prep, options, device = call.prep, call.options, call.prep.device
         w = len(rows)
         if self._use_compile(device) and w < pad_to:
@@ -372,18 +403,34 @@ class StaticEngine:
         out_logp = torch.zeros((Bw, S), dtype=torch.float32, device=device)
         live = DecodeRows.start(call, src, call.keys[rows], L)
         self._caches.append(weakref.ref(live.cache))
+        # the routes of the token each step feeds, at its column (the step counter); None without record_routes
+        sink = None if call.routing is None else RouteSink(
+            call.routing.empty(Bw, S, device=device), torch.zeros((), dtype=torch.long, device=device), live.index)
+        record = recording(unwrap_model(module), sink) if sink is not None else contextlib.nullcontext()
         # With top-k/top-p/min-p or a repetition penalty the draw runs eagerly in torch: the compiled pass failed
         # the chi-square test of tests/test_sampling_stats.py on CUDA with filters on (and passed without them).
         # The logits stay in the model's dtype (the draw upcasts them as it reads them; the forward's output
         # buffer is read before the next step's replay overwrites it).
         draw = self._draw(device)  # unfiltered draws
-        steps, T, greedy = 0, options.logp_temperature, options.temperature == 0
         buckets = length_buckets(P, L, self.length_buckets, self.cache_multiple)
         t0 = self._tick("prefill", t0, device)  # the copy into this wave's cache
-        if self._graph_step(device, call.filters):
-            steps = self._graph_steps(module, call, live, history, out_logp, draw, t0)
-            return history[:w, P : P + steps], out_logp[:w, :steps], steps
-        forward, compiled = self._forward(module, device, Bw)
+        with record:
+            if self._graph_step(device, call.filters):
+                steps = self._graph_steps(module, call, live, history, out_logp, draw, t0, sink)
+            else:
+                forward, compiled = self._forward(module, device, Bw)
+                steps = self._eager_steps(live, call, history, out_logp, draw, forward, compiled, buckets, sink, t0)
+        routes = None if sink is None else sink.buffer[:w, :steps]
+        return history[:w, P : P + steps], out_logp[:w, :steps], steps, routes
+
+    def _eager_steps(self, live: DecodeRows, call: DecodeCall, history: torch.Tensor, out_logp: torch.Tensor,
+                     draw: Any, forward: Callable, compiled: bool, buckets: list[int], sink: RouteSink | None,
+                     t0: float) -> int:
+        """The wave's decode one step at a time (the forward alone compiled, if at all); returns the steps decoded.
+        `sink`: where the routers write the routes of the token each forward feeds (its rows follow compaction)."""
+        prep, options, device = call.prep, call.options, call.prep.device
+        P, S = prep.ids.shape[1], options.max_new_tokens
+        steps, T, greedy = 0, options.logp_temperature, options.temperature == 0
         for t in range(S):
             if call.filters:  # eager: the compiled pass failed the chi-square test with filters on (see above)
                 hist = history.index_select(0, live.index)[:, : P + t]
@@ -407,21 +454,27 @@ class StaticEngine:
                 if self.compact_finished:
                     live, token = live.compacted(token)
                     self._caches.append(weakref.ref(live.cache))
+                    if sink is not None:
+                        sink.rows = live.index
             t0 = self._tick("host_checks", t0, device)
             live.show(next(b for b in buckets if b > P + t))  # this step writes slot P + t
             if compiled:
                 torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs were consumed
+            if sink is not None:
+                sink.step.fill_(t)  # this forward feeds token t
             live.logits = forward(input_ids=token[:, None], attention_mask=live.visible_mask(),
                                   position_ids=live.next_pos, past_key_values=live.cache, use_cache=True,
                                   logits_to_keep=1).logits[:, -1]
             live.next_pos = live.next_pos + 1
             t0 = self._tick("forward", t0, device)
-        return history[:w, P : P + steps], out_logp[:w, :steps], steps
+        return steps
 
     def _graph_steps(self, module: Any, call: DecodeCall, live: DecodeRows, history: torch.Tensor, out_logp: torch.Tensor,
-                     draw: Any, t0: float) -> int:
+                     draw: Any, t0: float, sink: RouteSink | None = None) -> int:
         """The wave's decode through one `DecodeStep` (rows never compacted: row i is row i of the outputs);
-        returns the steps decoded. Step 0 is drawn from the prefill's fp32 logits, every later one by the step."""
+        returns the steps decoded. Step 0 is drawn from the prefill's fp32 logits, every later one by the step.
+        `sink`: its step becomes the step's own counter (the forward of step t + 1 feeds token t, before the
+        counter moves on), read on the device inside the captured step."""
         prep, options, device = call.prep, call.options, call.prep.device
         P, S, Bw = prep.ids.shape[1], options.max_new_tokens, len(live.index)
         if device.type == "cuda" and device not in self._streams:
@@ -431,6 +484,8 @@ class StaticEngine:
                           out_logp=out_logp, prompt_len=P, pad_id=prep.pad_id, eos=call.eos, codes=call.codes,
                           temperature=options.logp_temperature, greedy=options.temperature == 0,
                           stream=self._streams.get(device))
+        if sink is not None:
+            sink.step = step.t
         step.first(live.logits)
         t0 = self._tick("sample", t0, device)
         steps = 1

@@ -31,6 +31,8 @@ class DecodeCall:
     filters: list  # repetition penalty / top-k / top-p / min-p processors (no temperature)
     eos: torch.Tensor  # [E] long EOS ids (empty with ignore_eos)
     parts: dict[str, float] = field(default_factory=dict)  # seconds per part of the step (profile=True)
+    routing: Any = None  # `models.routing.MoERouting` of the decoding model when the call records routes
+    prompt_routes: torch.Tensor | None = None  # [n, P, layers, k] the prompts' routes, recorded at their prefill
 
 
 @dataclass

@@ -121,6 +121,11 @@ class RolloutBatch:
     # Multi-turn episodes (`episodes.py`); None for single-turn rollouts.
     env_mask: torch.Tensor | None = None  # [B, T] long, 1 on completion tokens the driver wrote (never trained)
     episodes: list | None = None  # [B] `episodes.EpisodeRecord` of each row
+    # Mixture-of-experts routes (engines built with record_routes; `models/routing.py`): the experts each token was
+    # routed to in each MoE layer, uint8 (int16 beyond 255 experts), the sentinel (255 / -1) where none was recorded
+    # (padding, a row's last token, which is never fed forward). Aligned to prompt_ids and completion_ids.
+    prompt_routes: torch.Tensor | None = None  # [B, P, layers, k]
+    completion_routes: torch.Tensor | None = None  # [B, T, layers, k]
 
     def loss_mask(self) -> torch.Tensor:
         """[B, T] long: the completion tokens the model wrote (all of completion_mask without episodes)."""

@@ -28,10 +28,21 @@ class MicroBatch:
     # [b, t] the completion tokens that are trained: the model's (completion_mask less the observation tokens of
     # multi-turn episodes, RolloutBatch.env_mask); the same tensor as completion_mask without episodes
     loss_mask: torch.Tensor | None = None
+    # [b, p, layers, k] / [b, t, layers, k] the rollout's mixture-of-experts routes of prompt_ids / completion_ids
+    # (RolloutBatch.prompt_routes / completion_routes, trimmed alike), replayed by the trainer's forwards; None: none
+    prompt_routes: torch.Tensor | None = None
+    completion_routes: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:
             self.loss_mask = self.completion_mask
+
+    @property
+    def routes(self) -> dict[str, torch.Tensor]:
+        """The keyword arguments of `completion_logprobs` that replay the routes (empty without routes)."""
+        if self.prompt_routes is None:
+            return {}
+        return {"prompt_routes": self.prompt_routes, "completion_routes": self.completion_routes}
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +64,7 @@ def make_micro_batches(
     max_tokens: int | None = None,
     packed: bool = False,
     loss_mask: torch.Tensor | None = None,  # [B, T] the trained tokens (default: completion_mask)
+    routes: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([B, P, layers, k], [B, T, layers, k]) MoE routes
 ) -> list[MicroBatch]:
     """Split the B rows (or the given `rows`) into micro-batches, longest sequences first.
 
@@ -92,6 +104,8 @@ def make_micro_batches(
                 truncated=truncated[chunk],
                 advantages=advantages[chunk],
                 loss_mask=None if loss_mask is None else loss_mask[chunk][:, :t],
+                prompt_routes=None if routes is None else routes[0][chunk][:, -p:],
+                completion_routes=None if routes is None else routes[1][chunk][:, :t],
             )
         )
     return out

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from logitless.models.routing import no_route
 from logitless.objectives import compute_advantages
 from logitless.rewards import RewardScores
 from logitless.rollout import RolloutBatch, RolloutTiming
@@ -37,11 +38,11 @@ WARN_ROUNDS = 8  # rounds without an informative group before the first warning 
 
 
 def _pad(x: torch.Tensor, width: int, value: float, left: bool) -> torch.Tensor:
-    """[n, w] -> [n, width], padded with `value` on the left or right."""
+    """[n, w, ...] -> [n, width, ...], padded with `value` on the left or right."""
     extra = width - x.shape[1]
     if extra == 0:
         return x
-    pad = torch.full((x.shape[0], extra), value, dtype=x.dtype, device=x.device)
+    pad = torch.full((x.shape[0], extra, *x.shape[2:]), value, dtype=x.dtype, device=x.device)
     return torch.cat([pad, x] if left else [x, pad], dim=1)
 
 
@@ -75,7 +76,17 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
                                  left=False) for b in batches]) if with_env else None,
         episodes=[e for b in batches for e in (b.episodes or [None] * len(b.completions))]
         if any(b.episodes is not None for b in batches) else None,
+        **_concat_routes(batches, P, T),
     )
+
+
+def _concat_routes(batches: list[RolloutBatch], P: int, T: int) -> dict[str, torch.Tensor]:
+    """The batches' mixture-of-experts routes padded like their ids (with the no-route sentinel); {} without."""
+    if batches[0].prompt_routes is None:
+        return {}
+    none = no_route(batches[0].prompt_routes.dtype)
+    return {"prompt_routes": torch.cat([_pad(b.prompt_routes, P, none, left=True) for b in batches]),
+            "completion_routes": torch.cat([_pad(b.completion_routes, T, none, left=False) for b in batches])}
 
 
 def select_rows(batch: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
@@ -88,7 +99,8 @@ def select_rows(batch: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
         prompt_ids=take(batch.prompt_ids), prompt_mask=take(batch.prompt_mask), completion_ids=take(batch.completion_ids),
         completion_mask=take(batch.completion_mask), sampler_logp=take(batch.sampler_logp), finished=take(batch.finished),
         truncated=take(batch.truncated), prompt_index=prompt_index, completions=[batch.completions[i] for i in keep],
-        timing=batch.timing, env_mask=take(batch.env_mask),
+        timing=batch.timing, env_mask=take(batch.env_mask), prompt_routes=take(batch.prompt_routes),
+        completion_routes=take(batch.completion_routes),
         episodes=[batch.episodes[i] for i in keep] if batch.episodes is not None else None,
     )
 

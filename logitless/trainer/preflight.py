@@ -26,7 +26,7 @@ from logitless.rewards import reward_name
 from logitless.rollout import BACKENDS
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.builders import OFFLOAD_INSTALL_HINT, accuracy_index, load_rows, reward_functions
-from logitless.trainer.placement.engines import sampling_options
+from logitless.trainer.placement.engines import routing_replay_obstacle, sampling_options
 from logitless.trainer.config.schema import TrainerConfig
 from logitless.trainer.checks.data import FIRST_ROWS, check_reward_fields
 from logitless.trainer.episodes import ENVIRONMENT_REWARD, environment_weight
@@ -190,6 +190,10 @@ def _check_training(cfg: TrainerConfig) -> None:
             "or train.async_rollout=false"
         )
     check_rollout_device(cfg)
+    why = routing_replay_obstacle(r.backend, cfg.agent.enabled, replicas and (r.device is not None or
+                                                                          r.tensor_parallel > 1))
+    if cfg.model.routing_replay is True and why is not None:  # (whether the model has experts: once it is loaded)
+        raise ValueError(f"model.routing_replay=true: {why}; set model.routing_replay=auto (off here) or false")
     if cfg.train.async_rollout and (cfg.eval.every_steps or cfg.eval.on_start):
         raise ValueError(
             "eval.every_steps / eval.on_start evaluate with the run's rollout engine, which train.async_rollout=true "

@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import torch
 
 from logitless.data import PromptRow
+from logitless.models.routing import check_routes, require_routing, routing_scope
 from logitless.objectives import (
     AdvantageOutput,
     Stat,
@@ -239,14 +240,19 @@ def plan_update(ctx: TrainContext, ro: Rollout, scored: Scored, rows: torch.Tens
     # Multi-turn episodes: only the model's tokens are trained (observations stay in the sequence as context)
     loss = b.loss_mask()  # [B, T] (completion_mask itself without episodes)
     episodes = None if b.env_mask is None else loss
+    # mixture-of-experts routes of the rollout, replayed by every forward of these rows (model.routing_replay)
+    routes = (b.prompt_routes, b.completion_routes) if b.prompt_routes is not None else None
+    if routes is not None:  # once per step (one host sync): a route naming no expert of the model fails here
+        for r in routes:
+            check_routes(r, require_routing(ctx.model, "model.routing_replay").num_experts)
     micro = make_micro_batches(
         b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, b.sampler_logp, b.truncated, adv,
         cfg.train.micro_batch_size, rows=trained, max_tokens=cfg.train.micro_batch_tokens, packed=cfg.train.packed,
-        loss_mask=episodes,
+        loss_mask=episodes, routes=routes,
     )
     spare = lambda: make_micro_batches(  # noqa: E731  (a rank that trains no row still pads with row 0)
         b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, b.sampler_logp, b.truncated, adv, 1,
-        rows=torch.zeros(1, dtype=torch.long, device=ctx.device), loss_mask=episodes,
+        rows=torch.zeros(1, dtype=torch.long, device=ctx.device), loss_mask=episodes, routes=routes,
     )[0]
     padding = padding_micro_batches(micro, spare, ctx.device)  # none on one process
     mask, truncated = (loss, b.truncated) if rows is None else (loss[part], b.truncated[part])
@@ -271,13 +277,13 @@ def logprob_stage(ctx: TrainContext, plan: UpdatePlan) -> OldRef:
             if mu > 1 or top_entropy:
                 with ctx.lora_compute.forward():
                     logp, ent = model_logprobs(*args, temperature=plan.temperature, with_entropy=top_entropy,
-                                               packed=packed, logp_mask=m.loss_mask)
+                                               packed=packed, logp_mask=m.loss_mask, **m.routes)
                 old[i] = logp if mu > 1 else None
                 entropies += [ent] if top_entropy else []
             if ctx.reference is not None:
                 with ctx.reference.use(ctx.model) as ref_model, ctx.lora_compute.forward():
                     ref[i] = model_logprobs(ref_model, *args[1:], temperature=plan.temperature, packed=packed,
-                                            logp_mask=m.loss_mask)[0]
+                                            logp_mask=m.loss_mask, **m.routes)[0]
     real = plan.micro[: len(plan.micro) - plan.padding]  # padding passes (torchrun) keep collectives in step only
     threshold = None  # one threshold over the whole step's tokens
     if top_entropy:
@@ -306,25 +312,43 @@ def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i:
         m.loss_mask, m.advantages, o, plan.normalizer, sampler_logp=m.sampler_logp, truncated=m.truncated,
         entropy_coef=ctx.entropy_coef.effective if entropy_grad else 0.0,
     )
-    # Activation offload: the tensors this forward saves for backward wait in host memory (trainer/policy/offload.py).
-    with ActivationOffload(ctx.model) if ctx.cfg.model.activation_offload else contextlib.nullcontext(), \
-            ctx.lora_compute.forward():
-        logp, entropy = model_logprobs(
-            ctx.model, m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask,
-            temperature=plan.temperature, with_entropy=True, grad_hint=hint, packed=ctx.cfg.train.packed,
-            logp_mask=m.loss_mask,
+    # The routes stay set through the backward, whose gradient-checkpoint recompute replays them too.
+    with routing_scope(ctx.model) as routing:
+        # Activation offload: the tensors this forward saves for backward wait in host memory
+        # (trainer/policy/offload.py).
+        with ActivationOffload(ctx.model) if ctx.cfg.model.activation_offload else contextlib.nullcontext(), \
+                ctx.lora_compute.forward():
+            logp, entropy = model_logprobs(
+                ctx.model, m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask,
+                temperature=plan.temperature, with_entropy=True, grad_hint=hint, packed=ctx.cfg.train.packed,
+                logp_mask=m.loss_mask, **m.routes,
+            )
+        # the routers' own top-k against the sampler's routes, in this forward (before the optimizer step)
+        disagreement = route_disagreement(routing.stats) if first and m.routes and routing is not None else {}
+        out = policy_loss(
+            logp, m.loss_mask, m.advantages, o, plan.normalizer, old_logp=oldref.old_logp[i],
+            ref_logp=oldref.ref_logp[i], sampler_logp=m.sampler_logp,
+            entropy=entropy if entropy_grad else entropy.detach(), truncated=m.truncated,
+            entropy_coef=ctx.entropy_coef.effective, entropy_threshold=oldref.threshold,
+            entropy_normalizer=oldref.bonus_normalizer,
         )
-    out = policy_loss(
-        logp, m.loss_mask, m.advantages, o, plan.normalizer, old_logp=oldref.old_logp[i],
-        ref_logp=oldref.ref_logp[i], sampler_logp=m.sampler_logp, entropy=entropy if entropy_grad else entropy.detach(),
-        truncated=m.truncated, entropy_coef=ctx.entropy_coef.effective, entropy_threshold=oldref.threshold,
-        entropy_normalizer=oldref.bonus_normalizer,
-    )
-    out.loss.backward()
+        out.loss.backward()
     if first:  # the policy the rollout sampled from (no optimizer step yet), against the engine's logprobs
         # over the model's tokens (multi-turn episodes: observations have neither logprob)
-        return out.loss.detach(), {**out.metrics, **sampler_mismatch(logp, m.sampler_logp, m.loss_mask)}
+        return out.loss.detach(), {**out.metrics, **sampler_mismatch(logp, m.sampler_logp, m.loss_mask),
+                                   **disagreement}
     return out.loss.detach(), out.metrics
+
+
+ROUTE_DISAGREEMENT = "rollout/route_disagreement"
+
+
+def route_disagreement(stats: torch.Tensor) -> dict[str, Stat]:
+    """{rollout/route_disagreement: Stat}: the share of routed (token, MoE layer) pairs whose live router's top-k
+    differs as a set from the sampler's recorded route, from a forward's per-layer counts `stats` [layers, 2]."""
+    differ, routed = stats[:, 0].sum(), stats[:, 1].sum()
+    return {ROUTE_DISAGREEMENT: Stat(differ, routed, (differ == routed).to(torch.float64),
+                                     (differ > 0).to(torch.float64))}
 
 
 def optimizer_step(ctx: TrainContext, loss: float) -> tuple[float, bool]:

@@ -110,6 +110,14 @@ class ModelConfig:
     # (MLP_CHUNK_TOKENS of trainer/memory/plan.py) where the memory plan finds that nothing untiled fits the budget
     # (a long row), off otherwise and where no plan is made.
     mlp_chunk_tokens: int | None | Literal["auto"] = "auto"
+    # Routing replay for mixture-of-experts models (qwen3_moe, qwen2_moe, olmoe, mixtral, gpt_oss, deepseek_v3): the
+    # rollout records the experts every token was routed to, and every trainer forward (old, reference, policy and
+    # its checkpoint recompute) routes each token to those experts, the gate weights recomputed from the live router
+    # so it still learns (logitless/models/routing.py). Removes the expert flips between the sampler's and the
+    # trainer's forwards; rollout/route_disagreement logs how many (token, layer) routes the live router would
+    # change. "auto": on for such a model where routes are recorded (rollout.backend static or hf, single-turn, not a
+    # shared or tensor-parallel rollout), off otherwise; true: the same, an error where it cannot be on.
+    routing_replay: bool | Literal["auto"] = "auto"
 
     def __post_init__(self):
         _positive("model", lora_r=self.lora_r, lora_alpha=self.lora_alpha,

@@ -47,6 +47,7 @@ from logitless.trainer.placement.shared_rollout import Handout, SharedDecode
 ROLLOUT_STREAM_PRIORITY = -1  # CUDA stream priority of the rollout (lower runs first; -1 is torch's "high")
 BATCH_TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "sampler_logp", "finished",
                  "truncated", "prompt_index")
+ROUTE_TENSORS = ("prompt_routes", "completion_routes")  # mixture-of-experts routes, when recorded
 
 
 @dataclass
@@ -60,8 +61,9 @@ class Prefetched:
 
 def batch_to_json(b: RolloutBatch) -> dict[str, Any]:
     """A JSON-able copy of a rollout batch (fp32 logprobs round-trip exactly through Python floats)."""
-    out: dict[str, Any] = {k: getattr(b, k).cpu().tolist() for k in BATCH_TENSORS}
-    out["dtypes"] = {k: str(getattr(b, k).dtype).removeprefix("torch.") for k in BATCH_TENSORS}
+    names = BATCH_TENSORS + tuple(k for k in ROUTE_TENSORS if getattr(b, k) is not None)
+    out: dict[str, Any] = {k: getattr(b, k).cpu().tolist() for k in names}
+    out["dtypes"] = {k: str(getattr(b, k).dtype).removeprefix("torch.") for k in names}
     out["completions"] = list(b.completions)
     out["timing"] = dict(b.timing.__dict__)
     if b.env_mask is not None:  # multi-turn episodes
@@ -71,7 +73,7 @@ def batch_to_json(b: RolloutBatch) -> dict[str, Any]:
 
 
 def batch_from_json(d: dict[str, Any]) -> RolloutBatch:
-    tensors = {k: torch.tensor(d[k], dtype=getattr(torch, d["dtypes"][k])) for k in BATCH_TENSORS}
+    tensors = {k: torch.tensor(d[k], dtype=getattr(torch, d["dtypes"][k])) for k in d["dtypes"]}
     episodes = {}
     if "env_mask" in d:
         episodes = {"env_mask": torch.tensor(d["env_mask"], dtype=torch.long),

@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 
+from logitless.models.routing import require_routing, routing_of
 from logitless.rollout import RolloutEngine, SamplingOptions, make_engine, sleep
+from logitless.rollout.engine import unwrap_model
 from logitless.rollout.weights import LiveWeights, MergedLoraWeights, in_place_refusal, merges
 from logitless.trainer.config.schema import RolloutConfig
 
@@ -22,6 +24,7 @@ class EngineChoice:
     merged_replica: bool = False  # ... a plain model with the LoRA merged in (nothing left to merge)
     resident: bool = False  # a weight copy of the engine's own, kept resident (a replica; an async rollout)
     decode_attention: str | None = None  # rollout.decode_attention's "auto" as the run decides it
+    record_routes: bool = False  # record mixture-of-experts routes for replay (`routing_replay_on`)
 
 
 def make_rollout_engine(cfg: RolloutConfig, model: Any, tokenizer: Any, choice: EngineChoice = EngineChoice()
@@ -30,7 +33,7 @@ def make_rollout_engine(cfg: RolloutConfig, model: Any, tokenizer: Any, choice: 
     allows (`MergedLoraWeights`, kept where rollout.weight_copy says), else from the model, under the
     rollout.max_kv_gib budget. `choice`: the run's placement decisions (`placement.RolloutPlacement`)."""
     if cfg.backend != "static":
-        return make_engine(cfg.backend, model, tokenizer)
+        return make_engine(cfg.backend, model, tokenizer, **({"record_routes": True} if choice.record_routes else {}))
     merged = merges(model, None if choice.merged_replica else cfg.merge_lora)
     mode = "resident" if choice.resident else weight_copy(
         cfg, next(model.parameters()).device, has_copy=merged, distributed=False,
@@ -45,7 +48,42 @@ def make_rollout_engine(cfg: RolloutConfig, model: Any, tokenizer: Any, choice: 
     return make_engine("static", model, tokenizer, weights=weights, max_kv_gib=cfg.max_kv_gib, profile=cfg.profile,
                        length_buckets=cfg.length_buckets, compact_finished=cfg.compact_finished,
                        decode_attention=choice.decode_attention or cfg.decode_attention,
-                       sampler_kernel=cfg.sampler_kernel, step_graph=cfg.step_graph)
+                       sampler_kernel=cfg.sampler_kernel, step_graph=cfg.step_graph,
+                       record_routes=choice.record_routes)
+
+
+ROUTE_BACKENDS = ("static", "hf")  # rollout backends that record mixture-of-experts routes
+
+
+def routing_replay_on(cfg: Any, model: Any, *, agent: bool, separate_decode: bool) -> bool:
+    """model.routing_replay resolved: whether the rollout records each token's experts and the trainer's forwards
+    replay them (`models/routing.py`). "auto": on for a mixture-of-experts model with a supported router wherever
+    routes can be recorded (rollout.backend static or hf, single-turn, decoded in this process); true: the same,
+    with an error naming what stands in the way."""
+    want = cfg.model.routing_replay
+    if want is False:
+        return False
+    base = unwrap_model(model)
+    if routing_of(base) is None:
+        if want is True:
+            require_routing(base, "model.routing_replay")  # raises, saying why
+        return False
+    why = routing_replay_obstacle(cfg.rollout.backend, agent, separate_decode)
+    if why is not None and want is True:
+        raise ValueError(f"model.routing_replay=true: {why}; set model.routing_replay=auto (off here) or false")
+    return why is None
+
+
+def routing_replay_obstacle(backend: str, agent: bool, separate_decode: bool) -> str | None:
+    """Why the rollout cannot record routes for replay (None: it can; backend "auto" counts as one that can)."""
+    if backend not in (*ROUTE_BACKENDS, "auto"):
+        return f"rollout.backend={backend} does not record routes (use static or hf)"
+    if agent:
+        return "multi-turn episodes (agent.tools / agent.environment) do not record routes yet"
+    if separate_decode:
+        return ("a shared rollout GPU's decode process or a tensor-parallel rollout (rollout.device or "
+                "rollout.tensor_parallel under torchrun) does not record routes yet")
+    return None
 
 
 def decode_attention_for(packed: bool) -> str:

@@ -43,6 +43,7 @@ from logitless.trainer.placement.engines import (
     check_fused,
     decode_attention_for,
     make_rollout_engine,
+    routing_replay_on,
     weight_copy,
 )
 from logitless.trainer.placement.rollout_worker import DecodeWorker
@@ -66,6 +67,7 @@ class RolloutPlacement:
     device: torch.device | None = None  # rollout.device (rank 0's, with a shared rollout), None: the training device's
     shared: bool = False  # one GPU decodes every rank's rows as one batch
     split: int = 1  # ranks a replica is split over (rollout.tensor_parallel under torchrun)
+    routes: bool = False  # the engine records mixture-of-experts routes for the trainer to replay
     engine: RolloutEngine | None = None  # set by `start`
     prefetch: AsyncRollout | None = None  # train.async_rollout: the next step's rollout in flight
 
@@ -95,8 +97,9 @@ class RolloutPlacement:
             check_fused(cfg.rollout, replica.groups, "the rollout's replica has no plain q/k/v or gate/up layers "
                         "(unmerged LoRA layers, or another layout)")
         own_gpu = rollout_device is not None and not same_device(rollout_device, device) and world.main
+        routes = routing_replay_on(cfg, model, agent=cfg.agent.enabled, separate_decode=shared or split)
         return cls(replica=replica, device=rollout_device if own_gpu else None, shared=shared,
-                   split=cfg.rollout.tensor_parallel if split else 1)
+                   split=cfg.rollout.tensor_parallel if split else 1, routes=routes)
 
     def start(self, cfg: TrainerConfig, world: World, model: torch.nn.Module, tokenizer: Any, device: torch.device, *,
               sampler: PromptSampler, agent: Any = None, state: dict[str, Any] | None = None) -> RolloutPlacement:
@@ -109,7 +112,8 @@ class RolloutPlacement:
             merged_replica=isinstance(self.replica, (MergedRolloutCopy, TensorParallelCopy)),
             resident=self.replica is not None or cfg.train.async_rollout,  # async: a copy of its own
             decode_attention=decode_attention_for(cfg.train.packed is True)
-            if cfg.rollout.decode_attention == "auto" else None)  # rounding as the trainer's attention does
+            if cfg.rollout.decode_attention == "auto" else None,  # rounding as the trainer's attention does
+            record_routes=self.routes)
         if self.shared:  # rank 0's decode process (the replica shared with it), every rank's handle; made by all
             worker = DecodeWorker(self.replica.model, cfg.rollout, tokenizer, choice) if world.main else None
             self.engine = SharedDecode(worker, dist.new_group(backend="gloo", timeout=TIMEOUT),

@@ -346,7 +346,8 @@ def prompt_rows(batch: RolloutBatch, start: int, count: int, G: int) -> RolloutB
     left = int(used[0]) if len(used) else pmask.shape[1]
     T = max(1, int(cmask.sum(1).max())) if cmask.numel() else 1
     cut = {"prompt_ids": (left, None), "prompt_mask": (left, None), "completion_ids": (0, T),
-           "completion_mask": (0, T), "sampler_logp": (0, T), "env_mask": (0, T)}
+           "completion_mask": (0, T), "sampler_logp": (0, T), "env_mask": (0, T), "prompt_routes": (left, None),
+           "completion_routes": (0, T)}
     out: dict[str, Any] = {}
     for f in dataclasses.fields(batch):
         v = getattr(batch, f.name)

@@ -10,7 +10,7 @@ import sys
 import types
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -145,6 +145,16 @@ def load_model(cfg: ModelConfig, device: torch.device, place: torch.device | Non
     return AutoModelForCausalLM.from_pretrained(source, **kwargs).to(place or device)
 
 
+def no_router_logits(model: Any) -> Any:
+    """`model` with a mixture of experts' output_router_logits off: the GRPO objective has no router load-balancing
+    (aux) loss, so the forwards need not collect every layer's router logits (a checkpoint may switch it on; with
+    it on, transformers' Qwen-MoE forward also fails on a one-token decode step with a longer attention mask)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(cfg, "output_router_logits", False):
+        cfg.output_router_logits = False
+    return model
+
+
 QLORA_INSTALL_HINT = "pip install 'logitless[qlora]'  (bitsandbytes)"
 
 
@@ -178,7 +188,8 @@ def nf4_config(device: torch.device, dtype: torch.dtype):
 
 
 def prepare_for_training(model, cfg: ModelConfig):
-    """Add LoRA adapters (peft) when `cfg.lora`, enable gradient checkpointing when asked, tile the MLPs
+    """Turn a mixture of experts' router logits off (`no_router_logits`), add LoRA adapters (peft) when `cfg.lora`,
+    enable gradient checkpointing when asked, tile the MLPs
     (`model.mlp_chunk_tokens`), compile the layers. Settings still "auto" (decided per run by `trainer.auto.resolve`)
     count as off here.
 
@@ -186,6 +197,7 @@ def prepare_for_training(model, cfg: ModelConfig):
     of every non-quantized weight: that would double the embedding and lm_head memory and run the fused op's
     GEMMs in fp32; they stay in the compute dtype, as in LoRA on an unquantized model.
     """
+    no_router_logits(model)
     if cfg.load_in_4bit and not getattr(model, "is_loaded_in_4bit", False):
         raise ValueError(
             "model.load_in_4bit=true but the given model is not 4-bit quantized; load it through logitless "

@@ -24,7 +24,7 @@ from logitless.models.tiled_mlp import check_tileable
 from logitless.models.varlen import NAME as VARLEN_ATTENTION
 from logitless.models.varlen import register as register_varlen_attention
 from logitless.trainer.config import ModelConfig, TrainerConfig
-from logitless.trainer.modeling import lora_config, resolve_dtype, resolve_device, resolve_source
+from logitless.trainer.modeling import add_lora, lora_config, resolve_dtype, resolve_device, resolve_source
 
 
 def _first_line(e: BaseException) -> str:
@@ -153,7 +153,6 @@ def check_lora_targets(model: torch.nn.Module, cfg: ModelConfig) -> str:
     """Add the run's LoRA adapters to the meta skeleton `model` (in place) and refuse targets that match no module
     (peft's own matching: names, regular expressions, 'all-linear'), naming the model's linear layers; a list
     entry that matches nothing beside others that do is refused too, with the nearest name."""
-    from peft import get_peft_model
     from peft.tuners.tuners_utils import check_target_module_exists
 
     target = cfg.lora_target_modules
@@ -161,7 +160,7 @@ def check_lora_targets(model: torch.nn.Module, cfg: ModelConfig) -> str:
     shown = f"model.lora_target_modules={target!r}"
     if isinstance(target, list):
         names = [name for name, _ in model.named_modules()]
-        probe = lora_config(cfg)
+        probe = lora_config(cfg, model)
         for entry in target:
             probe.target_modules = {entry}
             if not any(check_target_module_exists(probe, name) for name in names):
@@ -171,9 +170,11 @@ def check_lora_targets(model: torch.nn.Module, cfg: ModelConfig) -> str:
                     f"{shown}: '{entry}' matches no module of this model ({type(model).__name__}); {hint}Its linear "
                     f"layers are {', '.join(available)}; list some of those, or use all-linear"
                 )
+    if cfg.lora_target_experts:
+        lora_config(cfg, model)  # refuses a model without fused expert weights, naming the setting
     try:
         with torch.device("meta"):
-            peft_model = get_peft_model(model, lora_config(cfg))
+            peft_model = add_lora(model, cfg)
     except ValueError as e:
         raise ValueError(
             f"{shown} matches no module of this model ({type(model).__name__}): {_first_line(e)}. Its linear layers "

@@ -8,6 +8,7 @@ import importlib.util
 import inspect
 import sys
 import types
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -15,6 +16,13 @@ from typing import Iterator
 import torch
 
 from logitless.models.compiled import EAGER_NUMERICS
+from logitless.models.experts import (
+    EXPERT_PARAMS,
+    expert_modules,
+    moe_shape,
+    resolve_experts_implementation,
+    set_experts_implementation,
+)
 from logitless.models.lm_head import decoder_layers
 from logitless.models.tiled_mlp import check_tileable, tile_mlps
 from logitless.models.varlen import NAME as VARLEN_ATTENTION
@@ -141,8 +149,27 @@ def load_model(cfg: ModelConfig, device: torch.device, place: torch.device | Non
         quantization = nf4_config(device, dtype)  # refuses CPU and a missing bitsandbytes first
         index = device.index if device.index is not None else torch.cuda.current_device()
         kwargs.update(quantization_config=quantization, device_map={"": index})
-        return AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    return AutoModelForCausalLM.from_pretrained(source, **kwargs).to(place or device)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        warn_unquantized_experts(model)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs).to(place or device)
+    set_experts_implementation(model, resolve_experts_implementation(cfg.experts_implementation, device, dtype)[0])
+    return model
+
+
+def warn_unquantized_experts(model) -> None:
+    """Say that a 4-bit (QLoRA) mixture of experts keeps its fused expert weights in the compute dtype: bitsandbytes
+    quantizes only linear layers, and the experts are 3-D parameters (most of an MoE's bytes; the memory plan counts
+    them at their 16-bit size)."""
+    modules = expert_modules(model)
+    if not modules:
+        return
+    params = [p for _, m in modules for n, p in m.named_parameters(recurse=False) if n in EXPERT_PARAMS]
+    gib = sum(p.numel() * p.element_size() for p in params) / 2**30
+    dtype = str(params[0].dtype).removeprefix("torch.") if params else "16-bit"
+    warnings.warn(f"model.load_in_4bit=true: the fused expert weights of this mixture of experts ({len(modules)} "
+                  f"layers, {gib:.2f} GiB) stay in {dtype}: bitsandbytes quantizes only linear layers (attention, "
+                  "shared experts, dense MLPs), not 3-D expert stacks", stacklevel=2)
 
 
 QLORA_INSTALL_HINT = "pip install 'logitless[qlora]'  (bitsandbytes)"
@@ -201,10 +228,8 @@ def prepare_for_training(model, cfg: ModelConfig):
         if cfg.lora:
             model.enable_input_require_grads()
     if cfg.lora:
-        from peft import get_peft_model
-
         base = adapter_base_name(model)
-        model = get_peft_model(model, lora_config(cfg))
+        model = add_lora(model, cfg)
         if base is not None:  # what adapter_config.json names as the adapter's base
             for adapter in model.peft_config.values():
                 adapter.base_model_name_or_path = base
@@ -215,18 +240,89 @@ def prepare_for_training(model, cfg: ModelConfig):
     return model
 
 
-def lora_config(cfg: ModelConfig):
-    """peft's LoraConfig of `cfg` (model.lora_r, lora_alpha, lora_dropout, lora_target_modules)."""
+def lora_config(cfg: ModelConfig, model=None):
+    """peft's LoraConfig of `cfg` (model.lora_r, lora_alpha, lora_dropout, lora_target_modules, and with
+    model.lora_target_experts the fused expert weights of `model`: `expert_targets`)."""
     from peft import LoraConfig
 
     target = cfg.lora_target_modules
+    experts = expert_targets(model, cfg) if cfg.lora_target_experts else {}
     return LoraConfig(
         r=cfg.lora_r,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
         target_modules=target if isinstance(target, str) else list(target),
+        target_parameters=list(experts) or None,
+        rank_pattern={name: r for name, (r, _) in experts.items()},
+        alpha_pattern={name: alpha for name, (_, alpha) in experts.items()},
         task_type="CAUSAL_LM",
     )
+
+
+def expert_targets(model, cfg: ModelConfig) -> dict[str, tuple[int, float]]:
+    """{peft target_parameters entry: (rank per expert, alpha)} for model.lora_target_experts: the fused 3-D expert
+    weights (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj` in qwen3_moe, olmoe, mixtral, qwen2_moe, gpt_oss).
+
+    peft gives each expert an adapter of its own (`ParamWrapper`: lora_A [E·r, in], lora_B [out, E·r]). Its rank is
+    model.lora_r // k (k = experts per token, at least 1): a token's update then passes through k experts' adapters
+    of total rank lora_r, as a dense layer's does, at E/k times a dense adapter's parameters (Qwen3-30B-A3B, E 128,
+    k 8, r 16: rank 2 per expert, 79M adapter parameters over the 48 layers, where rank 16 per expert would be
+    630M). alpha is scaled with the rank so every adapter of the model has the same scale lora_alpha / lora_r."""
+    modules = expert_modules(model) if model is not None else []
+    if not modules:
+        kind = type(model).__name__ if model is not None else "the model"
+        raise ValueError(f"model.lora_target_experts=true, but {kind} has no fused expert weights "
+                         f"({' / '.join(EXPERT_PARAMS)} 3-D parameters of a mixture of experts); set "
+                         "model.lora_target_experts=false")
+    from logitless.rollout.layouts import text_config
+
+    shape = moe_shape(text_config(model.get_base_model() if hasattr(model, "get_base_model") else model))
+    rank = max(1, cfg.lora_r // (shape.active if shape is not None else 1))
+    leaf = {name.rpartition(".")[2] for name, _ in modules}  # "experts" in every family named above
+    targets = sorted(f"{name}.{p}" for name in leaf for p in EXPERT_PARAMS
+                     if any(hasattr(m, p) for n, m in modules if n.rpartition(".")[2] == name))
+    return {t: (rank, cfg.lora_alpha * rank / cfg.lora_r) for t in targets}
+
+
+def add_lora(model, cfg: ModelConfig):
+    """`model` with the LoRA adapters of `cfg` added (peft's get_peft_model), targeting what `cfg` names on the
+    model as it is.
+
+    peft (0.21, under transformers 5) rewrites the config of some MoE types on the way in, so that adapters
+    trained on the transformers 4 layout still load: for qwen2_moe-style models (qwen3_moe, olmoe, deepseek) and
+    mixtral it turns "all-linear" (and any gate_proj/up_proj/down_proj/gate target) into LoRA on the fused expert
+    weights and on the router's weight, and the shared experts' or dense layers' gate/up/down projections of the same
+    names are moved onto the experts. logitless trains adapters of its own on the model as loaded, so that rewrite
+    is turned off here: "all-linear" means the model's linear layers (attention, shared experts, dense MLPs; never a
+    router, which is not a linear layer in transformers 5), and the experts are adapted exactly when
+    model.lora_target_experts is set."""
+    from peft import get_peft_model
+
+    config = lora_config(cfg, model)
+    with _as_targeted(), warnings.catch_warnings():
+        # peft checks rank_pattern / alpha_pattern keys against target_modules only and warns that the expert
+        # stacks' (target_parameters) match nothing, yet applies them (tests/test_moe_lora.py checks the ranks)
+        warnings.filterwarnings("ignore", r"The following (rank|alpha)_pattern keys did not match", RuntimeWarning)
+        return get_peft_model(model, config)
+
+
+@contextmanager
+def _as_targeted() -> Iterator[None]:
+    """peft's transformers-4-to-5 rewrite of a LoraConfig's targets (see `add_lora`) off inside."""
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+    except ImportError:  # a peft without it does not rewrite
+        yield
+        return
+    original = getattr(conversion, "convert_peft_config_for_transformers", None)
+    if original is None:
+        yield
+        return
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = original
 
 
 def adapter_base_name(model) -> str | None:

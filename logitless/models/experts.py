@@ -86,7 +86,10 @@ def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> tuple[bool, str
         return False, f"{device.type}: the model's own loop (the reference; no host sync to avoid off CUDA)"
     if not (hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")):
         return False, f"torch {torch.__version__} has no grouped GEMM (torch.nn.functional.grouped_mm)"
-    capability = torch.cuda.get_device_capability(device)
+    try:
+        capability = torch.cuda.get_device_capability(device)
+    except (AssertionError, RuntimeError) as e:  # (a plan for a CUDA device made where there is none: --dry-run)
+        return False, f"the GPU's compute capability cannot be read here ({type(e).__name__})"
     if capability < GROUPED_MM_CAPABILITY:
         return False, (f"compute capability {capability[0]}.{capability[1]} < 9.0: torch's grouped GEMM is measured "
                        "only on SM90 (below it a fallback may sync with the host, breaking the decode's CUDA graph)")

@@ -88,6 +88,22 @@ class ModelMemory:
     lora: bool
     merge_copy_bytes: int  # a merged decode copy of the LoRA-targeted layers, in the compute dtype
     mlp_tileable: bool = False  # every decoder layer has a dense gated MLP (models/tiled_mlp.py can tile it)
+    # A mixture of experts: the bytes of its expert stacks (all experts, in weight_bytes: the weights, the replica
+    # and the optimizer hold every expert; never 4-bit, bitsandbytes quantizes linear layers only), and the
+    # parameters a token goes through (k of E experts), whose MLP width `intermediate` is
+    expert_bytes: int = 0
+    active_params: int = 0  # 0: a dense model (all of `params` active)
+
+    def moe_summary(self) -> str | None:
+        """One line on a mixture of experts' sizes as the plan counts them (None for a dense model)."""
+        if not self.expert_bytes:
+            return None
+        count = lambda n: f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"  # noqa: E731
+        size = lambda b: f"{b / GIB:.2f} GiB" if b >= 0.1 * GIB else f"{b / 2**20:.2f} MiB"  # noqa: E731
+        return (f"mixture of experts: {count(self.params)} parameters, {count(self.active_params)} active per token; "
+                f"the expert stacks are {size(self.expert_bytes)} of the {size(self.weight_bytes)} of weights (held "
+                f"whole: every expert is resident, never 4-bit); activations at the active MLP width "
+                f"{self.intermediate:,}")
 
     @property
     def kv_bytes_per_token(self) -> int:

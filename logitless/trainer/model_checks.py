@@ -23,6 +23,7 @@ import torch
 from logitless.models.tiled_mlp import check_tileable
 from logitless.models.varlen import NAME as VARLEN_ATTENTION
 from logitless.models.varlen import register as register_varlen_attention
+from logitless.rollout.weights import merge_targets
 from logitless.trainer.config import ModelConfig, TrainerConfig
 from logitless.trainer.modeling import add_lora, lora_config, resolve_dtype, resolve_device, resolve_source
 
@@ -181,9 +182,14 @@ def check_lora_targets(model: torch.nn.Module, cfg: ModelConfig) -> str:
             f"are {', '.join(available)}; name some of those (a list, or a regular expression over the full module "
             "names), or use all-linear"
         ) from None
-    wrapped = sorted({n.rpartition(".")[2] for n, m in peft_model.named_modules() if hasattr(m, "lora_A")})
-    count = sum(1 for _, m in peft_model.named_modules() if hasattr(m, "lora_A"))
-    return f"{shown} adds LoRA adapters to {count} layers ({', '.join(wrapped)})"
+    targets = merge_targets(peft_model)
+    layers = [path for path, param, _ in targets if param == "weight"]
+    stacks = sorted({f"{path.rpartition('.')[2]}.{param}" for path, param, _ in targets if param != "weight"})
+    line = f"{shown} adds LoRA adapters to {len(layers)} layers ({', '.join(sorted({n.rpartition('.')[2] for n in layers}))})"
+    if stacks:
+        line += (f"; model.lora_target_experts=true to {len(targets) - len(layers)} expert stacks "
+                 f"({', '.join(stacks)}), an adapter per expert")
+    return line
 
 
 def check_liger(config: Any) -> str:

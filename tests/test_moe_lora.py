@@ -170,3 +170,19 @@ def test_torchrun_replica_merges_the_expert_deltas(expert_lora_models, family, o
     assert not lora_layers(replica.model)
     ids = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(_logprobs(replica.model, ids), _logprobs(model, ids), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("experts", [False, True])
+def test_a_saved_adapter_loads_back_in_plain_peft(tmp_path, experts, one_thread):
+    """The adapter a run saves names its layers one by one, so peft's own loader (whose transformers-4 rewrite runs
+    on loading) rebuilds the same adapters: the same logprobs, expert stacks included."""
+    from peft import PeftModel
+
+    model = prepare_for_training(moe_model("qwen3_moe"), lora_cfg(experts))
+    perturb(model, 0)
+    model.eval().save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(moe_model("qwen3_moe"), tmp_path).eval()
+    assert sorted(n for n, _ in loaded.named_parameters() if "lora_" in n) == sorted(
+        n for n, _ in model.named_parameters() if "lora_" in n)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(_logprobs(loaded, ids), _logprobs(model, ids), atol=0, rtol=0)

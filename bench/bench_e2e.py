@@ -234,13 +234,13 @@ def trl_lora(model: Any, experts: bool = False) -> Any:
     """TRL's LoraConfig: r16 on the layers logitless adapts (all-linear; `experts`: and the fused expert stacks,
     model.lora_target_experts). For a mixture of experts the linear layers are listed by name: peft would turn
     "all-linear" into LoRA on the experts and the router there (its rewrite for transformers-4 adapters, which
-    logitless turns off, trainer/modeling.py add_lora), and TRL's run would train other adapters than logitless's."""
+    logitless turns off, trainer/lora_targets.py add_lora), and TRL's run would train other adapters than logitless's."""
     from peft import LoraConfig
 
     from logitless.models.experts import is_moe
     from logitless.trainer.config import ModelConfig
     from logitless.trainer.model_checks import linear_names
-    from logitless.trainer.modeling import lora_config
+    from logitless.trainer.lora_targets import lora_config
 
     if not is_moe(model):
         return LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")

@@ -186,7 +186,7 @@ def test_update_flops_of_a_mixture_of_experts_count_the_k_experts_each_token_run
     set_experts_implementation(model, "eager")
     if tuning == "lora":  # (logitless's all-linear: attention only, the experts and router frozen)
         from logitless.trainer.config import ModelConfig
-        from logitless.trainer.modeling import add_lora
+        from logitless.trainer.lora_targets import add_lora
 
         model = add_lora(model, ModelConfig(lora_r=4, lora_alpha=8))
         model.enable_input_require_grads()

@@ -210,7 +210,7 @@ def test_trl_gets_the_adapters_logitless_trains_on_a_moe():
     from bench import update_probe as up
     from bench.bench_e2e import trl_lora
     from logitless.trainer.config import ModelConfig
-    from logitless.trainer.modeling import add_lora
+    from logitless.trainer.lora_targets import add_lora
 
     def adapters(model) -> dict[str, tuple[int, ...]]:
         return {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}

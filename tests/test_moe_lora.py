@@ -15,7 +15,8 @@ from logitless.models.experts import expert_modules, set_experts_implementation
 from logitless.rollout import make_engine
 from logitless.rollout.weights import MergedLoraWeights, delta_weight, lora_layers
 from logitless.trainer.config import ModelConfig
-from logitless.trainer.modeling import expert_targets, prepare_for_training
+from logitless.trainer.lora_targets import expert_targets
+from logitless.trainer.modeling import prepare_for_training
 from logitless.trainer.parallel import MergedRolloutCopy
 from tests.test_rollout_families import TOK
 from tests.test_rollout_weights import OPTS, PROMPTS

@@ -10,8 +10,8 @@ same module.
   layer becomes a copy of its base layer (for QLoRA's 4-bit layers a plain linear layer, W dequantized) holding
   W + ΔW (ΔW = peft's `get_delta_weight` of the active adapters, the sum formed in fp32 and rounded once to the
   base dtype), and every experts module with LoRA on its fused 3-D stacks (peft's `ParamWrapper`,
-  model.lora_target_experts) a copy holding E + ΔE per expert; every other parameter and buffer is shared with the training model. The merged tensors keep their
-  addresses across syncs (updated with `copy_`), so a CUDA graph captured over them stays valid. Where they live
+  model.lora_target_experts) a copy holding each expert's W + ΔW; every other parameter and buffer is shared with
+  the training model. The merged tensors keep their addresses across syncs (updated with `copy_`), so a CUDA graph captured over them stays valid. Where they live
   (`mode`): a resident copy (`extra_bytes`), a copy in sleepable memory freed between rollouts (`sleep.py`), or
   the base weights themselves for the rollout only, written back exactly afterwards (`in_place`). Merging in
   place and unmerging by subtraction is never done: in bf16 it would change the base weights by rounding.

@@ -36,7 +36,7 @@ from logitless.rollout.kv_cache import STATIC_LAYER_TYPES, auto_kv_budget
 from logitless.rollout.layouts import FULL, check_layout, layer_types, text_config
 from logitless.trainer import memory_plan as mp
 from logitless.trainer.config import ModelConfig, TrainerConfig
-from logitless.trainer.model_memory import base_model, model_memory, model_skeleton
+from logitless.trainer.model_memory import base_model, model_memory, model_skeleton, moe_summary
 
 # model.compile_layers=auto compiles for runs of at least this many steps. Measured at the 1.5B shape, T = 1,024
 # (bench/LOG.md): the compile adds about 42 s to the first step and saves about 0.7 s of every later one (update
@@ -422,8 +422,8 @@ def print_resolved(res: Resolved, console: Any = None) -> None:
     console.print(table)
     for note in res.notes:
         console.print(f"[yellow]warning:[/] {note}", highlight=False)
-    if res.model is not None and res.model.moe_summary():
-        console.print(res.model.moe_summary(), highlight=False)
+    if res.model is not None and moe_summary(res.model):
+        console.print(moe_summary(res.model), highlight=False)
     memory = [("memory plan: predicted peak per phase (GiB)", res.plan),
               (f"memory model on {res.ranks} ranks: predicted peak per GPU and phase (GiB)", res.rank_memory)]
     for title, plan in memory:

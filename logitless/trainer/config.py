@@ -63,7 +63,7 @@ class ModelConfig:
     lora_dropout: float = 0.0  # dropout on the adapters' input, in [0, 1)
     # peft's target_modules: "all-linear" (every linear layer but the lm_head), a list of module names, or a regex.
     # In a mixture of experts these are the attention projections, shared experts and dense MLPs, never a router
-    # (trainer/modeling.py add_lora); the fused expert weights are model.lora_target_experts.
+    # (trainer/lora_targets.py add_lora); the fused expert weights are model.lora_target_experts.
     lora_target_modules: list[str] | str = "all-linear"
     # Mixture of experts: LoRA on the fused 3-D expert weights too (peft target_parameters mlp.experts.gate_up_proj
     # and mlp.experts.down_proj), an adapter per expert of rank max(1, lora_r // k), k = experts per token (a token's

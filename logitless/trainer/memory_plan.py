@@ -94,17 +94,6 @@ class ModelMemory:
     expert_bytes: int = 0
     active_params: int = 0  # 0: a dense model (all of `params` active)
 
-    def moe_summary(self) -> str | None:
-        """One line on a mixture of experts' sizes as the plan counts them (None for a dense model)."""
-        if not self.expert_bytes:
-            return None
-        count = lambda n: f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"  # noqa: E731
-        size = lambda b: f"{b / GIB:.2f} GiB" if b >= 0.1 * GIB else f"{b / 2**20:.2f} MiB"  # noqa: E731
-        return (f"mixture of experts: {count(self.params)} parameters, {count(self.active_params)} active per token; "
-                f"the expert stacks are {size(self.expert_bytes)} of the {size(self.weight_bytes)} of weights (held "
-                f"whole: every expert is resident, never 4-bit); activations at the active MLP width "
-                f"{self.intermediate:,}")
-
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V of one position in every layer (the static engine keeps full-length caches in every layer)."""

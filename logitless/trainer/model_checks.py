@@ -25,7 +25,8 @@ from logitless.models.varlen import NAME as VARLEN_ATTENTION
 from logitless.models.varlen import register as register_varlen_attention
 from logitless.rollout.weights import merge_targets
 from logitless.trainer.config import ModelConfig, TrainerConfig
-from logitless.trainer.modeling import add_lora, lora_config, resolve_dtype, resolve_device, resolve_source
+from logitless.trainer.lora_targets import add_lora, lora_config
+from logitless.trainer.modeling import resolve_dtype, resolve_device, resolve_source
 
 
 def _first_line(e: BaseException) -> str:

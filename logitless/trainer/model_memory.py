@@ -88,7 +88,7 @@ def model_memory(model: Any, cfg: ModelConfig, dtype: torch.dtype) -> mp.ModelMe
             if isinstance(m, torch.nn.Linear) and _targets(cfg, name, out_layer, m):
                 trainable += cfg.lora_r * (m.in_features + m.out_features)
                 copy += m.in_features * m.out_features * width
-        if cfg.lora_target_experts:  # an adapter per expert (trainer/modeling.py expert_targets), a merged stack
+        if cfg.lora_target_experts:  # an adapter per expert (trainer/lora_targets.py expert_targets), a merged stack
             rank = max(1, cfg.lora_r // moe.active) if moe is not None else cfg.lora_r
             for stack in (p for p in experts.values() if p.dim() == 3):
                 trainable += rank * stack.shape[0] * (stack.shape[1] + stack.shape[2])
@@ -110,3 +110,14 @@ def _tileable(model: Any) -> bool:
         return untileable_reason(model) is None
     except UnsupportedModelError:  # no decoder layers found
         return False
+
+
+def moe_summary(m: mp.ModelMemory) -> str | None:
+    """One line on a mixture of experts' sizes as the plan counts them (None for a dense model)."""
+    if not m.expert_bytes:
+        return None
+    count = lambda n: f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"  # noqa: E731
+    size = lambda b: f"{b / mp.GIB:.2f} GiB" if b >= 0.1 * mp.GIB else f"{b / 2**20:.2f} MiB"  # noqa: E731
+    return (f"mixture of experts: {count(m.params)} parameters, {count(m.active_params)} active per token; the expert "
+            f"stacks are {size(m.expert_bytes)} of the {size(m.weight_bytes)} of weights (held whole: every expert is "
+            f"resident, never 4-bit); activations at the active MLP width {m.intermediate:,}")

@@ -12,6 +12,17 @@ gate and up interleaved) and `down_proj` [E, H, I] (gpt_oss: [E, I, H]), and pic
     batched_mm  each (token, expert) pair gathers its own copy of the expert's weights and runs one `bmm`:
                 static shapes, but memory of rows x k x one expert's weights (GiB per layer at a 30B shape)
 
+transformers (5.17) keeps the choice in `config._experts_implementation`, read by every experts module at each
+forward; `from_pretrained(..., experts_implementation=...)` sets it at load, `model.set_experts_implementation(...)`
+at any time (sub-models included). Unset, it is grouped_mm for every class carrying the decorator, on any device:
+on CPU torch's grouped GEMM has a kernel of its own (fp32 too; transformers falls back to a per-expert loop on torch
+<= 2.8 or unaligned weights), on CUDA below SM80, in fp32 under torch.compile, or without torch's grouped GEMM, a
+looping custom op with one `.tolist()` host sync. `generate()` swaps grouped_mm for batched_mm while it decodes on
+a GPU (`_optimize_model_for_decode`); the static engine does not go through `generate` and decodes with the
+model's own setting. logitless sets it once per loaded model (`trainer/modeling.py load_model`); copies of the
+model (the rollout's merged copy, the torchrun replica, the decode process's pickled replica) carry it in their
+config.
+
 `model.experts_implementation` picks one (`resolve_experts_implementation`): "auto" is grouped_mm on a CUDA
 device of compute capability 9.0 or more (H100, H200) in bfloat16 with torch's grouped GEMM available, where
 it runs as one CUTLASS kernel that the static engine's decode step compiles and captures; the model's own

@@ -122,13 +122,17 @@ def resolve_experts_implementation(setting: str, device: torch.device, dtype: to
 
 def set_experts_implementation(model: nn.Module, implementation: str) -> bool:
     """Make every experts module of `model` (a transformers model, or one wrapped by peft) run `implementation`
-    (transformers' `set_experts_implementation`, sub-models included). Returns False for a model without
-    experts, which is left as it is."""
+    (transformers' `set_experts_implementation`, sub-models included). Returns False, leaving the model as it is,
+    for a model without experts or one whose class does not pick its experts' forward through transformers (remote
+    code without `@use_experts_implementation`)."""
     if not is_moe(model):
         return False
     base = model
     while hasattr(base, "get_base_model"):  # peft's wrappers
         base = base.get_base_model()
+    settable = getattr(base, "_can_set_experts_implementation", None)
+    if settable is None or not settable():
+        return False
     base.set_experts_implementation(implementation)
     return True
 

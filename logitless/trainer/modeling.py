@@ -153,7 +153,11 @@ def load_model(cfg: ModelConfig, device: torch.device, place: torch.device | Non
         warn_unquantized_experts(model)
     else:
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs).to(place or device)
-    set_experts_implementation(model, resolve_experts_implementation(cfg.experts_implementation, device, dtype)[0])
+    impl = resolve_experts_implementation(cfg.experts_implementation, device, dtype)[0]
+    if not set_experts_implementation(model, impl) and cfg.experts_implementation != "auto" and expert_modules(model):
+        raise ValueError(f"model.experts_implementation={cfg.experts_implementation}: {type(model).__name__} runs its "
+                         "experts with its own code (not transformers' experts backends); set "
+                         "model.experts_implementation=auto")
     return model
 
 

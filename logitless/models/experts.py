@@ -25,7 +25,8 @@ config.
 
 `model.experts_implementation` picks one (`resolve_experts_implementation`): "auto" is grouped_mm on a CUDA
 device of compute capability 9.0 or more (H100, H200) in bfloat16 with torch's grouped GEMM available, where
-it runs as one CUTLASS kernel that the static engine's decode step compiles and captures; the model's own
+it runs as one grouped GEMM without a host sync, which the static engine's decode step can compile and capture
+(tests/test_moe_experts.py checks the capture on a GPU; not yet run on one); the model's own
 (eager) everywhere else: on CPU the reference loop (no host sync to avoid there), on older GPUs or in
 float32/float16, where transformers' grouped path would fall back to a per-expert loop with a host sync
 (`_grouped_mm_fallback`) or inductor refuses grouped_mm (bf16 only).

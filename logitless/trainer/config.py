@@ -74,8 +74,8 @@ class ModelConfig:
     # "eager" (the model's own loop over the experts hit: a host sync per layer), "grouped_mm" (tokens sorted by
     # expert, one grouped GEMM per projection), "batched_mm" (each token's experts' weights gathered and multiplied
     # in one bmm: static shapes, memory of rows x k experts' weights). "auto": grouped_mm on a CUDA GPU of compute
-    # capability 9.0+ (H100, H200) in bfloat16 with torch's grouped GEMM, which runs without a host sync and is
-    # compiled and captured in the static engine's decode step; eager everywhere else (CPU: the reference; older
+    # capability 9.0+ (H100, H200) in bfloat16 with torch's grouped GEMM, which runs without a host sync (so the
+    # static engine's decode step can be captured as one CUDA graph); eager everywhere else (CPU: the reference; older
     # GPUs and fp32/fp16, where transformers' grouped path falls back to a per-expert loop). No effect on dense models.
     experts_implementation: Literal["auto", "eager", "grouped_mm", "batched_mm"] = "auto"
     # Recompute each decoder layer's activations in the backward instead of keeping them. "auto": on where the

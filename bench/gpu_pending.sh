@@ -25,7 +25,8 @@
 # e2e_lb: the synchronous step of the two_gpu stage's settings on one GPU, with rollout.length_buckets=4 and 1 (the
 # default), then the decode kernel's GPU tests in the time left.
 # moe: the experts backend's GPU tests (grouped_mm against eager in bf16, the decode step captured over grouped_mm
-# experts), then one bench_e2e step of Qwen3-30B-A3B's shape (LoRA on attention and experts, T = 256, 4 x 4 rows).
+# experts), then bench_e2e steps of gpt-oss-20b's shape (42 GB in bf16: fits one GPU and the disk, where the
+# 61 GB of Qwen3-30B-A3B would not; LoRA on attention and experts, T = 256, 4 x 4 rows).
 set -euo pipefail
 stage="${1:?stage: decode, decode_lb, e2e_lb, gen_parts, update_parts, sampler, step_graph, step_graph_e2e, attn_rules, moe or two_gpu}"
 out="${2:?OUT_DIR}"
@@ -126,7 +127,7 @@ attn_rules)
 moe)
   python -m pytest -m gpu -q tests/test_moe_experts.py 2>&1 | tee "$out/gpu_tests_moe.log"
   timeout 420 python bench/bench_e2e.py --tokenizer "$tok" --out "$out" --systems logitless --commit "$commit" \
-    --shape qwen3-30b-a3b --T 256 --steps 2 --prompts 4 --G 4 --micro 4 --model-root "$out/models" \
+    --shape gpt-oss-20b --T 256 --steps 2 --prompts 4 --G 4 --micro 4 --model-root "$out/models" \
     --set model.lora_target_experts=true 2>&1 | tee "$out/e2e_moe.log" || true
   ;;
 two_gpu)

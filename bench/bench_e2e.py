@@ -21,9 +21,11 @@ checkpointing, DAPO, beta = 0, one optimizer step per rollout batch.
 `--update-only` (bench/update_probe.py) measures the update of a step at T without decoding T tokens first: the
 completions are given (random tokens of length T), the trainer's own step runs on them; its results are labelled
 `"probe": "update-only"`, beside the full-step probe (the default). `--shape` also takes the shapes of other
-families (Qwen3-8B, Llama-3.1-8B), `--qlora` trains LoRA on 4-bit weights (bitsandbytes, CUDA only); gradient
-checkpointing, activation offload and the tiled MLP are trainer settings (`--set model.activation_offload=true`,
-`--set model.mlp_chunk_tokens=8192`, `--set model.gradient_checkpointing=false`).
+families (Qwen3-8B, Llama-3.1-8B) and mixtures of experts (qwen3-30b-a3b, gpt-oss-20b, olmoe-1b-7b: LoRA on the
+attention layers, and on the experts too with `--set model.lora_target_experts=true`, for TRL as for logitless;
+olmoe-1b-7b needs its own, GPT-NeoX, tokenizer, or `--update-only`), `--qlora` trains LoRA on 4-bit weights
+(bitsandbytes, CUDA only); gradient checkpointing, activation offload and the tiled MLP are trainer settings
+(`--set model.activation_offload=true`, `--set model.mlp_chunk_tokens=8192`, `--set model.gradient_checkpointing=false`).
 
 TRL 1.16's `use_liger_kernel` applies Liger's layer kernels (RMSNorm, SwiGLU, RoPE); its per-token logprobs
 always go through TRL's own chunked fused lm_head.
@@ -228,9 +230,26 @@ class _Phases:
         setattr(obj, name, timed)
 
 
+def trl_lora(model: Any, experts: bool = False) -> Any:
+    """TRL's LoraConfig: r16 on the layers logitless adapts (all-linear; `experts`: and the fused expert stacks,
+    model.lora_target_experts). For a mixture of experts the linear layers are listed by name: peft would turn
+    "all-linear" into LoRA on the experts and the router there (its rewrite for transformers-4 adapters, which
+    logitless turns off, trainer/policy/lora_targets.py add_lora), and TRL's run would train other adapters than logitless's."""
+    from peft import LoraConfig
+
+    from logitless.models.experts import is_moe
+    from logitless.trainer.config.schema import ModelConfig
+    from logitless.trainer.checks.model import linear_names
+    from logitless.trainer.policy.lora_targets import lora_config
+
+    if not is_moe(model):
+        return LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+    return lora_config(ModelConfig(lora_r=16, lora_alpha=32, lora_target_modules=linear_names(model),
+                                   lora_target_experts=experts), model)
+
+
 def run_trl(a: argparse.Namespace, model_dir: Path, out_dir: Path, liger: bool) -> list[dict[str, Any]]:
     from datasets import Dataset
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -243,8 +262,8 @@ def run_trl(a: argparse.Namespace, model_dir: Path, out_dir: Path, liger: bool) 
         bf16=True, gradient_checkpointing=True, max_steps=a.steps, logging_steps=1, report_to="none",
         save_strategy="no", use_liger_kernel=liger, temperature=1.0, seed=0, num_iterations=1,
     )
-    peft_config = None if a.full else LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    peft_config = None if a.full else trl_lora(model, "model.lora_target_experts=true" in a.set)
     trainer = GRPOTrainer(
         model=model, reward_funcs=[distinct_chars], args=args, peft_config=peft_config,
         train_dataset=Dataset.from_list([{"prompt": p} for p in prompts(a.prompts * max(a.steps, 4))]),
@@ -429,7 +448,8 @@ def shape_name(shape: str) -> str:
 
 
 def tuning(a: argparse.Namespace) -> str:
-    return "full" if a.full else "QLoRA r16 all-linear (NF4)" if a.qlora else "LoRA r16 all-linear"
+    experts = " + experts" if "model.lora_target_experts=true" in a.set else ""
+    return "full" if a.full else f"QLoRA r16 all-linear{experts} (NF4)" if a.qlora else f"LoRA r16 all-linear{experts}"
 
 
 def main() -> None:

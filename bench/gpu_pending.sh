@@ -13,6 +13,7 @@
 #   bash bench/gpu_pending.sh step_graph OUT_DIR QWEN2.5_TOKENIZER # one GPU: the decode step as one CUDA graph
 #   bash bench/gpu_pending.sh step_graph_e2e OUT_DIR QWEN2.5_TOKENIZER  # one GPU: the GRPO step with and without it
 #   bash bench/gpu_pending.sh attn_rules OUT_DIR QWEN2.5_TOKENIZER # one GPU: the decode kernel's scan and stage rules
+#   bash bench/gpu_pending.sh moe OUT_DIR QWEN2.5_TOKENIZER        # one GPU: grouped_mm experts, tested and timed
 #
 # decode: the kernel's GPU tests, then the decode step with and without it at 128 and 512 rows (prof_decode).
 # two_gpu: the rollout.device GPU test, then three bench_e2e runs of the same settings (T = 1,024, Liger,
@@ -23,8 +24,11 @@
 # at 128 rows also with the kernel's length split below 2 programs per SM (the rule before db1535a), to compare.
 # e2e_lb: the synchronous step of the two_gpu stage's settings on one GPU, with rollout.length_buckets=4 and 1 (the
 # default), then the decode kernel's GPU tests in the time left.
+# moe: the experts backend's GPU tests (grouped_mm against eager in bf16, the decode step captured over grouped_mm
+# experts), then bench_e2e steps of gpt-oss-20b's shape (42 GB in bf16: fits one GPU and the disk, where the
+# 61 GB of Qwen3-30B-A3B would not; LoRA on attention and experts, T = 256, 4 x 4 rows).
 set -euo pipefail
-stage="${1:?stage: decode, decode_lb, e2e_lb, gen_parts, update_parts, sampler, step_graph, step_graph_e2e, attn_rules or two_gpu}"
+stage="${1:?stage: decode, decode_lb, e2e_lb, gen_parts, update_parts, sampler, step_graph, step_graph_e2e, attn_rules, moe or two_gpu}"
 out="${2:?OUT_DIR}"
 tok="${3:?folder of the Qwen2.5 tokenizer}"
 cd "$(dirname "$0")/.."
@@ -119,6 +123,12 @@ attn_rules)
         --baseline-step-graph on $legacy 2>&1 | tee -a "$out/prof_decode_attn_rules.log" || true
     done
   done
+  ;;
+moe)
+  python -m pytest -m gpu -q tests/test_moe_experts.py 2>&1 | tee "$out/gpu_tests_moe.log"
+  timeout 420 python bench/bench_e2e.py --tokenizer "$tok" --out "$out" --systems logitless --commit "$commit" \
+    --shape gpt-oss-20b --T 256 --steps 2 --prompts 4 --G 4 --micro 4 --model-root "$out/models" \
+    --set model.lora_target_experts=true 2>&1 | tee "$out/e2e_moe.log" || true
   ;;
 two_gpu)
   python -m pytest -m gpu -q tests/test_rollout_device.py 2>&1 | tee "$out/gpu_tests_rollout_device.log"

@@ -14,7 +14,8 @@ command holds at 128K and 8B).
 
 Shapes of other families (`FAMILY_SHAPES`), random init like bench_e2e's Qwen2.5 shapes: Qwen3-8B and Llama-3.1-8B,
 with their positions raised to `LONG_POSITIONS` so that a long probe passes the context check (a random model needs
-no RoPE scaling), and a tiny Qwen3 for CPU runs.
+no RoPE scaling); the mixtures of experts Qwen3-30B-A3B (128 experts, 8 per token), gpt-oss-20b (32, 4; bf16
+weights, not the published MXFP4) and OLMoE-1B-7B (64, 8), as published; and a tiny Qwen3 and Qwen3-MoE for CPU runs.
 """
 
 from __future__ import annotations
@@ -39,6 +40,32 @@ FAMILY_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {  # name: (model_type, c
     "tiny-qwen3": ("qwen3", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, head_dim=16, vocab_size=151_936, tie_word_embeddings=True,
                                  max_position_embeddings=LONG_POSITIONS)),
+    # mixtures of experts, as their published config.json files give them (positions and RoPE as published)
+    "qwen3-30b-a3b": ("qwen3_moe", dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                                        head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                                        decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151_936,
+                                        tie_word_embeddings=False, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                                        max_position_embeddings=40_960, bos_token_id=151_643,
+                                        eos_token_id=151_645)),
+    "gpt-oss-20b": ("gpt_oss", dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                                    num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                                    num_experts_per_tok=4, sliding_window=128,
+                                    layer_types=["sliding_attention", "full_attention"] * 12, vocab_size=201_088,
+                                    tie_word_embeddings=False, max_position_embeddings=131_072, rms_norm_eps=1e-5,
+                                    rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                     "beta_slow": 1.0, "truncate": False, "rope_theta": 150_000.0,
+                                                     "original_max_position_embeddings": 4096},
+                                    eos_token_id=200_002, pad_token_id=199_999)),
+    "olmoe-1b-7b": ("olmoe", dict(hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                                  num_attention_heads=16, num_key_value_heads=16, num_experts=64,
+                                  num_experts_per_tok=8, norm_topk_prob=False, vocab_size=50_304,
+                                  tie_word_embeddings=False, rope_theta=10_000.0, rms_norm_eps=1e-5,
+                                  max_position_embeddings=4096, eos_token_id=50_279, pad_token_id=1)),
+    "tiny-qwen3-moe": ("qwen3_moe", dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         num_experts=8, num_experts_per_tok=2, vocab_size=151_936,
+                                         tie_word_embeddings=True, max_position_embeddings=LONG_POSITIONS)),
 }
 
 

@@ -171,3 +171,29 @@ def test_decode_bytes_are_those_of_the_module_the_engine_decodes_with():
     assert merged == dataclasses.replace(own, decode_weight_bytes=ModelShape.of(plain).decode_weight_bytes)
     assert _shape(quantized, quantized) == own  # quantized decode
     assert _shape(quantized, None) == own  # an engine that does not say
+
+
+@pytest.mark.parametrize("tuning", ["full", "lora"])
+def test_update_flops_of_a_mixture_of_experts_count_the_k_experts_each_token_runs(tuning, one_thread):
+    """A tiny qwen3_moe (8 experts, 2 per token) on its eager experts (one GEMM per expert hit, which the counter
+    sees): the accounting's linear FLOPs (k / E of the expert stacks, the router, attention) are torch's count."""
+    import transformers as tf
+
+    from logitless.models.experts import set_experts_implementation
+    from tests.test_moe_lora import FAMILIES
+
+    torch.manual_seed(0)
+    config = FAMILIES["qwen3_moe"]()
+    config.vocab_size = 320  # (the rows' ids go up to 300)
+    model = tf.AutoModelForCausalLM.from_config(config)
+    set_experts_implementation(model, "eager")
+    if tuning == "lora":  # (logitless's all-linear: attention only, the experts and router frozen)
+        from logitless.trainer.config.schema import ModelConfig
+        from logitless.trainer.policy.lora_targets import add_lora
+
+        model = add_lora(model, ModelConfig(lora_r=4, lora_alpha=8))
+        model.enable_input_require_grads()
+    shape = ModelShape.of(model)
+    counted = counted_flops(model)
+    linear = counted.get("aten.mm", 0) + counted.get("aten.addmm", 0)
+    assert update_flops(dataclasses.replace(shape, d_attn=0), ROWS) == linear

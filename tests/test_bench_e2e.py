@@ -173,3 +173,69 @@ def test_family_shapes_have_the_published_parameter_counts():
     with pytest.raises(SystemExit, match=r"llama3.1-8b has a vocabulary of 128,256 tokens, the tokenizer 151,665"):
         up.family_config("llama3.1-8b", 151_665)
     assert up.family_config("llama3.1-8b", 151_665, any_tokenizer=True).vocab_size == 128_256  # update-only probes
+
+
+def test_moe_shapes_are_the_published_models():
+    """Qwen3-30B-A3B, gpt-oss-20b (bf16) and OLMoE-1B-7B built on the meta device: their published parameter
+    counts, all and active per token (gpt-oss's 3.6B active leaves out its input embedding), experts and k."""
+    import torch
+    import transformers as tf
+
+    from bench import update_probe as up
+    from logitless.models.experts import moe_shape
+    from logitless.trainer.config.schema import ModelConfig
+    from logitless.trainer.memory.model import model_memory
+
+    published = {"qwen3-30b-a3b": (30_532_122_624, 3.3e9, 128, 8), "gpt-oss-20b": (20_914_757_184, 3.6e9, 32, 4),
+                 "olmoe-1b-7b": (6_919_161_856, 1.3e9, 64, 8)}
+    for shape, (total, active, experts, k) in published.items():
+        with torch.device("meta"):
+            model = tf.AutoModelForCausalLM.from_config(up.family_config(shape, 50_000), dtype=torch.bfloat16)
+        mem = model_memory(model, ModelConfig(lora=False), torch.bfloat16)
+        assert mem.params == sum(p.numel() for p in model.parameters()) == total
+        embedding = model.get_input_embeddings().weight.numel() if shape == "gpt-oss-20b" else 0
+        assert abs(mem.active_params - embedding - active) < 0.06e9, shape
+        shape_ = moe_shape(model.config)
+        assert (shape_.experts, shape_.active) == (experts, k) and mem.expert_bytes > 0.9 * 2 * (total - 2e9) - 2e9
+
+
+def test_trl_gets_the_adapters_logitless_trains_on_a_moe():
+    """bench_e2e's TRL LoraConfig, applied as TRL applies it (peft's get_peft_model, its transformers-4 rewrite of
+    the targets on), adapts the same parameters with the same shapes as logitless's model.lora settings: attention
+    only, or the expert stacks too (never the router)."""
+    import torch
+    import transformers as tf
+    from peft import get_peft_model
+
+    from bench import update_probe as up
+    from bench.bench_e2e import trl_lora
+    from logitless.trainer.config.schema import ModelConfig
+    from logitless.trainer.policy.lora_targets import add_lora
+
+    def adapters(model) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+
+    for experts in (False, True):
+        torch.manual_seed(0)
+        base = tf.AutoModelForCausalLM.from_config(up.family_config("tiny-qwen3-moe", 151_665))
+        ours = adapters(add_lora(base, ModelConfig(lora_r=16, lora_alpha=32, lora_target_experts=experts)))
+        torch.manual_seed(0)
+        base = tf.AutoModelForCausalLM.from_config(up.family_config("tiny-qwen3-moe", 151_665))
+        theirs = adapters(get_peft_model(base, trl_lora(base, experts)))
+        assert ours == theirs and not any(".gate." in n for n in ours)
+        assert any(".experts." in n for n in ours) is experts
+
+
+def test_bench_e2e_trains_a_tiny_moe_with_expert_adapters(tmp_path, shared_dir):
+    """The logitless side of bench_e2e on a tiny Qwen3-MoE (CPU, hf rollout): LoRA on attention and experts trains."""
+    cmd = [
+        sys.executable, str(REPO / "bench" / "bench_e2e.py"), "--tokenizer", str(shared_dir / "tokenizers" / "qwen2.5"),
+        "--out", str(tmp_path), "--shape", "tiny-qwen3-moe", "--systems", "logitless", "--T", "6", "--steps", "1",
+        "--prompts", "2", "--G", "2", "--micro", "2", "--backend", "hf", "--set", "train.num_threads=1",
+        "--set", "model.lora_target_experts=true",
+    ]
+    subprocess.run(cmd, check=True, cwd=tmp_path, timeout=600)
+    result = json.loads((tmp_path / "e2e_tiny-qwen3-moe.json").read_text())
+    (run,) = result["runs"]
+    assert run["error"] is None and len(run["steps"]) == 1 and run["steps"][0]["seconds"]["train"] > 0
+    assert result["config"]["tuning"] == "LoRA r16 all-linear + experts"

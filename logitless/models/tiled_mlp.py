@@ -57,6 +57,8 @@ def untileable_reason(model: nn.Module) -> str | None:
         return None
     mlp = getattr(layers[odd[0]], "mlp", None)
     kind = type(mlp).__name__ if mlp is not None else "no `mlp` module"
+    if mlp is not None and any(hasattr(mlp, n) for n in MOE_NAMES):
+        kind += " (a mixture of experts: its tokens are routed to experts, whose stacks the tiling does not run)"
     return (f"decoder layer {odd[0]} of {type(layers[odd[0]]).__name__} ({len(odd)} of {len(layers)} layers) has "
             f"{kind}, not a dense gated MLP (gate_proj, up_proj, down_proj): only those are tiled")
 

@@ -9,11 +9,13 @@ same module.
 - `MergedLoraWeights(peft_model, mode)`: a plain-model view for decoding at plain-model speed. Every LoRA-wrapped
   layer becomes a copy of its base layer (for QLoRA's 4-bit layers a plain linear layer, W dequantized) holding
   W + ΔW (ΔW = peft's `get_delta_weight` of the active adapters, the sum formed in fp32 and rounded once to the
-  base dtype); every other parameter and buffer is shared with the training model. The merged tensors keep their
-  addresses across syncs (updated with `copy_`), so a CUDA graph captured over them stays valid. Where they live
-  (`mode`): a resident copy (`extra_bytes`), a copy in sleepable memory freed between rollouts (`sleep.py`), or
-  the base weights themselves for the rollout only, written back exactly afterwards (`in_place`). Merging in
-  place and unmerging by subtraction is never done: in bf16 it would change the base weights by rounding.
+  base dtype), and every experts module with LoRA on its fused 3-D stacks (peft's `ParamWrapper`,
+  model.lora_target_experts) a copy holding each expert's W + ΔW; every other parameter and buffer is shared with
+  the training model. The merged tensors keep their addresses across syncs (updated with `copy_`), so a CUDA graph
+  captured over them stays valid. Where they live (`mode`): a resident copy (`extra_bytes`), a copy in sleepable
+  memory freed between rollouts (`sleep.py`), or the base weights themselves for the rollout only, written back
+  exactly afterwards (`in_place`). Merging in place and unmerging by subtraction is never done: in bf16 it would
+  change the base weights by rounding.
   With `fuse` (`fused.py`), q/k/v and gate/up decode as one product each: the copy holds each group's weights in
   one tensor, or (`in_place`) the frozen base weights of a group are laid back to back in one storage (same
   values; the training model computes as before).
@@ -64,6 +66,39 @@ def lora_layers(model: Any) -> list[tuple[str, Any]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
 
 
+def merge_targets(model: Any) -> list[tuple[str, str, Any]]:
+    """(module path, parameter name, LoRA layer) of every weight a merge rewrites in `model`: a LoRA layer's `weight`
+    at its own path, or the parameter a peft `ParamWrapper` adapts (a fused 3-D expert stack, model.lora_target_experts)
+    at the path of the module holding it, where the wrappers of its other parameters are nested
+    (`mlp.experts`, `mlp.experts.base_layer`: both name `mlp.experts`)."""
+    out = []
+    for name, layer in lora_layers(model):
+        path = name
+        while path.endswith(".base_layer"):
+            path = path.removesuffix(".base_layer")
+        out.append((path, adapted_name(layer), layer))
+    return out
+
+
+def adapted_name(layer: Any) -> str:
+    """The name of the parameter LoRA layer `layer` adapts on its base layer: `weight`, or a ParamWrapper's own."""
+    return getattr(layer, "parameter_name", None) or "weight"
+
+
+def delta_weight(layer: Any, adapter: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """ΔW of `adapter` in LoRA layer `layer` from whole lora_A and lora_B weights `a`, `b` (gathered from shards, say),
+    as peft's `get_delta_weight` forms it, in their dtype: (B @ A) x scaling for a linear layer (transposed for
+    fan_in_fan_out); for a ParamWrapper over E > 1 experts one product per expert (A [E·r, in] -> [E, r, in],
+    B [out, E·r] -> [out, r, E]) laid out as the stack is, [E, out, in] or (transposed stacks) [E, in, out]."""
+    experts = getattr(layer, "num_experts", 1)
+    if experts > 1:
+        a, b = a.reshape(experts, -1, a.shape[-1]), b.reshape(b.shape[0], -1, experts)
+        equation = "ore,eri->eoi" if layer._did_swap_in_out_features else "ore,eri->eio"
+        return torch.einsum(equation, b, a) * layer.scaling[adapter]
+    delta = b @ a
+    return (delta.T if getattr(layer, "fan_in_fan_out", False) else delta) * layer.scaling[adapter]
+
+
 def merge_refusal(model: Any) -> str | None:
     """Why `model`'s adapters cannot be merged into an inference copy (None if they can)."""
     layers = lora_layers(model)
@@ -71,7 +106,7 @@ def merge_refusal(model: Any) -> str | None:
         return "the model has no LoRA adapters"
     for name, layer in layers:
         base = layer.get_base_layer()
-        weight = getattr(base, "weight", None)
+        weight = getattr(base, adapted_name(layer), None)
         plain = isinstance(weight, torch.nn.Parameter) and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
         if not plain and not is_4bit(weight):
             return (f"layer {name} wraps a {type(base).__name__} whose weight is neither a plain float tensor nor "
@@ -90,7 +125,7 @@ def is_4bit(weight: Any) -> bool:
 
 def base_weight(layer: Any) -> torch.Tensor:
     """The base weight W of a LoRA layer as a float tensor: as is, or dequantized from 4-bit (in its compute dtype)."""
-    weight = layer.get_base_layer().weight
+    weight = getattr(layer.get_base_layer(), adapted_name(layer))
     if not is_4bit(weight):
         return weight
     import bitsandbytes.functional as bnbf
@@ -101,7 +136,7 @@ def base_weight(layer: Any) -> torch.Tensor:
 def in_place_refusal(model: Any) -> str | None:
     """Why the merged weights cannot be written into `model`'s base weights for a rollout (None if they can)."""
     for name, layer in lora_layers(model):
-        weight = layer.get_base_layer().weight
+        weight = getattr(layer.get_base_layer(), adapted_name(layer))
         if is_4bit(weight):
             return f"layer {name}'s base weight is 4-bit: it cannot hold W + ΔW"
         if weight.requires_grad:
@@ -147,29 +182,30 @@ class MergedLoraWeights:
         shared = {id(t): t for t in [*base.parameters(), *base.buffers()]}  # deepcopy shares, never copies, these
         self.module = fresh_copy(base, memo=shared).eval()  # shared parameters keep their requires_grad
         self.mode = mode
-        copies, layers = dict(lora_layers(self.module)), lora_layers(base)
-        device = layers[0][1].get_base_layer().weight.device
-        for name, layer in layers:
-            plain = _plain_layer(layer.get_base_layer())
-            if mode != "in_place":  # allocated below: in a fused group, or on its own
-                w = plain.weight
-                plain.weight = torch.nn.Parameter(torch.empty_like(w, device="meta"), requires_grad=False)
-            assert copies[name] is self.module.get_submodule(name)
+        targets = merge_targets(base)  # (path, parameter, LoRA layer); expert stacks: several at one path
+        device = base_weight(targets[0][2]).device
+        names = list(dict.fromkeys(path for path, _, _ in targets))
+        for name in names:  # each LoRA-wrapped module becomes a plain copy of what it wraps
+            plain = _plain_layer(base.get_submodule(name).get_base_layer())
+            for param in (p for path, p, _ in targets if path == name and mode != "in_place"):
+                w = getattr(plain, param)  # allocated below: in a fused group, or on its own
+                setattr(plain, param, torch.nn.Parameter(torch.empty_like(w, device="meta"), requires_grad=False))
             self.module.set_submodule(name, plain)
-        names = [name for name, _ in layers]
         if fuse and mode == "in_place":
             for parent, attrs in groups_of(self.module, names):  # the training model's frozen base weights
                 share_storage([getattr(parent, a) for a in attrs])
         self.groups: list[FusedGroup] = fuse_projections(self.module, names, device=device) if fuse else []
-        for name in names:  # the layers left out of a group
-            layer = self.module.get_submodule(name)
-            if layer.weight.device.type == "meta":
-                layer.weight = torch.nn.Parameter(torch.empty_like(layer.weight, device=device), requires_grad=False)
-        held = owners(self.module, [f"{n}.weight" for n in names])  # whole storages: a group's, or a layer's
+        merged = [f"{path}.{param}" for path, param, _ in targets]
+        for name in merged:  # the weights left out of a group
+            module, _, param = name.rpartition(".")
+            owner, w = self.module.get_submodule(module), tensor_at(self.module, name)
+            if w.device.type == "meta":
+                setattr(owner, param, torch.nn.Parameter(torch.empty_like(w, device=device), requires_grad=False))
+        held = owners(self.module, merged)  # whole storages: a group's, or a layer's
         pin = device.type == "cuda"
         self.memory = SleepableMemory(held) if mode == "sleep" else None  # (moves them: views are taken after)
         # (training-side LoRA layer, merged weight): a fused layer's is a view of its group's rows
-        self._pairs = [(layer, tensor_at(self.module, f"{name}.weight")) for name, layer in layers]
+        self._pairs = [(layer, tensor_at(self.module, name)) for name, (_, _, layer) in zip(merged, targets)]
         self._host = [_host_copy(w, pin) for _, w in self._pairs] if mode == "in_place" else []  # the exact base
         biases = sum(g.bias.numel() * g.bias.element_size() for g in self.groups if g.bias is not None)
         self.extra_bytes = biases + (0 if mode == "in_place" else sum(t.numel() * t.element_size() for t in held))
@@ -217,9 +253,10 @@ def _host_copy(w: torch.Tensor, pin: bool) -> torch.Tensor:
 
 
 def _plain_layer(base: Any) -> Any:
-    """A layer computing what `base` computes, with its own parameter dict (bias shared): a shallow copy, or for
-    a bitsandbytes 4-bit linear layer a plain `nn.Linear` in its compute dtype (weight set by the caller)."""
-    if not is_4bit(base.weight):
+    """A layer computing what `base` computes, with its own parameter dict (bias shared): a shallow copy (also of
+    an experts module), or for a bitsandbytes 4-bit linear layer a plain `nn.Linear` in its compute dtype (weight
+    set by the caller)."""
+    if not is_4bit(getattr(base, "weight", None)):
         plain = copy.copy(base)  # same class and attributes
         plain._parameters = dict(plain._parameters)
         return plain

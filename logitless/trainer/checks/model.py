@@ -25,8 +25,10 @@ import torch
 from logitless.models.tiled_mlp import check_tileable
 from logitless.models.varlen import NAME as VARLEN_ATTENTION
 from logitless.models.varlen import register as register_varlen_attention
+from logitless.rollout.weights import merge_targets
 from logitless.trainer.config.schema import ModelConfig, TrainerConfig
-from logitless.trainer.policy.modeling import lora_config, resolve_dtype, resolve_device, resolve_source
+from logitless.trainer.policy.lora_targets import add_lora, lora_config
+from logitless.trainer.policy.modeling import resolve_dtype, resolve_device, resolve_source
 
 
 def _first_line(e: BaseException) -> str:
@@ -172,7 +174,6 @@ def check_lora_targets(model: torch.nn.Module, cfg: ModelConfig) -> str:
     """Add the run's LoRA adapters to the meta skeleton `model` (in place) and refuse targets that match no module
     (peft's own matching: names, regular expressions, 'all-linear'), naming the model's linear layers; a list
     entry that matches nothing beside others that do is refused too, with the nearest name."""
-    from peft import get_peft_model
     from peft.tuners.tuners_utils import check_target_module_exists
 
     target = cfg.lora_target_modules
@@ -180,7 +181,7 @@ def check_lora_targets(model: torch.nn.Module, cfg: ModelConfig) -> str:
     shown = f"model.lora_target_modules={target!r}"
     if isinstance(target, list):
         names = [name for name, _ in model.named_modules()]
-        probe = lora_config(cfg)
+        probe = lora_config(cfg, model)
         for entry in target:
             probe.target_modules = {entry}
             if not any(check_target_module_exists(probe, name) for name in names):
@@ -190,18 +191,25 @@ def check_lora_targets(model: torch.nn.Module, cfg: ModelConfig) -> str:
                     f"{shown}: '{entry}' matches no module of this model ({type(model).__name__}); {hint}Its linear "
                     f"layers are {', '.join(available)}; list some of those, or use all-linear"
                 )
+    if cfg.lora_target_experts:
+        lora_config(cfg, model)  # refuses a model without fused expert weights, naming the setting
     try:
         with torch.device("meta"):
-            peft_model = get_peft_model(model, lora_config(cfg))
+            peft_model = add_lora(model, cfg)
     except ValueError as e:
         raise ValueError(
             f"{shown} matches no module of this model ({type(model).__name__}): {_first_line(e)}. Its linear layers "
             f"are {', '.join(available)}; name some of those (a list, or a regular expression over the full module "
             "names), or use all-linear"
         ) from None
-    wrapped = sorted({n.rpartition(".")[2] for n, m in peft_model.named_modules() if hasattr(m, "lora_A")})
-    count = sum(1 for _, m in peft_model.named_modules() if hasattr(m, "lora_A"))
-    return f"{shown} adds LoRA adapters to {count} layers ({', '.join(wrapped)})"
+    targets = merge_targets(peft_model)
+    layers = [path for path, param, _ in targets if param == "weight"]
+    stacks = sorted({f"{path.rpartition('.')[2]}.{param}" for path, param, _ in targets if param != "weight"})
+    line = f"{shown} adds LoRA adapters to {len(layers)} layers ({', '.join(sorted({n.rpartition('.')[2] for n in layers}))})"
+    if stacks:
+        line += (f"; model.lora_target_experts=true to {len(targets) - len(layers)} expert stacks "
+                 f"({', '.join(stacks)}), an adapter per expert")
+    return line
 
 
 def check_liger(config: Any) -> str:

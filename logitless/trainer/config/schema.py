@@ -63,8 +63,23 @@ class ModelConfig:
     lora_r: int = 16  # adapter rank
     lora_alpha: int = 32  # adapter scale alpha (the update is scaled by alpha / r)
     lora_dropout: float = 0.0  # dropout on the adapters' input, in [0, 1)
-    # peft's target_modules: "all-linear" (every linear layer but the lm_head), a list of module names, or a regex
+    # peft's target_modules: "all-linear" (every linear layer but the lm_head), a list of module names, or a regex.
+    # In a mixture of experts these are the attention projections, shared experts and dense MLPs, never a router
+    # (trainer/policy/lora_targets.py add_lora); the fused expert weights are model.lora_target_experts.
     lora_target_modules: list[str] | str = "all-linear"
+    # Mixture of experts: LoRA on the fused 3-D expert weights too (peft target_parameters mlp.experts.gate_up_proj
+    # and mlp.experts.down_proj), an adapter per expert of rank max(1, lora_r // k), k = experts per token (a token's
+    # update has rank lora_r, as in a dense layer), alpha scaled alike. Needs model.lora_dropout=0 (peft's expert
+    # adapters have no dropout). The rollout's merged copy merges the expert deltas like the others.
+    lora_target_experts: bool = False
+    # How a mixture of experts' experts compute (transformers' experts backends; logitless/models/experts.py):
+    # "eager" (the model's own loop over the experts hit: a host sync per layer), "grouped_mm" (tokens sorted by
+    # expert, one grouped GEMM per projection), "batched_mm" (each token's experts' weights gathered and multiplied
+    # in one bmm: static shapes, memory of rows x k experts' weights). "auto": grouped_mm on a CUDA GPU of compute
+    # capability 9.0+ (H100, H200) in bfloat16 with torch's grouped GEMM, which runs without a host sync (so the
+    # static engine's decode step can be captured as one CUDA graph); eager everywhere else (CPU: the reference; older
+    # GPUs and fp32/fp16, where transformers' grouped path falls back to a per-expert loop). No effect on dense models.
+    experts_implementation: Literal["auto", "eager", "grouped_mm", "batched_mm"] = "auto"
     # Recompute each decoder layer's activations in the backward instead of keeping them. "auto": on where the
     # memory plan needs it (trainer/memory/plan.py), off otherwise (and off when no plan is made: CPU without
     # train.memory_budget_gib, torchrun, train.fsdp_offload).
@@ -127,6 +142,12 @@ class ModelConfig:
                              "set model.lora_compute=auto (or model.lora=true)")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"model.lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
+        if self.lora_target_experts and not self.lora:
+            raise ValueError("model.lora_target_experts=true adds LoRA adapters to the experts, but model.lora=false "
+                             "(full fine-tuning trains the experts already); set model.lora_target_experts=false")
+        if self.lora_target_experts and self.lora_dropout:
+            raise ValueError(f"model.lora_target_experts=true: peft's adapters on the fused expert weights have no "
+                             f"dropout, but model.lora_dropout={self.lora_dropout!r}; set model.lora_dropout=0")
         if self.activation_offload is True and self.gradient_checkpointing is False:
             raise ValueError(
                 "model.activation_offload=true offloads the checkpointed layer inputs, so it needs "

@@ -57,7 +57,7 @@ from logitless.models.lm_head import decoder_layers
 from logitless.rollout.engine import unwrap_model
 from logitless.rollout.fused import fuse_projections, owners, tensor_at
 from logitless.rollout.sleep import SleepableMemory
-from logitless.rollout.weights import fresh_copy, lora_layers, merge_refusal
+from logitless.rollout.weights import delta_weight, fresh_copy, lora_layers, merge_refusal, merge_targets
 from logitless.trainer.config.schema import TrainerConfig
 from logitless.trainer.distributed.collectives import is_distributed
 from logitless.trainer.distributed.fsdp_offload import check_host_backend, device_full_tensor, offload_policy, one_rank_group
@@ -386,15 +386,17 @@ class MergedRolloutCopy(_Replica):
                  fuse: bool = False):
         self.model = copy_to(unwrap_model(peft_model), device)
         self.names = self.synced_names(peft_model)
-        for name, layer in lora_layers(self.model):  # each LoRA layer becomes its base layer: the merged storage
-            self.model.set_submodule(name, layer.get_base_layer())
-        self.groups = fuse_projections(self.model, self.names) if fuse else []
-        merged = owners(self.model, [f"{name}.weight" for name in self.names])  # rewritten at every sync
+        self.targets = [(path, param) for path, param, _ in merge_targets(unwrap_model(peft_model))]
+        for path in dict.fromkeys(path for path, _ in self.targets):  # each LoRA layer (or nest of expert
+            self.model.set_submodule(path, self.model.get_submodule(path).get_base_layer())  # wrappers): its base
+        self.groups = fuse_projections(self.model, [path for path, _ in self.targets]) if fuse else []
+        merged = owners(self.model, [f"{path}.{param}" for path, param in self.targets])  # rewritten at every sync
         self.memory = SleepableMemory(merged) if sleep else None
 
     @staticmethod
     def synced_names(peft_model: nn.Module) -> list[str]:
-        """What `sync` merges, in its order: the LoRA layers of `peft_model` (unsharded)."""
+        """What `sync` merges, in its order: the LoRA layers of `peft_model` (unsharded; nested expert wrappers one
+        each)."""
         return [name for name, _ in lora_layers(unwrap_model(peft_model))]
 
     @staticmethod
@@ -412,17 +414,18 @@ class MergedRolloutCopy(_Replica):
         src = unwrap_model(sharded)
         device = next(self.model.parameters()).device
         full = lambda p: device_full_tensor(p, device)  # noqa: E731  (host shards with train.fsdp_offload: moved first)
+        where = dict(zip(self.names, self.targets))  # LoRA layer name -> (path, parameter) in the replica
         for unit, names in by_unit(sharded, self.names, base=src):  # the same units in the same order on every rank
             with gathered(unit, lend):
                 for name in names:
                     layer = src.get_submodule(name)
-                    w = full(layer.get_base_layer().weight).float()
+                    path, param = where[name]
+                    w = full(getattr(layer.get_base_layer(), param)).float()
                     for adapter in layer.active_adapters:
                         if adapter in layer.lora_A:
-                            delta = full(layer.lora_B[adapter].weight) @ full(layer.lora_A[adapter].weight)
-                            delta = delta.T if layer.fan_in_fan_out else delta
-                            w = w + (delta * layer.scaling[adapter]).float()
-                    dst = tensor_at(self.model, f"{name}.weight")
+                            a, b = full(layer.lora_A[adapter].weight), full(layer.lora_B[adapter].weight)
+                            w = w + delta_weight(layer, adapter, a, b).float()
+                    dst = tensor_at(self.model, f"{path}.{param}")
                     dst.copy_(w if w.device == dst.device else w.to(dst.dtype))  # another GPU: rounded once, sent
 
 

@@ -10,8 +10,10 @@ memory plan; printed as a table and saved in the run folder (`resolved.json`).
     model.activation_offload       |  the memory plan (trainer/memory/plan.py): the fastest settings whose
     train.micro_batch_tokens       |  predicted phases fit train.memory_budget_gib (default: the device's free
     train.offload_during_rollout   |  memory); made on CUDA (or wherever the budget is set), one process
-    model.mlp_chunk_tokens         |  (tiled MLP only where nothing untiled fits)
+    model.mlp_chunk_tokens         |  (tiled MLP only where nothing untiled fits; never for a mixture of experts)
     rollout.max_kv_gib (unset)    /
+    model.experts_implementation  a mixture of experts only: grouped_mm on CUDA SM90+ in bf16, else eager
+                                  (models/experts.py)
 
 A setting given in the config is kept as given (and listed as "set"); the checks of the settings themselves
 (preflight, the engines) run on the decided values as they always did.
@@ -28,12 +30,13 @@ from typing import Any
 import torch
 
 from logitless.models import UnsupportedModelError
+from logitless.models.experts import is_moe, resolve_experts_implementation
 from logitless.rollout.engine import same_device
 from logitless.rollout.kv_cache import STATIC_LAYER_TYPES, auto_kv_budget
 from logitless.rollout.layouts import FULL, check_layout, layer_types, text_config
 from logitless.trainer.memory import plan as mp
 from logitless.trainer.config.schema import ModelConfig, TrainerConfig
-from logitless.trainer.memory.model import base_model, model_memory, model_skeleton
+from logitless.trainer.memory.model import base_model, model_memory, model_skeleton, moe_summary
 
 # model.compile_layers=auto compiles for runs of at least this many steps. Measured at the 1.5B shape, T = 1,024
 # (bench/LOG.md): the compile adds about 42 s to the first step and saves about 0.7 s of every later one (update
@@ -248,6 +251,9 @@ def resolve(cfg: TrainerConfig, *, world_size: int = 1, model: Any = None, devic
     compiled = choose("model.compile_layers", m.compile_layers, lambda: _compile(cfg, device, single))
     liger = choose("model.liger_kernels", m.liger_kernels, lambda: _liger(cfg, device, world_size, compiled is True, subject))
     kernels = layer_kernels(compiled, liger)
+    if subject is not None and is_moe(base_model(subject)):  # (a dense model has no experts to run)
+        choose("model.experts_implementation", m.experts_implementation,
+               lambda: resolve_experts_implementation("auto", device, dtype))
 
     fixed = _fixed_knobs(cfg, packed is True)
     if single and subject is not None and (device.type == "cuda" or budget_set):
@@ -342,6 +348,9 @@ def _mlp_chunk(knobs: mp.Knobs, out: Resolved, why: str) -> tuple[int | None, st
     if out.plan is None:
         return None, why + "; off"
     if not out.model.mlp_tileable:
+        if out.model.expert_bytes:
+            return None, ("a mixture of experts: its MoE layers route each token to experts, and models/tiled_mlp.py "
+                          "tiles only dense gated MLPs")
         return None, "the model's MLPs are not all dense gated MLPs (models/tiled_mlp.py)"
     return None, "memory plan: an untiled setting fits"
 
@@ -413,6 +422,8 @@ def print_resolved(res: Resolved, console: Any = None) -> None:
     console.print(table)
     for note in res.notes:
         console.print(f"[yellow]warning:[/] {note}", highlight=False)
+    if res.model is not None and moe_summary(res.model):
+        console.print(moe_summary(res.model), highlight=False)
     memory = [("memory plan: predicted peak per phase (GiB)", res.plan),
               (f"memory model on {res.ranks} ranks: predicted peak per GPU and phase (GiB)", res.rank_memory)]
     for title, plan in memory:

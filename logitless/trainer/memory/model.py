@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from logitless.models import UnsupportedModelError
+from logitless.models.experts import expert_modules, moe_shape
 from logitless.models.tiled_mlp import untileable_reason
 from logitless.rollout.layouts import text_config
 from logitless.rollout.weights import is_4bit
@@ -58,13 +59,16 @@ def model_memory(model: Any, cfg: ModelConfig, dtype: torch.dtype) -> mp.ModelMe
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
     kv_heads = getattr(tc, "num_key_value_heads", None) or heads
     inter = getattr(tc, "intermediate_size", None) or 4 * tc.hidden_size
-    if getattr(tc, "num_experts_per_tok", None) and getattr(tc, "moe_intermediate_size", None):
-        inter = tc.num_experts_per_tok * tc.moe_intermediate_size + getattr(tc, "shared_expert_intermediate_size", 0)
+    moe = moe_shape(tc)
+    if moe is not None:  # a token goes through k experts (and a shared one): the activations' MLP width
+        inter = moe.active_intermediate
     out_layer = base.get_output_embeddings()
     width = torch.tensor([], dtype=dtype).element_size()
+    # QLoRA quantizes the linear layers only: fused 3-D expert stacks (and routers) stay in the compute dtype
     quantized = {id(m.weight) for name, m in base.named_modules()
                  if isinstance(m, torch.nn.Linear) and m is not out_layer} if cfg.load_in_4bit else set()
-    weight_bytes = params = lora_params = 0
+    experts = {id(p): p for _, m in expert_modules(base) for p in m.parameters(recurse=False)}
+    weight_bytes = params = lora_params = expert_bytes = 0
     for name, p in base.named_parameters():
         if "lora_" in name:
             lora_params += p.numel()
@@ -75,20 +79,28 @@ def model_memory(model: Any, cfg: ModelConfig, dtype: torch.dtype) -> mp.ModelMe
             continue
         params += p.numel()
         weight_bytes += int(p.numel() * (mp.NF4_BYTES if id(p) in quantized else width))
+        expert_bytes += p.numel() * width if id(p) in experts else 0
+    expert_params = sum(p.numel() for p in experts.values())
+    active = params - (expert_params - expert_params * moe.active // moe.experts if moe is not None else 0)
     trainable, copy = lora_params, 0
     if cfg.lora and not lora_params:
         for name, m in base.named_modules():
             if isinstance(m, torch.nn.Linear) and _targets(cfg, name, out_layer, m):
                 trainable += cfg.lora_r * (m.in_features + m.out_features)
                 copy += m.in_features * m.out_features * width
-    elif cfg.lora:
-        copy = sum(m.in_features * m.out_features * width for name, m in base.named_modules()
-                   if hasattr(m, "lora_A") and hasattr(m, "in_features"))
+        if cfg.lora_target_experts:  # an adapter per expert (trainer/policy/lora_targets.py expert_targets), a merged stack
+            rank = max(1, cfg.lora_r // moe.active) if moe is not None else cfg.lora_r
+            for stack in (p for p in experts.values() if p.dim() == 3):
+                trainable += rank * stack.shape[0] * (stack.shape[1] + stack.shape[2])
+                copy += stack.numel() * width
+    elif cfg.lora:  # (a peft expert wrapper's in/out features are one expert's)
+        copy = sum(m.in_features * m.out_features * getattr(m, "num_experts", 1) * width
+                   for name, m in base.named_modules() if hasattr(m, "lora_A") and hasattr(m, "in_features"))
     return mp.ModelMemory(
         layers=tc.num_hidden_layers, hidden=tc.hidden_size, intermediate=inter, q_dim=heads * head_dim,
         kv_dim=kv_heads * head_dim, vocab=base.get_input_embeddings().weight.shape[0], dtype_bytes=width,
         weight_bytes=weight_bytes, params=params, trainable=trainable if cfg.lora else params, lora=cfg.lora,
-        merge_copy_bytes=copy, mlp_tileable=_tileable(base),
+        merge_copy_bytes=copy, mlp_tileable=_tileable(base), expert_bytes=expert_bytes, active_params=active,
     )
 
 
@@ -98,3 +110,14 @@ def _tileable(model: Any) -> bool:
         return untileable_reason(model) is None
     except UnsupportedModelError:  # no decoder layers found
         return False
+
+
+def moe_summary(m: mp.ModelMemory) -> str | None:
+    """One line on a mixture of experts' sizes as the plan counts them (None for a dense model)."""
+    if not m.expert_bytes:
+        return None
+    count = lambda n: f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"  # noqa: E731
+    size = lambda b: f"{b / mp.GIB:.2f} GiB" if b >= 0.1 * mp.GIB else f"{b / 2**20:.2f} MiB"  # noqa: E731
+    return (f"mixture of experts: {count(m.params)} parameters, {count(m.active_params)} active per token; the expert "
+            f"stacks are {size(m.expert_bytes)} of the {size(m.weight_bytes)} of weights (held whole: every expert is "
+            f"resident, never 4-bit); activations at the active MLP width {m.intermediate:,}")

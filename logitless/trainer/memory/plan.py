@@ -88,6 +88,11 @@ class ModelMemory:
     lora: bool
     merge_copy_bytes: int  # a merged decode copy of the LoRA-targeted layers, in the compute dtype
     mlp_tileable: bool = False  # every decoder layer has a dense gated MLP (models/tiled_mlp.py can tile it)
+    # A mixture of experts: the bytes of its expert stacks (all experts, in weight_bytes: the weights, the replica
+    # and the optimizer hold every expert; never 4-bit, bitsandbytes quantizes linear layers only), and the
+    # parameters a token goes through (k of E experts), whose MLP width `intermediate` is
+    expert_bytes: int = 0
+    active_params: int = 0  # 0: a dense model (all of `params` active)
 
     @property
     def kv_bytes_per_token(self) -> int:

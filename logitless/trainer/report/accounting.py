@@ -13,7 +13,8 @@ Definitions (the same in the trainer's metrics and in `bench/bench_e2e.py`):
   generate phase is only the wait for it). Prefill is not counted as ideal time (it is compute-bound and small), so
   the fraction is a slight under-estimate of decode efficiency.
 - **MFU.** FLOPs the update needs, counted once (recompute from gradient checkpointing not counted): per token,
-  `2 * N` forward for the decoder's linear layers (every token) and the lm_head (completion tokens only: the
+  `2 * N` forward for the decoder's linear layers (every token; of a mixture of experts' stacks the k of E
+  experts a token runs, k / E of them) and the lm_head (completion tokens only: the
   fused op skips prompt positions), plus attention `4 * layers * d_attn * ctx` (QK^T and PV over the causal
   context); backward is `2 *` forward for trainable weights (input and weight
   gradients) and `1 *` forward for frozen ones (input gradients only), so LoRA counts `4 * N` and full
@@ -33,6 +34,7 @@ from typing import Any, Iterator
 
 import torch
 
+from logitless.models.experts import moe_shape
 from logitless.rollout import sleep
 
 # Datasheet peaks: dense bf16 FLOP/s, HBM bytes/s (SXM parts). Matched as substrings of the device name.
@@ -89,6 +91,7 @@ class ModelShape:
         emb = base.get_input_embeddings().weight
         out = base.get_output_embeddings()
         head = out.weight if out is not None else emb
+        moe = moe_shape(cfg)
         body = body_trainable = lora = weight_bytes = 0
         for name, p in base.named_parameters():  # a tied weight is listed once
             if "lora_" in name:
@@ -99,7 +102,9 @@ class ModelShape:
             shape = _logical_shape(p)
             n = math.prod(shape)
             weight_bytes += p.numel() * p.element_size() if shape != p.shape else n * 2
-            if len(shape) == 2 and p is not head:
+            if len(shape) == 3 and moe is not None:  # a fused expert stack: each token runs k of its E experts
+                n = n * moe.active // moe.experts
+            if len(shape) in (2, 3) and p is not head:
                 body += n
                 body_trainable += n if p.requires_grad else 0
         window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None

@@ -322,7 +322,8 @@ def build_context(
         worker = DecodeWorker(replica.model, rollout_cfg, tokenizer) if world.main else None
         engine = SharedDecode(worker, dist.new_group(backend="gloo", timeout=TIMEOUT), rollout_device)
     else:  # merged: a plain model
-        engine = make_rollout_engine(rollout_cfg, replica.model if replica else model, tokenizer, record_routes=replay)
+        routes = {"record_routes": True} if replay else {}  # (model.routing_replay; the 3-argument call otherwise)
+        engine = make_rollout_engine(rollout_cfg, replica.model if replica else model, tokenizer, **routes)
     if isinstance(replica, TensorParallelCopy):
         engine = group_decode(engine, replica)
     sync = None if replica is None else _replica_sync(replica, model, None if shared else engine)

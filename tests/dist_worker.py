@@ -81,7 +81,17 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def model():
+def model(mode: str = ""):
+    """The tiny Qwen2 model, or for a "moe" mode a tiny Qwen3-MoE (8 experts, top 2, in both layers)."""
+    if "moe" in mode:
+        from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+        torch.manual_seed(0)
+        cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                             initializer_range=0.2, tie_word_embeddings=True)
+        return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(device())
     return tiny_qwen2(vocab_size=VOCAB, hidden=32, layers=2).to(device())
 
 
@@ -194,7 +204,14 @@ LIGER_MODES = {
                    "model.gradient_checkpointing=true", "objective.beta=0.04", "train.num_iterations=2"],
 }
 
-ALL_MODES = {**MODES, **FOUR_RANK_MODES, **LIGER_MODES}
+# Routing replay under FSDP2 (a mixture-of-experts model, `model("moe")`): the recorded rollout's routes split with
+# its rows; full fine-tuning (router and experts trained), a reference copy, mu = 2, gradient checkpointing
+MOE_MODES = {
+    "full_moe": ["model.lora=false", "optim.learning_rate=0.002", "model.gradient_checkpointing=true",
+                 "objective.beta=0.04", "train.num_iterations=2", "model.routing_replay=true"],
+}
+
+ALL_MODES = {**MODES, **FOUR_RANK_MODES, **LIGER_MODES, **MOE_MODES}
 
 # Overrides of the ranks' runs only: their MLPs tiled (models/tiled_mlp.py, chunks of 5 tokens, far fewer than a
 # micro-batch's) against the untiled single process, so the comparison also holds the tiled MLP to the untiled one
@@ -239,7 +256,7 @@ def equivalence(out: Path, tok, modes: dict[str, list[str]] = MODES) -> None:
     for mode, overrides in modes.items():
         use_engine(lambda real, mode=mode: Replay(out / f"rollout_{mode}.pt"))
         with offload_every_saved_tensor(), recording_shares(out / f"{mode}_share{rank}.json"):
-            result = train(config(out / f"{mode}_ranks", *overrides, *RANKS_ONLY.get(mode, [])), model=model(),
+            result = train(config(out / f"{mode}_ranks", *overrides, *RANKS_ONLY.get(mode, [])), model=model(mode),
                            tokenizer=tok)
         if rank == 0:
             (out / f"{mode}_ranks.json").write_text(json.dumps(untimed(result.records)))
@@ -378,7 +395,8 @@ def main(scenario: str, out_dir: str, tok_dir: str) -> None:
     scenarios = {"equivalence": equivalence, "resume": resume, "async": async_runs,
                  "shared": shared_runs, "shared_failure": shared_failure,
                  "equivalence4": lambda out, tok: equivalence(out, tok, FOUR_RANK_MODES),
-                 "equivalence_liger": lambda out, tok: equivalence(out, tok, LIGER_MODES)}
+                 "equivalence_liger": lambda out, tok: equivalence(out, tok, LIGER_MODES),
+                 "equivalence_moe": lambda out, tok: equivalence(out, tok, MOE_MODES)}
     scenarios[scenario](Path(out_dir), tokenizer(tok_dir))
     # Every rank is through and its files are written and closed: leave without the interpreter's teardown of
     # torch and the process group, which takes seconds per rank on a loaded 2-core runner.

@@ -84,7 +84,8 @@ def run_equivalence(out: Path, tok_dir: Path, modes: dict[str, list[str]] = w.MO
                                                            out / f"rollout_{mode}.pt"))
         try:
             with w.offload_every_saved_tensor():
-                single[mode] = train(w.config(out / f"{mode}_single", *overrides), model=w.model(), tokenizer=tok).records
+                single[mode] = train(w.config(out / f"{mode}_single", *overrides), model=w.model(mode),
+                                     tokenizer=tok).records
         finally:
             w.placement.make_rollout_engine = real
     proc = torchrun(scenario, out, tok_dir, ranks=ranks)
@@ -97,7 +98,7 @@ def check_equivalence(out: Path, single: dict[str, list[dict]], mode: str, atol:
     a, b = weights(out / f"{mode}_single"), weights(out / f"{mode}_ranks")
     assert a.keys() == b.keys() and a
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= atol
-    before = {k: v.cpu() for k, v in w.model().state_dict().items()} if mode.startswith("full") else None
+    before = {k: v.cpu() for k, v in w.model(mode).state_dict().items()} if mode.startswith("full") else None
     moved = [k for k in a if (before is None and "lora_B" in k) or (before is not None and k in before
                                                                      and not torch.equal(a[k], before[k]))]
     assert moved and any(float(a[k].abs().max()) > 0 for k in moved)  # the step changed the weights
@@ -132,6 +133,14 @@ def equivalence(tmp_path_factory, tok_dir, one_thread):
 @pytest.mark.parametrize("mode", list(w.MODES))
 def test_two_ranks_train_like_one_process(equivalence, mode):
     check_equivalence(*equivalence, mode, atol=1e-6, rel=1e-5)
+
+
+def test_two_ranks_replay_routes_like_one_process(tmp_path, tok_dir, one_thread):
+    """Routing replay under FSDP2: a mixture-of-experts step on 2 ranks, each replaying its rows' recorded routes,
+    leaves the weights (router and experts included) and metrics of the one-process step."""
+    single = run_equivalence(tmp_path, tok_dir, w.MOE_MODES, "equivalence_moe")
+    assert single["full_moe"][0]["rollout/route_disagreement"] == 0.0
+    check_equivalence(tmp_path, single, "full_moe", atol=1e-6, rel=1e-5)
 
 
 @pytest.mark.gpu

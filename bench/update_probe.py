@@ -172,13 +172,13 @@ class GivenCompletions:
 
 def install(prompt_tokens: int, completion_tokens: int, one_long_row: bool) -> None:
     """Make the trainer build `GivenCompletions` instead of its rollout engine (in this worker process)."""
-    import logitless.trainer.context as context
+    from logitless.trainer.placement import placement
 
-    def given(rollout_cfg: Any, model: Any, tokenizer: Any) -> GivenCompletions:
+    def given(rollout_cfg: Any, model: Any, tokenizer: Any, *choice: Any) -> GivenCompletions:
         vocab = model.get_input_embeddings().weight.shape[0]
         return GivenCompletions(tokenizer, vocab, prompt_tokens, completion_tokens, one_long_row)
 
-    context.make_rollout_engine = given
+    placement.make_rollout_engine = given
 
 
 def settings(prompt_tokens: int) -> list[str]:

@@ -249,9 +249,9 @@ def engine_of(variant: str, model: torch.nn.Module, tok: Any) -> tuple[Any, Any]
         return make_engine("static", model, tok, compile=False, decode_attention=padded), None
     if variant in ("static_sdpa", "static_matmul", "static_triton"):
         return make_engine("static", model, tok, decode_attention=variant.split("_")[1]), None
-    if variant == "merged_lora":  # as trainer/context.py builds it on one GPU: in place, fused projections
+    if variant == "merged_lora":  # as the placement builds it on one GPU: in place, fused projections
         return make_rollout_engine(RolloutConfig(backend="static"), model, tok), None
-    if variant == "rollout_device":  # as trainer/context.py builds it for rollout.device
+    if variant == "rollout_device":  # as the placement builds it for rollout.device (placement/placement.py)
         from logitless.trainer.distributed.parallel import make_replica
 
         here = model.get_input_embeddings().weight.device

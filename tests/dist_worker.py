@@ -2,12 +2,14 @@
 
     python -m torch.distributed.run --nproc-per-node 2 tests/dist_worker.py SCENARIO OUT_DIR TOKENIZER_DIR
     python -m torch.distributed.run --nproc-per-node 4 tests/dist_worker.py equivalence4 OUT_DIR TOKENIZER_DIR
+    python -m torch.distributed.run --nproc-per-node 2 tests/dist_worker.py equivalence,resume,async OUT_DIR TOKENIZER_DIR
 
 Scenarios: "equivalence" (one step, LoRA and full fine-tuning, on a recorded rollout; `MODES`; on GPUs
 "equivalence_liger", `LIGER_MODES`), "equivalence4"
 (the same on 4 ranks with uneven prompt shares; `FOUR_RANK_MODES`), "resume" (a run, the same run stopped by
 SIGTERM and resumed; then a run on the static backend) and "async" (train.async_rollout: a run, the same stopped
-and resumed, and full fine-tuning). `raise_on_rank1` is a reward function for the failure test.
+and resumed, and full fine-tuning). Scenarios joined by commas run one after the other in one launch (their files
+do not collide). `raise_on_rank1` is a reward function for the failure test.
 """
 
 from __future__ import annotations
@@ -252,14 +254,18 @@ def recording_shares(path: Path):
 
 
 def equivalence(out: Path, tok, modes: dict[str, list[str]] = MODES) -> None:
-    rank = int(os.environ["RANK"])
-    for mode, overrides in modes.items():
-        use_engine(lambda real, mode=mode: Replay(out / f"rollout_{mode}.pt"))
-        with offload_every_saved_tensor(), recording_shares(out / f"{mode}_share{rank}.json"):
-            result = train(config(out / f"{mode}_ranks", *overrides, *RANKS_ONLY.get(mode, [])), model=model(mode),
-                           tokenizer=tok)
-        if rank == 0:
-            (out / f"{mode}_ranks.json").write_text(json.dumps(untimed(result.records)))
+    rank, real = int(os.environ["RANK"]), placement.make_rollout_engine
+    try:
+        for mode, overrides in modes.items():
+            placement.make_rollout_engine = real
+            use_engine(lambda engine, mode=mode: Replay(out / f"rollout_{mode}.pt"))
+            with offload_every_saved_tensor(), recording_shares(out / f"{mode}_share{rank}.json"):
+                result = train(config(out / f"{mode}_ranks", *overrides, *RANKS_ONLY.get(mode, [])), model=model(mode),
+                               tokenizer=tok)
+            if rank == 0:
+                (out / f"{mode}_ranks.json").write_text(json.dumps(untimed(result.records)))
+    finally:  # the trainer's own engines again, for a scenario after this one in the same launch
+        placement.make_rollout_engine = real
 
 
 def resume(out: Path, tok) -> None:
@@ -397,7 +403,8 @@ def main(scenario: str, out_dir: str, tok_dir: str) -> None:
                  "equivalence4": lambda out, tok: equivalence(out, tok, FOUR_RANK_MODES),
                  "equivalence_liger": lambda out, tok: equivalence(out, tok, LIGER_MODES),
                  "equivalence_moe": lambda out, tok: equivalence(out, tok, MOE_MODES)}
-    scenarios[scenario](Path(out_dir), tokenizer(tok_dir))
+    for name in scenario.split(","):  # several scenarios in one launch: one process start for all
+        scenarios[name](Path(out_dir), tokenizer(tok_dir))
     # Every rank is through and its files are written and closed: leave without the interpreter's teardown of
     # torch and the process group, which takes seconds per rank on a loaded 2-core runner.
     if torch.distributed.is_initialized():

@@ -73,7 +73,7 @@ def tok_dir(gpt2_tokenizer_dir):
 
 
 def run_equivalence(out: Path, tok_dir: Path, modes: dict[str, list[str]] = w.MODES, scenario: str = "equivalence",
-                    ranks: int = 2) -> dict[str, list[dict]]:
+                    ranks: int = 2, timeout: float = 300) -> dict[str, list[dict]]:
     """One step on one process (recording its rollout), then the same step on `ranks` ranks replaying that rollout
     (the worker's `scenario`, which runs `modes`); returns the single-process records per mode."""
     tok = w.tokenizer(tok_dir)
@@ -88,7 +88,7 @@ def run_equivalence(out: Path, tok_dir: Path, modes: dict[str, list[str]] = w.MO
                                      tokenizer=tok).records
         finally:
             w.placement.make_rollout_engine = real
-    proc = torchrun(scenario, out, tok_dir, ranks=ranks)
+    proc = torchrun(scenario, out, tok_dir, timeout=timeout, ranks=ranks)
     assert proc.returncode == 0, proc.stdout[-6000:]
     return single
 
@@ -125,14 +125,16 @@ def check_equivalence(out: Path, single: dict[str, list[dict]], mode: str, atol:
 
 
 @pytest.fixture(scope="module")
-def equivalence(tmp_path_factory, tok_dir, one_thread):
-    out = tmp_path_factory.mktemp("equivalence")
-    return out, run_equivalence(out, tok_dir)
+def two_rank_runs(tmp_path_factory, tok_dir, one_thread):
+    """One launch of 2 ranks for the equivalence, resume and async scenarios (one process start for the three):
+    the folder of their files and the single-process records of the equivalence's modes."""
+    out = tmp_path_factory.mktemp("two_ranks")
+    return out, run_equivalence(out, tok_dir, scenario="equivalence,resume,async", timeout=900)
 
 
 @pytest.mark.parametrize("mode", list(w.MODES))
-def test_two_ranks_train_like_one_process(equivalence, mode):
-    check_equivalence(*equivalence, mode, atol=1e-6, rel=1e-5)
+def test_two_ranks_train_like_one_process(two_rank_runs, mode):
+    check_equivalence(*two_rank_runs, mode, atol=1e-6, rel=1e-5)
 
 
 def test_two_ranks_replay_routes_like_one_process(tmp_path, tok_dir, one_thread):
@@ -196,13 +198,13 @@ def test_four_ranks_with_uneven_shares_train_like_one_process(four_ranks, mode):
         assert json.loads((out / f"{mode}_ranks.json").read_text())[0]["rollout/replica_gib"] == pytest.approx(plain)
 
 
-def test_exported_adapter_loads_in_one_process_with_the_same_logprobs(equivalence):
+def test_exported_adapter_loads_in_one_process_with_the_same_logprobs(two_rank_runs):
     """The 2-rank run's model/ folder is a PEFT adapter: loaded on one process it gives the single run's logprobs."""
     from peft import PeftModel
 
     from logitless.models import completion_logprobs
 
-    out, _ = equivalence
+    out, _ = two_rank_runs
     torch.manual_seed(1)
     ids, cids = torch.randint(0, w.VOCAB, (2, 5)), torch.randint(0, w.VOCAB, (2, 4))
     masks = torch.ones_like(ids), torch.ones_like(cids)
@@ -216,11 +218,9 @@ def test_exported_adapter_loads_in_one_process_with_the_same_logprobs(equivalenc
 
 
 @pytest.fixture(scope="module")
-def resume_runs(tmp_path_factory, tok_dir):
-    out = tmp_path_factory.mktemp("resume")
-    proc = torchrun("resume", out, tok_dir)
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    return out
+def resume_runs(two_rank_runs):
+    """The folder of the 2-rank launch's resume scenario."""
+    return two_rank_runs[0]
 
 
 def test_static_backend_samples_from_a_replica_synced_every_step(resume_runs):
@@ -299,12 +299,10 @@ def check_async(out: Path, rel: float = 0.0) -> None:
     assert all(torch.equal(a[k], b[k]) if not rel else torch.allclose(a[k], b[k], rtol=rel, atol=1e-6) for k in a)
 
 
-def test_async_rollouts_on_two_ranks_sample_one_update_behind_and_resume_exactly(tmp_path, tok_dir, one_thread):
+def test_async_rollouts_on_two_ranks_sample_one_update_behind_and_resume_exactly(two_rank_runs):
     """train.async_rollout under torchrun: each rank decodes its share of step k + 1 from its replica while step k
     updates (`check_async`)."""
-    proc = torchrun("async", tmp_path, tok_dir)
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    check_async(tmp_path)
+    check_async(two_rank_runs[0])
 
 
 @pytest.mark.gpu

@@ -77,12 +77,19 @@ def check_shared(out: Path, rel: float = 0.0, abs_: float = 0.0, cuda: bool = Fa
         assert all(torch.equal(a[k], b[k]) if not rel else torch.allclose(a[k], b[k], rtol=rel, atol=abs_) for k in a)
 
 
-def test_two_ranks_with_rank0_decoding_for_both_train_as_with_a_replica_each(tmp_path, tok_dir, one_thread):
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory, tok_dir, one_thread):
+    """One launch of 2 ranks for the "shared" and "shared_failure" scenarios (one process start for both)."""
+    out = tmp_path_factory.mktemp("shared")
+    proc = torchrun("shared,shared_failure", out, tok_dir, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return out
+
+
+def test_two_ranks_with_rank0_decoding_for_both_train_as_with_a_replica_each(shared_runs):
     """On CPU (gloo), rollout.device=cpu: the union decode draws each rank's rows from that rank's streams, so the
     samples, metrics and weights are bitwise those of each rank decoding its own share."""
-    proc = torchrun("shared", tmp_path, tok_dir, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    check_shared(tmp_path)
+    check_shared(shared_runs)
 
 
 @pytest.mark.gpu
@@ -99,11 +106,9 @@ def test_three_gpus_rank0_decoding_on_the_third_trains_as_with_a_replica_each(tm
     check_shared(tmp_path, rel=1e-4, abs_=1e-5, cuda=True)
 
 
-def test_a_decode_process_that_dies_fails_every_rank_with_the_reason(tmp_path, tok_dir, one_thread):
-    proc = torchrun("shared_failure", tmp_path, tok_dir, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-6000:]
+def test_a_decode_process_that_dies_fails_every_rank_with_the_reason(shared_runs):
     for rank in (0, 1):
-        assert (tmp_path / f"failure_rank{rank}.txt").read_text() == (
+        assert (shared_runs / f"failure_rank{rank}.txt").read_text() == (
             "rollout.device: rank 0's rollout of every rank's prompts failed: RuntimeError: the rollout's decode "
             "process ended (exit code -9)")
 

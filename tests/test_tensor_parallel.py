@@ -30,21 +30,35 @@ TOL = 1e-5
 OWN_MEMORY = {"rollout/replica_gib", "rollout/weights_copy_gib"}  # the rollout weights each side keeps
 
 
-def run_worker(out: Path, ranks: int, sizes: str, families: str) -> list[dict]:
-    argv = [str(WORKER), "rollout", str(out), sizes, families]
-    proc = torchrun("tp", out, None, timeout=400, ranks=ranks, argv=argv)
+def run_worker(out: Path, ranks: int, sizes: str, families: str, tok_dir: Path) -> tuple[Path, list[dict], dict]:
+    """One launch on `ranks` ranks: the rollout cases (`tp_worker` "rollout"), then the training runs of
+    `tp_worker.TRAIN` with rollout.tensor_parallel=2, after their one-process references (`single_runs`). Returns
+    the folder, each rank's rollout results and the references' records per mode."""
+    single = single_runs(out, ranks, tok_dir)
+    argv = [str(WORKER), "rollout", str(out), sizes, families, str(tok_dir)]
+    proc = torchrun("tp", out, None, timeout=900, ranks=ranks, argv=argv)
     assert proc.returncode == 0, proc.stdout[-6000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)], single
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    return run_worker(tmp_path_factory.mktemp("tp2"), 2, "2", "llama,qwen2,qwen3")
+def tp2(tmp_path_factory, gpt2_tokenizer_dir, one_thread):
+    return run_worker(tmp_path_factory.mktemp("tp2"), 2, "2", "llama,qwen2,qwen3", gpt2_tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
-    return run_worker(tmp_path_factory.mktemp("tp4"), 4, "2,4", "llama,qwen2")
+def tp4(tmp_path_factory, gpt2_tokenizer_dir, one_thread):
+    return run_worker(tmp_path_factory.mktemp("tp4"), 4, "2,4", "llama,qwen2", gpt2_tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tp2):
+    return tp2[1]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tp4):
+    return tp4[1]
 
 
 def check_exact(ranks: list[dict], case: str) -> None:
@@ -228,14 +242,11 @@ class RankStreams:
         return self.engine.generate(prompts, dataclasses.replace(options, streams=streams), episodes=episodes)
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
-def training(request, tmp_path_factory, gpt2_tokenizer_dir, one_thread):
-    """The run of `tp_worker.TRAIN` on one process (the rollout as above) and on 2 or 4 ranks with
-    rollout.tensor_parallel=2 (one group, or two: the eval's rows split over them)."""
+def single_runs(out: Path, ranks: int, tok_dir: Path) -> dict[str, list[dict]]:
+    """The runs of `tp_worker.TRAIN` on one process, each rank's share of the rollout drawn from that rank's streams
+    (`RankStreams`), in `out`/{mode}_single; their records per mode."""
     from tests import dist_worker as w
 
-    ranks = request.param
-    out, tok_dir = tmp_path_factory.mktemp(f"tp_train{ranks}"), gpt2_tokenizer_dir
     single = {}
     for mode, overrides in tp_worker.TRAIN.items():
         real = w.placement.make_rollout_engine
@@ -245,9 +256,14 @@ def training(request, tmp_path_factory, gpt2_tokenizer_dir, one_thread):
                                  tokenizer=w.tokenizer(tok_dir)).records
         finally:
             w.placement.make_rollout_engine = real
-    proc = torchrun("tp_train", out, None, timeout=400, ranks=ranks,
-                    argv=[str(WORKER), "train", str(out), str(tok_dir)])
-    assert proc.returncode == 0, proc.stdout[-6000:]
+    return single
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+def training(request):
+    """The folder and one-process records of the run of `tp_worker.TRAIN` on 2 or 4 ranks with
+    rollout.tensor_parallel=2 (one group, or two: the eval's rows split over them), from that launch (`run_worker`)."""
+    out, _, single = request.getfixturevalue(f"tp{request.param}")
     return out, single
 
 

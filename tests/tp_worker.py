@@ -1,7 +1,7 @@
 """The tensor-parallel rollout on several processes (`tests/test_tensor_parallel.py`); each rank of a torchrun runs
 this file.
 
-    python -m torch.distributed.run --nproc-per-node N tests/tp_worker.py rollout OUT_DIR TP[,TP...] FAMILY[,...]
+    python -m torch.distributed.run --nproc-per-node N tests/tp_worker.py rollout OUT_DIR TP[,TP...] FAMILY[,...] [TOKENIZER_DIR]
     python -m torch.distributed.run --nproc-per-node 2 tests/tp_worker.py train OUT_DIR TOKENIZER_DIR
     python -m torch.distributed.run --nproc-per-node 2 tests/tp_worker.py gpu OUT_DIR TOKENIZER_DIR
     python -m torch.distributed.run --nproc-per-node N tests/tp_worker.py bf16 OUT_DIR TP[,TP...] SHAPE[,...] [plain]
@@ -15,7 +15,8 @@ checks to OUT_DIR/rank{R}.json; for each size also the draw over the vocabulary 
 OUT_DIR/bf16_rank{R}.json; "plain" measures torch's own RowwiseParallel (partial products rounded to bf16, summed in
 bf16) in place of the replica's fp32 sum, for comparison. "train": two training
 steps of `dist_worker`'s run with rollout.tensor_parallel=2 (`TRAIN`), its records written to
-OUT_DIR/{mode}_ranks.json by rank 0. "gpu": the split rollout in bf16 on 2 GPUs (nccl) against the one-GPU rollout
+OUT_DIR/{mode}_ranks.json by rank 0; "rollout" given a TOKENIZER_DIR runs "train" after it, in the same
+processes (one launch for both). "gpu": the split rollout in bf16 on 2 GPUs (nccl) against the one-GPU rollout
 (`gpu`).
 """
 
@@ -505,7 +506,7 @@ def main(kind: str, out_dir: str, *args: str) -> None:
                    for tp in sizes.split(",") for shape in shapes.split(",")}
         Path(out_dir, f"bf16_rank{world.rank}.json").write_text(json.dumps(results))
         return
-    sizes, families = args
+    sizes, families, *tok_dir = args
     results = {}
     for tp in map(int, sizes.split(",")):
         for family in families.split(","):
@@ -518,6 +519,8 @@ def main(kind: str, out_dir: str, *args: str) -> None:
         results["compiled"] = compiled(world)
         results["unseeded"] = unseeded(world)
     Path(out_dir, f"rank{world.rank}.json").write_text(json.dumps(results))
+    if tok_dir:  # the training runs join the group made above
+        train(out_dir, *tok_dir)
 
 
 if __name__ == "__main__":

@@ -260,7 +260,7 @@ def mean_bound(r: Result, ref: Result) -> float:
 def engine_of(variant: str, model: torch.nn.Module, tok: Any, **kw: Any) -> tuple[Any, Any]:
     """(engine, what it keeps alive) of `variant` decoding `model` (the trainer's model for that variant; off CUDA
     the static variants run eagerly and rollout_device's replica stays on the host); `kw` (record_routes) go to
-    `make_engine` of the hf and static variants."""
+    `make_engine` (not taken by merged_lora and rollout_device, which the trainer builds)."""
     from logitless.trainer.placement.engines import make_rollout_engine
     from logitless.trainer.config.schema import RolloutConfig
 
@@ -272,11 +272,13 @@ def engine_of(variant: str, model: torch.nn.Module, tok: Any, **kw: Any) -> tupl
     if variant == "static":
         return make_engine("static", model, tok, decode_attention=padded, **kw), None
     if variant == "static_no_step_graph":
-        return make_engine("static", model, tok, step_graph=False, decode_attention=padded), None
+        return make_engine("static", model, tok, step_graph=False, decode_attention=padded, **kw), None
     if variant == "static_eager":
-        return make_engine("static", model, tok, compile=False, decode_attention=padded), None
+        return make_engine("static", model, tok, compile=False, decode_attention=padded, **kw), None
     if variant in ("static_sdpa", "static_matmul", "static_triton"):
-        return make_engine("static", model, tok, decode_attention=variant.split("_")[1]), None
+        return make_engine("static", model, tok, decode_attention=variant.split("_")[1], **kw), None
+    if kw:
+        raise ValueError(f"variant {variant!r} decodes as the trainer builds it: no {sorted(kw)} here")
     if variant == "merged_lora":  # as trainer/context.py builds it on one GPU: in place, fused projections
         return make_rollout_engine(RolloutConfig(backend="static"), model, tok), None
     if variant == "rollout_device":  # as trainer/context.py builds it for rollout.device

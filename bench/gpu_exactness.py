@@ -2,10 +2,18 @@
 engine's sampler logprobs against the trainer's `completion_logprobs` on the same model and batch, bf16.
 
     python bench/gpu_exactness.py --out DIR [--tokenizer GPT2_TOKENIZER] [--families llama,gemma2] [--wide]
+                                  [--device cpu]
 
 Tiny random models (hidden 256, 4 layers, GPT-2's 50,257-token vocabulary, sliding windows of 24 tokens, which
 96 new tokens always exceed), 4 prompts x 4 samples at temperature 1, EOS ignored; `--wide` adds real-shape widths
-(hidden 2,304-4,096, 2 layers, the real head dims), so the Triton kernels run their real tiles. Variants (`VARIANTS`):
+(hidden 2,304-4,096, 2 layers, the real head dims), so the Triton kernels run their real tiles. The mixture-of-experts
+families (`bench/gpu_exactness_moe.py`: qwen3_moe, olmoe, mixtral, qwen2_moe, gpt_oss_moe, deepseek_v3; 8 experts,
+2 per token) run `hf` and `static` only (`MOE_VARIANTS`), with routing replay: the engine records each token's
+experts and the trainer's logprobs replay them (`mean`, `max`: the gaps the bound holds, `hf`'s with its own routes
+replayed); beside them the trainer's own routing compared with the sampler's (`own_mean`, `own_max`: the gaps without
+replay, `disagreement`: the share of token x layer whose trainer top-k differs as a set from the route). Every model
+runs the experts backend a run picks (model.experts_implementation=auto: grouped_mm on an H100 in bf16). Variants
+(`VARIANTS`):
 
     hf                    transformers `generate` (the reference: its bf16 forward is the trainer's up to rounding)
     static                the static engine as a run with padded micro-batches builds it (compiled, step graph, Triton
@@ -33,6 +41,7 @@ mean <= 1.5x (or one fp32 spacing of the logprobs, `mean_bound`) and max <= 2x t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -41,14 +50,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from logitless.models import completion_logprobs  # noqa: E402
+from logitless.models.experts import experts_implementation  # noqa: E402
 from logitless.rollout import SamplingOptions, make_engine  # noqa: E402
+
+from bench.gpu_exactness_moe import moe_families, routed_logprobs, use_run_experts_backend  # noqa: E402
 
 WINDOW = 24  # tokens of every sliding window: prompts of 12-24 tokens + 96 new tokens always exceed it
 NEW_TOKENS = 96
@@ -61,6 +73,7 @@ REFERENCE = {"static": "hf", "static_no_step_graph": "hf", "static_eager": "hf",
 VARIANTS = ("hf", "static", "static_no_step_graph", "static_eager", "hf_lora", "merged_lora", "rollout_device",
             "static_sdpa", "static_matmul", "static_triton")
 WIDE_VARIANTS = ("hf", "static", "static_sdpa", "static_matmul", "static_triton")
+MOE_VARIANTS = ("hf", "static")  # with routing replay
 
 
 def _tiny(eos: int) -> dict[str, Any]:
@@ -125,8 +138,14 @@ def _wide(eos: int) -> dict[str, Callable[[], Any]]:
     }
 
 
-def configs(eos: int, wide: bool = False) -> dict[str, Callable[[], Any]]:
+def configs(eos: int, wide: bool = False, moe: bool = False) -> dict[str, Callable[[], Any]]:
+    """The dense families (`_families`), their real-shape widths (`wide`) or the MoE families (`moe`)."""
+    if moe:
+        return moe_families(_tiny(eos), WINDOW, ALTERNATING)
     return _wide(eos) if wide else _families(eos)
+
+
+MOE = tuple(configs(0, moe=True))  # the families decoded with routes recorded and replayed
 
 
 def tokenizer(path: str | Path) -> Any:
@@ -146,16 +165,17 @@ def prompts() -> list[str]:
 
 
 def build(make_config: Callable[[], Any], device: str | torch.device, lora: bool = False,
-          seed: int = 0) -> torch.nn.Module:
-    """The bf16 model of `make_config` on `device`, random init from `seed` (the same weights on every call); with
-    `lora`, wrapped in LoRA adapters (r 16, all linear layers, as the trainer's defaults) whose B is random too, so
-    the merged weights differ from the base."""
+          seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """The `dtype` model of `make_config` on `device`, random init from `seed` (the same weights on every call),
+    its experts (if any) on the backend a run picks there; with `lora`, wrapped in LoRA adapters (r 16, all linear
+    layers, as the trainer's defaults) whose B is random too, so the merged weights differ from the base."""
     import transformers as tf
 
     torch.manual_seed(seed)
     with torch.device(device):
-        model = tf.AutoModelForCausalLM.from_config(make_config(), dtype=torch.bfloat16)  # the trainer's attention
+        model = tf.AutoModelForCausalLM.from_config(make_config(), dtype=dtype)  # the trainer's attention
     model.eval()
+    use_run_experts_backend(model)
     if not lora:
         return model
     from peft import LoraConfig, get_peft_model
@@ -221,6 +241,13 @@ class Result:
     second: Compiles  # in the measured call, at the same shapes: none for a decode of a bounded number of graphs
     error: str | None = None
     spacing: float = 0.0  # the mean fp32 spacing (one ulp) of the trainer's logprobs compared: the finest gap measurable
+    # MoE families (routes recorded; mean and max above are then the gaps with the routes replayed):
+    experts: str | None = None  # the experts backend (model.experts_implementation=auto's choice)
+    own_mean: float | None = None  # mean |Δ logp| without replay: the trainer's own routing
+    own_max: float | None = None
+    disagreement: float | None = None  # share of token x layer whose trainer top-k differs from the recorded route
+    disagreement_replayed: float | None = None  # the same, measured in the forward with replay on
+    routed: int = 0  # token x layer with a recorded route
 
 
 def mean_bound(r: Result, ref: Result) -> float:
@@ -230,9 +257,10 @@ def mean_bound(r: Result, ref: Result) -> float:
     return max(BOUND_MEAN * ref.mean, r.spacing)
 
 
-def engine_of(variant: str, model: torch.nn.Module, tok: Any) -> tuple[Any, Any]:
+def engine_of(variant: str, model: torch.nn.Module, tok: Any, **kw: Any) -> tuple[Any, Any]:
     """(engine, what it keeps alive) of `variant` decoding `model` (the trainer's model for that variant; off CUDA
-    the static variants run eagerly and rollout_device's replica stays on the host)."""
+    the static variants run eagerly and rollout_device's replica stays on the host); `kw` (record_routes) go to
+    `make_engine` (not taken by merged_lora and rollout_device, which the trainer builds)."""
     from logitless.trainer.placement.engines import make_rollout_engine
     from logitless.trainer.config.schema import RolloutConfig
 
@@ -240,15 +268,17 @@ def engine_of(variant: str, model: torch.nn.Module, tok: Any) -> tuple[Any, Any]
 
     padded = decode_attention_for(packed=False)  # what a run with padded micro-batches (as trainer_logprobs) decodes with
     if variant in ("hf", "hf_lora"):
-        return make_engine("hf", model, tok), None
+        return make_engine("hf", model, tok, **kw), None
     if variant == "static":
-        return make_engine("static", model, tok, decode_attention=padded), None
+        return make_engine("static", model, tok, decode_attention=padded, **kw), None
     if variant == "static_no_step_graph":
-        return make_engine("static", model, tok, step_graph=False, decode_attention=padded), None
+        return make_engine("static", model, tok, step_graph=False, decode_attention=padded, **kw), None
     if variant == "static_eager":
-        return make_engine("static", model, tok, compile=False, decode_attention=padded), None
+        return make_engine("static", model, tok, compile=False, decode_attention=padded, **kw), None
     if variant in ("static_sdpa", "static_matmul", "static_triton"):
-        return make_engine("static", model, tok, decode_attention=variant.split("_")[1]), None
+        return make_engine("static", model, tok, decode_attention=variant.split("_")[1], **kw), None
+    if kw:
+        raise ValueError(f"variant {variant!r} decodes as the trainer builds it: no {sorted(kw)} here")
     if variant == "merged_lora":  # as the placement builds it on one GPU: in place, fused projections
         return make_rollout_engine(RolloutConfig(backend="static"), model, tok), None
     if variant == "rollout_device":  # as the placement builds it for rollout.device (placement/placement.py)
@@ -263,27 +293,36 @@ def engine_of(variant: str, model: torch.nn.Module, tok: Any) -> tuple[Any, Any]
     raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
 
 
-def trainer_logprobs(model: torch.nn.Module, batch: Any, temperature: float) -> torch.Tensor:
-    """[B, T] fp32 on the host: `completion_logprobs` as the trainer's update computes it (LoRA under the default
-    model.lora_compute, autocast in the model's dtype)."""
+@contextlib.contextmanager
+def trainer_forward(model: torch.nn.Module, batch: Any) -> Iterator[list[torch.Tensor]]:
+    """Inside, `model` computes as the trainer's update does (no grad; LoRA under the default model.lora_compute,
+    autocast in the model's dtype); yields the batch's prompt ids and mask, completion ids and mask on its device."""
     from logitless.trainer.config.schema import ModelConfig
     from logitless.trainer.policy.modeling import LoraCompute
 
     device = model.get_input_embeddings().weight.device
-    args = [x.to(device) for x in (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)]
     compute = LoraCompute(model, ModelConfig())
     with torch.no_grad(), compute.stage(), compute.forward():
+        yield [x.to(device) for x in (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)]
+
+
+def trainer_logprobs(model: torch.nn.Module, batch: Any, temperature: float) -> torch.Tensor:
+    """[B, T] fp32 on the host: `completion_logprobs` as the trainer's update computes it."""
+    with trainer_forward(model, batch) as args:
         return completion_logprobs(model, *args, temperature=temperature)[0].float().cpu()
 
 
-def measure(family: str, variant: str, model: torch.nn.Module, tok: Any) -> Result:
+def measure(family: str, variant: str, model: torch.nn.Module, tok: Any, new_tokens: int = NEW_TOKENS,
+            samples: int = SAMPLES) -> Result:
     """Decode the prompts twice with `variant`'s engine over `model` (compiles in the first call) and compare the
-    second call's sampler logprobs with the trainer's on the same batch."""
+    second call's sampler logprobs with the trainer's on the same batch; a MoE family (`MOE`) records its routes
+    and the trainer replays them (and, apart, compares its own routing with them)."""
     t0 = time.perf_counter()
     Compiles.start()
-    engine, keep = engine_of(variant, model, tok)
+    moe = family in MOE
+    engine, keep = engine_of(variant, model, tok, **({"record_routes": True} if moe else {}))
     def opts(seed: int) -> SamplingOptions:
-        return SamplingOptions(num_generations=SAMPLES, temperature=1.0, max_new_tokens=NEW_TOKENS, seed=seed,
+        return SamplingOptions(num_generations=samples, temperature=1.0, max_new_tokens=new_tokens, seed=seed,
                                ignore_eos=True)
 
     engine.generate(prompts(), opts(1))
@@ -291,29 +330,39 @@ def measure(family: str, variant: str, model: torch.nn.Module, tok: Any) -> Resu
     Compiles.start()
     batch = engine.generate(prompts(), opts(0))
     second = Compiles.read()
-    lp = trainer_logprobs(model, batch, 1.0)
     m = batch.completion_mask.bool()
+    routing: dict[str, Any] = {}
+    if moe:
+        with trainer_forward(model, batch) as args:
+            replayed = routed_logprobs(model, args, batch, 1.0, replay=True)
+            own = routed_logprobs(model, args, batch, 1.0, replay=False)
+        lp, gap = replayed.logp, (batch.sampler_logp - own.logp)[m].abs()
+        routing = dict(experts=experts_implementation(model), own_mean=float(gap.mean()), own_max=float(gap.max()),
+                       disagreement=own.disagreement, disagreement_replayed=replayed.disagreement, routed=own.routed)
+    else:
+        lp = trainer_logprobs(model, batch, 1.0)
     diff = (batch.sampler_logp - lp)[m].abs()
     spacing = (torch.nextafter(lp[m].abs(), torch.tensor(float("inf"))) - lp[m].abs()).mean()
     del engine, keep
     return Result(family, variant, float(diff.mean()), float(diff.max()), int(m.sum()),
                   int((batch.prompt_mask.sum(1) + batch.completion_mask.sum(1)).min()), time.perf_counter() - t0,
-                  first, second, spacing=float(spacing))
+                  first, second, spacing=float(spacing), **routing)
 
 
 def run_family(family: str, make_config: Callable[[], Any], variants: tuple[str, ...], tok: Any,
-               device: str = "cuda") -> list[Result]:
+               device: str = "cuda", dtype: torch.dtype = torch.bfloat16, **kw: Any) -> list[Result]:
     """Every variant of one family, each on its own copy of the same weights and from a clean dynamo state (its
     compiled frames, recompile counts and limits are its own, not those of the variants or families before it, with
-    which it shares code objects); a variant that raises is recorded with its error."""
+    which it shares code objects); a variant that raises is recorded with its error. `kw` (new_tokens, samples) go
+    to `measure`."""
     out = []
     for variant in variants:
         t0 = time.perf_counter()
         gc.collect()  # the models before (transformers' compiled call keeps each in a reference cycle)
         torch._dynamo.reset()
         try:
-            model = build(make_config, device, lora=variant in ("hf_lora", "merged_lora"))
-            out.append(measure(family, variant, model, tok))
+            model = build(make_config, device, lora=variant in ("hf_lora", "merged_lora"), dtype=dtype)
+            out.append(measure(family, variant, model, tok, **kw))
         except Exception as e:  # noqa: BLE001  (the table records it and goes on)
             out.append(Result(family, variant, float("nan"), float("nan"), 0, 0, time.perf_counter() - t0,
                               Compiles.read(), Compiles(), error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
@@ -338,10 +387,13 @@ def row(r: Result, results: list[Result]) -> str:
         return f"{r.family:18s} {r.variant:21s} ERROR {r.error}"
     ok = within_bound(r, results)
     c, fails = r.first, r.first.failures + r.second.failures
+    routes = "" if r.own_mean is None else (
+        f"  [{r.experts}] no replay: mean {r.own_mean:.4f} max {r.own_max:.3f} disagreement {r.disagreement:.4f} "
+        f"(replayed {r.disagreement_replayed:.4f}) of {r.routed}")
     return (f"{r.family:18s} {r.variant:21s} mean {r.mean:.4f} max {r.max:.3f}  frames {c.frames:2d}+{r.second.frames} "
             f"recompiles {c.recompiles:2d}+{r.second.recompiles}{' FAILED ' + fails[0] if fails else ''}  "
             f"{r.seconds:5.1f} s"
-            f"{'' if ok is None else '  within bound' if ok else '  OUT OF BOUND'}")
+            f"{'' if ok is None else '  within bound' if ok else '  OUT OF BOUND'}{routes}")
 
 
 def _commit() -> str:
@@ -369,9 +421,11 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--wide", action="store_true", help="also the real-shape widths (hf and static)")
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: the same measurement in fp32, static uncompiled (checks the code path, not the GPU)")
     a = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("gpu_exactness measures the CUDA decode: no CUDA device here")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("gpu_exactness measures the CUDA decode: no CUDA device here (--device cpu runs the code path in fp32)")
     if a.tokenizer is None:
         sys.exit("--tokenizer: GPT-2's tokenizer folder (none found under $LOGITLESS_SHARED/tokenizers/gpt2)")
     tok = tokenizer(a.tokenizer)
@@ -383,24 +437,32 @@ def main() -> None:
     if a.wide:
         wide = tuple(v for v in variants if v in WIDE_VARIANTS)
         cases += [(n, f, wide) for n, f in configs(tok.eos_token_id, True).items()]
+    cases += [(n, f, tuple(v for v in variants if v in MOE_VARIANTS)) for n, f in configs(tok.eos_token_id,
+                                                                                          moe=True).items()]
     if a.families:
         names = a.families.split(",")
+        missing = [n for n in names if n not in {c[0] for c in cases}]
+        if missing:
+            sys.exit(f"--families: unknown {missing} (the real-shape widths need --wide); choose from "
+                     f"{[c[0] for c in cases]}")
         cases = [c for c in cases if c[0] in names]
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     results: list[Result] = []
     for name, make_config, vs in cases:
-        results += run_family(name, make_config, vs, tok)
+        results += run_family(name, make_config, vs, tok, device=a.device, dtype=dtype)
     print("\n" + "\n".join(row(r, results) for r in results))
     import transformers
-    import triton
 
     commit = a.commit or _commit()
-    device = torch.cuda.get_device_name(0)
-    card = next((w for w in device.split() if w[:1].isalpha() and w[1:].isdigit()), "gpu").lower()  # "h100"
+    device = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
+    card = next((w for w in device.split() if w[:1].isalpha() and w[1:].isdigit()), a.device).lower()  # "h100"
+    triton = __import__("triton").__version__ if a.device == "cuda" else None
     info = {"device": device, "gpus": torch.cuda.device_count(), "torch": torch.__version__,
-            "triton": triton.__version__, "transformers": transformers.__version__, "commit": commit,
+            "triton": triton, "transformers": transformers.__version__, "commit": commit,
             "date": time.strftime("%Y-%m-%d"),
             "setup": {"window": WINDOW, "new_tokens": NEW_TOKENS, "prompts": PROMPTS, "samples": SAMPLES,
-                      "temperature": 1.0, "dtype": "bfloat16", "bound": {"mean": BOUND_MEAN, "max": BOUND_MAX}}}
+                      "temperature": 1.0, "dtype": str(dtype).removeprefix("torch."),
+                      "bound": {"mean": BOUND_MEAN, "max": BOUND_MAX}, "moe_variants": list(MOE_VARIANTS)}}
     rows = [{**dataclasses.asdict(r), "within_bound": within_bound(r, results)} for r in results]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

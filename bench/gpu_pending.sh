@@ -14,6 +14,7 @@
 #   bash bench/gpu_pending.sh step_graph_e2e OUT_DIR QWEN2.5_TOKENIZER  # one GPU: the GRPO step with and without it
 #   bash bench/gpu_pending.sh attn_rules OUT_DIR QWEN2.5_TOKENIZER # one GPU: the decode kernel's scan and stage rules
 #   bash bench/gpu_pending.sh moe OUT_DIR QWEN2.5_TOKENIZER        # one GPU: grouped_mm experts, tested and timed
+#   bash bench/gpu_pending.sh moe_exactness OUT_DIR QWEN2.5_TOKENIZER  # one GPU: MoE families with routing replay
 #
 # decode: the kernel's GPU tests, then the decode step with and without it at 128 and 512 rows (prof_decode).
 # two_gpu: the rollout.device GPU test, then three bench_e2e runs of the same settings (T = 1,024, Liger,
@@ -27,8 +28,10 @@
 # moe: the experts backend's GPU tests (grouped_mm against eager in bf16, the decode step captured over grouped_mm
 # experts), then bench_e2e steps of gpt-oss-20b's shape (42 GB in bf16: fits one GPU and the disk, where the
 # 61 GB of Qwen3-30B-A3B would not; LoRA on attention and experts, T = 256, 4 x 4 rows).
+# moe_exactness: the MoE families' exactness with routing replay (tests/test_moe_exactness.py), then the same
+# table saved by bench/gpu_exactness.py (GPT-2's tokenizer from $LOGITLESS_SHARED/tokenizers/gpt2).
 set -euo pipefail
-stage="${1:?stage: decode, decode_lb, e2e_lb, gen_parts, update_parts, sampler, step_graph, step_graph_e2e, attn_rules, moe or two_gpu}"
+stage="${1:?stage: decode, decode_lb, e2e_lb, gen_parts, update_parts, sampler, step_graph, step_graph_e2e, attn_rules, moe, moe_exactness or two_gpu}"
 out="${2:?OUT_DIR}"
 tok="${3:?folder of the Qwen2.5 tokenizer}"
 cd "$(dirname "$0")/.."
@@ -130,6 +133,11 @@ moe)
     --shape gpt-oss-20b --T 256 --steps 2 --prompts 4 --G 4 --micro 4 --model-root "$out/models" \
     --set model.lora_target_experts=true 2>&1 | tee "$out/e2e_moe.log" || true
   ;;
+moe_exactness)
+  python -m pytest -m gpu -q -s tests/test_moe_exactness.py 2>&1 | tee "$out/gpu_tests_moe_exactness.log"
+  python bench/gpu_exactness.py --out "$out" --commit "$commit" \
+    --families qwen3_moe,olmoe,mixtral,qwen2_moe,gpt_oss_moe,deepseek_v3 2>&1 | tee "$out/gpu_exactness_moe.log"
+  ;;
 two_gpu)
   python -m pytest -m gpu -q tests/test_rollout_device.py 2>&1 | tee "$out/gpu_tests_rollout_device.log"
   common=("${step[@]}" --steps 5)
@@ -141,7 +149,7 @@ two_gpu)
     --set objective.sampler_is_clip_max=2.0 2>&1 | tee "$out/e2e_rollout_gpu_async.log"
   ;;
 *)
-  echo "unknown stage $stage: use decode, decode_lb, e2e_lb, gen_parts, update_parts, sampler, step_graph, step_graph_e2e, attn_rules or two_gpu" >&2
+  echo "unknown stage $stage: use decode, decode_lb, e2e_lb, gen_parts, update_parts, sampler, step_graph, step_graph_e2e, attn_rules, moe, moe_exactness or two_gpu" >&2
   exit 2
   ;;
 esac

@@ -42,6 +42,7 @@ from logitless.trainer.builders import (
 from logitless.trainer.config import TrainerConfig, to_dict, to_yaml
 from logitless.trainer.episodes import environment_weight
 from logitless.trainer.evaluate import eval_options
+from logitless.trainer.health import RunHealth
 from logitless.trainer.metrics import MetricsLogger
 from logitless.trainer.model_checks import model_config
 from logitless.trainer.modeling import (
@@ -110,6 +111,7 @@ class TrainContext:
     run: RunDir | None = None  # the claimed run folder (rank 0): checked before each write
     t_start: float = field(default_factory=time.perf_counter)  # for the wall-time budget
     eval_rows: list[PromptRow] | None = None  # held-out rows of the eval during training (eval.every_steps, on_start)
+    health: RunHealth | None = None  # the warnings of a run that trains on nothing (their memory is checkpointed)
 
     @property
     def ckpt_root(self) -> Path:
@@ -119,7 +121,8 @@ class TrainContext:
         """Write an atomic checkpoint of this step (model, optimizer, schedule, data position, RNG, entropy coef)."""
         if self.run is not None:
             self.run.check_alive()
-        state = {"sampler": self.sampler.state_dict(), "entropy_coef": list(self.entropy_coef)}
+        state = {"sampler": self.sampler.state_dict(), "entropy_coef": list(self.entropy_coef),
+                 **({"health": self.health.state_dict()} if self.health is not None else {})}
         pending = self.prefetch.state() if self.prefetch is not None else {}  # the next step's rollout in flight
         if self.world.sharded:  # sharded (DCP), every rank; each rank's pending rollout is its own
             return dcp.save_sharded(
@@ -340,7 +343,7 @@ def build_context(
         lora_compute=LoraCompute(model, cfg.model),
         rollout_device=None if rollout_device is None or same_device(rollout_device, device) or not world.main
         else rollout_device,  # (a shared rollout's GPU is rank 0's alone)
-        eval_rows=eval_rows,
+        eval_rows=eval_rows, health=RunHealth(cfg, logger.print, state.get("health")),
     )
 
 

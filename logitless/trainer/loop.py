@@ -47,8 +47,7 @@ from logitless.trainer.context import TrainContext, build_context
 from logitless.trainer.dynamic import sample_step
 from logitless.trainer.episodes import conversation_texts
 from logitless.trainer.evaluate import eval_due, eval_in_run
-from logitless.trainer.health import RunHealth
-from logitless.trainer.metrics import MismatchReport, RewardErrorReport, RewardNoneReport, mismatch_causes
+from logitless.trainer.metrics import MismatchReport, RewardErrorReport, mismatch_causes
 from logitless.trainer.modeling import attention_backends
 from logitless.trainer.parallel import (
     World,
@@ -267,8 +266,6 @@ def _train(
     result = TrainResult(run_dir=ctx.run_dir, step=ctx.start)
     report_reward_errors = RewardErrorReport(ctx.logger.print, cfg.reward.error_penalty)
     report_mismatch = MismatchReport(ctx.logger.print, cfg.logging.mismatch_warning, mismatch_causes(ctx.cfg))  # (decided settings)
-    report_none = RewardNoneReport(ctx.logger.print)
-    health = RunHealth(ctx.cfg, ctx.logger.print)  # warnings of a run that trains on nothing
     finished = False
     freeze()  # the model, data and engine: out of every collection from here on
     try:
@@ -289,7 +286,7 @@ def _train(
                                                        reset=lambda: rewind_step(ctx, rewind))
             report_reward_errors(step, sc.names, sc.num_errors, sc.error_texts, len(sc.total))
             fields = sorted(ro.sample_rows[0].fields) if ro.sample_rows else []
-            warned = report_none(step, sc.names, sc.num_none, len(sc.total), fields)
+            warned = ctx.health.reward_none(step, sc.names, sc.num_none, len(sc.total), fields)
             hook("after_rollout", step)
             dropped = agree(stop.commit_step(), ctx.device)  # a signal to any rank before the update began
             if dropped:  # nothing trained yet: every rank drops this step
@@ -311,7 +308,7 @@ def _train(
                 with timer("eval"):
                     record.update(eval_in_run(ctx, rollout_state(ctx)))
                 record["time/eval"] = timer.seconds["eval"]
-            record.update({**warned, **health(step, record)})
+            record.update({**warned, **ctx.health(step, record)})  # warnings of a run that trains on nothing
             log_step(ctx, result, step, record, ro, scored)
             report_mismatch(step, record)
             if run is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from logitless.trainer.config import TrainerConfig
 from logitless.trainer.data_checks import FIRST_ROWS, check_reward_fields
 from logitless.trainer.episodes import ENVIRONMENT_REWARD, environment_weight
 from logitless.trainer.fsdp_offload import check_fsdp_offload
+from logitless.trainer.health import TRUNCATED_FRACTION, estimate_truncation
 from logitless.trainer.parallel import launched_world
 from logitless.trainer.tracking import check_report_to, check_tracker_credentials
 from logitless.trainer.model_checks import check_model, model_config, read_model_config
@@ -99,9 +101,16 @@ def preflight(cfg: TrainerConfig, *, training: bool = True, model_given: bool = 
     rows = load_rows(cfg.data, split, eval=not training, limit=FIRST_ROWS)
     if any(isinstance(r.prompt, list) and r.prompt and isinstance(r.prompt[0], dict) for r in rows) and not (
             cfg.agent.enabled and cfg.agent.chat_template):
-        check_chat_template(tokenizer if tokenizer is not None else load_tokenizer(cfg.model), cfg, split)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
+        check_chat_template(tokenizer, cfg, split)
         lines.append("chat prompts: the tokenizer has a chat template")
     lines.append(check_reward_fields(cfg, cfg.reward.reward_funcs, reward_functions(cfg.reward), rows, split))
+    if training and (estimate := estimate_truncation(rows, cfg.rollout.max_completion_length, tokenizer)) is not None:
+        line, share = estimate
+        lines.append(line)
+        if share > TRUNCATED_FRACTION:
+            warnings.warn(f"{line}: most completions as long as those would be cut and score as unfinished; raise "
+                          "rollout.max_completion_length (or ask for shorter answers)", stacklevel=2)
     return lines
 
 

@@ -88,10 +88,11 @@ class RunHealth:
         r, o = self.cfg.rollout, self.cfg.objective
         effect = ("objective.mask_truncated_completions=true leaves them out of the loss, so little is trained"
                   if o.mask_truncated_completions else "a cut completion usually has no final answer and scores 0")
+        agent = " (or agent.max_turns / agent.max_turn_tokens for episodes)" if self.cfg.agent.enabled else ""
         return [("truncated",
                  f"{share:.0%} of the completions were cut at rollout.max_completion_length={r.max_completion_length} "
-                 f"tokens before they ended; {effect}. Raise rollout.max_completion_length, or ask for shorter answers "
-                 "(the prompt, or rollout.stop strings that end an answer)")]
+                 f"tokens before they ended; {effect}. Raise rollout.max_completion_length{agent}, or ask for shorter "
+                 "answers (the prompt, or rollout.stop strings that end an answer)")]
 
     def zero_variance(self, step: int, record: dict[str, Any]) -> list[tuple[str, str]]:
         frac = record.get("zero_variance_groups")

@@ -40,6 +40,7 @@ def _cfg(run_dir, *overrides):
         f"train.output_dir={run_dir}", "train.max_steps=4", "train.prompts_per_step=2", "train.micro_batch_size=8",
         "rollout.num_generations=4", "rollout.max_completion_length=5", "data.options={difficulty: 1, n: 40, chat: false}",
         "reward.reward_funcs=[eval_rewards:even_length, eval_rewards:digits]", "optim.learning_rate=0.05",
+        "reward.accuracy_reward=eval_rewards:even_length",  # (a function of one's own logs an accuracy when named)
         *TINY_LORA_QUIET, "checkpoint.save_steps=2", "checkpoint.save_total_limit=null",
         "eval.every_steps=3", "eval.on_start=true", "eval.num_prompts=8", "eval.batch_size=5",
         "data.eval_options={n: 8}", *overrides,

@@ -178,7 +178,7 @@ def test_a_folder_whose_config_is_not_a_model_is_named(tmp_path, capsys, no_mode
 def test_library_preflight_returns_its_checks_and_skips_the_model_config_for_a_given_model(model_dir):
     from logitless.trainer.preflight import preflight
 
-    cfg = load_train_config(None, [f"model.name_or_path={model_dir}", "data.options={difficulty: 1, n: 40}"])
+    cfg = load_train_config(None, [f"model.name_or_path={model_dir}", "data.options={difficulty: 1, n: 40, chat: false}"])
     assert any("512 positions" in line for line in preflight(cfg))
     given = preflight(load_train_config(None, ["model.name_or_path=/nowhere", "data.options={difficulty: 1, n: 40}"]),
                       model_given=True)  # train(model=...): no source or config to read

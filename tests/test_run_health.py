@@ -167,3 +167,40 @@ def test_a_checkpoint_of_non_finite_weights_is_refused(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match=r"step-000002 not written: 1 trained tensor\(s\) hold nan or inf"):
         ckpt.save_checkpoint(tmp_path, 2, model=model, optimizer=None)
     assert ckpt.read_latest(tmp_path).name == "step-000001" and not (tmp_path / "step-000002").exists()
+
+
+def test_dry_run_estimates_truncation_from_reference_answers(tmp_path, tok):
+    """GSM8K rows carry their worked solutions: at 64 new tokens most would be cut (a warning), at 512 none; the
+    demo's arithmetic rows have no reference answer, so no estimate."""
+    from logitless.trainer.builders import load_rows
+    from logitless.trainer.report.health import estimate_truncation
+    from logitless.trainer.preflight import preflight
+
+    rows = load_rows(load_train_config(None, ["data.task=gsm8k", "data.split=sample"]).data)
+    lengths = sorted(len(tok(r.fields["solution"])["input_ids"]) for r in rows)
+    line, share = estimate_truncation(rows, 64, tok)
+    assert share == sum(n > 64 for n in lengths) / len(rows) > 0.5 and f"longest {lengths[-1]} tokens" in line
+    assert estimate_truncation(rows, 512, tok)[1] == 0.0 and estimate_truncation(rows, 64)[1] > 0.5
+    cfg = _cfg(tmp_path / "run", "data.task=gsm8k", "data.split=sample", "data.options={chat: false}",
+               "reward.reward_funcs=[numeric_answer]", "rollout.max_completion_length=64")
+    with pytest.warns(UserWarning, match=r"truncation estimate: \d+% of the first 50 rows' reference answers .*raise "
+                                         r"rollout.max_completion_length"):
+        preflight(cfg, model_given=True, tokenizer=tok)
+    demo = load_rows(load_train_config(None, []).data, limit=64)
+    assert estimate_truncation(demo, 8, tok) is None
+
+
+def test_a_resumed_run_warns_as_the_uninterrupted_one(tmp_path, tok, rewards, one_thread):
+    """The warnings' memory (streaks, what was shown when) is checkpointed: a run resumed after step 2 files the
+    constant-reward and zero-variance warnings at step 3, as the uninterrupted run does."""
+    cfg = lambda run: _cfg(run, "reward.reward_funcs=[health_rewards:constant]", "train.max_steps=3")  # noqa: E731
+    full = train(cfg(tmp_path / "full"), model=_model(), tokenizer=tok).records
+
+    def crash(event, step):
+        if event == "step_start" and step == 3:
+            raise RuntimeError("crash")
+
+    with pytest.raises(RuntimeError, match="crash"):
+        train(cfg(tmp_path / "cut"), model=_model(), tokenizer=tok, hook=crash)
+    resumed = train(cfg(tmp_path / "cut"), model=_model(), tokenizer=tok, resume=tmp_path / "cut").records
+    assert _warnings(resumed) == _warnings(full[2:]) == [["warning/constant_reward/constant", "warning/zero_variance"]]

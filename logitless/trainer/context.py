@@ -33,6 +33,7 @@ from logitless.trainer.config.schema import TrainerConfig, to_dict, to_yaml
 from logitless.trainer.distributed.parallel import QuietLogger, World, shard_model
 from logitless.trainer.episodes import environment_weight
 from logitless.trainer.evaluate import eval_options
+from logitless.trainer.report.health import RunHealth
 from logitless.trainer.memory.auto import has_auto, resolve
 from logitless.trainer.memory.oom import MemoryState
 from logitless.trainer.placement.engines import sampling_options
@@ -85,6 +86,7 @@ class TrainContext:
     run: RunDir | None = None  # the claimed run folder (rank 0): checked before each write
     t_start: float = field(default_factory=time.perf_counter)  # for the wall-time budget
     eval_rows: list[PromptRow] | None = None  # held-out rows of the eval during training (eval.every_steps, on_start)
+    health: RunHealth | None = None  # the warnings of a run that trains on nothing (their memory is checkpointed)
 
     @property
     def ckpt_root(self) -> Path:
@@ -94,7 +96,8 @@ class TrainContext:
         """Write an atomic checkpoint of this step (model, optimizer, schedule, data position, RNG, entropy coef)."""
         if self.run is not None:
             self.run.check_alive()
-        state = {"sampler": self.sampler.state_dict(), "entropy_coef": list(self.entropy_coef)}
+        state = {"sampler": self.sampler.state_dict(), "entropy_coef": list(self.entropy_coef),
+                 **({"health": self.health.state_dict()} if self.health is not None else {})}
         prefetch = self.rollout.prefetch
         pending = prefetch.state() if prefetch is not None else {}  # the next step's rollout in flight
         if self.world.sharded:  # sharded (DCP), every rank; each rank's pending rollout is its own
@@ -291,5 +294,5 @@ def build_context(
         shape=_shape(model, rollout.decoded_module(), rollout.split),
         peaks=device_peaks(device, cfg.logging.peak_tflops, cfg.logging.hbm_tbs), run_dir=run_dir, logger=logger,
         start=start, entropy_coef=coef, world=world, run=run, lora_compute=LoraCompute(model, cfg.model),
-        eval_rows=inputs.eval_rows,
+        eval_rows=inputs.eval_rows, health=RunHealth(cfg, logger.print, state.get("health")),
     )

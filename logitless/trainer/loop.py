@@ -41,6 +41,11 @@ import torch
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.config.schema import TrainerConfig
 from logitless.trainer.context import TrainContext, build_context
+from logitless.trainer.dynamic import sample_step
+from logitless.trainer.episodes import conversation_texts
+from logitless.trainer.evaluate import eval_due, eval_in_run
+from logitless.trainer.report.metrics import MismatchReport, RewardErrorReport, mismatch_causes
+from logitless.trainer.policy.modeling import attention_backends
 from logitless.trainer.distributed.parallel import (
     World,
     agree,
@@ -48,16 +53,10 @@ from logitless.trainer.distributed.parallel import (
     launched_world,
     process_group,
 )
-from logitless.trainer.dynamic import sample_step
-from logitless.trainer.episodes import conversation_texts
-from logitless.trainer.evaluate import eval_due, eval_in_run
-from logitless.trainer.report.health import RunHealth
 from logitless.trainer.memory import oom
 from logitless.trainer.memory.auto import resolve_run, save_resolved
-from logitless.trainer.policy.modeling import attention_backends
 from logitless.trainer.preflight import check_resume, check_world, preflight
 from logitless.trainer.report.accounting import PhaseTimer
-from logitless.trainer.report.metrics import MismatchReport, RewardErrorReport, RewardNoneReport, mismatch_causes
 from logitless.trainer.report.plot import plot_run
 from logitless.trainer.rundir import RunDir, claim_run_dir, restart_advice
 from logitless.trainer.signals import StopRequested, StopSignals, label
@@ -246,25 +245,23 @@ def train(
 
 @dataclass
 class StepReports:
-    """The warnings that follow each step's outcome: reward errors, rewards that came back None, a sampler that
-    drifted from the trainer."""
+    """The warnings that follow each step's outcome: reward errors and a sampler that drifted from the trainer
+    (those of a run that trains on nothing are `TrainContext.health`'s, whose memory a checkpoint keeps)."""
 
     reward_errors: RewardErrorReport
-    reward_none: RewardNoneReport
     mismatch: MismatchReport
-    health: RunHealth  # warnings of a run that trains on nothing
 
     @classmethod
     def of(cls, ctx: TrainContext) -> StepReports:
         say, cfg = ctx.logger.print, ctx.cfg  # (the decided settings)
-        return cls(RewardErrorReport(say, cfg.reward.error_penalty), RewardNoneReport(say),
-                   MismatchReport(say, cfg.logging.mismatch_warning, mismatch_causes(cfg)), RunHealth(cfg, say))
+        return cls(RewardErrorReport(say, cfg.reward.error_penalty),
+                   MismatchReport(say, cfg.logging.mismatch_warning, mismatch_causes(cfg)))
 
-    def scored(self, step: int, ro: Rollout, sc: Any) -> dict[str, Any]:
+    def scored(self, ctx: TrainContext, step: int, ro: Rollout, sc: Any) -> dict[str, Any]:
         """The warnings of the step's scores; returns what goes into its record."""
         self.reward_errors(step, sc.names, sc.num_errors, sc.error_texts, len(sc.total))
-        return self.reward_none(step, sc.names, sc.num_none, len(sc.total),
-                                sorted(ro.sample_rows[0].fields) if ro.sample_rows else [])
+        return ctx.health.reward_none(step, sc.names, sc.num_none, len(sc.total),
+                                      sorted(ro.sample_rows[0].fields) if ro.sample_rows else [])
 
 
 def _train(
@@ -331,7 +328,7 @@ def _step(ctx: TrainContext, step: int, stop: StopSignals, result: TrainResult, 
     except StopRequested as e:  # a stop abandoned the rollout or its scoring: the step is dropped below
         stop.requested = stop.requested or e.signum
     else:
-        warned = reports.scored(step, ro, sc)
+        warned = reports.scored(ctx, step, ro, sc)
         hook("after_rollout", step)
     dropped = agree(stop.commit_step(), ctx.device)  # a signal to any rank before the update began
     if dropped:  # nothing trained yet: every rank drops this step
@@ -346,7 +343,7 @@ def _step(ctx: TrainContext, step: int, stop: StopSignals, result: TrainResult, 
         with timer("eval"):
             record.update(eval_in_run(ctx, rollout_state(ctx)))
         record["time/eval"] = timer.seconds["eval"]
-    record.update({**warned, **reports.health(step, record)})
+    record.update({**warned, **ctx.health(step, record)})  # warnings of a run that trains on nothing
     log_step(ctx, result, step, record, ro, scored)
     reports.mismatch(step, record)
     if ctx.run is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from logitless.trainer.distributed.parallel import World, check_distributed, lau
 from logitless.trainer.placement import check_placement
 from logitless.trainer.report.tracking import check_report_to, check_tracker_credentials
 from logitless.trainer.checks.model import check_model, model_config, read_model_config
+from logitless.trainer.report.health import TRUNCATED_FRACTION, estimate_truncation
 from logitless.trainer.policy.modeling import (
     LIGER_INSTALL_HINT,
     QLORA_INSTALL_HINT,
@@ -99,12 +101,28 @@ def preflight(cfg: TrainerConfig, *, training: bool = True, model_given: bool = 
         lines.append("agent: every tool and the environment import and check, and the chat template renders them")
     split = cfg.data.split if training else (cfg.eval.split or cfg.data.eval_split)
     rows = load_rows(cfg.data, split, eval=not training, limit=FIRST_ROWS)
+    lines.append(check_reward_fields(cfg, cfg.reward.reward_funcs, reward_functions(cfg.reward), rows, split))
     if any(isinstance(r.prompt, list) and r.prompt and isinstance(r.prompt[0], dict) for r in rows) and not (
             cfg.agent.enabled and cfg.agent.chat_template):
-        check_chat_template(tokenizer if tokenizer is not None else load_tokenizer(cfg.model), cfg, split)
-        lines.append("chat prompts: the tokenizer has a chat template")
-    lines.append(check_reward_fields(cfg, cfg.reward.reward_funcs, reward_functions(cfg.reward), rows, split))
+        tokenizer = tokenizer if tokenizer is not None else _tokenizer_if_loadable(cfg)
+        if tokenizer is not None:  # (one that cannot load fails with the model, naming why)
+            check_chat_template(tokenizer, cfg, split)
+            lines.append("chat prompts: the tokenizer has a chat template")
+    if training and (estimate := estimate_truncation(rows, cfg.rollout.max_completion_length, tokenizer)) is not None:
+        line, share = estimate
+        lines.append(line)
+        if share > TRUNCATED_FRACTION:
+            warnings.warn(f"{line}: most completions as long as those would be cut and score as unfinished; raise "
+                          "rollout.max_completion_length (or ask for shorter answers)", stacklevel=2)
     return lines
+
+
+def _tokenizer_if_loadable(cfg: TrainerConfig) -> Any:
+    """The model's tokenizer (no weights), or None when it cannot be loaded here (the model load reports that)."""
+    try:
+        return load_tokenizer(cfg.model)
+    except Exception:  # noqa: BLE001 (transformers raises OSError, ValueError, ... for a folder without one)
+        return None
 
 
 def check_chat_template(tokenizer: Any, cfg: TrainerConfig, split: str) -> None:

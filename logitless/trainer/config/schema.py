@@ -191,7 +191,10 @@ class RewardConfig:
     reward_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # {name: keyword options of that function}
     on_error: Literal["raise", "penalty"] = "raise"  # "penalty": a sample whose reward function raises scores error_penalty
     error_penalty: float = 0.0  # the reward of a sample whose reward function raised (on_error="penalty")
-    accuracy_reward: str | None = None  # the reward whose value 1.0 means "correct" (default: the first)
+    # The reward whose value 1.0 means "correct": the run's `accuracy` metric (the progress line's acc) and the eval's
+    # accuracy. Default: the first reward; during training only when it is numeric_answer, math_verify or code_tests
+    # (no accuracy is logged for another, whose 1.0 need not mean correct).
+    accuracy_reward: str | None = None
     # Seconds one call of a `module:function` (sync or async), model: or judge: reward may take (null: no limit); the
     # built-ins bound their own time.
     # A call past it is stopped (rewards/deadline.py) and its samples are handled by on_error: "raise" stops the

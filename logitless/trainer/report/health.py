@@ -11,16 +11,19 @@ most once every `REPEAT_STEPS` steps while it still holds.
     nonfinite       the loss or the gradient norm was nan/inf, so the optimizer step was skipped
                     (`NONFINITE_STEPS` such steps in a row end the run: `NonFiniteTraining`)
 
-A reward function that returns only None is reported by `metrics.RewardNoneReport`, which the loop files under
-`warning/reward_none` in the same way.
+A reward function that returns only None is reported by `metrics.RewardNoneReport` (`RunHealth.reward_none`), filed
+under `warning/reward_none/<name>` in the same way. What the warnings remember is saved in each checkpoint, so a
+resumed run warns as the uninterrupted one would.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from rich.markup import escape
+
+from logitless.trainer.report.metrics import RewardNoneReport
 
 TRUNCATED_FRACTION = 0.5  # "most" completions truncated
 STREAK_STEPS = 3  # steps in a row a zero-variance or constant-reward condition holds before it is reported
@@ -36,12 +39,28 @@ class RunHealth:
     """The train-on-nothing warnings of one run; call it with each step's record (all ranks' values, rank 0 prints).
     `emit` prints a console line."""
 
-    def __init__(self, cfg: Any, emit: Callable[[str], None]):
+    def __init__(self, cfg: Any, emit: Callable[[str], None], state: dict[str, Any] | None = None):
         self.cfg, self.emit = cfg, emit
         self.shown: dict[str, int] = {}  # kind -> step it was last shown
         self.zero_var_streak = 0
         self.constant: dict[str, tuple[float, int]] = {}  # reward name -> (its value, steps in a row)
         self.nonfinite_streak = 0
+        self.reward_none = RewardNoneReport(emit)  # called by the loop with each step's scores
+        if state:
+            self.load_state_dict(state)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the warnings remember across steps (JSON), saved in each checkpoint so that a resumed run warns
+        exactly as the uninterrupted one."""
+        return {"shown": dict(self.shown), "zero_var_streak": self.zero_var_streak,
+                "constant": {k: [None if math.isnan(v) else v, n] for k, (v, n) in self.constant.items()},
+                "nonfinite_streak": self.nonfinite_streak, "reward_none": sorted(self.reward_none.warned)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.shown = {k: int(v) for k, v in state["shown"].items()}
+        self.zero_var_streak, self.nonfinite_streak = int(state["zero_var_streak"]), int(state["nonfinite_streak"])
+        self.constant = {k: (math.nan if v is None else float(v), int(n)) for k, (v, n) in state["constant"].items()}
+        self.reward_none.warned = set(state["reward_none"])
 
     def warn(self, step: int, kind: str, text: str) -> dict[str, str]:
         """Emit `text` unless `kind` was shown within REPEAT_STEPS steps; the record entry when shown."""
@@ -69,10 +88,11 @@ class RunHealth:
         r, o = self.cfg.rollout, self.cfg.objective
         effect = ("objective.mask_truncated_completions=true leaves them out of the loss, so little is trained"
                   if o.mask_truncated_completions else "a cut completion usually has no final answer and scores 0")
+        agent = " (or agent.max_turns / agent.max_turn_tokens for episodes)" if self.cfg.agent.enabled else ""
         return [("truncated",
                  f"{share:.0%} of the completions were cut at rollout.max_completion_length={r.max_completion_length} "
-                 f"tokens before they ended; {effect}. Raise rollout.max_completion_length, or ask for shorter answers "
-                 "(the prompt, or rollout.stop strings that end an answer)")]
+                 f"tokens before they ended; {effect}. Raise rollout.max_completion_length{agent}, or ask for shorter "
+                 "answers (the prompt, or rollout.stop strings that end an answer)")]
 
     def zero_variance(self, step: int, record: dict[str, Any]) -> list[tuple[str, str]]:
         frac = record.get("zero_variance_groups")
@@ -137,3 +157,30 @@ class RunHealth:
             raise NonFiniteTraining(f"step {step}: {self.nonfinite_streak} steps in a row trained nothing: {cause}. "
                                     "The run stops; the latest checkpoint holds the last finite weights")
         return [("nonfinite", cause)]
+
+
+REFERENCE_FIELDS = ("solution", "completion", "response", "reference")  # row fields holding a reference answer
+BYTES_PER_TOKEN = 3.0  # bytes per token of a BPE tokenizer on English with numbers, low side (without a tokenizer)
+
+
+def estimate_truncation(rows: Sequence[Any], max_completion_length: int, tokenizer: Any = None) -> tuple[str, float] | None:
+    """(a line for --dry-run, the share of rows) estimating how many completions `rollout.max_completion_length`
+    would cut: the share of `rows` whose reference answer (the first row field of REFERENCE_FIELDS they hold as
+    text, e.g. GSM8K's worked `solution`) is longer than that many tokens (counted with `tokenizer`, else estimated
+    from its bytes). None when the rows hold no reference answer."""
+    field = next((f for f in REFERENCE_FIELDS if rows and all(isinstance(r.fields.get(f), str) for r in rows)), None)
+    if field is None:
+        return None
+    texts = [r.fields[field] for r in rows]
+    if tokenizer is not None:
+        lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        how = "tokens"
+    else:
+        lengths = [math.ceil(len(t.encode("utf-8")) / BYTES_PER_TOKEN) for t in texts]
+        how = f"tokens, estimated at {BYTES_PER_TOKEN:g} bytes per token"
+    share = sum(n > max_completion_length for n in lengths) / len(lengths)
+    lengths.sort()
+    line = (f"truncation estimate: {share:.0%} of the first {len(rows)} rows' reference answers (row field "
+            f"'{field}': median {lengths[len(lengths) // 2]}, longest {lengths[-1]} {how}) are longer than "
+            f"rollout.max_completion_length={max_completion_length}")
+    return line, share

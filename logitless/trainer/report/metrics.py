@@ -270,7 +270,7 @@ class RewardNoneReport:
 
     def __init__(self, emit: Callable[[str], None]):
         self.emit = emit
-        self._warned: set[str] = set()
+        self.warned: set[str] = set()  # the functions warned about
 
     def __call__(self, step: int, names: Sequence[str], num_none: Sequence[int], num_samples: int,
                  row_fields: Sequence[str]) -> dict[str, str]:
@@ -278,9 +278,9 @@ class RewardNoneReport:
         every = num_samples > 0 and all(n == num_samples for n in num_none)
         out = {}
         for name, n in zip(names, num_none):
-            if num_samples == 0 or n < num_samples or name in self._warned:
+            if num_samples == 0 or n < num_samples or name in self.warned:
                 continue
-            self._warned.add(name)
+            self.warned.add(name)
             effect = ("every reward function did, so every advantage is 0 and this step trained nothing" if every else
                       "the other reward functions alone decide these samples' advantages")
             text = (

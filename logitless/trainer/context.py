@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from datetime import timedelta
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -57,7 +58,6 @@ from logitless.trainer.oom import MemoryState
 from logitless.trainer.tracking import open_trackers, resolve_report_to
 from logitless.trainer.parallel import (
     COPY_BACKENDS,
-    TIMEOUT,
     MergedRolloutCopy,
     QuietLogger,
     RolloutCopy,
@@ -317,8 +317,10 @@ def build_context(
         engine_changes["decode_attention"] = decode_attention_for(cfg.train.packed is True)
     rollout_cfg = dataclasses.replace(cfg.rollout, **engine_changes)
     if shared:  # rank 0's decode process (the replica shared with it), every rank's handle; one group, made by all
-        worker = DecodeWorker(replica.model, rollout_cfg, tokenizer) if world.main else None
-        engine = SharedDecode(worker, dist.new_group(backend="gloo", timeout=TIMEOUT), rollout_device)
+        bound = cfg.train.collective_timeout_s
+        worker = DecodeWorker(replica.model, rollout_cfg, tokenizer, bound / 2) if world.main else None
+        engine = SharedDecode(worker, dist.new_group(backend="gloo", timeout=timedelta(seconds=2 * bound)),
+                              rollout_device)
     else:  # merged: a plain model
         engine = make_rollout_engine(rollout_cfg, replica.model if replica else model, tokenizer)
     if isinstance(replica, TensorParallelCopy):

@@ -61,6 +61,7 @@ from logitless.trainer.plot import plot_run
 from logitless.trainer.preflight import check_resume, preflight
 from logitless.trainer.rundir import RunDir, claim_run_dir, restart_advice
 from logitless.trainer.signals import StopRequested, StopSignals, label
+from logitless.trainer.watchdog import phase, watching
 from logitless.trainer.stages import (
     Rollout,
     Scored,
@@ -234,12 +235,13 @@ def train(
     stop.advice = lambda: restart_advice(stop.run_dir)
     claim = lambda: claim_run_dir(cfg, resume=resume, overwrite=overwrite,  # noqa: E731
                                   allow_config_change=allow_config_change)
-    with stop, process_group(device, offload=cfg.train.fsdp_offload) as world, \
+    with stop, process_group(device, offload=cfg.train.fsdp_offload,
+                             timeout_s=2 * cfg.train.collective_timeout_s) as world, \
             claimed_on_rank0(world, claim) as (run_cfg, start, run):
         stop.run_dir = Path(run_cfg.train.output_dir)
         if start is not None:
             check_resume(run_cfg, start)
-        with attention_backends(run_cfg.model), frozen_heap() as freeze:
+        with attention_backends(run_cfg.model), frozen_heap() as freeze, watching(run_cfg.train.collective_timeout_s):
             return _train(freeze, run_cfg, world, stop, run=run, resume=start, model=model, tokenizer=tokenizer,
                           hook=hook)
 
@@ -272,10 +274,11 @@ def _train(
     freeze()  # the model, data and engine: out of every collection from here on
     try:
         if cfg.eval.on_start and ctx.start == 0:  # the policy before training, logged at step 0
-            t0 = time.perf_counter()
-            record = {**eval_in_run(ctx, rollout_state(ctx)), "time/eval": time.perf_counter() - t0}
-            ctx.logger.log(0, record)
-            result.records.append({"step": 0, **record})
+            with phase("eval", 0):
+                t0 = time.perf_counter()
+                record = {**eval_in_run(ctx, rollout_state(ctx)), "time/eval": time.perf_counter() - t0}
+                ctx.logger.log(0, record)
+                result.records.append({"step": 0, **record})
         for step in range(ctx.start + 1, cfg.train.max_steps + 1):
             stop.step, stop.updating = step, False
             hook("step_start", step)
@@ -284,45 +287,49 @@ def _train(
             # generate and score (with train.dynamic_sampling: until the step has its informative groups); out of
             # memory: once more, with fewer rows per wave, from the step's data position and RNG
             ctx.memory.retries = 0
-            try:
-                ro, scored, sc, sampled = oom.retry_on_oom(ctx, step, "generate",
-                                                           lambda: _sample(ctx, step, timer, hook),
-                                                           reset=lambda: rewind_step(ctx, rewind))
-            except StopRequested as e:  # a stop abandoned the rollout or its scoring: the step is dropped below
-                stop.requested = stop.requested or e.signum
-            else:
-                report_reward_errors(step, sc.names, sc.num_errors, sc.error_texts, len(sc.total))
-                fields = sorted(ro.sample_rows[0].fields) if ro.sample_rows else []
-                report_none(step, sc.names, sc.num_none, len(sc.total), fields)
-                hook("after_rollout", step)
-            dropped = agree(stop.commit_step(), ctx.device)  # a signal to any rank before the update began
-            if dropped:  # nothing trained yet: every rank drops this step
-                stop.requested = stop.requested or dropped
-                drop_step(ctx, result, step, rewind)
-                break
-            check_empty(ctx, ro, step)
-            plans = _plans(ctx, ro, scored)
-            plan, upd = merge_plans(plans), UpdateResult()
-            if plan.n_tokens > 0:  # (0 only if the engine returned no token at all, not even EOS)
-                rng, tried = ckpt.rng_state(), [plans]  # a retry plans its micro-batches anew
-                plans, upd = oom.retry_on_oom(
-                    ctx, step, "update", lambda: _update(ctx, ro, scored, tried[-1], timer, hook, step),
-                    reset=lambda: (_reset_update(ctx, rng), tried.append(None)))
-                plan = merge_plans(plans)
-            hook("after_update", step)
-            record = {**step_record(ctx, ro, scored, plan, upd, timer), **sampled, **oom.memory_metrics(ctx, ro, plan)}
-            if eval_due(cfg, step):  # held-out eval (eval.every_steps)
-                with timer("eval"):
-                    record.update(eval_in_run(ctx, rollout_state(ctx)))
-                record["time/eval"] = timer.seconds["eval"]
-            log_step(ctx, result, step, record, ro, scored)
-            report_mismatch(step, record)
-            if run is not None:
-                run.first_step_done()  # --overwrite: the run it replaces goes now
-            agreed = agree(stop.requested, ctx.device)  # the ranks decide together; a signal that comes meanwhile
-            stop.requested = stop.requested or agreed  # stays requested, for the next decision
-            if checkpoint_and_stop(ctx, result, step, bool(agreed)):
-                break
+            with phase("rollout", step):
+                try:
+                    ro, scored, sc, sampled = oom.retry_on_oom(ctx, step, "generate",
+                                                               lambda: _sample(ctx, step, timer, hook),
+                                                               reset=lambda: rewind_step(ctx, rewind))
+                except StopRequested as e:  # a stop abandoned the rollout or its scoring: the step is dropped below
+                    stop.requested = stop.requested or e.signum
+                else:
+                    report_reward_errors(step, sc.names, sc.num_errors, sc.error_texts, len(sc.total))
+                    fields = sorted(ro.sample_rows[0].fields) if ro.sample_rows else []
+                    report_none(step, sc.names, sc.num_none, len(sc.total), fields)
+                    hook("after_rollout", step)
+            with phase("update", step):
+                dropped = agree(stop.commit_step(), ctx.device)  # a signal to any rank before the update began
+                if dropped:  # nothing trained yet: every rank drops this step
+                    stop.requested = stop.requested or dropped
+                    drop_step(ctx, result, step, rewind)
+                    break
+                check_empty(ctx, ro, step)
+                plans = _plans(ctx, ro, scored)
+                plan, upd = merge_plans(plans), UpdateResult()
+                if plan.n_tokens > 0:  # (0 only if the engine returned no token at all, not even EOS)
+                    rng, tried = ckpt.rng_state(), [plans]  # a retry plans its micro-batches anew
+                    plans, upd = oom.retry_on_oom(
+                        ctx, step, "update", lambda: _update(ctx, ro, scored, tried[-1], timer, hook, step),
+                        reset=lambda: (_reset_update(ctx, rng), tried.append(None)))
+                    plan = merge_plans(plans)
+                hook("after_update", step)
+                record = {**step_record(ctx, ro, scored, plan, upd, timer), **sampled,
+                          **oom.memory_metrics(ctx, ro, plan)}
+                if eval_due(cfg, step):  # held-out eval (eval.every_steps)
+                    with timer("eval"):
+                        record.update(eval_in_run(ctx, rollout_state(ctx)))
+                    record["time/eval"] = timer.seconds["eval"]
+                log_step(ctx, result, step, record, ro, scored)
+                report_mismatch(step, record)
+                if run is not None:
+                    run.first_step_done()  # --overwrite: the run it replaces goes now
+                agreed = agree(stop.requested, ctx.device)  # the ranks decide together; a signal that comes
+                stop.requested = stop.requested or agreed  # meanwhile stays requested, for the next decision
+            with phase("checkpoint", step):
+                if checkpoint_and_stop(ctx, result, step, bool(agreed)):
+                    break
             if step == ctx.start + 1 and ctx.prefetch is None:  # the first step's compiled graphs too (not with
                 freeze()  # a rollout in flight: its KV cache, were it in a cycle, would wait until the run's end)
         result.interrupted = stop.requested

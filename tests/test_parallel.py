@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -338,9 +339,10 @@ def test_a_rank_that_hangs_fails_both_ranks_within_the_bound_naming_it_and_its_p
     rank1 = ("error: rank 1: the rollout phase of step 1 did not finish within train.collective_timeout_s=3 s; this "
              "rank itself is stuck (its stacks follow)")
     assert rank1 in out, out[-6000:]
-    assert "error: rank 0: stopping, as rank 1 failed: rank 1: the rollout phase of step 1 did not finish" in out \
-           or "error: rank 0: the update phase of step 1 did not finish within train.collective_timeout_s=3 s; " \
-              "waiting on rank 1" in out, out[-6000:]
+    # rank 0 names rank 1 and its phase: told of its failure, past its own bound, or when its collective failed as
+    # rank 1 ended (gloo fails at once), whichever comes first
+    assert re.search(r"rank 0: .*rank 1( failed: rank 1: the rollout phase of step 1| is still in the rollout phase "
+                     r"of step 1)", out), out[-6000:]
     assert "in hook" in out and "Current thread" in out  # faulthandler's stacks of the stuck rank
     assert time.monotonic() - t0 < 200
 

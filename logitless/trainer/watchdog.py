@@ -10,9 +10,11 @@ user code), the rank prints what it was doing, which ranks it waits on, and the 
 The ranks talk through the process group's store (torchrun's, which outlives the ranks): every BEAT_S seconds each
 rank's watchdog writes its heartbeat and phase there and reads the others'. The first rank to fail writes why (a
 phase past its bound, or an exception raised in a phase); every other rank reads it within BEAT_S and ends naming
-that rank, instead of waiting in a collective until its own bound. A rank whose heartbeat stops for the bound
-(killed, or stuck in native code that holds the interpreter lock) is named by the others the same way. The process
-group's own timeout (twice the bound) is the backstop of a watchdog that cannot run.
+that rank (NEWS_GRACE_S later, so that a rank that raised prints its own error first), instead of waiting in a
+collective until its own bound. A rank past its bound that waits on a rank behind it (an earlier phase) gives that
+rank up to 3 heartbeats to report itself first. A collective that fails because a peer died (gloo fails at once)
+is reported naming the rank whose heartbeat stopped; one that stops answering without dying is named at the bound.
+The process group's own timeout (twice the bound) is the backstop of a watchdog that cannot run.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any, Iterator
 KEY = "train.collective_timeout_s"
 BEAT_S = 1.0  # how often a rank writes its heartbeat and reads the others' (and the news of a failure)
 PREFIX = "logitless/watchdog/"
+NEWS_GRACE_S = 5.0  # a rank told of another's failure ends this much later (torchrun usually ends it first)
 
 
 def _say(text: str) -> None:
@@ -48,6 +51,7 @@ class Watchdog:
         self.deadline = float("inf")  # monotonic seconds
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self._failing = False  # an exception is unwinding a phase on this rank
         self._seen: dict[int, tuple[dict, float, float]] = {}  # rank -> (phase, beat, monotonic time it changed)
         self._beat()
         self._observe()  # every peer in _seen from here on (the thread only replaces their entries)
@@ -67,13 +71,21 @@ class Watchdog:
         try:
             yield
         except Exception as e:
+            if getattr(e, "_watchdog_seen", False):  # from a phase within this one: said already
+                raise
+            self._failing = True  # this rank raises: the news of another's failure does not end it
             self._fail(f"rank {self.rank}: the {name} phase of step {self.step} raised {type(e).__name__}: "
                        f"{str(e)[:500]}")
-            why = self._verdict()
-            if why:
-                raise RuntimeError(f"rank {self.rank}: the {name} phase of step {self.step} failed ({type(e).__name__}:"
-                                   f" {str(e)[:300]}); {why}") from e
-            raise
+            why = self._verdict(str(e)[:200], from_collective(e))
+            out = RuntimeError(f"rank {self.rank}: the {name} phase of step {self.step} failed ({type(e).__name__}: "
+                               f"{str(e)[:300]}); {why}") if why else e
+            try:
+                out._watchdog_seen = True  # type: ignore[attr-defined]
+            except AttributeError:
+                pass
+            if out is e:
+                raise
+            raise out from e
         finally:
             with self._lock:
                 self.phase_name, self.step, self.deadline = outer
@@ -83,14 +95,17 @@ class Watchdog:
         self._closed.set()
         self._thread.join(timeout=2 * BEAT_S)
 
-    def _verdict(self) -> str:
-        """After an exception in a phase: why, if another rank is the cause (it failed, or its heartbeat stopped: a
-        collective fails at once when a peer dies), looked for during up to 3 heartbeats."""
-        end = time.monotonic() + 3 * BEAT_S
+    def _verdict(self, error: str, collective: bool) -> str:
+        """After an exception (`error`, its text) in a phase: why, if another rank is the cause (it failed with
+        another error, or its heartbeat stopped), looked for during up to 3 heartbeats after a failed `collective`
+        (one fails at once when a peer dies, before its heartbeat is seen to stop). An error every rank raises (one
+        handed to all) is no other rank's doing."""
+        end = time.monotonic() + (3 * BEAT_S if collective else 0.0)
         while True:
             try:
                 self._observe()
-                why = self._others_failure() or self._stopped()
+                news = self._others_failure()
+                why = (news if news and error not in news else "") or self._stopped()
             except Exception:  # noqa: BLE001 (the store is gone too)
                 return ""
             if why or time.monotonic() >= end:
@@ -107,11 +122,13 @@ class Watchdog:
                 news = self._others_failure()
             except Exception:  # noqa: BLE001 (the store went away: torchrun is ending the ranks)
                 return
-            if news:
-                self._end(f"rank {self.rank}: stopping, {news}")
+            if news and not self._failing:
+                self._end(f"rank {self.rank}: stopping, {news}", after=NEWS_GRACE_S)
             with self._lock:
                 name, step, late = self.phase_name, self.step, time.monotonic() - self.deadline
             if name is not None and late >= 0:
+                if late < 3 * BEAT_S and self._behind():  # the rank this one waits on is past its own bound
+                    continue  # (or nearly): its watchdog names it and its stacks first
                 waited = self._waited_on()
                 message = (f"rank {self.rank}: the {name} phase of step {step} did not finish within {KEY}="
                            f"{self.timeout_s:g} s" + (f"; {waited}" if waited else
@@ -119,11 +136,13 @@ class Watchdog:
                 self._fail(message)
                 self._end(message)
 
-    def _end(self, message: str) -> None:
-        """Print `message` and this process's stacks, then exit 1."""
+    def _end(self, message: str, after: float = 0.0) -> None:
+        """Print `message` and this process's stacks, then exit 1 (`after` seconds later: a rank that failed by
+        raising gets to print its own error before torchrun, seeing this rank end, ends it)."""
         _say(f"error: {message}. Stacks of rank {self.rank}'s threads:")
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
+        self._closed.wait(after)
         os._exit(1)
 
     # -- the store -------------------------------------------------------------------------------------------------
@@ -182,15 +201,26 @@ class Watchdog:
                f"{self._where(r)}" for r, (_, _, t) in sorted(self._seen.items()) if now - t > 2 * BEAT_S]
         return "; ".join(out)
 
-    def _waited_on(self) -> str:
-        """Which ranks this one waits on: those with no heartbeat, or behind it (an earlier step or phase)."""
+    def _behind(self) -> list[str]:
+        """The ranks that still beat but are behind this one (an earlier step or phase): this rank waits on them."""
         with self._lock:
             mine = (self.step, _ORDER.get(self.phase_name or "", 0))
-        stopped = self._stopped()
-        behind = [f"rank {r} is still in {self._where(r)}" for r, (state, _, _) in sorted(self._seen.items())
-                  if (state["step"], _ORDER.get(state["phase"] or "", 0)) < mine and f"rank {r} " not in stopped]
-        out = ([stopped] if stopped else []) + behind
+        now = time.monotonic()
+        return [f"rank {r} is still in {self._where(r)}" for r, (state, _, t) in sorted(self._seen.items())
+                if (state["step"], _ORDER.get(state["phase"] or "", 0)) < mine and now - t <= 2 * BEAT_S]
+
+    def _waited_on(self) -> str:
+        """Which ranks this one waits on: those with no heartbeat, or behind it."""
+        out = ([self._stopped()] if self._stopped() else []) + self._behind()
         return "waiting on " + "; ".join(out) if out else ""
+
+
+def from_collective(e: BaseException) -> bool:
+    """Whether `e` was raised in torch.distributed (a collective, or its wait)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and f"torch{os.sep}distributed{os.sep}" in tb.tb_frame.f_code.co_filename
 
 
 _ORDER = {"eval": 0, "rollout": 1, "sync": 1, "update": 2, "checkpoint": 3}  # a step's phases in order (sync: in the rollout)

@@ -7,9 +7,10 @@
 Scenarios: "equivalence" (one step, LoRA and full fine-tuning, on a recorded rollout; `MODES`; on GPUs
 "equivalence_liger", `LIGER_MODES`), "equivalence4"
 (the same on 4 ranks with uneven prompt shares; `FOUR_RANK_MODES`), "resume" (a run, the same run stopped by
-SIGTERM and resumed; then a run on the static backend) and "async" (train.async_rollout: a run, the same stopped
-and resumed, and full fine-tuning). Scenarios joined by commas run one after the other in one launch (their files
-do not collide). `raise_on_rank1` is a reward function for the failure test.
+SIGTERM and resumed; then a run on the static backend), "async" (train.async_rollout: a run, the same stopped
+and resumed, and full fine-tuning), "stuck_rank" and "dead_rank" (a rank that hangs or dies after its rollout).
+Scenarios joined by commas run one after the other in one launch (their files do not collide). `raise_on_rank1` is
+a reward function for the failure test.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -378,6 +380,29 @@ def shared_failure(out: Path, tok) -> None:
         (out / f"failure_rank{os.environ['RANK']}.txt").write_text(str(e))
 
 
+def stuck_rank(out: Path, tok) -> None:
+    """Rank 1 stops (a hang) after step 1's rollout while rank 0 goes on to the update's first collective: with
+    train.collective_timeout_s=3 both end (watchdog.py) naming rank 1 and its phase."""
+    def hook(event, step):
+        if event == "after_rollout" and step == 1 and int(os.environ["RANK"]) == 1:
+            threading.Event().wait()  # the hang: this rank never reaches the update's collectives
+
+    train(config(out / "stuck", "train.collective_timeout_s=3"), model=model(), tokenizer=tok, hook=hook)
+
+
+def dead_rank(out: Path, tok) -> None:
+    """Rank 1's process ends abruptly (os._exit, as a kill would) after step 1's rollout: rank 0's collective fails
+    and its error names rank 1."""
+    def hook(event, step):
+        if event == "after_rollout" and step == 1 and int(os.environ["RANK"]) == 1:
+            os._exit(3)
+
+    try:
+        train(config(out / "dead", "train.collective_timeout_s=30"), model=model(), tokenizer=tok, hook=hook)
+    except RuntimeError as e:
+        (out / f"dead_rank{os.environ['RANK']}.txt").write_text(str(e))
+
+
 def digits(prompts, completions, **fields):
     """Share of digit characters plus a length term: varies between samples, so advantages are non-zero (of an
     episode, the text of its messages)."""
@@ -399,7 +424,8 @@ def raise_on_rank1(prompts, completions, **fields):
 def main(scenario: str, out_dir: str, tok_dir: str) -> None:
     torch.set_num_threads(1)
     scenarios = {"equivalence": equivalence, "resume": resume, "async": async_runs,
-                 "shared": shared_runs, "shared_failure": shared_failure,
+                 "shared": shared_runs, "shared_failure": shared_failure, "stuck_rank": stuck_rank,
+                 "dead_rank": dead_rank,
                  "equivalence4": lambda out, tok: equivalence(out, tok, FOUR_RANK_MODES),
                  "equivalence_liger": lambda out, tok: equivalence(out, tok, LIGER_MODES),
                  "equivalence_moe": lambda out, tok: equivalence(out, tok, MOE_MODES)}

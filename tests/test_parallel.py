@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -332,6 +334,33 @@ def test_a_failure_on_one_rank_ends_every_rank(tmp_path, tok_dir):
     proc = torchrun("cli_fail", tmp_path, tok_dir, timeout=240, argv=["-m", "logitless", "train", *overrides])
     assert proc.returncode != 0
     assert "error: reward function 'raise_on_rank1' raised KeyError: 'rank 1 fails'" in proc.stdout
+
+
+def test_a_rank_that_hangs_fails_both_ranks_within_the_bound_naming_it_and_its_phase(tmp_path, tok_dir):
+    """Rank 1 hangs after its rollout; rank 0 waits in the update's first collective. With
+    train.collective_timeout_s=3 rank 1's watchdog ends it with its stacks, and rank 0 ends naming rank 1 (it used
+    to wait for the process group's 30 minutes)."""
+    t0 = time.monotonic()
+    proc = torchrun("stuck_rank", tmp_path, tok_dir, timeout=240)
+    assert proc.returncode != 0
+    out = proc.stdout
+    rank1 = ("error: rank 1: the rollout phase of step 1 did not finish within train.collective_timeout_s=3 s; this "
+             "rank itself is stuck (its stacks follow)")
+    assert rank1 in out, out[-6000:]
+    # rank 0 names rank 1 and its phase: told of its failure, past its own bound, or when its collective failed as
+    # rank 1 ended (gloo fails at once), whichever comes first
+    assert re.search(r"rank 0: .*rank 1( failed: rank 1: the rollout phase of step 1| is still in the rollout phase "
+                     r"of step 1)", out), out[-6000:]
+    assert "in hook" in out and "Current thread" in out  # faulthandler's stacks of the stuck rank
+    assert time.monotonic() - t0 < 200
+
+
+def test_a_rank_that_dies_fails_the_other_naming_it(tmp_path, tok_dir):
+    proc = torchrun("dead_rank", tmp_path, tok_dir, timeout=240)
+    assert proc.returncode != 0
+    text = (tmp_path / "dead_rank0.txt").read_text()
+    assert text.startswith("rank 0: the update phase of step 1 failed ("), text
+    assert "rank 1 stopped answering" in text and "last in the rollout phase of step 1" in text, text
 
 
 def _cfg(*overrides):

@@ -189,7 +189,7 @@ def test_the_decode_process_decodes_what_an_engine_in_this_process_decodes(tok_d
     modeling.compile_layers(patched)
     patched.gradient_checkpointing_enable()
     patched.enable_input_require_grads()  # a forward hook that is a local function
-    worker = DecodeWorker(patched, cfg, tok)
+    worker = DecodeWorker(patched, cfg, tok, timeout_s=600)
     try:
         for _ in range(2):
             worker.submit(prompts, options)
@@ -204,3 +204,38 @@ def test_the_decode_process_decodes_what_an_engine_in_this_process_decodes(tok_d
     finally:
         worker.close()
     assert worker.proc.returncode == 0
+
+
+def test_a_decode_process_that_hangs_is_ended_within_its_bound_with_the_reason(tok_dir, capfd):
+    """A decode past its bound prints its stacks and ends (faulthandler in the child); one that cannot (stopped, or
+    stuck in native code) is ended by rank 0 a second later. Either way result() raises naming the setting, which
+    every rank then raises (`test_a_decode_process_that_dies_fails_every_rank_with_the_reason`)."""
+    import dataclasses
+    import os
+    import signal
+    import time
+
+    from logitless.trainer.builders import sampling_options
+    from logitless.trainer.placement.rollout_worker import DecodeWorker
+
+    tok = w.tokenizer(tok_dir)
+    cfg = dataclasses.replace(w.config("unused", "rollout.backend=static").rollout, max_completion_length=64)
+    options = sampling_options(cfg, seed=11, chat_template_kwargs=None)
+    for how, bound, why in [("slow", 0.01, r"did not answer within 0.01 s \(half of train.collective_timeout_s; "
+                                           r"raise it for longer rollouts\) and ended, printing its stacks"),
+                            ("stopped", 1.0, r"did not answer within 1 s .*; it was ended \(exit code -9\)")]:
+        worker = DecodeWorker(w.model(), cfg, tok, timeout_s=600)
+        try:
+            worker.submit(["1+1="], options)  # the process started and ready: the bound is the decode's alone
+            worker.result()
+            worker.timeout_s = bound
+            worker.submit(["12+7=", "3*4="] * 8, options)
+            if how == "stopped":
+                os.kill(worker.proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(RuntimeError, match="the rollout's decode process " + why):
+                worker.result()
+            assert time.monotonic() - t0 < bound + 10.0
+        finally:
+            worker.close()
+    assert "Thread 0x" in capfd.readouterr().err  # the slow decode's stacks, from the child

@@ -60,6 +60,7 @@ from logitless.trainer.report.accounting import PhaseTimer
 from logitless.trainer.report.plot import plot_run
 from logitless.trainer.rundir import RunDir, claim_run_dir, restart_advice
 from logitless.trainer.signals import StopRequested, StopSignals, label
+from logitless.trainer.distributed.watchdog import phase, watching
 from logitless.trainer.stages import (
     Rollout,
     Scored,
@@ -233,12 +234,13 @@ def train(
     stop.advice = lambda: restart_advice(stop.run_dir)
     claim = lambda: claim_run_dir(cfg, resume=resume, overwrite=overwrite,  # noqa: E731
                                   allow_config_change=allow_config_change)
-    with stop, process_group(device, offload=cfg.train.fsdp_offload) as world, \
+    with stop, process_group(device, offload=cfg.train.fsdp_offload,
+                             timeout_s=2 * cfg.train.collective_timeout_s) as world, \
             claimed_on_rank0(world, claim) as (run_cfg, start, run):
         stop.run_dir = Path(run_cfg.train.output_dir)
         if start is not None:
             check_resume(run_cfg, start)
-        with attention_backends(run_cfg.model), frozen_heap() as freeze:
+        with attention_backends(run_cfg.model), frozen_heap() as freeze, watching(run_cfg.train.collective_timeout_s):
             return _train(freeze, run_cfg, world, stop, run=run, resume=start, model=model, tokenizer=tokenizer,
                           hook=hook)
 
@@ -288,10 +290,11 @@ def _train(
     freeze()  # the model, data and engine: out of every collection from here on
     try:
         if cfg.eval.on_start and ctx.start == 0:  # the policy before training, logged at step 0
-            t0 = time.perf_counter()
-            record = {**eval_in_run(ctx, rollout_state(ctx)), "time/eval": time.perf_counter() - t0}
-            ctx.logger.log(0, record)
-            result.records.append({"step": 0, **record})
+            with phase("eval", 0):
+                t0 = time.perf_counter()
+                record = {**eval_in_run(ctx, rollout_state(ctx)), "time/eval": time.perf_counter() - t0}
+                ctx.logger.log(0, record)
+                result.records.append({"step": 0, **record})
         for step in range(ctx.start + 1, cfg.train.max_steps + 1):
             if _step(ctx, step, stop, result, reports, hook):
                 break
@@ -314,7 +317,8 @@ def _train(
 
 def _step(ctx: TrainContext, step: int, stop: StopSignals, result: TrainResult, reports: StepReports,
           hook: Hook) -> bool:
-    """One step: rollout and scores, the update, metrics, eval, checkpoint; True when the run ends after it."""
+    """One step: rollout and scores, the update, metrics, eval, checkpoint, each phase under the watchdog's bound
+    (train.collective_timeout_s); True when the run ends after it."""
     stop.step, stop.updating = step, False
     hook("step_start", step)
     rewind = (ctx.sampler.state_dict(), ckpt.rng_state())
@@ -322,35 +326,38 @@ def _step(ctx: TrainContext, step: int, stop: StopSignals, result: TrainResult, 
     # generate and score (with train.dynamic_sampling: until the step has its informative groups); out of
     # memory: once more, with fewer rows per wave, from the step's data position and RNG
     ctx.memory.retries = 0
-    try:
-        ro, scored, sc, sampled = oom.retry_on_oom(ctx, step, "generate", lambda: _sample(ctx, step, timer, hook),
-                                                   reset=lambda: rewind_step(ctx, rewind))
-    except StopRequested as e:  # a stop abandoned the rollout or its scoring: the step is dropped below
-        stop.requested = stop.requested or e.signum
-    else:
-        warned = reports.scored(ctx, step, ro, sc)
-        hook("after_rollout", step)
-    dropped = agree(stop.commit_step(), ctx.device)  # a signal to any rank before the update began
-    if dropped:  # nothing trained yet: every rank drops this step
-        stop.requested = stop.requested or dropped
-        drop_step(ctx, result, step, rewind)
-        return True
-    check_empty(ctx, ro, step)
-    plan, upd = _train_on(ctx, ro, scored, timer, hook, step)
-    hook("after_update", step)
-    record = {**step_record(ctx, ro, scored, plan, upd, timer), **sampled, **oom.memory_metrics(ctx, ro, plan)}
-    if eval_due(ctx.cfg, step):  # held-out eval (eval.every_steps)
-        with timer("eval"):
-            record.update(eval_in_run(ctx, rollout_state(ctx)))
-        record["time/eval"] = timer.seconds["eval"]
-    record.update({**warned, **ctx.health(step, record)})  # warnings of a run that trains on nothing
-    log_step(ctx, result, step, record, ro, scored)
-    reports.mismatch(step, record)
-    if ctx.run is not None:
-        ctx.run.first_step_done()  # --overwrite: the run it replaces goes now
-    agreed = agree(stop.requested, ctx.device)  # the ranks decide together; a signal that comes meanwhile
-    stop.requested = stop.requested or agreed  # stays requested, for the next decision
-    return checkpoint_and_stop(ctx, result, step, bool(agreed))
+    with phase("rollout", step):
+        try:
+            ro, scored, sc, sampled = oom.retry_on_oom(ctx, step, "generate", lambda: _sample(ctx, step, timer, hook),
+                                                       reset=lambda: rewind_step(ctx, rewind))
+        except StopRequested as e:  # a stop abandoned the rollout or its scoring: the step is dropped below
+            stop.requested = stop.requested or e.signum
+        else:
+            warned = reports.scored(ctx, step, ro, sc)
+            hook("after_rollout", step)
+    with phase("update", step):
+        dropped = agree(stop.commit_step(), ctx.device)  # a signal to any rank before the update began
+        if dropped:  # nothing trained yet: every rank drops this step
+            stop.requested = stop.requested or dropped
+            drop_step(ctx, result, step, rewind)
+            return True
+        check_empty(ctx, ro, step)
+        plan, upd = _train_on(ctx, ro, scored, timer, hook, step)
+        hook("after_update", step)
+        record = {**step_record(ctx, ro, scored, plan, upd, timer), **sampled, **oom.memory_metrics(ctx, ro, plan)}
+        if eval_due(ctx.cfg, step):  # held-out eval (eval.every_steps)
+            with timer("eval"):
+                record.update(eval_in_run(ctx, rollout_state(ctx)))
+            record["time/eval"] = timer.seconds["eval"]
+        record.update({**warned, **ctx.health(step, record)})  # warnings of a run that trains on nothing
+        log_step(ctx, result, step, record, ro, scored)
+        reports.mismatch(step, record)
+        if ctx.run is not None:
+            ctx.run.first_step_done()  # --overwrite: the run it replaces goes now
+        agreed = agree(stop.requested, ctx.device)  # the ranks decide together; a signal that comes meanwhile
+        stop.requested = stop.requested or agreed  # stays requested, for the next decision
+    with phase("checkpoint", step):
+        return checkpoint_and_stop(ctx, result, step, bool(agreed))
 
 
 def _train_on(ctx: TrainContext, ro: Rollout, scored: Scored, timer: PhaseTimer, hook: Hook, step: int

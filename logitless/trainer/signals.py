@@ -124,7 +124,7 @@ class StopSignals:
         if self.requested is None and self.step > 0:
             self.requested = signum
             self._say(self.first_message(name))
-            if self._waiting is not None and self.abandons_waits and not self.updating and not in_finalizer(frame):
+            if self._waiting is not None and self.may_drop_at_once and not in_finalizer(frame):
                 self._abandon()
             return
         if in_finalizer(frame):  # raised there, Python would print the exception and drop it: the signal comes
@@ -154,6 +154,11 @@ class StopSignals:
                     "is saved and there is nothing to resume; start again with the same command.")
         return f"{name}: {what} {name} again stops at once, without saving."
 
+    @property
+    def may_drop_at_once(self) -> bool:
+        """A stop may drop the step in progress at once: one process, a step whose update has not begun."""
+        return self.abandons_waits and not self.updating and self.step > 0
+
     def _abandon(self) -> None:
         """Raise StopRequested into the wait on user code; the process exits if that code swallows it."""
         signum, what = self.requested, self._waiting
@@ -177,7 +182,7 @@ class StopSignals:
             return
         self._waiting = what
         try:
-            if self.requested is not None and self.abandons_waits and not self.updating and self.step > 0:
+            if self.requested is not None and self.may_drop_at_once:
                 self._abandon()
             yield
         finally:
@@ -186,7 +191,7 @@ class StopSignals:
 
     def check_stop(self) -> None:
         """Raise StopRequested when a signal asked to stop and this step may still be dropped (one process)."""
-        if self.requested is not None and self.abandons_waits and not self.updating and self.step > 0:
+        if self.requested is not None and self.may_drop_at_once:
             raise StopRequested(self.requested)
 
     def _force_exit(self, signum: int) -> None:

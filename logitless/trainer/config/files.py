@@ -51,7 +51,7 @@ def current_config(run_dir: str | Path) -> Path | None:
 
 # train.fsdp_offload changes how a checkpoint is laid out, which `dcp.check_layout` refuses with its own fix
 FREE_KEYS = ("train.max_minutes", "train.output_dir", "train.num_threads", "rollout.num_threads", "rollout.profile",
-             "model.device", "train.fsdp_offload", "train.memory_budget_gib")
+             "model.device", "train.fsdp_offload", "train.memory_budget_gib", "train.collective_timeout_s")
 FREE_SECTIONS = ("logging.", "checkpoint.", "eval.")
 _ABSENT = "(not set)"
 

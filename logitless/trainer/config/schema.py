@@ -428,8 +428,17 @@ class TrainConfig:
     # when the run starts (CUDA); on CPU no plan is made unless this is set. A step that still runs out of memory
     # is retried once with a leaner plan (memory/oom_retries).
     memory_budget_gib: float | None = None
+    # Under torchrun: the longest each phase of a step (rollout, the rollout weights' sync, update, checkpoint) may
+    # take on a rank. Past it the rank ends (exit 1) naming the phase, the step and the ranks it waits on, with the
+    # stacks of its threads; the other ranks end within seconds naming it (trainer/distributed/watchdog.py). The process
+    # group's collectives time out at twice this, as a backstop. Raise it for steps that take longer.
+    collective_timeout_s: float = 1800.0
 
     def __post_init__(self):
+        if isinstance(self.collective_timeout_s, bool) or not isinstance(self.collective_timeout_s, (int, float)) \
+                or not math.isfinite(self.collective_timeout_s) or self.collective_timeout_s <= 0:
+            raise ValueError(f"train.collective_timeout_s must be a number of seconds > 0, got "
+                             f"{self.collective_timeout_s!r}; the default is 1800")
         _positive(
             "train",
             max_steps=self.max_steps,

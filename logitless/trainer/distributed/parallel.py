@@ -43,7 +43,7 @@ import dataclasses
 import math
 import os
 import types
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
@@ -67,7 +67,7 @@ from logitless.trainer.distributed.fsdp_offload import backend as offload_backen
 T = TypeVar("T")
 
 
-TIMEOUT = timedelta(minutes=30)  # a rank that waits longer on a collective fails instead of hanging
+TIMEOUT = timedelta(minutes=30)  # a rank that waits longer on a collective fails instead of hanging (the default)
 LOGPROBS_METHOD = "logitless_completion_logprobs"
 DISTRIBUTED_BACKENDS = ("hf", "static")
 COPY_BACKENDS = ("static",)  # backends that sample from a persistent replica (`RolloutCopy`)
@@ -104,7 +104,7 @@ def launched_world() -> World:
     return World(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
 
 
-def init_distributed(device: str, offload: bool = False) -> World:
+def init_distributed(device: str, offload: bool = False, timeout_s: float | None = None) -> World:
     """Join torchrun's process group: on CUDA nccl for device tensors, one GPU per local rank, and gloo for host
     tensors; gloo on CPU (`device` is model.device). Without torchrun (WORLD_SIZE unset or 1) nothing is
     initialized, except with `offload` (train.fsdp_offload): a 1-rank group of this process.
@@ -112,8 +112,10 @@ def init_distributed(device: str, offload: bool = False) -> World:
     The group outlives the run (until `shutdown`), so a later run in the same process finds it as this run made
     it: gloo is joined even when this run keeps every tensor on the GPU, since a later one with train.fsdp_offload
     reduces its host gradients through it (an nccl-only group fails there: "No backend type associated with device
-    type cpu"). A group the caller made is checked instead (`check_host_backend`)."""
+    type cpu"). A group the caller made is checked instead (`check_host_backend`). `timeout_s`: the collectives'
+    timeout, a backstop behind the phases' watchdog (`watchdog.py`; default TIMEOUT)."""
     world = dataclasses.replace(launched_world(), offload=offload)
+    timeout = TIMEOUT if timeout_s is None else timedelta(seconds=timeout_s)
     if not world.sharded:
         return world
     if dist.is_initialized():
@@ -121,20 +123,20 @@ def init_distributed(device: str, offload: bool = False) -> World:
         return world
     cuda = device != "cpu" and torch.cuda.is_available()
     if not world.distributed:
-        one_rank_group(torch.device("cuda" if device == "auto" else device) if cuda else torch.device("cpu"), TIMEOUT)
+        one_rank_group(torch.device("cuda" if device == "auto" else device) if cuda else torch.device("cpu"), timeout)
         return world
     if cuda:
         torch.cuda.set_device(world.local_rank)
-    dist.init_process_group(offload_backend(torch.device("cuda" if cuda else "cpu")), timeout=TIMEOUT)
+    dist.init_process_group(offload_backend(torch.device("cuda" if cuda else "cpu")), timeout=timeout)
     return world
 
 
 @contextmanager
-def process_group(device: str, offload: bool = False) -> Iterator[World]:
+def process_group(device: str, offload: bool = False, timeout_s: float | None = None) -> Iterator[World]:
     """`init_distributed` for the block; a 1-rank group it made (train.fsdp_offload on one process) is destroyed
     at the end, so that the process is as before. torchrun's group stays until `shutdown`."""
     made = dist.is_available() and not dist.is_initialized()
-    world = init_distributed(device, offload)
+    world = init_distributed(device, offload, timeout_s)
     try:
         yield world
     finally:
@@ -446,14 +448,19 @@ def rollout_weights(model: nn.Module, replica: RolloutCopy | MergedRolloutCopy |
     """The weights the engine samples from, current for the duration of a rollout: the replica synced (reading
     the shards within `lend`: parked ones are lent back a unit at a time), or the sharded model's full weights
     (`full_weights`); nothing to do on one process."""
+    from logitless.trainer.distributed.watchdog import phase
+
     if replica is not None:
-        replica.sync(model, lend=lend)
+        with phase("sync"):
+            replica.sync(model, lend=lend)
         try:
             yield
         finally:
             replica.release()
     else:
-        with full_weights(model):
+        with ExitStack() as gathered_weights:
+            with phase("sync"):  # the all-gather; the weights are released again at the end of the rollout
+                gathered_weights.enter_context(full_weights(model))
             yield
 
 

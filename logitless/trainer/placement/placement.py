@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Iterator
 
 import torch
@@ -29,7 +30,6 @@ from logitless.trainer.config.schema import TrainerConfig
 from logitless.trainer.distributed.fsdp_units import Lend, no_lend
 from logitless.trainer.distributed.parallel import (
     COPY_BACKENDS,
-    TIMEOUT,
     MergedRolloutCopy,
     RolloutCopy,
     World,
@@ -115,8 +115,9 @@ class RolloutPlacement:
             if cfg.rollout.decode_attention == "auto" else None,  # rounding as the trainer's attention does
             record_routes=self.routes)
         if self.shared:  # rank 0's decode process (the replica shared with it), every rank's handle; made by all
-            worker = DecodeWorker(self.replica.model, cfg.rollout, tokenizer, choice) if world.main else None
-            self.engine = SharedDecode(worker, dist.new_group(backend="gloo", timeout=TIMEOUT),
+            bound = cfg.train.collective_timeout_s  # a rollout past half of it ends the decode process
+            worker = DecodeWorker(self.replica.model, cfg.rollout, tokenizer, bound / 2, choice) if world.main else None
+            self.engine = SharedDecode(worker, dist.new_group(backend="gloo", timeout=timedelta(seconds=2 * bound)),
                                        torch.device(cfg.rollout.device))
         else:  # merged: a plain model
             self.engine = make_rollout_engine(cfg.rollout, self.replica.model if self.replica else model, tokenizer,

@@ -8,10 +8,16 @@ which would re-run the caller's main module) and talks over a socket pair: rank 
 copied: CUDA IPC handles, or shared host memory on CPU), then one request per rollout, each after the replica's sync
 has finished on the device; the child answers with the batch (pickled, its tensors by value) or the error's text. The
 child ends when rank 0 closes the connection or exits.
+
+Each rollout has a bound, `timeout_s` (half of train.collective_timeout_s, so that the ranks learn of it within their
+rollout phase's bound, `watchdog.py`): a decode still running then prints its threads' stacks (`faulthandler`) and the
+child ends; rank 0 waits a second longer at most, ends a child that has not answered (one that is stopped or stuck in
+native code) and raises, naming the setting, which `SharedDecode` hands every rank.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import pickle
@@ -26,14 +32,15 @@ import torch
 from logitless.rollout.engine import model_device
 from logitless.rollout.types import RolloutBatch, SamplingOptions
 
+TIMED_OUT = 1  # the exit code of a decode process that ran past its bound (faulthandler's exit)
 AUTHKEY = "LOGITLESS_DECODE_AUTHKEY"  # rank 0's multiprocessing authkey: the child fetches shared host tensors with it
 
 
 class DecodeWorker:
     """Rank 0's handle on the decode process: `submit` a rollout, `result` waits for its batch; `close` ends it."""
 
-    def __init__(self, model: torch.nn.Module, cfg: Any, tokenizer: Any, choice: Any = None):
-        self.device = model_device(model)
+    def __init__(self, model: torch.nn.Module, cfg: Any, tokenizer: Any, timeout_s: float, choice: Any = None):
+        self.device, self.timeout_s = model_device(model), float(timeout_s)
         mine, theirs = multiprocessing.Pipe(duplex=True)
         env = {**os.environ, AUTHKEY: bytes(multiprocessing.current_process().authkey).hex()}
         self.proc = subprocess.Popen([sys.executable, "-m", "logitless.trainer.placement.rollout_worker", str(theirs.fileno())],
@@ -54,14 +61,22 @@ class DecodeWorker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the replica's copies (queued from the training GPU too) are done
             torch.cuda.synchronize()
-        self._send((prompts, options))
+        self._send((prompts, options, self.timeout_s))
 
     def result(self) -> RolloutBatch:
-        """The batch of the rollout last submitted (waits for it); the decode's error raised here."""
+        """The batch of the rollout last submitted (waits for it, `timeout_s` and a second at most); the decode's
+        error raised here."""
+        late = (f"did not answer within {self.timeout_s:g} s (half of train.collective_timeout_s; raise it for longer "
+                "rollouts)")
+        if not self.conn.poll(self.timeout_s + 1.0):
+            self.proc.kill()
+            raise RuntimeError(f"the rollout's decode process {late}; it was ended (exit code {self.proc.wait()})")
         try:
             kind, payload, peak = pickle.loads(self.conn.recv_bytes())
         except (EOFError, ConnectionResetError) as e:
-            raise RuntimeError(f"the rollout's decode process ended (exit code {self.proc.wait()})") from e
+            code = self.proc.wait()
+            why = f"{late} and ended, printing its stacks" if code == TIMED_OUT else f"ended (exit code {code})"
+            raise RuntimeError(f"the rollout's decode process {why}") from e
         if kind == "error":
             raise RuntimeError(payload)
         self.peak_gib = peak
@@ -122,7 +137,7 @@ def serve(conn: Connection) -> None:
         error = f"the rollout's decode process could not start: {type(e).__name__}: {e}"
     while True:
         try:
-            prompts, options = conn.recv()
+            prompts, options, timeout_s = conn.recv()
         except EOFError:
             return
         if error is not None:
@@ -131,10 +146,13 @@ def serve(conn: Connection) -> None:
         try:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+            faulthandler.dump_traceback_later(timeout_s, exit=True)  # past its bound: its stacks, then exit 1
             batch = engine.generate(prompts, options)
+            faulthandler.cancel_dump_traceback_later()
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
             answer("ok", batch, peak)
         except Exception as e:
+            faulthandler.cancel_dump_traceback_later()
             answer("error", f"{type(e).__name__}: {e}", 0.0)
 
 

@@ -101,3 +101,11 @@ def test_trainer_wings_import_down_only():
 def test_no_package_folder_holds_more_than_25_modules():
     counts = {d: len(list(d.glob("*.py"))) for d in [ROOT, *(p.parent for p in ROOT.rglob("__init__.py"))]}
     assert {str(d.relative_to(ROOT.parent)): n for d, n in counts.items() if n > 25} == {}
+
+
+def test_the_layers_below_the_trainer_never_import_it():
+    graph = import_graph()
+    up = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                if not m.startswith(("logitless.trainer", "logitless.cli", "logitless.__main__"))
+                and t.startswith("logitless.trainer"))
+    assert not up, "\n".join(up)

@@ -10,7 +10,7 @@ where it runs), at the next check: while any `run_tasks` call waits, and when on
 therefore never pile up from step to step. Code that must be killable runs in a subprocess (the python tool runs
 in the code sandbox, which kills the program at its own timeout).
 
-A wait on the main thread is a `trainer.signals.stoppable` one: the first stop signal of a run on one process
+A wait on the main thread is a `logitless.stops.stoppable` one: the first stop signal of a run on one process
 abandons it.
 """
 
@@ -80,7 +80,7 @@ def run_tasks(tasks: Sequence[Callable[[], Any]], timeouts: Sequence[float], max
     """Run `tasks` (at most `max_parallel` at once), each with its own timeout in seconds; one `Outcome` per
     task, in order. Never raises for what a task does in time; raises TaskStuck for an abandoned task (of this
     call or an earlier one, named by `names`) still running at twice its timeout."""
-    from logitless.trainer.signals import stoppable
+    from logitless.stops import stoppable
 
     n = len(tasks)
     names = list(names) if names is not None else [f"task {i}" for i in range(n)]

@@ -16,7 +16,7 @@ Off the main thread (Python runs signal handlers only there), or on a platform w
 call runs on a daemon worker thread and the caller stops waiting at the deadline. That thread is abandoned:
 Python cannot stop a thread, so it runs on until the function returns, and its result is dropped.
 
-On the main thread of a run on one process, a stop signal abandons the call too (`trainer.signals.stoppable`).
+On the main thread of a run on one process, a stop signal abandons the call too (`logitless.stops.stoppable`).
 
 Neither way stops native code that holds the GIL (a regular expression backtracking inside `re`, a long C call):
 the limit takes effect when that code returns. The built-in rewards bound their own time per sample.
@@ -67,7 +67,7 @@ class _Deadline:
 
 def give_up(message: str, thread_id: int) -> None:
     """End the process (exit 1) after writing `message` and the stack of thread `thread_id` to stderr."""
-    from logitless.trainer.signals import say
+    from logitless.stops import say
 
     frame = sys._current_frames().get(thread_id)
     stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)\n"
@@ -137,7 +137,7 @@ def call_with_timeout(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any
                       timeout_s: float | None) -> tuple[Any, str | None]:
     """(fn(*args, **kwargs), None), or (None, what became of the call) when it ran past `timeout_s` seconds
     (None: no limit). An exception of fn propagates as it is."""
-    from logitless.trainer.signals import stoppable
+    from logitless.stops import stoppable
 
     with stoppable(f"the reward function '{getattr(fn, '__name__', type(fn).__name__)}'"):
         if timeout_s is None:

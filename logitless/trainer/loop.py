@@ -60,7 +60,7 @@ from logitless.trainer.report.accounting import PhaseTimer
 from logitless.trainer.report.plot import plot_run
 from logitless.trainer.rundir import RunDir, claim_run_dir, restart_advice
 from logitless.trainer.signals import StopRequested, StopSignals, label
-from logitless.trainer.watchdog import phase, watching
+from logitless.trainer.distributed.watchdog import phase, watching
 from logitless.trainer.stages import (
     Rollout,
     Scored,

@@ -36,6 +36,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Callable, Iterator
 
+from logitless import stops
+from logitless.stops import StopRequested, say, stoppable  # noqa: F401  (the trainer's names for them)
+
 GRACE_S = 10.0  # after a StopNow, the longest the process may take to unwind before it exits by force
 REPEAT_S = 0.01  # a stop signal handled inside a finalizer is sent again this much later
 
@@ -52,15 +55,6 @@ class StopNow(KeyboardInterrupt):
         return 128 + self.signum
 
 
-class StopRequested(KeyboardInterrupt):
-    """The first stop signal abandoned a wait on user code of a step that had not begun its update: the loop drops
-    the step and stops as the signal's message said."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
 def in_finalizer(frame: FrameType | None) -> bool:
     """Whether `frame` runs inside a `__del__` (a garbage collection can run one between any two bytecodes), where
     an exception raised by a signal handler would be printed as "Exception ignored" and lost."""
@@ -74,17 +68,6 @@ def in_finalizer(frame: FrameType | None) -> bool:
 def label(signum: int) -> str:
     """How a user names the signal: Ctrl-C for SIGINT, else its name."""
     return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-
-
-def say(text: str) -> None:
-    """One line to stderr, written to its file descriptor (a buffered stream is not re-entrant, and the main
-    thread may be printing when the signal arrives)."""
-    data = (text.rstrip("\n") + "\n").encode(errors="replace")
-    try:
-        while data:
-            data = data[os.write(2, data):]
-    except OSError:
-        pass
 
 
 class StopSignals:
@@ -213,10 +196,9 @@ class StopSignals:
         return before
 
     def __enter__(self) -> StopSignals:
-        global _active
         if threading.current_thread() is not threading.main_thread():  # signal handlers only install there
             return self
-        _active = self
+        stops.active = self
         for s in self.SIGNALS:
             if s == signal.SIGINT and signal.getsignal(s) == signal.SIG_IGN:
                 self.sigint_ignored = True
@@ -227,9 +209,8 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc) -> None:
-        global _active
-        if _active is self:
-            _active = None
+        if stops.active is self:
+            stops.active = None
         self._unwound.set()
         self._left_wait.set()
         for s, h in self._previous.items():
@@ -242,26 +223,11 @@ class StopSignals:
         return 128 + self.requested if self.requested is not None else 0
 
 
-_active: StopSignals | None = None  # the handlers installed now (a run in progress), if any
-
-
-@contextmanager
-def stoppable(what: str) -> Iterator[None]:
-    """A wait of the main thread on user code (`what` names it in messages) that the first stop signal of a run on
-    one process may abandon (`StopSignals.waiting`); nothing without a run in progress."""
-    active = _active
-    if active is None:
-        yield
-        return
-    with active.waiting(what):
-        yield
-
-
 def check_stop(together: Callable[[int | None], int | None] | None = None) -> None:
     """Raise StopRequested when a stop signal asked the run in progress to stop and its step may still be dropped;
     nothing without a run in progress. One process: `StopSignals.check_stop`. Several (`together`: the ranks'
     agreement, `parallel.agree`): every rank calls it at the same point and all stop when any was signalled."""
-    active = _active
+    active = stops.active
     if active is None or active.updating or active.step <= 0:
         return
     if together is not None:

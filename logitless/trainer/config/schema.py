@@ -430,7 +430,7 @@ class TrainConfig:
     memory_budget_gib: float | None = None
     # Under torchrun: the longest each phase of a step (rollout, the rollout weights' sync, update, checkpoint) may
     # take on a rank. Past it the rank ends (exit 1) naming the phase, the step and the ranks it waits on, with the
-    # stacks of its threads; the other ranks end within seconds naming it (trainer/watchdog.py). The process
+    # stacks of its threads; the other ranks end within seconds naming it (trainer/distributed/watchdog.py). The process
     # group's collectives time out at twice this, as a backstop. Raise it for steps that take longer.
     collective_timeout_s: float = 1800.0
 

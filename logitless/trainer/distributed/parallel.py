@@ -448,7 +448,7 @@ def rollout_weights(model: nn.Module, replica: RolloutCopy | MergedRolloutCopy |
     """The weights the engine samples from, current for the duration of a rollout: the replica synced (reading
     the shards within `lend`: parked ones are lent back a unit at a time), or the sharded model's full weights
     (`full_weights`); nothing to do on one process."""
-    from logitless.trainer.watchdog import phase
+    from logitless.trainer.distributed.watchdog import phase
 
     if replica is not None:
         with phase("sync"):

@@ -72,6 +72,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return [record for _, record in _parse_lines(path)]
 
 
+
 class RewardErrorReport:
     """Console warnings, with the exception text, for reward functions that raise (or run past reward.timeout_s)
     under reward.on_error=penalty.

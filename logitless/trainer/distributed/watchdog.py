@@ -28,16 +28,14 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+from logitless.stops import say
+
 KEY = "train.collective_timeout_s"
 BEAT_S = 1.0  # how often a rank writes its heartbeat and reads the others' (and the news of a failure)
 PREFIX = "logitless/watchdog/"
 NEWS_GRACE_S = 5.0  # a rank told of another's failure ends this much later (torchrun usually ends it first)
 
 
-def _say(text: str) -> None:
-    from logitless.trainer.signals import say
-
-    say(text)
 
 
 class Watchdog:
@@ -139,7 +137,7 @@ class Watchdog:
     def _end(self, message: str, after: float = 0.0) -> None:
         """Print `message` and this process's stacks, then exit 1 (`after` seconds later: a rank that failed by
         raising gets to print its own error before torchrun, seeing this rank end, ends it)."""
-        _say(f"error: {message}. Stacks of rank {self.rank}'s threads:")
+        say(f"error: {message}. Stacks of rank {self.rank}'s threads:")
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
         self._closed.wait(after)

@@ -204,6 +204,14 @@ def tiny_qwen2_model():
     return tiny_qwen2()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """With CUDA, one process runs the tests (no xdist workers, whatever addopts asks): GPU tests measure memory
+    peaks and compiles, which two workers on one GPU would share."""
+    if torch.cuda.is_available() and getattr(config.option, "dist", "no") != "no":
+        config.option.dist, config.option.numprocesses, config.option.tx = "no", 0, []
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -118,6 +118,7 @@ def truncate_decode(tokens: int) -> None:
     generate seconds, rewards and mismatch are not a real step's (bench_plan records the probe as such)."""
     import dataclasses
 
+    from logitless.models.routing import no_route
     from logitless.rollout.static import StaticEngine
 
     decode = StaticEngine._decode_wave
@@ -127,12 +128,15 @@ def truncate_decode(tokens: int) -> None:
         if S <= tokens:
             return decode(self, module, call, rows, prompt_of_row, pad_to)
         short = dataclasses.replace(call, options=dataclasses.replace(call.options, max_new_tokens=tokens))
-        ids, logp, steps = decode(self, module, short, rows, prompt_of_row, pad_to)
+        ids, logp, steps, routes = decode(self, module, short, rows, prompt_of_row, pad_to)
         fill = torch.randint(0, self.tokenizer.vocab_size, (ids.shape[0], S - steps), device=ids.device)
         if call.eos.numel():
             fill = torch.where(torch.isin(fill, call.eos), torch.zeros_like(fill), fill)
         mean = logp.mean(1, keepdim=True) if steps else torch.zeros_like(logp[:, :1])
-        return torch.cat([ids, fill], 1), torch.cat([logp, mean.expand(-1, S - steps)], 1), S
+        if routes is not None:  # the drawn tokens were never routed: the sentinel ("no route") after the decoded ones
+            routes = torch.cat([routes, routes.new_full((routes.shape[0], S - steps, *routes.shape[2:]),
+                                                        no_route(routes.dtype))], 1)
+        return torch.cat([ids, fill], 1), torch.cat([logp, mean.expand(-1, S - steps)], 1), S, routes
 
     StaticEngine._decode_wave = short_wave
 

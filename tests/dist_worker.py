@@ -42,7 +42,7 @@ from tests.episode_driver import ScriptedDriver  # noqa: E402
 VOCAB = 50_257  # GPT-2 tokenizer
 # metrics that depend on the clock; train/tflop (a FLOP count) stays and must match across world sizes
 TIMING = ("time/", "tokens_per_s", "train_tokens_per_s", "memory/", "rollout/ceiling_fraction", "train/mfu",
-          "train/tflops_per_s")
+          "train/tflops_per_s", "step/")  # step/: the step against its limit per GPU (seconds, the world's share)
 
 
 def config(run_dir, *overrides):

@@ -226,10 +226,10 @@ def test_trl_gets_the_adapters_logitless_trains_on_a_moe():
         assert any(".experts." in n for n in ours) is experts
 
 
-def test_bench_e2e_trains_a_tiny_moe_with_expert_adapters(tmp_path, shared_dir):
+def test_bench_e2e_trains_a_tiny_moe_with_expert_adapters(tmp_path, qwen_tokenizer_dir):
     """The logitless side of bench_e2e on a tiny Qwen3-MoE (CPU, hf rollout): LoRA on attention and experts trains."""
     cmd = [
-        sys.executable, str(REPO / "bench" / "bench_e2e.py"), "--tokenizer", str(shared_dir / "tokenizers" / "qwen2.5"),
+        sys.executable, str(REPO / "bench" / "bench_e2e.py"), "--tokenizer", str(qwen_tokenizer_dir),
         "--out", str(tmp_path), "--shape", "tiny-qwen3-moe", "--systems", "logitless", "--T", "6", "--steps", "1",
         "--prompts", "2", "--G", "2", "--micro", "2", "--backend", "hf", "--set", "train.num_threads=1",
         "--set", "model.lora_target_experts=true",

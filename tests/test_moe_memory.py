@@ -78,7 +78,8 @@ def test_dry_run_prints_the_plan_of_a_moe_config_folder(tmp_path, capsys, monkey
 
     FAMILIES["qwen3_moe"]().save_pretrained(tmp_path / "moe")
     config = {"model": {"name_or_path": str(tmp_path / "moe"), "device": "cpu", "lora_target_experts": True},
-              "train": {"memory_budget_gib": 8}, "rollout": {"max_completion_length": 64}}
+              "train": {"memory_budget_gib": 8}, "rollout": {"max_completion_length": 64},
+              "data": {"options": {"chat": False}}}  # (the folder's tokenizer has no chat template)
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     monkeypatch.setenv("COLUMNS", "300")  # (rich: table cells whole on one line)
     assert main(["train", str(tmp_path / "run.yaml"), "--dry-run"]) == 0

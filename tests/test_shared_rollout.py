@@ -215,7 +215,7 @@ def test_a_decode_process_that_hangs_is_ended_within_its_bound_with_the_reason(t
     import signal
     import time
 
-    from logitless.trainer.builders import sampling_options
+    from logitless.trainer.placement.engines import sampling_options
     from logitless.trainer.placement.rollout_worker import DecodeWorker
 
     tok = w.tokenizer(tok_dir)

@@ -300,7 +300,7 @@ def test_objective_options_reach_the_loss(tmp_path, tok, rewards_module):
         assert 0 <= r["is/logp_diff"] < 1e-5
 
 
-def test_skipping_zero_advantage_rows_does_not_change_training(tmp_path, tok, rewards_module):
+def test_skipping_zero_advantage_rows_does_not_change_training(tmp_path, tok, rewards_module, one_thread):
     over = ["train.max_steps=3", "reward.reward_funcs=[numeric_answer, my_rewards:half_constant]",
             "reward.reward_weights=[1.0, 1.0]", "train.num_iterations=2"]
     skip = _train(_cfg(tmp_path / "skip", *over), tok)

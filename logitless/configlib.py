@@ -445,3 +445,10 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 def to_yaml(cfg: Any) -> str:
     """YAML text of a config; `load_config(type(cfg), <file with this text>)` gives back an equal config."""
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def positive(section: str, **values: float) -> None:
+    """Refuse a value that is not a finite number > 0 (None: unset, accepted), naming `section`.name."""
+    for name, v in values.items():
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise ValueError(f"{section}.{name} must be > 0, got {v!r}" + ("" if math.isfinite(v) else "; give a finite number"))

@@ -18,34 +18,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from logitless.agents.options import AgentOptions
-from logitless.configlib import ConfigError, load_config, to_dict, to_yaml
+from logitless.configlib import ConfigError, load_config, positive, to_dict, to_yaml  # noqa: F401  (ConfigError,
+# to_dict, to_yaml: the trainer's names for them)
 from logitless.objectives import AdvantageOptions, ObjectiveOptions
-
-__all__ = [
-    "AgentOptions",
-    "CheckpointConfig",
-    "ConfigError",
-    "DataConfig",
-    "EvalConfig",
-    "LoggingConfig",
-    "ModelConfig",
-    "OptimConfig",
-    "RewardConfig",
-    "RolloutConfig",
-    "TrainConfig",
-    "TrainerConfig",
-    "load_train_config",
-    "to_dict",
-    "to_yaml",
-]
-
-
-def _positive(section: str, **values: float) -> None:
-    """Refuse a value that is not a finite number > 0 (None: unset, accepted), naming `section`.name."""
-    for name, v in values.items():
-        if v is not None and not (math.isfinite(v) and v > 0):
-            raise ValueError(f"{section}.{name} must be > 0, got {v!r}" + ("" if math.isfinite(v) else "; give a finite number"))
-
 
 @dataclass
 class ModelConfig:
@@ -135,7 +110,7 @@ class ModelConfig:
     routing_replay: bool | Literal["auto"] = "auto"
 
     def __post_init__(self):
-        _positive("model", lora_r=self.lora_r, lora_alpha=self.lora_alpha,
+        positive("model", lora_r=self.lora_r, lora_alpha=self.lora_alpha,
                   mlp_chunk_tokens=self.mlp_chunk_tokens if self.mlp_chunk_tokens != "auto" else None)
         if self.lora_compute == "autocast" and not self.lora:
             raise ValueError("model.lora_compute=autocast sets how LoRA adapters compute, but model.lora=false; "
@@ -202,7 +177,7 @@ class RewardConfig:
     timeout_s: float | None = 300.0
 
     def __post_init__(self):
-        _positive("reward", timeout_s=self.timeout_s)
+        positive("reward", timeout_s=self.timeout_s)
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ValueError(
                 f"reward.reward_weights has {len(self.reward_weights)} entries for {len(self.reward_funcs)} "
@@ -304,7 +279,7 @@ class RolloutConfig:
         return [name for name, on in used.items() if on]
 
     def __post_init__(self):
-        _positive(
+        positive(
             "rollout",
             num_generations=self.num_generations,
             max_prompt_length=self.max_prompt_length,
@@ -349,7 +324,7 @@ class OptimConfig:
     optimizer: Literal["adamw", "adamw_8bit", "adamw_cpu_offload"] = "adamw"
 
     def __post_init__(self):
-        _positive("optim", learning_rate=self.learning_rate, max_grad_norm=self.max_grad_norm,
+        positive("optim", learning_rate=self.learning_rate, max_grad_norm=self.max_grad_norm,
                   adam_epsilon=self.adam_epsilon)
         for name, beta in (("adam_beta1", self.adam_beta1), ("adam_beta2", self.adam_beta2)):
             if not 0.0 <= beta < 1.0:
@@ -439,7 +414,7 @@ class TrainConfig:
                 or not math.isfinite(self.collective_timeout_s) or self.collective_timeout_s <= 0:
             raise ValueError(f"train.collective_timeout_s must be a number of seconds > 0, got "
                              f"{self.collective_timeout_s!r}; the default is 1800")
-        _positive(
+        positive(
             "train",
             max_steps=self.max_steps,
             prompts_per_step=self.prompts_per_step,
@@ -487,7 +462,7 @@ class LoggingConfig:
     def __post_init__(self):
         if isinstance(self.report_to, str):
             self.report_to = [self.report_to]
-        _positive(
+        positive(
             "logging", logging_steps=self.logging_steps, completions_steps=self.completions_steps,
             peak_tflops=self.peak_tflops, hbm_tbs=self.hbm_tbs, mismatch_warning=self.mismatch_warning,
         )
@@ -502,7 +477,7 @@ class CheckpointConfig:
     def __post_init__(self):
         if self.save_steps < 0:
             raise ValueError(f"checkpoint.save_steps must be >= 0, got {self.save_steps!r}")
-        _positive("checkpoint", save_total_limit=self.save_total_limit)
+        positive("checkpoint", save_total_limit=self.save_total_limit)
 
 
 @dataclass
@@ -521,7 +496,7 @@ class EvalConfig:
     on_start: bool = False  # also before the first step (logged at step 0; TRL's eval_on_start)
 
     def __post_init__(self):
-        _positive("eval", num_prompts=self.num_prompts, pass_k=self.pass_k, batch_size=self.batch_size)
+        positive("eval", num_prompts=self.num_prompts, pass_k=self.pass_k, batch_size=self.batch_size)
         if self.every_steps < 0:
             raise ValueError(f"eval.every_steps must be >= 0 (0 = no eval during training), got {self.every_steps!r}")
         if self.temperature is not None and (self.temperature < 0 or (self.temperature == 0 and self.pass_k > 1)):

@@ -18,6 +18,7 @@ from logitless.trainer.config.schema import ModelConfig
 from logitless.trainer.policy.lora_targets import expert_targets
 from logitless.trainer.policy.modeling import prepare_for_training
 from logitless.trainer.distributed.parallel import MergedRolloutCopy
+from tests.test_rollout_weights import perturb
 from tests.test_rollout_families import TOK
 from tests.test_rollout_weights import OPTS, PROMPTS
 
@@ -45,15 +46,6 @@ def moe_model(family: str) -> torch.nn.Module:
 def lora_cfg(experts: bool, **kw) -> ModelConfig:
     return ModelConfig(lora_r=4, lora_alpha=8, lora_target_experts=experts, gradient_checkpointing=False,
                        mlp_chunk_tokens=None, compile_layers=False, liger_kernels=False, **kw)
-
-
-@torch.no_grad()
-def perturb(model: torch.nn.Module, seed: int) -> None:
-    """Adapter weights large enough to move the logits (lora_B starts at zero), as an optimizer step would."""
-    g = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if "lora_" in name:
-            p.add_(torch.randn(p.shape, generator=g) * 0.3)
 
 
 def adapted(model) -> dict[str, tuple[int, ...]]:

@@ -59,7 +59,7 @@ sed -n '/^\[tool.pytest.ini_options\]/,/^\[/p' pyproject.toml | sed '$d' > "$wor
   for t in $tests; do echo "    $t"; done
   # --tb=no: a failing test prints no tensor reprs; with torch's thread pool inherited across mutmut's fork,
   # formatting a tensor could deadlock the mutant's process until its timeout (a minute or more each)
-  printf 'pytest_add_cli_args =\n    -x\n    -q\n    --tb=no\n    -p\n    no:cacheprovider\n'
+  printf 'pytest_add_cli_args =\n    -x\n    -q\n    --tb=no\n    -p\n    no:cacheprovider\n    -n\n    0\n'  # one process per mutant (addopts asks for two workers)
 } > "$work/setup.cfg"
 echo "mutating $mutate in $work against: $tests"
 cd "$work"

@@ -11,15 +11,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_bench_e2e_tiny_logitless(tmp_path, qwen_tokenizer_dir):
+def tiny_logitless_run(tmp_path: Path, tokenizer: Path, shape: str, steps: int, *extra: str) -> dict:
+    """bench_e2e's logitless side on a tiny `shape` on CPU (hf rollout, 2 prompts x 2, T = 6); its results JSON."""
     cmd = [
-        sys.executable, str(REPO / "bench" / "bench_e2e.py"), "--tokenizer", str(qwen_tokenizer_dir),
-        "--out", str(tmp_path), "--shape", "tiny", "--systems", "logitless", "--T", "6", "--steps", "2",
-        "--prompts", "2", "--G", "2", "--micro", "2", "--backend", "hf", "--set", "train.num_threads=1",
-        "--torch-profile", "2",
+        sys.executable, str(REPO / "bench" / "bench_e2e.py"), "--tokenizer", str(tokenizer),
+        "--out", str(tmp_path), "--shape", shape, "--systems", "logitless", "--T", "6", "--steps", str(steps),
+        "--prompts", "2", "--G", "2", "--micro", "2", "--backend", "hf", "--set", "train.num_threads=1", *extra,
     ]
     subprocess.run(cmd, check=True, cwd=tmp_path, timeout=600)
-    result = json.loads((tmp_path / "e2e_tiny.json").read_text())
+    return json.loads((tmp_path / f"e2e_{shape}.json").read_text())
+
+
+def test_bench_e2e_tiny_logitless(tmp_path, qwen_tokenizer_dir):
+    result = tiny_logitless_run(tmp_path, qwen_tokenizer_dir, "tiny", 2, "--torch-profile", "2")
     (run,) = result["runs"]
     assert run["system"] == "logitless" and run["error"] is None and len(run["steps"]) == 2
     for step in run["steps"]:
@@ -228,14 +232,7 @@ def test_trl_gets_the_adapters_logitless_trains_on_a_moe():
 
 def test_bench_e2e_trains_a_tiny_moe_with_expert_adapters(tmp_path, qwen_tokenizer_dir):
     """The logitless side of bench_e2e on a tiny Qwen3-MoE (CPU, hf rollout): LoRA on attention and experts trains."""
-    cmd = [
-        sys.executable, str(REPO / "bench" / "bench_e2e.py"), "--tokenizer", str(qwen_tokenizer_dir),
-        "--out", str(tmp_path), "--shape", "tiny-qwen3-moe", "--systems", "logitless", "--T", "6", "--steps", "1",
-        "--prompts", "2", "--G", "2", "--micro", "2", "--backend", "hf", "--set", "train.num_threads=1",
-        "--set", "model.lora_target_experts=true",
-    ]
-    subprocess.run(cmd, check=True, cwd=tmp_path, timeout=600)
-    result = json.loads((tmp_path / "e2e_tiny-qwen3-moe.json").read_text())
+    result = tiny_logitless_run(tmp_path, qwen_tokenizer_dir, "tiny-qwen3-moe", 1, "--set", "model.lora_target_experts=true")
     (run,) = result["runs"]
     assert run["error"] is None and len(run["steps"]) == 1 and run["steps"][0]["seconds"]["train"] > 0
     assert result["config"]["tuning"] == "LoRA r16 all-linear + experts"

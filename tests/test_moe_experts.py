@@ -13,6 +13,7 @@ import torch
 from logitless.models import completion_logprobs
 from logitless.models.experts import (
     experts_implementation,
+    graph_capturable,
     grouped_mm_runs,
     moe_shape,
     resolve_experts_implementation,
@@ -68,6 +69,27 @@ def test_auto_picks_grouped_mm_only_on_sm90_in_bf16(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
         impl, reason = resolve_experts_implementation("auto", CUDA, dtype)
         assert impl == expected and why in reason, (capability, dtype, reason)
+
+
+def test_which_experts_a_cuda_graph_can_capture(monkeypatch):
+    """batched_mm always, grouped_mm only in bf16 on SM90+ (elsewhere transformers' fallback reads the group offsets
+    on the host), eager never (its loop reads the experts hit); a dense model and any model off CUDA need no check."""
+    model = moe_model("qwen3_moe")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    expected = {("batched_mm", torch.float32): True, ("grouped_mm", torch.bfloat16): True,
+                ("grouped_mm", torch.float32): False, ("eager", torch.bfloat16): False}
+    for (impl, dtype), ok in expected.items():
+        set_experts_implementation(model.to(dtype), impl)
+        capturable, why = graph_capturable(model, CUDA)
+        assert capturable == ok and (ok or impl in why), (impl, dtype, why)
+        assert graph_capturable(model, CPU) == (True, "")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert not graph_capturable(model, CUDA)[0]  # (bf16 grouped_mm below SM90)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dense = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    assert graph_capturable(dense, CUDA) == (True, "")
 
 
 def test_a_loaded_model_runs_the_configured_backend(tmp_path):
@@ -152,8 +174,33 @@ def test_static_engine_captures_its_decode_step_over_grouped_mm_experts(one_thre
     opts = SamplingOptions(num_generations=4, temperature=1.0, max_new_tokens=24, seed=3, ignore_eos=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*could not be captured.*")
-        b = eng.generate(["The quick brown fox", "2+2 is"], opts)
+        b = eng.generate(["The quick brown fox", "2+2 is"], opts).to("cuda")
     with torch.no_grad():
         lp = completion_logprobs(model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask)[0]
     diff = (b.sampler_logp.float() - lp.float()).abs()[b.completion_mask.bool()]
     assert float(diff.mean()) < 0.05 and bool(torch.isfinite(b.sampler_logp).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
+def test_experts_that_sync_with_the_host_decode_without_cuda_graphs(impl, one_thread):
+    """fp32 experts that sync with the host (eager's loop; grouped_mm's fallback outside bf16) cannot be captured:
+    the static engine says so once, decodes compiled without CUDA graphs and samples what the trainer computes;
+    rollout.step_graph=true is refused naming the fix."""
+    from logitless.rollout import SamplingOptions, make_engine
+    from tests.test_rollout_families import TOK
+
+    model = _gpu_moe(torch.float32, impl).eval()
+    with pytest.raises(ValueError, match="rollout.step_graph=true.*experts_implementation=batched_mm"):
+        make_engine("static", model, TOK, step_graph=True)
+    with pytest.warns(UserWarning, match="without CUDA graphs.*" + impl):
+        eng = make_engine("static", model, TOK)
+    assert not eng._graph_step(CUDA, [])
+    opts = SamplingOptions(num_generations=2, temperature=1.0, max_new_tokens=12, seed=3, ignore_eos=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*could not be captured.*")
+        b = eng.generate(["The quick brown fox", "2+2 is"], opts).to("cuda")
+    with torch.no_grad():
+        lp = completion_logprobs(model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask)[0]
+    diff = (b.sampler_logp.float() - lp.float()).abs()[b.completion_mask.bool()]
+    assert float(diff.max()) < 1e-3  # fp32: the same function to summation order (a flip of expert would show)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import types
+import warnings
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 import transformers as tf
 
 from logitless.models import completion_logprobs
+from logitless.models.experts import set_experts_implementation
 from logitless.models.routing import UnsupportedRoutingError, check_routes, no_route, routing_of, routing_scope
 from logitless.rollout import SamplingOptions, make_engine
 from tests.test_rollout_families import TOK
@@ -367,12 +369,15 @@ def test_step_graph_and_compaction_record_the_same_routes(one_thread, monkeypatc
 @pytest.mark.parametrize("step_graph", [True, False])
 def test_compiled_cuda_decode_records_routes(step_graph):
     """On CUDA the static engine records inside its compiled decode (the captured step graph, or the forward alone
-    as a CUDA graph): fp32, the trainer's own routing agrees with the recorded routes and replay reproduces the
-    sampler's logprobs."""
+    as a CUDA graph): fp32 over batched_mm experts (capturable in fp32), the trainer's own routing agrees with the
+    recorded routes and replay reproduces the sampler's logprobs."""
     model = make_model("qwen3_moe").cuda()
+    assert set_experts_implementation(model, "batched_mm")
     eng = make_engine("static", model, TOK, record_routes=True, check_every=4, step_graph=step_graph)
     opts = SamplingOptions(num_generations=2, temperature=TEMPERATURE, max_new_tokens=8, seed=3, ignore_eos=True)
-    b = eng.generate(PROMPTS, opts).to("cuda")
+    with warnings.catch_warnings():  # (a step that cannot be captured would run uncaptured, with this warning)
+        warnings.filterwarnings("error", message=".*could not be captured.*")
+        b = eng.generate(PROMPTS, opts).to("cuda")
     recorded = (b.completion_routes != no_route(torch.uint8)).all(-1).all(-1)
     assert int(recorded.sum()) == b.completion_ids.shape[0] * 7  # every fed token of every row
     assert disagreement(model, b, replay=False) == 0.0

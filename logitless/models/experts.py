@@ -138,6 +138,24 @@ def set_experts_implementation(model: nn.Module, implementation: str) -> bool:
     return True
 
 
+def graph_capturable(model: nn.Module, device: torch.device) -> tuple[bool, str]:
+    """(whether `model`'s experts run on `device` without a host sync, so a CUDA graph can capture its forward; why
+    not). True for a dense model and for batched_mm; grouped_mm where it runs as one grouped GEMM
+    (`grouped_mm_runs` for the experts' dtype); never for eager, whose loop over the experts hit reads their ids on
+    the host in every MoE layer."""
+    modules = expert_modules(model)
+    if not modules or device.type != "cuda":
+        return True, ""
+    impl = experts_implementation(model)
+    if impl == "batched_mm":
+        return True, ""
+    if impl == "grouped_mm":
+        dtype = next(p.dtype for p in modules[0][1].parameters() if p.is_floating_point())
+        fast, why = grouped_mm_runs(device, dtype)
+        return fast, ("" if fast else f"grouped_mm experts fall back to a loop with a host sync here ({why})")
+    return False, f"{impl} experts loop over the experts hit, reading their ids on the host in every MoE layer"
+
+
 def experts_implementation(model: nn.Module) -> str | None:
     """The backend `model`'s experts run (None for a model without experts)."""
     modules = expert_modules(model)

@@ -12,6 +12,8 @@
   draw once per wave, a counter on the device for the step), so a step costs one replay and almost no host time.
   With top-k/top-p/min-p, a repetition penalty, length buckets or compaction (or `step_graph=False`) the forward
   alone is compiled with CUDA graphs (`get_compiled_call`, mode "reduce-overhead") and the rest runs eagerly.
+  A mixture of experts whose experts sync with the host on this device (`experts.graph_capturable`: eager, or
+  grouped_mm outside bf16 on SM90+) decodes compiled without CUDA graphs, with a warning naming the fix.
   With "sdpa" attention, decode attention runs without expanding the KV cache to all query heads
   (`attention.gqa_decode_attention`). With `length_buckets` > 1 attention reads only the filled part of the
   cache rounded up to a bucket; with `compact_finished` ended rows leave the decode batch.
@@ -47,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import time
+import warnings
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -55,6 +58,7 @@ from transformers.generation.configuration_utils import CompileConfig
 from transformers.generation.logits_process import TemperatureLogitsWarper
 
 from logitless.models.compiled import inductor_options
+from logitless.models.experts import graph_capturable
 from logitless.models.routing import RouteSink, no_route, recording, require_routing, routing_of
 
 from .attention import gqa_decode, resolve_decode_attention
@@ -182,6 +186,15 @@ class StaticEngine:
         self.sampler_kernel = sampler_kernel
         self.step_graph = step_graph
         self.capture_eager = False  # step_graph None: capture the step where it runs eagerly too (see above)
+        self.graphs, why = graph_capturable(unwrap_model(self.weights.module), where)  # (a MoE's experts may sync)
+        if not self.graphs and (step_graph or (compile is not False and step_graph is None)):
+            fix = ("set model.experts_implementation=batched_mm (no host sync; memory grows with rows x k x one "
+                   "expert's weights) or run in bfloat16 on an H100/H200 (grouped_mm)")
+            if step_graph:
+                raise ValueError(f"rollout.step_graph=true captures the decode step, but {why}: {fix}, or unset "
+                                 "rollout.step_graph")
+            warnings.warn(f"rollout: the decode step runs without CUDA graphs (slower): {why}. To capture it, "
+                          f"{fix}", stacklevel=2)
         self._streams: dict[torch.device, Any] = {}  # the side stream the step graphs warm up and capture on
         self.auto_sync = True  # sync the weights at the start of each generate (off: the caller syncs)
         # processes that decode one batch together (tensor parallelism) must agree on its waves: this maps this
@@ -210,7 +223,8 @@ class StaticEngine:
         base = unwrap_model(module)
         if self._use_compile(device):
             allow_recompiles(compiled_variants(rows, self.length_buckets, self.compact_finished))
-            config = CompileConfig(fullgraph=False, mode=None, dynamic=False, options=inductor_options(cudagraphs=True))
+            config = CompileConfig(fullgraph=False, mode=None, dynamic=False,
+                                   options=inductor_options(cudagraphs=self.graphs))
             return base.get_compiled_call(config), True
         return base.__call__, False
 
@@ -220,7 +234,7 @@ class StaticEngine:
             return False
         fits = not filters and self.length_buckets == 1 and not self.compact_finished
         if self.step_graph is None:
-            return fits and device.type == "cuda" and (self._use_compile(device) or self.capture_eager)
+            return fits and device.type == "cuda" and self.graphs and (self._use_compile(device) or self.capture_eager)
         if not fits:
             raise ValueError("rollout.step_graph=true draws with the fused sampler, but this call samples with "
                              "top-k/top-p/min-p or a repetition penalty (transformers' processors run eagerly): "

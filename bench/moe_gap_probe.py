@@ -6,6 +6,9 @@
     static          the run's engine: compiled, one CUDA graph per step, grouped_mm experts
     static_eager    the same engine uncompiled (eager grouped_mm, no CUDA graph)
     static_batched  the compiled engine decoding with batched_mm experts (the trainer keeps grouped_mm)
+    static_router_eager  the compiled engine with each router's forward left out of the compiled graph
+
+A family name with the suffix `:nonorm` runs its config with norm_topk_prob=False (no renormalised top-k weights).
 
     python bench/moe_gap_probe.py --tokenizer DIR --out DIR [--families qwen3_moe,mixtral,olmoe]
 """
@@ -26,7 +29,7 @@ import torch  # noqa: E402
 from bench import gpu_exactness as G  # noqa: E402
 from logitless.models.experts import experts_implementation, set_experts_implementation  # noqa: E402
 
-VARIANTS = ("hf", "hf_grouped", "static", "static_eager", "static_batched")
+VARIANTS = ("hf", "hf_grouped", "static", "static_eager", "static_batched", "static_router_eager")
 
 
 class DecodeWith:
@@ -49,6 +52,12 @@ def engine_of(original):
         if variant == "static_batched":
             engine, keep = original("static", model, tok, **kw)
             return DecodeWith(engine, model, "batched_mm"), keep
+        if variant == "static_router_eager":
+            from logitless.models.routing import routing_of
+
+            for router in routing_of(model).routers:
+                router.forward = torch.compiler.disable(router.forward)
+            return original("static", model, tok, **kw)
         if variant == "hf_grouped":
             model._optimize_model_for_decode = contextlib.nullcontext  # generate decodes with the model's own
             return original("hf", model, tok, **kw)
@@ -62,15 +71,20 @@ def main() -> None:
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--families", default="qwen3_moe,mixtral,olmoe")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--device", default="cuda", help="cpu: fp32, a smoke run of the code path (4 new tokens)")
     args = ap.parse_args()
     tok = G.tokenizer(args.tokenizer)
     G.engine_of = engine_of(G.engine_of)
     rows = []
     for family in args.families.split(","):
-        make = G.configs(tok.eos_token_id, moe=True)[family]
+        name, _, option = family.partition(":")
+        make = G.configs(tok.eos_token_id, moe=True)[name]
+        if option == "nonorm":
+            make = (lambda m: lambda: setattr(cfg := m(), "norm_topk_prob", False) or cfg)(make)
         kw = {} if args.device == "cuda" else dict(device=args.device, dtype=torch.float32, new_tokens=4, samples=1)
-        rows += [dataclasses.asdict(r) for r in G.run_family(family, make, VARIANTS, tok, **kw)]
+        results = G.run_family(name, make, tuple(args.variants.split(",")), tok, **kw)
+        rows += [dict(dataclasses.asdict(r), family=family) for r in results]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "moe_gap_probe.json").write_text(json.dumps(rows, indent=1))

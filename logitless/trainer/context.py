@@ -82,7 +82,7 @@ class TrainContext:
     parked: ParkedState = field(default_factory=ParkedState)  # train.offload_during_rollout's host buffers
     memory: MemoryState | None = None  # the memory plan's model and settings (trainer/memory/oom.py), where one is made
     on_micro_batch: Callable[[int], None] | None = None  # called before each micro-batch's forward (a test hook)
-    agent: Agent | None = None  # agent.tools / agent.environment: what answers the model between turns
+    agent: Agent | None = None  # agent.tools / agent.environment / agent.driver: what answers the model between turns
     run: RunDir | None = None  # the claimed run folder (rank 0): checked before each write
     t_start: float = field(default_factory=time.perf_counter)  # for the wall-time budget
     eval_rows: list[PromptRow] | None = None  # held-out rows of the eval during training (eval.every_steps, on_start)

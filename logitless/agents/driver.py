@@ -248,6 +248,7 @@ class AgentDriver:
             if ep.done:
                 raise ValueError(f"AgentDriver.respond: row {t.row}'s episode has already ended")
             ep.record.turns += 1
+            ep.record.turn_rewards.append(None)
             plans.append(self._plan(t, ep))
         self._run(plans)
         return [None if p is None else self._answer(p) for p in plans]
@@ -411,6 +412,7 @@ class AgentDriver:
             obs, reward, done = check_step(self.agent.env.name, out.value)  # type: ignore[union-attr]
             if reward is not None:
                 ep.rewards.append(reward)
+                rec.turn_rewards[-1] = reward
             if done or obs is None or not p.continuable:
                 return self._end(ep)
             if rec.turns >= opts.max_turns:

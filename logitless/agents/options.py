@@ -63,6 +63,10 @@ class AgentOptions:
     # None = the built-in driver of agent.tools / agent.environment (which agent.driver replaces: set one of them).
     driver: str | None = None
     driver_options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the driver's constructor
+    # Episodes per step written to episodes.jsonl in the run folder (the whole conversation with its tool calls and
+    # results, the rewards, the step; docs/agents.md "Traces"); `logitless eval --output F.json` writes a sample
+    # of its episodes to F.episodes.jsonl. 0 = no traces.
+    trace_episodes: int = 4
 
     def __post_init__(self) -> None:
         def bad(key: str, fix: str) -> ValueError:
@@ -107,10 +111,10 @@ class AgentOptions:
             raise bad("max_parallel_tools", "use an int >= 1 (threads running tool calls)")
         if not _number(self.environment_reward_weight):
             raise bad("environment_reward_weight", "use a finite number (1.0 = as much as one reward function)")
-        self._check_driver(bad)
+        self._check_driver_and_traces(bad)
 
-    def _check_driver(self, bad: Any) -> None:
-        """The checks of agent.driver and agent.driver_options that need no import."""
+    def _check_driver_and_traces(self, bad: Any) -> None:
+        """The checks of agent.driver, agent.driver_options and agent.trace_episodes that need no import."""
         if self.driver is not None and not (
             isinstance(self.driver, type) or (isinstance(self.driver, str) and ":" in self.driver)
         ):
@@ -125,6 +129,8 @@ class AgentOptions:
         if self.driver_options and self.driver is None:
             raise bad("driver_options", "options for a driver, but agent.driver is null: set "
                                         "agent.driver='module:Class' or remove agent.driver_options")
+        if not _int(self.trace_episodes) or self.trace_episodes < 0:
+            raise bad("trace_episodes", "use an int >= 0 (episodes per step written to episodes.jsonl; 0 = none)")
 
     @property
     def enabled(self) -> bool:

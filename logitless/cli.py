@@ -212,8 +212,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     result = evaluate_config(cfg, checkpoint)
     print(result.summary())
-    if args.output:
-        write_eval(result, args.output)
+    if args.output:  # (with an agent, a sample of its episodes beside it: evaluate.traces_path)
+        write_eval(result, args.output, step=ckpt.checkpoint_step(checkpoint) if checkpoint is not None else None)
     return 0
 
 

@@ -90,12 +90,13 @@ def test_environment_column_is_weighted_and_none_is_nan():
 
 def test_environment_weight_follows_the_agent_section():
     def cfg(**agent):
-        return SimpleNamespace(agent=SimpleNamespace(**{"enabled": True, "environment": None,
+        return SimpleNamespace(agent=SimpleNamespace(**{"enabled": True, "environment": None, "driver": None,
                                                         "environment_reward_weight": 1.0, **agent}))
 
     assert environment_weight(cfg(enabled=False)) is None
     assert environment_weight(cfg()) is None  # tools only: no environment reward
     assert environment_weight(cfg(environment="m:Env", environment_reward_weight=0.5)) == 0.5
+    assert environment_weight(cfg(driver="m:Driver", environment_reward_weight=0.5)) == 0.5  # its records' rewards
 
 
 @pytest.fixture(scope="module")

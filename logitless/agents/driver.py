@@ -18,6 +18,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from logitless.agents.custom import ConfiguredDriver, load_driver
 from logitless.agents.environment import check_first, check_reward, check_step, load_environment
 from logitless.agents.options import AgentOptions
 from logitless.agents.parsing import PARSERS, ParsedTurn, ToolCall
@@ -40,6 +41,11 @@ class Agent:
             raise TypeError(f"Agent options must be an AgentOptions, got {type(options).__name__}")
         self.tokenizer, self.options = tokenizer, options
         self.toolset = ToolSet()
+        self.custom = None  # agent.driver: your own driver, which replaces the tools, environment and template
+        if options.driver is not None:
+            self.custom = load_driver(options.driver, options.driver_options)
+            self.env, self.chat_format, self.bridge = None, None, None
+            return
         for spec in options.tools:
             if spec not in ("calculator", "python"):
                 spec = load_function(spec, "agent.tools")
@@ -112,12 +118,15 @@ class Agent:
     def tools(self) -> dict[str, Tool]:
         return self.toolset.tools
 
-    def driver(self, rows: Sequence[Any], num_generations: int) -> AgentDriver:
-        """A driver for one rollout of `rows` (PromptRow) with `num_generations` episodes each."""
+    def driver(self, rows: Sequence[Any], num_generations: int) -> AgentDriver | ConfiguredDriver:
+        """A driver for one rollout of `rows` (PromptRow) with `num_generations` episodes each (agent.driver's
+        class when one is set)."""
         if not rows:
             raise ValueError("Agent.driver: no rows")
         if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 1:
             raise ValueError(f"Agent.driver: num_generations must be an int >= 1, got {num_generations!r}")
+        if self.custom is not None:
+            return self.custom.make(self.tokenizer, rows, num_generations)
         chat = [isinstance(r.prompt, list) for r in rows]
         if all(chat):
             if self.bridge is None:
@@ -239,6 +248,7 @@ class AgentDriver:
             if ep.done:
                 raise ValueError(f"AgentDriver.respond: row {t.row}'s episode has already ended")
             ep.record.turns += 1
+            ep.record.turn_rewards.append(None)
             plans.append(self._plan(t, ep))
         self._run(plans)
         return [None if p is None else self._answer(p) for p in plans]
@@ -402,6 +412,7 @@ class AgentDriver:
             obs, reward, done = check_step(self.agent.env.name, out.value)  # type: ignore[union-attr]
             if reward is not None:
                 ep.rewards.append(reward)
+                rec.turn_rewards[-1] = reward
             if done or obs is None or not p.continuable:
                 return self._end(ep)
             if rec.turns >= opts.max_turns:

@@ -102,20 +102,23 @@ def load_environment(spec: str | type, options: dict[str, Any], timeout_s: float
                             callable(getattr(cls, "close", None)))
 
 
-def _import_class(spec: str | type) -> type:
+def _import_class(spec: str | type, key: str = "agent.environment",
+                  what: str = "an environment is a class whose instances hold one episode's state") -> type:
+    """The class `spec` names ("module:Class", or the class itself); refuses, naming `key`, a module that does not
+    import, a missing name (with the closest class of the module) and a name that is not a class (`what` says
+    what it should be)."""
     if isinstance(spec, type):
         return spec
     module_name, _, attr = spec.partition(":")
-    module = import_user_module(module_name, f"agent.environment '{spec}'")
+    module = import_user_module(module_name, f"{key} '{spec}'")
     cls = getattr(module, attr, None)
     if cls is None:
         public = [n for n in dir(module) if not n.startswith("_") and isinstance(getattr(module, n), type)]
         close = difflib.get_close_matches(attr, public, n=1)
         hint = f"; did you mean '{module_name}:{close[0]}'?" if close else ""
-        raise ValueError(f"agent.environment: module '{module_name}' has no class '{attr}'{hint}")
+        raise ValueError(f"{key}: module '{module_name}' has no class '{attr}'{hint}")
     if not isinstance(cls, type):
-        raise ValueError(f"agent.environment: '{spec}' is a {type(cls).__name__}, not a class; an environment is "
-                         "a class whose instances hold one episode's state")
+        raise ValueError(f"{key}: '{spec}' is a {type(cls).__name__}, not a class; {what}")
     return cls
 
 

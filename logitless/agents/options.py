@@ -20,7 +20,7 @@ BUILTIN_TOOLS = ("calculator", "python")
 class AgentOptions:
     """Multi-turn episodes: the model may call tools and/or act in an environment over several turns.
 
-    Nothing here is on unless `tools` or `environment` is set (`enabled`).
+    Nothing here is on unless `tools`, `environment` or `driver` is set (`enabled`).
     """
 
     # Tools the model may call: the built-ins "calculator" (exact arithmetic) and "python" (runs code in the
@@ -52,9 +52,21 @@ class AgentOptions:
     tool_timeout_s: float = 10.0  # wall time of one tool call (a hung call is abandoned and answered by an error)
     max_tool_output_chars: int = 4000  # longer tool results are cut in the middle (marked) before the model sees them
     max_parallel_tools: int = 8  # tool calls of one turn batch run concurrently in this many threads
-    # Weight of the environment's own episode reward (EpisodeRecord.reward) in the total reward, beside the
-    # reward functions of `reward.reward_funcs`.
+    # Weight of the episode's own reward (EpisodeRecord.reward: the environment's, or agent.driver's) in the total
+    # reward, beside the reward functions of `reward.reward_funcs`.
     environment_reward_weight: float = 1.0
+
+    # Your own episode driver "module:Class" in place of the built-in one (docs/agents.md, "Your own driver"): a
+    # class implementing logitless.rollout.episodes.EpisodeDriver (begin, respond, finish; turn_end_ids,
+    # turn_stops, max_turn_tokens), built for each rollout as Class(tokenizer=, rows=, num_generations=,
+    # **driver_options). Token in, token out: it reads the model's sampled ids and returns the ids to append.
+    # None = the built-in driver of agent.tools / agent.environment (which agent.driver replaces: set one of them).
+    driver: str | None = None
+    driver_options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the driver's constructor
+    # Episodes per step written to episodes.jsonl in the run folder (the whole conversation with its tool calls and
+    # results, the rewards, the step; docs/agents.md "Traces"); `logitless eval --output F.json` writes a sample
+    # of its episodes to F.episodes.jsonl. 0 = no traces.
+    trace_episodes: int = 4
 
     def __post_init__(self) -> None:
         def bad(key: str, fix: str) -> ValueError:
@@ -99,11 +111,31 @@ class AgentOptions:
             raise bad("max_parallel_tools", "use an int >= 1 (threads running tool calls)")
         if not _number(self.environment_reward_weight):
             raise bad("environment_reward_weight", "use a finite number (1.0 = as much as one reward function)")
+        self._check_driver_and_traces(bad)
+
+    def _check_driver_and_traces(self, bad: Any) -> None:
+        """The checks of agent.driver, agent.driver_options and agent.trace_episodes that need no import."""
+        if self.driver is not None and not (
+            isinstance(self.driver, type) or (isinstance(self.driver, str) and ":" in self.driver)
+        ):
+            raise bad("driver", "give the class as 'module:Class' (e.g. 'mydriver:ShellDriver'), or null for the "
+                                "built-in driver")
+        if self.driver is not None and (self.tools or self.environment is not None):
+            raise bad("driver", "your driver replaces the built-in one that runs agent.tools and agent.environment; "
+                                "set agent.tools=[] and agent.environment=null (run tools inside your driver), or "
+                                "agent.driver=null")
+        if not isinstance(self.driver_options, dict):
+            raise bad("driver_options", "give a mapping of constructor keyword arguments, e.g. {max_rounds: 3}")
+        if self.driver_options and self.driver is None:
+            raise bad("driver_options", "options for a driver, but agent.driver is null: set "
+                                        "agent.driver='module:Class' or remove agent.driver_options")
+        if not _int(self.trace_episodes) or self.trace_episodes < 0:
+            raise bad("trace_episodes", "use an int >= 0 (episodes per step written to episodes.jsonl; 0 = none)")
 
     @property
     def enabled(self) -> bool:
-        """Whether episodes are multi-turn: tools or an environment is configured."""
-        return bool(self.tools) or self.environment is not None
+        """Whether episodes are multi-turn: tools, an environment or your own driver is configured."""
+        return bool(self.tools) or self.environment is not None or self.driver is not None
 
 
 def _int(v: Any) -> bool:

@@ -55,6 +55,9 @@ class EpisodeRecord:
     reward: float | None = None  # the environment's own reward for the episode (None: it gives none)
     truncated: bool = False  # ended by a budget or max_turns instead of by the model or the environment
     metrics: dict[str, float] = field(default_factory=dict)  # anything else per episode, averaged over the step
+    # after each model turn, the reward the environment gave for it (None: none, e.g. a turn of tool calls); the
+    # final reward() is in `reward` only
+    turn_rewards: list[float | None] = field(default_factory=list)
 
 
 @runtime_checkable

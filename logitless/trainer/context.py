@@ -49,6 +49,7 @@ from logitless.trainer.policy.modeling import (
 from logitless.trainer.policy.offload import ParkedState
 from logitless.trainer.report.accounting import ModelShape, device_peaks
 from logitless.trainer.report.metrics import MetricsLogger
+from logitless.trainer.report.traces import EpisodeTraces
 from logitless.trainer.report.tracking import open_trackers, resolve_report_to
 from logitless.trainer.rundir import RunDir, restart_advice, write_atomic
 
@@ -82,11 +83,12 @@ class TrainContext:
     parked: ParkedState = field(default_factory=ParkedState)  # train.offload_during_rollout's host buffers
     memory: MemoryState | None = None  # the memory plan's model and settings (trainer/memory/oom.py), where one is made
     on_micro_batch: Callable[[int], None] | None = None  # called before each micro-batch's forward (a test hook)
-    agent: Agent | None = None  # agent.tools / agent.environment: what answers the model between turns
+    agent: Agent | None = None  # agent.tools / agent.environment / agent.driver: what answers the model between turns
     run: RunDir | None = None  # the claimed run folder (rank 0): checked before each write
     t_start: float = field(default_factory=time.perf_counter)  # for the wall-time budget
     eval_rows: list[PromptRow] | None = None  # held-out rows of the eval during training (eval.every_steps, on_start)
     health: RunHealth | None = None  # the warnings of a run that trains on nothing (their memory is checkpointed)
+    traces: EpisodeTraces | None = None  # agent.trace_episodes: episodes.jsonl (rank 0)
 
     @property
     def ckpt_root(self) -> Path:
@@ -295,4 +297,6 @@ def build_context(
         peaks=device_peaks(device, cfg.logging.peak_tflops, cfg.logging.hbm_tbs), run_dir=run_dir, logger=logger,
         start=start, entropy_coef=coef, world=world, run=run, lora_compute=LoraCompute(model, cfg.model),
         eval_rows=inputs.eval_rows, health=RunHealth(cfg, logger.print, state.get("health")),
+        traces=EpisodeTraces(run_dir, cfg.agent.trace_episodes, start)
+        if world.main and agent is not None and cfg.agent.trace_episodes else None,
     )

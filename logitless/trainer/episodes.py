@@ -25,9 +25,10 @@ ENVIRONMENT_REWARD = "environment"  # name of the environment's reward column
 
 def environment_weight(cfg: Any) -> float | None:
     """The weight of the `environment` reward column of a run (`TrainerConfig`), or None when it has no such
-    column (no agent, or an agent with tools only)."""
+    column (no agent, or an agent with tools only). The column holds each episode's own reward
+    (`EpisodeRecord.reward`): an environment's, or your own driver's (agent.driver)."""
     agent = cfg.agent
-    if not agent.enabled or agent.environment is None:
+    if not agent.enabled or (agent.environment is None and agent.driver is None):
         return None
     return float(agent.environment_reward_weight)
 

@@ -41,6 +41,8 @@ from logitless.trainer.episodes import (
     stat_means,
 )
 from logitless.trainer.policy.modeling import attention_backends, load_model_and_tokenizer, prepare_for_training
+from logitless.trainer.report.traces import TRACES_FILE, batch_traces, trace_text, traced_rows
+from logitless.trainer.rundir import write_atomic
 
 
 @dataclass
@@ -58,6 +60,8 @@ class EvalResult:
     episodes: dict[str, float] = field(default_factory=dict)
     # their mergeable stats (for the mean over several ranks' episodes); not written to eval.json
     episode_stats: dict[str, Stat] = field(default_factory=dict, repr=False, compare=False)
+    # agent.trace_episodes of the episodes, spread over the samples (`report.traces`); written beside eval.json
+    traces: list[dict[str, Any]] = field(default_factory=list, repr=False, compare=False)
 
     def metrics(self) -> dict[str, float]:
         """The `eval/*` metrics of a run: eval/accuracy (share of correct samples: the greedy accuracy, or pass@1
@@ -126,7 +130,8 @@ def evaluate(
     agent = (Agent(tokenizer, cfg.agent) if cfg.agent.enabled else None) if agent is None else agent
     env_weight = environment_weight(cfg)
     t0 = time.perf_counter()
-    solved, rewards, samples, episodes, lengths = [], [], [], [], []
+    solved, rewards, samples, episodes, lengths, traces = [], [], [], [], [], []
+    traced = traced_rows(len(rows) * k, cfg.agent.trace_episodes if agent is not None else 0)
     for start in range(0, len(rows), cfg.eval.batch_size):
         chunk = rows[start : start + cfg.eval.batch_size]
         with torch_threads(cfg.rollout.num_threads):
@@ -147,6 +152,11 @@ def evaluate(
         if env_weight is not None:
             scores = add_reward_column(scores, ENVIRONMENT_REWARD, environment_rewards(batch), env_weight)
         episodes.append(episode_stats(batch))
+        if batch.episodes is not None:
+            first = start * k  # the chunk's first sample
+            picked = [i - first for i in traced if first <= i < first + len(per_sample)]
+            traces += batch_traces(picked, per_sample, batch.episodes, scores.names, scores.rewards, scores.total,
+                                   first=first)
         correct = (scores.rewards[:, acc_col] == 1.0).view(len(chunk), k)  # [n, k]
         solved.extend(correct.any(1).tolist())
         rewards.extend(scores.total.tolist())
@@ -162,7 +172,7 @@ def evaluate(
         accuracy=sum(solved) / len(solved), mean_reward=sum(finite) / max(len(finite), 1), num_prompts=len(rows),
         pass_k=k, split=split, seconds=time.perf_counter() - t0, samples=samples,
         sample_accuracy=sum(s["correct"] for s in samples) / len(samples), mean_length=sum(lengths) / len(lengths),
-        episodes=stat_means(merged), episode_stats=merged,
+        episodes=stat_means(merged), episode_stats=merged, traces=traces,
     )
 
 
@@ -183,9 +193,20 @@ def evaluate_config(cfg: TrainerConfig, checkpoint: str | Path | None = None) ->
         return evaluate(model, tokenizer, rows, cfg, split=split)
 
 
-def write_eval(result: EvalResult, path: str | Path) -> None:
-    data = {k: v for k, v in asdict(result).items() if k != "episode_stats"}
+def write_eval(result: EvalResult, path: str | Path, step: int | None = None) -> None:
+    """The result and every sample as JSON at `path`; with episode traces (`result.traces`), those beside it in
+    `traces_path(path)`, each line with `step` (the checkpoint's step, None for the model as loaded)."""
+    data = {k: v for k, v in asdict(result).items() if k not in ("episode_stats", "traces")}
     Path(path).write_text(json.dumps(data, indent=1, default=str))
+    if result.traces:
+        write_atomic(traces_path(path), trace_text(step, result.traces))
+
+
+def traces_path(output: str | Path) -> Path:
+    """Where `logitless eval --output F.json` writes its episode traces: F.episodes.jsonl beside it (not
+    episodes.jsonl, which in a run folder holds the training run's)."""
+    output = Path(output)
+    return output.with_name(f"{output.stem}.{TRACES_FILE}")
 
 
 def eval_due(cfg: TrainerConfig, step: int) -> bool:

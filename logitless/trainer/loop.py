@@ -45,6 +45,7 @@ from logitless.trainer.dynamic import sample_step
 from logitless.trainer.episodes import conversation_texts
 from logitless.trainer.evaluate import eval_due, eval_in_run
 from logitless.trainer.report.metrics import MismatchReport, RewardErrorReport, mismatch_causes
+from logitless.trainer.report.traces import batch_traces, traced_rows
 from logitless.trainer.policy.modeling import attention_backends
 from logitless.trainer.distributed.parallel import (
     World,
@@ -109,6 +110,11 @@ def log_step(ctx: TrainContext, result: TrainResult, step: int, record: dict[str
         ctx.logger.log(step, {**record, "time/elapsed": time.perf_counter() - ctx.t_start})
         result.records.append({"step": step, **record})
     ctx.logger.advance(step, record)
+    if ctx.traces is not None and ro.batch.episodes is not None:
+        sc = scored.scores
+        picked = traced_rows(len(ro.batch.episodes), ctx.traces.n)
+        ctx.traces.write(step, batch_traces(picked, ro.sample_rows, ro.batch.episodes, sc.names, sc.rewards,
+                                            sc.total, scored.adv.advantages))
     if cfg.log_completions and (step % cfg.completions_steps == 0 or step == 1):
         totals = [None if math.isnan(v) else v for v in scored.scores.total.tolist()]
         prompts = [prompt_text(r.prompt) for r in ro.sample_rows]

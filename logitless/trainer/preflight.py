@@ -66,9 +66,9 @@ def validate_config(cfg: TrainerConfig, *, training: bool = True) -> None:
     check_device(cfg.model.device)
     check_task_options(cfg.data.task, cfg.data.options, "data.options")
     check_task_options(cfg.data.task, {**cfg.data.options, **cfg.data.eval_options}, "data.eval_options")
-    if not cfg.reward.reward_funcs and not (cfg.agent.enabled and cfg.agent.environment):
+    if not cfg.reward.reward_funcs and environment_weight(cfg) is None:
         raise ValueError("reward.reward_funcs is empty; name at least one reward function (e.g. numeric_answer), "
-                         "or an agent.environment whose episodes give the reward")
+                         "or an agent.environment (or agent.driver) whose episodes give the reward")
     reward_functions(cfg.reward)
     accuracy_index(cfg.reward)
     check_agent(cfg)
@@ -98,7 +98,9 @@ def preflight(cfg: TrainerConfig, *, training: bool = True, model_given: bool = 
 
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
         Agent(tokenizer, cfg.agent)
-        lines.append("agent: every tool and the environment import and check, and the chat template renders them")
+        lines.append(f"agent: the driver {cfg.agent.driver} imports and takes agent.driver_options"
+                     if cfg.agent.driver is not None else
+                     "agent: every tool and the environment import and check, and the chat template renders them")
     split = cfg.data.split if training else (cfg.eval.split or cfg.data.eval_split)
     rows = load_rows(cfg.data, split, eval=not training, limit=FIRST_ROWS)
     lines.append(check_reward_fields(cfg, cfg.reward.reward_funcs, reward_functions(cfg.reward), rows, split))
@@ -242,20 +244,21 @@ def _check_training(cfg: TrainerConfig) -> None:
 
 
 def check_agent(cfg: TrainerConfig) -> None:
-    """Refuse settings that cannot run multi-turn episodes (agent.tools / agent.environment), naming both keys and
+    """Refuse settings that cannot run multi-turn episodes (agent.tools / .environment / .driver), naming both keys and
     the fix. What needs the tokenizer or imports user code (tools, the environment, the chat template) is checked
     by `preflight`, which builds the run's `Agent` before the weights load."""
     agent = cfg.agent
     if not agent.enabled:
         return
-    on = f"agent.tools={list(agent.tools)}" if agent.tools else f"agent.environment={agent.environment!r}"
+    on = (f"agent.tools={list(agent.tools)}" if agent.tools else f"agent.environment={agent.environment!r}"
+          if agent.environment is not None else f"agent.driver={agent.driver!r}")
     if cfg.rollout.backend == "continuous":
         raise ValueError(f"{on} runs multi-turn episodes, which rollout.backend=continuous cannot: set "
                          "rollout.backend=hf (or static)")
     names = [reward_name(f) for f in reward_functions(cfg.reward)]
     if environment_weight(cfg) is not None and ENVIRONMENT_REWARD in names:
         raise ValueError(f"reward.reward_funcs names a function {ENVIRONMENT_REWARD!r}, the name of the column of "
-                         f"agent.environment={agent.environment!r}'s own rewards: rename the function")
+                         f"{on}'s own rewards: rename the function")
 
 
 def check_device(name: str, key: str = "model.device") -> None:

@@ -41,6 +41,7 @@ from typing import Any, NoReturn
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.config.schema import ConfigError, TrainerConfig, load_train_config, to_yaml
 from logitless.trainer.report.metrics import METRICS_FILE, check_metrics_file
+from logitless.trainer.report.traces import TRACES_FILE
 from logitless.trainer.config.files import (
     CHANGED_CONFIG_PREFIX,
     CHANGED_CONFIG_SUFFIX,
@@ -55,7 +56,7 @@ LOCK_FILE = ".lock"
 # What a `logitless train` run writes into its folder (and config.from-step-N.yaml); only these are replaced by
 # --overwrite.
 RUN_FILES = ("config.yaml", "resolved.json", "metrics.jsonl", "checkpoints", "tensorboard", "curves.png", LOCK_FILE,
-             "wandb", "trackers.json", "export")
+             "wandb", "trackers.json", "export", TRACES_FILE)
 # --overwrite's folders inside the run folder: the old run set aside, being put back, being deleted
 REPLACED, RESTORING, DISCARDED, PARTIAL = ".replaced-", ".restoring-", ".discarded-", ".partial"
 BOOKKEEPING = (REPLACED, RESTORING, DISCARDED)

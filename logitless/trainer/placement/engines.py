@@ -79,7 +79,7 @@ def routing_replay_obstacle(backend: str, agent: bool, separate_decode: bool) ->
     if backend not in (*ROUTE_BACKENDS, "auto"):
         return f"rollout.backend={backend} does not record routes (use static or hf)"
     if agent:
-        return "multi-turn episodes (agent.tools / agent.environment) do not record routes yet"
+        return "multi-turn episodes (agent.tools / agent.environment / agent.driver) do not record routes yet"
     if separate_decode:
         return ("a shared rollout GPU's decode process or a tensor-parallel rollout (rollout.device or "
                 "rollout.tensor_parallel under torchrun) does not record routes yet")

@@ -70,7 +70,7 @@ def check_shared_rollout(cfg: Any, ranks: int, local_ranks: int | None = None) -
     refused = [
         (cfg.rollout.tensor_parallel > 1, f"rollout.tensor_parallel={cfg.rollout.tensor_parallel}",
          "the shared rollout is one replica on one GPU", "rollout.tensor_parallel=1"),
-        (cfg.agent.enabled, "agent.tools / agent.environment (multi-turn episodes)",
+        (cfg.agent.enabled, "agent.tools / agent.environment / agent.driver (multi-turn episodes)",
          "each rank's environments answer its own rows between turns, which the shared decode does not relay yet",
          "no agent"),
         (cfg.train.fsdp_offload, "train.fsdp_offload=true",

@@ -25,8 +25,8 @@ from logitless.agents.python_tool import python_tool
 from logitless.agents.runner import Outcome, run_tasks
 from logitless.agents.templates import (CHAT_FORMATS, ChatBridge, detect_format, load_template, renders_tools,
                                         special_ids, tool_call_message)
-from logitless.agents.tools import (Tool, ToolResult, ToolSet, calculator_tool, check_arguments, cut_middle,
-                                    error_text, function_tool, load_function, run_call)
+from logitless.agents.tools import (AgentFatalError, Tool, ToolResult, ToolSet, calculator_tool, check_arguments,
+                                    cut_middle, error_text, function_tool, load_function, run_call)
 from logitless.rollout.episodes import EpisodeRecord, TurnEnd
 
 RAW_STOP = "</call>"
@@ -56,15 +56,30 @@ class Agent:
                 tool = function_tool(spec, opts, options.tool_timeout_s)
             self.toolset.add(tool, "agent.tools")
         self.env = None
-        if options.environment is not None:
-            self.env = load_environment(options.environment, options.env_options, options.tool_timeout_s)
-            for tool in self.env.tools:
-                self.toolset.add(tool, f"agent.environment ({self.env.name}.tools)")
-        for key in options.tool_options:
-            if key not in self.toolset:
-                raise ValueError(f"agent.tool_options.{key}: no tool is named '{key}'; the tools are "
-                                 f"{list(self.toolset.tools) or 'none'}")
-        self.chat_format, self.bridge = self._chat_side()
+        try:  # what is started here (an HTTP environment's connection) is closed on any error
+            if options.environment is not None:
+                self.env = load_environment(options.environment, options.env_options, options.tool_timeout_s)
+                for tool in self.env.tools:
+                    self.toolset.add(tool, f"agent.environment ({self.env.name}.tools)")
+            for key in options.tool_options:
+                if key not in self.toolset:
+                    raise ValueError(f"agent.tool_options.{key}: no tool is named '{key}'; the tools are "
+                                     f"{list(self.toolset.tools) or 'none'}")
+            self.chat_format, self.bridge = self._chat_side()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Close the environment server's connection (idempotent)."""
+        if self.env is not None:
+            self.env.close()
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def _chat_side(self) -> tuple[str | None, ChatBridge | None]:
         """The chat format and bridge for chat prompts (None, None: raw-text prompts only)."""
@@ -344,7 +359,11 @@ class AgentDriver:
             timeouts.append(tool.batch_timeout(len(items)) if tool.batch_timeout else tool.timeout_s)
             names.append(f"the tool '{tool.name}' ({len(items)} calls)")
             sinks.append(lambda out, items=items, tool=tool: self._store_batch(items, tool, out))
-        for sink, out in zip(sinks, run_tasks(tasks, timeouts, self.options.max_parallel_tools, names)):
+        outs = run_tasks(tasks, timeouts, self.options.max_parallel_tools, names)
+        fatal = next((o.error for o in outs if isinstance(o.error, AgentFatalError)), None)
+        if fatal is not None:  # a server the agent needs is gone: the run fails, naming it
+            raise fatal
+        for sink, out in zip(sinks, outs):
             sink(out)
 
     def _check(self, call: ToolCall) -> tuple[Tool | None, dict[str, Any], str | None]:

@@ -30,6 +30,8 @@ class AgentOptions:
     tools: list[str] = field(default_factory=list)
     # An environment class "module:Class" for tasks that are not tool calls (docs/agents.md, "Environments"):
     # one instance per episode, `reset(row) -> first observation`, `step(text) -> (observation, reward, done)`.
+    # Or a server's URL "http://host:port" that speaks reset/step over HTTP (docs/agents.md, "HTTP environments"),
+    # whose client options are agent.env_options.
     # None = no environment: an episode ends at the first model turn without a tool call.
     environment: str | None = None
     env_options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the environment's constructor

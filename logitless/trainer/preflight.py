@@ -97,7 +97,7 @@ def preflight(cfg: TrainerConfig, *, training: bool = True, model_given: bool = 
         from logitless.agents import Agent
 
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
-        Agent(tokenizer, cfg.agent)
+        Agent(tokenizer, cfg.agent).close()
         lines.append("agent: every tool and the environment import and check, and the chat template renders them")
     split = cfg.data.split if training else (cfg.eval.split or cfg.data.eval_split)
     rows = load_rows(cfg.data, split, eval=not training, limit=FIRST_ROWS)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from logitless.agents.environment import check_first, check_reward, check_step, load_environment
+from logitless.agents.http_env import http_environment, is_url
 from logitless.agents.options import AgentOptions
 from logitless.agents.parsing import PARSERS, ParsedTurn, ToolCall
 from logitless.agents.python_tool import python_tool
@@ -58,7 +59,8 @@ class Agent:
         self.env = None
         try:  # what is started here (an HTTP environment's connection) is closed on any error
             if options.environment is not None:
-                self.env = load_environment(options.environment, options.env_options, options.tool_timeout_s)
+                load = http_environment if is_url(options.environment) else load_environment
+                self.env = load(options.environment, options.env_options, options.tool_timeout_s)
                 for tool in self.env.tools:
                     self.toolset.add(tool, f"agent.environment ({self.env.name}.tools)")
             for key in options.tool_options:

@@ -72,12 +72,8 @@ class EnvironmentClass:
 
 def load_environment(spec: str | type, options: dict[str, Any], timeout_s: float) -> EnvironmentClass:
     """Import and check an environment class; refuses, naming agent.environment / agent.env_options and the fix,
-    a class that does not implement the protocol or cannot be built with the options. A URL (http:// or https://)
-    is an environment server (logitless.agents.http_env)."""
-    from logitless.agents.http_env import http_environment, is_url
-
-    if is_url(spec):
-        return http_environment(spec, options, timeout_s)  # type: ignore[arg-type]
+    a class that does not implement the protocol or cannot be built with the options. (A URL is an environment
+    server: logitless.agents.http_env.http_environment.)"""
     cls = _import_class(spec)
     name = cls.__name__
     for method in ("reset", "step"):

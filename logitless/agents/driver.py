@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 from logitless.agents.environment import check_first, check_reward, check_step, load_environment
 from logitless.agents.http_env import http_environment, is_url
+from logitless.agents.mcp_tools import McpServers, parse_servers
 from logitless.agents.options import AgentOptions
 from logitless.agents.parsing import PARSERS, ParsedTurn, ToolCall
 from logitless.agents.python_tool import python_tool
@@ -56,8 +57,8 @@ class Agent:
             else:
                 tool = function_tool(spec, opts, options.tool_timeout_s)
             self.toolset.add(tool, "agent.tools")
-        self.env = None
-        try:  # what is started here (an HTTP environment's connection) is closed on any error
+        self.env, self.mcp = None, None
+        try:  # what is started here (an HTTP environment's connection, MCP servers) is closed on any error
             if options.environment is not None:
                 load = http_environment if is_url(options.environment) else load_environment
                 self.env = load(options.environment, options.env_options, options.tool_timeout_s)
@@ -67,13 +68,19 @@ class Agent:
                 if key not in self.toolset:
                     raise ValueError(f"agent.tool_options.{key}: no tool is named '{key}'; the tools are "
                                      f"{list(self.toolset.tools) or 'none'}")
+            if options.mcp_servers:  # started last: every cheaper check above has passed
+                self.mcp = McpServers(parse_servers(options.mcp_servers), options.tool_timeout_s)
+                for tool in self.mcp.tools:
+                    self.toolset.add(tool, f"agent.mcp_servers (the tool '{tool.name}')")
             self.chat_format, self.bridge = self._chat_side()
         except BaseException:
             self.close()
             raise
 
     def close(self) -> None:
-        """Close the environment server's connection (idempotent)."""
+        """Stop the MCP servers and close the environment server's connection (idempotent)."""
+        if self.mcp is not None:
+            self.mcp.close()
         if self.env is not None:
             self.env.close()
 

@@ -20,7 +20,7 @@ BUILTIN_TOOLS = ("calculator", "python")
 class AgentOptions:
     """Multi-turn episodes: the model may call tools and/or act in an environment over several turns.
 
-    Nothing here is on unless `tools` or `environment` is set (`enabled`).
+    Nothing here is on unless `tools`, `environment` or `mcp_servers` is set (`enabled`).
     """
 
     # Tools the model may call: the built-ins "calculator" (exact arithmetic) and "python" (runs code in the
@@ -57,6 +57,10 @@ class AgentOptions:
     # Weight of the environment's own episode reward (EpisodeRecord.reward) in the total reward, beside the
     # reward functions of `reward.reward_funcs`.
     environment_reward_weight: float = 1.0
+    # MCP servers whose tools the model may call (docs/agents.md, "MCP tools"; needs the agents-mcp extra): a list
+    # of {name, command: [program, args...], env: {VAR: value}, cwd, tools: [names] (default all),
+    # startup_timeout_s (60)}. Each is started over stdio when the agent is built and stopped with the run.
+    mcp_servers: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         def bad(key: str, fix: str) -> ValueError:
@@ -101,11 +105,14 @@ class AgentOptions:
             raise bad("max_parallel_tools", "use an int >= 1 (threads running tool calls)")
         if not _number(self.environment_reward_weight):
             raise bad("environment_reward_weight", "use a finite number (1.0 = as much as one reward function)")
+        from logitless.agents.mcp_tools import parse_servers
+
+        parse_servers(self.mcp_servers)
 
     @property
     def enabled(self) -> bool:
-        """Whether episodes are multi-turn: tools or an environment is configured."""
-        return bool(self.tools) or self.environment is not None
+        """Whether episodes are multi-turn: tools, MCP servers or an environment is configured."""
+        return bool(self.tools) or self.environment is not None or bool(self.mcp_servers)
 
 
 def _int(v: Any) -> bool:

@@ -290,7 +290,7 @@ def build_context(
         rollout.start(cfg, world, model, tokenizer, device, sampler=inputs.sampler, agent=agent, state=state)
     except BaseException:
         if agent is not None:
-            agent.close()  # its environment server connection
+            agent.close()  # its MCP servers stop with the failed start
         raise
     return TrainContext(
         cfg=cfg, model=model, tokenizer=tokenizer, device=device, rollout=rollout, agent=agent, params=params,

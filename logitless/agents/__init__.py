@@ -11,10 +11,11 @@ from logitless.agents.environment import Environment
 from logitless.agents.options import AgentOptions
 from logitless.agents.parsing import PARSERS, ParsedTurn, ToolCall
 from logitless.agents.templates import ChatBridge
-from logitless.agents.tools import Tool, ToolInputError, ToolResult
+from logitless.agents.tools import AgentFatalError, Tool, ToolInputError, ToolResult
 
 __all__ = [
     "Agent",
+    "AgentFatalError",
     "AgentDriver",
     "AgentOptions",
     "Calculator",

@@ -20,14 +20,16 @@ from typing import Any, Sequence
 
 from logitless.agents.custom import ConfiguredDriver, load_driver
 from logitless.agents.environment import check_first, check_reward, check_step, load_environment
+from logitless.agents.http_env import http_environment, is_url
+from logitless.agents.mcp_tools import McpServers, parse_servers
 from logitless.agents.options import AgentOptions
 from logitless.agents.parsing import PARSERS, ParsedTurn, ToolCall
 from logitless.agents.python_tool import python_tool
 from logitless.agents.runner import Outcome, run_tasks
 from logitless.agents.templates import (CHAT_FORMATS, ChatBridge, detect_format, load_template, renders_tools,
                                         special_ids, tool_call_message)
-from logitless.agents.tools import (Tool, ToolResult, ToolSet, calculator_tool, check_arguments, cut_middle,
-                                    error_text, function_tool, load_function, run_call)
+from logitless.agents.tools import (AgentFatalError, Tool, ToolResult, ToolSet, calculator_tool, check_arguments,
+                                    cut_middle, error_text, function_tool, load_function, run_call)
 from logitless.rollout.episodes import EpisodeRecord, TurnEnd
 
 RAW_STOP = "</call>"
@@ -42,9 +44,9 @@ class Agent:
         self.tokenizer, self.options = tokenizer, options
         self.toolset = ToolSet()
         self.custom = None  # agent.driver: your own driver, which replaces the tools, environment and template
+        self.env, self.mcp, self.chat_format, self.bridge = None, None, None, None
         if options.driver is not None:
             self.custom = load_driver(options.driver, options.driver_options)
-            self.env, self.chat_format, self.bridge = None, None, None
             return
         for spec in options.tools:
             if spec not in ("calculator", "python"):
@@ -61,16 +63,37 @@ class Agent:
             else:
                 tool = function_tool(spec, opts, options.tool_timeout_s)
             self.toolset.add(tool, "agent.tools")
-        self.env = None
-        if options.environment is not None:
-            self.env = load_environment(options.environment, options.env_options, options.tool_timeout_s)
-            for tool in self.env.tools:
-                self.toolset.add(tool, f"agent.environment ({self.env.name}.tools)")
-        for key in options.tool_options:
-            if key not in self.toolset:
-                raise ValueError(f"agent.tool_options.{key}: no tool is named '{key}'; the tools are "
-                                 f"{list(self.toolset.tools) or 'none'}")
-        self.chat_format, self.bridge = self._chat_side()
+        try:  # what is started here (an HTTP environment's connection, MCP servers) is closed on any error
+            if options.environment is not None:
+                load = http_environment if is_url(options.environment) else load_environment
+                self.env = load(options.environment, options.env_options, options.tool_timeout_s)
+                for tool in self.env.tools:
+                    self.toolset.add(tool, f"agent.environment ({self.env.name}.tools)")
+            for key in options.tool_options:
+                if key not in self.toolset:
+                    raise ValueError(f"agent.tool_options.{key}: no tool is named '{key}'; the tools are "
+                                     f"{list(self.toolset.tools) or 'none'}")
+            if options.mcp_servers:  # started last: every cheaper check above has passed
+                self.mcp = McpServers(parse_servers(options.mcp_servers), options.tool_timeout_s)
+                for tool in self.mcp.tools:
+                    self.toolset.add(tool, f"agent.mcp_servers (the tool '{tool.name}')")
+            self.chat_format, self.bridge = self._chat_side()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the MCP servers and close the environment server's connection (idempotent)."""
+        if self.mcp is not None:
+            self.mcp.close()
+        if self.env is not None:
+            self.env.close()
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def _chat_side(self) -> tuple[str | None, ChatBridge | None]:
         """The chat format and bridge for chat prompts (None, None: raw-text prompts only)."""
@@ -354,7 +377,11 @@ class AgentDriver:
             timeouts.append(tool.batch_timeout(len(items)) if tool.batch_timeout else tool.timeout_s)
             names.append(f"the tool '{tool.name}' ({len(items)} calls)")
             sinks.append(lambda out, items=items, tool=tool: self._store_batch(items, tool, out))
-        for sink, out in zip(sinks, run_tasks(tasks, timeouts, self.options.max_parallel_tools, names)):
+        outs = run_tasks(tasks, timeouts, self.options.max_parallel_tools, names)
+        fatal = next((o.error for o in outs if isinstance(o.error, AgentFatalError)), None)
+        if fatal is not None:  # a server the agent needs is gone: the run fails, naming it
+            raise fatal
+        for sink, out in zip(sinks, outs):
             sink(out)
 
     def _check(self, call: ToolCall) -> tuple[Tool | None, dict[str, Any], str | None]:

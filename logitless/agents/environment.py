@@ -53,10 +53,17 @@ class EnvironmentClass:
     tools: list[Tool] = field(default_factory=list)
     has_reward: bool = False
     has_close: bool = False
+    label: str | None = None  # the name in messages (default: the class's)
+    resource: Any = None  # something with close() shared by the episodes (an HTTP environment's connection)
 
     @property
     def name(self) -> str:
-        return self.cls.__name__
+        return self.label or self.cls.__name__
+
+    def close(self) -> None:
+        """Release what the episodes share (at the agent's close)."""
+        if self.resource is not None:
+            self.resource.close()
 
     def make(self) -> Any:
         """A fresh instance for one episode."""
@@ -65,7 +72,8 @@ class EnvironmentClass:
 
 def load_environment(spec: str | type, options: dict[str, Any], timeout_s: float) -> EnvironmentClass:
     """Import and check an environment class; refuses, naming agent.environment / agent.env_options and the fix,
-    a class that does not implement the protocol or cannot be built with the options."""
+    a class that does not implement the protocol or cannot be built with the options. (A URL is an environment
+    server: logitless.agents.http_env.http_environment.)"""
     cls = _import_class(spec)
     name = cls.__name__
     for method in ("reset", "step"):

@@ -20,7 +20,7 @@ BUILTIN_TOOLS = ("calculator", "python")
 class AgentOptions:
     """Multi-turn episodes: the model may call tools and/or act in an environment over several turns.
 
-    Nothing here is on unless `tools`, `environment` or `driver` is set (`enabled`).
+    Nothing here is on unless `tools`, `environment`, `mcp_servers` or `driver` is set (`enabled`).
     """
 
     # Tools the model may call: the built-ins "calculator" (exact arithmetic) and "python" (runs code in the
@@ -30,6 +30,8 @@ class AgentOptions:
     tools: list[str] = field(default_factory=list)
     # An environment class "module:Class" for tasks that are not tool calls (docs/agents.md, "Environments"):
     # one instance per episode, `reset(row) -> first observation`, `step(text) -> (observation, reward, done)`.
+    # Or a server's URL "http://host:port" that speaks reset/step over HTTP (docs/agents.md, "HTTP environments"),
+    # whose client options are agent.env_options.
     # None = no environment: an episode ends at the first model turn without a tool call.
     environment: str | None = None
     env_options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the environment's constructor
@@ -55,6 +57,10 @@ class AgentOptions:
     # Weight of the episode's own reward (EpisodeRecord.reward: the environment's, or agent.driver's) in the total
     # reward, beside the reward functions of `reward.reward_funcs`.
     environment_reward_weight: float = 1.0
+    # MCP servers whose tools the model may call (docs/agents.md, "MCP tools"; needs the agents-mcp extra): a list
+    # of {name, command: [program, args...], env: {VAR: value}, cwd, tools: [names] (default all),
+    # startup_timeout_s (60)}. Each is started over stdio when the agent is built and stopped with the run.
+    mcp_servers: list[dict[str, Any]] = field(default_factory=list)
 
     # Your own episode driver "module:Class" in place of the built-in one (docs/agents.md, "Your own driver"): a
     # class implementing logitless.rollout.episodes.EpisodeDriver (begin, respond, finish; turn_end_ids,
@@ -111,6 +117,9 @@ class AgentOptions:
             raise bad("max_parallel_tools", "use an int >= 1 (threads running tool calls)")
         if not _number(self.environment_reward_weight):
             raise bad("environment_reward_weight", "use a finite number (1.0 = as much as one reward function)")
+        from logitless.agents.mcp_tools import parse_servers
+
+        parse_servers(self.mcp_servers)
         self._check_driver_and_traces(bad)
 
     def _check_driver_and_traces(self, bad: Any) -> None:
@@ -120,10 +129,10 @@ class AgentOptions:
         ):
             raise bad("driver", "give the class as 'module:Class' (e.g. 'mydriver:ShellDriver'), or null for the "
                                 "built-in driver")
-        if self.driver is not None and (self.tools or self.environment is not None):
-            raise bad("driver", "your driver replaces the built-in one that runs agent.tools and agent.environment; "
-                                "set agent.tools=[] and agent.environment=null (run tools inside your driver), or "
-                                "agent.driver=null")
+        if self.driver is not None and (self.tools or self.environment is not None or self.mcp_servers):
+            raise bad("driver", "your driver replaces the built-in one that runs agent.tools, agent.mcp_servers and "
+                                "agent.environment; set agent.tools=[], agent.mcp_servers=[] and "
+                                "agent.environment=null (run tools inside your driver), or agent.driver=null")
         if not isinstance(self.driver_options, dict):
             raise bad("driver_options", "give a mapping of constructor keyword arguments, e.g. {max_rounds: 3}")
         if self.driver_options and self.driver is None:
@@ -134,8 +143,8 @@ class AgentOptions:
 
     @property
     def enabled(self) -> bool:
-        """Whether episodes are multi-turn: tools, an environment or your own driver is configured."""
-        return bool(self.tools) or self.environment is not None or self.driver is not None
+        """Whether episodes are multi-turn: tools, MCP servers, an environment or your own driver is configured."""
+        return bool(self.tools) or bool(self.mcp_servers) or self.environment is not None or self.driver is not None
 
 
 def _int(v: Any) -> bool:

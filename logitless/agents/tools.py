@@ -238,6 +238,11 @@ class ToolInputError(ValueError):
     """Raised by a tool for a bad input; the model reads `Error: <message>` (without the exception's type)."""
 
 
+class AgentFatalError(RuntimeError):
+    """Raised by a tool or an environment when the run cannot go on (a server that is gone, a protocol the server
+    does not speak): the rollout stops and the run fails with this message, instead of the model reading it."""
+
+
 def calculator_tool(options: dict[str, Any], timeout_s: float) -> Tool:
     calc = Calculator(**options)
 
@@ -333,6 +338,8 @@ def run_call(tool: Tool, arguments: dict[str, Any], instance: Any) -> ToolResult
         value = call_function(fn, arguments)  # type: ignore[arg-type]
     except ToolInputError as e:
         return ToolResult(error_text(str(e)), error=True)
+    except AgentFatalError:
+        raise
     except Exception as e:  # noqa: BLE001 (any failure of a tool is an answer to the model)
         return ToolResult(error_text(f"{tool.name} raised {type(e).__name__}: {e}"), error=True)
     return ToolResult(to_text(value))

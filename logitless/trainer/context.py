@@ -268,7 +268,6 @@ def build_context(
     inputs = Inputs.load(cfg, console)
     model, tokenizer, device = _model(cfg, model, tokenizer, host=world.offload)
     load_reward_models(inputs.reward_fns, device)  # model:/judge: rewards, on the training device unless they name one
-    agent = Agent(tokenizer, cfg.agent) if cfg.agent.enabled else None  # tools, environment, template: checked here
     inputs.check_lengths(cfg, tokenizer, model)
     if cfg.train.packed:
         check_packed_attention(model)
@@ -288,7 +287,13 @@ def build_context(
     start, run_dir = int(state.get("step", 0)), Path(cfg.train.output_dir)
     logger = _logger(given or cfg, run_dir, world, start, run, console)
     coef = EntropyCoef(*state["entropy_coef"]) if "entropy_coef" in state else initial_entropy_coef(cfg.objective)
-    rollout.start(cfg, world, model, tokenizer, device, sampler=inputs.sampler, agent=agent, state=state)
+    agent = Agent(tokenizer, cfg.agent) if cfg.agent.enabled else None  # (checked by preflight before the weights)
+    try:
+        rollout.start(cfg, world, model, tokenizer, device, sampler=inputs.sampler, agent=agent, state=state)
+    except BaseException:
+        if agent is not None:
+            agent.close()  # its MCP servers stop with the failed start
+        raise
     return TrainContext(
         cfg=cfg, model=model, tokenizer=tokenizer, device=device, rollout=rollout, agent=agent, params=params,
         optimizer=optimizer, scheduler=scheduler, sampler=inputs.sampler, reward_fns=inputs.reward_fns,

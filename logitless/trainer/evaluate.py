@@ -114,7 +114,6 @@ def evaluate(
     `engine`: the rollout engine to generate with (default: a new one of rollout.backend); `fns`: the reward
     functions (default: built from cfg.reward); `agent`: the run's agent (default: one built from cfg.agent).
     """
-    k = cfg.eval.pass_k
     rows = rows[: cfg.eval.num_prompts]
     fns = reward_functions(cfg.reward) if fns is None else fns
     acc_col = accuracy_index(cfg.reward)
@@ -127,7 +126,19 @@ def evaluate(
 
             backend = rollout_backend(cfg, next(model.parameters()).device, model)[0]
         engine = make_engine(backend, model, tokenizer)
-    agent = (Agent(tokenizer, cfg.agent) if cfg.agent.enabled else None) if agent is None else agent
+    own = agent is None and cfg.agent.enabled  # an agent built here is closed here (its MCP servers stopped)
+    agent = Agent(tokenizer, cfg.agent) if own else agent
+    try:
+        return _evaluate(model, tokenizer, rows, cfg, split, engine, fns, agent, acc_col, options)
+    finally:
+        if own:
+            agent.close()
+
+
+def _evaluate(model: Any, tokenizer: Any, rows: list[PromptRow], cfg: TrainerConfig, split: str, engine: Any,
+              fns: list[Callable[..., Any]], agent: Any, acc_col: int, options: Any) -> EvalResult:
+    """`evaluate`'s generation and scoring, with the engine and agent decided."""
+    k = cfg.eval.pass_k
     env_weight = environment_weight(cfg)
     t0 = time.perf_counter()
     solved, rewards, samples, episodes, lengths, traces = [], [], [], [], [], []

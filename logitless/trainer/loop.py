@@ -311,6 +311,8 @@ def _train(
     finally:
         ctx.logger.close()
         ctx.rollout.close(wait=finished)  # on an error or a stop-at-once, the rollout in flight is not awaited
+        if ctx.agent is not None:
+            ctx.agent.close()  # its MCP servers and environment server connection
     if result.interrupted:
         sig = result.interrupted
         when = f"after step {result.step}" if result.step > ctx.start else f"before step {ctx.start + 1} finished"

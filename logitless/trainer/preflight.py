@@ -97,7 +97,7 @@ def preflight(cfg: TrainerConfig, *, training: bool = True, model_given: bool = 
         from logitless.agents import Agent
 
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
-        Agent(tokenizer, cfg.agent)
+        Agent(tokenizer, cfg.agent).close()  # (MCP servers started to list their tools stop again)
         lines.append(f"agent: the driver {cfg.agent.driver} imports and takes agent.driver_options"
                      if cfg.agent.driver is not None else
                      "agent: every tool and the environment import and check, and the chat template renders them")
@@ -251,7 +251,8 @@ def check_agent(cfg: TrainerConfig) -> None:
     if not agent.enabled:
         return
     on = (f"agent.tools={list(agent.tools)}" if agent.tools else f"agent.environment={agent.environment!r}"
-          if agent.environment is not None else f"agent.driver={agent.driver!r}")
+          if agent.environment is not None else f"agent.driver={agent.driver!r}" if agent.driver is not None
+          else f"agent.mcp_servers={[s.get('name') for s in agent.mcp_servers]}")
     if cfg.rollout.backend == "continuous":
         raise ValueError(f"{on} runs multi-turn episodes, which rollout.backend=continuous cannot: set "
                          "rollout.backend=hf (or static)")

@@ -165,7 +165,7 @@ def test_per_token_advantages_give_the_full_batch_loss_under_any_micro_batch_spl
         (g,) = torch.autograd.grad(loss, lp)
         grad[m.rows, :t] += g
         total += float(loss.detach())
-    assert total == pytest.approx(float(full), rel=1e-12, abs=1e-14)
+    assert total == pytest.approx(float(full.detach()), rel=1e-12, abs=1e-14)
     assert torch.allclose(grad, g_full, rtol=1e-12, atol=1e-15)
 
 

@@ -30,7 +30,8 @@ def test_policy_loss_input_messages():
     _raises(ValueError, "mask must have the shape of logp [5, 4], got [].", policy_loss, logp, [1], adv, o, n)
     _raises(ValueError, "mask must have the shape of logp [5, 4], got [5, 3].", policy_loss, logp, mask[:, :3], adv,
             o, n)
-    _raises(ValueError, "advantages must have shape [B] = [5] (one value per sequence), got list.",
+    _raises(ValueError, "advantages must have shape [B] = [5] (one value per sequence) or the shape of logp [5, 4] "
+                        "(one per token, e.g. per turn of an episode), got list.",
             policy_loss, logp, mask, [1.0] * 5, o, n)
     _raises(ValueError, "old_logp must have the shape of logp [5, 4], got list.",
             policy_loss, logp, mask, adv, o, n, old_logp=[0.0])

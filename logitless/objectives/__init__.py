@@ -2,6 +2,7 @@
 logging, I/O or collectives (the trainer all-reduces the counts and metrics these functions return)."""
 
 from logitless.objectives.advantages import AdvantageOutput, compute_advantages
+from logitless.objectives.credit import TurnAdvantageOutput, token_advantages, token_turns, turn_advantages
 from logitless.objectives.entropy import (
     EntropyCoef,
     controlled_entropy,
@@ -16,12 +17,14 @@ from logitless.objectives.metrics import Stat, merge_metrics, pack_metrics, summ
 from logitless.objectives.options import (
     ADVANTAGE_ESTIMATORS,
     ADVANTAGE_SCALES,
+    CREDITS,
     ENTROPY_BONUS_REDUCTIONS,
     IS_LEVELS,
     KL_ESTIMATORS,
     LOSS_TYPES,
     MULTI_REWARD_MODES,
     SAMPLER_IS_MODES,
+    TURN_BASELINES,
     AdvantageOptions,
     ObjectiveOptions,
 )
@@ -29,6 +32,7 @@ from logitless.objectives.options import (
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "ADVANTAGE_SCALES",
+    "CREDITS",
     "ENTROPY_BONUS_REDUCTIONS",
     "IS_LEVELS",
     "KL_ESTIMATORS",
@@ -36,12 +40,14 @@ __all__ = [
     "LOSS_TYPES",
     "MULTI_REWARD_MODES",
     "SAMPLER_IS_MODES",
+    "TURN_BASELINES",
     "AdvantageOptions",
     "AdvantageOutput",
     "EntropyCoef",
     "ObjectiveOptions",
     "ObjectiveOutput",
     "Stat",
+    "TurnAdvantageOutput",
     "compute_advantages",
     "controlled_entropy",
     "entropy_bonus_normalizer",
@@ -54,6 +60,9 @@ __all__ = [
     "pack_metrics",
     "policy_loss",
     "summarize",
+    "token_advantages",
+    "token_turns",
+    "turn_advantages",
     "unpack_metrics",
     "update_entropy_coef",
 ]

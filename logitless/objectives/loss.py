@@ -87,9 +87,10 @@ def _check_inputs(logp, mask, advantages, options, normalizer, tensors: dict, tr
     shape = tuple(logp.shape)
     if not isinstance(mask, Tensor) or tuple(mask.shape) != shape:
         raise ValueError(f"mask must have the shape of logp {list(shape)}, got {list(getattr(mask, 'shape', []))}.")
-    if not isinstance(advantages, Tensor) or tuple(advantages.shape) != shape[:1]:
+    if not isinstance(advantages, Tensor) or tuple(advantages.shape) not in (shape[:1], shape):
         got = list(advantages.shape) if isinstance(advantages, Tensor) else type(advantages).__name__
-        raise ValueError(f"advantages must have shape [B] = [{shape[0]}] (one value per sequence), got {got}.")
+        raise ValueError(f"advantages must have shape [B] = [{shape[0]}] (one value per sequence) or the shape of "
+                         f"logp {list(shape)} (one per token, e.g. per turn of an episode), got {got}.")
     for name, t in tensors.items():
         if t is not None and (not isinstance(t, Tensor) or tuple(t.shape) != shape):
             raise ValueError(f"{name} must have the shape of logp {list(shape)}, got "
@@ -128,7 +129,7 @@ def _check_inputs(logp, mask, advantages, options, normalizer, tensors: dict, tr
 def policy_loss(
     logp: Tensor,  # [B, T] current policy logprobs of the sampled tokens (with grad)
     mask: Tensor,  # [B, T] loss mask: completion × tool × (truncation) mask, 0/1
-    advantages: Tensor,  # [B]
+    advantages: Tensor,  # [B] one per sequence, or [B, T] one per token (turn-level credit, objectives/credit.py)
     options: ObjectiveOptions,
     normalizer: float | Tensor,  # global count over the step (loss_normalizer, all-reduced)
     *,
@@ -166,7 +167,10 @@ def policy_loss(
     stats["completion_length"] = (valid0.sum(-1).to(dtype), None)
     lp = _clean(logp, valid, dtype)  # [B, T]
     old = lp.detach() if old_logp is None else _clean(old_logp.detach(), valid, dtype)
-    adv = advantages.detach().to(dtype).view(-1, 1)  # [B, 1]
+    # [B, 1], or [B, T] per token: every term below takes A elementwise (sign tests, the off-policy mask, vespo's
+    # (k, λ) then follow each token's own advantage)
+    adv = advantages.detach().to(dtype)
+    adv = adv.view(-1, 1) if adv.dim() == 1 else torch.where(valid, adv, 0.0)
 
     # Importance ratio π_θ / π_old at the chosen level.
     log_ratio = (lp - old).clamp(-L, L)  # [B, T]
@@ -216,14 +220,14 @@ def policy_loss(
         pg = -torch.min(coef_d * adv, coef_2 * adv)
         clip_low, clip_high = (coef_1 < lo_b) & (adv < 0), (coef_1 > hi_b) & (adv > 0)
         if o.dual_clip is not None:
-            bound = -o.dual_clip * adv  # [B, 1]
+            bound = -o.dual_clip * adv  # like adv
             stats["clip/dual"] = ((adv < 0) & (pg > bound), valid)
             pg = torch.where(adv < 0, torch.minimum(pg, bound), pg)
     elif lt == "cispo":
         pg = -coef_1.clamp(max=o.epsilon_high).detach() * adv * lp
         clip_high = (coef_1 > o.epsilon_high) & (adv > 0)
     elif lt == "sapo":
-        tau = torch.where(adv > 0, o.sapo_temperature_pos, o.sapo_temperature_neg)  # [B, 1]
+        tau = torch.where(adv > 0, o.sapo_temperature_pos, o.sapo_temperature_neg)  # like adv
         pg = -(torch.sigmoid(tau * (coef_1 - 1.0)) * 4.0 / tau) * adv
     else:  # vespo: detached gamma weight φ(W_i) of the sequence ratio (× ρ), REINFORCE-style term
         with torch.no_grad():
@@ -318,7 +322,7 @@ def _entropy_bonus(ent: Tensor, kept: Tensor, o: ObjectiveOptions, normalizer, e
 
 def on_policy_logp_grad(
     mask: Tensor,  # [B, T]
-    advantages: Tensor,  # [B]
+    advantages: Tensor,  # [B] or [B, T]
     options: ObjectiveOptions,
     normalizer: float | Tensor,
     *,

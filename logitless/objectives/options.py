@@ -21,6 +21,8 @@ ENTROPY_BONUS_REDUCTIONS = ("step_mean", "trl")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
 ADVANTAGE_SCALES = ("group", "batch", "none")
 MULTI_REWARD_MODES = ("sum_then_normalize", "normalize_then_sum")
+CREDITS = ("episode", "turn")  # one advantage per episode | per model turn of a multi-turn episode
+TURN_BASELINES = ("turn", "episode")  # turn credit: group statistics at the same turn index | of the episode returns
 
 # What the caller-given normalizer counts, per loss type (see `loss_normalizer`).
 NORMALIZER_KIND = {
@@ -210,12 +212,31 @@ class AdvantageOptions:
     multi_reward: str = "sum_then_normalize"  # TRL multi_objective_aggregation; normalize_then_sum = GDPO
     reward_weights: tuple[float, ...] | None = None  # one per reward function; None = all 1.0
     epsilon: float = 1e-4  # added to the std before dividing (TRL)
+    # episode: every model token of an episode gets the episode's advantage; turn: each model turn of a multi-turn
+    # episode gets its own, from the discounted return-to-go of the per-turn rewards (needs an agent; docs/agents.md)
+    credit: str = "episode"
+    turn_discount: float = 1.0  # credit=turn: gamma of the return-to-go sum_{t'>=t} gamma^(t'-t) r_t', in [0, 1]
+    # credit=turn: turn = mean/std over the group's episodes that reached the same turn index (MT-GRPO); episode =
+    # mean/std of the group's episode returns (the return-to-go of turn 0)
+    turn_baseline: str = "turn"
 
     def __post_init__(self) -> None:
         _choice("estimator", self.estimator, ADVANTAGE_ESTIMATORS)
         _choice("scale", self.scale, ADVANTAGE_SCALES)
         _choice("multi_reward", self.multi_reward, MULTI_REWARD_MODES)
+        _choice("credit", self.credit, CREDITS)
+        _choice("turn_baseline", self.turn_baseline, TURN_BASELINES)
         _number("epsilon", self.epsilon, low=0.0)
+        _number("turn_discount", self.turn_discount, low=0.0, high=1.0)
+        if self.credit == "episode" and (self.turn_discount != 1.0 or self.turn_baseline != "turn"):
+            key = "turn_discount" if self.turn_discount != 1.0 else "turn_baseline"
+            raise ValueError(f"{key}={getattr(self, key)!r} only applies to credit='turn' (an advantage per model "
+                             f"turn); with credit='episode' every turn gets the episode's advantage. Set "
+                             f"credit='turn', or leave {key} at its default.")
+        if self.credit == "turn" and self.multi_reward == "normalize_then_sum":
+            raise ValueError("credit='turn' sums the weighted rewards into per-turn returns before normalizing; "
+                             "multi_reward='normalize_then_sum' (GDPO) z-scores each reward function per episode, "
+                             "which has no per-turn form. Use multi_reward='sum_then_normalize'.")
         if self.reward_weights is not None:
             self.reward_weights = tuple(self.reward_weights)
             for i, w in enumerate(self.reward_weights):

@@ -52,11 +52,13 @@ class EpisodeRecord:
     turns: int = 0  # model turns
     tool_calls: int = 0
     tool_errors: int = 0  # malformed calls, unknown tools, wrong arguments, raising / hanging tools
-    reward: float | None = None  # the environment's own reward for the episode (None: it gives none)
+    # the environment's own reward for the whole episode: its turn_rewards plus any final reward (None: it gives none)
+    reward: float | None = None
     truncated: bool = False  # ended by a budget or max_turns instead of by the model or the environment
     metrics: dict[str, float] = field(default_factory=dict)  # anything else per episode, averaged over the step
     # after each model turn, the reward the environment gave for it (None: none, e.g. a turn of tool calls); the
-    # final reward() is in `reward` only
+    # final reward() is in `reward` only. One entry per model turn, or none (advantage.credit=turn then puts the
+    # whole `reward` on the last turn)
     turn_rewards: list[float | None] = field(default_factory=list)
 
 

@@ -24,7 +24,7 @@ class MicroBatch:
     completion_mask: torch.Tensor  # [b, t] every completion token (attended to)
     sampler_logp: torch.Tensor  # [b, t] fp32
     truncated: torch.Tensor  # [b] bool
-    advantages: torch.Tensor  # [b] fp32
+    advantages: torch.Tensor  # [b] fp32, or [b, t] per token (advantage.credit=turn: each model turn its own)
     # [b, t] the completion tokens that are trained: the model's (completion_mask less the observation tokens of
     # multi-turn episodes, RolloutBatch.env_mask); the same tensor as completion_mask without episodes
     loss_mask: torch.Tensor | None = None
@@ -57,7 +57,7 @@ def make_micro_batches(
     completion_mask: torch.Tensor,  # [B, T]
     sampler_logp: torch.Tensor,  # [B, T]
     truncated: torch.Tensor,  # [B]
-    advantages: torch.Tensor,  # [B]
+    advantages: torch.Tensor,  # [B], or [B, T] per token
     size: int,
     rows: torch.Tensor | None = None,  # [n] long, only these rows (default: all B)
     *,
@@ -102,7 +102,7 @@ def make_micro_batches(
                 completion_mask=cm[:, :t],
                 sampler_logp=sampler_logp[chunk][:, :t],
                 truncated=truncated[chunk],
-                advantages=advantages[chunk],
+                advantages=advantages[chunk] if advantages.dim() == 1 else advantages[chunk][:, :t],
                 loss_mask=None if loss_mask is None else loss_mask[chunk][:, :t],
                 prompt_routes=None if routes is None else routes[0][chunk][:, -p:],
                 completion_routes=None if routes is None else routes[1][chunk][:, :t],

@@ -25,14 +25,13 @@ from __future__ import annotations
 import torch
 
 from logitless.models.routing import no_route
-from logitless.objectives import compute_advantages
 from logitless.rewards import RewardScores
 from logitless.rollout import RolloutBatch, RolloutTiming
 from logitless.trainer.report.accounting import PhaseTimer
 from logitless.trainer.context import TrainContext
 from logitless.trainer.distributed.parallel import agree
 from logitless.trainer.signals import check_stop
-from logitless.trainer.stages import Rollout, Scored, reward_metrics, rollout_stage, score_stage
+from logitless.trainer.stages import Rollout, Scored, advantages_of, reward_metrics, rollout_stage, score_stage
 
 WARN_ROUNDS = 8  # rounds without an informative group before the first warning (then at 2x, 4x, ...)
 
@@ -169,7 +168,7 @@ def sample_step(ctx: TrainContext, step: int, timer: PhaseTimer) -> tuple[Rollou
     kept = Rollout(rows=[sample_rows[int(g) * G] for g in groups], sample_rows=[sample_rows[i] for i in rows.tolist()],
                    batch=batch, options=rollouts[0].options)
     kept_scores = select_scores(all_scores, rows)
-    scored = Scored(kept_scores, compute_advantages(kept_scores.rewards, G, ctx.adv_options))
+    scored = advantages_of(ctx, batch, kept_scores)
     n_informative = int(flags.sum())
     metrics = reward_metrics(all_scores.rewards, all_scores.total, all_scores.names, ctx.acc_col)
     metrics.update({f"reward/{n}/errors": e for n, e in zip(all_scores.names, all_scores.num_errors) if e})

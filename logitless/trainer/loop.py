@@ -113,8 +113,11 @@ def log_step(ctx: TrainContext, result: TrainResult, step: int, record: dict[str
     if ctx.traces is not None and ro.batch.episodes is not None:
         sc = scored.scores
         picked = traced_rows(len(ro.batch.episodes), ctx.traces.n)
+        turn = scored.turn  # advantage.credit=turn: each model turn's advantage too
         ctx.traces.write(step, batch_traces(picked, ro.sample_rows, ro.batch.episodes, sc.names, sc.rewards,
-                                            sc.total, scored.adv.advantages))
+                                            sc.total, scored.adv.advantages,
+                                            turn_advantages=None if turn is None else turn.turns.advantages.tolist(),
+                                            num_turns=None if turn is None else turn.num_turns.tolist()))
     if cfg.log_completions and (step % cfg.completions_steps == 0 or step == 1):
         totals = [None if math.isnan(v) else v for v in scored.scores.total.tolist()]
         prompts = [prompt_text(r.prompt) for r in ro.sample_rows]

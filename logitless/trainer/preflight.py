@@ -186,6 +186,12 @@ def _check_training(cfg: TrainerConfig) -> None:
         )
     if cfg.advantage.reward_weights is not None:
         raise ValueError("set reward weights once, in reward.reward_weights (advantage.reward_weights is filled from it)")
+    if cfg.advantage.credit == "turn" and not cfg.agent.enabled:
+        raise ValueError(
+            "advantage.credit=turn gives each model turn of a multi-turn episode its own advantage, but this run has "
+            "no agent, so every completion is one turn; set agent.environment (its step() rewards each turn) or "
+            "agent.driver, or advantage.credit=episode"
+        )
     if cfg.objective.max_completion_length not in (None, cfg.rollout.max_completion_length):
         raise ValueError(
             f"objective.max_completion_length={cfg.objective.max_completion_length} (the dr_grpo normalizer) differs "

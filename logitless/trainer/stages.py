@@ -50,10 +50,12 @@ from logitless.trainer.distributed.parallel import (
 )
 from logitless.trainer.episodes import (
     ENVIRONMENT_REWARD,
+    TurnCredit,
     environment_rewards,
     environment_weight,
     episode_metrics,
     reward_completions,
+    turn_credit,
 )
 from logitless.trainer.placement.engines import sampling_options
 from logitless.trainer.policy.offload import ActivationOffload, optimizer_state
@@ -73,7 +75,13 @@ class Rollout:
 @dataclass
 class Scored:
     scores: RewardScores  # rewards [B, R], weighted total [B], error counts
-    adv: AdvantageOutput  # advantages [B] and their metrics
+    adv: AdvantageOutput  # advantages [B] and their metrics (credit=turn: the turns' metrics and zero-variance rows)
+    turn: TurnCredit | None = None  # advantage.credit=turn: each turn's and each token's advantage
+
+    @property
+    def advantages(self) -> torch.Tensor:
+        """What the update trains with: [B, T] per token (advantage.credit=turn), else [B] per episode."""
+        return self.turn.tokens if self.turn is not None else self.adv.advantages
 
 
 @dataclass
@@ -177,7 +185,7 @@ def parked_state(ctx: TrainContext) -> Iterator[None]:
 
 
 def score_stage(ctx: TrainContext, ro: Rollout) -> Scored:
-    """Rewards [B, R] of every sample and group advantages [B]."""
+    """Rewards [B, R] of every sample and group advantages (`advantages_of`)."""
     r = ctx.cfg.reward
     prompts = [x.prompt for x in ro.sample_rows]
     scores = score_completions(  # multi-turn episodes: the whole conversation (trainer/episodes.py)
@@ -187,7 +195,20 @@ def score_stage(ctx: TrainContext, ro: Rollout) -> Scored:
     weight = environment_weight(ctx.cfg)
     if weight is not None:  # the environment's own episode rewards: one more column (ctx.adv_options weighs it)
         scores = add_reward_column(scores, ENVIRONMENT_REWARD, environment_rewards(ro.batch), weight)
-    return Scored(scores, compute_advantages(scores.rewards, ctx.cfg.rollout.num_generations, ctx.adv_options))
+    return advantages_of(ctx, ro.batch, scores)
+
+
+def advantages_of(ctx: TrainContext, batch: RolloutBatch, scores: RewardScores) -> Scored:
+    """The advantages of this process's rows (whole prompt groups: under torchrun each rank holds whole groups, so
+    every group statistic is the one-process value; the batch-wide options are refused there): per episode, and
+    with advantage.credit=turn per model turn and token (trainer/episodes.py), before any micro-batch split."""
+    G, o = ctx.cfg.rollout.num_generations, ctx.adv_options
+    adv = compute_advantages(scores.rewards, G, o)
+    if o.credit != "turn":
+        return Scored(scores, adv)
+    turn = turn_credit(batch, scores.rewards, scores.names, o, G)
+    adv = AdvantageOutput(adv.advantages, adv.total_reward, turn.turns.zero_variance, {**adv.metrics, **turn.turns.metrics})
+    return Scored(scores, adv, turn)
 
 
 def check_empty(ctx: TrainContext, ro: Rollout, step: int) -> None:
@@ -230,13 +251,14 @@ def plan_update(ctx: TrainContext, ro: Rollout, scored: Scored, rows: torch.Tens
     cfg, b = ctx.cfg, ro.batch
     o = cfg.objective
     top_entropy, entropy_grad = _entropy_terms(ctx)
-    adv = scored.adv.advantages.to(ctx.device)
+    adv = scored.advantages.to(ctx.device)  # [B], or [B, T] with advantage.credit=turn
     # Rows with advantage 0 add exactly 0 to the loss and its gradient when there is no KL or entropy term, so
     # they are not run (they still count in the normalizer, which is taken over all rows).
     part = torch.arange(b.completion_mask.shape[0], device=ctx.device) if rows is None else rows.to(ctx.device)
     trained = part
     if cfg.train.skip_zero_advantage and o.beta == 0 and not (entropy_grad or top_entropy):
-        trained = part[adv[part] != 0]
+        nonzero = adv[part] != 0
+        trained = part[nonzero if nonzero.dim() == 1 else nonzero.any(1)]
     # Multi-turn episodes: only the model's tokens are trained (observations stay in the sequence as context)
     loss = b.loss_mask()  # [B, T] (completion_mask itself without episodes)
     episodes = None if b.env_mask is None else loss

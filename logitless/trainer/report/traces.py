@@ -30,10 +30,10 @@ def traced_rows(num_rows: int, n: int) -> list[int]:
 
 
 def episode_trace(row: Any, record: Any, rewards: dict[str, float | None], total: float | None,
-                  advantage: float | None = None) -> dict[str, Any]:
+                  advantage: float | None = None, turn_advantages: list[float] | None = None) -> dict[str, Any]:
     """One episode as a trace line (without its step): the row's prompt (and answer, if any), the record's
     conversation and counts, its own reward and per-turn rewards, the reward functions' scores and total (None
-    where NaN), and the advantage (training only)."""
+    where NaN), and the advantage (training only; with advantage.credit=turn also each model turn's)."""
     line: dict[str, Any] = {"prompt": row.prompt}
     if "answer" in row.fields:
         line["answer"] = row.fields["answer"]
@@ -43,21 +43,26 @@ def episode_trace(row: Any, record: Any, rewards: dict[str, float | None], total
                 reward=total, metrics=dict(record.metrics))
     if advantage is not None:
         line["advantage"] = advantage
+    if turn_advantages is not None:
+        line["turn_advantages"] = turn_advantages
     return line
 
 
 def batch_traces(picked: Sequence[int], sample_rows: Sequence[Any], episodes: Sequence[Any], names: Sequence[str],
-                 rewards: Any, totals: Any, advantages: Any = None, first: int = 0) -> list[dict[str, Any]]:
+                 rewards: Any, totals: Any, advantages: Any = None, first: int = 0,
+                 turn_advantages: Any = None, num_turns: Any = None) -> list[dict[str, Any]]:
     """The trace lines of rows `picked` (e.g. `traced_rows`) of one rollout: `rewards` [B, R] and `totals` [B]
-    (tensors or lists), `advantages` [B] or None; each line's `sample` is its row + `first`."""
+    (tensors or lists), `advantages` [B] or None, `turn_advantages` [B, K] with `num_turns` [B] (advantage.credit=
+    turn) or None; each line's `sample` is its row + `first`."""
     rewards = rewards.tolist() if hasattr(rewards, "tolist") else rewards
     totals = totals.tolist() if hasattr(totals, "tolist") else totals
     advantages = advantages.tolist() if hasattr(advantages, "tolist") else advantages
     lines = []
     for b in picked:
         scores = {name: _finite(v) for name, v in zip(names, rewards[b])}
+        turns = None if turn_advantages is None else [float(a) for a in turn_advantages[b][: int(num_turns[b])]]
         line = episode_trace(sample_rows[b], episodes[b], scores, _finite(totals[b]),
-                             None if advantages is None else float(advantages[b]))
+                             None if advantages is None else float(advantages[b]), turns)
         lines.append({"sample": first + b, **line})
     return lines
 

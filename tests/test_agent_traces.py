@@ -9,6 +9,7 @@ import pytest
 
 from logitless.rollout.episodes import EpisodeRecord
 from logitless.trainer.report.traces import TRACES_FILE, EpisodeTraces, batch_traces, traced_rows
+from logitless.trainer.rundir import write_atomic
 from tests.conftest import tiny_qwen2
 from tests.test_trainer import VOCAB, _cfg, _train, rewards_module, tok  # noqa: F401 (fixtures)
 from tests.test_trainer_agent import AGENT, env_module  # noqa: F401 (fixture)
@@ -77,7 +78,7 @@ def test_traces_keep_tool_calls_and_a_resumed_run_drops_later_steps(tmp_path):
                                      {"role": "tool", "name": "calculator", "content": "3", "tool_call_id": "000000000"},
                                      {"role": "assistant", "content": "3"}], turns=2, tool_calls=1)
     rows = [PromptRow(prompt="1+2?", fields={"answer": "3"})] * 4
-    traces = EpisodeTraces(tmp_path, 2)
+    traces = EpisodeTraces(tmp_path, 2, 0, write_atomic)
     for step in (1, 2, 3):
         traces.write(step, batch_traces(traced_rows(4, 2), rows, [record] * 4, ["r"], [[1.0]] * 4, [1.0] * 4))
     lines = _lines(tmp_path / TRACES_FILE)
@@ -85,8 +86,8 @@ def test_traces_keep_tool_calls_and_a_resumed_run_drops_later_steps(tmp_path):
     assert lines[0]["messages"][0]["tool_calls"][0]["function"]["arguments"] == {"x": "{1, 2}"}  # not JSON: as text
     assert lines[0]["messages"][1] == {"role": "tool", "name": "calculator", "content": "3",
                                        "tool_call_id": "000000000"}
-    EpisodeTraces(tmp_path, 2, resume_step=2)  # a run resumed from step 2 writes step 3 again
+    EpisodeTraces(tmp_path, 2, 2, write_atomic)  # a run resumed from step 2 writes step 3 again
     assert [t["step"] for t in _lines(tmp_path / TRACES_FILE)] == [1, 1, 2, 2]
-    EpisodeTraces(tmp_path, 2)  # a new run in the folder
+    EpisodeTraces(tmp_path, 2, 0, write_atomic)  # a new run in the folder
     assert (tmp_path / TRACES_FILE).read_text() == ""
     assert traced_rows(3, 5) == [0, 1, 2] and traced_rows(8, 0) == [] and traced_rows(10, 4) == [0, 2, 5, 7]

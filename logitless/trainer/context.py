@@ -302,6 +302,6 @@ def build_context(
         peaks=device_peaks(device, cfg.logging.peak_tflops, cfg.logging.hbm_tbs), run_dir=run_dir, logger=logger,
         start=start, entropy_coef=coef, world=world, run=run, lora_compute=LoraCompute(model, cfg.model),
         eval_rows=inputs.eval_rows, health=RunHealth(cfg, logger.print, state.get("health")),
-        traces=EpisodeTraces(run_dir, cfg.agent.trace_episodes, start)
+        traces=EpisodeTraces(run_dir, cfg.agent.trace_episodes, start, write_atomic)
         if world.main and agent is not None and cfg.agent.trace_episodes else None,
     )

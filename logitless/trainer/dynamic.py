@@ -31,7 +31,8 @@ from logitless.trainer.report.accounting import PhaseTimer
 from logitless.trainer.context import TrainContext
 from logitless.trainer.distributed.parallel import agree
 from logitless.trainer.signals import check_stop
-from logitless.trainer.stages import Rollout, Scored, advantages_of, reward_metrics, rollout_stage, score_stage
+from logitless.trainer.report.metrics import reward_metrics
+from logitless.trainer.stages import Rollout, Scored, advantages_of, rollout_stage, score_stage
 
 WARN_ROUNDS = 8  # rounds without an informative group before the first warning (then at 2x, 4x, ...)
 

@@ -60,6 +60,7 @@ from logitless.trainer.episodes import (
 from logitless.trainer.placement.engines import sampling_options
 from logitless.trainer.policy.offload import ActivationOffload, optimizer_state
 from logitless.trainer.report.accounting import PhaseTimer, decode_ideal_seconds, update_flops
+from logitless.trainer.report.metrics import reward_metrics
 
 MAX_EMPTY_STEPS = 3  # consecutive steps whose completions are all empty before the run is stopped
 
@@ -419,21 +420,6 @@ def update_stage(ctx: TrainContext, plan: UpdatePlan | list[UpdatePlan], oldref:
         if ctx.cfg.objective.use_adaptive_entropy:
             ctx.entropy_coef = update_entropy_coef(ctx.entropy_coef.coef, controlled_entropy(merged), ctx.cfg.objective)
     return res
-
-
-def reward_metrics(rewards: torch.Tensor, total: torch.Tensor, names: list[str], acc_col: int | None) -> dict[str, float]:
-    """Mean/std of each reward function [B, R] and of the weighted total [B]; accuracy = share of samples whose
-    accuracy reward is 1 (samples it could not score count as wrong), left out without an accuracy reward
-    (`acc_col` None: builders.training_accuracy_index)."""
-    out: dict[str, float] = {"reward/mean": float(total.mean()), "reward/std": float(total.std(unbiased=False))}
-    for k, name in enumerate(names):
-        col = rewards[:, k]
-        ok = col[~torch.isnan(col)]
-        out[f"reward/{name}/mean"] = float(ok.mean()) if ok.numel() else math.nan
-        out[f"reward/{name}/std"] = float(ok.std(unbiased=False)) if ok.numel() else math.nan
-    if acc_col is not None:
-        out["accuracy"] = float((rewards[:, acc_col] == 1.0).float().mean())
-    return out
 
 
 def efficiency_metrics(ctx: TrainContext, ro: Rollout, plan: UpdatePlan, timer: PhaseTimer) -> dict[str, float]:

@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+import torch
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -293,3 +294,18 @@ class RewardNoneReport:
             self.emit(f"[yellow]warning:[/] step {step}: {escape(text)}. Shown once per reward function.")
             out[f"warning/reward_none/{name}"] = text
         return out
+
+
+def reward_metrics(rewards: torch.Tensor, total: torch.Tensor, names: list[str], acc_col: int | None) -> dict[str, float]:
+    """Mean/std of each reward function [B, R] and of the weighted total [B]; accuracy = share of samples whose
+    accuracy reward is 1 (samples it could not score count as wrong), left out without an accuracy reward
+    (`acc_col` None: builders.training_accuracy_index)."""
+    out: dict[str, float] = {"reward/mean": float(total.mean()), "reward/std": float(total.std(unbiased=False))}
+    for k, name in enumerate(names):
+        col = rewards[:, k]
+        ok = col[~torch.isnan(col)]
+        out[f"reward/{name}/mean"] = float(ok.mean()) if ok.numel() else math.nan
+        out[f"reward/{name}/std"] = float(ok.std(unbiased=False)) if ok.numel() else math.nan
+    if acc_col is not None:
+        out["accuracy"] = float((rewards[:, acc_col] == 1.0).float().mean())
+    return out

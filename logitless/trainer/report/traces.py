@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 TRACES_FILE = "episodes.jsonl"
 
@@ -78,11 +78,11 @@ def trace_text(step: int | None, lines: Sequence[dict[str, Any]]) -> str:
 
 class EpisodeTraces:
     """Appends each step's trace lines to `<run_dir>/episodes.jsonl`. `resume_step`: lines of later steps are
-    dropped (a resumed run writes them again); 0: a new run, any earlier file is replaced."""
+    dropped (a resumed run writes them again); 0: a new run, any earlier file is replaced, by `write_atomic(path,
+    text)` (the run folder's atomic write, `trainer/rundir.py`)."""
 
-    def __init__(self, run_dir: str | Path, n: int, resume_step: int = 0) -> None:
-        from logitless.trainer.rundir import write_atomic
-
+    def __init__(self, run_dir: str | Path, n: int, resume_step: int,
+                 write_atomic: Callable[[Path, str], None]) -> None:
         self.path, self.n = Path(run_dir) / TRACES_FILE, n
         if self.path.is_file():
             kept = [line for line in self.path.read_text(errors="replace").splitlines()

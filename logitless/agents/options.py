@@ -49,6 +49,11 @@ class AgentOptions:
     # ChatML template cannot render tools. It must be append-only (messages added later never change how
     # earlier ones render); this is checked when the agent is built.
     chat_template: str | None = None
+    # The system message of chat prompts that have none (a prompt's own, e.g. from data.options.system_prompt,
+    # stays). None: what the chat template writes without one; the shipped qwen2.5 template (substituted for a ChatML
+    # template that cannot render tools, or named in agent.chat_template) writes the model's own template's default
+    # system message (Qwen's for Qwen2.5, SmolLM2's for SmolLM2), else "You are a helpful assistant.".
+    system_prompt: str | None = None
     max_turns: int = 8  # model turns per episode; an episode still calling tools after this many is truncated
     max_turn_tokens: int | None = None  # most tokens of one model turn (None: only the episode budget)
     tool_timeout_s: float = 10.0  # wall time of one tool call (a hung call is abandoned and answered by an error)
@@ -105,6 +110,8 @@ class AgentOptions:
             raise bad("format", f"use one of {list(FORMATS)}")
         if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template):
             raise bad("chat_template", "give a path to a jinja file, a shipped name ('qwen2.5'), or null")
+        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
+            raise bad("system_prompt", "give the system message as text, or null for the chat template's default")
         if not _int(self.max_turns) or self.max_turns < 1:
             raise bad("max_turns", "use an int >= 1 (model turns per episode)")
         if self.max_turn_tokens is not None and (not _int(self.max_turn_tokens) or self.max_turn_tokens < 1):

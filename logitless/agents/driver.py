@@ -26,6 +26,7 @@ from logitless.agents.options import AgentOptions
 from logitless.agents.parsing import PARSERS, ParsedTurn, ToolCall
 from logitless.agents.python_tool import python_tool
 from logitless.agents.runner import Outcome, run_tasks
+from logitless.agents.rowtools import RowTools, unknown_tool
 from logitless.agents.templates import CHAT_FORMATS, chat_side, special_ids, tool_call_message, with_system
 from logitless.agents.tools import (AgentFatalError, Tool, ToolResult, ToolSet, calculator_tool, check_arguments,
                                     cut_middle, error_text, function_tool, load_function, run_call)
@@ -43,7 +44,7 @@ class Agent:
         self.tokenizer, self.options = tokenizer, options
         self.toolset = ToolSet()
         self.custom = None  # agent.driver: your own driver, which replaces the tools, environment and template
-        self.env, self.mcp, self.chat_format, self.bridge = None, None, None, None
+        self.env, self.mcp, self.chat_format, self.bridge, self.row_tools = None, None, None, None, None
         if options.driver is not None:
             self.custom = load_driver(options.driver, options.driver_options)
             return
@@ -77,6 +78,7 @@ class Agent:
                 for tool in self.mcp.tools:
                     self.toolset.add(tool, f"agent.mcp_servers (the tool '{tool.name}')")
             self.chat_format, self.bridge = chat_side(tokenizer, options, self.toolset, self.env is not None)
+            self.row_tools = RowTools(options.tools_field, self.toolset, self.bridge, self.env is not None)
         except BaseException:
             self.close()
             raise
@@ -165,6 +167,9 @@ class AgentDriver:
                          for _ in range(len(self.rows) * num_generations)]
         self.prompts: list[Any] = []  # each prompt as given to the model (with the environment's first observation)
         self.prompt_ids: list[list[int]] = []
+        # each prompt's tools (agent.tools_field; every tool without it) and the bridge that shows them
+        self.allowed = [agent.row_tools.names(row, f"prompt {i} of this rollout") for i, row in enumerate(self.rows)]
+        self.bridges = [agent.row_tools.bridge(names) for names in self.allowed]
         for i, row in enumerate(self.rows):
             first = self._reset(i, row)
             prompt = row.prompt
@@ -179,7 +184,7 @@ class AgentDriver:
                         prompt[-1]["content"] = f"{text}\n\n{first}" if text else first
                     else:
                         prompt.append({"role": "user", "content": first})
-                ids = agent.bridge.prompt_ids(prompt)
+                ids = self.bridges[i].prompt_ids(prompt)
             self.prompts.append(prompt)
             self.prompt_ids.append(ids)
 
@@ -314,7 +319,7 @@ class AgentDriver:
                 continue
             chain = []  # environment-method calls of this episode: one after another, in the model's order
             for k, call in enumerate(p.parsed.calls):
-                tool, args, err = self._check(call)
+                tool, args, err = self._check(call, self.allowed[p.turn.row // self.num_generations])
                 if err is not None:
                     p.results[k] = ToolResult(error_text(err), error=True)
                 elif tool.batch is not None:
@@ -344,13 +349,12 @@ class AgentDriver:
         for sink, out in zip(sinks, outs):
             sink(out)
 
-    def _check(self, call: ToolCall) -> tuple[Tool | None, dict[str, Any], str | None]:
-        """The tool and checked arguments of a call, or the error the model reads."""
+    def _check(self, call: ToolCall, allowed: tuple[str, ...]) -> tuple[Tool | None, dict[str, Any], str | None]:
+        """The tool and checked arguments of a call, or the error the model reads (`allowed`: its row's tools)."""
         if call.error is not None:
             return None, {}, call.error
-        names = list(self.agent.toolset.tools)
-        if call.name not in self.agent.toolset:
-            return None, {}, f"unknown tool '{call.name}'; the tools are: {', '.join(names)}"
+        if call.name not in allowed:  # not configured, or not one of this row's tools: the same answer
+            return None, {}, unknown_tool(call.name, allowed)
         tool = self.agent.toolset[call.name]  # type: ignore[index]
         args, err = check_arguments(tool, call.arguments, call.positional)
         return tool, args, err
@@ -389,7 +393,8 @@ class AgentDriver:
             if self.format == "raw":
                 ids = self._encode("".join(f"<result>{m['content']}</result>" for m in msgs))
             else:
-                ids = self.agent.bridge.tool_suffix(call_messages(p.parsed.calls), msgs)  # type: ignore[union-attr]
+                bridge = self.bridges[t.row // self.num_generations]
+                ids = bridge.tool_suffix(call_messages(p.parsed.calls), msgs)  # type: ignore[union-attr]
         else:
             out = p.step_out
             assert out is not None
@@ -405,7 +410,8 @@ class AgentDriver:
             if rec.turns >= opts.max_turns:
                 return self._end(ep, truncated=True)
             msgs = [{"role": "user", "content": obs}]
-            ids = self._encode(obs) if self.format == "raw" else self.agent.bridge.user_suffix(obs)  # type: ignore[union-attr]
+            bridge = self.bridges[t.row // self.num_generations]
+            ids = self._encode(obs) if self.format == "raw" else bridge.user_suffix(obs)  # type: ignore[union-attr]
         if len(ids) >= t.room:  # the observation and one more model token would not fit the episode's budget
             return self._end(ep, truncated=True)
         rec.messages.extend(msgs)

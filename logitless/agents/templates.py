@@ -163,6 +163,11 @@ class ChatBridge:
             messages, tools=self.tools, chat_template=self.template, tokenize=False,
             add_generation_prompt=add_generation_prompt, **self.template_kwargs)
 
+    def with_tools(self, tools: list[dict[str, Any]]) -> ChatBridge:
+        """A bridge of the same template, format and variables showing only these tool schemas (a row's tool set,
+        agent.tools_field); not yet `check`ed."""
+        return ChatBridge(self.tokenizer, self.template, tools, self.format, self.template_kwargs)
+
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 

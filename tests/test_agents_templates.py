@@ -24,20 +24,25 @@ SCHEMA = {"type": "function", "function": {"name": "f", "description": "F.", "pa
     "type": "object", "properties": {"x": {"type": "integer", "description": "X."}}, "required": ["x"]}}}
 
 
-def _render(tok, template, messages, tools=None, gen=False):
+def _render(tok, template, messages, tools=None, gen=False, **kw):
     return tok.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False,
-                                   add_generation_prompt=gen)
+                                   add_generation_prompt=gen, **kw)
 
 
 # ---------------------------------------------------------------------------------------------- shipped template
 
 
 def test_shipped_qwen25_template_writes_the_official_format():
+    """With Qwen's default system message (what the agent passes for a Qwen model) the shipped template writes Qwen2.5's
+    official text; without one it writes a neutral default, not Qwen's."""
     tok, tpl = chatml_tokenizer(), load_template("qwen2.5")
     user = [{"role": "user", "content": "U"}]
     assert _render(tok, tpl, user, gen=True) == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
+        "<|im_start|>assistant\n")
+    assert _render(tok, tpl, user, gen=True, default_system_prompt=QWEN_DEFAULT_SYSTEM) == (
         f"<|im_start|>system\n{QWEN_DEFAULT_SYSTEM}<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n")
-    assert _render(tok, tpl, user, tools=[SCHEMA]) == (
+    assert _render(tok, tpl, user, tools=[SCHEMA], default_system_prompt=QWEN_DEFAULT_SYSTEM) == (
         f"<|im_start|>system\n{QWEN_DEFAULT_SYSTEM}{TOOLS_HEADER}\n{json.dumps(SCHEMA)}{TOOLS_FOOTER}"
         "<|im_start|>user\nU<|im_end|>\n")
     conv = [

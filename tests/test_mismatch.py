@@ -120,3 +120,30 @@ def test_warning_threshold_and_repeats():
 def test_causes_name_the_runs_settings_and_their_fixes(overrides, says, not_says):
     text = mismatch_causes(w.config("unused", *overrides))
     assert all(s in text for s in says) and not any(s in text for s in not_says), text
+
+
+def test_a_step_that_trains_no_row_logs_the_mismatch_of_a_sample_of_rows(tmp_path, tok, monkeypatch, one_thread):
+    """Every reward equal, so every advantage is 0 and no row trains (train.skip_zero_advantage): each step still logs
+    rollout/mismatch_* in metrics.jsonl, the direct computation over train.mismatch_sample_rows=5 of its 16 rows
+    spread evenly (0, 3, 6, 9, 12) against the policy the rollout sampled from (LoRA's B stays 0: the base model).
+    0 rows: not logged."""
+    import json
+
+    from tests.conftest import reward_module
+
+    reward_module(tmp_path, monkeypatch, "same_reward",
+                  "def same(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
+    records, batches = run(tmp_path / "run", tok, monkeypatch, [0.1, 0.03], "reward.reward_funcs=[same_reward:same]",
+                           "train.skip_zero_advantage=true", "train.num_iterations=1", "train.mismatch_sample_rows=5")
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [0, 3, 6, 9, 12]
+    for rec, line, b in zip(records, logged, batches):
+        assert rec["trained_rows"] == 0 and rec["advantage"] == 0
+        with torch.no_grad():
+            logp, _ = completion_logprobs(w.model(), b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask)
+        want = direct(logp[rows], b.sampler_logp[rows], b.completion_mask[rows])
+        assert {k: line[k] for k in KEYS} == pytest.approx(want, rel=1e-4, abs=1e-6)
+    assert [r["rollout/mismatch_mean"] for r in logged] == pytest.approx([0.1, 0.03], abs=1e-4)
+    off, _ = run(tmp_path / "off", tok, monkeypatch, [0.1], "reward.reward_funcs=[same_reward:same]",
+                 "train.skip_zero_advantage=true", "train.num_iterations=1", "train.mismatch_sample_rows=0")
+    assert not any(k in off[0] for k in KEYS)

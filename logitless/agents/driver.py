@@ -26,8 +26,8 @@ from logitless.agents.options import AgentOptions
 from logitless.agents.parsing import PARSERS, ParsedTurn, ToolCall
 from logitless.agents.python_tool import python_tool
 from logitless.agents.runner import Outcome, run_tasks
-from logitless.agents.templates import (CHAT_FORMATS, ChatBridge, detect_format, load_template, renders_tools,
-                                        special_ids, tool_call_message)
+from logitless.agents.rowtools import RowTools, unknown_tool
+from logitless.agents.templates import CHAT_FORMATS, chat_side, special_ids, tool_call_message, with_system
 from logitless.agents.tools import (AgentFatalError, Tool, ToolResult, ToolSet, calculator_tool, check_arguments,
                                     cut_middle, error_text, function_tool, load_function, run_call)
 from logitless.rollout.episodes import EpisodeRecord, TurnEnd
@@ -44,7 +44,7 @@ class Agent:
         self.tokenizer, self.options = tokenizer, options
         self.toolset = ToolSet()
         self.custom = None  # agent.driver: your own driver, which replaces the tools, environment and template
-        self.env, self.mcp, self.chat_format, self.bridge = None, None, None, None
+        self.env, self.mcp, self.chat_format, self.bridge, self.row_tools = None, None, None, None, None
         if options.driver is not None:
             self.custom = load_driver(options.driver, options.driver_options)
             return
@@ -77,7 +77,8 @@ class Agent:
                 self.mcp = McpServers(parse_servers(options.mcp_servers), options.tool_timeout_s)
                 for tool in self.mcp.tools:
                     self.toolset.add(tool, f"agent.mcp_servers (the tool '{tool.name}')")
-            self.chat_format, self.bridge = self._chat_side()
+            self.chat_format, self.bridge = chat_side(tokenizer, options, self.toolset, self.env is not None)
+            self.row_tools = RowTools(options.tools_field, self.toolset, self.bridge, self.env is not None)
         except BaseException:
             self.close()
             raise
@@ -94,48 +95,6 @@ class Agent:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    def _chat_side(self) -> tuple[str | None, ChatBridge | None]:
-        """The chat format and bridge for chat prompts (None, None: raw-text prompts only)."""
-        opts, tok = self.options, self.tokenizer
-        if opts.format == "raw":
-            return None, None
-        own = getattr(tok, "chat_template", None)
-        if isinstance(own, dict):  # named templates: the tool-use one when there are tools
-            own = (self.toolset and own.get("tool_use")) or own.get("default")
-        own = own if isinstance(own, str) and own else None
-        template = load_template(opts.chat_template) if opts.chat_template else own
-        if template is None:
-            if opts.format == "auto":
-                return None, None
-            raise ValueError(f"agent.format={opts.format} needs a chat template, but the tokenizer has none: set "
-                             "agent.chat_template (a jinja file or 'qwen2.5'), or agent.format=raw for raw prompts")
-        tools = bool(self.toolset)
-        fmt = opts.format if opts.format != "auto" else detect_format(template, tok)
-        if fmt is None:
-            if tools:
-                raise ValueError("agent.format=auto cannot tell the tool-call format from the tokenizer's chat "
-                                 f"template; set agent.format to one of {list(CHAT_FORMATS)} (or raw)")
-            fmt = "hermes"  # no tools: the format only names the parser, which never runs
-        if tools and (missing := renders_tools(tok, template)) is not None:
-            vocab = tok.get_vocab()
-            if fmt == "hermes" and opts.chat_template is None and "<|im_start|>" in vocab and "<|im_end|>" in vocab:
-                template = load_template("qwen2.5")
-            else:
-                where = "agent.chat_template" if opts.chat_template else "the tokenizer's chat template"
-                raise ValueError(f"{where} cannot render tools ({missing}); set agent.chat_template to a "
-                                 "tool-capable jinja file (for ChatML/Qwen models: qwen2.5), or agent.format=raw "
-                                 "for raw-text prompts")
-        try:
-            bridge = ChatBridge(tok, template, self.toolset.schemas, fmt)
-            bridge.check(tools=tools, user_turns=self.env is not None)
-        except ValueError:
-            raise
-        except Exception as e:  # noqa: BLE001 (jinja errors of a template that cannot render the probe)
-            raise ValueError(f"agent.chat_template: rendering a probe conversation failed ({type(e).__name__}: "
-                             f"{e}); give a template that renders user, assistant (with tool_calls) and tool "
-                             "messages") from e
-        return fmt, bridge
 
     @property
     def tools(self) -> dict[str, Tool]:
@@ -158,6 +117,9 @@ class Agent:
                                  "set agent.format/agent.chat_template for a chat format")
             return AgentDriver(self, rows, num_generations, self.chat_format)
         if not any(chat):
+            if self.options.system_prompt is not None:
+                raise ValueError("agent.system_prompt is the system message of chat prompts, but the prompts are raw "
+                                 "text: write it into the prompts (data.options.system_prompt), or set data chat=true")
             if self.options.format in CHAT_FORMATS:
                 raise ValueError(f"agent.format={self.options.format} needs chat prompts but the prompts are raw "
                                  "text: set data chat=true, or agent.format=raw (or auto) for the raw protocol")
@@ -205,6 +167,9 @@ class AgentDriver:
                          for _ in range(len(self.rows) * num_generations)]
         self.prompts: list[Any] = []  # each prompt as given to the model (with the environment's first observation)
         self.prompt_ids: list[list[int]] = []
+        # each prompt's tools (agent.tools_field; every tool without it) and the bridge that shows them
+        self.allowed = [agent.row_tools.names(row, f"prompt {i} of this rollout") for i, row in enumerate(self.rows)]
+        self.bridges = [agent.row_tools.bridge(names) for names in self.allowed]
         for i, row in enumerate(self.rows):
             first = self._reset(i, row)
             prompt = row.prompt
@@ -212,14 +177,14 @@ class AgentDriver:
                 prompt = prompt + (first or "")
                 ids = list(tok(prompt, add_special_tokens=True)["input_ids"])
             else:
-                prompt = [dict(m) for m in prompt]
+                prompt = with_system([dict(m) for m in prompt], self.options.system_prompt)
                 if first is not None:
                     if prompt and prompt[-1]["role"] == "user":
                         text = prompt[-1]["content"]
                         prompt[-1]["content"] = f"{text}\n\n{first}" if text else first
                     else:
                         prompt.append({"role": "user", "content": first})
-                ids = agent.bridge.prompt_ids(prompt)
+                ids = self.bridges[i].prompt_ids(prompt)
             self.prompts.append(prompt)
             self.prompt_ids.append(ids)
 
@@ -354,7 +319,7 @@ class AgentDriver:
                 continue
             chain = []  # environment-method calls of this episode: one after another, in the model's order
             for k, call in enumerate(p.parsed.calls):
-                tool, args, err = self._check(call)
+                tool, args, err = self._check(call, self.allowed[p.turn.row // self.num_generations])
                 if err is not None:
                     p.results[k] = ToolResult(error_text(err), error=True)
                 elif tool.batch is not None:
@@ -384,13 +349,12 @@ class AgentDriver:
         for sink, out in zip(sinks, outs):
             sink(out)
 
-    def _check(self, call: ToolCall) -> tuple[Tool | None, dict[str, Any], str | None]:
-        """The tool and checked arguments of a call, or the error the model reads."""
+    def _check(self, call: ToolCall, allowed: tuple[str, ...]) -> tuple[Tool | None, dict[str, Any], str | None]:
+        """The tool and checked arguments of a call, or the error the model reads (`allowed`: its row's tools)."""
         if call.error is not None:
             return None, {}, call.error
-        names = list(self.agent.toolset.tools)
-        if call.name not in self.agent.toolset:
-            return None, {}, f"unknown tool '{call.name}'; the tools are: {', '.join(names)}"
+        if call.name not in allowed:  # not configured, or not one of this row's tools: the same answer
+            return None, {}, unknown_tool(call.name, allowed)
         tool = self.agent.toolset[call.name]  # type: ignore[index]
         args, err = check_arguments(tool, call.arguments, call.positional)
         return tool, args, err
@@ -429,7 +393,8 @@ class AgentDriver:
             if self.format == "raw":
                 ids = self._encode("".join(f"<result>{m['content']}</result>" for m in msgs))
             else:
-                ids = self.agent.bridge.tool_suffix(call_messages(p.parsed.calls), msgs)  # type: ignore[union-attr]
+                bridge = self.bridges[t.row // self.num_generations]
+                ids = bridge.tool_suffix(call_messages(p.parsed.calls), msgs)  # type: ignore[union-attr]
         else:
             out = p.step_out
             assert out is not None
@@ -445,7 +410,8 @@ class AgentDriver:
             if rec.turns >= opts.max_turns:
                 return self._end(ep, truncated=True)
             msgs = [{"role": "user", "content": obs}]
-            ids = self._encode(obs) if self.format == "raw" else self.agent.bridge.user_suffix(obs)  # type: ignore[union-attr]
+            bridge = self.bridges[t.row // self.num_generations]
+            ids = self._encode(obs) if self.format == "raw" else bridge.user_suffix(obs)  # type: ignore[union-attr]
         if len(ids) >= t.room:  # the observation and one more model token would not fit the episode's budget
             return self._end(ep, truncated=True)
         rec.messages.extend(msgs)

@@ -49,6 +49,16 @@ class AgentOptions:
     # ChatML template cannot render tools. It must be append-only (messages added later never change how
     # earlier ones render); this is checked when the agent is built.
     chat_template: str | None = None
+    # The system message of chat prompts that have none (a prompt's own, e.g. from data.options.system_prompt,
+    # stays). None: what the chat template writes without one; the shipped qwen2.5 template (substituted for a ChatML
+    # template that cannot render tools, or named in agent.chat_template) writes the model's own template's default
+    # system message (Qwen's for Qwen2.5, SmolLM2's for SmolLM2), else "You are a helpful assistant.".
+    system_prompt: str | None = None
+    # A row field naming, per row, which of the configured tools (agent.tools, the environment's tools, MCP tools)
+    # that row's episodes may use: a list of tool names ([] = none). The chat template shows the model only those;
+    # a call to another is answered as one to an unknown tool. Every row must have it; a name that is not a
+    # configured tool is refused before the weights load, naming the row. None: every row gets every tool.
+    tools_field: str | None = None
     max_turns: int = 8  # model turns per episode; an episode still calling tools after this many is truncated
     max_turn_tokens: int | None = None  # most tokens of one model turn (None: only the episode budget)
     tool_timeout_s: float = 10.0  # wall time of one tool call (a hung call is abandoned and answered by an error)
@@ -105,6 +115,11 @@ class AgentOptions:
             raise bad("format", f"use one of {list(FORMATS)}")
         if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template):
             raise bad("chat_template", "give a path to a jinja file, a shipped name ('qwen2.5'), or null")
+        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
+            raise bad("system_prompt", "give the system message as text, or null for the chat template's default")
+        if self.tools_field is not None and (not isinstance(self.tools_field, str) or not self.tools_field):
+            raise bad("tools_field", "give the name of the row field that lists each row's tools (e.g. tools), or "
+                                     "null for every tool on every row")
         if not _int(self.max_turns) or self.max_turns < 1:
             raise bad("max_turns", "use an int >= 1 (model turns per episode)")
         if self.max_turn_tokens is not None and (not _int(self.max_turn_tokens) or self.max_turn_tokens < 1):
@@ -133,6 +148,9 @@ class AgentOptions:
             raise bad("driver", "your driver replaces the built-in one that runs agent.tools, agent.mcp_servers and "
                                 "agent.environment; set agent.tools=[], agent.mcp_servers=[] and "
                                 "agent.environment=null (run tools inside your driver), or agent.driver=null")
+        if self.driver is not None and self.tools_field is not None:
+            raise bad("tools_field", "per-row tool sets choose among the built-in driver's tools, which agent.driver "
+                                     "replaces: set agent.tools_field=null (read the row's fields in your driver)")
         if not isinstance(self.driver_options, dict):
             raise bad("driver_options", "give a mapping of constructor keyword arguments, e.g. {max_rounds: 3}")
         if self.driver_options and self.driver is None:

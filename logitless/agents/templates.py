@@ -21,6 +21,9 @@ from typing import Any
 
 TEMPLATE_DIR = Path(__file__).with_name("chat_templates")
 SHIPPED = {"qwen2.5": "qwen2.5.jinja"}
+# The system message the shipped template writes for a prompt without one, when the model's own template writes
+# none: neutral, since the shipped template also serves ChatML models that are not Qwen (SmolLM2, ...).
+NEUTRAL_SYSTEM = "You are a helpful assistant."
 CHAT_FORMATS = ("hermes", "llama3_json", "mistral")
 _SENTINEL = "SENTINEL_ANSWER_7f3a"
 
@@ -65,14 +68,90 @@ def special_ids(tokenizer: Any) -> set[int]:
     return ids | {int(i) for i in tokenizer.all_special_ids}
 
 
-class ChatBridge:
-    """Renders prompts and observations of one chat template with one set of tool schemas, as token ids."""
+def chatml_default_system(tokenizer: Any, template: str | None) -> str | None:
+    """The system message a ChatML chat template writes for a conversation that has none (Qwen2.5's "You are Qwen,
+    created by Alibaba Cloud. ...", SmolLM2's "... named SmolLM, trained by Hugging Face"); None when it writes
+    none, is not ChatML or cannot render a user message."""
+    if not template:
+        return None
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], chat_template=template,
+                                             tokenize=False)
+    except Exception:  # noqa: BLE001 (a template that cannot render this has no default to read)
+        return None
+    head, user = "<|im_start|>system\n", text.find(_SENTINEL)
+    at = text.find(head)
+    end = text.find("<|im_end|>", at + 1) if at >= 0 else -1
+    return text[at + len(head):end] if 0 <= at < end < user else None
 
-    def __init__(self, tokenizer: Any, template: str, tools: list[dict[str, Any]] | None, fmt: str) -> None:
+
+def chat_side(tokenizer: Any, options: Any, toolset: Any, user_turns: bool) -> tuple[str | None, ChatBridge | None]:
+    """The chat format and bridge of an agent (`options`: its AgentOptions) for chat prompts, checked with a probe
+    conversation (`user_turns`: an environment answers with user messages); (None, None): raw-text prompts only.
+    The shipped template, substituted or named, gets the model's own default system message as its default (or
+    NEUTRAL_SYSTEM), never Qwen's on a model that is not Qwen."""
+    opts, tok = options, tokenizer
+    if opts.format == "raw":
+        return None, None
+    own = getattr(tok, "chat_template", None)
+    if isinstance(own, dict):  # named templates: the tool-use one when there are tools
+        own = (toolset and own.get("tool_use")) or own.get("default")
+    own = own if isinstance(own, str) and own else None
+    template = load_template(opts.chat_template) if opts.chat_template else own
+    shipped = opts.chat_template in SHIPPED
+    if template is None:
+        if opts.format == "auto":
+            return None, None
+        raise ValueError(f"agent.format={opts.format} needs a chat template, but the tokenizer has none: set "
+                         "agent.chat_template (a jinja file or 'qwen2.5'), or agent.format=raw for raw prompts")
+    tools = bool(toolset)
+    fmt = opts.format if opts.format != "auto" else detect_format(template, tok)
+    if fmt is None:
+        if tools:
+            raise ValueError("agent.format=auto cannot tell the tool-call format from the tokenizer's chat "
+                             f"template; set agent.format to one of {list(CHAT_FORMATS)} (or raw)")
+        fmt = "hermes"  # no tools: the format only names the parser, which never runs
+    if tools and (missing := renders_tools(tok, template)) is not None:
+        vocab = tok.get_vocab()
+        if fmt == "hermes" and opts.chat_template is None and "<|im_start|>" in vocab and "<|im_end|>" in vocab:
+            template, shipped = load_template("qwen2.5"), True
+        else:
+            where = "agent.chat_template" if opts.chat_template else "the tokenizer's chat template"
+            raise ValueError(f"{where} cannot render tools ({missing}); set agent.chat_template to a "
+                             "tool-capable jinja file (for ChatML/Qwen models: qwen2.5), or agent.format=raw "
+                             "for raw-text prompts")
+    kwargs = {"default_system_prompt": chatml_default_system(tok, own) or NEUTRAL_SYSTEM} if shipped else {}
+    try:
+        bridge = ChatBridge(tok, template, toolset.schemas, fmt, kwargs)
+        bridge.check(tools=tools, user_turns=user_turns)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 (jinja errors of a template that cannot render the probe)
+        raise ValueError(f"agent.chat_template: rendering a probe conversation failed ({type(e).__name__}: "
+                         f"{e}); give a template that renders user, assistant (with tool_calls) and tool "
+                         "messages") from e
+    return fmt, bridge
+
+
+def with_system(messages: list[dict[str, Any]], system: str | None) -> list[dict[str, Any]]:
+    """`messages` with `system` (agent.system_prompt) as a first system message, unless it has one or `system` is
+    None."""
+    if system is None or (messages and messages[0].get("role") == "system"):
+        return messages
+    return [{"role": "system", "content": system}, *messages]
+
+
+class ChatBridge:
+    """Renders prompts and observations of one chat template with one set of tool schemas, as token ids.
+    `template_kwargs`: the template's own variables (the shipped template's `default_system_prompt`)."""
+
+    def __init__(self, tokenizer: Any, template: str, tools: list[dict[str, Any]] | None, fmt: str,
+                 template_kwargs: dict[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
         self.template = template
         self.tools = tools or None  # None, not []: some templates print tool instructions for an empty list
         self.format = fmt
+        self.template_kwargs = dict(template_kwargs or {})
         self.turn_end_texts: list[str] = []
         self.turn_end_ids: list[int] = []
         self._find_turn_ends()
@@ -82,7 +161,12 @@ class ChatBridge:
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
             messages, tools=self.tools, chat_template=self.template, tokenize=False,
-            add_generation_prompt=add_generation_prompt)
+            add_generation_prompt=add_generation_prompt, **self.template_kwargs)
+
+    def with_tools(self, tools: list[dict[str, Any]]) -> ChatBridge:
+        """A bridge of the same template, format and variables showing only these tool schemas (a row's tool set,
+        agent.tools_field); not yet `check`ed."""
+        return ChatBridge(self.tokenizer, self.template, tools, self.format, self.template_kwargs)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

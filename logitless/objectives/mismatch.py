@@ -13,7 +13,8 @@ than E|r|, so k1's mean over a step's tokens is dominated by the noise of its si
 
 The trainer takes `logp_trainer` from the update's first optimizer pass (before any optimizer step of the step,
 so it is the policy the sampler was meant to be), detached: no extra forward. Stats merge exactly over
-micro-batches and ranks (`metrics.Stat`).
+micro-batches and ranks (`metrics.Stat`). A step on which no row trains (every advantage 0) has no such pass; there
+one no-grad forward over a sample of `train.mismatch_sample_rows` rows measures it (trainer/mismatch_rows.py).
 
 What a value means. Two bf16 forwards of the same weights round differently: on real models the mean is about
 0.005–0.02 nats (the `hf` backend against the trainer: 0.002–0.007 on tiny random models, issue 32's table).

@@ -62,6 +62,7 @@ from logitless.trainer.report.plot import plot_run
 from logitless.trainer.rundir import RunDir, claim_run_dir, restart_advice
 from logitless.trainer.signals import StopRequested, StopSignals, label
 from logitless.trainer.distributed.watchdog import phase, watching
+from logitless.trainer.mismatch_rows import untrained_mismatch
 from logitless.trainer.stages import (
     Rollout,
     Scored,
@@ -184,9 +185,13 @@ def _update(ctx: TrainContext, ro: Rollout, scored: Scored, plans: list[UpdatePl
     ctx.memory.phase = "logprobs"
     with timer("logprobs"):
         oldrefs = [logprob_stage(ctx, p) for p in plans]
+        # no row trains anywhere (all advantages 0): the mismatch of a sample of rows, before the optimizer step
+        sampled = untrained_mismatch(ctx, ro.batch, sum(len(p.trained) for p in plans), plans[0].temperature)
     ctx.memory.phase = "train"
     with timer("train"):
-        return plans, update_stage(ctx, plans, oldrefs)
+        upd = update_stage(ctx, plans, oldrefs)
+    upd.metrics[0].update(sampled)  # beside the first optimizer pass's metrics, where the update measures it
+    return plans, upd
 
 
 def _reset_update(ctx: TrainContext, rng: Any) -> None:

@@ -29,7 +29,7 @@ from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.builders import OFFLOAD_INSTALL_HINT, accuracy_index, load_rows, reward_functions
 from logitless.trainer.placement.engines import routing_replay_obstacle, sampling_options
 from logitless.trainer.config.schema import TrainerConfig
-from logitless.trainer.checks.data import FIRST_ROWS, check_reward_fields
+from logitless.trainer.checks.data import FIRST_ROWS, check_reward_fields, check_row_tools
 from logitless.trainer.episodes import ENVIRONMENT_REWARD, environment_weight
 from logitless.trainer.distributed.fsdp_offload import check_fsdp_offload
 from logitless.trainer.distributed.parallel import World, check_distributed, launched_world
@@ -79,8 +79,9 @@ def preflight(cfg: TrainerConfig, *, training: bool = True, model_given: bool = 
     """Every check of `cfg` made before the model loads (`--dry-run` makes these and stops), cheapest first:
     `validate_config`, the model and dataset sources (cached or reachable), the model's config (positions, attention
     implementation, LoRA targets; skipped for a model passed in, `model_given`), the agent's tools, environment and
-    chat template (with `tokenizer`, else the model's, loaded without weights), then the split's first rows against
-    the fields the rewards read. Raises naming the config key and the fix; returns one line per check."""
+    chat template (with `tokenizer`, else the model's, loaded without weights) and with agent.tools_field every row's
+    tool set, then the split's first rows against the fields the rewards read. Raises naming the config key and the
+    fix; returns one line per check."""
     validate_config(cfg, training=training)
     lines = ["every config key and value, sampling options, rollout backend, devices, task options, reward functions"]
     if not model_given:
@@ -97,7 +98,10 @@ def preflight(cfg: TrainerConfig, *, training: bool = True, model_given: bool = 
         from logitless.agents import Agent
 
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
-        Agent(tokenizer, cfg.agent).close()  # (MCP servers started to list their tools stop again)
+        agent = Agent(tokenizer, cfg.agent)
+        agent.close()  # (MCP servers started to list their tools stop again; their names stay known)
+        if cfg.agent.tools_field is not None:
+            lines.append(check_row_tools(cfg, agent, training))
         lines.append(f"agent: the driver {cfg.agent.driver} imports and takes agent.driver_options"
                      if cfg.agent.driver is not None else
                      "agent: every tool and the environment import and check, and the chat template renders them")

@@ -480,7 +480,7 @@ def step_record(ctx: TrainContext, ro: Rollout, scored: Scored, plan: UpdatePlan
     merged = merge_metrics(upd.metrics)  # the mismatch Stats come from the first optimizer pass only
     obj = summarize({k: v for k, v in merged.items() if not k.startswith(MISMATCH)})
     record.update({k: v for k, v in obj.items() if not k.startswith("completion_length")})
-    record.update(mismatch_summary(merged))  # rollout/mismatch_{mean,max,kl}, over the trained rows' tokens
+    record.update(mismatch_summary(merged))  # rollout/mismatch_*: the trained rows' tokens (none: mismatch_rows.py)
     train_s = timer.seconds.get("logprobs", 0.0) + timer.seconds.get("train", 0.0)
     record.update({
         "loss": sum(upd.losses) / len(upd.losses) if upd.losses else math.nan,

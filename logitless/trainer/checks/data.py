@@ -3,7 +3,8 @@
 Each reward function names the row fields it reads (`logitless.rewards.reward_row_fields`: `answer` for
 numeric_answer and math_verify, `tests` for code_tests, the parameters without a default of your own function);
 every one of the first `FIRST_ROWS` rows must have them, or the run is refused naming the reward, the field, the
-row's fields and the data option that maps a column onto it.
+row's fields and the data option that maps a column onto it. With agent.tools_field, every row's tool set is
+checked against the agent's tools (`check_row_tools`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Callable
 
 from logitless.data import PromptRow
 from logitless.rewards import reward_row_fields
+from logitless.trainer.builders import load_rows
 from logitless.trainer.config.schema import TrainerConfig
 
 FIRST_ROWS = 64  # rows read from the start of the split for the check (a file stops reading there)
@@ -57,3 +59,20 @@ def check_reward_fields(cfg: TrainerConfig, specs: list[str], fns: list[Callable
     if not read:
         return f"{where}: no reward reads a row field by name ({len(rows)} rows read)"
     return f"{where}: the first {len(rows)} rows have the fields the rewards read ({'; '.join(read)})"
+
+
+def check_row_tools(cfg: TrainerConfig, agent: Any, training: bool) -> str:
+    """Refuse a row whose agent.tools_field is missing, not a list of tool names, or names a tool `agent` does not
+    have, naming the row, the field and the fix; reads every row of the split the run uses (and the eval rows a
+    training run evaluates on), before the weights load. Returns what was checked."""
+    sources = []
+    if training:
+        sources.append((cfg.data.split, False, None))
+    if not training or cfg.eval.every_steps or cfg.eval.on_start:
+        sources.append((cfg.eval.split or cfg.data.eval_split, True, cfg.eval.num_prompts))
+    said = []
+    for split, is_eval, limit in sources:
+        rows = load_rows(cfg.data, split, eval=is_eval)[:limit]
+        sets = agent.row_tools.check_rows(rows, f"data.task={cfg.data.task!r} split {split!r}")
+        said.append(f"{len(rows)} rows of split {split!r} ({sets} distinct tool sets)")
+    return f"agent.tools_field={cfg.agent.tools_field!r}: every row names configured tools: {'; '.join(said)}"

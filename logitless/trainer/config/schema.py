@@ -375,6 +375,9 @@ class TrainConfig:
     dynamic_sampling: bool = False
     dynamic_sampling_max_rounds: int = 4  # rollouts per step at most, the first included
     skip_zero_advantage: bool = True  # don't run rows with advantage 0 when they add nothing (beta=0, no entropy term)
+    # A step on which no row trains (every advantage 0, rows skipped) still logs rollout/mismatch_*: measured by one
+    # no-grad forward over this many of its rows, spread evenly over them (trainer/mismatch_rows.py). 0 = not logged.
+    mismatch_sample_rows: int = 8
     max_minutes: float | None = None  # wall-time budget: stop (with a checkpoint) when the next step may not fit
     seed: int = 0  # seeds the data order, the LoRA init and the sampler's random streams
     output_dir: str = "runs/logitless"  # the run folder: config, resolved.json, metrics, checkpoints, curves
@@ -427,6 +430,10 @@ class TrainConfig:
             steps_per_rollout=self.steps_per_rollout,
             dynamic_sampling_max_rounds=self.dynamic_sampling_max_rounds,
         )
+        if isinstance(self.mismatch_sample_rows, bool) or not isinstance(self.mismatch_sample_rows, int) \
+                or self.mismatch_sample_rows < 0:
+            raise ValueError(f"train.mismatch_sample_rows must be an int >= 0 (rows measured on a step that trains none; "
+                             f"0 = none), got {self.mismatch_sample_rows!r}")
         if self.prompts_per_step % self.steps_per_rollout:
             raise ValueError(
                 f"train.steps_per_rollout={self.steps_per_rollout} splits a step's prompt groups into equal parts, but "

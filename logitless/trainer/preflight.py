@@ -101,7 +101,7 @@ def preflight(cfg: TrainerConfig, *, training: bool = True, model_given: bool = 
         agent = Agent(tokenizer, cfg.agent)
         agent.close()  # (MCP servers started to list their tools stop again; their names stay known)
         if cfg.agent.tools_field is not None:
-            lines.append(check_row_tools(cfg, agent, training))
+            lines.append(check_row_tools(cfg, agent, training, load_rows))
         lines.append(f"agent: the driver {cfg.agent.driver} imports and takes agent.driver_options"
                      if cfg.agent.driver is not None else
                      "agent: every tool and the environment import and check, and the chat template renders them")

@@ -15,7 +15,6 @@ from typing import Any, Callable
 
 from logitless.data import PromptRow
 from logitless.rewards import reward_row_fields
-from logitless.trainer.builders import load_rows
 from logitless.trainer.config.schema import TrainerConfig
 
 FIRST_ROWS = 64  # rows read from the start of the split for the check (a file stops reading there)
@@ -61,10 +60,11 @@ def check_reward_fields(cfg: TrainerConfig, specs: list[str], fns: list[Callable
     return f"{where}: the first {len(rows)} rows have the fields the rewards read ({'; '.join(read)})"
 
 
-def check_row_tools(cfg: TrainerConfig, agent: Any, training: bool) -> str:
+def check_row_tools(cfg: TrainerConfig, agent: Any, training: bool, load_rows: Callable[..., list[PromptRow]]) -> str:
     """Refuse a row whose agent.tools_field is missing, not a list of tool names, or names a tool `agent` does not
-    have, naming the row, the field and the fix; reads every row of the split the run uses (and the eval rows a
-    training run evaluates on), before the weights load. Returns what was checked."""
+    have, naming the row, the field and the fix; reads (`load_rows(data_cfg, split, eval=...)`, the trainer's) every
+    row of the split the run uses (and the eval rows a training run evaluates on), before the weights load. Returns
+    what was checked."""
     sources = []
     if training:
         sources.append((cfg.data.split, False, None))

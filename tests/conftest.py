@@ -212,14 +212,17 @@ def pytest_configure(config):
         config.option.dist, config.option.numprocesses, config.option.tx = "no", 0, []
 
 
-# The files whose module-scoped runs start torchrun launches or long subprocesses (docs/testing.md's slowest): run
-# first, so that on two workers the many short files fill the other worker meanwhile instead of trailing them.
-SLOW_FIRST = ("test_parallel.py", "test_tensor_parallel.py", "test_shared_rollout.py", "test_triton.py",
-              "test_bench_e2e.py", "test_bench_plan.py")
+# The files whose module-scoped runs start torchrun launches or long subprocesses (docs/testing.md's slowest), the
+# longest first: run first, in this order (addopts' --no-loadscope-reorder keeps it; xdist would otherwise hand out
+# the files with the most tests first), so that on two workers the many short files fill the other worker meanwhile
+# instead of trailing them.
+SLOW_FIRST = ("test_parallel.py", "test_tensor_parallel.py", "test_shared_rollout.py", "test_bench_e2e.py",
+              "test_bench_plan.py", "test_triton.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.path.name not in SLOW_FIRST)  # stable: each file's own order is kept
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: each file's own order is kept
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

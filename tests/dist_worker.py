@@ -2,10 +2,12 @@
 
     python -m torch.distributed.run --nproc-per-node 2 tests/dist_worker.py SCENARIO OUT_DIR TOKENIZER_DIR
     python -m torch.distributed.run --nproc-per-node 4 tests/dist_worker.py equivalence4 OUT_DIR TOKENIZER_DIR
-    python -m torch.distributed.run --nproc-per-node 2 tests/dist_worker.py equivalence,resume,async OUT_DIR TOKENIZER_DIR
+    python -m torch.distributed.run --nproc-per-node 2 tests/dist_worker.py equivalence,equivalence_moe,resume,async \\
+        OUT_DIR TOKENIZER_DIR
 
 Scenarios: "equivalence" (one step, LoRA and full fine-tuning, on a recorded rollout; `MODES`; on GPUs
-"equivalence_liger", `LIGER_MODES`), "equivalence4"
+"equivalence_liger", `LIGER_MODES`), "equivalence_moe" (the same for a mixture of experts replaying its recorded
+routes; `MOE_MODES`), "equivalence4"
 (the same on 4 ranks with uneven prompt shares; `FOUR_RANK_MODES`), "resume" (a run, the same run stopped by
 SIGTERM and resumed; then a run on the static backend), "async" (train.async_rollout: a run, the same stopped
 and resumed, and full fine-tuning), "stuck_rank" and "dead_rank" (a rank that hangs or dies after its rollout).

@@ -128,10 +128,12 @@ def check_equivalence(out: Path, single: dict[str, list[dict]], mode: str, atol:
 
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory, tok_dir, one_thread):
-    """One launch of 2 ranks for the equivalence, resume and async scenarios (one process start for the three):
-    the folder of their files and the single-process records of the equivalence's modes."""
+    """One launch of 2 ranks for the equivalence (`MODES`, then the mixture of experts' `MOE_MODES`), resume and
+    async scenarios (one process start for the four): the folder of their files and the single-process records of
+    the equivalence's modes."""
     out = tmp_path_factory.mktemp("two_ranks")
-    return out, run_equivalence(out, tok_dir, scenario="equivalence,resume,async", timeout=900)
+    return out, run_equivalence(out, tok_dir, {**w.MODES, **w.MOE_MODES},
+                                scenario="equivalence,equivalence_moe,resume,async", timeout=900)
 
 
 @pytest.mark.parametrize("mode", list(w.MODES))
@@ -139,12 +141,13 @@ def test_two_ranks_train_like_one_process(two_rank_runs, mode):
     check_equivalence(*two_rank_runs, mode, atol=1e-6, rel=1e-5)
 
 
-def test_two_ranks_replay_routes_like_one_process(tmp_path, tok_dir, one_thread):
+def test_two_ranks_replay_routes_like_one_process(two_rank_runs):
     """Routing replay under FSDP2: a mixture-of-experts step on 2 ranks, each replaying its rows' recorded routes,
-    leaves the weights (router and experts included) and metrics of the one-process step."""
-    single = run_equivalence(tmp_path, tok_dir, w.MOE_MODES, "equivalence_moe")
+    leaves the weights (router and experts included) and metrics of the one-process step (the 2-rank launch's
+    "equivalence_moe" scenario)."""
+    out, single = two_rank_runs
     assert single["full_moe"][0]["rollout/route_disagreement"] == 0.0
-    check_equivalence(tmp_path, single, "full_moe", atol=1e-6, rel=1e-5)
+    check_equivalence(out, single, "full_moe", atol=1e-6, rel=1e-5)
 
 
 @pytest.mark.gpu

@@ -102,34 +102,39 @@ class TaskPool:
     """Tasks submitted one by one and collected as they end, for a caller that goes on with other work meanwhile
     (the rollout engine decoding other rows while a row's tool calls run).
 
-    Each task runs in its own daemon thread, at most `max_parallel` at a time (the others queue, in order); its
-    clock starts when its thread starts. `poll` returns the tasks that ended or reached their deadline since the
-    last poll; a task past its deadline is abandoned as `run_tasks` abandons it (its late result is dropped, a
-    thread still running at twice its timeout raises TaskStuck at a later poll). Call it from one thread only."""
+    Each task runs in its own daemon thread, at most `max_parallel` at a time; the others queue, in order, and a
+    task that ends starts the next one itself, so the pool keeps working between polls. A task's clock starts
+    when its thread starts. `poll` returns the tasks that ended or reached their deadline since the last poll; a
+    task past its deadline is abandoned as `run_tasks` abandons it (its slot is freed, its late result dropped,
+    and a thread still running at twice its timeout raises TaskStuck at a later poll). Poll from one thread."""
 
     def __init__(self, max_parallel: int) -> None:
         if max_parallel < 1:
             raise ValueError(f"TaskPool: max_parallel must be >= 1, got {max_parallel}")
         self.max_parallel = max_parallel
+        self._lock = threading.Lock()  # guards _queued and _running (worker threads start the next task)
         self._queued: collections.deque = collections.deque()  # (tag, fn, timeout, name), not started yet
-        # id -> (tag, start, deadline, name, thread) of the tasks running now
+        # id -> (tag, start, deadline, name, thread) of the tasks running now (neither ended nor abandoned)
         self._running: dict[int, tuple[Any, float, float, str, threading.Thread]] = {}
-        self._finished: queue.SimpleQueue = queue.SimpleQueue()  # (id, Outcome) from this pool's threads only
+        self._finished: queue.SimpleQueue = queue.SimpleQueue()  # (tag, Outcome) of tasks that ended in time
         self._ids = itertools.count()
+        self._outstanding = 0  # submitted, not yet returned by poll
         check_abandoned()
 
     @property
     def pending(self) -> int:
         """Tasks submitted and not yet returned by `poll`."""
-        return len(self._queued) + len(self._running)
+        return self._outstanding
 
     def submit(self, fn: Callable[[], Any], timeout_s: float, name: str, tag: Any) -> None:
         """Queue `fn` (bounded by `timeout_s`, named `name` in a TaskStuck); `poll` returns its outcome with `tag`.
         Starts it at once when a slot is free."""
-        self._queued.append((tag, fn, float(timeout_s), name))
-        self._start()
+        self._outstanding += 1
+        with self._lock:
+            self._queued.append((tag, fn, float(timeout_s), name))
+            self._start_locked()
 
-    def _start(self) -> None:
+    def _start_locked(self) -> None:
         while self._queued and len(self._running) < self.max_parallel:
             tag, fn, timeout_s, name = self._queued.popleft()
             i, start = next(self._ids), time.monotonic()
@@ -144,39 +149,39 @@ class TaskPool:
         except BaseException as e:  # noqa: BLE001 (a tool calling sys.exit must not end the rollout)
             out = Outcome(error=e)
         out.seconds = time.monotonic() - start
-        self._finished.put((i, out))
+        with self._lock:
+            entry = self._running.pop(i, None)
+            if entry is not None:  # else it was abandoned already; its late result is dropped
+                self._finished.put((entry[0], out))
+            self._start_locked()
 
     def poll(self, wait: bool = False) -> list[tuple[Any, Outcome]]:
-        """(tag, Outcome) of every task that ended or was abandoned at its deadline since the last poll, in the
-        order they did. wait: block until at least one has (while any is pending). Raises TaskStuck as
-        `check_abandoned` does."""
+        """(tag, Outcome) of every task that ended or was abandoned at its deadline since the last poll. wait:
+        block until at least one has (while any is pending). Raises TaskStuck as `check_abandoned` does."""
         done: list[tuple[Any, Outcome]] = []
         while True:
             while True:  # everything already finished, without blocking
                 try:
-                    i, out = self._finished.get_nowait()
+                    done.append(self._finished.get_nowait())
                 except queue.Empty:
                     break
-                self._collect(i, out, done)
             now = time.monotonic()
-            for i, (tag, start, deadline, name, thread) in list(self._running.items()):
-                if deadline <= now:
-                    del self._running[i]
-                    done.append((tag, Outcome(timed_out=True, seconds=now - start)))
-                    timeout_s = deadline - start
-                    with _abandoned_lock:
-                        _abandoned.append(_Abandoned(name, thread, timeout_s, deadline + timeout_s))
+            with self._lock:
+                for i, (tag, start, deadline, name, thread) in list(self._running.items()):
+                    if deadline <= now:
+                        del self._running[i]
+                        done.append((tag, Outcome(timed_out=True, seconds=now - start)))
+                        timeout_s = deadline - start
+                        with _abandoned_lock:
+                            _abandoned.append(_Abandoned(name, thread, timeout_s, deadline + timeout_s))
+                self._start_locked()
+                due = min((d for _, _, d, _, _ in self._running.values()), default=float("inf"))
             check_abandoned(now)
-            self._start()
-            if done or not wait or not self._running:
+            if done or not wait or self._outstanding == 0:
+                self._outstanding -= len(done)
                 return done
-            due = min(min(d for _, _, d, _, _ in self._running.values()), _next_stuck())
+            due = min(due, _next_stuck())
             try:
-                i, out = self._finished.get(timeout=max(0.0, due - time.monotonic()))
+                done.append(self._finished.get(timeout=None if due == float("inf") else max(0.0, due - now)))
             except queue.Empty:
                 continue
-            self._collect(i, out, done)
-
-    def _collect(self, i: int, out: Outcome, done: list[tuple[Any, Outcome]]) -> None:
-        if i in self._running:  # else it was abandoned already; its late result is dropped
-            done.append((self._running.pop(i)[0], out))

@@ -1,0 +1,116 @@
+"""Slow environments on the static engine: a row's environment step runs while the other rows decode, and the same
+seed gives the same tokens however long the steps take (per-row random streams keyed by turn and step)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from logitless.agents import Agent, AgentOptions
+from logitless.data.prompts import PromptRow
+from logitless.models import completion_logprobs
+from logitless.rollout import SamplingOptions, make_engine
+from tests.test_rollout_families import TOK, make_model
+
+ROWS, TURNS = 6, 3
+TURN_END = list(range(40, 110))  # about a quarter of the byte vocabulary ends a turn: turns of a few tokens
+
+
+class Shared:
+    """What the episodes of one rollout share: the steps each row has run, a hold on row 0's first step, a count of
+    the model's forwards, and each step's delay (seconds) by row."""
+
+    def __init__(self, hold: bool = False, delay=lambda row, turn: 0.0):
+        self.cond = threading.Condition()
+        self.steps = [0] * ROWS
+        self.hold, self.delay = hold, delay
+        self.forwards = 0
+        self.held: tuple[int, int] | None = None  # forwards when row 0's step began waiting and when it was released
+        self.in_flight, self.most_in_flight = 0, 0
+
+
+class Game:
+    """Answers each turn with "turn k done."; done after TURNS turns. Row 0's first step is held (with
+    `Shared.hold`) until every other row's episode has ended: only an engine that decodes other rows while a step
+    is pending can get there (a guard of 60 s ends the wait otherwise, and the test fails)."""
+
+    shared: Shared
+
+    def reset(self, row: dict) -> str | None:
+        self.row, self.turns = row["id"], 0
+        return None
+
+    def step(self, text: str):
+        sh = self.shared
+        with sh.cond:
+            sh.in_flight += 1
+            sh.most_in_flight = max(sh.most_in_flight, sh.in_flight)
+        time.sleep(sh.delay(self.row, self.turns))  # emulated latency only, never synchronisation
+        if sh.hold and self.row == 0 and self.turns == 0:
+            with sh.cond:
+                start = sh.forwards
+                ok = sh.cond.wait_for(lambda: all(n == TURNS for n in sh.steps[1:]), timeout=60)
+                sh.held = (start, sh.forwards) if ok else None
+        self.turns += 1
+        with sh.cond:
+            sh.steps[self.row] += 1
+            sh.in_flight -= 1
+            sh.cond.notify_all()
+        return f" turn {self.turns} done.", float(self.turns), self.turns >= TURNS
+
+
+def rollout(model, shared: Shared, seed: int = 4):
+    Game.shared = shared
+    agent = Agent(TOK, AgentOptions(environment=Game, format="raw", max_turns=TURNS, max_parallel_tools=ROWS,
+                                    tool_timeout_s=120, max_turn_tokens=20))
+    driver = agent.driver([PromptRow(f"Game {i}:", {"id": i}) for i in range(ROWS)], 1)
+    driver.turn_end_ids = TURN_END
+    hook = model.register_forward_pre_hook(lambda *_: setattr(shared, "forwards", shared.forwards + 1))
+    try:
+        engine = make_engine("static", model, TOK, check_every=2)
+        batch = engine.generate(driver.prompt_ids, SamplingOptions(num_generations=1, temperature=1.0, seed=seed,
+                                                                   max_new_tokens=110, ignore_eos=True),
+                                episodes=driver)
+    finally:
+        hook.remove()
+    return batch
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model("llama")
+
+
+def test_a_pending_step_holds_only_its_own_row(model, one_thread):
+    """Row 0's first step waits until every other row has played its whole episode: decode steps (the model's
+    forwards) ran while it was pending, several steps were in flight at once, and every episode still ran its turns."""
+    shared = Shared(hold=True)
+    b = rollout(model, shared)
+    assert shared.held is not None, "row 0's step was never released: the other rows did not decode meanwhile"
+    start, end = shared.held
+    assert end - start >= 2 * (TURNS - 1)  # the other rows' later turns were decoded while row 0 waited
+    assert shared.most_in_flight >= 2
+    assert [r.turns for r in b.episodes] == [TURNS] * ROWS and shared.steps == [TURNS] * ROWS
+    assert [r.reward for r in b.episodes] == [6.0] * ROWS and not b.truncated.any()
+    with torch.no_grad():
+        lp, _ = completion_logprobs(model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask)
+    assert (lp - b.sampler_logp)[b.loss_mask().bool()].abs().max() < 1e-5
+
+
+def test_the_same_seed_gives_the_same_tokens_with_a_slow_or_a_fast_environment(model, one_thread):
+    """Fast (no delay), slow (0-60 ms per step, different by row and turn) and held (row 0 re-enters after every
+    other row ended): the rows re-enter the decode at different steps, their tokens are the same."""
+    fast = rollout(model, Shared())
+    slow = rollout(model, Shared(delay=lambda row, turn: 0.015 * ((3 * row + turn) % 5)))
+    held = rollout(model, Shared(hold=True))
+    assert [r.turns for r in fast.episodes] == [TURNS] * ROWS
+    for other in (slow, held):
+        assert torch.equal(fast.completion_ids, other.completion_ids)
+        assert torch.equal(fast.completion_mask, other.completion_mask)
+        assert torch.equal(fast.env_mask, other.env_mask)
+        # the layout of the cache differs (where each row's slots are), which reorders a few additions
+        assert torch.allclose(fast.sampler_logp, other.sampler_logp, atol=1e-6, rtol=0)
+        assert [r.messages for r in fast.episodes] == [r.messages for r in other.episodes]

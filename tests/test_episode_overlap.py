@@ -1,5 +1,6 @@
-"""Slow environments on the static engine: a row's environment step runs while the other rows decode, and the same
-seed gives the same tokens however long the steps take (per-row random streams keyed by turn and step)."""
+"""Slow environments: a row's environment step runs while the other rows decode (static engine: and the row re-enters
+when its step is done, the others going on), and the same seed gives the same tokens however long the steps take
+(static: per-row random streams keyed by turn and step; hf: every turn's batch is the same)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ class Shared:
         self.forwards = 0
         self.held: tuple[int, int] | None = None  # forwards when row 0's step began waiting and when it was released
         self.in_flight, self.most_in_flight = 0, 0
+        self.wait_decode = False  # each step waits until two more forwards ran or its turn's generate returned
+        self.generated = 0  # generate calls returned (backend hf)
+        self.decoded_meanwhile: list[int] = []  # forwards seen while each step waited (wait_decode)
 
 
 class Game:
@@ -54,6 +58,11 @@ class Game:
                 start = sh.forwards
                 ok = sh.cond.wait_for(lambda: all(n == TURNS for n in sh.steps[1:]), timeout=60)
                 sh.held = (start, sh.forwards) if ok else None
+        if sh.wait_decode:
+            with sh.cond:  # (hf: every live row is in the same turn, so turn k ends within generate call k + 1)
+                start = sh.forwards
+                sh.cond.wait_for(lambda: sh.forwards >= start + 2 or sh.generated > self.turns, timeout=60)
+                sh.decoded_meanwhile.append(sh.forwards - start)
         self.turns += 1
         with sh.cond:
             sh.steps[self.row] += 1
@@ -62,20 +71,37 @@ class Game:
         return f" turn {self.turns} done.", float(self.turns), self.turns >= TURNS
 
 
-def rollout(model, shared: Shared, seed: int = 4):
+def rollout(model, shared: Shared, seed: int = 4, backend: str = "static"):
     Game.shared = shared
     agent = Agent(TOK, AgentOptions(environment=Game, format="raw", max_turns=TURNS, max_parallel_tools=ROWS,
                                     tool_timeout_s=120, max_turn_tokens=20))
     driver = agent.driver([PromptRow(f"Game {i}:", {"id": i}) for i in range(ROWS)], 1)
     driver.turn_end_ids = TURN_END
-    hook = model.register_forward_pre_hook(lambda *_: setattr(shared, "forwards", shared.forwards + 1))
+    def forward(*_):
+        with shared.cond:
+            shared.forwards += 1
+            shared.cond.notify_all()
+
+    hook = model.register_forward_pre_hook(forward)
+    generate = model.generate
+
+    def counted(*a, **k):
+        try:
+            return generate(*a, **k)
+        finally:
+            with shared.cond:
+                shared.generated += 1
+                shared.cond.notify_all()
+
+    model.generate = counted
     try:
-        engine = make_engine("static", model, TOK, check_every=2)
+        engine = make_engine(backend, model, TOK, **({"check_every": 2} if backend == "static" else {}))
         batch = engine.generate(driver.prompt_ids, SamplingOptions(num_generations=1, temperature=1.0, seed=seed,
                                                                    max_new_tokens=110, ignore_eos=True),
                                 episodes=driver)
     finally:
         hook.remove()
+        del model.generate
     return batch
 
 
@@ -114,3 +140,16 @@ def test_the_same_seed_gives_the_same_tokens_with_a_slow_or_a_fast_environment(m
         # the layout of the cache differs (where each row's slots are), which reorders a few additions
         assert torch.allclose(fast.sampler_logp, other.sampler_logp, atol=1e-6, rtol=0)
         assert [r.messages for r in fast.episodes] == [r.messages for r in other.episodes]
+
+
+def test_on_the_hf_engine_steps_run_while_the_turn_still_decodes_and_the_tokens_stay(model, one_thread):
+    """hf: each row's step is submitted when its turn ends inside `generate`; a step that waits for two more forwards
+    sees them (other rows were still decoding) unless its turn was the last to end. The tokens equal a fast run's."""
+    shared = Shared(delay=lambda row, turn: 0.01 * ((row + turn) % 3))
+    shared.wait_decode = True
+    slow = rollout(model, shared, backend="hf")
+    fast = rollout(model, Shared(), backend="hf")
+    assert max(shared.decoded_meanwhile) >= 2 and len(shared.decoded_meanwhile) == sum(shared.steps)
+    assert torch.equal(fast.completion_ids, slow.completion_ids) and torch.equal(fast.env_mask, slow.env_mask)
+    assert torch.equal(fast.sampler_logp, slow.sampler_logp)
+    assert [r.messages for r in fast.episodes] == [r.messages for r in slow.episodes]

@@ -14,6 +14,7 @@ from logitless.agents import Agent, AgentOptions
 from logitless.data.prompts import PromptRow
 from logitless.models import completion_logprobs
 from logitless.rollout import SamplingOptions, make_engine
+from tests.agent_fixtures import HANG
 from tests.test_rollout_families import TOK, make_model
 
 ROWS, TURNS = 6, 3
@@ -34,6 +35,7 @@ class Shared:
         self.wait_decode = False  # each step waits until two more forwards ran or its turn's generate returned
         self.generated = 0  # generate calls returned (backend hf)
         self.decoded_meanwhile: list[int] = []  # forwards seen while each step waited (wait_decode)
+        self.hang = False  # row 0's first step hangs on agent_fixtures.HANG (released after the test)
 
 
 class Game:
@@ -58,6 +60,8 @@ class Game:
                 start = sh.forwards
                 ok = sh.cond.wait_for(lambda: all(n == TURNS for n in sh.steps[1:]), timeout=60)
                 sh.held = (start, sh.forwards) if ok else None
+        if sh.hang and self.row == 0 and self.turns == 0:
+            HANG.wait()
         if sh.wait_decode:
             with sh.cond:  # (hf: every live row is in the same turn, so turn k ends within generate call k + 1)
                 start = sh.forwards
@@ -71,10 +75,10 @@ class Game:
         return f" turn {self.turns} done.", float(self.turns), self.turns >= TURNS
 
 
-def rollout(model, shared: Shared, seed: int = 4, backend: str = "static"):
+def rollout(model, shared: Shared, seed: int = 4, backend: str = "static", timeout_s: float = 120):
     Game.shared = shared
     agent = Agent(TOK, AgentOptions(environment=Game, format="raw", max_turns=TURNS, max_parallel_tools=ROWS,
-                                    tool_timeout_s=120, max_turn_tokens=20))
+                                    tool_timeout_s=timeout_s, max_turn_tokens=20))
     driver = agent.driver([PromptRow(f"Game {i}:", {"id": i}) for i in range(ROWS)], 1)
     driver.turn_end_ids = TURN_END
     def forward(*_):
@@ -124,6 +128,21 @@ def test_a_pending_step_holds_only_its_own_row(model, one_thread):
     with torch.no_grad():
         lp, _ = completion_logprobs(model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask)
     assert (lp - b.sampler_logp)[b.loss_mask().bool()].abs().max() < 1e-5
+
+
+def test_a_step_past_the_timeout_ends_its_episode_while_the_others_play_on(model, one_thread):
+    """Row 0's first step hangs: it is abandoned at agent.tool_timeout_s while the other rows decode, its episode
+    ends there (env_errors, warned), and the others play their turns with the tokens of a run without the hang."""
+    shared = Shared()
+    shared.hang = True
+    with pytest.warns(UserWarning, match=r"Game.step\(\) did not return within 0.5 s"):
+        b = rollout(model, shared, timeout_s=0.5)
+    assert [r.turns for r in b.episodes] == [1] + [TURNS] * (ROWS - 1)
+    assert b.episodes[0].metrics["env_errors"] == 1 and b.episodes[1].metrics["env_errors"] == 0
+    ref = rollout(model, Shared())
+    assert torch.equal(b.completion_ids[1:], ref.completion_ids[1:])
+    first = int(b.completion_mask[0].sum())  # row 0: its first turn, as without the hang
+    assert torch.equal(b.completion_ids[0, :first], ref.completion_ids[0, :first])
 
 
 def test_the_same_seed_gives_the_same_tokens_with_a_slow_or_a_fast_environment(model, one_thread):

@@ -86,6 +86,11 @@ class EpisodeDriver(Protocol):
         """After the last turn: one record per row, in row order."""
         ...
 
+    # Optional, for answers that take time (`Replies`): `submit(turns) -> None` starts answering and returns at
+    # once; `ready(wait: bool) -> list[tuple[int, list[int] | None]]` gives (row, reply) of the turns answered since
+    # its last call (wait: block until one is, while any is in flight). With them the engine hands over each turn as
+    # it ends and decodes the other rows meanwhile; `respond` is not called.
+
 
 @dataclass
 class EpisodeStream:

@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--turn-tokens", type=int, default=48, help="mean tokens of a model turn")
+    ap.add_argument("--turn-tokens", type=int, default=32, help="mean tokens of a model turn")
     ap.add_argument("--max-parallel-tools", type=int, default=8)
     ap.add_argument("--check-every", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
@@ -113,6 +113,7 @@ def main() -> None:
         finally:
             episodes.Replies.__init__ = init
 
+    load_start = os.getloadavg()
     delay = args.delay_ms / 1000
     modes = {"fast": (0.0, True), "slow": (delay, True), "slow_blocking": (delay, False)}
     run(0.0, True)  # warm-up
@@ -141,12 +142,14 @@ def main() -> None:
         "ratio_blocking_over_fast": med["slow_blocking"] / med["fast"],
         # per repeat (the runs of one repeat ran back to back, under the same load of the machine)
         "ratio_slow_over_fast_per_repeat_median": statistics.median(s / f for s, f in zip(seconds["slow"], seconds["fast"])),
-        # what no overlap can remove: each episode waits for its own steps, turns x delay on its critical path
-        "floor_ratio": (med["fast"] + args.turns * delay) / med["fast"],
+        # what each episode waits for its own steps (turns x delay), against the fast run's median
+        "episode_wait_s": args.turns * delay, "episode_wait_over_fast": args.turns * delay / med["fast"],
         "runs_s": seconds,
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": tf.__version__,
-                    "python": platform.python_version(), "torch_threads": torch.get_num_threads()},
+                    "python": platform.python_version(), "torch_threads": torch.get_num_threads(),
+                    # other processes share this machine's CPUs: the 1-minute load average at the start and end
+                    "loadavg_1min_start_end": [load_start[0], os.getloadavg()[0]]},
     }
     print(json.dumps(out, indent=1))
     if args.out:

@@ -308,6 +308,30 @@ def test_tasks_run_concurrently_up_to_max_parallel():
     assert sum(o.value for o in out) == 7 and peak[0] == 2
 
 
+def test_a_pool_runs_its_queued_tasks_without_being_polled_and_hands_back_each_as_it_ends():
+    """TaskPool: one slot, three tasks; a task that ends starts the next one itself (the last sets `done` with no
+    poll between), and poll hands back the outcomes with their tags, a hung one abandoned at its deadline."""
+    from logitless.agents.runner import TaskPool
+
+    pool, order, done, never = TaskPool(1), [], threading.Event(), threading.Event()
+    pool.submit(lambda: order.append("a") or "a", 5.0, "a", tag=1)
+    pool.submit(lambda: order.append("b") or "b", 5.0, "b", tag=2)
+    pool.submit(lambda: order.append("c") or done.set() or "c", 5.0, "c", tag=3)
+    assert done.wait(5) and order == ["a", "b", "c"] and pool.pending == 3
+    got = pool.poll()
+    while pool.pending:  # (c's outcome is queued just after it set `done`)
+        got += pool.poll(wait=True)
+    assert [(tag, out.value) for tag, out in got] == [(1, "a"), (2, "b"), (3, "c")] and pool.pending == 0
+    assert pool.poll(wait=True) == []  # nothing in flight: returns at once
+    pool.submit(lambda: never.wait(5), 0.2, "hung", tag="h")
+    pool.submit(lambda: "after", 5.0, "after", tag="x")  # waits for the slot the hung task frees when abandoned
+    outs = []
+    while pool.pending:
+        outs += pool.poll(wait=True)
+    assert [(tag, out.timed_out, out.value) for tag, out in outs] == [("h", True, None), ("x", False, "after")]
+    never.set()
+
+
 def test_a_hung_task_is_abandoned_at_its_timeout_and_frees_its_slot():
     never = threading.Event()
     t0 = time.monotonic()

@@ -6,7 +6,8 @@
 """
 
 from logitless.agents.calculator import Calculator, CalculatorError
-from logitless.agents.driver import Agent, AgentDriver
+from logitless.agents.agent import Agent
+from logitless.agents.driver import AgentDriver
 from logitless.agents.environment import Environment
 from logitless.agents.options import AgentOptions
 from logitless.agents.parsing import PARSERS, ParsedTurn, ToolCall

@@ -1,8 +1,5 @@
-"""`Agent` and its `AgentDriver`: what answers the model between turns (logitless.rollout.episodes).
-
-    agent = Agent(tokenizer, AgentOptions(tools=["calculator"]))      # every bad option refused here
-    driver = agent.driver(rows, num_generations=8)                     # one per rollout
-    batch = engine.generate(driver.prompt_ids, sampling, episodes=driver)
+"""`AgentDriver` (built by `Agent.driver`, `agent.py`): what answers the model between turns
+(logitless.rollout.episodes).
 
 Per model turn the driver decodes the turn's ids (only to read them), parses tool calls, runs them (or steps the
 environment), and returns the token ids of the answer: the chat template's suffix for the tool or user messages
@@ -13,118 +10,20 @@ at `max_turns`, when a turn is cut by a budget, or when an observation would not
 
 from __future__ import annotations
 
-import itertools
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from logitless.agents.custom import ConfiguredDriver, load_driver
-from logitless.agents.environment import check_first, check_reward, check_step, load_environment
-from logitless.agents.http_env import http_environment, is_url
-from logitless.agents.mcp_tools import McpServers, parse_servers
-from logitless.agents.options import AgentOptions
+from logitless.agents.environment import check_first, check_reward, check_step
 from logitless.agents.parsing import PARSERS, ParsedTurn, ToolCall
-from logitless.agents.python_tool import python_tool
-from logitless.agents.runner import Outcome, run_tasks
-from logitless.agents.rowtools import RowTools, unknown_tool
-from logitless.agents.templates import CHAT_FORMATS, chat_side, special_ids, tool_call_message, with_system
-from logitless.agents.tools import (AgentFatalError, Tool, ToolResult, ToolSet, calculator_tool, check_arguments,
-                                    cut_middle, error_text, function_tool, load_function, run_call)
+from logitless.agents.runner import Outcome, TaskPool, run_tasks
+from logitless.agents.rowtools import unknown_tool
+from logitless.agents.templates import special_ids, tool_call_message, with_system
+from logitless.agents.tools import (AgentFatalError, Tool, ToolResult, check_arguments,
+                                    cut_middle, error_text, run_call)
 from logitless.rollout.episodes import EpisodeRecord, TurnEnd
 
 RAW_STOP = "</call>"
-
-
-class Agent:
-    """Tools, an environment class, a parser and a chat-template bridge, loaded and checked once."""
-
-    def __init__(self, tokenizer: Any, options: AgentOptions) -> None:
-        if not isinstance(options, AgentOptions):
-            raise TypeError(f"Agent options must be an AgentOptions, got {type(options).__name__}")
-        self.tokenizer, self.options = tokenizer, options
-        self.toolset = ToolSet()
-        self.custom = None  # agent.driver: your own driver, which replaces the tools, environment and template
-        self.env, self.mcp, self.chat_format, self.bridge, self.row_tools = None, None, None, None, None
-        if options.driver is not None:
-            self.custom = load_driver(options.driver, options.driver_options)
-            return
-        for spec in options.tools:
-            if spec not in ("calculator", "python"):
-                spec = load_function(spec, "agent.tools")
-            name = spec if isinstance(spec, str) else getattr(spec, "__name__", "")
-            opts = dict(options.tool_options.get(name, {}))
-            if spec == "calculator":
-                try:
-                    tool = calculator_tool(opts, options.tool_timeout_s)
-                except (TypeError, ValueError) as e:
-                    raise ValueError(f"agent.tool_options.calculator: {e}") from None
-            elif spec == "python":
-                tool = python_tool(opts, options.tool_timeout_s)
-            else:
-                tool = function_tool(spec, opts, options.tool_timeout_s)
-            self.toolset.add(tool, "agent.tools")
-        try:  # what is started here (an HTTP environment's connection, MCP servers) is closed on any error
-            if options.environment is not None:
-                load = http_environment if is_url(options.environment) else load_environment
-                self.env = load(options.environment, options.env_options, options.tool_timeout_s)
-                for tool in self.env.tools:
-                    self.toolset.add(tool, f"agent.environment ({self.env.name}.tools)")
-            for key in options.tool_options:
-                if key not in self.toolset:
-                    raise ValueError(f"agent.tool_options.{key}: no tool is named '{key}'; the tools are "
-                                     f"{list(self.toolset.tools) or 'none'}")
-            if options.mcp_servers:  # started last: every cheaper check above has passed
-                self.mcp = McpServers(parse_servers(options.mcp_servers), options.tool_timeout_s)
-                for tool in self.mcp.tools:
-                    self.toolset.add(tool, f"agent.mcp_servers (the tool '{tool.name}')")
-            self.chat_format, self.bridge = chat_side(tokenizer, options, self.toolset, self.env is not None)
-            self.row_tools = RowTools(options.tools_field, self.toolset, self.bridge, self.env is not None)
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        """Stop the MCP servers and close the environment server's connection (idempotent)."""
-        if self.mcp is not None:
-            self.mcp.close()
-        if self.env is not None:
-            self.env.close()
-
-    def __enter__(self) -> Agent:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    @property
-    def tools(self) -> dict[str, Tool]:
-        return self.toolset.tools
-
-    def driver(self, rows: Sequence[Any], num_generations: int) -> AgentDriver | ConfiguredDriver:
-        """A driver for one rollout of `rows` (PromptRow) with `num_generations` episodes each (agent.driver's
-        class when one is set)."""
-        if not rows:
-            raise ValueError("Agent.driver: no rows")
-        if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 1:
-            raise ValueError(f"Agent.driver: num_generations must be an int >= 1, got {num_generations!r}")
-        if self.custom is not None:
-            return self.custom.make(self.tokenizer, rows, num_generations)
-        chat = [isinstance(r.prompt, list) for r in rows]
-        if all(chat):
-            if self.bridge is None:
-                why = ("agent.format=raw" if self.options.format == "raw" else "the tokenizer has no chat template")
-                raise ValueError(f"the prompts are chat messages but {why}: use raw-text prompts (data chat=false) or "
-                                 "set agent.format/agent.chat_template for a chat format")
-            return AgentDriver(self, rows, num_generations, self.chat_format)
-        if not any(chat):
-            if self.options.system_prompt is not None:
-                raise ValueError("agent.system_prompt is the system message of chat prompts, but the prompts are raw "
-                                 "text: write it into the prompts (data.options.system_prompt), or set data chat=true")
-            if self.options.format in CHAT_FORMATS:
-                raise ValueError(f"agent.format={self.options.format} needs chat prompts but the prompts are raw "
-                                 "text: set data chat=true, or agent.format=raw (or auto) for the raw protocol")
-            return AgentDriver(self, rows, num_generations, "raw")
-        raise ValueError("the prompts mix raw text and chat messages; give one kind per run")
 
 
 @dataclass
@@ -145,12 +44,13 @@ class _Plan:
     results: list[ToolResult | None] = field(default_factory=list)  # one per call
     step_text: str = ""  # what the environment's step() reads (a turn without calls)
     step_out: Outcome | None = None  # how step() ended
+    waiting: int = 0  # tasks of this turn still running (its answer is written when none is)
 
 
 class AgentDriver:
     """Implements `logitless.rollout.episodes.EpisodeDriver` for one rollout (rows i*G + g of prompt i)."""
 
-    def __init__(self, agent: Agent, rows: Sequence[Any], num_generations: int, fmt: str) -> None:
+    def __init__(self, agent: Any, rows: Sequence[Any], num_generations: int, fmt: str) -> None:  # agent: `Agent`
         self.agent, self.options, self.format = agent, agent.options, fmt
         self.rows, self.num_generations = list(rows), num_generations
         tok = agent.tokenizer
@@ -158,7 +58,11 @@ class AgentDriver:
         self.turn_end_ids: list[int] = list(agent.bridge.turn_end_ids) if fmt != "raw" else []
         self.turn_stops: list[str] = [RAW_STOP] if fmt == "raw" and agent.toolset else []
         self.max_turn_tokens: int | None = self.options.max_turn_tokens
-        self._ids = (f"{n:09d}" for n in itertools.count())  # call ids where the model wrote none (9 digits)
+        # call ids where the model wrote none (9 digits): row and count of its calls, whatever order rows end in
+        self._calls = [0] * (len(self.rows) * num_generations)
+        self._pool: TaskPool | None = None  # runs the turns' calls and steps (created at the first submit)
+        self._replies: list[tuple[int, list[int] | None]] = []  # answered turns not yet handed back by ready()
+        self._inflight = 0
         self._warned = False
         self._special = special_ids(tok)
         self._records: list[EpisodeRecord] | None = None  # set by finish()
@@ -230,6 +134,20 @@ class AgentDriver:
                              f"{len(self.rows)} prompts x {self.num_generations} generations")
 
     def respond(self, turns: list[TurnEnd]) -> list[list[int] | None]:
+        """The replies to `turns`, once all their calls and environment steps have run (`submit`, then `ready`
+        until every one is answered)."""
+        if self._inflight:
+            raise RuntimeError("AgentDriver.respond: turns submitted earlier are still being answered")
+        self.submit(turns)
+        got: dict[int, list[int] | None] = {}
+        while len(got) < len(turns):
+            got.update(self.ready(wait=True))
+        return [got[t.row] for t in turns]
+
+    def submit(self, turns: list[TurnEnd]) -> None:
+        """Start answering `turns` and return at once: their tool calls and environment steps run in the driver's
+        workers (at most agent.max_parallel_tools at a time, each bounded by agent.tool_timeout_s) while the
+        engine decodes other rows; `ready` hands back each reply once its turn's work is done."""
         plans: list[_Plan | None] = []
         for t in turns:
             ep = self.episodes[t.row]
@@ -238,8 +156,38 @@ class AgentDriver:
             ep.record.turns += 1
             ep.record.turn_rewards.append(None)
             plans.append(self._plan(t, ep))
-        self._run(plans)
-        return [None if p is None else self._answer(p) for p in plans]
+        self._inflight += len(turns)
+        for t, p in zip(turns, plans):
+            if p is None:
+                self._replies.append((t.row, None))
+        self._run([p for p in plans if p is not None])
+
+    def ready(self, wait: bool = False) -> list[tuple[int, list[int] | None]]:
+        """(row, reply) of each submitted turn whose calls and step have ended since the last call, in the order
+        they ended; a reply is the ids to append or None (the episode is over). wait: block until there is one
+        (while any turn is in flight). Raises what the run must stop for (a server gone, TaskStuck)."""
+        from logitless.stops import stoppable
+
+        while True:
+            blocking = wait and not self._replies and self._pool is not None and self._pool.pending > 0
+            if self._pool is not None:
+                if blocking:
+                    with stoppable("the agent's tool and environment calls"):
+                        outs = self._pool.poll(wait=True)
+                else:
+                    outs = self._pool.poll()
+                for (sink, plans), out in outs:
+                    self._settle(sink, plans, out)
+            if self._replies or not blocking:
+                break
+        done, self._replies = self._replies, []
+        self._inflight -= len(done)
+        return done
+
+    @property
+    def in_flight(self) -> int:
+        """Turns submitted whose reply `ready` has not handed back yet."""
+        return self._inflight
 
     def finish(self) -> list[EpisodeRecord]:
         if self._records is not None:
@@ -282,7 +230,7 @@ class AgentDriver:
             return self._end(ep, truncated=True)
         parsed = self.parse(text) if self.agent.toolset else ParsedTurn(text.strip(), [])
         for c in parsed.calls:
-            c.id = c.id or next(self._ids)
+            c.id = c.id or self._call_id(t.row)
         malformed = any(c.error is not None or c.name is None for c in parsed.calls)
         # a malformed call keeps the turn's whole text, so that rewards and eval samples see what the model wrote
         message: dict[str, Any] = {"role": "assistant", "content": text.strip() if malformed else parsed.content}
@@ -303,19 +251,19 @@ class AgentDriver:
         content = tok.decode(body, skip_special_tokens=True)
         return _Plan(t, ParsedTurn(content, []), continuable, step_text=content)
 
-    def _run(self, plans: list[_Plan | None]) -> None:
-        """Run every call and environment step of these turns concurrently (see runner.run_tasks)."""
-        tasks, timeouts, names, sinks = [], [], [], []  # sink(outcome) stores a task's outcome
+    def _run(self, plans: list[_Plan]) -> None:
+        """Submit every call and environment step of these turns to the driver's pool (see runner.TaskPool); a
+        turn whose calls were all refused before running is answered at once."""
+        if self._pool is None:
+            self._pool = TaskPool(self.options.max_parallel_tools)
+        tasks = []  # (fn, timeout, name, sink, the plans it answers); sink(outcome) stores a task's outcome
         batches: dict[str, list[tuple[_Plan, int, dict[str, Any]]]] = {}
         for p in plans:
-            if p is None:
-                continue
             ep = self.episodes[p.turn.row]
             if not p.parsed.calls:  # an environment step
-                tasks.append(lambda e=ep.env, text=p.step_text: e.step(text))
-                timeouts.append(self.options.tool_timeout_s)
-                names.append(f"{self.agent.env.name}.step()")  # type: ignore[union-attr]
-                sinks.append(lambda out, p=p: setattr(p, "step_out", out))
+                tasks.append((lambda e=ep.env, text=p.step_text: e.step(text), self.options.tool_timeout_s,
+                              f"{self.agent.env.name}.step()",  # type: ignore[union-attr]
+                              lambda out, p=p: setattr(p, "step_out", out), [p]))
                 continue
             chain = []  # environment-method calls of this episode: one after another, in the model's order
             for k, call in enumerate(p.parsed.calls):
@@ -327,27 +275,46 @@ class AgentDriver:
                 elif tool.method:
                     chain.append((k, tool, args))
                 else:
-                    tasks.append(lambda tool=tool, args=args: [run_call(tool, args, None)])
-                    timeouts.append(tool.timeout_s)
-                    names.append(f"the tool '{tool.name}'")
-                    sinks.append(lambda out, p=p, ks=[k], tools=[tool]: self._store(p, ks, tools, out))
+                    tasks.append((lambda tool=tool, args=args: [run_call(tool, args, None)], tool.timeout_s,
+                                  f"the tool '{tool.name}'",
+                                  lambda out, p=p, ks=[k], tools=[tool]: self._store(p, ks, tools, out), [p]))
             if chain:
-                tasks.append(lambda chain=chain, e=ep.env: [run_call(tool, args, e) for _, tool, args in chain])
-                timeouts.append(sum(tool.timeout_s for _, tool, _ in chain))
-                names.append(" then ".join(f"the tool '{tool.name}'" for _, tool, _ in chain))
-                sinks.append(lambda out, p=p, c=chain: self._store(p, [k for k, _, _ in c], [t for _, t, _ in c], out))
+                tasks.append((lambda chain=chain, e=ep.env: [run_call(tool, args, e) for _, tool, args in chain],
+                              sum(tool.timeout_s for _, tool, _ in chain),
+                              " then ".join(f"the tool '{tool.name}'" for _, tool, _ in chain),
+                              lambda out, p=p, c=chain: self._store(p, [k for k, _, _ in c], [t for _, t, _ in c], out),
+                              [p]))
         for name, items in batches.items():
             tool = self.agent.toolset[name]
-            tasks.append(lambda tool=tool, items=items: tool.batch([a for _, _, a in items]))  # type: ignore[misc]
-            timeouts.append(tool.batch_timeout(len(items)) if tool.batch_timeout else tool.timeout_s)
-            names.append(f"the tool '{tool.name}' ({len(items)} calls)")
-            sinks.append(lambda out, items=items, tool=tool: self._store_batch(items, tool, out))
-        outs = run_tasks(tasks, timeouts, self.options.max_parallel_tools, names)
-        fatal = next((o.error for o in outs if isinstance(o.error, AgentFatalError)), None)
-        if fatal is not None:  # a server the agent needs is gone: the run fails, naming it
-            raise fatal
-        for sink, out in zip(sinks, outs):
-            sink(out)
+            tasks.append((lambda tool=tool, items=items: tool.batch([a for _, _, a in items]),  # type: ignore[misc]
+                          tool.batch_timeout(len(items)) if tool.batch_timeout else tool.timeout_s,
+                          f"the tool '{tool.name}' ({len(items)} calls)",
+                          lambda out, items=items, tool=tool: self._store_batch(items, tool, out),
+                          [p for p, _, _ in items]))
+        for *_, answers in tasks:
+            for p in answers:
+                p.waiting += 1
+        for p in plans:
+            if p.waiting == 0:  # every call was refused before running
+                self._replies.append((p.turn.row, self._answer(p)))
+        for fn, timeout, name, sink, answers in tasks:
+            self._pool.submit(fn, timeout, name, (sink, answers))
+
+    def _settle(self, sink: Any, plans: list[_Plan], out: Outcome) -> None:
+        """Store a task's outcome; answer each turn whose last task it was."""
+        if isinstance(out.error, AgentFatalError):  # a server the agent needs is gone: the run fails, naming it
+            raise out.error
+        sink(out)
+        for p in plans:
+            p.waiting -= 1
+            if p.waiting == 0:
+                self._replies.append((p.turn.row, self._answer(p)))
+
+    def _call_id(self, row: int) -> str:
+        """The next id of a call of `row`'s episode that the model gave none: 9 digits, the row's then the count of
+        its calls (so ids do not depend on which rows' turns ended first)."""
+        n, self._calls[row] = self._calls[row], self._calls[row] + 1
+        return f"{(row * 10_000 + n) % 10**9:09d}"
 
     def _check(self, call: ToolCall, allowed: tuple[str, ...]) -> tuple[Tool | None, dict[str, Any], str | None]:
         """The tool and checked arguments of a call, or the error the model reads (`allowed`: its row's tools)."""

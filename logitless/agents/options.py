@@ -63,7 +63,7 @@ class AgentOptions:
     max_turn_tokens: int | None = None  # most tokens of one model turn (None: only the episode budget)
     tool_timeout_s: float = 10.0  # wall time of one tool call (a hung call is abandoned and answered by an error)
     max_tool_output_chars: int = 4000  # longer tool results are cut in the middle (marked) before the model sees them
-    max_parallel_tools: int = 8  # tool calls of one turn batch run concurrently in this many threads
+    max_parallel_tools: int = 8  # tool calls and environment steps of the rollout run in this many threads at most
     # Weight of the episode's own reward (EpisodeRecord.reward: the environment's, or agent.driver's) in the total
     # reward, beside the reward functions of `reward.reward_funcs`.
     environment_reward_weight: float = 1.0

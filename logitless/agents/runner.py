@@ -17,6 +17,7 @@ abandons it.
 from __future__ import annotations
 
 import collections
+import itertools
 import queue
 import sys
 import threading
@@ -86,48 +87,101 @@ def run_tasks(tasks: Sequence[Callable[[], Any]], timeouts: Sequence[float], max
     names = list(names) if names is not None else [f"task {i}" for i in range(n)]
     if len(timeouts) != n or len(names) != n:
         raise ValueError(f"run_tasks: {n} tasks but {len(timeouts)} timeouts and {len(names)} names")
-    if max_parallel < 1:
-        raise ValueError(f"run_tasks: max_parallel must be >= 1, got {max_parallel}")
+    pool = TaskPool(max_parallel)
     results: list[Outcome | None] = [None] * n
-    finished: queue.SimpleQueue = queue.SimpleQueue()  # (index, Outcome) from the threads of this call only
-    pending = collections.deque(range(n))
-    running: dict[int, tuple[float, float]] = {}  # index -> (start, deadline), monotonic seconds
+    with stoppable("the agent's tool and environment calls"):  # (a task may signal the moment it starts)
+        for i in range(n):
+            pool.submit(tasks[i], timeouts[i], names[i], i)
+        while pool.pending:
+            for i, out in pool.poll(wait=True):
+                results[i] = out
+    return results  # type: ignore[return-value]
 
-    def target(i: int, fn: Callable[[], Any], start: float) -> None:
+
+class TaskPool:
+    """Tasks submitted one by one and collected as they end, for a caller that goes on with other work meanwhile
+    (the rollout engine decoding other rows while a row's tool calls run).
+
+    Each task runs in its own daemon thread, at most `max_parallel` at a time; the others queue, in order, and a
+    task that ends starts the next one itself, so the pool keeps working between polls. A task's clock starts
+    when its thread starts. `poll` returns the tasks that ended or reached their deadline since the last poll; a
+    task past its deadline is abandoned as `run_tasks` abandons it (its slot is freed, its late result dropped,
+    and a thread still running at twice its timeout raises TaskStuck at a later poll). Poll from one thread."""
+
+    def __init__(self, max_parallel: int) -> None:
+        if max_parallel < 1:
+            raise ValueError(f"TaskPool: max_parallel must be >= 1, got {max_parallel}")
+        self.max_parallel = max_parallel
+        self._lock = threading.Lock()  # guards _queued and _running (worker threads start the next task)
+        self._queued: collections.deque = collections.deque()  # (tag, fn, timeout, name), not started yet
+        # id -> (tag, start, deadline, name, thread) of the tasks running now (neither ended nor abandoned)
+        self._running: dict[int, tuple[Any, float, float, str, threading.Thread]] = {}
+        self._finished: queue.SimpleQueue = queue.SimpleQueue()  # (tag, Outcome) of tasks that ended in time
+        self._ids = itertools.count()
+        self._outstanding = 0  # submitted, not yet returned by poll
+        check_abandoned()
+
+    @property
+    def pending(self) -> int:
+        """Tasks submitted and not yet returned by `poll`."""
+        return self._outstanding
+
+    def submit(self, fn: Callable[[], Any], timeout_s: float, name: str, tag: Any) -> None:
+        """Queue `fn` (bounded by `timeout_s`, named `name` in a TaskStuck); `poll` returns its outcome with `tag`.
+        Starts it at once when a slot is free."""
+        self._outstanding += 1
+        with self._lock:
+            self._queued.append((tag, fn, float(timeout_s), name))
+            self._start_locked()
+
+    def _start_locked(self) -> None:
+        while self._queued and len(self._running) < self.max_parallel:
+            tag, fn, timeout_s, name = self._queued.popleft()
+            i, start = next(self._ids), time.monotonic()
+            thread = threading.Thread(target=self._target, args=(i, fn, start), name=f"logitless-tool-{i}",
+                                      daemon=True)
+            self._running[i] = (tag, start, start + timeout_s, name, thread)
+            thread.start()
+
+    def _target(self, i: int, fn: Callable[[], Any], start: float) -> None:
         try:
             out = Outcome(value=fn())
         except BaseException as e:  # noqa: BLE001 (a tool calling sys.exit must not end the rollout)
             out = Outcome(error=e)
         out.seconds = time.monotonic() - start
-        finished.put((i, out))
+        with self._lock:
+            entry = self._running.pop(i, None)
+            if entry is not None:  # else it was abandoned already; its late result is dropped
+                self._finished.put((entry[0], out))
+            self._start_locked()
 
-    threads: dict[int, threading.Thread] = {}
-    check_abandoned()
-    with stoppable("the agent's tool and environment calls"):
-        while pending or running:
-            while pending and len(running) < max_parallel:
-                i = pending.popleft()
-                start = time.monotonic()
-                running[i] = (start, start + float(timeouts[i]))
-                threads[i] = threading.Thread(target=target, args=(i, tasks[i], start), name=f"logitless-tool-{i}",
-                                              daemon=True)
-                threads[i].start()
-            due = min(min(d for _, d in running.values()), _next_stuck())
-            wait = max(0.0, due - time.monotonic())
-            try:
-                i, out = finished.get(timeout=wait)
-            except queue.Empty:
-                now = time.monotonic()
-                for i, (start, deadline) in list(running.items()):
+    def poll(self, wait: bool = False) -> list[tuple[Any, Outcome]]:
+        """(tag, Outcome) of every task that ended or was abandoned at its deadline since the last poll. wait:
+        block until at least one has (while any is pending). Raises TaskStuck as `check_abandoned` does."""
+        done: list[tuple[Any, Outcome]] = []
+        while True:
+            while True:  # everything already finished, without blocking
+                try:
+                    done.append(self._finished.get_nowait())
+                except queue.Empty:
+                    break
+            now = time.monotonic()
+            with self._lock:
+                for i, (tag, start, deadline, name, thread) in list(self._running.items()):
                     if deadline <= now:
-                        del running[i]
-                        results[i] = Outcome(timed_out=True, seconds=now - start)
+                        del self._running[i]
+                        done.append((tag, Outcome(timed_out=True, seconds=now - start)))
+                        timeout_s = deadline - start
                         with _abandoned_lock:
-                            _abandoned.append(_Abandoned(names[i], threads[i], float(timeouts[i]),
-                                                         deadline + float(timeouts[i])))
-                check_abandoned(now)
+                            _abandoned.append(_Abandoned(name, thread, timeout_s, deadline + timeout_s))
+                self._start_locked()
+                due = min((d for _, _, d, _, _ in self._running.values()), default=float("inf"))
+            check_abandoned(now)
+            if done or not wait or self._outstanding == 0:
+                self._outstanding -= len(done)
+                return done
+            due = min(due, _next_stuck())
+            try:
+                done.append(self._finished.get(timeout=None if due == float("inf") else max(0.0, due - now)))
+            except queue.Empty:
                 continue
-            if i in running:  # else it was abandoned already; drop its late result
-                del running[i]
-                results[i] = out
-    return results  # type: ignore[return-value]

@@ -88,6 +88,11 @@ class EpisodeDriver(Protocol):
         """After the last turn: one record per row, in row order."""
         ...
 
+    # Optional, for answers that take time (`Replies`): `submit(turns) -> None` starts answering and returns at
+    # once; `ready(wait: bool) -> list[tuple[int, list[int] | None]]` gives (row, reply) of the turns answered since
+    # its last call (wait: block until one is, while any is in flight). With them the engine hands over each turn as
+    # it ends and decodes the other rows meanwhile; `respond` is not called.
+
 
 @dataclass
 class EpisodeStream:
@@ -139,6 +144,56 @@ def _checked_reply(reply: Any, row: int, vocab: int | None) -> list[int] | None:
         raise ValueError(f"the episode driver's reply for row {row} holds token id {bad[0]}, outside the model's "
                          f"vocabulary of {vocab} ids")
     return list(reply)
+
+
+class Replies:
+    """How an engine gets a driver's answers: `submit` turns as they end, collect `(turn, reply)` as each is ready.
+
+    A driver that has `submit(turns)` and `ready(wait) -> [(row, reply)]` (the built-in `AgentDriver`) answers each
+    turn as soon as its own tool calls or environment step are done, while the engine decodes other rows; any
+    other driver is asked through `respond(turns)` at `submit`, and its replies are ready at once. Every reply is
+    checked as `checked_replies` checks it."""
+
+    def __init__(self, driver: EpisodeDriver, vocab: int | None) -> None:
+        self.driver, self.vocab = driver, vocab
+        self.overlaps = callable(getattr(driver, "submit", None)) and callable(getattr(driver, "ready", None))
+        self._turns: dict[int, TurnEnd] = {}  # row -> its turn in flight
+        self._ready: list[tuple[TurnEnd, list[int] | None]] = []
+
+    @property
+    def in_flight(self) -> int:
+        """Turns submitted whose reply `ready` has not handed back yet."""
+        return len(self._turns)
+
+    def submit(self, turns: list[TurnEnd]) -> None:
+        """Hand these turns to the driver (one turn per row in flight at a time)."""
+        if not turns:
+            return
+        for te in turns:
+            if te.row in self._turns:
+                raise RuntimeError(f"row {te.row}'s turn was submitted while its previous one is unanswered")
+            self._turns[te.row] = te
+        if self.overlaps:
+            self.driver.submit(turns)  # type: ignore[attr-defined]
+            return
+        for te, reply in zip(turns, checked_replies(self.driver.respond(turns), turns, self.vocab)):
+            self._ready.append((te, reply))
+
+    def ready(self, wait: bool = False) -> list[tuple[TurnEnd, list[int] | None]]:
+        """(turn, reply) of each submitted turn answered since the last call; wait: block until there is one
+        (while any turn is in flight)."""
+        if self.overlaps and self._turns:
+            got = self.driver.ready(wait=wait and not self._ready)  # type: ignore[attr-defined]
+            if not isinstance(got, Sequence) or not all(isinstance(g, tuple) and len(g) == 2 for g in got):
+                raise ValueError(f"the episode driver's ready() must return (row, reply) pairs, got {got!r:.80}")
+            for row, reply in got:
+                if row not in self._turns or any(te.row == row for te, _ in self._ready):
+                    raise ValueError(f"the episode driver's ready() answered row {row}, which has no turn in flight")
+                self._ready.append((self._turns[row], _checked_reply(reply, row, self.vocab)))
+        out, self._ready = self._ready, []
+        for te, _ in out:
+            del self._turns[te.row]
+        return out
 
 
 def finished_records(driver: EpisodeDriver, num_rows: int) -> list[EpisodeRecord]:

@@ -9,6 +9,11 @@ context again (the `static` backend keeps it instead).
     reply:  driver.respond(the turns) → observation ids (cut to the room) or None
     rows whose episode ended leave the batch; the loop ends when none is left
 
+A driver that answers turns as they end (`submit`/`ready`, the built-in `AgentDriver`) gets each row's turn the
+moment it ends inside `generate` (`TurnStops.on_end`), so its tool calls and environment steps run while the other
+rows decode; the next turn's `generate` still waits for every answer, since transformers' sampling draws from one
+random stream for the whole batch and a batch made of the rows whose answers came first would change the tokens.
+
 A turn ends at the first token that is an EOS id (unless `ignore_eos`) or one of `driver.turn_end_ids`, that
 completes one of `options.stop` / `driver.turn_stops` in the turn's text, or that reaches the row's limit for the
 turn (`max_turn_tokens`: "length", the episode budget: "budget"). A turn cut by the budget ends the episode
@@ -25,8 +30,8 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from .engine import left_pad, prepare_prompts, sync, unwrap_model
-from .episodes import (EpisodeDriver, EpisodeStream, TurnEnd, TurnEnding, checked_replies, episode_batch,
-                       finished_records, turn_cap)
+from .episodes import (EpisodeDriver, EpisodeStream, Replies, TurnEnd, TurnEnding, episode_batch, finished_records,
+                       turn_cap)
 from .types import Prompt, RolloutBatch, SamplingOptions
 
 
@@ -39,8 +44,9 @@ class TurnStops(StoppingCriteria):
     makes `generate` write the pad id after a row's end (what it does for EOS)."""
 
     def __init__(self, start: int, limits: list[int], budget: list[bool], end_ids: list[int], stops: list[str],
-                 tokenizer: Any, device: torch.device):
+                 tokenizer: Any, device: torch.device, on_end: Any = None):
         self.start, self.limits, self.budget, self.stops, self.tokenizer = start, limits, budget, stops, tokenizer
+        self.on_end = on_end  # on_end([(k, turn ids, why), ...]) for the rows whose turns ended at this token
         self.eos_token_id = torch.tensor(end_ids, dtype=torch.long, device=device)
         self.ends: list[int | None] = [None] * len(limits)
         self.why: list[TurnEnding | None] = [None] * len(limits)
@@ -48,6 +54,7 @@ class TurnStops(StoppingCriteria):
     def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
         n = input_ids.shape[1] - self.start  # tokens of the turn so far
         at_end = torch.isin(input_ids[:, -1], self.eos_token_id).tolist()
+        ended = []
         for k, limit in enumerate(self.limits):
             if self.ends[k] is not None:
                 continue
@@ -60,6 +67,10 @@ class TurnStops(StoppingCriteria):
                 why = "budget" if self.budget[k] else "length"
             if why is not None:
                 self.ends[k], self.why[k] = n, why
+                ended.append(k)
+        if ended and self.on_end is not None:
+            turn = input_ids[ended, self.start :].tolist()
+            self.on_end([(k, ids, self.why[k]) for k, ids in zip(ended, turn)])
         return torch.tensor([e is not None for e in self.ends], dtype=torch.bool, device=input_ids.device)
 
     def _stopped(self, turn: torch.Tensor) -> bool:
@@ -81,14 +92,18 @@ def generate_episodes(engine: Any, prompts: Sequence[Prompt], options: SamplingO
     vocab = unwrap_model(engine.model).get_input_embeddings().weight.shape[0]
     streams = [EpisodeStream() for _ in range(B)]
     driver.begin(B, G)
+    replies = Replies(driver, vocab)
     gen_s = 0.0
     with engine.sampling(options, prep.device):
         while live := [b for b, s in enumerate(streams) if not s.done]:
             rooms = [budget - len(streams[b].ids) for b in live]  # each >= 1 for a live row
             limits = [room if cap is None else min(cap, room) for room in rooms]
             ids, mask = left_pad([prep.encoded[b // G] + streams[b].ids for b in live], prep.pad_id, prep.device)
+            # a driver that answers turns as they end gets each at once, its steps running while the others decode
+            submit = None if not replies.overlaps else lambda ended, live=live, rooms=rooms: replies.submit(
+                [TurnEnd(live[k], turn_ids, why, rooms[k] - len(turn_ids)) for k, turn_ids, why in ended])
             stopper = TurnStops(ids.shape[1], limits, [lim == room for lim, room in zip(limits, rooms)], end_ids,
-                                stops, engine.tokenizer, prep.device)
+                                stops, engine.tokenizer, prep.device, on_end=submit)
             recorder, processors = engine.processors(options)
             cfg = engine.generation_config(options, max(limits), prep.pad_id, None, None)
             sync(prep.device)
@@ -107,8 +122,13 @@ def generate_episodes(engine: Any, prompts: Sequence[Prompt], options: SamplingO
                 streams[b].add(turn[k, :n].tolist(), logp[k, :n].tolist(), env=False)
                 ends.append(TurnEnd(row=b, ids=turn[k, :n].tolist(), ended=stopper.why[k],
                                     room=budget - len(streams[b].ids)))
-            for end, reply in zip(ends, checked_replies(driver.respond(ends), ends, vocab)):
-                s = streams[end.row]
+            if not replies.overlaps:
+                replies.submit(ends)
+            got = {}
+            while replies.in_flight:
+                got.update((te.row, reply) for te, reply in replies.ready(wait=True))
+            for end in ends:
+                s, reply = streams[end.row], got[end.row]
                 if end.ended == "budget":  # the model was cut: the episode is over whatever the driver says
                     s.done = s.truncated = True
                 elif reply is None:

@@ -73,6 +73,18 @@ def turn_keys(keys: torch.Tensor, turn: int) -> torch.Tensor:
     return keys if turn == 0 else _fold(_fold(keys, TURN_TAG), turn)
 
 
+def rows_turn_keys(keys: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
+    """[B] `turn_keys` of each row at its own turn `turns` [B] (int64): rows of one call may be at different turns."""
+    return torch.where(turns == 0, keys, _fold(_fold(keys, TURN_TAG), turns))
+
+
+def rows_step_keys(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """[B] keys that a draw at step 0 folds into `step_keys(keys, steps)` row by row: keys ^ salt(steps) ^ salt(0).
+    A `StepSampler` takes one step for all rows; with these keys and step 0 each row draws at its own step
+    `steps` [B] (int64, on the keys' device), the same tokens bit for bit, with the torch or the Triton draw."""
+    return keys ^ mix32(steps.long() + GOLDEN) ^ step_salt(0)
+
+
 def vocab_codes(vocab: int, device: torch.device) -> torch.Tensor:
     """[V] int64 hashed vocabulary indices, computed once per call and reused at every step."""
     return mix32(torch.arange(vocab, dtype=torch.long, device=device) * 2 + 1)

@@ -77,7 +77,8 @@ from .layouts import check_layout
 from .sampling import (apply_filters, resolve_sampler_kernel, sample_tokens, step_keys, step_sampler,
                        vocab_codes)
 from .static_rows import MIN_COMPACT_ROWS, DecodeCall, DecodeRows, mark_stopped, stream_keys
-from .static_turns import check_episode_options, generate_episodes
+from .static_overlap import generate_episodes
+from .static_turns import check_episode_options
 from .step_graph import DecodeStep, is_stop
 from .types import Prompt, RolloutBatch, SamplingOptions
 from .vocab_split import VocabShard, shard_codes, split_sampler, whole_logits

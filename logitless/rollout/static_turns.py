@@ -1,11 +1,15 @@
 """Multi-turn episodes on the static engine: the KV cache lives across turns, observations are prefilled into it.
 
-`StaticEngine.generate(prompts, options, episodes=driver)` runs here (the protocol is `episodes.py`). Per wave of
-rows, one decode cache and one `DecodeStep` serve every turn:
+`StaticEngine.generate(prompts, options, episodes=driver)` runs in `static_overlap.py` (the protocol is
+`episodes.py`); this module holds the cache machinery it shares with the turns. Per wave of rows, one decode cache
+and one decode step serve every turn:
 
-    prefill prompts ─► decode turn (the step, replayed; rows end at EOS / turn-end id / stop / budget)
-                    ─► driver.respond(turns) ─► relayout ─► prefill [last turn token + observation] ─► relayout
-                    ─► decode next turn ─► ...                       (rows whose episode ended stay, as padding)
+    prefill prompts ─► decode turns (the step, replayed; rows end at EOS / turn-end id / stop / budget)
+                    ─► the driver answers ─► relayout ─► prefill [last turn token + observation] ─► relayout
+                    ─► decode next turns ─► ...                      (rows whose episode ended stay, as padding)
+
+Rows do not wait for each other: a row's turn is answered while the others decode, and it re-enters when its
+answer is back (`static_overlap.py`).
 
 Nothing is re-prefilled: an observation's tokens are the only new prefill. The layout keeps every row's real
 tokens contiguous and right-aligned in the cache slots (left padding only, as after a prompt prefill), so
@@ -20,30 +24,25 @@ Positions are each row's count of real tokens, as in the trainer's forward (`pos
 An episode's cache holds P + 2·S + 1 slots per row (S = `max_new_tokens`, the episode budget): the right-aligned
 rows fill at most P + S slots, and a turn or an observation adds at most S more before the next relayout.
 
-The draw of turn k uses the row keys folded with k (`sampling.turn_keys`; turn 0 is the single-turn draw), so a
-seed gives the same episodes whatever the wave split. Repetition penalty needs the whole sequence's tokens and is
-refused here (use the hf backend); top-k / top-p / min-p are drawn eagerly, without the step graph.
+The draw of step t of turn k uses the row keys folded with k (`sampling.turn_keys`; turn 0 is the single-turn
+draw), then with t, so a seed gives the same episodes whatever the wave split and whenever answers come back.
+Repetition penalty needs the whole sequence's tokens and is refused here (use the hf backend); top-k / top-p /
+min-p are drawn eagerly, without the step graph.
 """
 
 from __future__ import annotations
 
-import time
-import weakref
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import record_function
 
 from logitless.models import UnsupportedModelError
 from logitless.models.lm_head import decoder_body, lm_head_of
 
-from .engine import PreparedPrompts, _stop_cut, sync, unwrap_model
-from .episodes import EpisodeDriver, EpisodeStream, TurnEnd, checked_replies, finished_records, turn_cap
+from .engine import _stop_cut
+from .episodes import EpisodeDriver
 from .kv_cache import set_visible
-from .sampling import apply_filters, sample_tokens, step_keys, turn_keys
-from .static_rows import DecodeRows, mark_stopped
-from .step_graph import DecodeStep
 
 
 VISIBLE_MULTIPLE = 64  # the slots an observation's prefill reads are rounded up to this
@@ -156,132 +155,3 @@ def turn_length(ids: list[int], ends: set[int], stops: list[str], limit: int, to
     if cut is not None:
         return cut, "stop"
     return limit, "length"
-
-
-def decode_episodes(engine: Any, module: Any, call: Any, rows: torch.Tensor, prompt_of_row: torch.Tensor,
-                    driver: EpisodeDriver, streams: list[EpisodeStream], draw: Any, t0: float, real: int) -> None:
-    """Run the episodes of rows `rows` [w] (one wave; only the first `real` are rows of their own, the others pad
-    the wave to the compiled shape) to their end, appending to `streams` (indexed by row)."""
-    prep, options, device = call.prep, call.options, call.prep.device
-    P, S, L, pad = prep.ids.shape[1], options.max_new_tokens, call.cache_len, prep.pad_id
-    W = min(turn_cap(driver) or S, S)  # the longest turn
-    vocab = unwrap_model(module).get_input_embeddings().weight.shape[0]
-    src = prompt_of_row[rows]
-    live = DecodeRows.start(call, src, call.keys[rows], L)
-    live.mask[:, P:] = 1
-    engine._caches.append(weakref.ref(live.cache))
-    t0 = engine._tick("prefill", t0, device)  # the copy into this wave's cache, as in the single-turn decode
-    b = len(rows)
-    base_keys = live.keys.clone()
-    history = torch.full((b, W), pad, dtype=torch.long, device=device)
-    out_logp = torch.zeros((b, W), dtype=torch.float32, device=device)
-    limit = torch.zeros(b, dtype=torch.long, device=device)
-    graph = engine._graph_step(device, call.filters) and device.type == "cuda"
-    if call.filters:  # top-k / top-p / min-p, eagerly (they read no earlier tokens)
-        def draw(logits, keys, t, codes, T, greedy, _f=call.filters):  # noqa: F811
-            scores = apply_filters(_f, None, logits.float() / T)
-            return sample_tokens(logits, scores, step_keys(keys, t), codes, T, greedy)
-    if graph and device not in engine._streams:
-        engine._streams[device] = torch.cuda.Stream(device)
-    step = DecodeStep(engine._step_forward(module, device, b), draw, live.cache, mask=live.mask,
-                      next_pos=live.next_pos, done=live.done, keys=live.keys, history=history, out_logp=out_logp,
-                      prompt_len=0, pad_id=pad, eos=call.eos, codes=call.codes, temperature=options.logp_temperature,
-                      greedy=options.temperature == 0, stream=engine._streams.get(device) if graph else None,
-                      limit=limit)
-    ends = set(call.eos.tolist())
-    stops = list(options.stop) + list(driver.turn_stops)
-    row_ids = rows.tolist()
-    slot_of = {r: i for i, r in enumerate(row_ids[:real])}
-    active = [i < real and not streams[r].done for i, r in enumerate(row_ids)]
-    prompt_len = live.next_pos[:, 0].tolist()
-    logits, start, turn = live.logits, P, 0
-    try:
-        while any(active):
-            rooms = [S - len(streams[r].ids) for r in row_ids]
-            lim = [min(W, room) if a else 0 for a, room in zip(active, rooms)]
-            limit.copy_(torch.tensor(lim))
-            live.done.copy_(limit == 0)
-            history.fill_(pad)
-            step.t.zero_()
-            live.keys.copy_(turn_keys(base_keys, turn))
-            step.first(logits)
-            steps = 1
-            for t in range(1, max(lim)):
-                if t % engine.check_every == 0 and mark_stopped(live, history, 0, t, stops, engine.tokenizer):
-                    break
-                step.advance()
-                steps = t + 1
-            t0 = engine._tick("step", t0, device)
-            with record_function("episode.turn_host"):  # the turn's tokens into the streams, on the host
-                drawn, logps = history[:, :steps].tolist(), out_logp[:, :steps].tolist()
-                turns, kept = [], torch.zeros(b, dtype=torch.long)
-                for i, r in enumerate(row_ids):
-                    if not active[i]:
-                        continue
-                    n, why = turn_length(drawn[i], ends, stops, min(lim[i], steps), engine.tokenizer)
-                    if why == "length" and lim[i] < W and n == lim[i]:
-                        why = "budget"
-                    streams[r].add(drawn[i][:n], logps[i][:n], env=False)
-                    kept[i] = n - 1  # in the cache (the last token is written again with the observation)
-                    turns.append(TurnEnd(r, drawn[i][:n], why, S - len(streams[r].ids)))
-                slots = torch.arange(L - start, device=device)[None, :] < kept.to(device)[:, None]
-                live.mask[:, start:] = slots.to(live.mask.dtype)
-            t0 = engine._tick("turn_host", t0, device)
-            with record_function("episode.respond"):
-                replies = checked_replies(driver.respond(turns), turns, vocab) if turns else []
-            t0 = engine._tick("respond", t0, device)
-            inputs: dict[int, list[int]] = {}
-            for te, reply in zip(turns, replies):
-                i, s = slot_of[te.row], streams[te.row]
-                if reply is None or te.room <= 0:
-                    s.done, active[i] = True, False
-                    s.truncated = s.truncated or te.ended == "budget" or (reply is not None and te.room <= 0)
-                    continue
-                s.add(reply[: te.room], None, env=True)
-                if len(reply) >= te.room:  # no room left for the model: the episode ends with the observation cut
-                    s.done, s.truncated, active[i] = True, True, False
-                    continue
-                inputs[i] = [te.ids[-1], *reply]
-            if not inputs:
-                break
-            # each row's next position is that of its turn's last token, the first of its input
-            pos = [prompt_len[i] + len(streams[row_ids[i]].ids) - len(v) for i, v in inputs.items()]
-            live.next_pos[list(inputs), 0] = torch.tensor(pos, device=device)
-            with record_function("episode.observation"):
-                end = relayout(live.cache, live.mask, start + steps - 1)
-                logits = prefill_observations(module, live.cache, live.mask, live.next_pos, end, inputs, pad)
-                start = relayout(live.cache, live.mask, end + max(len(v) for v in inputs.values()))
-                live.mask[:, start:] = 1
-            t0 = engine._tick("observation", t0, device)
-            turn += 1
-    finally:
-        step.release()
-    for r in row_ids[:real]:
-        streams[r].done = True
-
-
-def generate_episodes(engine: Any, prep: PreparedPrompts, options: Any,
-                      driver: EpisodeDriver) -> tuple[list[EpisodeStream], list[Any], float]:
-    """`StaticEngine.generate` with `episodes=driver`: the B = n·G episodes (see the module doc) as (the rows'
-    streams, the driver's records, the decode's seconds), which `episodes.episode_batch` makes a batch of."""
-    module, device = engine.weights.module, prep.device
-    G, (n, P), S = options.num_generations, prep.ids.shape, options.max_new_tokens
-    B = n * G
-    driver.begin(B, G)
-    streams = [EpisodeStream() for _ in range(B)]
-    sync(device)
-    tg = time.perf_counter()
-    call, prompt_of_row = engine._start_call(module, prep, options, episode_cache_len(P, S, engine.cache_multiple),
-                                             extra_eos=list(driver.turn_end_ids))
-    wave = engine._wave_size(call, B)
-    draw = engine._draw(device)
-    for r0 in range(0, B, wave):
-        rows = torch.arange(r0, min(r0 + wave, B), device=device)
-        real = len(rows)
-        if engine._use_compile(device) and real < wave:  # every wave one compiled shape: pad with inactive rows
-            rows = torch.cat([rows, rows[-1:].expand(wave - real)])
-        decode_episodes(engine, module, call, rows, prompt_of_row, driver, streams, draw, time.perf_counter(), real)
-    sync(device)
-    gen_s = time.perf_counter() - tg
-    del call
-    return streams, finished_records(driver, B), gen_s

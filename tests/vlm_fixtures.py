@@ -16,17 +16,18 @@ MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
 
 def tiny_vlm_config(vocab_size: int, *, layers: int = 2, depth: int = 1):
     """A Qwen2.5-VL config: text hidden 64 (4 heads of 16, M-RoPE sections 2/3/3), vision tower `depth` blocks of
-    width 32, patch 14, spatial merge 2, its output projected to 64."""
+    width 32, patch 14, spatial merge 2, its output projected to 64. Weights drawn with std 0.2 (not 0.02), so
+    attention depends on positions and images enough that a wrong position or a missing image shows above 1e-5."""
     from transformers import Qwen2_5_VLConfig
 
     return Qwen2_5_VLConfig(
         text_config=dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         tie_word_embeddings=False, eos_token_id=151645, pad_token_id=151643,
+                         tie_word_embeddings=False, eos_token_id=151645, pad_token_id=151643, initializer_range=0.2,
                          rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}),
         vision_config=dict(depth=depth, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0],
-                           window_size=56),
+                           window_size=56, initializer_range=0.2),
         image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
         tie_word_embeddings=False,
     )

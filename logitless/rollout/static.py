@@ -79,6 +79,7 @@ from .sampling import (apply_filters, resolve_sampler_kernel, sample_tokens, ste
 from .static_rows import MIN_COMPACT_ROWS, DecodeCall, DecodeRows, mark_stopped, stream_keys
 from .static_turns import check_episode_options, generate_episodes
 from .step_graph import DecodeStep, is_stop
+from .vision import refuse_vision
 from .types import Prompt, RolloutBatch, SamplingOptions
 from .vocab_split import VocabShard, shard_codes, split_sampler, whole_logits
 from .weights import LiveWeights, WeightSource
@@ -163,6 +164,7 @@ class StaticEngine:
         if max_kv_gib is not None and not max_kv_gib > 0:
             raise ValueError(f"rollout.max_kv_gib={max_kv_gib!r} must be > 0 (GiB), or unset for the automatic budget")
         self.weights = weights if weights is not None else LiveWeights(model)
+        refuse_vision(unwrap_model(self.weights.module), "static")  # before the layout check, which names no fix
         check_layout(unwrap_model(self.weights.module), "static", STATIC_LAYER_TYPES)
         if record_routes:
             require_routing(unwrap_model(self.weights.module), "model.routing_replay")

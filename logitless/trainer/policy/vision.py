@@ -6,7 +6,8 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from logitless.trainer.config.schema import ModelConfig
+from logitless.rollout.vision import prompt_images
+from logitless.trainer.config.schema import ModelConfig, TrainerConfig
 from logitless.trainer.policy.modeling import resolve_source
 
 VISION_INSTALL_HINT = "pip install 'logitless[vision]'"
@@ -66,3 +67,22 @@ def load_processor(cfg: ModelConfig, tokenizer: Any) -> Any:
         raise ValueError(f"model.name_or_path={cfg.name_or_path!r}: the processor has no chat template, which "
                          "renders each image's placeholder; use the model's instruct processor files")
     return processor
+
+
+def check_image_rows(cfg: TrainerConfig, rows: list[Any]) -> bool:
+    """Whether some prompt row has images; refuses, before any model loads, the settings that cannot train them
+    yet: train.packed=true (M-RoPE positions restarting per packed row), a rollout backend other than hf (no image
+    inputs in its decode loop) and agents (multi-turn episodes)."""
+    if not any(prompt_images(r.prompt) for r in rows):
+        return False
+    if cfg.train.packed is True:
+        raise ValueError("train.packed=true: rows with images cannot be packed yet (each packed row would need its "
+                         "own M-RoPE positions); set train.packed=false (or auto)")
+    if cfg.rollout.backend not in ("hf", "auto"):
+        raise ValueError(f"rollout.backend={cfg.rollout.backend}: rows with images are decoded by rollout.backend=hf "
+                         "only (the other engines have no image inputs or M-RoPE positions yet); set "
+                         "rollout.backend=hf")
+    if cfg.agent.enabled:
+        raise ValueError("agent.*: multi-turn episodes with images are not supported yet; drop the agent or the "
+                         "rows' images")
+    return True

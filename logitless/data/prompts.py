@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]  # {"role", "content"}: content is text, or content blocks (a row with images)
+IMAGES_FIELD = "images"  # the record field holding a row's images (paths, PIL images or a datasets Image feature)
 
 
 @dataclass(slots=True)
@@ -49,7 +50,13 @@ def _check_messages(value: Any, where: str) -> Messages:
         raise ValueError(
             f"{where}: chat prompt must be a non-empty list of {{'role', 'content'}} dicts, got {value!r:.200}"
         )
-    return [{"role": str(m["role"]), "content": str(m["content"])} for m in value]
+    return [{"role": str(m["role"]), "content": m["content"] if _blocks(m["content"]) else str(m["content"])}
+            for m in value]
+
+
+def _blocks(content: Any) -> bool:
+    """Whether a message's content is a list of content blocks ({"type": "text" | "image", ...})."""
+    return isinstance(content, list) and all(isinstance(b, dict) and "type" in b for b in content)
 
 
 def records_to_rows(
@@ -61,6 +68,7 @@ def records_to_rows(
     template: str | None = None,
     chat: bool = True,
     source: str = "dataset",
+    base: Path | None = None,
 ) -> list[PromptRow]:
     """Prompt rows from dict records (any iterable: records are turned into rows as they come, so a stream of
     them is never held twice).
@@ -71,8 +79,13 @@ def records_to_rows(
       unless it already starts with one);
     - row fields are all record fields except the prompt field, plus `field_map` renames
       `{row_field: record_field}`; `answer_field="x"` is shorthand for `field_map={"answer": "x"}`.
+    - a record with an `images` field (one image or a list: file paths, relative to `base` when found there, PIL
+      images, or a `datasets` Image feature) gets them as image blocks at the start of its user message
+      (`images.with_images`, which checks every file now: a URL, a missing or unreadable file fails naming the row).
     Field names are interned, so a million rows share one string per name.
     """
+    from logitless.data.images import with_images
+
     field_map = dict(field_map or {})
     if answer_field is not None:
         field_map.setdefault("answer", answer_field)
@@ -104,6 +117,8 @@ def records_to_rows(
                 if not isinstance(text, str):
                     raise ValueError(f"{source}: row {i} field '{prompt_field}' is {type(text).__name__}, expected text")
                 prompt = format_prompt(text, system_prompt=system_prompt, chat=chat)
+            if rec.get(IMAGES_FIELD) is not None:
+                prompt = with_images(prompt, rec[IMAGES_FIELD], f"{source}: row {i}", base)
             fields = {intern(k) if type(k) is str else k: v for k, v in rec.items()
                       if k != prompt_field or template is not None}
             for row_name, src in field_map.items():
@@ -188,7 +203,7 @@ def load_jsonl_prompts(
     called while it reads."""
     return records_to_rows(
         iter_jsonl(path, limit, progress), prompt_field, answer_field, field_map, system_prompt, template, chat,
-        source=f"prompt file '{path}'",
+        source=f"prompt file '{path}'", base=Path(path).parent,
     )
 
 

@@ -27,6 +27,7 @@ import random
 from pathlib import Path
 from typing import Any, Callable
 
+from logitless.data.images import COUNT_QUESTION, COUNT_SYSTEM, count_shapes_rows, with_images
 from logitless.data.prompts import PromptRow, format_prompt, load_hf_prompts, read_jsonl, records_to_rows
 
 TASKS: dict[str, Callable[..., list[PromptRow]]] = {}
@@ -284,3 +285,29 @@ def math500(
         raise ValueError(f"math500 has only the 'test' split (it is an eval set), got {split!r}")
     return records_to_rows(read_jsonl(MATH500, limit), "problem", system_prompt=system_prompt, template=template,
                            chat=chat, source="math500")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Visual counting (a vision-language model; reward `numeric_answer`)
+
+
+@register_task("count_shapes")
+def count_shapes(
+    split: str = "train",
+    n: int = 1000,
+    seed: int = 0,
+    size: int = 112,
+    max_count: int = 5,
+    max_other: int = 4,
+    system_prompt: str | None = COUNT_SYSTEM,
+    question: str = COUNT_QUESTION,
+) -> list[PromptRow]:
+    """`n` synthetic images of coloured shapes (squares, circles, triangles, drawn with PIL: no download) asking
+    how many are red, with row fields `answer` (str of the count, 0..max_count; for `numeric_answer`) and
+    `num_shapes`. Each image is `size` x `size` pixels; the prompt is a chat prompt whose user message holds the
+    image, then `question`. Needs a vision-language model (model.name_or_path) and rollout.backend=hf."""
+    rows = []
+    for image, text, fields in count_shapes_rows(split, n, seed, size, max_count, max_other, system_prompt, question):
+        prompt = with_images(format_prompt(text, system_prompt=system_prompt), [image], "count_shapes")
+        rows.append(PromptRow(prompt=prompt, fields=fields))
+    return rows

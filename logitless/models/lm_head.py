@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
+from logitless.models.vision import vision_modules
+
 
 class UnsupportedModelError(ValueError):
     """The model is not a causal LM whose logits the fused op can reproduce exactly."""
@@ -192,10 +194,12 @@ def decoder_body(model: nn.Module) -> nn.Module:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a causal LM (`_no_split_modules` classes, else the body's `layers`)."""
+    """The transformer blocks of a causal LM (`_no_split_modules` classes, else the body's `layers`); for a
+    vision-language model those of its language model only."""
     lm = causal_lm_of(model)
     names = set(getattr(lm, "_no_split_modules", None) or [])
-    layers = [m for m in lm.modules() if type(m).__name__ in names]
+    vision = {id(m) for v in vision_modules(lm) for m in v.modules()}  # a VLM's vision blocks are not decoder layers
+    layers = [m for m in lm.modules() if type(m).__name__ in names and id(m) not in vision]
     if not layers:
         layers = list(getattr(decoder_body(model), "layers", []) or [])
     if not layers:
@@ -207,14 +211,15 @@ def final_hidden_states(
     model: nn.Module,
     input_ids: Tensor,  # [B, L]
     attention_mask: Tensor | None,  # [B, L]
-    position_ids: Tensor | None = None,  # [B, L]; default: position_ids_from_mask(attention_mask)
-    **attention_kwargs,  # passed to the layers' attention (e.g. a packed forward's cu_seq_lens_q)
+    position_ids: Tensor | None = None,  # [B, L] or [k, B, L] (M-RoPE); default: position_ids_from_mask(attention_mask)
+    **attention_kwargs,  # passed to the body (a packed forward's cu_seq_lens_q; a VLM's pixel_values, ...)
 ) -> Tensor:  # [B, L, H]
     """Final (normed) hidden states of a causal LM, without computing logits.
 
     Equivalent to `model(input_ids, attention_mask, position_ids, output_hidden_states=True).hidden_states[-1]`
     (the input of lm_head), run with `use_cache=False` under the caller's grad mode. For a packed,
-    padding-free batch pass `attention_mask=None` and `position_ids` restarting at 0 for each sequence.
+    padding-free batch pass `attention_mask=None` and `position_ids` restarting at 0 for each sequence. A
+    vision-language model takes its image inputs and 3-row M-RoPE positions here (`vision.image_forward_inputs`).
     """
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
         raise ValueError(f"input_ids must be a [B, L] tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
@@ -222,10 +227,9 @@ def final_hidden_states(
         raise ValueError(
             f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}"
         )
-    if position_ids is not None and tuple(position_ids.shape) != tuple(input_ids.shape):
-        raise ValueError(
-            f"position_ids shape {tuple(position_ids.shape)} must equal input_ids shape {tuple(input_ids.shape)}"
-        )
+    if position_ids is not None and tuple(position_ids.shape[-2:]) != tuple(input_ids.shape):
+        raise ValueError(f"position_ids shape {tuple(position_ids.shape)} must end with input_ids shape "
+                         f"{tuple(input_ids.shape)}")
     if position_ids is None and attention_mask is not None:
         position_ids = position_ids_from_mask(attention_mask)
     body = decoder_body(model)

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from logitless.models.lm_head import decoder_body, final_hidden_states, lm_head_of, position_ids_from_mask
 from logitless.models.routing import no_route, routing_of, routing_scope
 from logitless.models.varlen import NAME as VARLEN, packed_kwargs
+from logitless.models.vision import ImageInputs, image_forward_inputs, is_vision_language
 from logitless.ops import token_logprobs
 
 
@@ -60,6 +61,7 @@ def completion_logprobs(
     prompt_routes: Tensor | None = None,  # [B, P, layers, k] recorded MoE routes of prompt_ids (`models/routing.py`)
     completion_routes: Tensor | None = None,  # [B, T, layers, k] of completion_ids
     replay: bool = True,  # with routes: use them (else only measure the model's own routing against them)
+    images: ImageInputs | None = None,  # a vision-language model's image tensors of the B rows (the rollout's)
 ) -> tuple[Tensor, Tensor | None]:  # logp [B, T] fp32 (0 at padding), entropy [B, T] fp32 or None
     """Log-probability (and entropy) of each completion token under `model` at `temperature`.
 
@@ -86,6 +88,11 @@ def completion_logprobs(
     own), the weights recomputed from the live router; `routing_of(model).stats` then holds the tokens whose own
     top-k differs. The routes stay set until the outermost `routing_scope(model)` ends: run the backward inside one so
     a gradient-checkpoint recompute replays them too. Without routes a MoE model routes on its own.
+
+    A vision-language model's forward also takes `images` (the processor's tensors of each row, `models/vision.py`),
+    the token types of the placeholders and, for M-RoPE, the model's own `get_rope_index` positions of the rows as
+    padded; the image placeholders are prompt tokens, so they are context and never scored. `packed=True` is
+    refused with images (positions would have to restart per row in all three M-RoPE rows).
     """
     if not isinstance(prompt_ids, Tensor) or prompt_ids.dim() != 2 or prompt_ids.shape[1] < 1:
         raise ValueError(f"prompt_ids must be a [B, P] tensor with P >= 1, got {getattr(prompt_ids, 'shape', None)}")
@@ -140,6 +147,10 @@ def completion_logprobs(
                              f"[{B}, {T}] like prompt_ids and completion_ids")
         routes = torch.cat([prompt_routes, completion_routes], 1).to(device)  # [B, L, layers, k]
         routes = routes.masked_fill(~attention_mask[..., None, None], no_route(routes.dtype))
+    vision = is_vision_language(model)
+    if packed and vision:
+        raise ValueError("packed=True (train.packed) is not supported for vision-language models yet: their M-RoPE "
+                         "positions would have to restart per packed row; set train.packed=false")
     with routing_scope(model) if routing is not None else contextlib.nullcontext():
         if packed:
             hidden, flat = _packed_hidden(model, input_ids, attention_mask, P, routes, replay)  # [1, S, H], [N]
@@ -148,7 +159,10 @@ def completion_logprobs(
         else:
             if routing is not None:
                 routing.set_forward(None if routes is None else routes.flatten(0, 1), replay)
-            hidden = final_hidden_states(model, input_ids, attention_mask.long())  # [B, L, H]
+            extra = image_forward_inputs(decoder_body(model), input_ids, attention_mask, images) if vision or \
+                images is not None else {}
+            hidden = final_hidden_states(model, input_ids, attention_mask.long(), extra.pop("position_ids", None),
+                                         **extra)  # [B, L, H]
             L = hidden.shape[1]
             src = (P - 1 + torch.arange(T, device=device)).expand(B, T).clone()  # [B, T]
             src[:, 0] = last_prompt

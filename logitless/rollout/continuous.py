@@ -16,6 +16,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from .engine import build_batch, generation_mode, prepare_prompts, refuse_streams, seeded, sync, unwrap_model
 from .layouts import FULL, SLIDING, check_layout
+from .vision import refuse_vision
 from .types import Prompt, RolloutBatch, SamplingOptions
 
 
@@ -32,6 +33,7 @@ class ContinuousEngine:
             raise TypeError(f"ContinuousEngine: unknown ContinuousBatchingConfig fields {unknown}")
         if "return_logprobs" in cb_kwargs or "seed" in cb_kwargs:
             raise TypeError("ContinuousEngine: return_logprobs and seed are set by the engine (SamplingOptions.seed)")
+        refuse_vision(unwrap_model(model), "continuous")
         check_layout(unwrap_model(model), "continuous", (FULL, SLIDING))  # its paged cache has no chunked layers
         self.model = model
         self.tokenizer = tokenizer

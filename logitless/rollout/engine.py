@@ -13,8 +13,10 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from logitless.models.routing import no_route
+from logitless.models.vision import ImageInputs
 
 from .types import Prompt, RolloutBatch, RolloutTiming, SamplingOptions
+from .vision import encode_with_images, has_blocks, is_processor, text_tokenizer
 
 
 def unwrap_model(model: Any) -> Any:
@@ -79,10 +81,17 @@ def resolve_special_tokens(model: Any, tokenizer: Any, options: SamplingOptions)
 
 
 def encode_prompts(
-    tokenizer: Any, prompts: Sequence[Prompt], options: SamplingOptions, ctx: int | None
+    tokenizer: Any, prompts: Sequence[Prompt], options: SamplingOptions, ctx: int | None,
+    images: list[dict[str, torch.Tensor] | None] | None = None,
 ) -> list[list[int]]:
     """Token ids of each prompt (chat messages through the chat template with the generation prompt), with the
-    length limit min(max_prompt_length, context window - max_new_tokens) enforced or left-truncated."""
+    length limit min(max_prompt_length, context window - max_new_tokens) enforced or left-truncated.
+
+    `tokenizer` may be a vision-language model's processor: chat prompts with content blocks (images) then go
+    through it (`vision.encode_with_images`), and `images` (a list) receives each prompt's image tensors (None for a
+    prompt without images). A prompt with images is never truncated (that would cut an image's placeholders)."""
+    processor = tokenizer if is_processor(tokenizer) else None
+    tokenizer = text_tokenizer(tokenizer)
     if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence):
         raise TypeError(f"prompts must be a list of strings or of chat-message lists, got {type(prompts).__name__}")
     if len(prompts) == 0:
@@ -98,7 +107,16 @@ def encode_prompts(
         limit = room if limit is None else min(limit, room)
     out = []
     for i, p in enumerate(prompts):
-        if isinstance(p, str):
+        tensors = None
+        if has_blocks(p):
+            if processor is None:
+                raise ValueError(f"prompts[{i}] has content blocks (images) but the model has no processor: load a "
+                                 "vision-language model (model.name_or_path) and its processor")
+            try:
+                ids, tensors = encode_with_images(processor, p, options.chat_template_kwargs)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"prompts[{i}]: its images cannot be processed ({e})") from None
+        elif isinstance(p, str):
             ids = tokenizer(p, add_special_tokens=True)["input_ids"]
         elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             ids = list(p)  # already token ids (e.g. a chat template rendered with tools by logitless.agents)
@@ -117,14 +135,18 @@ def encode_prompts(
         if len(ids) == 0:
             raise ValueError(f"prompts[{i}] encodes to zero tokens: pass a non-empty prompt")
         if limit is not None and len(ids) > limit:
-            if not options.truncate_prompt:
+            if not options.truncate_prompt or tensors is not None:
                 raise ValueError(
                     f"prompts[{i}] has {len(ids)} tokens, over the limit of {limit} (max_prompt_length="
                     f"{options.max_prompt_length}, context window={ctx}, max_new_tokens={options.max_new_tokens}): "
-                    "shorten it, lower max_new_tokens, or set truncate_prompt=True to keep its last tokens"
+                    + ("shorten it, lower max_new_tokens or use smaller images (a prompt with images is never "
+                       "truncated)" if tensors is not None else
+                       "shorten it, lower max_new_tokens, or set truncate_prompt=True to keep its last tokens")
                 )
             ids = ids[-limit:]
         out.append(list(ids))
+        if images is not None:
+            images.append(tensors)
     return out
 
 
@@ -251,20 +273,23 @@ class PreparedPrompts:
     mask: torch.Tensor  # [n, P]
     context: int | None  # the model's context window
     t_start: float  # perf_counter() when the rollout began
+    images: ImageInputs | None = None  # each distinct prompt's image tensors (a processor was given and some has)
 
 
 def prepare_prompts(model: Any, tokenizer: Any, prompts: Sequence[Prompt], options: SamplingOptions) -> PreparedPrompts:
     """Validate the options, resolve pad/EOS ids, encode each distinct prompt once and left-pad: shared by all
-    backends."""
+    backends. `tokenizer` may be a vision-language model's processor (`encode_prompts`)."""
     t_start = time.perf_counter()
     options.validate()
     warn_greedy_duplicates(options)
-    pad_id, eos_ids = resolve_special_tokens(model, tokenizer, options)
+    pad_id, eos_ids = resolve_special_tokens(model, text_tokenizer(tokenizer), options)
     device = model_device(model)
     context = context_window(model)
-    encoded = encode_prompts(tokenizer, prompts, options, context)
+    tensors: list[dict[str, torch.Tensor] | None] = []
+    encoded = encode_prompts(tokenizer, prompts, options, context, images=tensors)
+    images = ImageInputs(tensors) if any(tensors) else None
     ids, mask = left_pad(encoded, pad_id, device)
-    return PreparedPrompts(options, pad_id, eos_ids, device, encoded, ids, mask, context, t_start)
+    return PreparedPrompts(options, pad_id, eos_ids, device, encoded, ids, mask, context, t_start, images)
 
 
 def build_batch(
@@ -277,6 +302,7 @@ def build_batch(
     raw_routes: torch.Tensor | None = None,  # [B, P + S, layers, k] routes of prompt_ids + raw_ids (record_routes)
 ) -> RolloutBatch:
     """Apply EOS (unless ignore_eos) and stop strings, build masks/flags/texts: one definition for all backends.
+    The prompts' image tensors (`prep.images`) go with each of their G rows (`RolloutBatch.images`).
 
     A row ends at its first EOS (kept, mask 1) or right after the token that completes the first stop string
     (kept; the text is cut right after the stop string). finished = ended by EOS or a stop string;
@@ -345,6 +371,7 @@ def build_batch(
         completions=texts,
         prompt_routes=prompt_routes,
         completion_routes=completion_routes,
+        images=None if prep.images is None else prep.images.to("cpu").repeat_interleave(G),
         timing=RolloutTiming(
             seconds=seconds,
             num_tokens=num_tokens,

@@ -17,7 +17,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from logitless.models import UnsupportedModelError
+from logitless.models import UnsupportedModelError, decoder_body
+from logitless.models.vision import image_forward_inputs
 from logitless.models.routing import ForwardLog, MoERouting, recording, require_routing
 
 from .attention import gqa_decode
@@ -25,6 +26,7 @@ from .engine import build_batch, generation_mode, prepare_prompts, refuse_stream
 from .hf_turns import generate_episodes
 from .layouts import CHUNKED, layer_types, text_config
 from .types import Prompt, RolloutBatch, SamplingOptions
+from .vision import BanPlaceholders, is_processor, placeholder_tokens, prompt_images, text_tokenizer
 
 
 class LogprobRecorder(LogitsProcessor):
@@ -111,6 +113,10 @@ class HFEngine:
         mixture-of-experts model, `models/routing.py`) by the routers' hooks during `generate` itself, one entry per
         forward (the prefill, then one per step), so the routes are those the sampler used (a later forward of the
         whole sequence computes other shapes and may flip near-tied experts).
+    tokenizer: a tokenizer, or a vision-language model's processor: chat prompts with images are then encoded by it
+        and `generate` gets each row's image tensors and token types (M-RoPE positions are the model's own); the
+        image placeholder tokens are never sampled (`vision.BanPlaceholders`), and `RolloutBatch.images` carries
+        the tensors to the trainer.
     """
 
     def __init__(
@@ -125,7 +131,9 @@ class HFEngine:
     ):
         self.model = model
         self.fast_gqa = fast_gqa
-        self.tokenizer = tokenizer
+        self.processor = tokenizer if is_processor(tokenizer) else None
+        self.tokenizer = text_tokenizer(tokenizer)
+        self.placeholders = placeholder_tokens(unwrap_model(model))
         self.static_cache = static_cache
         self.compile = static_cache if compile is None else compile
         self.routing = require_routing(unwrap_model(model), "model.routing_replay") if record_routes else None
@@ -173,13 +181,26 @@ class HFEngine:
     def generate(self, prompts: Sequence[Prompt], options: SamplingOptions, episodes: Any = None) -> RolloutBatch:
         refuse_streams(options, "hf")
         if episodes is not None:
+            if any(prompt_images(p) for p in prompts if isinstance(p, list)):
+                raise ValueError("multi-turn episodes (agent.*) with images are not supported yet: drop the rows' "
+                                 "images or the agent")
             if self.routing is not None:
                 raise ValueError("routing replay does not cover multi-turn episodes yet (their observations are "
                                  "prefilled between turns): set model.routing_replay=false")
             return generate_episodes(self, prompts, options, episodes)
-        prep = prepare_prompts(self.model, self.tokenizer, prompts, options)
+        prep = prepare_prompts(self.model, self.processor or self.tokenizer, prompts, options)
         pad_id, eos_ids, device, ids, mask = prep.pad_id, prep.eos_ids, prep.device, prep.ids, prep.mask  # [n, P]
+        G = options.num_generations  # rows i*G+g; tokenized once, expanded here (greedy allows no
+        # num_return_sequences > 1 in transformers, and this is the same expansion it would do)
+        rows_ids, rows_mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
+        vision = {}
+        if prep.images is not None:  # the rows' image tensors and token types; generate computes the M-RoPE positions
+            body = decoder_body(self.model)
+            vision = image_forward_inputs(body, rows_ids, rows_mask, prep.images.to(device).repeat_interleave(G))
+            vision.pop("position_ids", None)
         recorder, processors = self.processors(options)
+        if self.placeholders:
+            processors.append(BanPlaceholders(self.placeholders))
         cfg = self.generation_config(options, options.max_new_tokens, pad_id,
                                      None if options.ignore_eos else eos_ids, list(options.stop))
         extra = {"tokenizer": self.tokenizer} if options.stop else {}
@@ -188,12 +209,8 @@ class HFEngine:
         with self.sampling(options, device), record:
             sync(device)
             tg = time.perf_counter()
-            G = options.num_generations  # rows i*G+g; tokenized once, expanded here (greedy allows no
-            # num_return_sequences > 1 in transformers, and this is the same expansion it would do)
-            out = self.model.generate(
-                input_ids=ids.repeat_interleave(G, 0),
-                attention_mask=mask.repeat_interleave(G, 0), generation_config=cfg, logits_processor=processors, **extra
-            )
+            out = self.model.generate(input_ids=rows_ids, attention_mask=rows_mask, generation_config=cfg,
+                                      logits_processor=processors, **extra, **vision)
             completion = out[:, ids.shape[1] :]  # [B, S]
             logp = recorder.finish(completion)
             routes = None if log is None else forward_routes(self.routing, log, *completion.shape, ids.shape[1])

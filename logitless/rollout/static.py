@@ -80,6 +80,7 @@ from .static_rows import MIN_COMPACT_ROWS, DecodeCall, DecodeRows, mark_stopped,
 from .static_overlap import generate_episodes
 from .static_turns import check_episode_options
 from .step_graph import DecodeStep, is_stop
+from .vision import refuse_vision
 from .types import Prompt, RolloutBatch, SamplingOptions
 from .vocab_split import VocabShard, shard_codes, split_sampler, whole_logits
 from .weights import LiveWeights, WeightSource
@@ -164,6 +165,7 @@ class StaticEngine:
         if max_kv_gib is not None and not max_kv_gib > 0:
             raise ValueError(f"rollout.max_kv_gib={max_kv_gib!r} must be > 0 (GiB), or unset for the automatic budget")
         self.weights = weights if weights is not None else LiveWeights(model)
+        refuse_vision(unwrap_model(self.weights.module), "static")  # before the layout check, which names no fix
         check_layout(unwrap_model(self.weights.module), "static", STATIC_LAYER_TYPES)
         if record_routes:
             require_routing(unwrap_model(self.weights.module), "model.routing_replay")

@@ -20,6 +20,8 @@ from typing import Any, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 
+from logitless.models.vision import ImageInputs
+
 Prompt = Union[str, list]  # raw text, chat messages [{"role": ..., "content": ...}, ...], or token ids [int, ...]
 
 
@@ -126,6 +128,9 @@ class RolloutBatch:
     # (padding, a row's last token, which is never fed forward). Aligned to prompt_ids and completion_ids.
     prompt_routes: torch.Tensor | None = None  # [B, P, layers, k]
     completion_routes: torch.Tensor | None = None  # [B, T, layers, k]
+    # A vision-language model's image tensors of each row (the processor's, shared by a prompt's G rows); the image
+    # placeholders are prompt tokens, so images are context only. None: no row has images.
+    images: ImageInputs | None = None
 
     def loss_mask(self) -> torch.Tensor:
         """[B, T] long: the completion tokens the model wrote (all of completion_mask without episodes)."""
@@ -140,7 +145,7 @@ class RolloutBatch:
 
     def to(self, device: torch.device | str) -> RolloutBatch:
         moved = {
-            k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()
+            k: (v.to(device) if isinstance(v, (torch.Tensor, ImageInputs)) else v) for k, v in self.__dict__.items()
         }
         return RolloutBatch(**moved)
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from logitless.models.vision import ImageInputs
 from logitless.trainer.distributed.collectives import is_distributed
 from logitless.trainer.distributed.parallel import model_logprobs
 
@@ -32,6 +33,8 @@ class MicroBatch:
     # (RolloutBatch.prompt_routes / completion_routes, trimmed alike), replayed by the trainer's forwards; None: none
     prompt_routes: torch.Tensor | None = None
     completion_routes: torch.Tensor | None = None
+    # a vision-language model's image tensors of the b rows (RolloutBatch.images): passed to every forward of them
+    images: ImageInputs | None = None
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:
@@ -43,6 +46,11 @@ class MicroBatch:
         if self.prompt_routes is None:
             return {}
         return {"prompt_routes": self.prompt_routes, "completion_routes": self.completion_routes}
+
+    @property
+    def inputs(self) -> dict[str, object]:
+        """The keyword arguments of `completion_logprobs` beyond ids and masks: the routes, the rows' images."""
+        return {**self.routes, **({"images": self.images} if self.images is not None else {})}
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +73,7 @@ def make_micro_batches(
     packed: bool = False,
     loss_mask: torch.Tensor | None = None,  # [B, T] the trained tokens (default: completion_mask)
     routes: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([B, P, layers, k], [B, T, layers, k]) MoE routes
+    images: ImageInputs | None = None,  # the B rows' image tensors (a vision-language model)
 ) -> list[MicroBatch]:
     """Split the B rows (or the given `rows`) into micro-batches, longest sequences first.
 
@@ -106,6 +115,7 @@ def make_micro_batches(
                 loss_mask=None if loss_mask is None else loss_mask[chunk][:, :t],
                 prompt_routes=None if routes is None else routes[0][chunk][:, -p:],
                 completion_routes=None if routes is None else routes[1][chunk][:, :t],
+                images=None if images is None else images.select(chunk),
             )
         )
     return out
@@ -166,7 +176,7 @@ def padding_backward(model: nn.Module, m: MicroBatch, temperature: float,
     is exactly zero; returns the zero loss."""
     ids = (m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask)
     with forward():
-        logp, _ = model_logprobs(model, *ids, temperature=temperature, logp_mask=m.loss_mask)
+        logp, _ = model_logprobs(model, *ids, temperature=temperature, logp_mask=m.loss_mask, **m.inputs)
     loss = logp.sum() * 0.0
     loss.backward()
     return loss.detach()

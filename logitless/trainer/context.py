@@ -51,6 +51,9 @@ from logitless.trainer.report.accounting import ModelShape, device_peaks
 from logitless.trainer.report.metrics import MetricsLogger
 from logitless.trainer.report.traces import EpisodeTraces
 from logitless.trainer.report.tracking import open_trackers, resolve_report_to
+from logitless.trainer.policy.vision import check_image_rows, load_processor
+from logitless.models.vision import is_vision_language
+from logitless.rollout.vision import is_processor
 from logitless.trainer.rundir import RunDir, restart_advice, write_atomic
 
 
@@ -89,6 +92,7 @@ class TrainContext:
     eval_rows: list[PromptRow] | None = None  # held-out rows of the eval during training (eval.every_steps, on_start)
     health: RunHealth | None = None  # the warnings of a run that trains on nothing (their memory is checkpointed)
     traces: EpisodeTraces | None = None  # agent.trace_episodes: episodes.jsonl (rank 0)
+    processor: Any = None  # a vision-language model's processor (its tokenizer is `tokenizer`); None for a text model
 
     @property
     def ckpt_root(self) -> Path:
@@ -129,6 +133,19 @@ def advantage_options(cfg: TrainerConfig) -> AdvantageOptions:
     if env is not None:
         weights = (*(weights or (1.0,) * len(cfg.reward.reward_funcs)), env)
     return dataclasses.replace(cfg.advantage, reward_weights=weights)
+
+
+def _processor(cfg: TrainerConfig, model: torch.nn.Module, tokenizer: Any) -> tuple[Any, Any]:
+    """(tokenizer, processor): a vision-language model's processor (given as `tokenizer` to `train(model=...)`, or
+    loaded from model.name_or_path) beside its tokenizer; (tokenizer, None) for a text model."""
+    if is_processor(tokenizer):
+        return tokenizer.tokenizer, tokenizer
+    if not is_vision_language(model):
+        return tokenizer, None
+    if not cfg.model.name_or_path:
+        raise ValueError("a vision-language model given to train(model=...) needs its processor: pass it as "
+                         "tokenizer=")
+    return tokenizer, load_processor(cfg.model, tokenizer)
 
 
 def _model(cfg: TrainerConfig, model: torch.nn.Module | None, tokenizer: Any,
@@ -231,6 +248,7 @@ class Inputs:
     eval_rows: list[PromptRow] | None  # held-out rows of the eval during training
     reward_fns: list[Callable[..., list[float | None]]]
     acc_col: int
+    images: bool = False  # some row has images
 
     @classmethod
     def load(cls, cfg: TrainerConfig, console: Console | None) -> Inputs:
@@ -238,11 +256,16 @@ class Inputs:
         eval_rows = None
         if cfg.eval.every_steps or cfg.eval.on_start:
             eval_rows = load_rows(cfg.data, cfg.eval.split or cfg.data.eval_split, eval=True)[: cfg.eval.num_prompts]
+        images = check_image_rows(cfg, rows + (eval_rows or []))
         return cls(rows, PromptSampler(rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle), eval_rows,
-                   reward_functions(cfg.reward), training_accuracy_index(cfg.reward))
+                   reward_functions(cfg.reward), training_accuracy_index(cfg.reward), images)
 
     def check_lengths(self, cfg: TrainerConfig, tokenizer: Any, model: torch.nn.Module) -> None:
-        """Every prompt within the rollout's prompt limit and the model's context (`check_prompt_lengths`)."""
+        """Every prompt within the rollout's prompt limit and the model's context (`check_prompt_lengths`);
+        `tokenizer` is a vision-language model's processor, which counts each image's tokens."""
+        if self.images and not is_processor(tokenizer):
+            raise ValueError(f"data.task={cfg.data.task!r} has rows with images, but model.name_or_path="
+                             f"{cfg.model.name_or_path!r} is a text model: use a vision-language model")
         options = sampling_options(cfg.rollout, seed=None, chat_template_kwargs=cfg.data.chat_template_kwargs)
         check_prompt_lengths(self.rows, tokenizer, model, options, f"data.task={cfg.data.task!r}")
         if self.eval_rows is not None:
@@ -267,8 +290,9 @@ def build_context(
     console = Console(stderr=True) if world.main else None  # the run's console (MetricsLogger prints there too)
     inputs = Inputs.load(cfg, console)
     model, tokenizer, device = _model(cfg, model, tokenizer, host=world.offload)
+    tokenizer, processor = _processor(cfg, model, tokenizer)
     load_reward_models(inputs.reward_fns, device)  # model:/judge: rewards, on the training device unless they name one
-    inputs.check_lengths(cfg, tokenizer, model)
+    inputs.check_lengths(cfg, processor or tokenizer, model)
     if cfg.train.packed:
         check_packed_attention(model)
     reference = ReferencePolicy(model, device) if cfg.objective.beta > 0 else None  # before a resume loads weights
@@ -289,7 +313,8 @@ def build_context(
     coef = EntropyCoef(*state["entropy_coef"]) if "entropy_coef" in state else initial_entropy_coef(cfg.objective)
     agent = Agent(tokenizer, cfg.agent) if cfg.agent.enabled else None  # (checked by preflight before the weights)
     try:
-        rollout.start(cfg, world, model, tokenizer, device, sampler=inputs.sampler, agent=agent, state=state)
+        rollout.start(cfg, world, model, processor or tokenizer, device, sampler=inputs.sampler, agent=agent,
+                      state=state)
     except BaseException:
         if agent is not None:
             agent.close()  # its MCP servers stop with the failed start
@@ -303,5 +328,5 @@ def build_context(
         start=start, entropy_coef=coef, world=world, run=run, lora_compute=LoraCompute(model, cfg.model),
         eval_rows=inputs.eval_rows, health=RunHealth(cfg, logger.print, state.get("health")),
         traces=EpisodeTraces(run_dir, cfg.agent.trace_episodes, start, write_atomic)
-        if world.main and agent is not None and cfg.agent.trace_episodes else None,
+        if world.main and agent is not None and cfg.agent.trace_episodes else None, processor=processor,
     )

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from logitless.models.vision import ImageInputs
 from logitless.models.routing import no_route
 from logitless.rewards import RewardScores
 from logitless.rollout import RolloutBatch, RolloutTiming
@@ -76,6 +77,9 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
                                  left=False) for b in batches]) if with_env else None,
         episodes=[e for b in batches for e in (b.episodes or [None] * len(b.completions))]
         if any(b.episodes is not None for b in batches) else None,
+        images=ImageInputs([r for b in batches for r in (b.images.rows if b.images is not None
+                                                           else [None] * len(b.completions))])
+        if any(b.images is not None for b in batches) else None,
         **_concat_routes(batches, P, T),
     )
 
@@ -102,6 +106,7 @@ def select_rows(batch: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
         timing=batch.timing, env_mask=take(batch.env_mask), prompt_routes=take(batch.prompt_routes),
         completion_routes=take(batch.completion_routes),
         episodes=[batch.episodes[i] for i in keep] if batch.episodes is not None else None,
+        images=batch.images.select(keep) if batch.images is not None else None,
     )
 
 

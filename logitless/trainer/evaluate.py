@@ -40,6 +40,9 @@ from logitless.trainer.episodes import (
     reward_completions,
     stat_means,
 )
+from logitless.models.vision import is_vision_language
+from logitless.rollout.vision import is_processor, text_tokenizer
+from logitless.trainer.policy.vision import load_processor
 from logitless.trainer.policy.modeling import attention_backends, load_model_and_tokenizer, prepare_for_training
 from logitless.trainer.report.traces import TRACES_FILE, batch_traces, trace_text, traced_rows
 from logitless.trainer.rundir import write_atomic
@@ -113,19 +116,22 @@ def evaluate(
     tools / environment, scored as in training (the whole conversation, the environment's reward column).
     `engine`: the rollout engine to generate with (default: a new one of rollout.backend); `fns`: the reward
     functions (default: built from cfg.reward); `agent`: the run's agent (default: one built from cfg.agent).
+    `tokenizer` may be a vision-language model's processor (prompts with images).
     """
+    processor = tokenizer if is_processor(tokenizer) else None
+    tokenizer = text_tokenizer(tokenizer)
     rows = rows[: cfg.eval.num_prompts]
     fns = reward_functions(cfg.reward) if fns is None else fns
     acc_col = accuracy_index(cfg.reward)
     options = eval_options(cfg)
-    check_prompt_lengths(rows, tokenizer, model, options, f"eval split {split!r}")
+    check_prompt_lengths(rows, processor or tokenizer, model, options, f"eval split {split!r}")
     if engine is None:
         backend = cfg.rollout.backend
         if backend == "auto":
             from logitless.trainer.memory.auto import rollout_backend
 
             backend = rollout_backend(cfg, next(model.parameters()).device, model)[0]
-        engine = make_engine(backend, model, tokenizer)
+        engine = make_engine(backend, model, processor or tokenizer)
     own = agent is None and cfg.agent.enabled  # an agent built here is closed here (its MCP servers stopped)
     agent = Agent(tokenizer, cfg.agent) if own else agent
     try:
@@ -195,6 +201,8 @@ def evaluate_config(cfg: TrainerConfig, checkpoint: str | Path | None = None) ->
     rows = load_rows(cfg.data, split, eval=True)  # data errors need no model: before the load
     path = ckpt.resolve_checkpoint(checkpoint, flag="--checkpoint") if checkpoint is not None else None
     model, tokenizer, _ = load_model_and_tokenizer(cfg.model, trainable=False)
+    if is_vision_language(model):
+        tokenizer = load_processor(cfg.model, tokenizer)  # evaluate takes the processor in the tokenizer's place
     if path is not None:
         if cfg.model.lora:
             model = prepare_for_training(model, dataclasses.replace(cfg.model, gradient_checkpointing=False))
@@ -240,8 +248,8 @@ def eval_in_run(ctx: Any, weights: AbstractContextManager) -> dict[str, float]:
     rows = ctx.eval_rows[world.rank // split_by :: world.size // split_by] if world.size > 1 else ctx.eval_rows
     split = cfg.eval.split or cfg.data.eval_split
     with weights:
-        result = evaluate(ctx.model, ctx.tokenizer, rows, cfg, split=split, engine=ctx.rollout.engine, fns=ctx.reward_fns,
-                          agent=ctx.agent)
+        result = evaluate(ctx.model, ctx.processor or ctx.tokenizer, rows, cfg, split=split, engine=ctx.rollout.engine,
+                          fns=ctx.reward_fns, agent=ctx.agent)
     if world.size == 1:
         return result.metrics()
     n_samples = len(result.samples)

@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from logitless.data.images import prompt_text
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.config.schema import TrainerConfig
 from logitless.trainer.context import TrainContext, build_context
@@ -94,11 +95,6 @@ class TrainResult:
     @property
     def exit_code(self) -> int:
         return 128 + self.interrupted if self.interrupted else 0
-
-
-def prompt_text(prompt: str | list[dict[str, str]]) -> str:
-    """Display text of a prompt (the last message of a chat prompt)."""
-    return prompt if isinstance(prompt, str) else str(prompt[-1]["content"])
 
 
 def log_step(ctx: TrainContext, result: TrainResult, step: int, record: dict[str, Any], ro: Rollout, scored: Scored) -> None:

@@ -271,11 +271,11 @@ def plan_update(ctx: TrainContext, ro: Rollout, scored: Scored, rows: torch.Tens
     micro = make_micro_batches(
         b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, b.sampler_logp, b.truncated, adv,
         cfg.train.micro_batch_size, rows=trained, max_tokens=cfg.train.micro_batch_tokens, packed=cfg.train.packed,
-        loss_mask=episodes, routes=routes,
+        loss_mask=episodes, routes=routes, images=b.images,
     )
     spare = lambda: make_micro_batches(  # noqa: E731  (a rank that trains no row still pads with row 0)
         b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, b.sampler_logp, b.truncated, adv, 1,
-        rows=torch.zeros(1, dtype=torch.long, device=ctx.device), loss_mask=episodes, routes=routes,
+        rows=torch.zeros(1, dtype=torch.long, device=ctx.device), loss_mask=episodes, routes=routes, images=b.images,
     )[0]
     padding = padding_micro_batches(micro, spare, ctx.device)  # none on one process
     mask, truncated = (loss, b.truncated) if rows is None else (loss[part], b.truncated[part])
@@ -300,13 +300,13 @@ def logprob_stage(ctx: TrainContext, plan: UpdatePlan) -> OldRef:
             if mu > 1 or top_entropy:
                 with ctx.lora_compute.forward():
                     logp, ent = model_logprobs(*args, temperature=plan.temperature, with_entropy=top_entropy,
-                                               packed=packed, logp_mask=m.loss_mask, **m.routes)
+                                               packed=packed, logp_mask=m.loss_mask, **m.inputs)
                 old[i] = logp if mu > 1 else None
                 entropies += [ent] if top_entropy else []
             if ctx.reference is not None:
                 with ctx.reference.use(ctx.model) as ref_model, ctx.lora_compute.forward():
                     ref[i] = model_logprobs(ref_model, *args[1:], temperature=plan.temperature, packed=packed,
-                                            logp_mask=m.loss_mask, **m.routes)[0]
+                                            logp_mask=m.loss_mask, **m.inputs)[0]
     real = plan.micro[: len(plan.micro) - plan.padding]  # padding passes (torchrun) keep collectives in step only
     threshold = None  # one threshold over the whole step's tokens
     if top_entropy:
@@ -344,7 +344,7 @@ def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i:
             logp, entropy = model_logprobs(
                 ctx.model, m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask,
                 temperature=plan.temperature, with_entropy=True, grad_hint=hint, packed=ctx.cfg.train.packed,
-                logp_mask=m.loss_mask, **m.routes,
+                logp_mask=m.loss_mask, **m.inputs,
             )
         # the routers' own top-k against the sampler's routes, in this forward (before the optimizer step)
         disagreement = route_disagreement(routing.stats) if first and m.routes and routing is not None else {}

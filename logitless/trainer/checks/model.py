@@ -6,7 +6,7 @@ metadata) and a weightless skeleton of the model can tell.
                                        tileable MLP (model.mlp_chunk_tokens);
                                        returns one line per check, raises ValueError naming the config key and fix
 
-The skeleton is built on the meta device (`with torch.device("meta"): AutoModelForCausalLM.from_config(...)`): the
+The skeleton is built on the meta device (`with torch.device("meta"): model_class(config).from_config(...)`): the
 model's modules and shapes without memory or weights, in well under a second for billions of parameters. It is
 built with the run's attention implementation, so transformers' own checks of that name run on it, and LoRA is
 added to it as the run adds it (`peft.get_peft_model`), so the targets match exactly as they will.
@@ -25,6 +25,7 @@ import torch
 from logitless.models.tiled_mlp import check_tileable
 from logitless.models.varlen import NAME as VARLEN_ATTENTION
 from logitless.models.varlen import register as register_varlen_attention
+from logitless.models.vision import model_class
 from logitless.rollout.weights import merge_targets
 from logitless.trainer.config.schema import ModelConfig, TrainerConfig
 from logitless.trainer.policy.lora_targets import add_lora, lora_config
@@ -141,8 +142,6 @@ def check_attention_name(name: str | None) -> None:
 def skeleton(config: Any, cfg: ModelConfig, attn: str | None) -> torch.nn.Module:
     """The model's modules on the meta device (no memory, no weights), built with attention `attn`; transformers'
     refusal of the attention (not installed, not supported by this model) is re-raised naming the config key."""
-    from transformers import AutoModelForCausalLM
-
     if attn == VARLEN_ATTENTION:
         register_varlen_attention()
     kwargs: dict[str, Any] = {"trust_remote_code": cfg.trust_remote_code}
@@ -152,7 +151,7 @@ def skeleton(config: Any, cfg: ModelConfig, attn: str | None) -> torch.nn.Module
         kwargs["attn_implementation"] = attn
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, **kwargs)
+            return model_class(config).from_config(config, **kwargs)
     except (ValueError, ImportError, RuntimeError) as e:
         if attn is None:
             raise ValueError(f"model.name_or_path={cfg.name_or_path!r}: transformers cannot build a causal LM from "

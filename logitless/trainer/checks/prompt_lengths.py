@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 from logitless.data import PromptRow
 from logitless.rollout import SamplingOptions
 from logitless.rollout.engine import context_window, encode_prompts
+from logitless.rollout.vision import has_blocks, text_tokenizer
 
 CHUNK = 4096  # prompts rendered per chat-template call
 
@@ -74,8 +75,8 @@ def _texts(tokenizer: Any, prompts: Sequence[Any]) -> list[str | None]:
     """The text each prompt is tokenized from (chat messages through the chat template, as the rollout renders
     them), or None for a prompt given as token ids or of a kind the rollout refuses (checked exactly)."""
     out: list[str | None] = [p if isinstance(p, str) else None for p in prompts]
-    chats = [i for i, p in enumerate(prompts)
-             if isinstance(p, list) and p and all(isinstance(m, dict) and "role" in m for m in p)]
+    chats = [i for i, p in enumerate(prompts)  # content blocks (images): counted exactly, through the processor
+             if isinstance(p, list) and p and all(isinstance(m, dict) and "role" in m for m in p) and not has_blocks(p)]
     if chats and getattr(tokenizer, "chat_template", None):
         rendered = tokenizer.apply_chat_template([prompts[i] for i in chats], tokenize=False, add_generation_prompt=True)
         for i, text in zip(chats, rendered):
@@ -85,7 +86,8 @@ def _texts(tokenizer: Any, prompts: Sequence[Any]) -> list[str | None]:
 
 def check_prompt_lengths(rows: list[PromptRow], tokenizer: Any, model: Any, options: SamplingOptions, what: str) -> None:
     """Refuse, before any training, a prompt that does not fit the prompt limit or the context window (`what`
-    names the data in the message; row i is row i of the dataset)."""
+    names the data in the message; row i is row i of the dataset). `tokenizer` may be a vision-language model's
+    processor: prompts with images are then encoded by it (each image's tokens counted)."""
     ctx, completion = context_window(model), options.max_new_tokens
     limit = options.max_prompt_length
     if ctx is not None:
@@ -93,11 +95,11 @@ def check_prompt_lengths(rows: list[PromptRow], tokenizer: Any, model: Any, opti
             raise ValueError(f"{what}: rollout.max_completion_length={completion} leaves no room for a prompt in the "
                              f"model's {ctx} positions; lower rollout.max_completion_length below {ctx}")
         limit = ctx - completion if limit is None else min(limit, ctx - completion)
-    bound = token_bound(tokenizer)
+    bound = token_bound(text_tokenizer(tokenizer))
     unlimited = dataclasses.replace(options, max_prompt_length=None)
     for start in range(0, len(rows), CHUNK):
         prompts = [r.prompt for r in rows[start:start + CHUNK]]
-        for j, (prompt, text) in enumerate(zip(prompts, _texts(tokenizer, prompts))):
+        for j, (prompt, text) in enumerate(zip(prompts, _texts(text_tokenizer(tokenizer), prompts))):
             if text and bound is not None and limit is not None and bound(text, isinstance(prompt, str)) <= limit:
                 continue  # fits: at most one token per byte
             i = start + j

@@ -47,6 +47,11 @@ class ModelConfig:
     # update has rank lora_r, as in a dense layer), alpha scaled alike. Needs model.lora_dropout=0 (peft's expert
     # adapters have no dropout). The rollout's merged copy merges the expert deltas like the others.
     lora_target_experts: bool = False
+    # Vision-language models (image-text-to-text: Qwen2.5-VL, Qwen3-VL, Gemma 3): train the vision tower (and its
+    # projector) too. false: frozen, its weights never change and LoRA adapts the language model only (peft targets
+    # are kept out of the tower, whose MLPs share the names gate_proj/up_proj/down_proj). true: full fine-tuning
+    # updates it, and with LoRA "all-linear" (or the named targets) adapts its linear layers as well.
+    train_vision: bool = False
     # How a mixture of experts' experts compute (transformers' experts backends; logitless/models/experts.py):
     # "eager" (the model's own loop over the experts hit: a host sync per layer), "grouped_mm" (tokens sorted by
     # expert, one grouped GEMM per projection), "batched_mm" (each token's experts' weights gathered and multiplied

@@ -31,6 +31,7 @@ import torch
 
 from logitless.models import UnsupportedModelError
 from logitless.models.experts import is_moe, resolve_experts_implementation
+from logitless.models.vision import is_vision_language
 from logitless.rollout.engine import same_device
 from logitless.rollout.kv_cache import STATIC_LAYER_TYPES, auto_kv_budget
 from logitless.rollout.layouts import FULL, check_layout, layer_types, text_config
@@ -108,6 +109,8 @@ def rollout_backend(cfg: TrainerConfig, device: torch.device, model: Any) -> tup
         return "hf", f"{device.type}: transformers generate (the static engine's compiled decode step needs CUDA)"
     if model is None:
         return "hf", f"{UNREAD}: transformers generate runs every layout"
+    if is_vision_language(base_model(model)):
+        return "hf", "a vision-language model: transformers generate passes the images (the static engine has no M-RoPE)"
     try:
         check_layout(base_model(model), "static", STATIC_LAYER_TYPES)
     except UnsupportedModelError as e:
@@ -127,6 +130,8 @@ def _packed(cfg: TrainerConfig, device: torch.device, dtype: torch.dtype, model:
     if model is None:
         return False, UNREAD
     base = base_model(model)
+    if is_vision_language(base):
+        return False, "a vision-language model: packed rows would need M-RoPE positions restarting per row"
     if dtype not in (torch.bfloat16, torch.float16):
         return False, f"the model computes in {str(dtype).removeprefix('torch.')}; varlen flash attention needs bf16/fp16"
     if impl not in PACKED_ATTENTION:

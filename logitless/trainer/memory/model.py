@@ -11,6 +11,7 @@ import torch
 from logitless.models import UnsupportedModelError
 from logitless.models.experts import expert_modules, moe_shape
 from logitless.models.tiled_mlp import untileable_reason
+from logitless.models.vision import model_class
 from logitless.rollout.layouts import text_config
 from logitless.rollout.weights import is_4bit
 from logitless.trainer.memory import plan as mp
@@ -21,14 +22,12 @@ def model_skeleton(cfg: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
     """The causal LM of `cfg` built from its config on the meta device: its class, modules and parameter shapes,
     no weights read (the hub's or folder's config.json, from the local cache when it is there, or a GGUF file's
     metadata: `model_checks.read_model_config`, as the preflight reads it)."""
-    from transformers import AutoModelForCausalLM
-
     from logitless.trainer.checks.model import read_model_config
     from logitless.trainer.checks.sources import model_cached
 
     config = read_model_config(cfg, cached=model_cached(cfg))
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code, dtype=dtype)
+        return model_class(config).from_config(config, trust_remote_code=cfg.trust_remote_code, dtype=dtype)
 
 
 def base_model(model: Any) -> Any:

@@ -3,23 +3,28 @@ mixture of experts (`model.lora_target_experts`), and `add_lora`, which adds the
 
 from __future__ import annotations
 
+import re
 import warnings
 from contextlib import contextmanager
 from typing import Iterator
 
 from logitless.models.experts import EXPERT_PARAMS, expert_modules, moe_shape
+from logitless.models.vision import vision_module_names
 from logitless.rollout.layouts import text_config
 from logitless.trainer.config.schema import ModelConfig
 
 
 def lora_config(cfg: ModelConfig, model=None):
     """peft's LoraConfig of `cfg` (model.lora_r, lora_alpha, lora_dropout, lora_target_modules, and with
-    model.lora_target_experts the fused expert weights of `model`: `expert_targets`)."""
+    model.lora_target_experts the fused expert weights of `model`: `expert_targets`). A vision-language model's
+    vision tower is excluded unless model.train_vision."""
     from peft import LoraConfig
 
     target = cfg.lora_target_modules
     experts = expert_targets(model, cfg) if cfg.lora_target_experts else {}
+    vision = [] if cfg.train_vision or model is None else vision_module_names(_base(model))
     return LoraConfig(
+        exclude_modules=vision_exclusion(vision),
         r=cfg.lora_r,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
@@ -29,6 +34,18 @@ def lora_config(cfg: ModelConfig, model=None):
         alpha_pattern={name: alpha for name, (_, alpha) in experts.items()},
         task_type="CAUSAL_LM",
     )
+
+
+def _base(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def vision_exclusion(names: list[str]) -> str | None:
+    """peft's exclude_modules regex that keeps adapters out of the modules `names` and everything inside them (a
+    vision-language model's vision tower, unless model.train_vision); None for no names."""
+    if not names:
+        return None
+    return "^(" + "|".join(re.escape(n) for n in names) + r")(\..*)?$"
 
 
 def expert_targets(model, cfg: ModelConfig) -> dict[str, tuple[int, float]]:

@@ -26,6 +26,7 @@ from logitless.models.lm_head import decoder_layers
 from logitless.models.tiled_mlp import check_tileable, tile_mlps
 from logitless.models.varlen import NAME as VARLEN_ATTENTION
 from logitless.models.varlen import register as register_varlen_attention
+from logitless.models.vision import is_vision_language, model_class, vision_modules
 from logitless.rollout.weights import fresh_copy
 from logitless.trainer.config.schema import ModelConfig
 from logitless.trainer.policy.lora_targets import add_lora
@@ -104,12 +105,13 @@ def _fix_special_tokens(tok, model) -> None:
     Tokenizers converted from GGUF metadata may carry a wrong EOS (SmolLM2's reads `<|im_start|>`); the GGUF's
     own `eos_token_id`, which transformers puts in the model config, is the one generation must stop on.
     """
-    eos = model.config.eos_token_id
+    config = model.config.get_text_config(decoder=True)  # a vision-language model's ids are its text config's
+    eos = getattr(config, "eos_token_id", None)
     eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
     if isinstance(eos, int) and tok.eos_token_id != eos and eos < len(tok):
         tok.eos_token = tok.convert_ids_to_tokens(eos)
     if tok.pad_token is None:
-        pad = model.config.pad_token_id
+        pad = getattr(config, "pad_token_id", None)
         tok.pad_token = tok.convert_ids_to_tokens(pad) if isinstance(pad, int) and pad < len(tok) else tok.eos_token
     if model.generation_config is not None:
         model.generation_config.pad_token_id = tok.pad_token_id
@@ -132,15 +134,18 @@ def load_model_and_tokenizer(cfg: ModelConfig, *, trainable: bool = True, place:
 
 
 def load_model(cfg: ModelConfig, device: torch.device, place: torch.device | None = None):
-    """The causal LM named by `cfg` for `device`: in `cfg.dtype`, or NF4 4-bit base weights when `cfg.load_in_4bit`;
-    its weights on `place` when given, else on `device`."""
-    from transformers import AutoModelForCausalLM
+    """The causal LM named by `cfg` for `device` (an image-text-to-text model for a vision-language config): in
+    `cfg.dtype`, or NF4 4-bit base weights when `cfg.load_in_4bit`; its weights on `place` when given, else on
+    `device`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = resolve_dtype(cfg.dtype, device)
     source, gguf = resolve_source(cfg)
     kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code, "dtype": dtype}
     if gguf:
         kwargs["gguf_file"] = gguf
+    auto = AutoModelForCausalLM if gguf else model_class(
+        AutoConfig.from_pretrained(source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code))
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
         if cfg.attn_implementation == VARLEN_ATTENTION:
@@ -149,10 +154,10 @@ def load_model(cfg: ModelConfig, device: torch.device, place: torch.device | Non
         quantization = nf4_config(device, dtype)  # refuses CPU and a missing bitsandbytes first
         index = device.index if device.index is not None else torch.cuda.current_device()
         kwargs.update(quantization_config=quantization, device_map={"": index})
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        model = auto.from_pretrained(source, **kwargs)
         warn_unquantized_experts(model)
     else:
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs).to(place or device)
+        model = auto.from_pretrained(source, **kwargs).to(place or device)
     impl = resolve_experts_implementation(cfg.experts_implementation, device, dtype)[0]
     if not set_experts_implementation(model, impl) and cfg.experts_implementation != "auto" and expert_modules(model):
         raise ValueError(f"model.experts_implementation={cfg.experts_implementation}: {type(model).__name__} runs its "
@@ -229,6 +234,7 @@ def prepare_for_training(model, cfg: ModelConfig):
     GEMMs in fp32; they stay in the compute dtype, as in LoRA on an unquantized model.
     """
     no_router_logits(model)
+    freeze_vision(model, cfg)  # a vision-language model's tower keeps its weights unless model.train_vision
     if cfg.load_in_4bit and not getattr(model, "is_loaded_in_4bit", False):
         raise ValueError(
             "model.load_in_4bit=true but the given model is not 4-bit quantized; load it through logitless "
@@ -254,6 +260,15 @@ def prepare_for_training(model, cfg: ModelConfig):
     if cfg.compile_layers is True:
         compile_layers(model)
     return model
+
+
+def freeze_vision(model, cfg: ModelConfig) -> None:
+    """With model.train_vision=false, the vision tower (and projector) of a vision-language model keep their weights:
+    requires_grad off (full fine-tuning trains the language model and the lm_head only). No-op for a text model."""
+    if cfg.train_vision or not is_vision_language(model):
+        return
+    for module in vision_modules(model):
+        module.requires_grad_(False)
 
 
 def adapter_base_name(model) -> str | None:

@@ -1,0 +1,88 @@
+"""A vision-language model's processor: transformers' own, or its class without the video processor where
+torchvision is missing."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from logitless.rollout.vision import prompt_images
+from logitless.trainer.config.schema import ModelConfig, TrainerConfig
+from logitless.trainer.policy.modeling import resolve_source
+
+VISION_INSTALL_HINT = "pip install 'logitless[vision]'"
+
+
+def processor_class(config: Any) -> type:
+    """The transformers processor class of a vision-language model's config (e.g. Qwen2_5_VLProcessor)."""
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES, processor_class_from_name
+
+    name = PROCESSOR_MAPPING_NAMES.get(config.model_type)
+    cls = processor_class_from_name(name) if name else None
+    if cls is None:
+        raise ValueError(f"model_type {config.model_type!r} has no transformers processor class; logitless trains "
+                         "vision-language models whose processor transformers ships (Qwen2.5-VL, Qwen3-VL, Gemma 3)")
+    return cls
+
+
+def image_only(cls: type) -> type:
+    """`cls` (a processor class whose __init__ takes a video_processor) as a processor of images and text only.
+
+    transformers builds a Qwen-VL processor with its video processor, which needs torchvision even where no video is
+    ever processed; the image processor has a PIL backend. The subclass leaves the video processor out (a video
+    input then fails in the processor's own code) and is otherwise the class itself: same chat template, same
+    placeholder expansion, same outputs."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        cls.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__doc__": image_only.__doc__})
+
+
+def load_processor(cfg: ModelConfig, tokenizer: Any) -> Any:
+    """The processor of the vision-language model `cfg` names (its tokenizer is `tokenizer`, left-padding, the pad
+    token the run uses): transformers' AutoProcessor with torchvision installed, else the model's processor class
+    without its video processor (`image_only`, images through the PIL backend)."""
+    from transformers import AutoConfig, AutoProcessor
+
+    source, _ = resolve_source(cfg)
+    kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
+    try:
+        if importlib.util.find_spec("torchvision") is not None:
+            processor = AutoProcessor.from_pretrained(source, **kwargs)
+        else:
+            cls = processor_class(AutoConfig.from_pretrained(source, **kwargs))
+            import inspect
+
+            if "video_processor" in inspect.signature(cls.__init__).parameters:
+                cls = image_only(cls)
+            processor = cls.from_pretrained(source, **kwargs)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"model.name_or_path={cfg.name_or_path!r}: the vision-language model's processor cannot be "
+                         f"loaded ({str(e).splitlines()[0] if str(e) else type(e).__name__}); the folder needs its "
+                         "processor files (preprocessor_config.json, the tokenizer, a chat template that renders "
+                         f"images), or install the full processor stack: {VISION_INSTALL_HINT}") from None
+    processor.tokenizer = tokenizer
+    if not getattr(processor, "chat_template", None):
+        raise ValueError(f"model.name_or_path={cfg.name_or_path!r}: the processor has no chat template, which "
+                         "renders each image's placeholder; use the model's instruct processor files")
+    return processor
+
+
+def check_image_rows(cfg: TrainerConfig, rows: list[Any]) -> bool:
+    """Whether some prompt row has images; refuses, before any model loads, the settings that cannot train them
+    yet: train.packed=true (M-RoPE positions restarting per packed row), a rollout backend other than hf (no image
+    inputs in its decode loop) and agents (multi-turn episodes)."""
+    if not any(prompt_images(r.prompt) for r in rows):
+        return False
+    if cfg.train.packed is True:
+        raise ValueError("train.packed=true: rows with images cannot be packed yet (each packed row would need its "
+                         "own M-RoPE positions); set train.packed=false (or auto)")
+    if cfg.rollout.backend not in ("hf", "auto"):
+        raise ValueError(f"rollout.backend={cfg.rollout.backend}: rows with images are decoded by rollout.backend=hf "
+                         "only (the other engines have no image inputs or M-RoPE positions yet); set "
+                         "rollout.backend=hf")
+    if cfg.agent.enabled:
+        raise ValueError("agent.*: multi-turn episodes with images are not supported yet; drop the agent or the "
+                         "rows' images")
+    return True

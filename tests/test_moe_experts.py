@@ -158,27 +158,36 @@ def test_grouped_mm_matches_eager_within_eager_s_own_bf16_error():
         assert _relative(grouped_grads[name], ref) <= bound, name
 
 
+def _sampler_against_trainer(eng, model, samples: int, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(|sampler logp - trainer logp| over the completion tokens, the sampler's logprobs [B, T]) of two prompts
+    decoded by `eng` on the GPU; an uncaptured decode step's warning is an error here."""
+    from logitless.rollout import SamplingOptions
+
+    opts = SamplingOptions(num_generations=samples, temperature=1.0, max_new_tokens=new_tokens, seed=3,
+                           ignore_eos=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*could not be captured.*")
+        b = eng.generate(["The quick brown fox", "2+2 is"], opts).to("cuda")
+    with torch.no_grad():
+        lp = completion_logprobs(model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask)[0]
+    return (b.sampler_logp.float() - lp.float()).abs()[b.completion_mask.bool()], b.sampler_logp
+
+
 @pytest.mark.gpu
 def test_static_engine_captures_its_decode_step_over_grouped_mm_experts(one_thread):
     """The static engine's compiled decode step with grouped_mm experts is captured as one CUDA graph (a host sync
     in the experts would fail the capture and warn) and samples what the trainer computes in bf16."""
     if not grouped_mm_runs(CUDA, torch.bfloat16)[0]:
         pytest.skip(grouped_mm_runs(CUDA, torch.bfloat16)[1])
-    from logitless.rollout import SamplingOptions, make_engine
+    from logitless.rollout import make_engine
     from tests.test_rollout_families import TOK
 
     model = _gpu_moe(torch.bfloat16, resolve_experts_implementation("auto", CUDA, torch.bfloat16)[0]).eval()
     assert experts_implementation(model) == "grouped_mm"
     eng = make_engine("static", model, TOK)
     assert eng._graph_step(CUDA, [])
-    opts = SamplingOptions(num_generations=4, temperature=1.0, max_new_tokens=24, seed=3, ignore_eos=True)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*could not be captured.*")
-        b = eng.generate(["The quick brown fox", "2+2 is"], opts).to("cuda")
-    with torch.no_grad():
-        lp = completion_logprobs(model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask)[0]
-    diff = (b.sampler_logp.float() - lp.float()).abs()[b.completion_mask.bool()]
-    assert float(diff.mean()) < 0.05 and bool(torch.isfinite(b.sampler_logp).all())
+    diff, sampled = _sampler_against_trainer(eng, model, samples=4, new_tokens=24)
+    assert float(diff.mean()) < 0.05 and bool(torch.isfinite(sampled).all())
 
 
 @pytest.mark.gpu
@@ -187,7 +196,7 @@ def test_experts_that_sync_with_the_host_decode_without_cuda_graphs(impl, one_th
     """fp32 experts that sync with the host (eager's loop; grouped_mm's fallback outside bf16) cannot be captured:
     the static engine says so once, decodes compiled without CUDA graphs and samples what the trainer computes;
     rollout.step_graph=true is refused naming the fix."""
-    from logitless.rollout import SamplingOptions, make_engine
+    from logitless.rollout import make_engine
     from tests.test_rollout_families import TOK
 
     model = _gpu_moe(torch.float32, impl).eval()
@@ -196,11 +205,5 @@ def test_experts_that_sync_with_the_host_decode_without_cuda_graphs(impl, one_th
     with pytest.warns(UserWarning, match="without CUDA graphs.*" + impl):
         eng = make_engine("static", model, TOK)
     assert not eng._graph_step(CUDA, [])
-    opts = SamplingOptions(num_generations=2, temperature=1.0, max_new_tokens=12, seed=3, ignore_eos=True)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*could not be captured.*")
-        b = eng.generate(["The quick brown fox", "2+2 is"], opts).to("cuda")
-    with torch.no_grad():
-        lp = completion_logprobs(model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask)[0]
-    diff = (b.sampler_logp.float() - lp.float()).abs()[b.completion_mask.bool()]
+    diff, _ = _sampler_against_trainer(eng, model, samples=2, new_tokens=12)
     assert float(diff.max()) < 1e-3  # fp32: the same function to summation order (a flip of expert would show)

@@ -144,14 +144,15 @@ def load_model(cfg: ModelConfig, device: torch.device, place: torch.device | Non
     kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code, "dtype": dtype}
     if gguf:
         kwargs["gguf_file"] = gguf
+    # (4-bit: refuses CPU and a missing bitsandbytes before anything is read)
+    quantization = nf4_config(device, dtype) if cfg.load_in_4bit else None
     auto = AutoModelForCausalLM if gguf else model_class(
         AutoConfig.from_pretrained(source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code))
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
         if cfg.attn_implementation == VARLEN_ATTENTION:
             register_varlen_attention()
-    if cfg.load_in_4bit:  # quantized while loading, straight onto the GPU (a 4-bit model cannot be moved after)
-        quantization = nf4_config(device, dtype)  # refuses CPU and a missing bitsandbytes first
+    if quantization is not None:  # quantized while loading, straight onto the GPU (a 4-bit model cannot be moved after)
         index = device.index if device.index is not None else torch.cuda.current_device()
         kwargs.update(quantization_config=quantization, device_map={"": index})
         model = auto.from_pretrained(source, **kwargs)

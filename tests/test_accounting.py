@@ -135,7 +135,7 @@ def test_ceiling_fraction_is_measured_against_the_rollouts_own_time():
     ceiling fraction divides by the rollout call's own seconds, whatever the phase clock says."""
     from types import SimpleNamespace
 
-    from logitless.trainer.stages import efficiency_metrics
+    from logitless.trainer.records import efficiency_metrics
 
     shape = ModelShape.of(tied_qwen2())
     mask = torch.ones(2, 6, dtype=torch.long)

@@ -84,13 +84,13 @@ def test_host_checks_run_every_check_every_steps():
     (17, 1, True, 3), (9, 1, True, 2), (8, 3, True, 3),
 ])
 def test_compiled_variants_count_every_row_count_compaction_can_reach(rows, buckets, compact, want):
-    from logitless.rollout.static import compiled_variants
+    from logitless.rollout.static_rows import compiled_variants
 
     assert compiled_variants(rows, buckets, compact) == want
 
 
 def test_recompile_limit_is_raised_for_the_decode_variants_and_never_lowered():
-    from logitless.rollout.static import RECOMPILE_MARGIN, allow_recompiles
+    from logitless.rollout.static_rows import RECOMPILE_MARGIN, allow_recompiles
 
     with torch._dynamo.config.patch(recompile_limit=8):  # restored after
         allow_recompiles(2)
@@ -102,7 +102,7 @@ def test_recompile_limit_is_raised_for_the_decode_variants_and_never_lowered():
 
 
 def test_compiled_engine_allows_the_recompiles_its_settings_need():
-    from logitless.rollout.static import RECOMPILE_MARGIN
+    from logitless.rollout.static_rows import RECOMPILE_MARGIN
 
     model = make_model("llama")
     with torch._dynamo.config.patch(recompile_limit=8):

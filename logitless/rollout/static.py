@@ -76,7 +76,7 @@ from .kv_cache import (
 from .layouts import check_layout
 from .sampling import (apply_filters, resolve_sampler_kernel, sample_tokens, step_keys, step_sampler,
                        vocab_codes)
-from .static_rows import MIN_COMPACT_ROWS, DecodeCall, DecodeRows, mark_stopped, stream_keys
+from .static_rows import DecodeCall, DecodeRows, allow_recompiles, compiled_variants, mark_stopped, stream_keys
 from .static_overlap import generate_episodes
 from .static_turns import check_episode_options
 from .step_graph import DecodeStep, is_stop
@@ -87,25 +87,6 @@ from .weights import LiveWeights, WeightSource
 
 AUTO_KV_FRACTION = 0.85  # share of the free device memory the decode cache may take when max_kv_gib is unset
 SAMPLING_BUFFERS = 8  # [V] fp32 buffers per row that sampling keeps live (logits, scaled, noise, scores, ...)
-
-
-RECOMPILE_MARGIN = 4  # compiled decode variants allowed beyond those one engine needs (other engines, eval)
-
-
-def compiled_variants(rows: int, buckets: int, compact: bool) -> int:
-    """Shapes the compiled decode step is compiled for: one per (row count, length bucket); compaction adds the
-    powers of two from MIN_COMPACT_ROWS up to below `rows` (`DecodeRows.compacted`'s row counts)."""
-    counts = 1 + (sum(1 for k in range(64) if MIN_COMPACT_ROWS <= 2**k < rows) if compact else 0)
-    return counts * buckets
-
-
-def allow_recompiles(variants: int) -> None:
-    """Raise dynamo's recompile limit (8 by default) to `variants` + RECOMPILE_MARGIN when it is lower, never lower
-    it: past the limit dynamo runs a new shape of the decode step eagerly, ~1000 kernel launches per token
-    instead of one graph replay, without an error."""
-    need = variants + RECOMPILE_MARGIN
-    if torch._dynamo.config.recompile_limit < need:
-        torch._dynamo.config.recompile_limit = need
 
 
 class StaticEngine:

@@ -1,6 +1,7 @@
 """The decode state of the `static` engine (`static.py`): what every wave of a call shares (`DecodeCall`), the rows
-a wave is decoding (`DecodeRows`, with compaction of finished rows), and the rows' random-stream keys when several
-calls' prompts decode as one batch (`stream_keys`)."""
+a wave is decoding (`DecodeRows`, with compaction of finished rows), the rows' random-stream keys when several
+calls' prompts decode as one batch (`stream_keys`), and how many shapes of the compiled step those row counts make
+(`compiled_variants`, `allow_recompiles`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,23 @@ from .sampling import row_keys
 from .types import SamplingOptions
 
 MIN_COMPACT_ROWS = 8  # compact_finished never shrinks a wave below this many rows
+RECOMPILE_MARGIN = 4  # compiled decode variants allowed beyond those one engine needs (other engines, eval)
+
+
+def compiled_variants(rows: int, buckets: int, compact: bool) -> int:
+    """Shapes the compiled decode step is compiled for: one per (row count, length bucket); compaction adds the
+    powers of two from MIN_COMPACT_ROWS up to below `rows` (`DecodeRows.compacted`'s row counts)."""
+    counts = 1 + (sum(1 for k in range(64) if MIN_COMPACT_ROWS <= 2**k < rows) if compact else 0)
+    return counts * buckets
+
+
+def allow_recompiles(variants: int) -> None:
+    """Raise dynamo's recompile limit (8 by default) to `variants` + RECOMPILE_MARGIN when it is lower, never lower
+    it: past the limit dynamo runs a new shape of the decode step eagerly, ~1000 kernel launches per token
+    instead of one graph replay, without an error."""
+    need = variants + RECOMPILE_MARGIN
+    if torch._dynamo.config.recompile_limit < need:
+        torch._dynamo.config.recompile_limit = need
 
 
 @dataclass

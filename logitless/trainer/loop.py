@@ -75,9 +75,9 @@ from logitless.trainer.stages import (
     part_rows,
     plan_update,
     rollout_state,
-    step_record,
     update_stage,
 )
+from logitless.trainer.records import step_record
 
 # hook(event, step); events: "step_start", "generate" (the rollout starts), "after_rollout", "micro_batch" (before
 # each micro-batch's forward in the update), "after_update"

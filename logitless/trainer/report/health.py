@@ -1,4 +1,4 @@
-"""Warnings that a run trains on nothing, read from each step's metrics record (`stages.step_record`).
+"""Warnings that a run trains on nothing, read from each step's metrics record (`records.step_record`).
 
 Each warning names the likely cause and the setting to change, goes to the console and into the step's record in
 metrics.jsonl as `warning/<kind>` (its text), and is rate-limited: shown when its condition first holds, then at

@@ -6,7 +6,8 @@
     static          the run's engine: compiled, one CUDA graph per step, grouped_mm experts
     static_eager    the same engine uncompiled (eager grouped_mm, no CUDA graph)
     static_batched  the compiled engine decoding with batched_mm experts (the trainer keeps grouped_mm)
-    static_router_eager  the compiled engine with each router's forward left out of the compiled graph
+    static_div_approx    the compiled engine with Triton's approximate fp32 division (inductor's default; the run
+                    divides exactly, `models/compiled.py`): the renormalised top-k weights are such a quotient
 
 A family name with the suffix `:nonorm` runs its config with norm_topk_prob=False (no renormalised top-k weights).
 
@@ -27,9 +28,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench import gpu_exactness as G  # noqa: E402
+from logitless.models.compiled import EAGER_NUMERICS  # noqa: E402
 from logitless.models.experts import experts_implementation, set_experts_implementation  # noqa: E402
 
-VARIANTS = ("hf", "hf_grouped", "static", "static_eager", "static_batched", "static_router_eager")
+VARIANTS = ("hf", "hf_grouped", "static", "static_eager", "static_batched", "static_div_approx")
+
+
+class ApproxDivision:
+    """An engine whose `generate` compiles the model's decode with inductor's approximate division."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def generate(self, *args, **kw):
+        exact = {k: v for k, v in EAGER_NUMERICS.items() if "divison" in k or "division" in k}
+        EAGER_NUMERICS.update({k: False for k in exact})
+        try:
+            return self.engine.generate(*args, **kw)
+        finally:
+            EAGER_NUMERICS.update(exact)
 
 
 class DecodeWith:
@@ -52,12 +69,9 @@ def engine_of(original):
         if variant == "static_batched":
             engine, keep = original("static", model, tok, **kw)
             return DecodeWith(engine, model, "batched_mm"), keep
-        if variant == "static_router_eager":
-            from logitless.models.routing import routing_of
-
-            for router in routing_of(model).routers:
-                router.forward = torch.compiler.disable(router.forward)
-            return original("static", model, tok, **kw)
+        if variant == "static_div_approx":
+            engine, keep = original("static", model, tok, **kw)
+            return ApproxDivision(engine), keep
         if variant == "hf_grouped":
             model._optimize_model_for_decode = contextlib.nullcontext  # generate decodes with the model's own
             return original("hf", model, tok, **kw)
@@ -89,9 +103,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "moe_gap_probe.json").write_text(json.dumps(rows, indent=1))
     for r in rows:
-        print(f"{r['family']:10s} {r['variant']:15s} replay mean {r['mean']:.4f} max {r['max']:.3f}  own mean "
-              f"{r.get('own_mean', float('nan')):.4f} max {r.get('own_max', float('nan')):.3f}  "
-              f"disagree {r.get('disagreement', float('nan')):.4f}  {r.get('error') or ''}")
+        num = {k: float("nan") if r.get(k) is None else r[k] for k in ("own_mean", "own_max", "disagreement")}
+        print(f"{r['family']:10s} {r['variant']:17s} replay mean {r['mean']:.4f} max {r['max']:.3f}  own mean "
+              f"{num['own_mean']:.4f} max {num['own_max']:.3f}  disagree {num['disagreement']:.4f}  "
+              f"{r.get('error') or ''}")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,16 @@ def sigint_handler(handler) -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
+# Two xdist workers on a 2-core machine (the README's command on CI): one intra-op thread per worker, and per child
+# process it starts (torchrun ranks, CLI runs, bench scripts), instead of torch's default of one per core in each.
+# With more threads than cores, OpenMP's workers spin-wait for each other after every parallel region and burn CPU
+# that the other worker's tests need.
+if os.environ.get("PYTEST_XDIST_WORKER") and not torch.cuda.is_available():
+    THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    torch.set_num_threads(THREADS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a module of tiny-shape tests: more threads only add OpenMP sync cost (10x

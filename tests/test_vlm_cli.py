@@ -32,8 +32,13 @@ def vlm_config(tmp_path, folder, **train):
     return path
 
 
-def test_train_a_vision_language_model_for_two_steps(tmp_path, qwen_tokenizer_dir):
-    folder = build_tiny_vlm(qwen_tokenizer_dir, tmp_path / "vlm")
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, qwen_tokenizer_dir):
+    """One tiny Qwen2.5-VL folder for the module's runs (each run writes only to its own output folder)."""
+    return build_tiny_vlm(qwen_tokenizer_dir, tmp_path_factory.mktemp("vlm"))
+
+
+def test_train_a_vision_language_model_for_two_steps(tmp_path, folder):
     assert main(["train", str(vlm_config(tmp_path, folder))]) == 0
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "step" in r and "loss" in str(sorted(r))]
@@ -52,7 +57,6 @@ def test_train_a_vision_language_model_for_two_steps(tmp_path, qwen_tokenizer_di
     ("train.packed=true", "train.packed=true: rows with images"),
     ("rollout.backend=static", "rollout.backend=static: rows with images"),
 ])
-def test_vlm_settings_that_cannot_train_images_are_refused(tmp_path, qwen_tokenizer_dir, override, message, capsys):
-    folder = build_tiny_vlm(qwen_tokenizer_dir, tmp_path / "vlm")
+def test_vlm_settings_that_cannot_train_images_are_refused(tmp_path, folder, override, message, capsys):
     assert main(["train", str(vlm_config(tmp_path, folder)), override]) != 0
     assert message in capsys.readouterr().err

@@ -6,8 +6,8 @@
     static          the run's engine: compiled, one CUDA graph per step, grouped_mm experts
     static_eager    the same engine uncompiled (eager grouped_mm, no CUDA graph)
     static_batched  the compiled engine decoding with batched_mm experts (the trainer keeps grouped_mm)
-    static_div_approx    the compiled engine with Triton's approximate fp32 division (inductor's default; the run
-                    divides exactly, `models/compiled.py`): the renormalised top-k weights are such a quotient
+    static_div_exact     the compiled engine with inductor's exact fp32 division (Triton's `/` is the approximate
+                    `div.full`; eager divides exactly): the renormalised top-k weights are such a quotient
 
 A family name with the suffix `:nonorm` runs its config with norm_topk_prob=False (no renormalised top-k weights).
 
@@ -26,27 +26,38 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import torch._inductor.config  # noqa: E402
 
 from bench import gpu_exactness as G  # noqa: E402
 from logitless.models.compiled import EAGER_NUMERICS  # noqa: E402
 from logitless.models.experts import experts_implementation, set_experts_implementation  # noqa: E402
 
-VARIANTS = ("hf", "hf_grouped", "static", "static_eager", "static_batched", "static_div_approx")
+VARIANTS = ("hf", "hf_grouped", "static", "static_eager", "static_batched", "static_div_exact")
 
 
-class ApproxDivision:
-    """An engine whose `generate` compiles the model's decode with inductor's approximate division."""
+def division_rounding() -> dict:
+    """{inductor's key for exact fp32 division: True} under the name this PyTorch knows
+    (`eager_numerics.division_rounding`; `emulate_divison_rounding`, sic, before), or {}."""
+    known = torch._inductor.config.get_config_copy()
+    key = next((k for k in ("eager_numerics.division_rounding", "emulate_divison_rounding") if k in known), None)
+    return {key: True} if key else {}
+
+
+class ExactDivision:
+    """An engine whose `generate` compiles the model's decode with inductor's exact division (the decode compiles
+    at the first call, reading `EAGER_NUMERICS` then)."""
 
     def __init__(self, engine):
         self.engine = engine
 
     def generate(self, *args, **kw):
-        exact = {k: v for k, v in EAGER_NUMERICS.items() if "divison" in k or "division" in k}
-        EAGER_NUMERICS.update({k: False for k in exact})
+        extra = division_rounding()
+        EAGER_NUMERICS.update(extra)
         try:
             return self.engine.generate(*args, **kw)
         finally:
-            EAGER_NUMERICS.update(exact)
+            for k in extra:
+                EAGER_NUMERICS.pop(k)
 
 
 class DecodeWith:
@@ -69,9 +80,9 @@ def engine_of(original):
         if variant == "static_batched":
             engine, keep = original("static", model, tok, **kw)
             return DecodeWith(engine, model, "batched_mm"), keep
-        if variant == "static_div_approx":
+        if variant == "static_div_exact":
             engine, keep = original("static", model, tok, **kw)
-            return ApproxDivision(engine), keep
+            return ExactDivision(engine), keep
         if variant == "hf_grouped":
             model._optimize_model_for_decode = contextlib.nullcontext  # generate decodes with the model's own
             return original("hf", model, tok, **kw)

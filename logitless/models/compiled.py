@@ -8,30 +8,11 @@ trainer 1.8-9x further than the eager decode did (mean |Δ logp| 0.0018 vs 0.001
 on GPT-OSS, where a flipped expert choice costs up to 0.26 nats); with `emulate_precision_casts` it computes what
 the eager model computes, to the summation order. The sampler's job is to be the policy, so every compiled copy of
 a forward (the decode step, `model.compile_layers`) keeps eager numerics.
-
-Division too: Triton lowers fp32 `x / y` to its approximate `div.full` (up to 2 ulp), eager PyTorch divides
-exactly, as `tl.math.div_rn` does (the sampler's own kernel, `ops/triton_sampling.py`). Where a quotient is rounded
-to bf16 next, an ulp can move it by one bf16 step: the top-k weights that Qwen3-MoE and Mixtral renormalise by their
-sum are such a quotient, the two families whose compiled decode stayed further from the trainer than the eager
-decode with everything else equal (bench/LOG.md). Inductor's option for exact division is named
-`eager_numerics.division_rounding` in newer PyTorch and `emulate_divison_rounding` (sic) before; whichever this
-PyTorch has is set (neither: the option is left out).
 """
 
 from __future__ import annotations
 
-import torch._inductor.config
-
-
-def _division_rounding() -> dict:
-    """{inductor's key for exact fp32 division: True}, under the name this PyTorch knows (none: {})."""
-    known = torch._inductor.config.get_config_copy()
-    key = next((k for k in ("eager_numerics.division_rounding", "emulate_divison_rounding") if k in known), None)
-    return {key: True} if key else {}
-
-
-# inductor: keep the bf16/fp16 roundings of eager mode, and its exact division
-EAGER_NUMERICS = {"emulate_precision_casts": True, **_division_rounding()}
+EAGER_NUMERICS = {"emulate_precision_casts": True}  # inductor: keep the bf16/fp16 roundings of eager mode
 
 
 def inductor_options(cudagraphs: bool = False) -> dict:

@@ -95,9 +95,9 @@ def test_two_ranks_sample_what_one_rank_samples(two_ranks, family, weights):
 
 
 def test_the_compiled_decode_of_a_split_replica_is_one_graph_and_samples_the_same(two_ranks):
-    """The engine's compiled forward (inductor, here on CPU) traces the split model, its collectives included, as
-    one graph without a break (what the CUDA-graph decode step captures on a GPU), and samples what the one-rank
-    rollout samples."""
+    """The engine's compiled forward (aot_eager on CPU, `tests/conftest.py`; inductor on a GPU) traces the split
+    model, its collectives included, as one graph without a break (what the CUDA-graph decode step captures on a
+    GPU), and samples what the one-rank rollout samples."""
     for r, results in enumerate(two_ranks):
         x = results["compiled"]
         assert x["graphs"] == 1 and x["breaks"] == 0, (r, x)

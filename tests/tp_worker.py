@@ -133,7 +133,7 @@ def case(tp: int, family: str, lora: bool, world: World) -> dict:
 
 
 def compiled(world: World) -> dict:
-    """The split Llama (LoRA) decoding with the engine's compiled forward (inductor on CPU, the group's collectives
+    """The split Llama (LoRA) decoding with the engine's compiled forward (aot_eager on CPU, the group's collectives
     inside the graph) against the one-rank rollout, and what dynamo made of the forward."""
     from torch._dynamo.utils import counters
 

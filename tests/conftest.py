@@ -66,8 +66,8 @@ def sigint_handler(handler) -> Iterator[None]:
 
 # On CPU, `torch.compile` with inductor's default backend compiles with "aot_eager" instead: dynamo's capture and
 # AOTAutograd's forward/backward graphs (graph breaks, guards, recompiles, checkpointing, FSDP2 hooks, collectives
-# inside the graph) run as on a GPU, but not inductor's C++ code generation, a third of the suite's CPU time on two
-# cores. The C++ kernels are not what a GPU runs, and CPU tests cannot speak for inductor's numerics anyway: the GPU
+# inside the graph) run as on a GPU, but not inductor's C++ code generation (3.4 of the suite's 20 minutes of CPU on
+# two cores). The C++ kernels are not what a GPU runs, and CPU tests cannot speak for inductor's numerics anyway: the GPU
 # suite holds every compiled path to the eager model with inductor's Triton code. Torchrun ranks and workers that
 # import this module compile the same way; LOGITLESS_TEST_INDUCTOR=1 keeps inductor (`INDUCTOR_COMPILE` is the real
 # torch.compile, for the test of the options themselves).
@@ -83,7 +83,7 @@ if not torch.cuda.is_available() and os.environ.get("LOGITLESS_TEST_INDUCTOR") !
 
 # Two xdist workers on a 2-core machine (the README's command on CI): one intra-op thread per worker, and per child
 # process it starts (torchrun ranks, CLI runs, bench scripts), instead of torch's default of one per core in each.
-# With more threads than cores, OpenMP's workers spin-wait for each other after every parallel region and burn CPU
+# With more threads than cores, OpenMP's workers spin a while after every parallel region before they sleep, on CPU
 # that the other worker's tests need.
 if os.environ.get("PYTEST_XDIST_WORKER") and not torch.cuda.is_available():
     THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))

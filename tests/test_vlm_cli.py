@@ -60,3 +60,17 @@ def test_train_a_vision_language_model_for_two_steps(tmp_path, folder):
 def test_vlm_settings_that_cannot_train_images_are_refused(tmp_path, folder, override, message, capsys):
     assert main(["train", str(vlm_config(tmp_path, folder)), override]) != 0
     assert message in capsys.readouterr().err
+
+
+def test_a_step_that_trains_no_row_measures_the_mismatch_with_the_rows_images(tmp_path, folder):
+    """Equal rewards in every group (a random model scores 0 on numeric_answer) and no KL term: no row trains, and
+    the mismatch is measured on a sample of rows (train.mismatch_sample_rows), whose forward needs their images."""
+    path = vlm_config(tmp_path, folder)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["reward"], cfg["objective"], cfg["eval"] = {"reward_funcs": ["numeric_answer"]}, {"beta": 0.0}, {}
+    cfg["train"]["max_steps"] = 1
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["train", str(path)]) == 0
+    (step,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+               if "trained_rows" in line]
+    assert step["trained_rows"] == 0 and step["rollout/mismatch_max"] < 1e-4

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from logitless.models.vision import ImageInputs
+from logitless.rollout import RolloutBatch
 from logitless.trainer.distributed.collectives import is_distributed
 from logitless.trainer.distributed.parallel import model_logprobs
 
@@ -151,6 +152,22 @@ def token_budget_chunks(
         p_max, c_max, total = np_, nc, nt
     edges = [0, *bounds, len(ps)]
     return [order[a:b] for a, b in zip(edges[:-1], edges[1:])]
+
+
+def rollout_micro_batches(batch: RolloutBatch, advantages: torch.Tensor, rows: torch.Tensor, size: int,
+                          max_tokens: int | None, packed: bool, device: torch.device
+                          ) -> tuple[list[MicroBatch], list[MicroBatch]]:
+    """The micro-batches of `rows` of a rollout (`make_micro_batches`: the model's tokens as the trained ones in
+    multi-turn episodes, the rows' MoE routes and images with them) and the padding ones this rank runs beside them
+    under torchrun (`padding_micro_batches`; a rank without a row pads with row 0). `advantages`: [B] or [B, T]."""
+    loss = None if batch.env_mask is None else batch.loss_mask()  # observations stay in the sequence as context
+    routes = (batch.prompt_routes, batch.completion_routes) if batch.prompt_routes is not None else None
+    args = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask, batch.sampler_logp,
+            batch.truncated, advantages)
+    kw = dict(loss_mask=loss, routes=routes, images=batch.images)
+    micro = make_micro_batches(*args, size, rows=rows, max_tokens=max_tokens, packed=packed, **kw)
+    spare = lambda: make_micro_batches(*args, 1, rows=torch.zeros(1, dtype=torch.long, device=device), **kw)[0]  # noqa: E731
+    return micro, padding_micro_batches(micro, spare, device)
 
 
 def padding_micro_batches(

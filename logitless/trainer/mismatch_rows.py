@@ -16,7 +16,7 @@ import torch
 from logitless.objectives import Stat, merge_metrics
 from logitless.objectives.mismatch import sampler_mismatch
 from logitless.rollout import RolloutBatch
-from logitless.trainer.batching import make_micro_batches, padding_micro_batches
+from logitless.trainer.batching import rollout_micro_batches
 from logitless.trainer.context import TrainContext
 from logitless.trainer.distributed.collectives import all_reduce_metrics, all_reduce_sum
 from logitless.trainer.distributed.parallel import model_logprobs
@@ -45,24 +45,16 @@ def untrained_mismatch(ctx: TrainContext, batch: RolloutBatch, trained: int, tem
         return {}
     rows = torch.tensor(rank_sample(batch.completion_mask.shape[0], n, ctx.world.rank, ctx.world.size),
                         dtype=torch.long, device=dev)
-    loss = batch.loss_mask()  # the model's tokens (multi-turn: not the observations, which have no sampler logprob)
-    episodes = None if batch.env_mask is None else loss
-    routes = (batch.prompt_routes, batch.completion_routes) if batch.prompt_routes is not None else None
-    args = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask, batch.sampler_logp,
-            batch.truncated, torch.zeros(batch.completion_mask.shape[0], device=dev))
-    micro = make_micro_batches(*args, cfg.train.micro_batch_size, rows=rows, max_tokens=cfg.train.micro_batch_tokens,
-                               packed=cfg.train.packed, loss_mask=episodes, routes=routes)
-    spare = lambda: make_micro_batches(*args, 1, rows=torch.zeros(1, dtype=torch.long, device=dev),  # noqa: E731
-                                       loss_mask=episodes, routes=routes)[0]
-    real = len(micro)
-    micro += padding_micro_batches(micro, spare, dev)  # none on one process
+    micro, padding = rollout_micro_batches(batch, torch.zeros(batch.completion_mask.shape[0], device=dev), rows,
+                                           cfg.train.micro_batch_size, cfg.train.micro_batch_tokens,
+                                           cfg.train.packed, dev)
     parts = []
     with ctx.lora_compute.stage():  # the policy's logprobs as the update computes them
-        for i, m in enumerate(micro):
+        for i, m in enumerate(micro + padding):  # (padding: none on one process)
             with ctx.lora_compute.forward():
                 logp, _ = model_logprobs(ctx.model, m.prompt_ids, m.prompt_mask, m.completion_ids, m.completion_mask,
                                          temperature=temperature, packed=cfg.train.packed, logp_mask=m.loss_mask,
-                                         **m.routes)
-            if i < real:
+                                         **m.inputs)
+            if i < len(micro):
                 parts.append(sampler_mismatch(logp, m.sampler_logp, m.loss_mask))
     return all_reduce_metrics(merge_metrics(parts), dev)

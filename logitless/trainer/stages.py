@@ -36,7 +36,7 @@ from logitless.objectives import (
 from logitless.objectives.mismatch import sampler_mismatch
 from logitless.rewards import RewardScores, add_reward_column, score_completions
 from logitless.rollout import RolloutBatch, SamplingOptions
-from logitless.trainer.batching import MicroBatch, make_micro_batches, padding_backward, padding_micro_batches
+from logitless.trainer.batching import MicroBatch, padding_backward, rollout_micro_batches
 from logitless.trainer.builders import clip_offloaded_grads, torch_threads
 from logitless.trainer.context import TrainContext
 from logitless.trainer.distributed.collectives import all_reduce_metrics, all_reduce_sum
@@ -255,24 +255,13 @@ def plan_update(ctx: TrainContext, ro: Rollout, scored: Scored, rows: torch.Tens
     if cfg.train.skip_zero_advantage and o.beta == 0 and not (entropy_grad or top_entropy):
         nonzero = adv[part] != 0
         trained = part[nonzero if nonzero.dim() == 1 else nonzero.any(1)]
-    # Multi-turn episodes: only the model's tokens are trained (observations stay in the sequence as context)
-    loss = b.loss_mask()  # [B, T] (completion_mask itself without episodes)
-    episodes = None if b.env_mask is None else loss
-    # mixture-of-experts routes of the rollout, replayed by every forward of these rows (model.routing_replay)
-    routes = (b.prompt_routes, b.completion_routes) if b.prompt_routes is not None else None
-    if routes is not None:  # once per step (one host sync): a route naming no expert of the model fails here
-        for r in routes:
+    loss = b.loss_mask()  # [B, T] the model's tokens (completion_mask itself without episodes)
+    if b.prompt_routes is not None:  # once per step (one host sync): a route naming no expert of the model fails here
+        for r in (b.prompt_routes, b.completion_routes):
             check_routes(r, require_routing(ctx.model, "model.routing_replay").num_experts)
-    micro = make_micro_batches(
-        b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, b.sampler_logp, b.truncated, adv,
-        cfg.train.micro_batch_size, rows=trained, max_tokens=cfg.train.micro_batch_tokens, packed=cfg.train.packed,
-        loss_mask=episodes, routes=routes, images=b.images,
-    )
-    spare = lambda: make_micro_batches(  # noqa: E731  (a rank that trains no row still pads with row 0)
-        b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask, b.sampler_logp, b.truncated, adv, 1,
-        rows=torch.zeros(1, dtype=torch.long, device=ctx.device), loss_mask=episodes, routes=routes, images=b.images,
-    )[0]
-    padding = padding_micro_batches(micro, spare, ctx.device)  # none on one process
+    # (the mixture-of-experts routes and the images of the rows go with them: every forward replays / reads them)
+    micro, padding = rollout_micro_batches(b, adv, trained, cfg.train.micro_batch_size, cfg.train.micro_batch_tokens,
+                                           cfg.train.packed, ctx.device)
     mask, truncated = (loss, b.truncated) if rows is None else (loss[part], b.truncated[part])
     n_local = int(mask.sum())
     n_tokens = int(all_reduce_sum(n_local, ctx.device))

@@ -111,7 +111,7 @@ def shapes_image(rng: random.Random, n_red: int, n_other: int, size: int) -> Any
 
 
 def count_shapes_rows(split: str, n: int, seed: int, size: int, max_count: int, max_other: int,
-                      system_prompt: str | None, question: str) -> list[tuple[Any, str, dict[str, Any]]]:
+                      question: str) -> list[tuple[Any, str, dict[str, Any]]]:
     """(image, question, fields) of `n` counting problems: the answer is the number of red shapes (0..max_count)
     among up to `max_other` shapes of other colours. Drawn by `random.Random` of (split, seed), so the splits
     differ and a split is the same every time."""

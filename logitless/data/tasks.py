@@ -307,7 +307,7 @@ def count_shapes(
     `num_shapes`. Each image is `size` x `size` pixels; the prompt is a chat prompt whose user message holds the
     image, then `question`. Needs a vision-language model (model.name_or_path) and rollout.backend=hf."""
     rows = []
-    for image, text, fields in count_shapes_rows(split, n, seed, size, max_count, max_other, system_prompt, question):
+    for image, text, fields in count_shapes_rows(split, n, seed, size, max_count, max_other, question):
         prompt = with_images(format_prompt(text, system_prompt=system_prompt), [image], "count_shapes")
         rows.append(PromptRow(prompt=prompt, fields=fields))
     return rows

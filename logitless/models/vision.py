@@ -29,8 +29,8 @@ PROJECTORS = ("multi_modal_projector",)
 
 
 def config_of(model_or_config: Any) -> Any:
-    cfg = getattr(model_or_config, "config", model_or_config)
-    return cfg
+    """The config of a model, or the config itself."""
+    return getattr(model_or_config, "config", model_or_config)
 
 
 def is_vision_language(model_or_config: Any) -> bool:

@@ -181,7 +181,7 @@ class HFEngine:
     def generate(self, prompts: Sequence[Prompt], options: SamplingOptions, episodes: Any = None) -> RolloutBatch:
         refuse_streams(options, "hf")
         if episodes is not None:
-            if any(prompt_images(p) for p in prompts if isinstance(p, list)):
+            if any(prompt_images(p) for p in prompts):
                 raise ValueError("multi-turn episodes (agent.*) with images are not supported yet: drop the rows' "
                                  "images or the agent")
             if self.routing is not None:

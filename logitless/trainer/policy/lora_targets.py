@@ -10,6 +10,7 @@ from typing import Iterator
 
 from logitless.models.experts import EXPERT_PARAMS, expert_modules, moe_shape
 from logitless.models.vision import vision_module_names
+from logitless.rollout.engine import unwrap_model
 from logitless.rollout.layouts import text_config
 from logitless.trainer.config.schema import ModelConfig
 
@@ -22,7 +23,7 @@ def lora_config(cfg: ModelConfig, model=None):
 
     target = cfg.lora_target_modules
     experts = expert_targets(model, cfg) if cfg.lora_target_experts else {}
-    vision = [] if cfg.train_vision or model is None else vision_module_names(_base(model))
+    vision = [] if cfg.train_vision or model is None else vision_module_names(unwrap_model(model))
     return LoraConfig(
         exclude_modules=vision_exclusion(vision),
         r=cfg.lora_r,
@@ -34,10 +35,6 @@ def lora_config(cfg: ModelConfig, model=None):
         alpha_pattern={name: alpha for name, (_, alpha) in experts.items()},
         task_type="CAUSAL_LM",
     )
-
-
-def _base(model):
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def vision_exclusion(names: list[str]) -> str | None:
@@ -63,7 +60,7 @@ def expert_targets(model, cfg: ModelConfig) -> dict[str, tuple[int, float]]:
         raise ValueError(f"model.lora_target_experts=true, but {kind} has no fused expert weights "
                          f"({' / '.join(EXPERT_PARAMS)} 3-D parameters of a mixture of experts); set "
                          "model.lora_target_experts=false")
-    shape = moe_shape(text_config(model.get_base_model() if hasattr(model, "get_base_model") else model))
+    shape = moe_shape(text_config(unwrap_model(model)))
     rank = max(1, cfg.lora_r // (shape.active if shape is not None else 1))
     leaf = {name.rpartition(".")[2] for name, _ in modules}  # "experts" in every family named above
     targets = sorted(f"{name}.{p}" for name in leaf for p in EXPERT_PARAMS

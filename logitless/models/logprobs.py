@@ -158,7 +158,7 @@ def completion_logprobs(
                 flat = flat[tmask[cmask]]  # [n] of the N completion tokens
         else:
             if routing is not None:
-                routing.set_forward(None if routes is None else routes.flatten(0, 1), replay)
+                routing.set_forward(None if routes is None else routes.flatten(0, 1), replay, attention_mask.flatten())
             extra = image_forward_inputs(decoder_body(model), input_ids, attention_mask, images) if vision or \
                 images is not None else {}
             hidden = final_hidden_states(model, input_ids, attention_mask.long(), extra.pop("position_ids", None),

@@ -13,7 +13,9 @@ indices [N, k])` for the block's N tokens (the batch's tokens in row-major order
 
 In "replay" and "compare" the hook also stores, per layer, how many tokens' own top-k differs as a set from their
 route (`MoERouting.stats`, assigned per forward, never accumulated, so a gradient-checkpoint recompute leaves it
-unchanged). The lookup is by layer slot over the forward's tokens, with no state advanced by a call: the forward and
+unchanged). While `MoERouting.balance` is a dict (`collect_balance`), the hook also stores each layer's
+load-balancing loss in it (`balance_loss`, over the experts the forward used: replayed or its own). The lookup is by
+layer slot over the forward's tokens, with no state advanced by a call: the forward and
 its checkpoint recompute read the same routes while the routes stay set (`routing_scope`).
 
 Routes are stored compact, [tokens, moe_layers, k]: uint8 (sentinel 255) for models with at most 255 experts,
@@ -137,6 +139,8 @@ class MoERouting:
     sink: Any = None  # RouteSink or ForwardLog ("record")
     stats: Tensor | None = None  # [layers, 2] fp64: (tokens whose own top-k differs from the route, tokens routed)
     depth: int = 0  # open `routing_scope`s
+    token_mask: Tensor | None = None  # [N] bool: the forward's real tokens (None: all of them, e.g. packed)
+    balance: dict[int, Tensor] | None = None  # MoE layer slot -> its load-balancing loss (0-d), while collected
 
     @property
     def layers(self) -> int:
@@ -150,21 +154,37 @@ class MoERouting:
         """A [*shape, layers, k] route tensor filled with the sentinel."""
         return torch.full((*shape, self.layers, self.top_k), no_route(self.dtype), dtype=self.dtype, device=device)
 
-    def set_forward(self, routes: Tensor | None, replay: bool) -> None:
-        """The next forwards' routes [N, layers, k] (None: the model's own routing), replayed or compared."""
+    def set_forward(self, routes: Tensor | None, replay: bool, token_mask: Tensor | None = None) -> None:
+        """The next forwards' routes [N, layers, k] (None: the model's own routing), replayed or compared, and
+        which of their N tokens are real (`token_mask` [N] bool; None: all)."""
         if routes is not None and (routes.dim() != 3 or tuple(routes.shape[1:]) != (self.layers, self.top_k)):
             raise ValueError(f"routes must be [tokens, {self.layers} MoE layers, k={self.top_k}], got "
                              f"{tuple(routes.shape)}: were they recorded from this model?")
         self.mode = "off" if routes is None else "replay" if replay else "compare"
         self.routes = routes
+        self.token_mask = token_mask
         self.stats = None if routes is None else torch.zeros((self.layers, 2), dtype=torch.float64,
                                                              device=routes.device)
+
+
+def balance_loss(logits: Tensor, idx: Tensor, num_experts: int, mask: Tensor | None = None) -> Tensor:
+    """The Switch Transformer load-balancing loss of one MoE layer (transformers' `load_balancing_loss_func` for one
+    layer): E * sum_e f_e * P_e, with f_e the mean over the real tokens of how many of their k experts are e and P_e
+    their mean router probability of e (softmax over all experts, fp32). 1 for uniform routing at k = 1; gradient
+    flows through P only. logits [N, E], idx [N, k], mask [N] bool (None: every token). No host sync."""
+    probs = torch.softmax(logits.float(), dim=-1)  # [N, E]
+    m = probs.new_ones(probs.shape[0]) if mask is None else mask.to(probs.dtype)  # [N]
+    n = m.sum().clamp(min=1.0)
+    counts = probs.new_zeros(num_experts).index_add_(0, idx.long().flatten(), m.repeat_interleave(idx.shape[1]))
+    return num_experts * ((counts / n) * ((probs * m[:, None]).sum(0) / n)).sum()
 
 
 def _router_hook(module: nn.Module, args: Any, output: tuple[Tensor, Tensor, Tensor]) -> Any:
     """The forward hook of every supported router (see the module docstring)."""
     state, slot = module._logitless_routing
     if state.mode == "off":
+        if state.balance is not None:
+            state.balance[slot] = balance_loss(output[0], output[2], state.num_experts, state.token_mask)
         return None
     logits, _, idx = output
     if state.mode == "record":
@@ -179,6 +199,9 @@ def _router_hook(module: nn.Module, args: Any, output: tuple[Tensor, Tensor, Ten
     with torch.no_grad():
         differ = (given.sort(-1).values != idx.sort(-1).values).any(-1) & valid
         state.stats[slot] = torch.stack([differ.sum(), valid.sum()]).to(torch.float64)
+    if state.balance is not None:  # over the experts this forward uses
+        state.balance[slot] = balance_loss(logits, given if state.mode == "replay" else idx, state.num_experts,
+                                           state.token_mask)
     if state.mode == "compare":
         return None
     return logits, rule_of(module)(module, logits, given), given
@@ -243,6 +266,20 @@ def routing_scope(model: nn.Module) -> Iterator[MoERouting | None]:
         state.depth -= 1
         if state.depth == 0:
             state.set_forward(None, False)
+            state.balance = None
+
+
+def balance_of(state: MoERouting | None) -> Tensor | None:
+    """The mean over MoE layers of the load-balancing losses the last forward stored (`collect_balance`), or None."""
+    if state is None or not state.balance:
+        return None
+    return torch.stack([state.balance[k] for k in sorted(state.balance)]).mean()
+
+
+def collect_balance(state: MoERouting | None) -> None:
+    """From now until the outermost `routing_scope` ends, every forward stores its layers' load-balancing losses."""
+    if state is not None:
+        state.balance = {}
 
 
 @contextlib.contextmanager

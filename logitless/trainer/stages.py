@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import torch
 
 from logitless.data import PromptRow
-from logitless.models.routing import check_routes, require_routing, routing_scope
+from logitless.models.routing import balance_of, check_routes, collect_balance, require_routing, routing_scope
 from logitless.objectives import (
     AdvantageOutput,
     Stat,
@@ -252,7 +252,8 @@ def plan_update(ctx: TrainContext, ro: Rollout, scored: Scored, rows: torch.Tens
     # they are not run (they still count in the normalizer, which is taken over all rows).
     part = torch.arange(b.completion_mask.shape[0], device=ctx.device) if rows is None else rows.to(ctx.device)
     trained = part
-    if cfg.train.skip_zero_advantage and o.beta == 0 and not (entropy_grad or top_entropy):
+    if cfg.train.skip_zero_advantage and o.beta == 0 and not (entropy_grad or top_entropy or
+                                                              cfg.model.router_aux_loss_coef):
         nonzero = adv[part] != 0
         trained = part[nonzero if nonzero.dim() == 1 else nonzero.any(1)]
     loss = b.loss_mask()  # [B, T] the model's tokens (completion_mask itself without episodes)
@@ -319,8 +320,11 @@ def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i:
         m.loss_mask, m.advantages, o, plan.normalizer, sampler_logp=m.sampler_logp, truncated=m.truncated,
         entropy_coef=ctx.entropy_coef.effective if entropy_grad else 0.0,
     )
+    balance_coef = ctx.cfg.model.router_aux_loss_coef
     # The routes stay set through the backward, whose gradient-checkpoint recompute replays them too.
     with routing_scope(ctx.model) as routing:
+        if balance_coef:
+            collect_balance(routing)
         # Activation offload: the tensors this forward saves for backward wait in host memory
         # (trainer/policy/offload.py).
         with ActivationOffload(ctx.model) if ctx.cfg.model.activation_offload else contextlib.nullcontext(), \
@@ -339,12 +343,16 @@ def micro_batch_backward(ctx: TrainContext, plan: UpdatePlan, oldref: OldRef, i:
             entropy_coef=ctx.entropy_coef.effective, entropy_threshold=oldref.threshold,
             entropy_normalizer=oldref.bonus_normalizer,
         )
-        out.loss.backward()
+        loss, metrics = out.loss, out.metrics
+        if balance_coef:  # weighted by the micro-batch's share of the step's trained tokens (all ranks)
+            balance = balance_of(routing)
+            loss = loss + balance_coef * balance * (m.loss_mask.sum() / max(plan.n_tokens, 1))
+            metrics = {**metrics, "train/router_balance_loss": Stat.of(balance)}
+        loss.backward()
     if first:  # the policy the rollout sampled from (no optimizer step yet), against the engine's logprobs
         # over the model's tokens (multi-turn episodes: observations have neither logprob)
-        return out.loss.detach(), {**out.metrics, **sampler_mismatch(logp, m.sampler_logp, m.loss_mask),
-                                   **disagreement}
-    return out.loss.detach(), out.metrics
+        return loss.detach(), {**metrics, **sampler_mismatch(logp, m.sampler_logp, m.loss_mask), **disagreement}
+    return loss.detach(), metrics
 
 
 ROUTE_DISAGREEMENT = "rollout/route_disagreement"

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from logitless.models.routing import RULES, is_moe, routing_of
 from logitless.models.tiled_mlp import check_tileable
 from logitless.models.varlen import NAME as VARLEN_ATTENTION
 from logitless.models.varlen import register as register_varlen_attention
@@ -211,6 +212,18 @@ def check_lora_targets(model: torch.nn.Module, cfg: ModelConfig) -> str:
     return line
 
 
+def check_router_aux(model: torch.nn.Module, coef: float) -> str:
+    """Refuse model.router_aux_loss_coef > 0 for a model without routers the load-balancing loss can read."""
+    if routing_of(model) is None:
+        kind = "a mixture of experts whose routers logitless has no hook for" if is_moe(model) else \
+            "not a mixture of experts"
+        raise ValueError(f"model.router_aux_loss_coef={coef!r} adds a mixture-of-experts load-balancing loss, but "
+                         f"{type(model).__name__} is {kind} (supported routers: {', '.join(sorted(RULES))}); set "
+                         "model.router_aux_loss_coef=0")
+    return (f"model.router_aux_loss_coef={coef!r}: the load-balancing loss of its {routing_of(model).layers} MoE "
+            "layers is added to the policy loss")
+
+
 def check_liger(config: Any) -> str:
     """Refuse model.liger_kernels for a model type Liger-Kernel has no kernels for (when it is installed; a missing
     package is refused by the device checks)."""
@@ -255,6 +268,8 @@ def check_model(cfg: TrainerConfig, config: Any, *, training: bool = True, attn:
         lines.append(check_lora_targets(model, cfg.model))
     if cfg.model.liger_kernels is True:  # ("auto" turns them on only where they apply: trainer/memory/auto.py)
         lines.append(check_liger(config))
+    if training and cfg.model.router_aux_loss_coef:
+        lines.append(check_router_aux(model, cfg.model.router_aux_loss_coef))
     n = cfg.rollout.tensor_parallel
     if training and n > 1:
         from logitless.trainer.placement.tensor_parallel import KEY, family_refusal

@@ -113,8 +113,18 @@ class ModelConfig:
     # change. "auto": on for such a model where routes are recorded (rollout.backend static or hf, single-turn, not a
     # shared or tensor-parallel rollout), off otherwise; true: the same, an error where it cannot be on.
     routing_replay: bool | Literal["auto"] = "auto"
+    # Coefficient of the mixture-of-experts load-balancing loss (the Switch Transformer auxiliary loss, transformers'
+    # `router_aux_loss_coef`; logitless/models/routing.py balance_loss) added to the policy loss. 0 (default): off
+    # (the model config's own coefficient is not used: an RL step optimizes the reward, and the loss pulls the router
+    # towards uniform use). > 0: each micro-batch adds coef x the mean over MoE layers of its layers' losses (over the
+    # experts the forward uses: the replayed ones with routing replay), weighted by its share of the step's trained
+    # tokens; rows with zero advantage are then trained too. Logged as train/router_balance_loss.
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self):
+        if not (math.isfinite(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0):
+            raise ValueError(f"model.router_aux_loss_coef must be a finite number >= 0 (0: off), got "
+                             f"{self.router_aux_loss_coef!r}")
         positive("model", lora_r=self.lora_r, lora_alpha=self.lora_alpha,
                   mlp_chunk_tokens=self.mlp_chunk_tokens if self.mlp_chunk_tokens != "auto" else None)
         if self.lora_compute == "autocast" and not self.lora:

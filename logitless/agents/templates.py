@@ -242,12 +242,14 @@ class ChatBridge:
         end = cut - max(len(t) for t in self.turn_end_texts if before[:cut].endswith(t))
         payload = before[max(0, end - 12):end]
         common = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
+        specials = self._special_texts()
         at = after.find(payload, min(common, end - len(payload))) if payload else -1
-        if at >= 0:
+        while at >= 0:  # the first occurrence of the turn's last characters that a special token follows
             rest = after[at + len(payload):]
-            token = max((t for t in self._special_texts() if rest.startswith(t)), key=len, default=None)
+            token = max((t for t in specials if rest.startswith(t)), key=len, default=None)
             if token is not None:
                 return at + len(payload) + len(token)
+            at = after.find(payload, at + 1)
         raise ValueError(self._not_append_only("adding messages after an assistant turn re-renders that turn so "
                                                "that its end cannot be found"))
 

@@ -97,13 +97,21 @@ def test_turn_end_ids_per_family():
 # ---------------------------------------------------------------------------------------------- refusals
 
 
-def test_templates_that_are_not_append_only_are_refused():
-    with pytest.raises(ValueError, match="agent.chat_template: the chat template is not append-only"):
-        Agent(chatml_tokenizer(COUNTING_TEMPLATE), AgentOptions(environment="tests.agent_fixtures:CountDown"))
+def test_templates_that_are_not_append_only_are_refused_with_append_only_and_named_with_as_sampled():
+    env = "tests.agent_fixtures:CountDown"
+    with pytest.raises(ValueError, match="agent.chat_template: the chat template is not append-only.*agent.history"):
+        Agent(chatml_tokenizer(COUNTING_TEMPLATE), AgentOptions(environment=env, history="append_only"))
     # dropping earlier reasoning matters once a user message (an environment observation) follows
     with pytest.raises(ValueError, match="not append-only"):
-        Agent(chatml_tokenizer(DROPS_REASONING_TEMPLATE),
-              AgentOptions(environment="tests.agent_fixtures:CountDown"))
+        Agent(chatml_tokenizer(DROPS_REASONING_TEMPLATE), AgentOptions(environment=env, history="append_only"))
+    # as_sampled (the default): accepted, and the warning says what a re-render changes
+    with pytest.warns(UserWarning, match="re-renders earlier turns.*'<think>.*agent.history=append_only"):
+        agent = Agent(chatml_tokenizer(DROPS_REASONING_TEMPLATE), AgentOptions(environment=env))
+    assert "<think>" in agent.bridge.rewrites
+    with pytest.warns(UserWarning, match="the model was given '1<|im_end|>"):
+        Agent(chatml_tokenizer(COUNTING_TEMPLATE), AgentOptions(environment=env))
+    with pytest.raises(ValueError, match="agent.history='strict' is invalid: use as_sampled"):
+        AgentOptions(environment=env, history="strict")
 
 
 def test_templates_that_cannot_render_tools_or_turn_ends_are_refused(tmp_path):

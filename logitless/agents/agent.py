@@ -25,7 +25,8 @@ from logitless.agents.tools import Tool, ToolSet, calculator_tool, function_tool
 class Agent:
     """Tools, an environment class, a parser and a chat-template bridge, loaded and checked once."""
 
-    def __init__(self, tokenizer: Any, options: AgentOptions) -> None:
+    def __init__(self, tokenizer: Any, options: AgentOptions, template_kwargs: dict[str, Any] | None = None) -> None:
+        """`template_kwargs`: the chat template's own variables (data.chat_template_kwargs, e.g. enable_thinking)."""
         if not isinstance(options, AgentOptions):
             raise TypeError(f"Agent options must be an AgentOptions, got {type(options).__name__}")
         self.tokenizer, self.options = tokenizer, options
@@ -64,7 +65,8 @@ class Agent:
                 self.mcp = McpServers(parse_servers(options.mcp_servers), options.tool_timeout_s)
                 for tool in self.mcp.tools:
                     self.toolset.add(tool, f"agent.mcp_servers (the tool '{tool.name}')")
-            self.chat_format, self.bridge = chat_side(tokenizer, options, self.toolset, self.env is not None)
+            self.chat_format, self.bridge = chat_side(tokenizer, options, self.toolset, self.env is not None,
+                                                      template_kwargs)
             self.row_tools = RowTools(options.tools_field, self.toolset, self.bridge, self.env is not None)
         except BaseException:
             self.close()

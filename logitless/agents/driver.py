@@ -228,7 +228,10 @@ class AgentDriver:
         if t.ended in ("length", "budget"):  # cut by a budget: a half-written turn is not a call
             ep.record.messages.append({"role": "assistant", "content": text.strip()})
             return self._end(ep, truncated=True)
-        parsed = self.parse(text) if self.agent.toolset else ParsedTurn(text.strip(), [])
+        if self.agent.toolset:
+            parsed = self.parse(text)
+        else:  # no tools: calls are not read (harmony: the final channel's text is still the content)
+            parsed = ParsedTurn(self.parse(text).content if self.format == "harmony" else text.strip(), [])
         for c in parsed.calls:
             c.id = c.id or self._call_id(t.row)
         malformed = any(c.error is not None or c.name is None for c in parsed.calls)
@@ -248,7 +251,8 @@ class AgentDriver:
             return _Plan(t, parsed, continuable, results=[None] * len(parsed.calls))
         if self.agent.env is None:
             return self._end(ep)
-        content = tok.decode(body, skip_special_tokens=True)
+        # what step() reads: the turn without special tokens (harmony: the final channel's text, not its headers)
+        content = parsed.content if self.format == "harmony" else tok.decode(body, skip_special_tokens=True)
         return _Plan(t, ParsedTurn(content, []), continuable, step_text=content)
 
     def _run(self, plans: list[_Plan]) -> None:

@@ -11,8 +11,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-ToolFormat = Literal["auto", "hermes", "llama3_json", "mistral", "raw"]
-FORMATS = ("auto", "hermes", "llama3_json", "mistral", "raw")
+ToolFormat = Literal["auto", "hermes", "llama3_json", "mistral", "harmony", "raw"]
+FORMATS = ("auto", "hermes", "llama3_json", "mistral", "harmony", "raw")
+History = Literal["as_sampled", "append_only"]
 BUILTIN_TOOLS = ("calculator", "python")
 
 
@@ -40,15 +41,21 @@ class AgentOptions:
     # its parameters, bound and hidden from the model (e.g. an API key or a data folder).
     tool_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     # How tool calls are written. auto: from the tokenizer's chat template (Qwen/Hermes `<tool_call>` JSON,
-    # Llama 3.1/3.2 bare JSON, Mistral `[TOOL_CALLS]`), and the raw-text protocol for raw-text prompts.
-    # hermes | llama3_json | mistral: that chat format. raw: `<call>name(arg=value)</call>` answered by
-    # `<result>...</result>`, for base models and raw prompts (docs/agents.md, "The raw protocol").
+    # Llama 3.1/3.2 bare JSON, Mistral `[TOOL_CALLS]`, GPT-OSS harmony `to=functions.f ... <|call|>`), and the
+    # raw-text protocol for raw-text prompts. hermes | llama3_json | mistral | harmony: that chat format.
+    # raw: `<call>name(arg=value)</call>` answered by `<result>...</result>`, for base models and raw prompts
+    # (docs/agents.md, "The raw protocol").
     format: ToolFormat = "auto"
     # A chat template that replaces the tokenizer's: a path to a jinja file or a shipped name ("qwen2.5": the
     # Qwen2.5 tool template). None: the tokenizer's, or "qwen2.5" when the format is hermes and the tokenizer's
-    # ChatML template cannot render tools. It must be append-only (messages added later never change how
-    # earlier ones render); this is checked when the agent is built.
+    # ChatML template cannot render tools. Checked when the agent is built (see agent.history).
     chat_template: str | None = None
+    # What is trained when the chat template re-renders earlier turns once later messages are added (Qwen3 drops
+    # earlier reasoning, GPT-OSS earlier analysis; docs/agents.md "Templates that re-render history").
+    # as_sampled: each turn as the model was given it and sampled it (every model token, the reasoning of earlier
+    # turns included, and each observation as the template renders it right after the model's latest turn);
+    # a warning says what a re-render would change. append_only: refuse such templates.
+    history: History = "as_sampled"
     # The system message of chat prompts that have none (a prompt's own, e.g. from data.options.system_prompt,
     # stays). None: what the chat template writes without one; the shipped qwen2.5 template (substituted for a ChatML
     # template that cannot render tools, or named in agent.chat_template) writes the model's own template's default
@@ -115,6 +122,9 @@ class AgentOptions:
             raise bad("format", f"use one of {list(FORMATS)}")
         if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template):
             raise bad("chat_template", "give a path to a jinja file, a shipped name ('qwen2.5'), or null")
+        if self.history not in ("as_sampled", "append_only"):
+            raise bad("history", "use as_sampled (train each turn as the model sampled it) or append_only (refuse "
+                                 "chat templates that re-render earlier turns)")
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise bad("system_prompt", "give the system message as text, or null for the chat template's default")
         if self.tools_field is not None and (not isinstance(self.tools_field, str) or not self.tools_field):

@@ -4,6 +4,8 @@
     llama3_json  Llama 3.1/3.2:          {"name": "f", "parameters": {...}}   (the whole turn; `<|python_tag|>` allowed)
     mistral      Mistral v3+:            text[TOOL_CALLS][{"name": "f", "arguments": {...}, "id": "..."}]
                                          (also the newer  [TOOL_CALLS]f[ARGS]{...}  form)
+    harmony      GPT-OSS:                <|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>commentary
+                                         to=functions.f <|constrain|>json<|message|>{...}   (the turn ends at <|call|>)
     raw          base models:            text <call>f(x=1, y="a")</call>   (one call; the turn stops at </call>)
 
 The parsers get the turn's text with special tokens written out and the turn-ending token removed. A call that
@@ -44,6 +46,8 @@ CALL_FORMS = {
     "hermes": '<tool_call>\n{"name": <tool name>, "arguments": {<argument>: <value>, ...}}\n</tool_call>',
     "llama3_json": '{"name": <tool name>, "parameters": {<argument>: <value>, ...}}',
     "mistral": '[TOOL_CALLS][{"name": <tool name>, "arguments": {<argument>: <value>, ...}}]',
+    "harmony": '<|channel|>commentary to=functions.<tool name> <|constrain|>json<|message|>{<argument>: <value>, ...}'
+               '<|call|>',
     "raw": '<call>tool_name(argument=value, ...)</call>',
 }
 
@@ -151,6 +155,42 @@ def parse_mistral(text: str) -> ParsedTurn:
     return ParsedTurn(content.strip(), calls)
 
 
+_HARMONY_END = re.compile(r"<\|(?:end|call|return)\|>")
+_HARMONY_CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
+_HARMONY_TO = re.compile(r"\bto=([^\s<]+)")
+
+
+def parse_harmony(text: str) -> ParsedTurn:
+    """GPT-OSS harmony messages (`<|start|>` header `<|message|>` body `<|end|>`): a message with a recipient
+    `to=functions.f` (in its header, before or after the channel) is a call whose body is the JSON arguments; the
+    content is the `final` channel's text (else that of messages without a channel or recipient). Analysis is
+    neither content nor a call."""
+    calls: list[ToolCall] = []
+    final: list[str] = []
+    plain: list[str] = []
+    for chunk in text.split("<|start|>"):
+        head, sep, body = chunk.partition("<|message|>")
+        if not sep:  # no header: text outside the harmony structure
+            plain.append(_HARMONY_END.split(chunk)[0])
+            continue
+        body = _HARMONY_END.split(body)[0]
+        to = _HARMONY_TO.search(head)
+        channel = _HARMONY_CHANNEL.search(head)
+        if to:
+            name = to.group(1).removeprefix("functions.")
+            try:
+                args = json.loads(body) if body.strip() else {}
+            except json.JSONDecodeError as e:
+                calls.append(ToolCall(None, error=_json_error(e, "harmony")))
+                continue
+            calls.append(_call_from_json({"name": name, "arguments": args}, "harmony"))
+        elif channel and channel.group(1) == "final":
+            final.append(body)
+        elif not channel:
+            plain.append(body)
+    return ParsedTurn("\n".join(final or plain).strip(), calls)
+
+
 def parse_raw(text: str) -> ParsedTurn:
     """The first `<call>name(args)</call>`: a Python-style call whose arguments are literals (numbers, strings,
     lists, dicts, True/False/None), keyword or positional."""
@@ -187,5 +227,6 @@ PARSERS: dict[str, Callable[[str], ParsedTurn]] = {
     "hermes": parse_hermes,
     "llama3_json": parse_llama3_json,
     "mistral": parse_mistral,
+    "harmony": parse_harmony,
     "raw": parse_raw,
 }

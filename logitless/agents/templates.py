@@ -8,14 +8,22 @@ the generation prompt, and keep what the second adds after the assistant turn's 
 separator the template writes after that token (ChatML's "\\n" after `<|im_end|>`) belongs to the suffix, since
 the model's turn ends at the token itself.
 
-This is exact only for *append-only* templates: adding messages never changes how earlier ones render (Qwen3's
-template, which drops earlier reasoning, is not). `ChatBridge.check` renders a probe conversation turn by turn
-and refuses a template that is not append-only, in text or in tokens, naming agent.chat_template.
+An *append-only* template (adding messages never changes how earlier ones render) then gives exactly the
+template's rendering of the whole conversation. Some templates re-render earlier turns once later messages come
+(Qwen3 drops the reasoning of turns before the last user message and the empty think block of a turn that is no
+longer the last; GPT-OSS drops earlier analysis and writes `<|end|>` for an earlier `<|return|>`; Hermes 3 adds a
+newline inside an earlier tool turn). With agent.history=as_sampled (the default) the trained sequence is the one
+the model was given and sampled turn by turn: each turn as sampled, each observation as the template renders it
+right after the model's latest turn (what a chat server would show the model at that turn); agent.history=
+append_only refuses such templates. `ChatBridge.check` renders a probe conversation turn by turn and checks, in
+text and in tokens, that the observation ids do not depend on the earlier conversation (and, for append_only,
+that nothing earlier changes); `ChatBridge.rewrites` says what a re-render would change.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +32,8 @@ SHIPPED = {"qwen2.5": "qwen2.5.jinja"}
 # The system message the shipped template writes for a prompt without one, when the model's own template writes
 # none: neutral, since the shipped template also serves ChatML models that are not Qwen (SmolLM2, ...).
 NEUTRAL_SYSTEM = "You are a helpful assistant."
-CHAT_FORMATS = ("hermes", "llama3_json", "mistral")
+CHAT_FORMATS = ("hermes", "llama3_json", "mistral", "harmony")
+HISTORY_MODES = ("as_sampled", "append_only")
 _SENTINEL = "SENTINEL_ANSWER_7f3a"
 
 
@@ -42,6 +51,8 @@ def load_template(spec: str) -> str:
 def detect_format(template: str | None, tokenizer: Any) -> str | None:
     """The tool-call format a chat template (else the tokenizer's vocabulary) points to, or None."""
     text = template or ""
+    if "<|channel|>" in text and "<|start|>assistant" in text:
+        return "harmony"  # GPT-OSS
     if "<tool_call>" in text:
         return "hermes"
     if "[TOOL_CALLS]" in text or "[AVAILABLE_TOOLS]" in text:
@@ -53,6 +64,8 @@ def detect_format(template: str | None, tokenizer: Any) -> str | None:
     if not text:
         return None
     vocab = tokenizer.get_vocab()
+    if "<|channel|>" in vocab and "<|call|>" in vocab:
+        return "harmony"
     if "<|im_start|>" in vocab and "<|im_end|>" in vocab:
         return "hermes"
     if "<|eot_id|>" in vocab:
@@ -85,9 +98,11 @@ def chatml_default_system(tokenizer: Any, template: str | None) -> str | None:
     return text[at + len(head):end] if 0 <= at < end < user else None
 
 
-def chat_side(tokenizer: Any, options: Any, toolset: Any, user_turns: bool) -> tuple[str | None, ChatBridge | None]:
+def chat_side(tokenizer: Any, options: Any, toolset: Any, user_turns: bool,
+              template_kwargs: dict[str, Any] | None = None) -> tuple[str | None, ChatBridge | None]:
     """The chat format and bridge of an agent (`options`: its AgentOptions) for chat prompts, checked with a probe
     conversation (`user_turns`: an environment answers with user messages); (None, None): raw-text prompts only.
+    `template_kwargs`: the template's own variables (data.chat_template_kwargs, e.g. enable_thinking).
     The shipped template, substituted or named, gets the model's own default system message as its default (or
     NEUTRAL_SYSTEM), never Qwen's on a model that is not Qwen."""
     opts, tok = options, tokenizer
@@ -111,7 +126,7 @@ def chat_side(tokenizer: Any, options: Any, toolset: Any, user_turns: bool) -> t
             raise ValueError("agent.format=auto cannot tell the tool-call format from the tokenizer's chat "
                              f"template; set agent.format to one of {list(CHAT_FORMATS)} (or raw)")
         fmt = "hermes"  # no tools: the format only names the parser, which never runs
-    if tools and (missing := renders_tools(tok, template)) is not None:
+    if tools and (missing := renders_tools(tok, template, template_kwargs)) is not None:
         vocab = tok.get_vocab()
         if fmt == "hermes" and opts.chat_template is None and "<|im_start|>" in vocab and "<|im_end|>" in vocab:
             template, shipped = load_template("qwen2.5"), True
@@ -120,9 +135,11 @@ def chat_side(tokenizer: Any, options: Any, toolset: Any, user_turns: bool) -> t
             raise ValueError(f"{where} cannot render tools ({missing}); set agent.chat_template to a "
                              "tool-capable jinja file (for ChatML/Qwen models: qwen2.5), or agent.format=raw "
                              "for raw-text prompts")
-    kwargs = {"default_system_prompt": chatml_default_system(tok, own) or NEUTRAL_SYSTEM} if shipped else {}
+    kwargs = dict(template_kwargs or {})
+    if shipped:
+        kwargs.setdefault("default_system_prompt", chatml_default_system(tok, own) or NEUTRAL_SYSTEM)
     try:
-        bridge = ChatBridge(tok, template, toolset.schemas, fmt, kwargs)
+        bridge = ChatBridge(tok, template, toolset.schemas, fmt, kwargs, opts.history)
         bridge.check(tools=tools, user_turns=user_turns)
     except ValueError:
         raise
@@ -130,6 +147,11 @@ def chat_side(tokenizer: Any, options: Any, toolset: Any, user_turns: bool) -> t
         raise ValueError(f"agent.chat_template: rendering a probe conversation failed ({type(e).__name__}: "
                          f"{e}); give a template that renders user, assistant (with tool_calls) and tool "
                          "messages") from e
+    if bridge.rewrites:
+        warnings.warn(f"agent.chat_template re-renders earlier turns once later messages are added ({bridge.rewrites}"
+                      "); each turn is trained as the model was given it and sampled it (agent.history=as_sampled; "
+                      "docs/agents.md, \"Templates that re-render history\"); agent.history=append_only refuses "
+                      "such a template", stacklevel=2)
     return fmt, bridge
 
 
@@ -143,11 +165,14 @@ def with_system(messages: list[dict[str, Any]], system: str | None) -> list[dict
 
 class ChatBridge:
     """Renders prompts and observations of one chat template with one set of tool schemas, as token ids.
-    `template_kwargs`: the template's own variables (the shipped template's `default_system_prompt`)."""
+    `template_kwargs`: the template's own variables (the shipped template's `default_system_prompt`,
+    data.chat_template_kwargs). `history`: agent.history (as_sampled | append_only)."""
 
     def __init__(self, tokenizer: Any, template: str, tools: list[dict[str, Any]] | None, fmt: str,
-                 template_kwargs: dict[str, Any] | None = None) -> None:
+                 template_kwargs: dict[str, Any] | None = None, history: str = "as_sampled") -> None:
         self.tokenizer = tokenizer
+        self.history = history
+        self.rewrites: str | None = None  # set by `check`: what re-rendering the conversation changes, if anything
         self.template = template
         self.tools = tools or None  # None, not []: some templates print tool instructions for an empty list
         self.format = fmt
@@ -166,7 +191,9 @@ class ChatBridge:
     def with_tools(self, tools: list[dict[str, Any]]) -> ChatBridge:
         """A bridge of the same template, format and variables showing only these tool schemas (a row's tool set,
         agent.tools_field); not yet `check`ed."""
-        return ChatBridge(self.tokenizer, self.template, tools, self.format, self.template_kwargs)
+        bridge = ChatBridge(self.tokenizer, self.template, tools, self.format, self.template_kwargs, self.history)
+        bridge.rewrites = self.rewrites
+        return bridge
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -181,10 +208,12 @@ class ChatBridge:
         base = [{"role": "user", "content": "Hi"}, assistant]
         before = self.render(base, add_generation_prompt=False)
         after = self.render(base + new, add_generation_prompt=True)
-        if not after.startswith(before):
+        if after.startswith(before):
+            return self.encode(after[self._cut(before):])
+        if self.history == "append_only":
             raise ValueError(self._not_append_only(f"adding {[m['role'] for m in new]} messages after an "
                                                    "assistant turn changed how the earlier turns render"))
-        return self.encode(after[self._cut(before):])
+        return self.encode(after[self._turn_end_in(before, after):])
 
     def tool_suffix(self, calls: list[dict[str, Any]], results: list[dict[str, Any]]) -> list[int]:
         """Observation ids of one turn's tool messages (`results`, answering the `calls` in transformers'
@@ -193,7 +222,8 @@ class ChatBridge:
 
     def user_suffix(self, content: str) -> list[int]:
         """Observation ids of a user message (an environment's observation) after a plain assistant turn."""
-        return self.suffix_ids({"role": "assistant", "content": "Done."}, [{"role": "user", "content": content}])
+        return self.suffix_ids({"role": "assistant", "content": "All done, nothing more to add."},
+                               [{"role": "user", "content": content}])
 
     # -- checks ----------------------------------------------------------------------------------------------
 
@@ -203,6 +233,28 @@ class ChatBridge:
         if not ends:
             raise ValueError(self._not_append_only("an assistant turn renders without its end-of-turn token"))
         return max(ends)
+
+    def _turn_end_in(self, before: str, after: str) -> int:
+        """Where, in `after` (a conversation whose earlier turns the template re-renders), the assistant turn that
+        ends `before` ends: after the special token that follows that turn's last characters (its end-of-turn
+        token, or what the template writes for it in history, e.g. GPT-OSS's <|end|> for <|return|>)."""
+        cut = self._cut(before)
+        end = cut - max(len(t) for t in self.turn_end_texts if before[:cut].endswith(t))
+        payload = before[max(0, end - 12):end]
+        common = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
+        specials = self._special_texts()
+        at = after.find(payload, min(common, end - len(payload))) if payload else -1
+        while at >= 0:  # the first occurrence of the turn's last characters that a special token follows
+            rest = after[at + len(payload):]
+            token = max((t for t in specials if rest.startswith(t)), key=len, default=None)
+            if token is not None:
+                return at + len(payload) + len(token)
+            at = after.find(payload, at + 1)
+        raise ValueError(self._not_append_only("adding messages after an assistant turn re-renders that turn so "
+                                               "that its end cannot be found"))
+
+    def _special_texts(self) -> list[str]:
+        return [t for t in self.tokenizer.convert_ids_to_tokens(sorted(special_ids(self.tokenizer))) if t]
 
     def _find_turn_ends(self) -> None:
         """The special token(s) that end an assistant turn: the last special token the template writes after a
@@ -240,47 +292,88 @@ class ChatBridge:
         return (f"agent.chat_template: the chat template is not append-only ({what}), so the tokens appended "
                 "after a model turn would differ from what the template renders for the whole conversation; give "
                 "an append-only template (agent.chat_template=<file.jinja>; for ChatML models the shipped "
-                "'qwen2.5')")
+                "'qwen2.5'), or set agent.history=as_sampled to train each turn as the model was given it")
+
+    def _rewritten(self, given: str, rendered: str) -> None:
+        """The template re-renders the conversation the model was given (`given`) as `rendered`: refused with
+        agent.history=append_only, else remembered in `rewrites`."""
+        i = next((k for k, (a, b) in enumerate(zip(given, rendered)) if a != b), min(len(given), len(rendered)))
+        what = (f"at character {i} the model was given {given[i:i + 40]!r}, a re-render of the conversation writes "
+                f"{rendered[i:i + 40]!r}")
+        if self.history == "append_only":
+            raise ValueError(self._not_append_only(f"the earlier turns render differently once later messages are "
+                                                   f"added: {what}"))
+        self.rewrites = self.rewrites or what
+
+    def _turn_start(self, msgs: list[dict[str, Any]], full: str) -> str | None:
+        """The part of `full` (`msgs` and a model turn after them, rendered) before the model's turn: the rendering
+        of `msgs` with the generation prompt, or (agent.history=as_sampled, when the template re-renders `msgs`
+        once a turn follows) `full` up to the template's generation prompt; None: the turn does not render after
+        the generation prompt."""
+        head = self.render(msgs, add_generation_prompt=True)
+        if full.startswith(head):
+            return head
+        bare = self.render(msgs, add_generation_prompt=False)
+        if self.history == "append_only" or not head.startswith(bare) or len(head) == len(bare):
+            return None
+        k = full.rfind(head[len(bare):])
+        return full[:k + len(head) - len(bare)] if k >= 0 else None
 
     def check(self, tools: bool, user_turns: bool, first_user: str = "What is 2 + 3?") -> None:
-        """Render a probe conversation turn by turn (prompt, a tool call, its result, a plain answer, a user
-        message) and check that each step only appends, in text and in tokens. Raises ValueError naming
-        agent.chat_template otherwise."""
+        """Render a probe conversation turn by turn (prompt, a tool call, its result, an answer with reasoning, a
+        user message, an answer) as the driver assembles it, and check in text and in tokens that each model turn
+        renders after the generation prompt and ends with an end-of-turn token, and that the observation ids the
+        driver computes from a short conversation are what the template renders for them after the model's latest
+        turn. Where re-rendering the conversation changes earlier turns, agent.history=append_only refuses the
+        template and as_sampled records it in `rewrites`. Raises ValueError naming agent.chat_template."""
         msgs: list[dict[str, Any]] = [{"role": "user", "content": first_user}]
-        steps: list[tuple[list[dict[str, Any]], str]] = []
+        steps: list[tuple[list[list[dict[str, Any]]], str]] = []  # (alternatives of the new messages, who)
         if tools and self.tools:
             name = self.tools[0]["function"]["name"]
             call = {"type": "function", "function": {"name": name, "arguments": {"x": "2 + 3"}}, "id": "call00001"}
-            steps.append(([{"role": "assistant", "content": "", "tool_calls": [call]}], "model"))
-            steps.append(([{"role": "tool", "name": name, "content": "5", "tool_call_id": "call00001"}], "driver"))
-        # reasoning in the answer: templates that drop earlier reasoning once a user message follows are refused
-        steps.append(([{"role": "assistant", "content": "<think>\n2 + 3 = 5\n</think>\n\nThe answer is 5."}], "model"))
+            steps.append(([[{"role": "assistant", "content": "", "tool_calls": [call]}]], "model"))
+            steps.append(([[{"role": "tool", "name": name, "content": "5", "tool_call_id": "call00001"}]], "driver"))
+        # reasoning in the answer (templates that drop earlier reasoning re-render it), or none where the generation
+        # prompt closes the reasoning already (Qwen3 with enable_thinking=false)
+        steps.append(([[{"role": "assistant", "content": "<think>\n2 + 3 = 5\n</think>\n\nThe answer is 5."}],
+                       [{"role": "assistant", "content": "The answer is 5."}]], "model"))
         if user_turns:
-            steps.append(([{"role": "user", "content": "Correct. Now 4 + 4?"}], "driver"))
-            steps.append(([{"role": "assistant", "content": "8"}], "model"))
+            steps.append(([[{"role": "user", "content": "Correct. Now 4 + 4?"}]], "driver"))
+            steps.append(([[{"role": "assistant", "content": "8"}]], "model"))
         text = self.render(msgs, add_generation_prompt=True)
         ids = self.encode(text)
-        for new, who in steps:
-            msgs = msgs + new
+        for alternatives, who in steps:
             if who == "model":  # the model's turn: everything up to and including its end-of-turn token
-                full = self.render(msgs, add_generation_prompt=False)
-                full = full[: self._cut(full)]
+                for new in alternatives:
+                    full = self.render(msgs + new, add_generation_prompt=False)
+                    full = full[: self._cut(full)]
+                    at = self._turn_start(msgs, full)
+                    if at is not None:
+                        break
+                else:
+                    raise ValueError(self._not_append_only("an assistant turn does not render after the "
+                                                           "template's generation prompt"))
             else:
-                full = self.render(msgs, add_generation_prompt=True)
-            if not full.startswith(text):
-                raise ValueError(self._not_append_only(f"the conversation changed before a new {new[0]['role']} "
-                                                       "message"))
-            piece = self.encode(full[len(text):])
+                new = alternatives[0]
+                before = self.render(msgs, add_generation_prompt=False)
+                full = self.render(msgs + new, add_generation_prompt=True)
+                cut = self._cut(before)
+                cut = cut if full.startswith(before[:cut]) else self._turn_end_in(before, full)
+                at = full[:cut]
+            if at != text:
+                self._rewritten(text, at)
+            piece_text = full[len(at):]
+            piece = self.encode(piece_text)
             if who == "driver":  # what the driver computes from a short conversation must be this same piece
-                alone = (self.tool_suffix(steps[0][0][0]["tool_calls"], new) if new[0]["role"] == "tool"
+                alone = (self.tool_suffix(steps[0][0][0][0]["tool_calls"], new) if new[0]["role"] == "tool"
                          else self.user_suffix(new[0]["content"]))
                 if alone != piece:
                     raise ValueError(self._not_append_only(
                         f"the tokens added for a {new[0]['role']} message depend on the earlier conversation"))
-            if self.encode(full) != ids + piece:
+            if self.encode(full) != self.encode(at) + piece:
                 raise ValueError(self._not_append_only(f"the tokens before a {new[0]['role']} message change "
                                                        "when it is added (a BPE merge across the seam)"))
-            text, ids = full, ids + piece
+            msgs, text, ids = msgs + new, text + piece_text, ids + piece
             if who == "model" and ids[-1] not in self.turn_end_ids:
                 raise ValueError(self._not_append_only("an assistant turn does not end with its end-of-turn "
                                                        "token"))
@@ -291,9 +384,9 @@ def tool_call_message(name: str, arguments: dict[str, Any], call_id: str) -> dic
     return {"type": "function", "id": call_id, "function": {"name": name, "arguments": arguments}}
 
 
-def renders_tools(tokenizer: Any, template: str) -> str | None:
+def renders_tools(tokenizer: Any, template: str, template_kwargs: dict[str, Any] | None = None) -> str | None:
     """None when the template renders tool schemas, calls (name and arguments) and tool results; else what it
-    drops (as TRL's `supports_tool_calling`)."""
+    drops (as TRL's `supports_tool_calling`). `template_kwargs`: the template's own variables."""
     schema = {"type": "function", "function": {"name": "probe_tool_name_71", "description": "Probe.",
                                                "parameters": {"type": "object", "properties": {
                                                    "value": {"type": "string", "description": "A value."}}}}}
@@ -301,7 +394,8 @@ def renders_tools(tokenizer: Any, template: str) -> str | None:
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
             {"role": "tool", "name": "probe_call_name_72", "content": "probe_result_74", "tool_call_id": "a1b2c3d4e"}]
     try:
-        text = tokenizer.apply_chat_template(msgs, tools=[schema], chat_template=template, tokenize=False)
+        text = tokenizer.apply_chat_template(msgs, tools=[schema], chat_template=template, tokenize=False,
+                                             **(template_kwargs or {}))
     except Exception as e:  # noqa: BLE001 (a template that raises on tools cannot render them)
         return f"it raises on tool messages ({type(e).__name__}: {e})"
     missing = [what for what, s in (("the tool schemas", "probe_tool_name_71"), ("the call's name", "probe_call_name_72"),

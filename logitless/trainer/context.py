@@ -311,7 +311,8 @@ def build_context(
     start, run_dir = int(state.get("step", 0)), Path(cfg.train.output_dir)
     logger = _logger(given or cfg, run_dir, world, start, run, console)
     coef = EntropyCoef(*state["entropy_coef"]) if "entropy_coef" in state else initial_entropy_coef(cfg.objective)
-    agent = Agent(tokenizer, cfg.agent) if cfg.agent.enabled else None  # (checked by preflight before the weights)
+    # (checked by preflight before the weights)
+    agent = Agent(tokenizer, cfg.agent, cfg.data.chat_template_kwargs) if cfg.agent.enabled else None
     try:
         rollout.start(cfg, world, model, processor or tokenizer, device, sampler=inputs.sampler, agent=agent,
                       state=state)

@@ -98,7 +98,7 @@ def preflight(cfg: TrainerConfig, *, training: bool = True, model_given: bool = 
         from logitless.agents import Agent
 
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
-        agent = Agent(tokenizer, cfg.agent)
+        agent = Agent(tokenizer, cfg.agent, cfg.data.chat_template_kwargs)
         agent.close()  # (MCP servers started to list their tools stop again; their names stay known)
         if cfg.agent.tools_field is not None:
             lines.append(check_row_tools(cfg, agent, training, load_rows))

@@ -142,6 +142,26 @@ def test_llama_tool_episode(family):
     assert whole == stream.replace(sampled_second, rendered_second)
 
 
+@pytest.mark.parametrize("family", ["llama3.1", "llama3.2"])
+def test_llama_two_calls_in_one_turn_are_answered_as_an_invalid_call(family):
+    """Llama 3.x templates render one call per assistant turn (they raise on two): a turn that writes two is
+    answered with an error the model reads, not a crash of the rollout; the turn's text stays in the record."""
+    two = ('{"name": "calculator", "parameters": {"expression": "12*34"}}; '
+           '{"name": "calculator", "parameters": {"expression": "1+1"}}<|eot_id|>')
+    texts = [two, '{"name": "calculator", "parameters": {"expression": "12*34"}}<|eot_id|>', "409.<|eot_id|>"]
+    tok, agent, stream, whole, observations, record = tool_episode(family, texts)
+    assert not agent.bridge.renders_several_calls()
+    assert "one tool call per turn, and the turn wrote 2" in observations[0] and '"408"' in observations[1]
+    assert (record.turns, record.tool_calls, record.tool_errors) == (3, 2, 1)
+    assert record.messages[0]["content"] == two[: -len("<|eot_id|>")]  # what the model wrote, for rewards and traces
+    assert record.messages[0]["tool_calls"][0]["function"]["name"] == "invalid_call"
+
+
+def test_templates_that_render_several_calls_keep_them():
+    tok = tokenizer("qwen2.5")
+    assert Agent(tok, AgentOptions(tools=["calculator"])).bridge.renders_several_calls()
+
+
 def test_mistral_tool_episode():
     call = '{"name": "calculator", "arguments": {"expression": "%s"}, "id": "%s"}'
     texts = ["[TOOL_CALLS][" + call % ("12*34", "a00000001") + ", " + call % ("2**70", "a00000002") + "]</s>",

@@ -58,6 +58,8 @@ class AgentDriver:
         self.turn_end_ids: list[int] = list(agent.bridge.turn_end_ids) if fmt != "raw" else []
         self.turn_stops: list[str] = [RAW_STOP] if fmt == "raw" and agent.toolset else []
         self.max_turn_tokens: int | None = self.options.max_turn_tokens
+        # a template that renders one tool call per assistant turn (Llama 3.1): a turn with several is one invalid call
+        self.one_call = fmt != "raw" and bool(agent.toolset) and not agent.bridge.renders_several_calls()
         # call ids where the model wrote none (9 digits): row and count of its calls, whatever order rows end in
         self._calls = [0] * (len(self.rows) * num_generations)
         self._pool: TaskPool | None = None  # runs the turns' calls and steps (created at the first submit)
@@ -232,6 +234,10 @@ class AgentDriver:
             parsed = self.parse(text)
         else:  # no tools: calls are not read (harmony: the final channel's text is still the content)
             parsed = ParsedTurn(self.parse(text).content if self.format == "harmony" else text.strip(), [])
+        if self.one_call and len(parsed.calls) > 1:
+            parsed.calls = [ToolCall(None, error=f"this model's chat template takes one tool call per turn, and the "
+                                                 f"turn wrote {len(parsed.calls)}: write one call, read its result, "
+                                                 "then write the next")]
         for c in parsed.calls:
             c.id = c.id or self._call_id(t.row)
         malformed = any(c.error is not None or c.name is None for c in parsed.calls)

@@ -198,6 +198,17 @@ class ChatBridge:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def renders_several_calls(self) -> bool:
+        """Whether the template renders an assistant turn with two tool calls (Llama 3.1's raises "This model only
+        supports single tool-calls at once!")."""
+        calls = [tool_call_message("f", {}, f"call0000{i}") for i in (1, 2)]
+        try:
+            self.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": calls}],
+                        add_generation_prompt=False)
+        except Exception:  # noqa: BLE001 (jinja's TemplateError, or whatever the template's own check raises)
+            return False
+        return True
+
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """The prompt with the tool schemas and the generation prompt (what the engine is given)."""
         return self.encode(self.render(messages, add_generation_prompt=True))

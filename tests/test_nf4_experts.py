@@ -1,0 +1,91 @@
+"""4-bit (NF4) expert stacks for QLoRA on mixtures of experts (`logitless/models/nf4_experts.py`).
+
+The oracle is the same model whose expert stacks hold their dequantized values as plain parameters: bitsandbytes'
+own `dequantize_4bit` of the stored stacks. A 4-bit experts module must compute exactly what that model computes
+(fp32 on CPU, forward and gradients), with routing replay on, under each experts implementation."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from logitless.models.experts import EXPERT_PARAMS, expert_modules, graph_capturable, set_experts_implementation
+from tests.test_routing_replay import TEMPERATURE, logprobs, make_model, sample
+
+bnb = pytest.importorskip("bitsandbytes")
+
+from logitless.models.nf4_experts import (  # noqa: E402
+    Nf4Options,
+    dequantize_experts,
+    dequantized,
+    is_quantized,
+    nf4_bytes,
+    quantize_experts,
+)
+
+FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "gpt_oss")
+OPTIONS = Nf4Options(quant_type="nf4", blocksize=64, double_quant=True)
+
+
+def quantized_and_reference(family: str, options: Nf4Options = OPTIONS):
+    """(a model with 4-bit experts, the same model with its expert stacks replaced by their dequantized values)."""
+    model = make_model(family)
+    reference = copy.deepcopy(model)
+    assert quantize_experts(model, options) == len(expert_modules(reference))
+    with torch.no_grad():
+        for (_, q), (_, r) in zip(expert_modules(model), expert_modules(reference)):
+            for name in q._nf4_stacks:
+                getattr(r, name).copy_(dequantized(q, name))
+    return model, reference
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_4bit_experts_forward_equals_the_dequantized_model_with_replay(family, one_thread):
+    model, reference = quantized_and_reference(family)
+    modules = expert_modules(model)
+    assert modules and all(is_quantized(m) for _, m in modules)
+    assert not any(n in dict(m.named_parameters(recurse=False)) for _, m in modules for n in EXPERT_PARAMS)
+    b = sample("hf", model)  # the routes the 4-bit model chose while sampling
+    assert b.prompt_routes is not None
+    for impl in ("eager", "grouped_mm", "batched_mm"):
+        set_experts_implementation(model, impl), set_experts_implementation(reference, impl)
+        for replay in (True, None):
+            got, want = logprobs(model, b, replay), logprobs(reference, b, replay)
+            assert torch.equal(got, want), (impl, replay, float((got - want).abs().max()))
+    # the check can fail: the experts in full precision (before quantization) compute something else
+    set_experts_implementation(model, "eager")
+    full = make_model(family)
+    assert not torch.equal(logprobs(full, b, True), logprobs(model, b, True))
+
+
+def test_the_stacks_are_stored_in_about_half_a_byte_each_and_dequantize_back(one_thread):
+    model, reference = quantized_and_reference("qwen3_moe")
+    _, module = expert_modules(model)[0]
+    _, ref = expert_modules(reference)[0]
+    for name in EXPERT_PARAMS:
+        numel = getattr(ref, name).numel()
+        stored = sum(b.numel() * b.element_size() for n, b in module.named_buffers(recurse=False)
+                     if n.startswith(name + "_"))
+        codes = 4 * (16 + 256 + 1)  # the 4-bit and the 8-bit code books (fp32) and the scales' offset
+        assert stored == nf4_bytes(numel, OPTIONS) + codes, (stored, numel)
+        assert dequantized(module, name).dtype == torch.float32 and dequantized(module, name).shape == getattr(ref, name).shape
+    assert graph_capturable(model, torch.device("cpu"))[0]
+    assert dequantize_experts(model) == len(expert_modules(reference))
+    for (_, m), (_, r) in zip(expert_modules(model), expert_modules(reference)):
+        assert not is_quantized(m) and type(m) is type(r)
+        for name in EXPERT_PARAMS:
+            assert torch.equal(getattr(m, name), getattr(r, name)) and not getattr(m, name).requires_grad
+
+
+def test_options_follow_the_linear_layers_settings(one_thread):
+    """Single quantization and another block size store other bytes and other values; the oracle still holds."""
+    plain = Nf4Options(quant_type="nf4", blocksize=128, double_quant=False)
+    model, reference = quantized_and_reference("olmoe", plain)
+    b = sample("hf", model)
+    assert torch.equal(logprobs(model, b, True), logprobs(reference, b, True))
+    _, module = expert_modules(model)[0]
+    assert module.gate_up_proj_absmax.dtype == torch.float32 and not hasattr(module, "gate_up_proj_nested_absmax")
+    other, _ = quantized_and_reference("olmoe")
+    assert not torch.equal(dequantized(module, "gate_up_proj"), dequantized(expert_modules(other)[0][1], "gate_up_proj"))

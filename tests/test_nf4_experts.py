@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from logitless.models.experts import EXPERT_PARAMS, expert_modules, graph_capturable, set_experts_implementation
-from tests.test_routing_replay import TEMPERATURE, logprobs, make_model, sample
+from tests.test_routing_replay import logprobs, make_model, sample
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -89,3 +89,31 @@ def test_options_follow_the_linear_layers_settings(one_thread):
     assert module.gate_up_proj_absmax.dtype == torch.float32 and not hasattr(module, "gate_up_proj_nested_absmax")
     other, _ = quantized_and_reference("olmoe")
     assert not torch.equal(dequantized(module, "gate_up_proj"), dequantized(expert_modules(other)[0][1], "gate_up_proj"))
+
+
+def qlora_moe_run(root, tok, *overrides):
+    """A 2-step `logitless train` of a tiny Qwen3-MoE loaded from a folder with model.load_in_4bit (fp32 compute on
+    CPU): NF4 linear layers (bitsandbytes) and NF4 expert stacks, LoRA on the linear layers, routing replay on."""
+    from logitless.trainer.config.schema import load_train_config
+    from logitless.trainer.loop import train
+    import transformers as tf
+
+    from tests.test_routing_replay import COMMON
+    from tests.conftest import TINY_LORA_QUIET
+
+    torch.manual_seed(0)
+    config = tf.Qwen3MoeConfig(**{**COMMON, "vocab_size": len(tok), "pad_token_id": tok.pad_token_id,
+                                  "eos_token_id": tok.eos_token_id, "max_position_embeddings": 512},
+                               head_dim=16, intermediate_size=64, moe_intermediate_size=32, num_experts=8,
+                               num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(root / "base")
+    tok.save_pretrained(root / "base")
+    cfg = load_train_config(None, [
+        f"model.name_or_path={root / 'base'}", "model.load_in_4bit=true", "model.dtype=float32", "model.device=cpu",
+        f"train.output_dir={root / 'run'}", "train.max_steps=2", "train.prompts_per_step=2",
+        "train.micro_batch_size=2", "rollout.num_generations=2", "rollout.max_completion_length=6",
+        "rollout.backend=static", "data.options={difficulty: 1, n: 20, chat: false}", "optim.learning_rate=0.05",
+        "reward.reward_funcs=[length_target]", "reward.reward_options={length_target: {target: 30}}",
+        "train.num_iterations=2", "checkpoint.save_steps=1", "train.skip_zero_advantage=false", *TINY_LORA_QUIET,
+        *overrides])
+    return train(cfg).records

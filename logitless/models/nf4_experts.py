@@ -81,14 +81,6 @@ def stack_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def stack_dtype(module: nn.Module) -> torch.dtype | None:
-    """The dtype an experts module's stacks compute in (a 4-bit stack's dequantized dtype), None if it has none."""
-    for n, p in module.named_parameters(recurse=False):
-        if n in EXPERT_PARAMS:
-            return p.dtype
-    return next((meta.dtype for meta in getattr(module, QUANTIZED, {}).values()), None)
-
-
 def nf4_bytes(numel: int, options: Nf4Options) -> float:
     """Bytes bitsandbytes stores a tensor of `numel` values in: 4 bits each, and a block scale per `blocksize`
     values (fp32, or 8-bit with one fp32 scale per 256 of them under double quantization)."""

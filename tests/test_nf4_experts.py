@@ -91,6 +91,66 @@ def test_options_follow_the_linear_layers_settings(one_thread):
     assert not torch.equal(dequantized(module, "gate_up_proj"), dequantized(expert_modules(other)[0][1], "gate_up_proj"))
 
 
+def test_lora_on_attention_trains_with_the_dequantized_models_gradients_and_no_stack_waits_for_backward(one_thread):
+    """LoRA on the linear layers of a 4-bit-experts model: the adapters' gradients (routing replay on) are the
+    dequantized model's, and no tensor of a stack's size is kept for the backward (the experts run checkpointed)."""
+    from logitless.trainer.policy.modeling import prepare_for_training
+    from tests.test_moe_lora import lora_cfg
+
+    model, reference = quantized_and_reference("qwen3_moe")
+    b = sample("hf", model)
+    stack = expert_modules(reference)[0][1].gate_up_proj.numel()
+    grads = []
+    for m in (model, reference, make_model("qwen3_moe")):  # the last: full-precision experts (the check can fail)
+        set_experts_implementation(m, "grouped_mm")
+        torch.manual_seed(1)
+        peft = prepare_for_training(m, lora_cfg(False)).train()
+        with torch.no_grad():
+            for n, p in peft.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.1, generator=torch.Generator().manual_seed(hash(n) % 2**31))
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            logp = logprobs(peft, b, True)
+        (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp)).sum().backward()
+        grads.append({n: p.grad for n, p in peft.named_parameters() if p.requires_grad})
+        if m is model:
+            assert max(saved) < stack, (max(saved), stack)
+    assert grads[0].keys() == grads[1].keys() and all(g.abs().max() > 0 for g in grads[0].values())
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-6, rtol=1e-5)
+    assert any((grads[0][n] - grads[2][n]).abs().max() > 1e-4 for n in grads[0])
+
+
+def test_lora_on_4bit_expert_stacks_is_refused_naming_the_option():
+    from logitless.trainer.config.schema import ModelConfig
+
+    with pytest.raises(ValueError, match=r"model\.lora_target_experts=true .*model\.load_in_4bit=true .*set "
+                                         r"model\.lora_target_experts=false"):
+        ModelConfig(load_in_4bit=True, lora_target_experts=True, lora_dropout=0.0)
+
+
+def test_the_merged_rollout_copy_shares_the_4bit_experts(one_thread):
+    """The rollout's merged LoRA copy holds what the policy holds: the same 4-bit buffers (no copy of the experts),
+    and decodes what the unmerged policy computes (B = 0 here, so the merged copy is the base)."""
+    from logitless.rollout.weights import MergedLoraWeights, lora_layers
+    from logitless.trainer.policy.modeling import prepare_for_training
+    from tests.test_moe_lora import lora_cfg
+
+    model, _ = quantized_and_reference("olmoe")
+    peft = prepare_for_training(model, lora_cfg(False))
+    weights = MergedLoraWeights(peft, "resident")
+    ours, theirs = expert_modules(weights.module), expert_modules(model)
+    assert len(ours) == len(theirs) and all(is_quantized(m) for _, m in ours)
+    for (_, a), (_, b) in zip(ours, theirs):
+        assert a is not b and a.gate_up_proj_packed is b.gate_up_proj_packed
+    adapted = lora_layers(peft)
+    assert adapted and not any(".experts" in n for n, _ in adapted)
+    assert weights.extra_bytes == sum(4 * layer.get_base_layer().weight.numel() for _, layer in adapted)
+    b = sample("hf", peft)
+    assert torch.equal(logprobs(weights.module, b, True), logprobs(peft, b, True))
+
+
 def qlora_moe_run(root, tok, *overrides):
     """A 2-step `logitless train` of a tiny Qwen3-MoE loaded from a folder with model.load_in_4bit (fp32 compute on
     CPU): NF4 linear layers (bitsandbytes) and NF4 expert stacks, LoRA on the linear layers, routing replay on."""
@@ -117,3 +177,48 @@ def qlora_moe_run(root, tok, *overrides):
         "train.num_iterations=2", "checkpoint.save_steps=1", "train.skip_zero_advantage=false", *TINY_LORA_QUIET,
         *overrides])
     return train(cfg).records
+
+
+def test_qlora_moe_trains_on_cpu_with_sampler_equal_to_trainer_and_resumes_and_exports(tmp_path, gpt2_tokenizer,
+                                                                                       one_thread):
+    """`logitless train` with model.load_in_4bit on a tiny Qwen3-MoE folder, 2 steps on the static engine (its
+    merged LoRA copy shares the 4-bit experts): the sampler's logprobs are the trainer's (fp32), every route is
+    replayed, the adapters learn; a resume from step 1 makes step 2 again; the merged export saves the expert stacks
+    dequantized (the values the run computed with) and the adapter export is the checkpoint's adapter."""
+    from safetensors.torch import load_file
+
+    from logitless.trainer import checkpoint as ckpt
+    from logitless.trainer.config.schema import load_train_config
+    from logitless.trainer.export import export_run, load_policy
+    from logitless.trainer.loop import train
+
+    tok = copy.deepcopy(gpt2_tokenizer)
+    tok.pad_token = tok.eos_token
+    records = qlora_moe_run(tmp_path, tok)
+    assert len(records) == 2 and all(r["rollout/route_disagreement"] == 0.0 for r in records)
+    assert all(r["rollout/mismatch_max"] < 1e-5 for r in records), [r["rollout/mismatch_max"] for r in records]
+    assert all(r["grad_norm"] > 0 for r in records)
+
+    run = tmp_path / "run"
+    step1 = ckpt.resolve_checkpoint(run).parent / "step-000001"
+    cfg = load_train_config(step1 / "config.yaml")
+    policy, _ = load_policy(cfg, step1)
+    modules = expert_modules(policy)
+    assert modules and all(is_quantized(m) for _, m in modules)
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in policy.modules())
+
+    resumed = train(cfg, resume=step1)
+    assert resumed.records[-1]["loss"] == pytest.approx(records[-1]["loss"], rel=1e-5, abs=1e-7)
+
+    out = export_run(run, output=tmp_path / "export", merged=True)
+    assert (out.adapter / "adapter_model.safetensors").is_file()
+    saved = {}
+    for f in out.merged.glob("*.safetensors"):
+        saved.update(load_file(str(f)))
+    final, _ = load_policy(cfg, ckpt.resolve_checkpoint(run))
+    for name, module in expert_modules(final):  # saved as the hub's per-expert layout: gate, up and down of each
+        prefix = name.removeprefix("base_model.model.")
+        gate_up, down = dequantized(module, "gate_up_proj"), dequantized(module, "down_proj")
+        for e in range(gate_up.shape[0]):
+            gate, up = (saved[f"{prefix}.{e}.{p}_proj.weight"] for p in ("gate", "up"))
+            assert torch.equal(torch.cat([gate, up]), gate_up[e]) and torch.equal(saved[f"{prefix}.{e}.down_proj.weight"], down[e])

@@ -221,4 +221,5 @@ def test_qlora_moe_trains_on_cpu_with_sampler_equal_to_trainer_and_resumes_and_e
         gate_up, down = dequantized(module, "gate_up_proj"), dequantized(module, "down_proj")
         for e in range(gate_up.shape[0]):
             gate, up = (saved[f"{prefix}.{e}.{p}_proj.weight"] for p in ("gate", "up"))
-            assert torch.equal(torch.cat([gate, up]), gate_up[e]) and torch.equal(saved[f"{prefix}.{e}.down_proj.weight"], down[e])
+            assert torch.equal(torch.cat([gate, up]), gate_up[e])
+            assert torch.equal(saved[f"{prefix}.{e}.down_proj.weight"], down[e])

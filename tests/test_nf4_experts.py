@@ -29,9 +29,11 @@ FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "gpt_oss")
 OPTIONS = Nf4Options(quant_type="nf4", blocksize=64, double_quant=True)
 
 
-def quantized_and_reference(family: str, options: Nf4Options = OPTIONS):
-    """(a model with 4-bit experts, the same model with its expert stacks replaced by their dequantized values)."""
-    model = make_model(family)
+def quantized_and_reference(family: str, options: Nf4Options = OPTIONS, device: str = "cpu",
+                            dtype: torch.dtype = torch.float32):
+    """(a model with 4-bit experts, the same model with its expert stacks replaced by their dequantized values), in
+    `dtype` on `device` (quantized there, as loading does)."""
+    model = make_model(family).to(device, dtype)
     reference = copy.deepcopy(model)
     assert quantize_experts(model, options) == len(expert_modules(reference))
     with torch.no_grad():
@@ -223,3 +225,24 @@ def test_qlora_moe_trains_on_cpu_with_sampler_equal_to_trainer_and_resumes_and_e
             gate, up = (saved[f"{prefix}.{e}.{p}_proj.weight"] for p in ("gate", "up"))
             assert torch.equal(torch.cat([gate, up]), gate_up[e])
             assert torch.equal(saved[f"{prefix}.{e}.down_proj.weight"], down[e])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_4bit_experts_forward_equals_the_dequantized_model_bf16_grouped_mm_gpu(family):
+    """On CUDA in bf16 with transformers' grouped_mm experts (the backend `auto` picks on SM90): the 4-bit model's
+    logprobs (routing replay on) and input gradients are the dequantized model's, bit for bit (the same kernels on
+    the same weights); the experts in bf16 before quantization differ."""
+    model, reference = quantized_and_reference(family, device="cuda", dtype=torch.bfloat16)
+    for m in (model, reference):
+        set_experts_implementation(m, "grouped_mm")
+    assert all(dequantized(mod, "down_proj").dtype == torch.bfloat16 for _, mod in expert_modules(model))
+    b = sample("hf", model)
+    assert torch.equal(logprobs(model, b, True), logprobs(reference, b, True))
+    grads = []
+    for m in (model, reference):
+        emb = m.get_input_embeddings()
+        emb.weight.requires_grad_(True)
+        logprobs(m, b, True).float().sum().backward()
+        grads.append(emb.weight.grad)
+    assert torch.equal(grads[0], grads[1]) and grads[0].abs().max() > 0

@@ -1,5 +1,5 @@
 """The memory plan of a mixture of experts: every expert's weights held (weights, merged copy, adapters), the
-activations at the active width (k experts per token), expert stacks 16-bit under QLoRA, the tiled MLP off with its
+activations at the active width (k experts per token), expert stacks 4-bit under QLoRA, the tiled MLP off with its
 reason, and `logitless train CONFIG --dry-run` printing the plan of a MoE config folder."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from logitless.rollout.weights import MergedLoraWeights
 from logitless.trainer.memory import auto
 from logitless.trainer.memory import plan as mp
 from logitless.trainer.memory.model import model_memory, moe_summary
-from logitless.trainer.policy.modeling import prepare_for_training, warn_unquantized_experts
+from logitless.trainer.policy.modeling import prepare_for_training
 from tests.test_moe_lora import FAMILIES, lora_cfg, moe_model
 
 
@@ -54,21 +54,32 @@ def test_expert_adapters_and_their_merged_stacks_are_counted_as_peft_and_the_cop
                                                                          if p.dim() == 3)
 
 
-def test_qlora_counts_the_expert_stacks_at_16_bit_and_says_so():
-    """bitsandbytes quantizes linear layers only: under model.load_in_4bit the plan shrinks those and keeps the
-    expert stacks (and routers) at their bf16 size; loading warns that the experts stay 16-bit."""
+def test_qlora_counts_the_expert_stacks_at_4_bit_and_one_layer_dequantized():
+    """Under model.load_in_4bit the plan counts the linear layers and the expert stacks at NF4's 0.5 byte per
+    parameter plus scales (routers and norms stay bf16), one MoE layer's stacks dequantized in bf16 in every phase,
+    and a loaded 4-bit model (stacks as 4-bit buffers) as its skeleton."""
+    pytest.importorskip("bitsandbytes")
+    from logitless.models.nf4_experts import Nf4Options, quantize_experts
+
     with torch.device("meta"):
         skeleton = moe_model("qwen3_moe").to(torch.bfloat16)
     cfg = lora_cfg(False)
     bf16 = model_memory(skeleton, cfg, torch.bfloat16)
-    q4 = model_memory(skeleton, dataclasses.replace(cfg, load_in_4bit=True, dtype="bfloat16"), torch.bfloat16)
+    q4cfg = dataclasses.replace(cfg, load_in_4bit=True, dtype="bfloat16")
+    q4 = model_memory(skeleton, q4cfg, torch.bfloat16)
     linear = sum(m.weight.numel() for n, m in skeleton.named_modules()
                  if isinstance(m, torch.nn.Linear) and m is not skeleton.get_output_embeddings())
-    assert q4.expert_bytes == bf16.expert_bytes == 2 * sum(p.numel() for p in _stacks(skeleton))
-    assert q4.weight_bytes == pytest.approx(bf16.weight_bytes - linear * (2 - mp.NF4_BYTES), abs=8)
-    with pytest.warns(UserWarning, match=r"fused expert weights of this mixture of experts \(2 layers.*stay in "
-                                         r"float32: bitsandbytes quantizes only linear layers"):
-        warn_unquantized_experts(moe_model("olmoe"))
+    stacks = sum(p.numel() for p in _stacks(skeleton))
+    assert bf16.expert_bytes == 2 * stacks and q4.expert_bytes == pytest.approx(stacks * mp.NF4_BYTES, abs=8)
+    assert q4.weight_bytes == pytest.approx(bf16.weight_bytes - (linear + stacks) * (2 - mp.NF4_BYTES), abs=16)
+    assert q4.dequantized_expert_bytes == 2 * stacks // 2 and bf16.dequantized_expert_bytes == 0  # 2 MoE layers
+    assert q4.params == bf16.params and q4.active_params == bf16.active_params
+    assert "4-bit, one MoE layer's dequantized at a time" in moe_summary(q4)
+    assert mp.resident_bytes(q4, mp.RunFacts())["dequantized experts"] == q4.dequantized_expert_bytes
+
+    loaded = moe_model("qwen3_moe").to(torch.bfloat16)
+    quantize_experts(loaded, Nf4Options())
+    assert model_memory(loaded, q4cfg, torch.bfloat16) == q4
 
 
 def test_dry_run_prints_the_plan_of_a_moe_config_folder(tmp_path, capsys, monkeypatch):

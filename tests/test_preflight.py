@@ -93,7 +93,6 @@ def test_flash_attention_that_transformers_refuses_names_the_key(tmp_path, model
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 @pytest.mark.parametrize("overrides, setting", [
-    (["model.load_in_4bit=true", "model.dtype=bfloat16"], "model.load_in_4bit=true"),
     (["optim.optimizer=adamw_8bit"], "optim.optimizer='adamw_8bit'"),
 ])
 def test_cuda_only_settings_on_cpu_leave_no_run_folder(tmp_path, model_dir, capsys, no_model_load, overrides, setting):

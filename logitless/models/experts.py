@@ -41,13 +41,15 @@ import torch
 from torch import nn
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # the fused 3-D expert weights (per-expert LoRA targets)
+QUANTIZED = "_nf4_stacks"  # a 4-bit experts module's {stack name: StackMeta} (`nf4_experts.quantize_experts`)
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 GROUPED_MM_CAPABILITY = (9, 0)  # SM90: grouped GEMM as one kernel without a host sync (H100, H200)
 
 
 def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of every experts module of `model`: a module holding `gate_up_proj` or `down_proj` as a 3-D
-    parameter of its own (one per MoE layer), with peft's wrappers seen through (`base_layer`)."""
+    parameter of its own, or stored in 4-bit (`nf4_experts`), one per MoE layer, with peft's wrappers seen through
+    (`base_layer`)."""
     out = []
     for name, module in model.named_modules():
         if type(module).__name__ == "ParamWrapper":
@@ -56,6 +58,7 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
         shapes = [p.shape for n, p in params.items() if n in EXPERT_PARAMS]
         parametrized = getattr(module, "parametrizations", {})  # (peft's LoRA during a forward: W + ΔW on read)
         shapes += [parametrized[n].original.shape for n in EXPERT_PARAMS if n in parametrized]
+        shapes += [meta.shape for meta in getattr(module, QUANTIZED, {}).values()]
         if any(len(s) == 3 for s in shapes):
             out.append((name, module))
     return out
@@ -150,7 +153,10 @@ def graph_capturable(model: nn.Module, device: torch.device) -> tuple[bool, str]
     if impl == "batched_mm":
         return True, ""
     if impl == "grouped_mm":
-        dtype = next(p.dtype for p in modules[0][1].parameters() if p.is_floating_point())
+        module = modules[0][1]
+        quantized = getattr(module, QUANTIZED, {})  # 4-bit stacks compute in their dequantized dtype
+        dtype = next(iter(quantized.values())).dtype if quantized else next(
+            p.dtype for p in module.parameters() if p.is_floating_point())
         fast, why = grouped_mm_runs(device, dtype)
         return fast, ("" if fast else f"grouped_mm experts fall back to a loop with a host sync here ({why})")
     return False, f"{impl} experts loop over the experts hit, reading their ids on the host in every MoE layer"

@@ -28,6 +28,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from logitless.models.nf4_experts import is_4bit
+
 from .engine import unwrap_model
 from .fused import FusedGroup, fuse_projections, groups_of, owners, share_storage, tensor_at
 from .sleep import SleepableMemory
@@ -116,11 +118,6 @@ def merge_refusal(model: Any) -> str | None:
         if getattr(layer, "merged", False):
             return f"layer {name} already has adapters merged into its base weights"
     return None
-
-
-def is_4bit(weight: Any) -> bool:
-    """A bitsandbytes 4-bit weight (QLoRA's NF4 base weights), which `base_weight` dequantizes."""
-    return type(weight).__name__ == "Params4bit" and getattr(weight, "quant_state", None) is not None
 
 
 def base_weight(layer: Any) -> torch.Tensor:

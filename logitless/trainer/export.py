@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from logitless.configlib import from_dict
+from logitless.models.nf4_experts import dequantize_experts
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.config.schema import TrainerConfig
 
@@ -210,6 +211,7 @@ def export_run(run: str | Path, *, output: str | Path | None = None, merged: boo
         if merged:
             folder = _fresh_folder(out / "merged", made)
             plain = dense(model.merge_and_unload() if cfg.model.lora else model)
+            dequantize_experts(plain)  # 4-bit expert stacks (QLoRA on a mixture of experts) saved as plain weights
             plain.save_pretrained(folder, safe_serialization=True)
             tokenizer.save_pretrained(folder)
             (folder / "README.md").write_text(model_card(cfg, checkpoint, merged=True))

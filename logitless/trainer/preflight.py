@@ -41,6 +41,7 @@ from logitless.trainer.policy.modeling import (
     LIGER_INSTALL_HINT,
     QLORA_INSTALL_HINT,
     load_tokenizer,
+    require_bitsandbytes,
     require_cuda_package,
     resolve_device,
 )
@@ -160,10 +161,12 @@ def check_reward_models(cfg: TrainerConfig) -> int:
 
 def check_cuda_settings(cfg: TrainerConfig, *, training: bool = True) -> None:
     """Refuse a setting that needs a CUDA GPU (and its optional package) when model.device is not one, or the
-    package is missing: QLoRA (model.load_in_4bit), Liger's kernels, the 8-bit and CPU-offload optimizers."""
+    package is missing: Liger's kernels, the 8-bit and CPU-offload optimizers; QLoRA (model.load_in_4bit) needs
+    bitsandbytes on a CUDA GPU or the CPU."""
     device = resolve_device(cfg.model.device)
+    if cfg.model.load_in_4bit:
+        require_bitsandbytes("model.load_in_4bit=true", device)
     wanted = [
-        (cfg.model.load_in_4bit, "model.load_in_4bit=true", "bitsandbytes", QLORA_INSTALL_HINT),
         (cfg.model.liger_kernels is True, "model.liger_kernels=true", "liger_kernel", LIGER_INSTALL_HINT),
         (training and cfg.optim.optimizer == "adamw_8bit", "optim.optimizer='adamw_8bit'", "bitsandbytes",
          QLORA_INSTALL_HINT),

@@ -70,7 +70,10 @@ class ModelConfig:
     # "auto": on where the memory plan needs it, off otherwise.
     activation_offload: bool | Literal["auto"] = "auto"
     # QLoRA: NF4 4-bit base weights (bitsandbytes, double quantization), compute in model.dtype, LoRA adapters
-    # trained on top; the lm_head stays unquantized for the fused op. Needs a CUDA GPU and `logitless[qlora]`.
+    # trained on top; the lm_head stays unquantized for the fused op. A mixture of experts' fused expert stacks are
+    # stored in 4-bit too and dequantized one layer at a time in its forward (models/nf4_experts.py; no LoRA on them:
+    # model.lora_target_experts=false). Needs `logitless[qlora]`; a CUDA GPU, or the CPU (bitsandbytes' torch backend,
+    # slow: for tests).
     load_in_4bit: bool = False
     # Liger-Kernel's RMSNorm, SwiGLU and RoPE Triton kernels in the model's layers (its apply_liger_kernel_to_*
     # of the model type; its cross-entropy patches stay off: the fused op computes the logprobs). CUDA only;
@@ -148,9 +151,11 @@ class ModelConfig:
                 "model.load_in_4bit=true (QLoRA) freezes 4-bit base weights and trains LoRA adapters on top, so it "
                 "needs model.lora=true; for full fine-tuning set model.load_in_4bit=false"
             )
-        if self.load_in_4bit and self.dtype == "float32":
+        if self.load_in_4bit and self.lora_target_experts:
             raise ValueError(
-                "model.load_in_4bit=true computes in bfloat16 or float16; set model.dtype=bfloat16 (or auto)"
+                "model.lora_target_experts=true puts LoRA on the fused expert stacks, but model.load_in_4bit=true "
+                "stores them in 4-bit, where peft cannot wrap them; set model.lora_target_experts=false (LoRA on the "
+                "attention and other linear layers) or model.load_in_4bit=false"
             )
 
 

@@ -3,17 +3,19 @@ and `model_memory` (its sizes, LoRA targets and 4-bit storage as `memory_plan.Mo
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
 import torch
 
 from logitless.models import UnsupportedModelError
-from logitless.models.experts import expert_modules, moe_shape
+from logitless.models import nf4_experts
+from logitless.models.experts import EXPERT_PARAMS, QUANTIZED, expert_modules, moe_shape
 from logitless.models.tiled_mlp import untileable_reason
 from logitless.models.vision import model_class
 from logitless.rollout.layouts import text_config
-from logitless.rollout.weights import is_4bit
+from logitless.models.nf4_experts import is_4bit
 from logitless.trainer.memory import plan as mp
 from logitless.trainer.config.schema import ModelConfig
 
@@ -63,11 +65,19 @@ def model_memory(model: Any, cfg: ModelConfig, dtype: torch.dtype) -> mp.ModelMe
         inter = moe.active_intermediate
     out_layer = base.get_output_embeddings()
     width = torch.tensor([], dtype=dtype).element_size()
-    # QLoRA quantizes the linear layers only: fused 3-D expert stacks (and routers) stay in the compute dtype
-    quantized = {id(m.weight) for name, m in base.named_modules()
-                 if isinstance(m, torch.nn.Linear) and m is not out_layer} if cfg.load_in_4bit else set()
-    experts = {id(p): p for _, m in expert_modules(base) for p in m.parameters(recurse=False)}
+    modules = [m for _, m in expert_modules(base)]
+    experts = {id(p): p for m in modules for p in m.parameters(recurse=False)}
+    stacks = {id(p) for m in modules for n, p in m.named_parameters(recurse=False) if n in EXPERT_PARAMS and p.dim() == 3}
+    # QLoRA quantizes the linear layers (bitsandbytes) and the fused 3-D expert stacks (models/nf4_experts.py);
+    # routers and biases stay in the compute dtype
+    quantized = ({id(m.weight) for name, m in base.named_modules() if isinstance(m, torch.nn.Linear)
+                  and m is not out_layer} | stacks) if cfg.load_in_4bit else set()
+    stored = [meta.shape for m in modules for meta in getattr(m, QUANTIZED, {}).values()]  # loaded 4-bit stacks
     weight_bytes = params = lora_params = expert_bytes = 0
+    for shape in stored:  # (buffers, not parameters: counted as the skeleton's stacks are)
+        params += math.prod(shape)
+        weight_bytes += int(math.prod(shape) * mp.NF4_BYTES)
+        expert_bytes += int(math.prod(shape) * mp.NF4_BYTES)
     for name, p in base.named_parameters():
         if "lora_" in name:
             lora_params += p.numel()
@@ -77,9 +87,13 @@ def model_memory(model: Any, cfg: ModelConfig, dtype: torch.dtype) -> mp.ModelMe
             weight_bytes += int(p.numel() * p.element_size() * mp.NF4_BYTES / 0.5)
             continue
         params += p.numel()
-        weight_bytes += int(p.numel() * (mp.NF4_BYTES if id(p) in quantized else width))
-        expert_bytes += p.numel() * width if id(p) in experts else 0
-    expert_params = sum(p.numel() for p in experts.values())
+        size = int(p.numel() * (mp.NF4_BYTES if id(p) in quantized else width))
+        weight_bytes += size
+        expert_bytes += size if id(p) in experts else 0
+    expert_params = sum(p.numel() for p in experts.values()) + sum(math.prod(shape) for shape in stored)
+    # 4-bit stacks compute dequantized, one MoE layer at a time: the largest layer's stacks in the compute dtype
+    layer_stacks = [sum(math.prod(s) for s in nf4_experts.stack_shapes(m).values()) for m in modules]
+    dequantized = max(layer_stacks, default=0) * width if cfg.load_in_4bit else 0
     active = params - (expert_params - expert_params * moe.active // moe.experts if moe is not None else 0)
     trainable, copy = lora_params, 0
     if cfg.lora and not lora_params:
@@ -100,6 +114,7 @@ def model_memory(model: Any, cfg: ModelConfig, dtype: torch.dtype) -> mp.ModelMe
         kv_dim=kv_heads * head_dim, vocab=base.get_input_embeddings().weight.shape[0], dtype_bytes=width,
         weight_bytes=weight_bytes, params=params, trainable=trainable if cfg.lora else params, lora=cfg.lora,
         merge_copy_bytes=copy, mlp_tileable=_tileable(base), expert_bytes=expert_bytes, active_params=active,
+        dequantized_expert_bytes=dequantized,
     )
 
 
@@ -117,6 +132,8 @@ def moe_summary(m: mp.ModelMemory) -> str | None:
         return None
     count = lambda n: f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"  # noqa: E731
     size = lambda b: f"{b / mp.GIB:.2f} GiB" if b >= 0.1 * mp.GIB else f"{b / 2**20:.2f} MiB"  # noqa: E731
+    held = (f"4-bit, one MoE layer's dequantized at a time: {size(m.dequantized_expert_bytes)}"
+            if m.dequantized_expert_bytes else "in the compute dtype")
     return (f"mixture of experts: {count(m.params)} parameters, {count(m.active_params)} active per token; the expert "
             f"stacks are {size(m.expert_bytes)} of the {size(m.weight_bytes)} of weights (held whole: every expert is "
-            f"resident, never 4-bit); activations at the active MLP width {m.intermediate:,}")
+            f"resident, {held}); activations at the active MLP width {m.intermediate:,}")

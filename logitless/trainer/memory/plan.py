@@ -89,10 +89,11 @@ class ModelMemory:
     merge_copy_bytes: int  # a merged decode copy of the LoRA-targeted layers, in the compute dtype
     mlp_tileable: bool = False  # every decoder layer has a dense gated MLP (models/tiled_mlp.py can tile it)
     # A mixture of experts: the bytes of its expert stacks (all experts, in weight_bytes: the weights, the replica
-    # and the optimizer hold every expert; never 4-bit, bitsandbytes quantizes linear layers only), and the
+    # and the optimizer hold every expert; 4-bit under QLoRA, models/nf4_experts.py), and the
     # parameters a token goes through (k of E experts), whose MLP width `intermediate` is
     expert_bytes: int = 0
     active_params: int = 0  # 0: a dense model (all of `params` active)
+    dequantized_expert_bytes: int = 0  # 4-bit experts: one MoE layer's stacks dequantized in the compute dtype
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -206,6 +207,8 @@ def resident_bytes(m: ModelMemory, facts: RunFacts, *, parked: bool = False) -> 
              "optimizer": 0.0 if parked else float(states * m.trainable)}
     if facts.reference_copy:
         parts["reference"] = float(m.weight_bytes)
+    if m.dequantized_expert_bytes:  # every forward (decode, logprobs, update and its recompute), one layer at a time
+        parts["dequantized experts"] = float(m.dequantized_expert_bytes)
     return parts
 
 

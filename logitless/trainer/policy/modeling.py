@@ -8,7 +8,6 @@ import importlib.util
 import inspect
 import sys
 import types
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -17,12 +16,12 @@ import torch
 
 from logitless.models.compiled import EAGER_NUMERICS
 from logitless.models.experts import (
-    EXPERT_PARAMS,
     expert_modules,
     resolve_experts_implementation,
     set_experts_implementation,
 )
 from logitless.models.lm_head import decoder_layers
+from logitless.models.nf4_experts import nf4_options_of, quantize_experts
 from logitless.models.tiled_mlp import check_tileable, tile_mlps
 from logitless.models.varlen import NAME as VARLEN_ATTENTION
 from logitless.models.varlen import register as register_varlen_attention
@@ -144,7 +143,7 @@ def load_model(cfg: ModelConfig, device: torch.device, place: torch.device | Non
     kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code, "dtype": dtype}
     if gguf:
         kwargs["gguf_file"] = gguf
-    # (4-bit: refuses CPU and a missing bitsandbytes before anything is read)
+    # (4-bit: refuses a missing bitsandbytes before anything is read)
     quantization = nf4_config(device, dtype) if cfg.load_in_4bit else None
     auto = AutoModelForCausalLM if gguf else model_class(
         AutoConfig.from_pretrained(source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code))
@@ -152,11 +151,11 @@ def load_model(cfg: ModelConfig, device: torch.device, place: torch.device | Non
         kwargs["attn_implementation"] = cfg.attn_implementation
         if cfg.attn_implementation == VARLEN_ATTENTION:
             register_varlen_attention()
-    if quantization is not None:  # quantized while loading, straight onto the GPU (a 4-bit model cannot be moved after)
-        index = device.index if device.index is not None else torch.cuda.current_device()
+    if quantization is not None:  # quantized while loading, straight onto the device (a 4-bit model cannot be moved after)
+        index = "cpu" if device.type == "cpu" else device.index if device.index is not None else torch.cuda.current_device()
         kwargs.update(quantization_config=quantization, device_map={"": index})
         model = auto.from_pretrained(source, **kwargs)
-        warn_unquantized_experts(model)
+        quantize_model_experts(model)
     else:
         model = auto.from_pretrained(source, **kwargs).to(place or device)
     impl = resolve_experts_implementation(cfg.experts_implementation, device, dtype)[0]
@@ -167,19 +166,14 @@ def load_model(cfg: ModelConfig, device: torch.device, place: torch.device | Non
     return model
 
 
-def warn_unquantized_experts(model) -> None:
-    """Say that a 4-bit (QLoRA) mixture of experts keeps its fused expert weights in the compute dtype: bitsandbytes
-    quantizes only linear layers, and the experts are 3-D parameters (most of an MoE's bytes; the memory plan counts
-    them at their 16-bit size)."""
-    modules = expert_modules(model)
-    if not modules:
-        return
-    params = [p for _, m in modules for n, p in m.named_parameters(recurse=False) if n in EXPERT_PARAMS]
-    gib = sum(p.numel() * p.element_size() for p in params) / 2**30
-    dtype = str(params[0].dtype).removeprefix("torch.") if params else "16-bit"
-    warnings.warn(f"model.load_in_4bit=true: the fused expert weights of this mixture of experts ({len(modules)} "
-                  f"layers, {gib:.2f} GiB) stay in {dtype}: bitsandbytes quantizes only linear layers (attention, "
-                  "shared experts, dense MLPs), not 3-D expert stacks", stacklevel=2)
+def quantize_model_experts(model) -> int:
+    """Store a 4-bit (QLoRA) mixture of experts' fused expert stacks in 4-bit too, as its linear layers are
+    (`models.nf4_experts`: same quant type, block size and double quantization); returns the experts modules changed
+    (0 for a dense model). bitsandbytes quantizes linear layers only, and the stacks are most of an MoE's bytes."""
+    options = nf4_options_of(model)
+    if options is None or not expert_modules(model):
+        return 0
+    return quantize_experts(model, options)
 
 
 def no_router_logits(model: Any) -> Any:
@@ -206,14 +200,23 @@ def require_cuda_package(package: str, setting: str, hint: str, device: torch.de
         raise ImportError(f"{setting} needs the `{package}` package, which is not installed: {hint}")
 
 
+def require_bitsandbytes(setting: str, device: torch.device) -> None:
+    """Refuse `setting` (4-bit weights) on a device bitsandbytes has no 4-bit kernels for, or without the package:
+    its CUDA kernels, or its torch CPU backend (bitsandbytes >= 0.48), which the CPU tests use."""
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"{setting} runs bitsandbytes' 4-bit kernels on a CUDA GPU or the CPU, but the model is on "
+                         f"{device}; set model.device=cuda (or cpu)")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ImportError(f"{setting} needs the `bitsandbytes` package, which is not installed: {QLORA_INSTALL_HINT}")
+
+
 def nf4_config(device: torch.device, dtype: torch.dtype):
     """transformers' BitsAndBytesConfig of QLoRA: NF4 with double quantization, compute in `dtype`, lm_head
-    left unquantized (the fused op reads its [V, H] weight)."""
+    left unquantized (the fused op reads its [V, H] weight). The expert stacks of a mixture of experts get the same
+    quantization after loading (`quantize_model_experts`)."""
     from transformers import BitsAndBytesConfig
 
-    require_cuda_package("bitsandbytes", "model.load_in_4bit=true", QLORA_INSTALL_HINT, device)
-    if dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"model.load_in_4bit=true computes in bfloat16 or float16, got model.dtype={dtype}")
+    require_bitsandbytes("model.load_in_4bit=true", device)
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",

@@ -34,7 +34,7 @@ from typing import Any, Iterator
 
 import torch
 
-from logitless.models.experts import moe_shape
+from logitless.models.experts import QUANTIZED, expert_modules, moe_shape
 from logitless.rollout import sleep
 
 # Datasheet peaks: dense bf16 FLOP/s, HBM bytes/s (SXM parts). Matched as substrings of the device name.
@@ -107,6 +107,11 @@ class ModelShape:
             if len(shape) in (2, 3) and p is not head:
                 body += n
                 body_trainable += n if p.requires_grad else 0
+        for _, experts in expert_modules(base):  # 4-bit stacks (buffers; models/nf4_experts.py): frozen, read dequantized
+            for meta in getattr(experts, QUANTIZED, {}).values():
+                n = math.prod(meta.shape)
+                weight_bytes += n * 2
+                body += n * moe.active // moe.experts if moe is not None else n
         window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
         types = getattr(cfg, "layer_types", None) or []
         sliding = sum(t == "sliding_attention" for t in types) if types else (layers if window else 0)

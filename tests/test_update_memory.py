@@ -121,9 +121,9 @@ def test_cuda_optimizers_refuse_cpu_with_the_fix(name):
     ("bitsandbytes", "optim.optimizer='adamw_8bit'", QLORA_INSTALL_HINT, "qlora"),
     ("torchao", "optim.optimizer='adamw_cpu_offload'", OFFLOAD_INSTALL_HINT, "offload"),
 ])
-def test_missing_optional_package_names_the_extra(package, setting, hint, extra):
-    if importlib.util.find_spec(package) is not None:
-        pytest.skip(f"{package} is installed")
+def test_missing_optional_package_names_the_extra(package, setting, hint, extra, monkeypatch):
+    find = importlib.util.find_spec  # the package as if not installed (the test setup installs both)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else find(name, *a))
     with pytest.raises(ImportError, match=rf"{setting} needs the `{package}` package.*logitless\[{extra}\]"):
         require_cuda_package(package, setting, hint, torch.device("cuda"))  # a CUDA device, to reach the check
 

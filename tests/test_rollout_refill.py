@@ -159,3 +159,48 @@ def test_refill_refusals_name_the_setting(models):
     eng.row_limits = torch.tensor([1, 2])
     with pytest.raises(ValueError, match="row_limits has shape"):
         eng.generate(PROMPTS, options())
+
+
+@pytest.mark.gpu
+def test_refill_on_cuda_captures_one_graph_and_draws_the_waves_tokens():
+    """GPU (`python -m pytest -m gpu tests/test_rollout_refill.py`): the refill step compiled and captured as one
+    CUDA graph per call (the triton attention and draw on bf16) against the captured waves of the same slot
+    count, on planted long-tailed lengths: the same tokens, logprobs to bf16 kernel noise, fewer steps."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from tests.conftest import tiny_qwen2
+
+    model = tiny_qwen2(vocab_size=len(TOK), hidden=128, layers=2).to("cuda", torch.bfloat16).eval()
+    # (k, v) x 2 layers x 2 KV heads x head dim 32 x bf16 x 120 slots (the 22-token prompt + 96, rounded up to 8)
+    row_bytes = 2 * 2 * 2 * 32 * 2 * 120
+    opts = options(num_generations=8, max_new_tokens=96, eos_token_ids=[257])  # 24 rows
+    lengths = torch.tensor([96 if i % 7 == 3 else 4 + (5 * i) % 17 for i in range(24)])
+    captures, steps = [], {}
+    real = step_graph.capture
+
+    def counted(fn, side):
+        captures.append(1)
+        return real(fn, side)
+
+    def run(refill):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(step_graph, "capture", counted)
+            n = {"n": 0}
+            adv = step_graph.DecodeStep.advance
+            mp.setattr(step_graph.DecodeStep, "advance", lambda self: (n.__setitem__("n", n["n"] + 1), adv(self))[1])
+            eng = make_engine("static", model, TOK, cache_multiple=8, refill=refill,
+                              max_kv_gib=8.5 * row_bytes / 2**30)  # 8 rows
+
+            eng.row_limits = lengths
+            batch = eng.generate(PROMPTS, opts)
+            steps[refill] = n["n"]
+            return batch
+
+    waves = run(False)
+    assert len(captures) == 3  # 3 waves of 8
+    refill = run(True)
+    assert len(captures) == 4  # one capture for the whole refilled call
+    assert torch.equal(waves.completion_mask.sum(1), lengths)
+    assert torch.equal(refill.completion_ids, waves.completion_ids)
+    torch.testing.assert_close(refill.sampler_logp, waves.sampler_logp, atol=1e-3, rtol=0)
+    assert steps[True] < steps[False], steps

@@ -3,10 +3,13 @@
 - Prefill once per prompt (n rows, not n*G), then copy the prompt's KV into a [B, heads, L, d] static cache per
   row (`kv_cache.py`: full-length in every layer, so sliding-window and chunked layers are masked by the model's
   own mask functions exactly as in a full forward; layouts it cannot decode exactly are refused at construction).
-- KV budget: rows are decoded in waves of as many rows as `max_kv_gib` holds (automatic: AUTO_KV_FRACTION of the
-  device memory free at the call, each row also counting SAMPLING_BUFFERS [V] fp32 buffers; no cap on CPU). Waves
-  are equal-sized; on the compiled path a short last wave is padded, so every wave replays one graph. A budget
-  too small for one row is refused, naming rollout.max_kv_gib and the smallest value that works.
+- KV budget: a call decodes at most as many rows at once as `max_kv_gib` holds (automatic: AUTO_KV_FRACTION of
+  the device memory free at the call, each row also counting SAMPLING_BUFFERS [V] fp32 buffers; no cap on CPU).
+  With more rows than that, each of those decode slots takes the next pending row as soon as its row ends
+  (`static_refill.py`, `refill`: the same tokens and logprobs, one graph per call), or, where refill does not
+  apply, the rows decode in equal waves (on the compiled path a short last wave is padded, so every wave replays
+  one graph), each as long as its longest row. A budget too small for one row is refused, naming
+  rollout.max_kv_gib and the smallest value that works.
 - Each decode step is the model's forward on [B, 1] tokens, then the token draw and the step's writes. On CUDA
   the whole step is one CUDA graph (`step_graph.py`: the forward compiled without CUDA graphs, captured with the
   draw once per wave, a counter on the device for the step), so a step costs one replay and almost no host time.
@@ -111,6 +114,9 @@ class StaticEngine:
     capture the eager step too where the forward is not compiled (a tensor-parallel group's decode on CUDA).
     record_routes: record the experts every token was routed to (`RolloutBatch.prompt_routes`/`completion_routes`;
     a mixture-of-experts model with a supported router family, `models/routing.py`; not with episodes).
+    refill: when the budget holds fewer rows than the call has, refill decode slots as rows end instead of waves
+    (`static_refill.use_refill`; None: wherever it applies, True: an error where it does not, False: waves).
+    `row_limits` (an attribute, None): [B] tokens each row may draw, for benchmarks' planted lengths.
     """
 
     def __init__(

@@ -10,6 +10,26 @@ torch.cuda.max_memory_allocated() during the timed call. Correctness: sampler lo
 `logitless.models.completion_logprobs` (the trainer's path) on the same bf16 model.
 
 Usage: python bench/bench_rollout.py --tokenizer DIR --out DIR [--variants plain,static,...] [--tiny]
+
+Long tails (`--long-tail`): every static variant's row i ends after a planted number of tokens
+(`StaticEngine.row_limits`), drawn once from a log-normal with median T/8 and 99th percentile T (clipped to [1, T],
+seeded), the same rows in every variant, so each variant generates the same tokens. `static_waves` decodes the
+rows in waves of the KV budget's rows (each wave lasts as long as its longest row), `static_refill` refills a slot
+as soon as its row ends (`rollout/static_refill.py`); set --max-kv-gib so the budget holds fewer rows than the
+call has. Warm-up: the same call with every row 16 tokens long (the same graph shapes). The GPU measurement of
+issue 54 (1.5B shape, T = 8,192, 32 prompts x 8 = 256 rows through 64 slots: 64 x 0.225 GiB of KV each at the
+prompts' ~250 tokens + 8,192), one variant per command (each well under 10 minutes on an H100):
+
+    xz -dk tests/fixtures/tokenizers/qwen2.5/tokenizer.json.xz
+    python bench/bench_rollout.py --tokenizer tests/fixtures/tokenizers/qwen2.5 --out bench/results/long_tail \
+        --long-tail --prompts 32 --G 8 --new 8192 --max-kv-gib 14.6 --variants static_waves --budget_s 590
+    (the same with --variants static_refill and another --out)
+
+CPU smoke test of the same comparison (tiny 2-layer model, 32 rows, T = 64; on 2 shared cores the waves took
+16.8 s and refill 10.1 s for the same 312 tokens):
+
+    OMP_NUM_THREADS=1 python bench/bench_rollout.py --tokenizer tests/fixtures/tokenizers/qwen2.5 --out /tmp/lt \
+        --tiny --long-tail --prompts 8 --G 4 --new 64 --max-kv-gib 0.0012 --variants static_waves,static_refill
 """
 
 from __future__ import annotations
@@ -80,6 +100,9 @@ VARIANTS = {
     # name: (backend or None for plain generate, engine kwargs, compiles)
     "plain": (None, {}, False),
     "static": ("static", {}, True),
+    # decode slots refilled as rows end, or waves of the budget's rows (compare with --long-tail and --max-kv-gib)
+    "static_refill": ("static", {"refill": True}, True),
+    "static_waves": ("static", {"refill": False}, True),
     # the static engine with per-part timings (synchronizes around each part: slower, for the shares only)
     "static_profile": ("static", {"profile": True}, True),
     # the model the trainer runs: PEFT LoRA r16 on all linear layers, decoded unmerged, or from a merged copy
@@ -113,7 +136,15 @@ def lora_wrapped(model, r: int = 16):
     return _PEFT["model"]
 
 
-def run_variant(name, model, tok, prompts, opts, device, max_kv_gib=None):
+def long_tail_lengths(rows: int, T: int, seed: int = 0) -> torch.Tensor:
+    """[rows] completion lengths from a log-normal with median T/8 and 99th percentile T (sigma = ln 8 / z_0.99),
+    rounded and clipped to [1, T]; the same for a seed."""
+    z = torch.randn(rows, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    sigma = torch.log(torch.tensor(8.0, dtype=torch.float64)) / 2.3263478740408408
+    return (T / 8 * torch.exp(sigma * z)).round().clamp(1, T).long()
+
+
+def run_variant(name, model, tok, prompts, opts, device, max_kv_gib=None, lengths=None):
     backend, kwargs, compiles = VARIANTS[name]
     kwargs = dict(kwargs)
     if backend == "static" and max_kv_gib is not None:
@@ -134,6 +165,8 @@ def run_variant(name, model, tok, prompts, opts, device, max_kv_gib=None):
                   "use_async_batching": False}
     eng = make_engine(backend, model, tok, **kwargs) if backend else None
     warm = opts if compiles else SamplingOptions(**{**opts.__dict__, "max_new_tokens": 8})
+    if lengths is not None and backend == "static":  # warm up at the same shapes with short rows
+        eng.row_limits = torch.full_like(lengths, min(16, opts.max_new_tokens))
     t = time.perf_counter()
     if eng is None:
         plain_generate(model, tok, prompts, warm)
@@ -147,6 +180,8 @@ def run_variant(name, model, tok, prompts, opts, device, max_kv_gib=None):
     rec = {"variant": name, "backend": backend, "engine_kwargs": shown, "warmup_s": round(warm_s, 2)}
     if copy_gib is not None:
         rec["weights_copy_gib"] = copy_gib
+    if lengths is not None and backend == "static":
+        eng.row_limits = lengths
     t = time.perf_counter()
     if eng is None:
         ntok = plain_generate(model, tok, prompts, opts)
@@ -201,6 +236,8 @@ def main():
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--max-kv-gib", type=float, default=None, help="static engine's KV-cache cap (waves beyond it)")
     ap.add_argument("--budget_s", type=float, default=480, help="skip variants once this much time has passed")
+    ap.add_argument("--long-tail", action="store_true", help="plant long-tailed completion lengths in the static "
+                    "variants (median new/8, 99th percentile new; see the module doc)")
     args = ap.parse_args()
     from transformers import AutoTokenizer
     import transformers
@@ -222,6 +259,11 @@ def main():
             "max_new_tokens": args.new, "ignore_eos": True, "temperature": 1.0},
         "results": [],
     }
+    lengths = long_tail_lengths(args.prompts * args.G, args.new) if args.long_tail else None
+    if lengths is not None:
+        q = torch.quantile(lengths.double(), torch.tensor([0.5, 0.99], dtype=torch.float64))
+        meta["workload"]["long_tail"] = {"p50": float(q[0]), "p99": float(q[1]), "max": int(lengths.max()),
+                                         "tokens": int(lengths.sum())}
     enc_len = [len(tok.apply_chat_template(p, tokenize=True, add_generation_prompt=True)) for p in prompts]
     meta["workload"]["prompt_tokens_min_max"] = [min(enc_len), max(enc_len)]
     for name in args.variants.split(","):
@@ -229,7 +271,7 @@ def main():
             meta["results"].append({"variant": name, "skipped": "time budget"})
             continue
         try:
-            rec = run_variant(name, model, tok, prompts, opts, device, args.max_kv_gib)
+            rec = run_variant(name, model, tok, prompts, opts, device, args.max_kv_gib, lengths)
         except Exception as e:  # record and go on: one backend failing must not lose the others' numbers
             rec = {"variant": name, "error": f"{type(e).__name__}: {str(e)[:500]}"}
         print(json.dumps(rec), flush=True)

@@ -84,9 +84,38 @@ def select_rows(cache: Cache, rows: torch.Tensor) -> Cache:
     return Cache(layers=layers)
 
 
-def decode_cache(prefill: DynamicCache, rows: torch.Tensor, max_len: int) -> Cache:
+class RowSlotLayer(BucketedLayer):
+    """A static layer whose rows each write their own slot: `update` writes row b's one new key/value at slot
+    `slot[b]` ([b] long, set by the decode step before each forward and shared by every layer), so rows that began
+    decoding at different steps each keep their tokens right after their own prompt. Its sequence length (the
+    causal mask's query offset) stays at the last slot, so causality hides nothing and the attention mask alone
+    says which slots a row sees (`static_refill.py`). Full-attention layers only: a sliding window or chunk would
+    be measured from that shared offset."""
+
+    def __init__(self, max_cache_len: int, slot: torch.Tensor, **kwargs):
+        super().__init__(max_cache_len, **kwargs)
+        self.slot = slot  # [b] long
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        index = self.slot[:, None, None, None].expand(-1, key_states.shape[1], 1, key_states.shape[3])
+        self.keys.scatter_(2, index, key_states)  # key_states [b, kv, 1, d]
+        self.values.scatter_(2, index.expand(-1, -1, -1, value_states.shape[3]), value_states)
+        return self.keys, self.values
+
+
+def load_prompts(cache: Cache, prefill: DynamicCache, rows: torch.Tensor, src: torch.Tensor) -> None:
+    """Rows `rows` [k] of the decode cache take the keys/values of prefill rows `src` [k] in their first P slots, as
+    `decode_cache` fills a fresh cache; their later slots keep what they held (the caller's mask hides them)."""
+    for dst, pre in zip(cache.layers, prefill.layers):
+        P = pre.keys.shape[2]
+        dst.keys[rows, :, :P] = pre.keys.index_select(0, src)
+        dst.values[rows, :, :P] = pre.values.index_select(0, src)
+
+
+def decode_cache(prefill: DynamicCache, rows: torch.Tensor, max_len: int, slot: torch.Tensor | None = None) -> Cache:
     """Static cache of `max_len` slots per layer whose row b holds the keys/values of prefill row `rows[b]` (for
-    P positions), ready to decode position P. Slot j is sequence index j in every layer."""
+    P positions), ready to decode position P. Slot j is sequence index j in every layer. slot: each row writes at
+    its own slot (`RowSlotLayer`, [b] long) instead of one write position for all rows."""
     layers = []
     for src in prefill.layers:
         k = src.keys.index_select(0, rows)  # [B, kv, P, d]
@@ -94,11 +123,11 @@ def decode_cache(prefill: DynamicCache, rows: torch.Tensor, max_len: int) -> Cac
         P = k.shape[2]
         if P > max_len:
             raise ValueError(f"decode_cache: the prefill holds {P} positions, more than max_len={max_len}")
-        layer = BucketedLayer(max_cache_len=max_len)
+        layer = BucketedLayer(max_cache_len=max_len) if slot is None else RowSlotLayer(max_len, slot)
         layer.lazy_initialization(k, v)
         layer.keys[:, :, :P].copy_(k)
         layer.values[:, :, :P].copy_(v)
-        layer.cumulative_length.fill_(P)
+        layer.cumulative_length.fill_(P if slot is None else max_len - 1)
         layers.append(layer)
     return Cache(layers=layers)
 

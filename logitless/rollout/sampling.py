@@ -174,6 +174,17 @@ def step_sampler(device: torch.device, kernel: str, compile: bool) -> StepSample
     return torch_draw
 
 
+def filtered_draw(filters: list[LogitsProcessor]) -> StepSampler:
+    """A `StepSampler` drawing eagerly through top-k / top-p / min-p `filters` (processors that read no earlier
+    tokens: the multi-turn and refill decodes keep no whole-sequence history for them)."""
+
+    def draw(logits, keys, step, codes, temperature, greedy):
+        scores = apply_filters(filters, None, logits.float() / temperature)
+        return sample_tokens(logits, scores, step_keys(keys, step), codes, temperature, greedy)
+
+    return draw
+
+
 def apply_filters(filters: list[LogitsProcessor], history: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor | None:
     """transformers' repetition penalty / top-k / top-p / min-p over the temperature-scaled logits (both commute
     with the positive scale 1/T, so the order matches `generate`'s); None when no filter is on."""

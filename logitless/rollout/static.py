@@ -3,10 +3,13 @@
 - Prefill once per prompt (n rows, not n*G), then copy the prompt's KV into a [B, heads, L, d] static cache per
   row (`kv_cache.py`: full-length in every layer, so sliding-window and chunked layers are masked by the model's
   own mask functions exactly as in a full forward; layouts it cannot decode exactly are refused at construction).
-- KV budget: rows are decoded in waves of as many rows as `max_kv_gib` holds (automatic: AUTO_KV_FRACTION of the
-  device memory free at the call, each row also counting SAMPLING_BUFFERS [V] fp32 buffers; no cap on CPU). Waves
-  are equal-sized; on the compiled path a short last wave is padded, so every wave replays one graph. A budget
-  too small for one row is refused, naming rollout.max_kv_gib and the smallest value that works.
+- KV budget: a call decodes at most as many rows at once as `max_kv_gib` holds (automatic: AUTO_KV_FRACTION of
+  the device memory free at the call, each row also counting SAMPLING_BUFFERS [V] fp32 buffers; no cap on CPU).
+  With more rows than that, each of those decode slots takes the next pending row as soon as its row ends
+  (`static_refill.py`, `refill`: the same tokens and logprobs, one graph per call), or, where refill does not
+  apply, the rows decode in equal waves (on the compiled path a short last wave is padded, so every wave replays
+  one graph), each as long as its longest row. A budget too small for one row is refused, naming
+  rollout.max_kv_gib and the smallest value that works.
 - Each decode step is the model's forward on [B, 1] tokens, then the token draw and the step's writes. On CUDA
   the whole step is one CUDA graph (`step_graph.py`: the forward compiled without CUDA graphs, captured with the
   draw once per wave, a counter on the device for the step), so a step costs one replay and almost no host time.
@@ -73,11 +76,12 @@ from .kv_cache import (
     prefill_cache,
     wave_rows,
 )
-from .layouts import check_layout
+from .layouts import FULL, check_layout
 from .sampling import (apply_filters, resolve_sampler_kernel, sample_tokens, step_keys, step_sampler,
                        vocab_codes)
 from .static_rows import DecodeCall, DecodeRows, allow_recompiles, compiled_variants, mark_stopped, stream_keys
 from .static_overlap import generate_episodes
+from .static_refill import decode_refill, refill_blockers, use_refill
 from .static_turns import check_episode_options
 from .step_graph import DecodeStep, is_stop
 from .vision import refuse_vision
@@ -110,6 +114,9 @@ class StaticEngine:
     capture the eager step too where the forward is not compiled (a tensor-parallel group's decode on CUDA).
     record_routes: record the experts every token was routed to (`RolloutBatch.prompt_routes`/`completion_routes`;
     a mixture-of-experts model with a supported router family, `models/routing.py`; not with episodes).
+    refill: when the budget holds fewer rows than the call has, refill decode slots as rows end instead of waves
+    (`static_refill.use_refill`; None: wherever it applies, True: an error where it does not, False: waves).
+    `row_limits` (an attribute, None): [B] tokens each row may draw, for benchmarks' planted lengths.
     """
 
     def __init__(
@@ -129,6 +136,7 @@ class StaticEngine:
         sampler_kernel: str = "auto",
         step_graph: bool | None = None,
         record_routes: bool = False,
+        refill: bool | None = None,
     ):
         if check_every < 1 or cache_multiple < 1:
             raise ValueError(
@@ -147,10 +155,12 @@ class StaticEngine:
             raise ValueError(f"rollout.max_kv_gib={max_kv_gib!r} must be > 0 (GiB), or unset for the automatic budget")
         self.weights = weights if weights is not None else LiveWeights(model)
         refuse_vision(unwrap_model(self.weights.module), "static")  # before the layout check, which names no fix
-        check_layout(unwrap_model(self.weights.module), "static", STATIC_LAYER_TYPES)
+        types = check_layout(unwrap_model(self.weights.module), "static", STATIC_LAYER_TYPES)
+        self.full_attention_only = all(kind == FULL for kind in types)  # what refill needs
         if record_routes:
             require_routing(unwrap_model(self.weights.module), "model.routing_replay")
         self.record_routes = record_routes
+        self.refill = refill
         where = model_device(self.weights.module)
         dtype = getattr(unwrap_model(self.weights.module), "dtype", torch.float32)
         has_triton = importlib.util.find_spec("triton") is not None
@@ -187,6 +197,12 @@ class StaticEngine:
         # a model whose logits are this process's columns of the vocabulary (a tensor-parallel lm_head): the draw
         # reduces over the group (`vocab_split.py`); with top-k/top-p/min-p/repetition penalty the rows are gathered
         self.vocab_shard: VocabShard | None = None
+        # [B] long or None: row b ends once it has drawn row_limits[b] tokens (at most max_new_tokens), as at that
+        # limit; benchmarks plant a length distribution with it on a random-init model, whose rows never draw EOS
+        self.row_limits: torch.Tensor | None = None
+        if refill is True and refill_blockers(self):
+            raise ValueError(f"rollout.refill=true refills decode slots as rows end, which needs "
+                             f"{'; '.join(refill_blockers(self))}; or unset rollout.refill (waves)")
         self._max_len = 0
         self._last_parts: dict[str, float] = {}
         self._caches: list[weakref.ref] = []  # weak references to the KV caches of the call in progress
@@ -308,12 +324,16 @@ class StaticEngine:
         call, prompt_of_row = self._start_call(module, prep, options, self._cache_len(P, S, prep.context))
         routes = None if call.routing is None else call.routing.empty(B, P + S)
         wave = self._wave_size(call, B)
+        if use_refill(self, call, wave, B):  # slots refilled as rows end (`static_refill.py`)
+            decode_refill(self, module, call, prompt_of_row, wave, call.limits, completion, logps, lens)
+            sync(device)
+            return completion, logps, lens, time.perf_counter() - tg, routes
         for r0 in range(0, B, wave):
             rows = torch.arange(r0, min(r0 + wave, B), device=device)
             ids, lp, steps, wave_routes = self._decode_wave(module, call, rows, prompt_of_row, pad_to=wave)
             completion[r0 : r0 + len(rows), :steps] = ids.cpu()
             logps[r0 : r0 + len(rows), :steps] = lp.cpu()
-            lens[r0 : r0 + len(rows)] = steps
+            lens[r0 : r0 + len(rows)] = call.limits[r0 : r0 + len(rows)].cpu().clamp(max=steps)
             if routes is not None:
                 routes[r0 : r0 + len(rows), :P] = call.prompt_routes[prompt_of_row[rows]].cpu()
                 routes[r0 : r0 + len(rows), P : P + steps] = wave_routes.cpu()
@@ -337,6 +357,12 @@ class StaticEngine:
             vocab_codes(shard.vocab, device) if filters else shard_codes(shard.start, shard.size, device)
         call.filters = filters
         call.eos = torch.tensor(eos, dtype=torch.long, device=device)
+        call.limits = torch.full((n * G,), options.max_new_tokens, dtype=torch.long, device=device)
+        if self.row_limits is not None:
+            if self.row_limits.shape != (n * G,):
+                raise ValueError(f"StaticEngine.row_limits has shape {tuple(self.row_limits.shape)}, the call has "
+                                 f"{n * G} rows")
+            call.limits = call.limits.clamp(max=self.row_limits.to(device).clamp(min=1))
         return call, prompt_of_row
 
     def _draw(self, device: torch.device):
@@ -400,6 +426,7 @@ class StaticEngine:
         history[:, :P] = prep.ids[src]
         out_logp = torch.zeros((Bw, S), dtype=torch.float32, device=device)
         live = DecodeRows.start(call, src, call.keys[rows], L)
+        limit = call.limits[rows]  # [Bw] tokens each row may draw
         self._caches.append(weakref.ref(live.cache))
         # the routes of the token each step feeds, at its column (the step counter); None without record_routes
         sink = None if call.routing is None else RouteSink(
@@ -414,16 +441,17 @@ class StaticEngine:
         t0 = self._tick("prefill", t0, device)  # the copy into this wave's cache
         with record:
             if self._graph_step(device, call.filters):
-                steps = self._graph_steps(module, call, live, history, out_logp, draw, t0, sink)
+                steps = self._graph_steps(module, call, live, history, out_logp, draw, t0, sink, limit)
             else:
                 forward, compiled = self._forward(module, device, Bw)
-                steps = self._eager_steps(live, call, history, out_logp, draw, forward, compiled, buckets, sink, t0)
+                steps = self._eager_steps(live, call, history, out_logp, draw, forward, compiled, buckets, sink, t0,
+                                          limit)
         routes = None if sink is None else sink.buffer[:w, :steps]
         return history[:w, P : P + steps], out_logp[:w, :steps], steps, routes
 
     def _eager_steps(self, live: DecodeRows, call: DecodeCall, history: torch.Tensor, out_logp: torch.Tensor,
                      draw: Any, forward: Callable, compiled: bool, buckets: list[int], sink: RouteSink | None,
-                     t0: float) -> int:
+                     t0: float, limit: torch.Tensor) -> int:
         """The wave's decode one step at a time (the forward alone compiled, if at all); returns the steps decoded.
         `sink`: where the routers write the routes of the token each forward feeds (its rows follow compaction)."""
         prep, options, device = call.prep, call.options, call.prep.device
@@ -442,6 +470,7 @@ class StaticEngine:
             out_logp[live.index, t] = logp
             if call.eos.numel():
                 live.done = live.done | is_stop(token, call.eos)
+            live.done = live.done | (t + 1 >= limit[live.index])
             t0 = self._tick("sample", t0, device)
             steps = t + 1
             if t + 1 == S:
@@ -468,7 +497,7 @@ class StaticEngine:
         return steps
 
     def _graph_steps(self, module: Any, call: DecodeCall, live: DecodeRows, history: torch.Tensor, out_logp: torch.Tensor,
-                     draw: Any, t0: float, sink: RouteSink | None = None) -> int:
+                     draw: Any, t0: float, sink: RouteSink | None = None, limit: torch.Tensor | None = None) -> int:
         """The wave's decode through one `DecodeStep` (rows never compacted: row i is row i of the outputs);
         returns the steps decoded. Step 0 is drawn from the prefill's fp32 logits, every later one by the step.
         `sink`: its step becomes the step's own counter (the forward of step t + 1 feeds token t, before the
@@ -481,7 +510,7 @@ class StaticEngine:
                           next_pos=live.next_pos, done=live.done, keys=live.keys, history=history,
                           out_logp=out_logp, prompt_len=P, pad_id=prep.pad_id, eos=call.eos, codes=call.codes,
                           temperature=options.logp_temperature, greedy=options.temperature == 0,
-                          stream=self._streams.get(device))
+                          stream=self._streams.get(device), limit=limit)
         if sink is not None:
             sink.step = step.t
         step.first(live.logits)

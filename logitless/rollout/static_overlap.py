@@ -34,7 +34,7 @@ from torch.profiler import record_function
 
 from .engine import PreparedPrompts, sync, unwrap_model
 from .episodes import EpisodeDriver, EpisodeStream, Replies, TurnEnd, finished_records, turn_cap
-from .sampling import apply_filters, rows_step_keys, rows_turn_keys, sample_tokens, step_keys
+from .sampling import filtered_draw, rows_step_keys, rows_turn_keys
 from .static_rows import DecodeRows
 from .static_turns import episode_cache_len, prefill_observations, relayout, turn_length
 from .step_graph import DecodeStep, is_stop
@@ -100,9 +100,7 @@ def decode_overlapped(engine: Any, module: Any, call: Any, rows: torch.Tensor, p
     limit = torch.zeros(b, dtype=torch.long, device=device)
     graph = engine._graph_step(device, call.filters) and device.type == "cuda"
     if call.filters:  # top-k / top-p / min-p, eagerly (they read no earlier tokens)
-        def draw(logits, keys, t, codes, T, greedy, _f=call.filters):  # noqa: F811
-            scores = apply_filters(_f, None, logits.float() / T)
-            return sample_tokens(logits, scores, step_keys(keys, t), codes, T, greedy)
+        draw = filtered_draw(call.filters)
     if graph and device not in engine._streams:
         engine._streams[device] = torch.cuda.Stream(device)
     step = TurnStep(engine._step_forward(module, device, b), draw, live.cache, width=W, mask=live.mask,

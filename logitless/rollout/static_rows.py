@@ -51,6 +51,7 @@ class DecodeCall:
     parts: dict[str, float] = field(default_factory=dict)  # seconds per part of the step (profile=True)
     routing: Any = None  # `models.routing.MoERouting` of the decoding model when the call records routes
     prompt_routes: torch.Tensor | None = None  # [n, P, layers, k] the prompts' routes, recorded at their prefill
+    limits: torch.Tensor | None = None  # [B] long tokens each row may draw (max_new_tokens, or `row_limits`)
 
 
 @dataclass

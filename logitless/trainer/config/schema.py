@@ -267,6 +267,13 @@ class RolloutConfig:
     # penalty, length_buckets=1, compact_finished=false), else the forward alone is a CUDA graph; true: as None, and
     # an error where it does not apply (off CUDA the same step runs eagerly); false: never.
     step_graph: bool | None = None
+    # When the KV budget (rollout.max_kv_gib, or automatic) holds fewer rows than a rollout has, decode them through
+    # that many slots, each taking the next pending row as soon as its row ends (seen every few steps), instead of
+    # waves that each last as long as their longest row; the same tokens and logprobs. None: wherever it applies
+    # (full-attention layers, no top_k/top_p/min_p/repetition penalty, length_buckets=1, compact_finished=false, no
+    # routing replay, tensor_parallel=1; on CUDA where the step graph applies); true: also with top_k/top_p/min_p,
+    # and an error where it does not apply; false: waves.
+    refill: bool | None = None
     # Backend "static" only. The device the rollout decodes on, e.g. "cuda:1" (one process): a replica of the policy
     # (merged for LoRA) lives there, synced from the trainer before every rollout, so the KV cache and the decode's
     # weights never take the training GPU's memory, and with train.async_rollout the decode and the update run on
@@ -295,7 +302,7 @@ class RolloutConfig:
                 "compact_finished": self.compact_finished, "device": self.device is not None,
                 "decode_attention": self.decode_attention == "triton",
                 "sampler_kernel": self.sampler_kernel == "triton", "step_graph": self.step_graph is True,
-                "tensor_parallel": self.tensor_parallel != 1}
+                "refill": self.refill is True, "tensor_parallel": self.tensor_parallel != 1}
         return [name for name, on in used.items() if on]
 
     def __post_init__(self):
@@ -326,6 +333,14 @@ class RolloutConfig:
                 raise ValueError(f"rollout.step_graph=true captures one fused decode step per wave, which "
                                  f"rollout.{', rollout.'.join(on)} rule(s) out (eager filters or shapes that change "
                                  f"between steps): unset rollout.step_graph, or reset {', '.join(on)}")
+        if self.refill is True:
+            rules = {"repetition_penalty": self.repetition_penalty != 1.0, "length_buckets": self.length_buckets != 1,
+                     "compact_finished": self.compact_finished, "tensor_parallel": self.tensor_parallel != 1}
+            on = [name for name, used in rules.items() if used]
+            if on:
+                raise ValueError(f"rollout.refill=true refills decode slots as rows end, which rollout."
+                                 f"{', rollout.'.join(on)} rule(s) out: unset rollout.refill (waves), or reset "
+                                 f"{', '.join(on)}")
 
 
 @dataclass

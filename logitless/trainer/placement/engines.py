@@ -48,7 +48,7 @@ def make_rollout_engine(cfg: RolloutConfig, model: Any, tokenizer: Any, choice: 
     return make_engine("static", model, tokenizer, weights=weights, max_kv_gib=cfg.max_kv_gib, profile=cfg.profile,
                        length_buckets=cfg.length_buckets, compact_finished=cfg.compact_finished,
                        decode_attention=choice.decode_attention or cfg.decode_attention,
-                       sampler_kernel=cfg.sampler_kernel, step_graph=cfg.step_graph,
+                       sampler_kernel=cfg.sampler_kernel, step_graph=cfg.step_graph, refill=cfg.refill,
                        record_routes=choice.record_routes)
 
 

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from logitless.models.lm_head import decoder_body, final_hidden_states, lm_head_of, position_ids_from_mask
 from logitless.models.routing import no_route, routing_of, routing_scope
 from logitless.models.varlen import NAME as VARLEN, packed_kwargs
-from logitless.models.vision import ImageInputs, image_forward_inputs, is_vision_language
+from logitless.models.vision import ImageInputs, encode_once, image_forward_inputs, is_vision_language
 from logitless.ops import token_logprobs
 
 
@@ -91,7 +91,8 @@ def completion_logprobs(
 
     A vision-language model's forward also takes `images` (the processor's tensors of each row, `models/vision.py`),
     the token types of the placeholders and, for M-RoPE, the model's own `get_rope_index` positions of the rows as
-    padded; the image placeholders are prompt tokens, so they are context and never scored. `packed=True` is
+    padded; the image placeholders are prompt tokens, so they are context and never scored. Rows that share their
+    image tensors (a prompt's samples) run the vision encoder once (`vision.encode_once`). `packed=True` is
     refused with images (positions would have to restart per row in all three M-RoPE rows).
     """
     if not isinstance(prompt_ids, Tensor) or prompt_ids.dim() != 2 or prompt_ids.shape[1] < 1:
@@ -159,10 +160,12 @@ def completion_logprobs(
         else:
             if routing is not None:
                 routing.set_forward(None if routes is None else routes.flatten(0, 1), replay)
-            extra = image_forward_inputs(decoder_body(model), input_ids, attention_mask, images) if vision or \
+            body = decoder_body(model)
+            extra = image_forward_inputs(body, input_ids, attention_mask, images) if vision or \
                 images is not None else {}
-            hidden = final_hidden_states(model, input_ids, attention_mask.long(), extra.pop("position_ids", None),
-                                         **extra)  # [B, L, H]
+            with encode_once(body, images, extra.get("pixel_values")):  # rows of one prompt: its images once
+                hidden = final_hidden_states(model, input_ids, attention_mask.long(), extra.pop("position_ids", None),
+                                             **extra)  # [B, L, H]
             L = hidden.shape[1]
             src = (P - 1 + torch.arange(T, device=device)).expand(B, T).clone()  # [B, T]
             src[:, 0] = last_prompt

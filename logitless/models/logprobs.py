@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from logitless.models.lm_head import decoder_body, final_hidden_states, lm_head_of, position_ids_from_mask
 from logitless.models.routing import no_route, routing_of, routing_scope
 from logitless.models.varlen import NAME as VARLEN, packed_kwargs
-from logitless.models.vision import ImageInputs, encode_once, image_forward_inputs, is_vision_language
+from logitless.models.vision import ImageInputs, encode_once, image_forward_inputs, is_vision_language, packing_refusal
 from logitless.ops import token_logprobs
 
 
@@ -150,10 +150,9 @@ def completion_logprobs(
         routes = torch.cat([prompt_routes, completion_routes], 1).to(device)  # [B, L, layers, k]
         routes = routes.masked_fill(~attention_mask[..., None, None], no_route(routes.dtype))
     vision = is_vision_language(model)
-    if packed and vision and not hasattr(decoder_body(model), "get_rope_index"):
-        raise ValueError(f"packed=True (train.packed) is not supported for {type(decoder_body(model)).__name__} yet: "
-                         "its image tokens attend to each other both ways (token_type_ids), which the packed "
-                         "attention does not express; set train.packed=false")
+    refusal = packing_refusal(decoder_body(model)) if packed and vision else None
+    if refusal is not None:
+        raise ValueError(f"packed=True (train.packed) is not supported for this model yet: {refusal}")
     with routing_scope(model) if routing is not None else contextlib.nullcontext():
         if packed:
             rows_images = (images if images is not None else ImageInputs([None] * B)) if vision else None

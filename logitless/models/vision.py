@@ -187,6 +187,17 @@ def image_forward_inputs(body: nn.Module, input_ids: Tensor, attention_mask: Ten
     return out
 
 
+def packing_refusal(body: nn.Module) -> str | None:
+    """Why the rows of a vision-language model whose multimodal body is `body` cannot be packed into one sequence
+    (`train.packed`), or None where they can: a text model, or an M-RoPE model (one with `get_rope_index`), whose
+    packed rows each carry their own positions. A model whose image tokens attend to each other both ways (Gemma 3's
+    `token_type_ids`) needs a per-image bidirectional block the packed attention does not express."""
+    if not is_vision_language(body) or hasattr(body, "get_rope_index"):
+        return None
+    return (f"{type(body).__name__}'s image tokens attend to each other both ways (token_type_ids), which the packed "
+            "attention does not express; set train.packed=false")
+
+
 def image_units(row: dict[str, Tensor]) -> int:
     """How many entries a row's images have along the first dimension of the encoder's per-image output: one per
     image (`image_grid_thw`'s rows, Qwen-VL) or one per `pixel_values` entry (Gemma 3: an image, or a crop)."""

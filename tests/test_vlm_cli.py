@@ -1,5 +1,5 @@
-"""`logitless train` with a vision-language model: a tiny local Qwen2.5-VL folder and the count_shapes task, two
-steps end to end on CPU (rollout on hf with images, rewards, the update, checkpoints)."""
+"""`logitless train` with a vision-language model: a tiny local Qwen2.5-VL, Qwen3-VL or Gemma 3 folder and the
+count_shapes task, two steps end to end on CPU (rollout on hf with images, rewards, the update, checkpoints)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from logitless.cli import main
-from vlm_fixtures import build_tiny_vlm
+from vlm_fixtures import FAMILIES, build_tiny_vlm
 
 
 def vlm_config(tmp_path, folder, **train):
@@ -33,13 +33,32 @@ def vlm_config(tmp_path, folder, **train):
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory, qwen_tokenizer_dir):
-    """One tiny Qwen2.5-VL folder for the module's runs (each run writes only to its own output folder)."""
-    return build_tiny_vlm(qwen_tokenizer_dir, tmp_path_factory.mktemp("vlm"))
+def folders(tmp_path_factory, qwen_tokenizer_dir):
+    """One tiny folder per family for the module's runs (each run writes only to its own output folder), built on
+    first use."""
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            built[family] = build_tiny_vlm(qwen_tokenizer_dir, tmp_path_factory.mktemp(family), family=family)
+        return built[family]
+
+    return get
 
 
-def test_train_a_vision_language_model_for_two_steps(tmp_path, folder):
-    assert main(["train", str(vlm_config(tmp_path, folder))]) == 0
+@pytest.fixture(scope="module")
+def folder(folders):
+    """The tiny Qwen2.5-VL folder."""
+    return folders("qwen2_5_vl")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_train_a_vision_language_model_for_two_steps(tmp_path, folders, family):
+    """Qwen2.5-VL's run packs its micro-batches (train.packed=true: each row its own M-RoPE positions), the others
+    pad them; the sampler's logprobs are the trainer's either way."""
+    folder = folders(family)
+    packed = {"packed": True} if family == "qwen2_5_vl" else {}
+    assert main(["train", str(vlm_config(tmp_path, folder, **packed))]) == 0
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "step" in r and "loss" in str(sorted(r))]
     assert steps and max(r["step"] for r in steps) == 2
@@ -53,12 +72,12 @@ def test_train_a_vision_language_model_for_two_steps(tmp_path, folder):
                  "--output", str(tmp_path / "eval.json")]) == 0  # `logitless eval` loads the processor
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.packed=true", "train.packed=true: rows with images"),
-    ("rollout.backend=static", "rollout.backend=static: rows with images"),
+@pytest.mark.parametrize("family, override, message", [
+    ("gemma3", "train.packed=true", "train.packed=true: Gemma3Model's image tokens attend to each other both ways"),
+    ("qwen2_5_vl", "rollout.backend=static", "rollout.backend=static: rows with images"),
 ])
-def test_vlm_settings_that_cannot_train_images_are_refused(tmp_path, folder, override, message, capsys):
-    assert main(["train", str(vlm_config(tmp_path, folder)), override]) != 0
+def test_vlm_settings_that_cannot_train_images_are_refused(tmp_path, folders, family, override, message, capsys):
+    assert main(["train", str(vlm_config(tmp_path, folders(family))), override]) != 0
     assert message in capsys.readouterr().err
 
 

@@ -8,18 +8,18 @@ import pytest
 import torch
 
 from logitless.models import completion_logprobs
-from logitless.models.vision import ImageInputs
+from logitless.models.vision import ImageInputs, placeholder_ids
 from logitless.rollout import SamplingOptions, make_engine
 from logitless.trainer.batching import make_micro_batches
 from logitless.trainer.config.schema import ModelConfig
 from logitless.trainer.policy.modeling import load_model_and_tokenizer
 from logitless.trainer.policy.vision import load_processor
-from vlm_fixtures import build_tiny_vlm, shape_image
+from vlm_fixtures import FAMILIES, build_tiny_vlm, shape_image
 
 
-@pytest.fixture(scope="module")
-def vlm(qwen_tokenizer_dir, tmp_path_factory):
-    path = build_tiny_vlm(qwen_tokenizer_dir, tmp_path_factory.mktemp("vlm") / "model")
+@pytest.fixture(scope="module", params=FAMILIES)
+def vlm(request, qwen_tokenizer_dir, tmp_path_factory):
+    path = build_tiny_vlm(qwen_tokenizer_dir, tmp_path_factory.mktemp("vlm") / "model", family=request.param)
     cfg = ModelConfig(name_or_path=str(path), device="cpu", dtype="float32", lora=True, lora_r=4)
     model, tok, _ = load_model_and_tokenizer(cfg)
     for n, p in model.named_parameters():  # LoRA B starts at zero: make the adapters matter
@@ -52,13 +52,22 @@ def test_hf_rollout_carries_each_rows_images_and_never_samples_a_placeholder(vlm
     assert b.images is not None and len(b.images) == 6
     assert [r is not None for r in b.images.rows] == [True, True, True, True, False, False]
     assert b.images.rows[0] is b.images.rows[1]  # a prompt's G rows share its tensors
-    assert b.images.rows[2]["image_grid_thw"].shape == (2, 3)
+    assert b.images.rows[2]["pixel_values"].shape[0] > b.images.rows[0]["pixel_values"].shape[0]  # two images
     config = model.get_base_model().config
-    placeholders = torch.tensor([config.image_token_id, config.video_token_id])
+    placeholders = torch.tensor(list(placeholder_ids(config)))
     assert not torch.isin(b.completion_ids, placeholders).any()
     n_image = (b.prompt_ids == config.image_token_id).sum(1)
-    expected = [int(r["image_grid_thw"].prod(-1).sum()) // 4 if r else 0 for r in b.images.rows]
-    assert n_image.tolist() == expected  # one placeholder per merged patch, as the processor expanded them
+    assert n_image.tolist() == [image_tokens(config, r) for r in b.images.rows]  # as the processor expanded them
+
+
+def image_tokens(config, row) -> int:
+    """How many placeholder tokens the images of one row expand to: Qwen-VL one per merged patch (2x2), Gemma 3
+    `mm_tokens_per_image` per image."""
+    if row is None:
+        return 0
+    if "image_grid_thw" in row:
+        return int(row["image_grid_thw"].prod(-1).sum()) // 4
+    return row["pixel_values"].shape[0] * config.mm_tokens_per_image
 
 
 def test_trainer_micro_batches_reproduce_the_samplers_logprobs(vlm, rollout):
@@ -131,9 +140,12 @@ def test_image_tokens_get_no_gradient_and_positions_are_the_models_own(vlm, roll
     assert image.sum() > 0 and grad[image].abs().max() == 0
     P = b.prompt_ids.shape[1]
     assert (grad[:, P - 1:-1].abs().sum(-1) > 0).all()  # each completion token's predictor gets gradient
-    positions = seen[0]  # [3, B, L]
-    assert positions.shape[0] == 3
+    positions = seen[0]  # [3, B, L] (M-RoPE) or [B, L]
     mask = torch.cat([b.prompt_mask, b.completion_mask], 1).bool()
+    if not hasattr(base.model, "get_rope_index"):  # Gemma 3: 1-D positions counting each row's real tokens
+        assert torch.equal(positions[mask], (mask.long().cumsum(1) - 1)[mask])
+        return
+    assert positions.shape[0] == 3
     for r in range(ids.shape[0]):
         row = ids[r][mask[r]][None]
         grid = b.images.rows[r]["image_grid_thw"] if b.images.rows[r] else None

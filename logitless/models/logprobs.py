@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from logitless.models.lm_head import decoder_body, final_hidden_states, lm_head_of, position_ids_from_mask
 from logitless.models.routing import no_route, routing_of, routing_scope
 from logitless.models.varlen import NAME as VARLEN, packed_kwargs
-from logitless.models.vision import ImageInputs, image_forward_inputs, is_vision_language
+from logitless.models.vision import ImageInputs, encode_once, image_forward_inputs, is_vision_language, packing_refusal
 from logitless.ops import token_logprobs
 
 
@@ -91,8 +91,10 @@ def completion_logprobs(
 
     A vision-language model's forward also takes `images` (the processor's tensors of each row, `models/vision.py`),
     the token types of the placeholders and, for M-RoPE, the model's own `get_rope_index` positions of the rows as
-    padded; the image placeholders are prompt tokens, so they are context and never scored. `packed=True` is
-    refused with images (positions would have to restart per row in all three M-RoPE rows).
+    padded; the image placeholders are prompt tokens, so they are context and never scored. Rows that share their
+    image tensors (a prompt's samples) run the vision encoder once (`vision.encode_once`). Packed, each
+    row keeps its own M-RoPE positions (`get_rope_index` of the row, after a text row that restarts at 0 per row:
+    transformers' 4-row form); a model without M-RoPE whose image tokens attend both ways (Gemma 3) is refused.
     """
     if not isinstance(prompt_ids, Tensor) or prompt_ids.dim() != 2 or prompt_ids.shape[1] < 1:
         raise ValueError(f"prompt_ids must be a [B, P] tensor with P >= 1, got {getattr(prompt_ids, 'shape', None)}")
@@ -148,21 +150,25 @@ def completion_logprobs(
         routes = torch.cat([prompt_routes, completion_routes], 1).to(device)  # [B, L, layers, k]
         routes = routes.masked_fill(~attention_mask[..., None, None], no_route(routes.dtype))
     vision = is_vision_language(model)
-    if packed and vision:
-        raise ValueError("packed=True (train.packed) is not supported for vision-language models yet: their M-RoPE "
-                         "positions would have to restart per packed row; set train.packed=false")
+    refusal = packing_refusal(decoder_body(model)) if packed and vision else None
+    if refusal is not None:
+        raise ValueError(f"packed=True (train.packed) is not supported for this model yet: {refusal}")
     with routing_scope(model) if routing is not None else contextlib.nullcontext():
         if packed:
-            hidden, flat = _packed_hidden(model, input_ids, attention_mask, P, routes, replay)  # [1, S, H], [N]
+            rows_images = (images if images is not None else ImageInputs([None] * B)) if vision else None
+            hidden, flat = _packed_hidden(model, input_ids, attention_mask, P, routes, replay,
+                                          rows_images)  # [1, S, H], [N]
             if tmask is not cmask:
                 flat = flat[tmask[cmask]]  # [n] of the N completion tokens
         else:
             if routing is not None:
                 routing.set_forward(None if routes is None else routes.flatten(0, 1), replay, attention_mask.flatten())
-            extra = image_forward_inputs(decoder_body(model), input_ids, attention_mask, images) if vision or \
+            body = decoder_body(model)
+            extra = image_forward_inputs(body, input_ids, attention_mask, images) if vision or \
                 images is not None else {}
-            hidden = final_hidden_states(model, input_ids, attention_mask.long(), extra.pop("position_ids", None),
-                                         **extra)  # [B, L, H]
+            with encode_once(body, images, extra.get("pixel_values")):  # rows of one prompt: its images once
+                hidden = final_hidden_states(model, input_ids, attention_mask.long(), extra.pop("position_ids", None),
+                                             **extra)  # [B, L, H]
             L = hidden.shape[1]
             src = (P - 1 + torch.arange(T, device=device)).expand(B, T).clone()  # [B, T]
             src[:, 0] = last_prompt
@@ -187,25 +193,36 @@ def completion_logprobs(
 
 
 def _packed_hidden(model: nn.Module, input_ids: Tensor, mask: Tensor, P: int, routes: Tensor | None = None,
-                   replay: bool = True) -> tuple[Tensor, Tensor]:
+                   replay: bool = True, images: ImageInputs | None = None) -> tuple[Tensor, Tensor]:
     """Final hidden states of the rows' real tokens packed into one sequence, and the packed index of the hidden
     state that predicts each completion token.
 
     input_ids, mask: [B, L] (L = P + T; a row's real tokens, prompt then completion, in column order). routes:
-    [B, L, layers, k] MoE routes of those tokens, packed alike (see `completion_logprobs`).
+    [B, L, layers, k] MoE routes of those tokens, packed alike (see `completion_logprobs`). images: a
+    vision-language (M-RoPE) model's image tensors of the B rows; the packed positions are then [4, 1, S]: the text
+    positions (0.. per row, which delimit the rows) over each row's own M-RoPE positions, packed alike.
     Returns hidden [1, S, H] (S = real tokens of the rows with completion tokens) and flat [N] (N = completion
     tokens), row-major like `mask[:, P:]`.
     """
-    mask = mask & mask[:, P:].any(1, keepdim=True)  # rows without completion tokens add nothing: left out
+    keep = mask[:, P:].any(1)  # [B] rows without completion tokens add nothing: left out
+    mask = mask & keep[:, None]
     packed_ids = input_ids[mask].unsqueeze(0)  # [1, S]
     position_ids = position_ids_from_mask(mask)[mask].unsqueeze(0)  # [1, S], 0.. per row
     lengths = mask.sum(1)  # [B]
-    varlen = getattr(decoder_body(model).config, "_attn_implementation", None) == VARLEN
+    body = decoder_body(model)
+    varlen = getattr(body.config, "_attn_implementation", None) == VARLEN
     extra = packed_kwargs(lengths[lengths > 0]) if varlen else {}  # row boundaries once, not per layer
+    if images is not None:  # the kept rows' image tensors, token types and M-RoPE positions, as padded, then packed
+        images = images.select(keep.nonzero()[:, 0])
+        vision = image_forward_inputs(body, input_ids[keep], mask[keep], images)
+        rope = vision.pop("position_ids")[:, mask[keep]]  # [3, S]
+        position_ids = torch.cat([position_ids, rope], 0).unsqueeze(1)  # [4, 1, S]
+        extra.update({k: v[mask[keep]].unsqueeze(0) if k.endswith("type_ids") else v for k, v in vision.items()})
     routing = routing_of(model)
     if routing is not None:
         routing.set_forward(None if routes is None else routes[mask], replay)
-    hidden = final_hidden_states(model, packed_ids, None, position_ids, **extra)  # [1, S, H]
+    with encode_once(body, images, extra.get("pixel_values")):  # rows of one prompt: its images once
+        hidden = final_hidden_states(model, packed_ids, None, position_ids, **extra)  # [1, S, H]
     index = mask.flatten().long().cumsum(0).view(mask.shape) - 1  # [B, L] packed index of each real token
     # A completion token is predicted by the real token just before it in its row, which is packed right before it.
     flat = index[:, P:][mask[:, P:]] - 1  # [N]

@@ -11,11 +11,16 @@ sampler's:
 - the token-type ids (`mm_token_type_ids`: 1 at image placeholders, 2 at video ones; Gemma 3's `token_type_ids`),
   without which a Qwen-VL text model silently falls back to 1-D positions;
 - for M-RoPE models (Qwen-VL), the 3-row positions of the model's own `get_rope_index` over the rows as padded.
+
+Rows sampled from one prompt share its image tensors (the same objects), and `encode_once` runs the vision encoder
+once per distinct row of a forward, the other rows' features copied from it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,3 +185,84 @@ def image_forward_inputs(body: nn.Module, input_ids: Tensor, attention_mask: Ten
         positions, _ = rope_index(input_ids, mm_token_type_ids=types, attention_mask=mask, **grids)
         out["position_ids"] = positions
     return out
+
+
+def packing_refusal(body: nn.Module) -> str | None:
+    """Why the rows of a vision-language model whose multimodal body is `body` cannot be packed into one sequence
+    (`train.packed`), or None where they can: a text model, or an M-RoPE model (one with `get_rope_index`), whose
+    packed rows each carry their own positions. A model whose image tokens attend to each other both ways (Gemma 3's
+    `token_type_ids`) needs a per-image bidirectional block the packed attention does not express."""
+    if not is_vision_language(body) or hasattr(body, "get_rope_index"):
+        return None
+    return (f"{type(body).__name__}'s image tokens attend to each other both ways (token_type_ids), which the packed "
+            "attention does not express; set train.packed=false")
+
+
+def image_units(row: dict[str, Tensor]) -> int:
+    """How many entries a row's images have along the first dimension of the encoder's per-image output: one per
+    image (`image_grid_thw`'s rows, Qwen-VL) or one per `pixel_values` entry (Gemma 3: an image, or a crop)."""
+    grid = row.get("image_grid_thw")
+    return int(grid.shape[0]) if grid is not None else int(row["pixel_values"].shape[0])
+
+
+def _expand_features(out: Any, index: Tensor) -> Any:
+    """The encoder output `out` of the distinct rows' images, expanded to all rows: `index` [u] picks, for each
+    image of each row in order, its image among the distinct ones. The per-image features (`pooler_output`: a
+    tuple of [tokens_i, H] or an [images, tokens, H] tensor) and Qwen3-VL's deepstack features ([sum tokens_i, H]
+    each) are expanded; the tower's own hidden states are dropped (the model's forward reads none of them)."""
+    pooled = out.pooler_output
+    picked = index.tolist()
+    if isinstance(pooled, (tuple, list)):
+        sizes = [p.shape[0] for p in pooled]
+        out.pooler_output = tuple(pooled[i] for i in picked)
+    else:
+        sizes = None
+        out.pooler_output = pooled.index_select(0, index.to(pooled.device))
+    deep = getattr(out, "deepstack_features", None)
+    if deep is not None:
+        if sizes is None:
+            raise NotImplementedError("deepstack features of an encoder without per-image outputs")
+        out.deepstack_features = [torch.cat([f.split(sizes)[i] for i in picked]) for f in deep]
+    for name in ("last_hidden_state", "hidden_states", "attentions"):
+        if getattr(out, name, None) is not None:
+            out[name] = None
+    return out
+
+
+@contextlib.contextmanager
+def encode_once(body: nn.Module, images: ImageInputs | None, pixel_values: Tensor | None) -> Iterator[None]:
+    """While open, a call of the vision-language body's image encoder (`body.get_image_features`) with
+    `pixel_values` (the object `ImageInputs.batched()` made of `images`' rows, as the body's forward and
+    `generate`'s prefill pass it on) encodes each distinct row of `images` once (rows sharing their tensors, the G
+    samples of a prompt) and gives the other rows copies of its features: the same features, so the same forward,
+    with the tower run on 1/G of the pixels. Other calls run the encoder as is. A no-op where no rows share."""
+    rows = [r for r in images.rows if r] if images is not None else []
+    distinct: dict[int, int] = {}
+    for r in rows:
+        distinct.setdefault(id(r), len(distinct))
+    if pixel_values is None or len(distinct) == len(rows) or not hasattr(body, "get_image_features"):
+        yield
+        return
+    unique_rows = list({id(r): r for r in rows}.values())
+    starts, total = [], 0
+    for r in unique_rows:
+        starts.append(total)
+        total += image_units(r)
+    index = torch.tensor([starts[distinct[id(r)]] + k for r in rows for k in range(image_units(r))])
+    unique = ImageInputs(unique_rows).batched()
+    own = type(body).get_image_features.__get__(body)
+
+    def shared(pixels: Tensor, *args: Any, **kwargs: Any) -> Any:  # args: Qwen2.5-VL passes its grid positionally
+        with_grid = len(args) == 1 or "image_grid_thw" in kwargs
+        if pixels is not pixel_values or len(args) > 1 or with_grid != ("image_grid_thw" in unique):
+            return own(pixels, *args, **kwargs)
+        if with_grid:
+            kwargs["image_grid_thw"] = unique["image_grid_thw"]
+        return _expand_features(own(unique["pixel_values"], **kwargs), index)
+
+    body.get_image_features = shared
+    try:
+        yield
+    finally:
+        if body.__dict__.get("get_image_features") is shared:
+            del body.get_image_features

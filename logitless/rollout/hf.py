@@ -18,7 +18,7 @@ from transformers.generation.logits_process import (
 )
 
 from logitless.models import UnsupportedModelError, decoder_body
-from logitless.models.vision import image_forward_inputs
+from logitless.models.vision import encode_once, image_forward_inputs
 from logitless.models.routing import ForwardLog, MoERouting, recording, require_routing
 
 from .attention import gqa_decode
@@ -193,11 +193,12 @@ class HFEngine:
         G = options.num_generations  # rows i*G+g; tokenized once, expanded here (greedy allows no
         # num_return_sequences > 1 in transformers, and this is the same expansion it would do)
         rows_ids, rows_mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
-        vision = {}
+        vision, shared = {}, contextlib.nullcontext()
         if prep.images is not None:  # the rows' image tensors and token types; generate computes the M-RoPE positions
-            body = decoder_body(self.model)
-            vision = image_forward_inputs(body, rows_ids, rows_mask, prep.images.to(device).repeat_interleave(G))
+            body, row_images = decoder_body(self.model), prep.images.to(device).repeat_interleave(G)
+            vision = image_forward_inputs(body, rows_ids, rows_mask, row_images)
             vision.pop("position_ids", None)
+            shared = encode_once(body, row_images, vision.get("pixel_values"))  # the tower once per prompt, not G times
         recorder, processors = self.processors(options)
         if self.placeholders:
             processors.append(BanPlaceholders(self.placeholders))
@@ -206,7 +207,7 @@ class HFEngine:
         extra = {"tokenizer": self.tokenizer} if options.stop else {}
         log = None if self.routing is None else ForwardLog(self.routing.layers, self.routing.dtype)
         record = recording(unwrap_model(self.model), log) if log is not None else contextlib.nullcontext()
-        with self.sampling(options, device), record:
+        with self.sampling(options, device), record, shared:
             sync(device)
             tg = time.perf_counter()
             out = self.model.generate(input_ids=rows_ids, attention_mask=rows_mask, generation_config=cfg,

@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 
+from logitless.models.lm_head import decoder_body
 from logitless.models.routing import RULES, is_moe, routing_of
 from logitless.models.tiled_mlp import check_tileable
 from logitless.models.varlen import NAME as VARLEN_ATTENTION
 from logitless.models.varlen import register as register_varlen_attention
-from logitless.models.vision import model_class
+from logitless.models.vision import is_vision_language, model_class, packing_refusal
 from logitless.rollout.weights import merge_targets
 from logitless.trainer.config.schema import ModelConfig, TrainerConfig
 from logitless.trainer.policy.lora_targets import add_lora, lora_config
@@ -264,6 +265,11 @@ def check_model(cfg: TrainerConfig, config: Any, *, training: bool = True, attn:
         check_tileable(model, chunk)
         lines.append(f"model.mlp_chunk_tokens={chunk}: every decoder layer has a dense gated MLP, tiled in chunks of "
                      f"{chunk} tokens")
+    if training and cfg.train.packed is True and is_vision_language(config):
+        why = packing_refusal(decoder_body(model))
+        if why is not None:
+            raise ValueError(f"train.packed=true: {why}")
+        lines.append("train.packed=true: each packed row carries its own M-RoPE positions and images")
     if cfg.model.lora:
         lines.append(check_lora_targets(model, cfg.model))
     if cfg.model.liger_kernels is True:  # ("auto" turns them on only where they apply: trainer/memory/auto.py)

@@ -131,7 +131,8 @@ def _packed(cfg: TrainerConfig, device: torch.device, dtype: torch.dtype, model:
         return False, UNREAD
     base = base_model(model)
     if is_vision_language(base):
-        return False, "a vision-language model: packed rows would need M-RoPE positions restarting per row"
+        return False, ("a vision-language model: packed rows (train.packed=true, M-RoPE models) are not chosen "
+                       "automatically before a GPU has measured them")
     if dtype not in (torch.bfloat16, torch.float16):
         return False, f"the model computes in {str(dtype).removeprefix('torch.')}; varlen flash attention needs bf16/fp16"
     if impl not in PACKED_ATTENTION:

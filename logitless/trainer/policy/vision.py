@@ -71,13 +71,10 @@ def load_processor(cfg: ModelConfig, tokenizer: Any) -> Any:
 
 def check_image_rows(cfg: TrainerConfig, rows: list[Any]) -> bool:
     """Whether some prompt row has images; refuses, before any model loads, the settings that cannot train them
-    yet: train.packed=true (M-RoPE positions restarting per packed row), a rollout backend other than hf (no image
-    inputs in its decode loop) and agents (multi-turn episodes)."""
+    yet: a rollout backend other than hf (no image inputs in its decode loop) and agents (multi-turn episodes).
+    (Packing is checked against the model's config: `checks.model`.)"""
     if not any(prompt_images(r.prompt) for r in rows):
         return False
-    if cfg.train.packed is True:
-        raise ValueError("train.packed=true: rows with images cannot be packed yet (each packed row would need its "
-                         "own M-RoPE positions); set train.packed=false (or auto)")
     if cfg.rollout.backend not in ("hf", "auto"):
         raise ValueError(f"rollout.backend={cfg.rollout.backend}: rows with images are decoded by rollout.backend=hf "
                          "only (the other engines have no image inputs or M-RoPE positions yet); set "

@@ -29,18 +29,16 @@ import torch  # noqa: E402
 import torch._inductor.config  # noqa: E402
 
 from bench import gpu_exactness as G  # noqa: E402
-from logitless.models.compiled import EAGER_NUMERICS  # noqa: E402
+from logitless.models.compiled import EAGER_NUMERICS, exact_division  # noqa: E402
 from logitless.models.experts import experts_implementation, set_experts_implementation  # noqa: E402
 
 VARIANTS = ("hf", "hf_grouped", "static", "static_eager", "static_batched", "static_div_exact")
 
 
 def division_rounding() -> dict:
-    """{inductor's key for exact fp32 division: True} under the name this PyTorch knows
-    (`eager_numerics.division_rounding`; `emulate_divison_rounding`, sic, before), or {}."""
-    known = torch._inductor.config.get_config_copy()
-    key = next((k for k in ("eager_numerics.division_rounding", "emulate_divison_rounding") if k in known), None)
-    return {key: True} if key else {}
+    """{inductor's key for exact fp32 division: True} (`models.compiled.exact_division`; EAGER_NUMERICS holds it
+    since the run that measured this variant, so `static_div_exact` is now `static`)."""
+    return exact_division()
 
 
 class ExactDivision:
@@ -51,7 +49,7 @@ class ExactDivision:
         self.engine = engine
 
     def generate(self, *args, **kw):
-        extra = division_rounding()
+        extra = {k: v for k, v in division_rounding().items() if k not in EAGER_NUMERICS}
         EAGER_NUMERICS.update(extra)
         try:
             return self.engine.generate(*args, **kw)

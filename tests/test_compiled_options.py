@@ -4,6 +4,7 @@ forward compiled with them by inductor itself (the suite's other CPU tests compi
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._inductor.config
 
@@ -23,3 +24,25 @@ def test_inductor_compiles_with_the_options_on_cpu():
     x, w = torch.randn(7, 5), torch.randn(5, 3)
     assert torch.allclose(f(x, w), torch.nn.functional.rms_norm(x @ w, (3,)).to(torch.bfloat16).float(), atol=1e-2)
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_division_is_eagers_on_cuda():
+    """GPU: an fp32 quotient compiled with EAGER_NUMERICS (a router's renormalised top-k weights) equals eager's to
+    the bit; compiled without the exact-division key it is Triton's approximate division, which differs from eager on
+    some of the same inputs (the baseline that shows the key matters)."""
+    torch.manual_seed(0)
+    x = torch.rand(1 << 16, 4, device="cuda") + 1e-3
+
+    def renorm(x):
+        return x / x.sum(-1, keepdim=True)
+
+    eager = renorm(x)
+    torch._dynamo.reset()
+    exact = torch.compile(renorm, options=dict(EAGER_NUMERICS))(x)
+    torch._dynamo.reset()
+    approx = torch.compile(renorm, options={k: v for k, v in EAGER_NUMERICS.items() if "divi" not in k})(x)
+    torch._dynamo.reset()
+    assert torch.equal(exact, eager)
+    assert not torch.equal(approx, eager), "Triton's division matched eager here: the baseline shows nothing"

@@ -12,7 +12,22 @@ a forward (the decode step, `model.compile_layers`) keeps eager numerics.
 
 from __future__ import annotations
 
-EAGER_NUMERICS = {"emulate_precision_casts": True}  # inductor: keep the bf16/fp16 roundings of eager mode
+
+
+def exact_division() -> dict:
+    """{inductor's key for eager's correctly rounded fp32 division: True} under the name this PyTorch knows, or {}.
+    Triton's `x / y` is the approximate `div.full` (up to 2 ulp); eager divides exactly. A mixture of experts
+    renormalises its top-k weights by such a quotient: on one H100, compiled Qwen3-MoE / Mixtral routers gave
+    23 / 6,224 of 16,384 weights unlike eager's without it and 9 / 2,235 with it (bench/LOG.md)."""
+    import torch._inductor.config
+
+    known = torch._inductor.config.get_config_copy()
+    key = next((k for k in ("eager_numerics.division_rounding", "emulate_divison_rounding") if k in known), None)
+    return {key: True} if key else {}
+
+
+# inductor: keep the bf16/fp16 roundings of eager mode, and its exact division
+EAGER_NUMERICS = {"emulate_precision_casts": True, **exact_division()}
 
 
 def inductor_options(cudagraphs: bool = False) -> dict:

@@ -269,10 +269,10 @@ class RolloutConfig:
     step_graph: bool | None = None
     # When the KV budget (rollout.max_kv_gib, or automatic) holds fewer rows than a rollout has, decode them through
     # that many slots, each taking the next pending row as soon as its row ends (seen every few steps), instead of
-    # waves that each last as long as their longest row; the same tokens and logprobs. None: wherever it applies
-    # (full-attention layers, no top_k/top_p/min_p/repetition penalty, length_buckets=1, compact_finished=false, no
-    # routing replay, tensor_parallel=1; on CUDA where the step graph applies); true: also with top_k/top_p/min_p,
-    # and an error where it does not apply; false: waves.
+    # waves that each last as long as their longest row; the same tokens and logprobs. None: off CUDA wherever it
+    # applies (full-attention layers, no top_k/top_p/min_p/repetition penalty, length_buckets=1,
+    # compact_finished=false, no routing replay, tensor_parallel=1); on CUDA waves until its captured step is measured
+    # on a GPU; true: also on CUDA and with top_k/top_p/min_p, an error where it does not apply; false: waves.
     refill: bool | None = None
     # Backend "static" only. The device the rollout decodes on, e.g. "cuda:1" (one process): a replica of the policy
     # (merged for LoRA) lives there, synced from the trainer before every rollout, so the KV cache and the decode's

@@ -77,16 +77,16 @@ from .kv_cache import (
     wave_rows,
 )
 from .layouts import FULL, check_layout
-from .sampling import (apply_filters, resolve_sampler_kernel, sample_tokens, step_keys, step_sampler,
+from .sampling import (resolve_sampler_kernel, step_sampler,
                        vocab_codes)
 from .static_rows import DecodeCall, DecodeRows, allow_recompiles, compiled_variants, mark_stopped, stream_keys
 from .static_overlap import generate_episodes
 from .static_refill import decode_refill, refill_blockers, use_refill
 from .static_turns import check_episode_options
-from .step_graph import DecodeStep, is_stop
+from .static_waves import eager_steps, graph_steps
 from .vision import refuse_vision
 from .types import Prompt, RolloutBatch, SamplingOptions
-from .vocab_split import VocabShard, shard_codes, split_sampler, whole_logits
+from .vocab_split import VocabShard, shard_codes, split_sampler
 from .weights import LiveWeights, WeightSource
 
 AUTO_KV_FRACTION = 0.85  # share of the free device memory the decode cache may take when max_kv_gib is unset
@@ -441,93 +441,13 @@ class StaticEngine:
         t0 = self._tick("prefill", t0, device)  # the copy into this wave's cache
         with record:
             if self._graph_step(device, call.filters):
-                steps = self._graph_steps(module, call, live, history, out_logp, draw, t0, sink, limit)
+                steps = graph_steps(self, module, call, live, history, out_logp, draw, t0, sink, limit)
             else:
                 forward, compiled = self._forward(module, device, Bw)
-                steps = self._eager_steps(live, call, history, out_logp, draw, forward, compiled, buckets, sink, t0,
-                                          limit)
+                steps = eager_steps(self, live, call, history, out_logp, draw, forward, compiled, buckets, sink, t0,
+                                    limit)
         routes = None if sink is None else sink.buffer[:w, :steps]
         return history[:w, P : P + steps], out_logp[:w, :steps], steps, routes
-
-    def _eager_steps(self, live: DecodeRows, call: DecodeCall, history: torch.Tensor, out_logp: torch.Tensor,
-                     draw: Any, forward: Callable, compiled: bool, buckets: list[int], sink: RouteSink | None,
-                     t0: float, limit: torch.Tensor) -> int:
-        """The wave's decode one step at a time (the forward alone compiled, if at all); returns the steps decoded.
-        `sink`: where the routers write the routes of the token each forward feeds (its rows follow compaction)."""
-        prep, options, device = call.prep, call.options, call.prep.device
-        P, S = prep.ids.shape[1], options.max_new_tokens
-        steps, T, greedy = 0, options.logp_temperature, options.temperature == 0
-        for t in range(S):
-            if call.filters:  # eager: the compiled pass failed the chi-square test with filters on (see above)
-                hist = history.index_select(0, live.index)[:, : P + t]
-                logits = live.logits if self.vocab_shard is None else whole_logits(self.vocab_shard, live.logits)
-                scores = apply_filters(call.filters, hist, logits.float() / T)
-                token, logp = sample_tokens(logits, scores, step_keys(live.keys, t), call.codes, T, greedy)
-            else:
-                token, logp = draw(live.logits, live.keys, t, call.codes, T, greedy)
-            token = torch.where(live.done, prep.pad_id, token)
-            history[live.index, P + t] = token
-            out_logp[live.index, t] = logp
-            if call.eos.numel():
-                live.done = live.done | is_stop(token, call.eos)
-            live.done = live.done | (t + 1 >= limit[live.index])
-            t0 = self._tick("sample", t0, device)
-            steps = t + 1
-            if t + 1 == S:
-                break
-            if (t + 1) % self.check_every == 0:
-                if self._all_done(live, history, P, steps, options):
-                    break
-                if self.compact_finished:
-                    live, token = live.compacted(token)
-                    self._caches.append(weakref.ref(live.cache))
-                    if sink is not None:
-                        sink.rows = live.index
-            t0 = self._tick("host_checks", t0, device)
-            live.show(next(b for b in buckets if b > P + t))  # this step writes slot P + t
-            if compiled:
-                torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs were consumed
-            if sink is not None:
-                sink.step.fill_(t)  # this forward feeds token t
-            live.logits = forward(input_ids=token[:, None], attention_mask=live.visible_mask(),
-                                  position_ids=live.next_pos, past_key_values=live.cache, use_cache=True,
-                                  logits_to_keep=1).logits[:, -1]
-            live.next_pos = live.next_pos + 1
-            t0 = self._tick("forward", t0, device)
-        return steps
-
-    def _graph_steps(self, module: Any, call: DecodeCall, live: DecodeRows, history: torch.Tensor, out_logp: torch.Tensor,
-                     draw: Any, t0: float, sink: RouteSink | None = None, limit: torch.Tensor | None = None) -> int:
-        """The wave's decode through one `DecodeStep` (rows never compacted: row i is row i of the outputs);
-        returns the steps decoded. Step 0 is drawn from the prefill's fp32 logits, every later one by the step.
-        `sink`: its step becomes the step's own counter (the forward of step t + 1 feeds token t, before the
-        counter moves on), read on the device inside the captured step."""
-        prep, options, device = call.prep, call.options, call.prep.device
-        P, S, Bw = prep.ids.shape[1], options.max_new_tokens, len(live.index)
-        if device.type == "cuda" and device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
-        step = DecodeStep(self._step_forward(module, device, Bw), draw, live.cache, mask=live.mask,
-                          next_pos=live.next_pos, done=live.done, keys=live.keys, history=history,
-                          out_logp=out_logp, prompt_len=P, pad_id=prep.pad_id, eos=call.eos, codes=call.codes,
-                          temperature=options.logp_temperature, greedy=options.temperature == 0,
-                          stream=self._streams.get(device), limit=limit)
-        if sink is not None:
-            sink.step = step.t
-        step.first(live.logits)
-        t0 = self._tick("sample", t0, device)
-        steps = 1
-        try:
-            for t in range(1, S):
-                if t % self.check_every == 0:
-                    if self._all_done(live, history, P, t, options):
-                        break
-                    t0 = self._tick("host_checks", t0, device)
-                step.advance()
-                steps = t + 1
-                t0 = self._tick("step", t0, device)
-        finally:
-            step.release()
-        return steps
 
     def _all_done(self, live: DecodeRows, history: torch.Tensor, P: int, steps: int, options: SamplingOptions) -> bool:
         """Host check (one sync): mark rows whose text contains a stop string as done; True if all rows are."""

@@ -1,8 +1,8 @@
 """Refill: the static engine's decode when the KV budget holds fewer rows than the call has.
 
-Waves (`StaticEngine._decode_wave`) decode the rows in groups of as many rows as the budget holds, and a wave
-lasts as long as its longest row: with long-tailed completion lengths most of a wave's rows sit finished while a
-few run on. Here the budget's rows are decode *slots* instead: a slot whose row ended (EOS, its token limit, a
+Waves (`StaticEngine._decode_wave`, `static_waves.py`) decode the rows in groups of as many rows as the budget
+holds, and a wave lasts as long as its longest row: with long-tailed completion lengths most of a wave's rows sit
+finished while a few run on. Here the budget's rows are decode *slots* instead: a slot whose row ended (EOS, its token limit, a
 stop string), seen at a host check every `check_every` steps, takes the next pending row at once, and the call
 ends when the last row does:
 

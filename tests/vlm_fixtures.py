@@ -151,3 +151,23 @@ def shape_image(n_red: int, n_blue: int = 0, size: int = 56):
         x, y = (i % 4) * cell, (i // 4) * cell
         draw.rectangle([x + 2, y + 2, x + cell - 3, y + cell - 3], fill=color)
     return img
+
+
+class CounterScreen:
+    """A screenshot-style environment (`agent.environment: vlm_fixtures:CounterScreen`): each step shows the counter
+    (how many model turns so far) as red squares in a small image, beside a line of text; the episode ends after
+    `turns` model turns, rewarded 1.0. reset() asks the first question in text."""
+
+    def __init__(self, turns: int = 3, size: int = 56):
+        self.turns, self.size, self.count = turns, size, 0
+
+    def reset(self, row: dict) -> str | None:
+        self.count = 0
+        return "Count the squares on each screen."
+
+    def step(self, text: str):
+        self.count += 1
+        if self.count >= self.turns:
+            return None, 1.0, True
+        screen = shape_image(self.count, size=self.size + 28 * (self.count % 2))  # screens of two sizes
+        return [{"type": "text", "text": f"Screen {self.count}:"}, {"type": "image", "image": screen}], 0.0, False

@@ -16,20 +16,9 @@ from logitless.trainer.batching import make_micro_batches
 from logitless.trainer.config.schema import ModelConfig
 from logitless.trainer.policy.modeling import load_model_and_tokenizer
 from logitless.trainer.policy.vision import load_processor
-from vlm_fixtures import build_tiny_vlm, shape_image
+from vlm_fixtures import build_tiny_vlm, favour_turn_ends, shape_image
 
 G = 2
-
-
-def favour_turn_ends(model, token: int, scale: float = 10.0) -> None:
-    """Point the lm_head row of `token` (<|im_end|>) along the mean final hidden state, so that a random model ends
-    its turns within a few tokens (about half the time) and episodes have several turns."""
-    lm = model.get_base_model()
-    ids = torch.randint(0, 151_000, (4, 40), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        h = lm.model.language_model(input_ids=ids).last_hidden_state.reshape(-1, lm.config.text_config.hidden_size)
-        u = h.mean(0)
-        lm.lm_head.weight[token] = scale * u / u.norm() ** 2
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +174,40 @@ def test_image_tokens_get_no_gradient_and_positions_are_the_whole_rows(vlm, epis
         own, _ = base.model.get_rope_index(row, mm_token_type_ids=(row == base.config.image_token_id).long(),
                                            image_grid_thw=grid)
         assert torch.equal(positions[:, r][:, mask[r]], own[:, 0]), r
+
+
+def test_train_two_steps_with_a_screenshot_environment(tmp_path, qwen_tokenizer_dir):
+    """`logitless train`: count_shapes prompts (an image each) played as CounterScreen episodes (a screen per step),
+    rows packed (each its own M-RoPE positions over all its images), the environment's reward; the trainer's
+    forwards reproduce the sampler's logprobs."""
+    import json
+
+    import yaml
+    from transformers import AutoModelForImageTextToText
+
+    from logitless.cli import main
+
+    folder = build_tiny_vlm(qwen_tokenizer_dir, tmp_path / "model")
+    model = AutoModelForImageTextToText.from_pretrained(str(folder), dtype=torch.float32)
+    favour_turn_ends(model, 151645, scale=6.0)  # <|im_end|>: turns of a few tokens
+    model.save_pretrained(str(folder))
+    cfg = {
+        "model": {"name_or_path": str(folder), "lora_r": 4, "lora_alpha": 8, "dtype": "float32"},
+        "data": {"task": "count_shapes", "options": {"n": 8, "size": 56}},
+        "reward": {"reward_funcs": ["length_target"], "reward_options": {"length_target": {"target": 30}}},
+        "agent": {"environment": "vlm_fixtures:CounterScreen", "max_turns": 3, "max_turn_tokens": 4,
+                  "trace_episodes": 4},
+        "rollout": {"backend": "hf", "num_generations": 2, "max_completion_length": 48},
+        "train": {"output_dir": str(tmp_path / "run"), "max_steps": 2, "prompts_per_step": 2, "packed": True},
+        "logging": {"tensorboard": False, "progress": False},
+    }
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["train", str(path)]) == 0
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+             if "trained_rows" in line]
+    assert [s["step"] for s in steps] == [1, 2] and all(s["rollout/mismatch_max"] < 1e-4 for s in steps)
+    traces = [json.loads(line) for line in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
+    assert any(t["turns"] >= 2 for t in traces)
+    assert any(blk == {"type": "image"} for t in traces for m in t["messages"] if isinstance(m["content"], list)
+               for blk in m["content"])

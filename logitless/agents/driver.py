@@ -96,8 +96,9 @@ class AgentDriver:
                     else:
                         prompt.append({"role": "user", "content": first})
                 if prompt_images(prompt):
-                    ids, tensors = self._with_images(self.bridges[i].render(prompt, add_generation_prompt=True),
-                                                     prompt_images(prompt), f"prompt {i}", True)
+                    ids, tensors = self._with_images(
+                        lambda b=self.bridges[i], p=prompt: b.render(p, add_generation_prompt=True),
+                        prompt_images(prompt), f"prompt {i}", True)
                 else:
                     ids, tensors = self.bridges[i].prompt_ids(prompt), None
                 self.prompt_images.append(tensors)
@@ -404,10 +405,9 @@ class AgentDriver:
                 if self.format == "raw":
                     raise ValueError(f"agent.environment: {self.agent.env.name}.step() returned an image, which "  # type: ignore[union-attr]
                                      "the raw-text protocol (agent.format=raw) cannot show: use chat prompts")
-                text = bridge.user_suffix_text(obs)  # type: ignore[union-attr]
                 refs = [b["image"] for b in obs if b["type"] == "image"]  # type: ignore[union-attr]
-                ids = ImageReply(*self._with_images(text, refs, f"agent.environment: {self.agent.env.name}.step()",  # type: ignore[union-attr]
-                                                    False))
+                ids = ImageReply(*self._with_images(lambda: bridge.user_suffix_text(obs), refs,  # type: ignore[union-attr]
+                                                    f"agent.environment: {self.agent.env.name}.step()", False))  # type: ignore[union-attr]
                 msgs = [{"role": "user", "content": traced(obs)}]
             else:
                 ids = self._encode(obs) if self.format == "raw" else bridge.user_suffix(obs)  # type: ignore[union-attr]
@@ -417,13 +417,20 @@ class AgentDriver:
         _count(rec, "observation_tokens", len(ids))
         return ids
 
-    def _with_images(self, text: str, refs: list[Any], where: str, first: bool) -> tuple[list[int], Any]:
-        """(ids, image tensors) of chat text holding `refs`' images (a prompt's, `first`: with the tokenizer's
-        special tokens; an observation's: without), expanded by the vision-language model's processor; a text model
-        is refused naming `where`."""
+    def _with_images(self, render: Any, refs: list[Any], where: str, first: bool) -> tuple[list[int], Any]:
+        """(ids, image tensors) of the chat text `render()` writes, holding `refs`' images (a prompt's, `first`:
+        with the tokenizer's special tokens; an observation's: without), expanded by the vision-language model's
+        processor. Refused naming `where`: a text model, a chat template that cannot render image blocks, images
+        that cannot be read."""
         if self.agent.processor is None:
             raise ValueError(f"{where} holds an image, but the model is a text model (it has no processor to show "
                              "images): use a vision-language model (model.name_or_path), or return text")
+        try:
+            text = render()
+        except Exception as e:  # noqa: BLE001 (jinja errors of a template that renders no content blocks)
+            raise ValueError(f"{where} holds an image, which the agent's chat template cannot render "
+                             f"({type(e).__name__}: {e}); use the model's own template (unset agent.chat_template; "
+                             "with tools, one that renders both tools and images)") from None
         try:
             return encode_text_with_images(self.agent.processor, text, refs, add_special_tokens=first)
         except (OSError, ValueError) as e:

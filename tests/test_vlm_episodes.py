@@ -1,4 +1,4 @@
-"""Screenshot-style episodes on a tiny random Qwen2.5-VL (fp32, CPU, `hf` engine): an environment's step returns an
+"""Screenshot-style episodes on a tiny random Qwen2.5-VL and Qwen3-VL (fp32, CPU, `hf` engine): an environment's step returns an
 image beside text, the driver appends it through the processor, and later turns and the trainer see every image of
 the row. Oracles: the processor's own rendering of the whole conversation, the trainer's forward (sampler logprobs
 at 1e-5), the model's own `get_rope_index` over each whole row, and zero gradient at the image tokens."""
@@ -21,9 +21,9 @@ from vlm_fixtures import build_tiny_vlm, favour_turn_ends, shape_image
 G = 2
 
 
-@pytest.fixture(scope="module")
-def vlm(qwen_tokenizer_dir, tmp_path_factory):
-    path = build_tiny_vlm(qwen_tokenizer_dir, tmp_path_factory.mktemp("vlm") / "model")
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def vlm(request, qwen_tokenizer_dir, tmp_path_factory):
+    path = build_tiny_vlm(qwen_tokenizer_dir, tmp_path_factory.mktemp("vlm") / "model", family=request.param)
     cfg = ModelConfig(name_or_path=str(path), device="cpu", dtype="float32", lora=True, lora_r=4)
     model, tok, _ = load_model_and_tokenizer(cfg)
     for n, p in model.named_parameters():  # LoRA B starts at zero: make the adapters matter
@@ -185,7 +185,7 @@ def test_train_two_steps_with_a_screenshot_environment(tmp_path, qwen_tokenizer_
 
     folder = build_tiny_vlm(qwen_tokenizer_dir, tmp_path / "model")
     model = AutoModelForImageTextToText.from_pretrained(str(folder), dtype=torch.float32)
-    favour_turn_ends(model, 151645, scale=6.0)  # <|im_end|>: turns of a few tokens
+    favour_turn_ends(model, 151645, target=0.3)  # <|im_end|>: turns of a few tokens
     model.save_pretrained(str(folder))
     cfg = {
         "model": {"name_or_path": str(folder), "lora_r": 4, "lora_alpha": 8, "dtype": "float32"},

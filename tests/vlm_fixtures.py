@@ -140,16 +140,21 @@ def build_tiny_vlm(tokenizer_dir: Path, dest: Path, *, seed: int = 0, layers: in
     return dest
 
 
-def favour_turn_ends(model, token: int, scale: float = 10.0) -> None:
+def favour_turn_ends(model, token: int, target: float = 0.5) -> None:
     """Point the lm_head row of `token` (<|im_end|>) of a Qwen-VL model (or its PEFT wrapper) along the mean final
-    hidden state, so that a random model ends its turns within a few tokens (about half the time) and episodes have
-    several turns."""
+    hidden state, scaled so that its mean probability over random contexts is about `target`: a random model then
+    ends its turns within a few tokens and episodes have several turns."""
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     ids = torch.randint(0, 151_000, (4, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         h = lm.model.language_model(input_ids=ids).last_hidden_state.reshape(-1, lm.config.text_config.hidden_size)
-        u = h.mean(0)
-        lm.lm_head.weight[token] = scale * u / u.norm() ** 2
+        u = h.mean(0) / h.mean(0).norm() ** 2
+        others = lm.lm_head(h)
+        others[:, token] = float("-inf")
+        rest, along = torch.logsumexp(others, -1), h @ u
+        scales = torch.linspace(0.5, 40.0, 80)
+        mean_p = torch.stack([torch.sigmoid(s * along - rest).mean() for s in scales])
+        lm.lm_head.weight[token] = scales[(mean_p - target).abs().argmin()] * u
 
 
 def shape_image(n_red: int, n_blue: int = 0, size: int = 56):

@@ -140,6 +140,23 @@ def build_tiny_vlm(tokenizer_dir: Path, dest: Path, *, seed: int = 0, layers: in
     return dest
 
 
+def favour_turn_ends(model, token: int, target: float = 0.5) -> None:
+    """Point the lm_head row of `token` (<|im_end|>) of a Qwen-VL model (or its PEFT wrapper) along the mean final
+    hidden state, scaled so that its mean probability over random contexts is about `target`: a random model then
+    ends its turns within a few tokens and episodes have several turns."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    ids = torch.randint(0, 151_000, (4, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        h = lm.model.language_model(input_ids=ids).last_hidden_state.reshape(-1, lm.config.text_config.hidden_size)
+        u = h.mean(0) / h.mean(0).norm() ** 2
+        others = lm.lm_head(h)
+        others[:, token] = float("-inf")
+        rest, along = torch.logsumexp(others, -1), h @ u
+        scales = torch.linspace(0.5, 40.0, 80)
+        mean_p = torch.stack([torch.sigmoid(s * along - rest).mean() for s in scales])
+        lm.lm_head.weight[token] = scales[(mean_p - target).abs().argmin()] * u
+
+
 def shape_image(n_red: int, n_blue: int = 0, size: int = 56):
     """A white `size`x`size` RGB image with `n_red` red and `n_blue` blue squares in a fixed layout."""
     from PIL import Image, ImageDraw
@@ -151,3 +168,23 @@ def shape_image(n_red: int, n_blue: int = 0, size: int = 56):
         x, y = (i % 4) * cell, (i // 4) * cell
         draw.rectangle([x + 2, y + 2, x + cell - 3, y + cell - 3], fill=color)
     return img
+
+
+class CounterScreen:
+    """A screenshot-style environment (`agent.environment: vlm_fixtures:CounterScreen`): each step shows the counter
+    (how many model turns so far) as red squares in a small image, beside a line of text; the episode ends after
+    `turns` model turns, rewarded 1.0. reset() asks the first question in text."""
+
+    def __init__(self, turns: int = 3, size: int = 56):
+        self.turns, self.size, self.count = turns, size, 0
+
+    def reset(self, row: dict) -> str | None:
+        self.count = 0
+        return "Count the squares on each screen."
+
+    def step(self, text: str):
+        self.count += 1
+        if self.count >= self.turns:
+            return None, 1.0, True
+        screen = shape_image(self.count, size=self.size + 28 * (self.count % 2))  # screens of two sizes
+        return [{"type": "text", "text": f"Screen {self.count}:"}, {"type": "image", "image": screen}], 0.0, False

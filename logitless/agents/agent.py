@@ -25,11 +25,14 @@ from logitless.agents.tools import Tool, ToolSet, calculator_tool, function_tool
 class Agent:
     """Tools, an environment class, a parser and a chat-template bridge, loaded and checked once."""
 
-    def __init__(self, tokenizer: Any, options: AgentOptions, template_kwargs: dict[str, Any] | None = None) -> None:
-        """`template_kwargs`: the chat template's own variables (data.chat_template_kwargs, e.g. enable_thinking)."""
+    def __init__(self, tokenizer: Any, options: AgentOptions, template_kwargs: dict[str, Any] | None = None,
+                 processor: Any = None) -> None:
+        """`template_kwargs`: the chat template's own variables (data.chat_template_kwargs, e.g. enable_thinking).
+        `processor`: a vision-language model's processor (its chat template renders images, and it expands the
+        images of prompts and observations); None for a text model, whose observations cannot hold images."""
         if not isinstance(options, AgentOptions):
             raise TypeError(f"Agent options must be an AgentOptions, got {type(options).__name__}")
-        self.tokenizer, self.options = tokenizer, options
+        self.tokenizer, self.options, self.processor = tokenizer, options, processor
         self.toolset = ToolSet()
         self.custom = None  # agent.driver: your own driver, which replaces the tools, environment and template
         self.env, self.mcp, self.chat_format, self.bridge, self.row_tools = None, None, None, None, None
@@ -65,8 +68,9 @@ class Agent:
                 self.mcp = McpServers(parse_servers(options.mcp_servers), options.tool_timeout_s)
                 for tool in self.mcp.tools:
                     self.toolset.add(tool, f"agent.mcp_servers (the tool '{tool.name}')")
+            own = getattr(processor, "chat_template", None) if processor is not None else None
             self.chat_format, self.bridge = chat_side(tokenizer, options, self.toolset, self.env is not None,
-                                                      template_kwargs)
+                                                      template_kwargs, own if isinstance(own, str) else None)
             self.row_tools = RowTools(options.tools_field, self.toolset, self.bridge, self.env is not None)
         except BaseException:
             self.close()

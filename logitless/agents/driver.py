@@ -14,14 +14,15 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from logitless.agents.environment import check_first, check_reward, check_step
+from logitless.agents.environment import check_first, check_reward, check_step, has_image
 from logitless.agents.parsing import PARSERS, ParsedTurn, ToolCall
 from logitless.agents.runner import Outcome, TaskPool, run_tasks
 from logitless.agents.rowtools import unknown_tool
 from logitless.agents.templates import special_ids, tool_call_message, with_system
 from logitless.agents.tools import (AgentFatalError, Tool, ToolResult, check_arguments,
                                     cut_middle, error_text, run_call)
-from logitless.rollout.episodes import EpisodeRecord, TurnEnd
+from logitless.rollout.episodes import EpisodeRecord, ImageReply, TurnEnd
+from logitless.rollout.vision import encode_text_with_images, prompt_images
 
 RAW_STOP = "</call>"
 
@@ -73,6 +74,7 @@ class AgentDriver:
                          for _ in range(len(self.rows) * num_generations)]
         self.prompts: list[Any] = []  # each prompt as given to the model (with the environment's first observation)
         self.prompt_ids: list[list[int]] = []
+        self.prompt_images: list[Any] = []  # each prompt's image tensors (a vision-language model), or None
         # each prompt's tools (agent.tools_field; every tool without it) and the bridge that shows them
         self.allowed = [agent.row_tools.names(row, f"prompt {i} of this rollout") for i, row in enumerate(self.rows)]
         self.bridges = [agent.row_tools.bridge(names) for names in self.allowed]
@@ -87,12 +89,23 @@ class AgentDriver:
                 if first is not None:
                     if prompt and prompt[-1]["role"] == "user":
                         text = prompt[-1]["content"]
-                        prompt[-1]["content"] = f"{text}\n\n{first}" if text else first
+                        if isinstance(text, list):  # content blocks (images): the observation is one more block
+                            prompt[-1]["content"] = [*text, {"type": "text", "text": first}]
+                        else:
+                            prompt[-1]["content"] = f"{text}\n\n{first}" if text else first
                     else:
                         prompt.append({"role": "user", "content": first})
-                ids = self.bridges[i].prompt_ids(prompt)
+                if prompt_images(prompt):
+                    ids, tensors = self._with_images(
+                        lambda b=self.bridges[i], p=prompt: b.render(p, add_generation_prompt=True),
+                        prompt_images(prompt), f"prompt {i}", True)
+                else:
+                    ids, tensors = self.bridges[i].prompt_ids(prompt), None
+                self.prompt_images.append(tensors)
             self.prompts.append(prompt)
             self.prompt_ids.append(ids)
+        if fmt == "raw":
+            self.prompt_images = [None] * len(self.rows)
 
     def _reset(self, i: int, row: Any) -> str | None:
         """Build and reset the environments of prompt i's episodes (concurrently, each within
@@ -388,12 +401,40 @@ class AgentDriver:
                 return self._end(ep, truncated=True)
             msgs = [{"role": "user", "content": obs}]
             bridge = self.bridges[t.row // self.num_generations]
-            ids = self._encode(obs) if self.format == "raw" else bridge.user_suffix(obs)  # type: ignore[union-attr]
+            if has_image(obs):
+                if self.format == "raw":
+                    raise ValueError(f"agent.environment: {self.agent.env.name}.step() returned an image, which "  # type: ignore[union-attr]
+                                     "the raw-text protocol (agent.format=raw) cannot show: use chat prompts")
+                refs = [b["image"] for b in obs if b["type"] == "image"]  # type: ignore[union-attr]
+                ids = ImageReply(*self._with_images(lambda: bridge.user_suffix_text(obs), refs,  # type: ignore[union-attr]
+                                                    f"agent.environment: {self.agent.env.name}.step()", False))  # type: ignore[union-attr]
+                msgs = [{"role": "user", "content": traced(obs)}]
+            else:
+                ids = self._encode(obs) if self.format == "raw" else bridge.user_suffix(obs)  # type: ignore[union-attr]
         if len(ids) >= t.room:  # the observation and one more model token would not fit the episode's budget
             return self._end(ep, truncated=True)
         rec.messages.extend(msgs)
         _count(rec, "observation_tokens", len(ids))
         return ids
+
+    def _with_images(self, render: Any, refs: list[Any], where: str, first: bool) -> tuple[list[int], Any]:
+        """(ids, image tensors) of the chat text `render()` writes, holding `refs`' images (a prompt's, `first`:
+        with the tokenizer's special tokens; an observation's: without), expanded by the vision-language model's
+        processor. Refused naming `where`: a text model, a chat template that cannot render image blocks, images
+        that cannot be read."""
+        if self.agent.processor is None:
+            raise ValueError(f"{where} holds an image, but the model is a text model (it has no processor to show "
+                             "images): use a vision-language model (model.name_or_path), or return text")
+        try:
+            text = render()
+        except Exception as e:  # noqa: BLE001 (jinja errors of a template that renders no content blocks)
+            raise ValueError(f"{where} holds an image, which the agent's chat template cannot render "
+                             f"({type(e).__name__}: {e}); use the model's own template (unset agent.chat_template; "
+                             "with tools, one that renders both tools and images)") from None
+        try:
+            return encode_text_with_images(self.agent.processor, text, refs, add_special_tokens=first)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{where}: its images cannot be processed ({e})") from None
 
     def _encode(self, text: str) -> list[int]:
         return list(self.agent.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -413,6 +454,12 @@ class AgentDriver:
                    else f"raised {type(out.error).__name__}: {out.error}")
             warnings.warn(f"agent.environment: {name}.{what}() {why}; the episode ended there (counted in the "
                           "episode metric env_errors; further errors of this rollout are not warned)", stacklevel=3)
+
+
+def traced(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Content blocks as an episode record keeps them: an image as {"type": "image"} without its pixels (records
+    are written to traces and logs)."""
+    return [{"type": "image"} if b["type"] == "image" else dict(b) for b in blocks]
 
 
 def _final_reward(env: Any, reward: bool, close: bool) -> tuple[float | None, BaseException | None]:

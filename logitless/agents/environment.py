@@ -130,17 +130,44 @@ def _import_class(spec: str | type, key: str = "agent.environment",
     return cls
 
 
-def check_step(env_name: str, value: Any) -> tuple[str | None, float | None, bool]:
+def check_step(env_name: str, value: Any) -> tuple[str | list[dict[str, Any]] | None, float | None, bool]:
     """A `step` return value as (observation, reward, done); a wrong shape is a bug in the environment and
-    raises TypeError naming it."""
+    raises TypeError naming it. An observation is a str, None, or holds images (a vision-language model): a PIL
+    image, or content blocks ({"type": "text", "text": ...} and {"type": "image", "image": a PIL image or a
+    file path}), returned as content blocks."""
     if not isinstance(value, tuple) or len(value) != 3:
         raise TypeError(f"{env_name}.step() must return (observation: str | None, reward: float | None, "
                         f"done: bool), got {value!r:.100}")
     obs, reward, done = value
     if obs is not None and not isinstance(obs, str):
-        raise TypeError(f"{env_name}.step() returned an observation of type {type(obs).__name__}; return a str "
-                        "or None")
+        obs = observation_blocks(obs, f"{env_name}.step()")
     return obs, check_reward(f"{env_name}.step()", reward), bool(done)
+
+
+def observation_blocks(obs: Any, where: str) -> list[dict[str, Any]]:
+    """An observation with images as chat content blocks: a PIL image is one image block; a list of blocks is
+    checked (each {"type": "text", "text": str} or {"type": "image", "image": PIL image or path}). TypeError naming
+    `where` for anything else."""
+    from PIL import Image
+
+    if isinstance(obs, Image.Image):
+        return [{"type": "image", "image": obs}]
+    fix = ("return a str, None, a PIL image, or a list of content blocks ({'type': 'text', 'text': ...} / "
+           "{'type': 'image', 'image': a PIL image or a file path})")
+    if not isinstance(obs, list) or not obs:
+        raise TypeError(f"{where} returned an observation of type {type(obs).__name__}; {fix}")
+    for block in obs:
+        kind = block.get("type") if isinstance(block, dict) else None
+        ok = (kind == "text" and isinstance(block.get("text"), str)) or (
+            kind == "image" and isinstance(block.get("image"), (str, Image.Image)))
+        if not ok:
+            raise TypeError(f"{where} returned the content block {block!r:.80}; {fix}")
+    return [dict(b) for b in obs]
+
+
+def has_image(obs: Any) -> bool:
+    """Whether an observation (`check_step`'s) holds an image."""
+    return isinstance(obs, list) and any(b["type"] == "image" for b in obs)
 
 
 def check_reward(where: str, value: Any) -> float | None:

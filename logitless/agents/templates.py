@@ -99,16 +99,18 @@ def chatml_default_system(tokenizer: Any, template: str | None) -> str | None:
 
 
 def chat_side(tokenizer: Any, options: Any, toolset: Any, user_turns: bool,
-              template_kwargs: dict[str, Any] | None = None) -> tuple[str | None, ChatBridge | None]:
+              template_kwargs: dict[str, Any] | None = None, own_template: str | None = None
+              ) -> tuple[str | None, ChatBridge | None]:
     """The chat format and bridge of an agent (`options`: its AgentOptions) for chat prompts, checked with a probe
     conversation (`user_turns`: an environment answers with user messages); (None, None): raw-text prompts only.
     `template_kwargs`: the template's own variables (data.chat_template_kwargs, e.g. enable_thinking).
     The shipped template, substituted or named, gets the model's own default system message as its default (or
-    NEUTRAL_SYSTEM), never Qwen's on a model that is not Qwen."""
+    NEUTRAL_SYSTEM), never Qwen's on a model that is not Qwen. `own_template`: the model's own template where the
+    tokenizer's is not it (a vision-language model's processor's, which renders image blocks)."""
     opts, tok = options, tokenizer
     if opts.format == "raw":
         return None, None
-    own = getattr(tok, "chat_template", None)
+    own = own_template or getattr(tok, "chat_template", None)
     if isinstance(own, dict):  # named templates: the tool-use one when there are tools
         own = (toolset and own.get("tool_use")) or own.get("default")
     own = own if isinstance(own, str) and own else None
@@ -216,15 +218,20 @@ class ChatBridge:
     def suffix_ids(self, assistant: dict[str, Any], new: list[dict[str, Any]]) -> list[int]:
         """The ids the template adds after the end-of-turn token of `assistant` for the messages `new`, with the
         next generation prompt."""
+        return self.encode(self.suffix_text(assistant, new))
+
+    def suffix_text(self, assistant: dict[str, Any], new: list[dict[str, Any]]) -> str:
+        """The text the template adds after the end-of-turn token of `assistant` for the messages `new`, with the
+        next generation prompt (`suffix_ids` before tokenizing)."""
         base = [{"role": "user", "content": "Hi"}, assistant]
         before = self.render(base, add_generation_prompt=False)
         after = self.render(base + new, add_generation_prompt=True)
         if after.startswith(before):
-            return self.encode(after[self._cut(before):])
+            return after[self._cut(before):]
         if self.history == "append_only":
             raise ValueError(self._not_append_only(f"adding {[m['role'] for m in new]} messages after an "
                                                    "assistant turn changed how the earlier turns render"))
-        return self.encode(after[self._turn_end_in(before, after):])
+        return after[self._turn_end_in(before, after):]
 
     def tool_suffix(self, calls: list[dict[str, Any]], results: list[dict[str, Any]]) -> list[int]:
         """Observation ids of one turn's tool messages (`results`, answering the `calls` in transformers'
@@ -233,8 +240,12 @@ class ChatBridge:
 
     def user_suffix(self, content: str) -> list[int]:
         """Observation ids of a user message (an environment's observation) after a plain assistant turn."""
-        return self.suffix_ids({"role": "assistant", "content": "All done, nothing more to add."},
-                               [{"role": "user", "content": content}])
+        return self.encode(self.user_suffix_text(content))
+
+    def user_suffix_text(self, content: str | list[dict[str, Any]]) -> str:
+        """`user_suffix` before tokenizing; `content` may be content blocks (text and images)."""
+        return self.suffix_text({"role": "assistant", "content": "All done, nothing more to add."},
+                                [{"role": "user", "content": content}])
 
     # -- checks ----------------------------------------------------------------------------------------------
 

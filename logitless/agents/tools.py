@@ -342,4 +342,14 @@ def run_call(tool: Tool, arguments: dict[str, Any], instance: Any) -> ToolResult
         raise
     except Exception as e:  # noqa: BLE001 (any failure of a tool is an answer to the model)
         return ToolResult(error_text(f"{tool.name} raised {type(e).__name__}: {e}"), error=True)
+    if _is_image(value) or (isinstance(value, list) and any(_is_image(v) or (isinstance(v, dict) and v.get("type")
+                                                                               == "image") for v in value)):
+        raise AgentFatalError(f"the tool '{tool.name}' returned an image; tool results are text (an image reaches "
+                              "the model only as an environment's observation: agent.environment's step() on a "
+                              "vision-language model). Return text from the tool")
     return ToolResult(to_text(value))
+
+
+def _is_image(value: Any) -> bool:
+    """Whether `value` is a PIL image (without importing PIL where no tool uses it)."""
+    return type(value).__module__.startswith("PIL.") and hasattr(value, "size") and hasattr(value, "mode")

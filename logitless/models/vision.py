@@ -138,6 +138,17 @@ class ImageInputs:
         return {k: torch.cat([r[k] for r in self.rows if r and k in r], 0) for k in names}
 
 
+def concat_images(parts: list[dict[str, Tensor] | None]) -> dict[str, Tensor] | None:
+    """One row's image tensors made of `parts` (the prompt's, then each observation's, in sequence order): each
+    name's tensors concatenated along the first dimension, as the processor returns several images of one text;
+    None where no part has images. A single part is returned as is (rows of one prompt keep sharing it)."""
+    given = [p for p in parts if p]
+    if len(given) <= 1:
+        return given[0] if given else None
+    names = list(dict.fromkeys(k for p in given for k in p))
+    return {k: torch.cat([p[k] for p in given if k in p], 0) for k in names}
+
+
 def _accepts(fn: Any, name: str) -> bool:
     try:
         return name in inspect.signature(fn).parameters

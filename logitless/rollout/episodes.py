@@ -95,6 +95,19 @@ class EpisodeDriver(Protocol):
 
 
 @dataclass
+class ImageReply:
+    """A driver's reply whose observation holds images: `ids` the observation's token ids (each image's placeholder
+    expanded by the processor) and `images` the processor's image tensors of those placeholders, in order
+    (`pixel_values`, `image_grid_thw`, ...: first dimension over the reply's patches / images)."""
+
+    ids: list[int]
+    images: dict[str, Any]  # name -> tensor, as a vision-language model's processor returns them
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass
 class EpisodeStream:
     """One row's completion as an engine assembles it: every token after the prompt, in order."""
 
@@ -103,9 +116,14 @@ class EpisodeStream:
     env: list[int] = field(default_factory=list)  # 1 where the driver wrote the token
     done: bool = False  # the episode is over (the driver returned None, or the budget is used up)
     truncated: bool = False  # ended by the episode budget rather than by the driver
+    images: list[dict[str, Any]] = field(default_factory=list)  # the image tensors of its observations, in order
 
-    def add(self, ids: Sequence[int], logp: Sequence[float] | None, env: bool) -> None:
-        """Append tokens written by the model (`logp` given) or by the driver (`env=True`, logprob 0)."""
+    def add(self, ids: Sequence[int] | ImageReply, logp: Sequence[float] | None, env: bool) -> None:
+        """Append tokens written by the model (`logp` given) or by the driver (`env=True`, logprob 0); an
+        `ImageReply`'s image tensors go with its ids."""
+        if isinstance(ids, ImageReply):
+            self.images.append(ids.images)
+            ids = ids.ids
         self.ids.extend(int(i) for i in ids)
         self.logp.extend([0.0] * len(ids) if logp is None else [float(x) for x in logp])
         self.env.extend([int(env)] * len(ids))
@@ -119,20 +137,26 @@ def turn_cap(driver: EpisodeDriver) -> int | None:
     return cap
 
 
-def checked_replies(replies: Any, turns: Sequence[TurnEnd], vocab: int | None) -> list[list[int] | None]:
+def checked_replies(replies: Any, turns: Sequence[TurnEnd], vocab: int | None, images: bool = False
+                    ) -> list[list[int] | ImageReply | None]:
     """`driver.respond(turns)`'s answer as one list of token ids (or None) per turn, refused (naming the row and
     the fault) when it has another length, a reply is not a sequence of ints, or an id is outside `vocab` (None:
-    the ids' range is checked later)."""
+    the ids' range is checked later). `images`: the engine takes `ImageReply`s (else one is refused)."""
     if not isinstance(replies, Sequence) or isinstance(replies, (str, bytes)) or len(replies) != len(turns):
         got = len(replies) if isinstance(replies, Sequence) else repr(replies)
         raise ValueError(f"the episode driver answered {got} replies to {len(turns)} turns; it must return one "
                          "(token ids or None) per turn")
-    return [_checked_reply(reply, te.row, vocab) for te, reply in zip(turns, replies)]
+    return [_checked_reply(reply, te.row, vocab, images) for te, reply in zip(turns, replies)]
 
 
-def _checked_reply(reply: Any, row: int, vocab: int | None) -> list[int] | None:
+def _checked_reply(reply: Any, row: int, vocab: int | None, images: bool = False) -> list[int] | ImageReply | None:
     if reply is None:
         return None
+    if isinstance(reply, ImageReply):
+        if not images:
+            raise ValueError(f"the episode driver's reply for row {row} holds images, which this engine cannot "
+                             "prefill (a vision-language model's observations with images need rollout.backend=hf)")
+        return ImageReply(_checked_reply(reply.ids, row, vocab), reply.images)  # type: ignore[arg-type]
     if hasattr(reply, "tolist"):  # a tensor or an array
         reply = reply.tolist()
     if isinstance(reply, (str, bytes)) or not isinstance(reply, Sequence) or not all(
@@ -154,8 +178,9 @@ class Replies:
     other driver is asked through `respond(turns)` at `submit`, and its replies are ready at once. Every reply is
     checked as `checked_replies` checks it."""
 
-    def __init__(self, driver: EpisodeDriver, vocab: int | None) -> None:
-        self.driver, self.vocab = driver, vocab
+    def __init__(self, driver: EpisodeDriver, vocab: int | None, images: bool = False) -> None:
+        """`images`: the engine takes replies with images (`ImageReply`)."""
+        self.driver, self.vocab, self.images = driver, vocab, images
         self.overlaps = callable(getattr(driver, "submit", None)) and callable(getattr(driver, "ready", None))
         self._turns: dict[int, TurnEnd] = {}  # row -> its turn in flight
         self._ready: list[tuple[TurnEnd, list[int] | None]] = []
@@ -176,7 +201,8 @@ class Replies:
         if self.overlaps:
             self.driver.submit(turns)  # type: ignore[attr-defined]
             return
-        for te, reply in zip(turns, checked_replies(self.driver.respond(turns), turns, self.vocab)):
+        for te, reply in zip(turns, checked_replies(self.driver.respond(turns), turns, self.vocab,
+                                                                   self.images)):
             self._ready.append((te, reply))
 
     def ready(self, wait: bool = False) -> list[tuple[TurnEnd, list[int] | None]]:
@@ -189,7 +215,7 @@ class Replies:
             for row, reply in got:
                 if row not in self._turns or any(te.row == row for te, _ in self._ready):
                     raise ValueError(f"the episode driver's ready() answered row {row}, which has no turn in flight")
-                self._ready.append((self._turns[row], _checked_reply(reply, row, self.vocab)))
+                self._ready.append((self._turns[row], _checked_reply(reply, row, self.vocab, self.images)))
         out, self._ready = self._ready, []
         for te, _ in out:
             del self._turns[te.row]
@@ -214,7 +240,8 @@ def episode_batch(tokenizer: Any, prep: Any, streams: list[EpisodeStream], recor
     """The `RolloutBatch` of an episode rollout: completion = each row's stream (right-padded), env_mask from the
     streams, `finished` = the episode ended before its budget, `truncated` = the budget or max_turns ended it
     (a record's `truncated` or the stream's), texts = the model's turns decoded together (special tokens
-    skipped; the conversation is in `episodes[b].messages`)."""
+    skipped; the conversation is in `episodes[b].messages`). `images`: each row's image tensors, the prompt's
+    (`prep.images`) then its observations' (`EpisodeStream.images`), in sequence order."""
     import time
 
     import torch
@@ -254,4 +281,16 @@ def episode_batch(tokenizer: Any, prep: Any, streams: list[EpisodeStream], recor
                              generate_seconds=generate_seconds),
         env_mask=env,
         episodes=records,
+        images=row_images(prep, streams),
     )
+
+
+def row_images(prep: Any, streams: list[EpisodeStream]) -> Any:
+    """`ImageInputs` of the rows (row b = i * G + g): prompt i's image tensors (`prep.images`), then row b's
+    observations' in order; None where no row has images."""
+    from logitless.models.vision import ImageInputs, concat_images
+
+    G = prep.options.num_generations
+    prompt = [None] * len(prep.encoded) if prep.images is None else prep.images.rows
+    rows = [concat_images([prompt[b // G], *s.images]) for b, s in enumerate(streams)]
+    return ImageInputs(rows) if any(rows) else None

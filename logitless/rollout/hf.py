@@ -182,8 +182,8 @@ class HFEngine:
         refuse_streams(options, "hf")
         if episodes is not None:
             if any(prompt_images(p) for p in prompts):
-                raise ValueError("multi-turn episodes (agent.*) with images are not supported yet: drop the rows' "
-                                 "images or the agent")
+                raise ValueError("multi-turn episodes take the prompts as token ids (the driver's prompt_ids), with "
+                                 "their images in the driver's prompt_images (the built-in AgentDriver sets both)")
             if self.routing is not None:
                 raise ValueError("routing replay does not cover multi-turn episodes yet (their observations are "
                                  "prefilled between turns): set model.routing_replay=false")

@@ -14,6 +14,10 @@ moment it ends inside `generate` (`TurnStops.on_end`), so its tool calls and env
 rows decode; the next turn's `generate` still waits for every answer, since transformers' sampling draws from one
 random stream for the whole batch and a batch made of the rows whose answers came first would change the tokens.
 
+With a vision-language model's processor, a row's images (its prompt's, `driver.prompt_images`, and those of its
+observations so far, `ImageReply`) go with every turn's `generate`, which recomputes the model's M-RoPE positions
+over the whole context: each turn is the forward of the conversation so far, images included, as the trainer's is.
+
 A turn ends at the first token that is an EOS id (unless `ignore_eos`) or one of `driver.turn_end_ids`, that
 completes one of `options.stop` / `driver.turn_stops` in the turn's text, or that reaches the row's limit for the
 turn (`max_turn_tokens`: "length", the episode budget: "budget"). A turn cut by the budget ends the episode
@@ -23,16 +27,22 @@ another turn.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
 from typing import Any, Sequence
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from logitless.models import decoder_body
+from logitless.models.vision import ImageInputs, concat_images, encode_once, image_forward_inputs
+
 from .engine import left_pad, prepare_prompts, sync, unwrap_model
-from .episodes import (EpisodeDriver, EpisodeStream, Replies, TurnEnd, TurnEnding, episode_batch, finished_records,
-                       turn_cap)
+from .episodes import (EpisodeDriver, EpisodeStream, ImageReply, Replies, TurnEnd, TurnEnding, episode_batch,
+                       finished_records, turn_cap)
 from .types import Prompt, RolloutBatch, SamplingOptions
+from .vision import BanPlaceholders
 
 
 class TurnStops(StoppingCriteria):
@@ -85,6 +95,12 @@ def generate_episodes(engine: Any, prompts: Sequence[Prompt], options: SamplingO
     """One episode per row (G per prompt), turn by turn, assembled by `episode_batch`. `engine`: the `HFEngine`
     (its model, tokenizer, `generation_config`, `processors` and `sampling` context)."""
     prep = prepare_prompts(engine.model, engine.tokenizer, prompts, options)
+    prompt_images = getattr(driver, "prompt_images", None)  # each prompt's image tensors (or None), as ids are
+    if prompt_images is not None and any(prompt_images):
+        if engine.processor is None or len(prompt_images) != len(prep.encoded):
+            raise ValueError("the episode driver's prompt_images need a vision-language model's processor and one "
+                             f"entry per prompt ({len(prep.encoded)})")
+        prep = dataclasses.replace(prep, images=ImageInputs(list(prompt_images)))
     G, budget, cap = options.num_generations, options.max_new_tokens, turn_cap(driver)
     B = len(prep.encoded) * G
     end_ids = sorted({*([] if options.ignore_eos else prep.eos_ids), *(int(i) for i in driver.turn_end_ids)})
@@ -92,7 +108,8 @@ def generate_episodes(engine: Any, prompts: Sequence[Prompt], options: SamplingO
     vocab = unwrap_model(engine.model).get_input_embeddings().weight.shape[0]
     streams = [EpisodeStream() for _ in range(B)]
     driver.begin(B, G)
-    replies = Replies(driver, vocab)
+    replies = Replies(driver, vocab, images=engine.processor is not None)
+    body = decoder_body(engine.model) if engine.processor is not None else None
     gen_s = 0.0
     with engine.sampling(options, prep.device):
         while live := [b for b, s in enumerate(streams) if not s.done]:
@@ -105,12 +122,23 @@ def generate_episodes(engine: Any, prompts: Sequence[Prompt], options: SamplingO
             stopper = TurnStops(ids.shape[1], limits, [lim == room for lim, room in zip(limits, rooms)], end_ids,
                                 stops, engine.tokenizer, prep.device, on_end=submit)
             recorder, processors = engine.processors(options)
+            vision, shared = {}, contextlib.nullcontext()
+            if body is not None:  # every image of each row's context so far: the prompt's, then its observations'
+                prompt = [None] * len(prep.encoded) if prep.images is None else prep.images.rows
+                rows = ImageInputs([concat_images([prompt[b // G], *streams[b].images]) for b in live])
+                if rows.any:
+                    vision = image_forward_inputs(body, ids, mask, rows.to(prep.device))
+                    vision.pop("position_ids", None)  # generate computes the model's own (M-RoPE) positions
+                    shared = encode_once(body, rows, vision.get("pixel_values"))
+            if engine.placeholders:
+                processors.append(BanPlaceholders(engine.placeholders))
             cfg = engine.generation_config(options, max(limits), prep.pad_id, None, None)
             sync(prep.device)
             t0 = time.perf_counter()
-            out = engine.model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg,
-                                        logits_processor=processors,
-                                        stopping_criteria=StoppingCriteriaList([stopper]))
+            with shared:
+                out = engine.model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg,
+                                            logits_processor=processors,
+                                            stopping_criteria=StoppingCriteriaList([stopper]), **vision)
             turn = out[:, ids.shape[1]:]  # [b, S]
             logp = recorder.finish(turn).cpu()
             sync(prep.device)
@@ -133,6 +161,8 @@ def generate_episodes(engine: Any, prompts: Sequence[Prompt], options: SamplingO
                     s.done = s.truncated = True
                 elif reply is None:
                     s.done = True
+                elif len(reply) >= end.room and isinstance(reply, ImageReply):  # cutting would cut an image
+                    s.done = s.truncated = True
                 elif len(reply) >= end.room:  # no room left for another turn after the observation
                     s.add(reply[: end.room], None, env=True)
                     s.done = s.truncated = True

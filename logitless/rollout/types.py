@@ -128,8 +128,9 @@ class RolloutBatch:
     # (padding, a row's last token, which is never fed forward). Aligned to prompt_ids and completion_ids.
     prompt_routes: torch.Tensor | None = None  # [B, P, layers, k]
     completion_routes: torch.Tensor | None = None  # [B, T, layers, k]
-    # A vision-language model's image tensors of each row (the processor's, shared by a prompt's G rows); the image
-    # placeholders are prompt tokens, so images are context only. None: no row has images.
+    # A vision-language model's image tensors of each row (the processor's, shared by a prompt's G rows), in sequence
+    # order: the prompt's, then (episodes) its observations'. The image placeholders are prompt or observation tokens,
+    # so images are context only. None: no row has images.
     images: ImageInputs | None = None
 
     def loss_mask(self) -> torch.Tensor:

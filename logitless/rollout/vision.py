@@ -63,10 +63,29 @@ def encode_with_images(processor: Any, prompt: list, chat_template_kwargs: dict[
     """(token ids, image tensors or None) of a chat prompt: rendered by the processor's chat template (one
     placeholder per image), then the processor expands each placeholder to its image's tokens and computes the
     pixel tensors (`pixel_values`, `image_grid_thw`, ...)."""
-    images = [load_image(ref) for ref in prompt_images(prompt)]
     text = processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
                                          **(chat_template_kwargs or {}))
-    out = processor(text=[text], images=images or None, return_tensors="pt")
+    return encode_text_with_images(processor, text, prompt_images(prompt))
+
+
+def image_marker(processor: Any) -> str:
+    """The text a chat template writes for one image, which the processor expands (Gemma 3: `<start_of_image>`,
+    Qwen-VL: `<|image_pad|>`)."""
+    return getattr(processor, "boi_token", None) or processor.image_token
+
+
+def encode_text_with_images(processor: Any, text: str, refs: list[Any], add_special_tokens: bool = True
+                            ) -> tuple[list[int], dict[str, torch.Tensor] | None]:
+    """(token ids, image tensors or None) of rendered chat text holding one image marker per image of `refs` (PIL
+    images or file paths, in order): the processor expands each marker to its image's tokens and computes the pixel
+    tensors. ValueError where the text holds another number of markers than there are images."""
+    images = [load_image(ref) for ref in refs]
+    marker = image_marker(processor)
+    if text.count(marker) != len(images):
+        raise ValueError(f"the chat template wrote {text.count(marker)} image markers ({marker}) for {len(images)} "
+                         "images: use a chat template that renders image content blocks (the model's own)")
+    kwargs = {} if add_special_tokens else {"add_special_tokens": False}
+    out = processor(text=[text], images=images or None, return_tensors="pt", **kwargs)
     tensors = {k: v for k, v in out.items() if k not in TEXT_OUTPUTS and isinstance(v, torch.Tensor)}
     return out["input_ids"][0].tolist(), (tensors if images else None)
 

@@ -312,7 +312,7 @@ def build_context(
     logger = _logger(given or cfg, run_dir, world, start, run, console)
     coef = EntropyCoef(*state["entropy_coef"]) if "entropy_coef" in state else initial_entropy_coef(cfg.objective)
     # (checked by preflight before the weights)
-    agent = Agent(tokenizer, cfg.agent, cfg.data.chat_template_kwargs) if cfg.agent.enabled else None
+    agent = Agent(tokenizer, cfg.agent, cfg.data.chat_template_kwargs, processor) if cfg.agent.enabled else None
     try:
         rollout.start(cfg, world, model, processor or tokenizer, device, sampler=inputs.sampler, agent=agent,
                       state=state)

@@ -133,7 +133,7 @@ def evaluate(
             backend = rollout_backend(cfg, next(model.parameters()).device, model)[0]
         engine = make_engine(backend, model, processor or tokenizer)
     own = agent is None and cfg.agent.enabled  # an agent built here is closed here (its MCP servers stopped)
-    agent = Agent(tokenizer, cfg.agent, cfg.data.chat_template_kwargs) if own else agent
+    agent = Agent(tokenizer, cfg.agent, cfg.data.chat_template_kwargs, processor) if own else agent
     try:
         return _evaluate(model, tokenizer, rows, cfg, split, engine, fns, agent, acc_col, options)
     finally:

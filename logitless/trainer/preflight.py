@@ -98,8 +98,15 @@ def preflight(cfg: TrainerConfig, *, training: bool = True, model_given: bool = 
     if cfg.agent.enabled:
         from logitless.agents import Agent
 
-        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
-        agent = Agent(tokenizer, cfg.agent, cfg.data.chat_template_kwargs)
+        from logitless.models.vision import is_vision_language
+        from logitless.rollout.vision import is_processor, text_tokenizer
+        from logitless.trainer.policy.vision import load_processor
+
+        processor = tokenizer if is_processor(tokenizer) else None
+        tokenizer = text_tokenizer(tokenizer) if tokenizer is not None else load_tokenizer(cfg.model)
+        if processor is None and not model_given and is_vision_language(config):  # its template renders images
+            processor = load_processor(cfg.model, tokenizer)
+        agent = Agent(tokenizer, cfg.agent, cfg.data.chat_template_kwargs, processor)
         agent.close()  # (MCP servers started to list their tools stop again; their names stay known)
         if cfg.agent.tools_field is not None:
             lines.append(check_row_tools(cfg, agent, training, load_rows))

@@ -71,15 +71,20 @@ def load_processor(cfg: ModelConfig, tokenizer: Any) -> Any:
 
 def check_image_rows(cfg: TrainerConfig, rows: list[Any]) -> bool:
     """Whether some prompt row has images; refuses, before any model loads, the settings that cannot train them
-    yet: a rollout backend other than hf (no image inputs in its decode loop) and agents (multi-turn episodes).
-    (Packing is checked against the model's config: `checks.model`.)"""
+    yet: a rollout backend other than hf (no image inputs in its decode loop), and agents whose prompts cannot
+    carry images (agent.driver: your own driver renders the prompts; agent.format=raw: raw text). (Packing is
+    checked against the model's config: `checks.model`.)"""
     if not any(prompt_images(r.prompt) for r in rows):
         return False
     if cfg.rollout.backend not in ("hf", "auto"):
         raise ValueError(f"rollout.backend={cfg.rollout.backend}: rows with images are decoded by rollout.backend=hf "
                          "only (the other engines have no image inputs or M-RoPE positions yet); set "
                          "rollout.backend=hf")
-    if cfg.agent.enabled:
-        raise ValueError("agent.*: multi-turn episodes with images are not supported yet; drop the agent or the "
-                         "rows' images")
+    if cfg.agent.driver is not None:
+        raise ValueError(f"agent.driver={cfg.agent.driver}: your own driver renders the prompts, and the rows' images "
+                         "would not reach the model; use agent.environment / agent.tools (the built-in driver "
+                         "shows a prompt's images), or drop the rows' images")
+    if cfg.agent.enabled and cfg.agent.format == "raw":
+        raise ValueError("agent.format=raw: raw-text prompts cannot show the rows' images; use a chat format "
+                         "(agent.format=auto) or drop the rows' images")
     return True

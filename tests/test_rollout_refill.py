@@ -13,7 +13,8 @@ import torch
 from logitless.rollout import SamplingOptions, make_engine
 from logitless.rollout import static_refill, step_graph
 from logitless.trainer.config.schema import RolloutConfig
-from tests.test_rollout_families import TOK, make_model
+from tests.test_rollout_families import TOK
+from tests.test_step_graph import models  # noqa: F401 (fixture: one tiny model per family)
 
 PROMPTS = ["The quick brown fox", "Hi there, how are you?", "2+2 is"]  # 3 prompts x G=3: 9 rows
 EOS = list(range(3, 258, 13))  # about one byte in thirteen ends a row: lengths vary over the 16 tokens
@@ -24,16 +25,6 @@ def options(**kw) -> SamplingOptions:
                                      eos_token_ids=EOS), **kw})
 
 
-@pytest.fixture(scope="module")
-def models():
-    cache: dict = {}
-
-    def get(family: str):
-        if family not in cache:
-            cache[family] = make_model(family)
-        return cache[family]
-
-    return get
 
 
 def budget(model, slots: int, new: int = 16) -> float:

@@ -11,17 +11,10 @@ import torch
 from logitless.models import completion_logprobs
 from logitless.models.vision import ImageInputs, vision_modules
 from logitless.rollout import SamplingOptions, make_engine
-from vlm_fixtures import FAMILIES, shape_image, tiny_processor, tiny_vlm_config
+from vlm_fixtures import FAMILIES, tiny_processor, tiny_vlm_config
+from tests.test_vlm_rollout import PROMPTS
 
 
-def chat(text, images=()):
-    content = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]
-    return [{"role": "user", "content": content}]
-
-
-PROMPTS = [chat("How many red shapes?", [shape_image(3, 1)]),
-           chat("Compare the two.", [shape_image(1, 2, size=112), shape_image(2)]),
-           [{"role": "user", "content": "No image here."}]]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -13,24 +13,16 @@ from logitless.data import PromptRow
 from logitless.models import completion_logprobs
 from logitless.rollout import SamplingOptions, make_engine
 from logitless.trainer.batching import make_micro_batches
-from logitless.trainer.config.schema import ModelConfig
-from logitless.trainer.policy.modeling import load_model_and_tokenizer
-from logitless.trainer.policy.vision import load_processor
-from vlm_fixtures import build_tiny_vlm, favour_turn_ends, shape_image
+from vlm_fixtures import backward_through, build_tiny_vlm, favour_turn_ends, lora_vlm, shape_image
 
 G = 2
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
 def vlm(request, qwen_tokenizer_dir, tmp_path_factory):
-    path = build_tiny_vlm(qwen_tokenizer_dir, tmp_path_factory.mktemp("vlm") / "model", family=request.param)
-    cfg = ModelConfig(name_or_path=str(path), device="cpu", dtype="float32", lora=True, lora_r=4)
-    model, tok, _ = load_model_and_tokenizer(cfg)
-    for n, p in model.named_parameters():  # LoRA B starts at zero: make the adapters matter
-        if "lora_B" in n:
-            torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(len(n)))
+    model, tok, processor = lora_vlm(qwen_tokenizer_dir, tmp_path_factory.mktemp("vlm") / "model", request.param)
     favour_turn_ends(model, tok.convert_tokens_to_ids("<|im_end|>"))
-    return model, tok, load_processor(cfg, tok)
+    return model, tok, processor
 
 
 def prompts():
@@ -140,30 +132,13 @@ def test_image_tokens_get_no_gradient_and_positions_are_the_whole_rows(vlm, epis
     model = vlm[0]
     base = model.get_base_model()
     b, _ = episodes
-    seen, hidden = [], []
-    lm = base.model.language_model
-    h1 = lm.rotary_emb.register_forward_pre_hook(lambda mod, args: seen.append(args[1].clone()))
-
-    def keep(mod, args, out):
-        out.retain_grad()
-        hidden.append(out)
-
-    h2 = lm.norm.register_forward_hook(keep)
-    try:
-        model.zero_grad()
-        logp, _ = completion_logprobs(model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask,
-                                      images=b.images)
-        loss_mask = b.completion_mask * (1 - b.env_mask)
-        (logp * loss_mask[:, : logp.shape[1]]).sum().backward()
-    finally:
-        h1.remove()
-        h2.remove()
-    grad = hidden[0].grad
+    positions, hidden = backward_through(model, b, b.completion_mask * (1 - b.env_mask))
+    grad = hidden.grad
     ids = torch.cat([b.prompt_ids, b.completion_ids], 1)
     image = ids == base.config.image_token_id
     assert image[:, b.prompt_ids.shape[1]:].sum() > 0 and grad[image].abs().max() == 0
     assert any(p.grad is not None and p.grad.abs().max() > 0 for p in model.parameters() if p.requires_grad)
-    positions, mask = seen[0], torch.cat([b.prompt_mask, b.completion_mask], 1).bool()
+    mask = torch.cat([b.prompt_mask, b.completion_mask], 1).bool()
     for r in range(ids.shape[0]):
         row = ids[r][mask[r]][None]
         grid = b.images.rows[r]["image_grid_thw"] if b.images.rows[r] else None

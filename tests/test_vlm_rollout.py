@@ -11,21 +11,13 @@ from logitless.models import completion_logprobs
 from logitless.models.vision import ImageInputs, placeholder_ids
 from logitless.rollout import SamplingOptions, make_engine
 from logitless.trainer.batching import make_micro_batches
-from logitless.trainer.config.schema import ModelConfig
-from logitless.trainer.policy.modeling import load_model_and_tokenizer
-from logitless.trainer.policy.vision import load_processor
-from vlm_fixtures import FAMILIES, build_tiny_vlm, shape_image
+from vlm_fixtures import FAMILIES, backward_through, lora_vlm, shape_image
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def vlm(request, qwen_tokenizer_dir, tmp_path_factory):
-    path = build_tiny_vlm(qwen_tokenizer_dir, tmp_path_factory.mktemp("vlm") / "model", family=request.param)
-    cfg = ModelConfig(name_or_path=str(path), device="cpu", dtype="float32", lora=True, lora_r=4)
-    model, tok, _ = load_model_and_tokenizer(cfg)
-    for n, p in model.named_parameters():  # LoRA B starts at zero: make the adapters matter
-        if "lora_B" in n:
-            torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(len(n)))
-    return model, tok, load_processor(cfg, tok)
+    model, tok, processor = lora_vlm(qwen_tokenizer_dir, tmp_path_factory.mktemp("vlm") / "model", request.param)
+    return model, tok, processor
 
 
 def chat(text, images=()):
@@ -117,30 +109,13 @@ def test_image_tokens_get_no_gradient_and_positions_are_the_models_own(vlm, roll
     model = vlm[0]
     base = model.get_base_model()
     b = rollout
-    seen, hidden = [], []
-    lm = base.model.language_model
-    h1 = lm.rotary_emb.register_forward_pre_hook(lambda mod, args: seen.append(args[1].clone()))
-
-    def keep(mod, args, out):
-        out.retain_grad()
-        hidden.append(out)
-
-    h2 = lm.norm.register_forward_hook(keep)
-    try:
-        model.zero_grad()
-        logp, _ = completion_logprobs(model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask,
-                                      images=b.images)
-        logp.sum().backward()
-    finally:
-        h1.remove()
-        h2.remove()
-    grad = hidden[0].grad  # [B, L, H]
+    positions, hidden = backward_through(model, b)  # [3, B, L] (M-RoPE) or [B, L]
+    grad = hidden.grad  # [B, L, H]
     ids = torch.cat([b.prompt_ids, b.completion_ids], 1)
     image = ids == base.config.image_token_id
     assert image.sum() > 0 and grad[image].abs().max() == 0
     P = b.prompt_ids.shape[1]
     assert (grad[:, P - 1:-1].abs().sum(-1) > 0).all()  # each completion token's predictor gets gradient
-    positions = seen[0]  # [3, B, L] (M-RoPE) or [B, L]
     mask = torch.cat([b.prompt_mask, b.completion_mask], 1).bool()
     if not hasattr(base.model, "get_rope_index"):  # Gemma 3: 1-D positions counting each row's real tokens
         assert torch.equal(positions[mask], (mask.long().cumsum(1) - 1)[mask])

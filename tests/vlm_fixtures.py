@@ -16,6 +16,7 @@ position or a missing image shows above 1e-5."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -188,3 +189,44 @@ class CounterScreen:
             return None, 1.0, True
         screen = shape_image(self.count, size=self.size + 28 * (self.count % 2))  # screens of two sizes
         return [{"type": "text", "text": f"Screen {self.count}:"}, {"type": "image", "image": screen}], 0.0, False
+
+
+def backward_through(model, b, weights=None):
+    """completion_logprobs of rollout batch `b` through the vision-language `model`, back-propagated (times
+    `weights` [B, T] if given); returns (the rotary positions its language model saw, its final hidden states with
+    their gradient). The positions are [3, B, L] for M-RoPE, else [B, L]."""
+    from logitless.models import completion_logprobs
+
+    lm = model.get_base_model().model.language_model
+    seen, hidden = [], []
+
+    def keep(mod, args, out):
+        out.retain_grad()
+        hidden.append(out)
+
+    hooks = [lm.rotary_emb.register_forward_pre_hook(lambda mod, args: seen.append(args[1].clone())),
+             lm.norm.register_forward_hook(keep)]
+    with contextlib.ExitStack() as stack:
+        for h in hooks:
+            stack.callback(h.remove)
+        model.zero_grad()
+        logp, _ = completion_logprobs(model, b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask,
+                                      images=b.images)
+        (logp if weights is None else logp * weights[:, : logp.shape[1]]).sum().backward()
+    return seen[0], hidden[0]
+
+
+def lora_vlm(tokenizer_dir, folder, family: str):
+    """(LoRA model, tokenizer, processor) of a tiny `family` folder built in `folder`, fp32 on CPU, LoRA r 4 with
+    its B matrices drawn (not zero), so the adapters change the logprobs."""
+    from logitless.trainer.config.schema import ModelConfig
+    from logitless.trainer.policy.modeling import load_model_and_tokenizer
+    from logitless.trainer.policy.vision import load_processor
+
+    path = build_tiny_vlm(tokenizer_dir, folder, family=family)
+    cfg = ModelConfig(name_or_path=str(path), device="cpu", dtype="float32", lora=True, lora_r=4)
+    model, tok, _ = load_model_and_tokenizer(cfg)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(len(n)))
+    return model, tok, load_processor(cfg, tok)

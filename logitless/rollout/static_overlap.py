@@ -180,14 +180,14 @@ def decode_overlapped(engine: Any, module: Any, call: Any, rows: torch.Tensor, p
         streams[r].done = True
 
 
-def _ended_turns(engine: Any, step: TurnStep, decoding: list[int], phase: list[int], lim: list[int],
-                 began: list[int], steps: int, streams: list[EpisodeStream], row_ids: list[int], ends: set[int],
-                 stops: list[str], W: int, S: int) -> list[TurnEnd]:
-    """Host check (one sync): the turns of `decoding` rows that ended (an end id, a stop string in the turn's text,
-    the turn's limit), their tokens added to the streams and their rows marked ENDED."""
+
+def stop_string_done(engine: Any, step: Any, rows: list[int], began: list[int], steps: int,
+                     stops: list[str] | None) -> list[bool]:
+    """Host check (one sync): `step.done` as a list, with the rows among `rows` whose text since their column
+    `began[row]` holds a stop string marked done (on the device too)."""
     done = step.done.tolist()
-    if stops:  # a stop string in a turn still going: the row is done (its later draws are cut off below)
-        going = [i for i in decoding if not done[i]]
+    if stops:
+        going = [i for i in rows if not done[i]]
         if going:
             drawn = step.history[going].tolist()
             texts = engine.tokenizer.batch_decode([drawn[k][: steps - began[i] + 1] for k, i in enumerate(going)],
@@ -197,6 +197,14 @@ def _ended_turns(engine: Any, step: TurnStep, decoding: list[int], phase: list[i
                 step.done[hit] = True
                 for i in hit:
                     done[i] = True
+    return done
+
+def _ended_turns(engine: Any, step: TurnStep, decoding: list[int], phase: list[int], lim: list[int],
+                 began: list[int], steps: int, streams: list[EpisodeStream], row_ids: list[int], ends: set[int],
+                 stops: list[str], W: int, S: int) -> list[TurnEnd]:
+    """Host check (one sync): the turns of `decoding` rows that ended (an end id, a stop string in the turn's text,
+    the turn's limit), their tokens added to the streams and their rows marked ENDED."""
+    done = stop_string_done(engine, step, decoding, began, steps, stops)  # (later draws are cut off below)
     over = [i for i in decoding if done[i]]
     if not over:
         return []

@@ -40,7 +40,7 @@ import torch
 
 from .kv_cache import decode_cache, load_prompts
 from .sampling import filtered_draw
-from .static_overlap import TurnStep
+from .static_overlap import TurnStep, stop_string_done
 from .static_rows import DecodeCall
 from .step_graph import is_stop
 
@@ -192,16 +192,6 @@ def _enter(call: DecodeCall, step: RefillStep, cache: Any, real: torch.Tensor, s
 def _ended(engine: Any, step: RefillStep, row_of: list[int], began: list[int], steps: int, stops: Any) -> list[int]:
     """Host check (one sync): the slots whose rows ended (done on the device, or a stop string in their text,
     which marks them done)."""
-    done = step.done.tolist()
-    if stops:
-        going = [j for j, r in enumerate(row_of) if r >= 0 and not done[j]]
-        if going:
-            drawn = step.history[going].tolist()
-            texts = engine.tokenizer.batch_decode([drawn[k][: steps - began[j] + 1] for k, j in enumerate(going)],
-                                                  skip_special_tokens=False)
-            hit = [j for j, text in zip(going, texts) if any(s in text for s in stops)]
-            if hit:
-                step.done[hit] = True
-                for j in hit:
-                    done[j] = True
-    return [j for j, r in enumerate(row_of) if r >= 0 and done[j]]
+    slots = [j for j, r in enumerate(row_of) if r >= 0]
+    done = stop_string_done(engine, step, slots, began, steps, stops)
+    return [j for j in slots if done[j]]

@@ -166,7 +166,9 @@ def test_mistral_tool_episode():
     call = '{"name": "calculator", "arguments": {"expression": "%s"}, "id": "%s"}'
     texts = ["[TOOL_CALLS][" + call % ("12*34", "a00000001") + ", " + call % ("2**70", "a00000002") + "]</s>",
              "[TOOL_CALLS][" + call % ("408+1", "a00000003") + "]</s>", "The answer is 409.</s>"]
-    tok, agent, stream, whole, observations, record = tool_episode("mistral", texts)
+    with pytest.warns(UserWarning, match="re-renders a system message.*a tool message follow, a re-render of the "
+                      "conversation drops it"):
+        tok, agent, stream, whole, observations, record = tool_episode("mistral", texts)
     assert agent.chat_format == "mistral" and agent.bridge.turn_end_texts == ["</s>"]
     assert observations == ['[TOOL_RESULTS]{"content": 408, "call_id": "a00000001"}[/TOOL_RESULTS]'
                             '[TOOL_RESULTS]{"content": 1180591620717411303424, "call_id": "a00000002"}[/TOOL_RESULTS]',
@@ -264,8 +266,28 @@ def test_gpt_oss_environment_episode():
     assert "'return|>'" in agent.bridge.rewrites and "'end|>'" in agent.bridge.rewrites
 
 
+@pytest.mark.parametrize("family", ["qwen2.5", "qwen3", "llama3.1", "llama3.2", "gpt-oss", "hermes3"])
+def test_templates_that_keep_the_system_message_do_not_warn_about_it(family, recwarn):
+    agent = Agent(tokenizer(family), AgentOptions(tools=["calculator"]))
+    assert agent.bridge.system_rewrite is None
+    assert not [w for w in recwarn if "system message" in str(w.message)]
+
+
+def test_mistral_system_message_a_rerender_drops_is_reported_with_an_environment_too():
+    with pytest.warns(UserWarning, match="a user message follow, a re-render of the conversation drops it"):
+        agent = Agent(tokenizer("mistral"), AgentOptions(environment="tests.agent_fixtures:CountDown"))
+    # ground truth: the template itself writes the system message into the prompt and not into the conversation
+    given = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count down."}]
+    later = given + [{"role": "assistant", "content": "2"}, {"role": "user", "content": "Now 1."},
+                     {"role": "assistant", "content": "1"}]
+    assert "Be brief." in render(agent.tokenizer, agent, given, gen=True)
+    assert "Be brief." not in render(agent.tokenizer, agent, later)
+
+
 def test_gemma3_tools_are_refused_naming_the_fix():
-    with pytest.raises(ValueError, match="agent.format"):
+    # the first error names both settings, in the order they are needed
+    with pytest.raises(ValueError, match=re.escape("cannot render tools") + ".*set, in order: agent.chat_template"
+                       + ".*then.*agent.format"):
         Agent(tokenizer("gemma3"), AgentOptions(tools=["calculator"]))
     with pytest.raises(ValueError, match=re.escape("the tokenizer's chat template cannot render tools") +
                        ".*agent.chat_template"):

@@ -125,8 +125,15 @@ def chat_side(tokenizer: Any, options: Any, toolset: Any, user_turns: bool,
     fmt = opts.format if opts.format != "auto" else detect_format(template, tok)
     if fmt is None:
         if tools:
-            raise ValueError("agent.format=auto cannot tell the tool-call format from the tokenizer's chat "
-                             f"template; set agent.format to one of {list(CHAT_FORMATS)} (or raw)")
+            where = "agent.chat_template" if opts.chat_template else "the tokenizer's chat template"
+            if (missing := renders_tools(tok, template, template_kwargs)) is not None:  # Gemma 3: both to set
+                raise ValueError(f"agent.format=auto cannot tell the tool-call format from {where}, and it cannot "
+                                 f"render tools ({missing}); set, in order: agent.chat_template to a tool-capable "
+                                 "jinja file, then (where auto cannot tell it from that template) agent.format to "
+                                 f"the tool-call format it writes, one of {list(CHAT_FORMATS)}; or agent.format=raw "
+                                 "for raw-text prompts")
+            raise ValueError(f"agent.format=auto cannot tell the tool-call format from {where}; set agent.format "
+                             f"to one of {list(CHAT_FORMATS)} (or raw)")
         fmt = "hermes"  # no tools: the format only names the parser, which never runs
     if tools and (missing := renders_tools(tok, template, template_kwargs)) is not None:
         vocab = tok.get_vocab()
@@ -149,6 +156,12 @@ def chat_side(tokenizer: Any, options: Any, toolset: Any, user_turns: bool,
         raise ValueError(f"agent.chat_template: rendering a probe conversation failed ({type(e).__name__}: "
                          f"{e}); give a template that renders user, assistant (with tool_calls) and tool "
                          "messages") from e
+    if bridge.system_rewrite:
+        warnings.warn(f"agent.chat_template re-renders a system message once later messages are added "
+                      f"({bridge.system_rewrite}); a prompt's system message (agent.system_prompt or the data's) is "
+                      "trained where the model was given it, in its first turn's prompt, whereas a chat server "
+                      "re-rendering the conversation would no longer show it there (docs/agents.md, \"Templates that "
+                      "re-render history\")", stacklevel=2)
     if bridge.rewrites:
         warnings.warn(f"agent.chat_template re-renders earlier turns once later messages are added ({bridge.rewrites}"
                       "); each turn is trained as the model was given it and sampled it (agent.history=as_sampled; "
@@ -175,6 +188,7 @@ class ChatBridge:
         self.tokenizer = tokenizer
         self.history = history
         self.rewrites: str | None = None  # set by `check`: what re-rendering the conversation changes, if anything
+        self.system_rewrite: str | None = None  # set by `check`: what a re-render does to a system message, if any
         self.template = template
         self.tools = tools or None  # None, not []: some templates print tool instructions for an empty list
         self.format = fmt
@@ -194,7 +208,7 @@ class ChatBridge:
         """A bridge of the same template, format and variables showing only these tool schemas (a row's tool set,
         agent.tools_field); not yet `check`ed."""
         bridge = ChatBridge(self.tokenizer, self.template, tools, self.format, self.template_kwargs, self.history)
-        bridge.rewrites = self.rewrites
+        bridge.rewrites, bridge.system_rewrite = self.rewrites, self.system_rewrite
         return bridge
 
     def encode(self, text: str) -> list[int]:
@@ -399,6 +413,26 @@ class ChatBridge:
             if who == "model" and ids[-1] not in self.turn_end_ids:
                 raise ValueError(self._not_append_only("an assistant turn does not end with its end-of-turn "
                                                        "token"))
+        self.system_rewrite = self._system_rewrite(msgs)
+
+    def _system_rewrite(self, msgs: list[dict[str, Any]]) -> str | None:
+        """What re-rendering the probe conversation `msgs` does to a system message the prompt was given: None
+        when the prompt's text up to the system message stays as it was (or the template renders no system
+        message); else where the prompt wrote it and whether the re-render drops or moves it (Mistral Nemo writes it
+        into the last user message only)."""
+        system = [{"role": "system", "content": _SENTINEL}]
+        try:
+            given = self.render(system + msgs[:1], add_generation_prompt=True)
+            rendered = self.render(system + msgs, add_generation_prompt=False)
+        except Exception:  # noqa: BLE001 (a template that refuses a system message renders none to move)
+            return None
+        at = given.find(_SENTINEL)
+        if at < 0 or rendered[:at + len(_SENTINEL)] == given[:at + len(_SENTINEL)]:
+            return None
+        after = "a " + " and a ".join(dict.fromkeys(m["role"] for m in msgs[1:] if m["role"] != "assistant"))
+        done = "moves it" if _SENTINEL in rendered else "drops it"
+        return (f"the prompt writes the system message at character {at}; once a model turn and {after} message "
+                f"follow, a re-render of the conversation {done}")
 
 
 def tool_call_message(name: str, arguments: dict[str, Any], call_id: str) -> dict[str, Any]:

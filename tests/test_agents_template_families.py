@@ -223,14 +223,16 @@ def env_episode(family, texts, **template_kwargs):
     return agent, tok.decode(prompt_ids + stream.ids), observations, record
 
 
-@pytest.mark.parametrize("family", ["gemma3", "llama3.2", "mistral"])
+@pytest.mark.parametrize("family", ["gemma3", "llama3.2", "mistral", "hermes3"])
 def test_environment_episode_of_append_only_families(family):
-    end = {"gemma3": "<end_of_turn>", "llama3.2": "<|eot_id|>", "mistral": "</s>"}[family]
+    """(hermes3: its tool_use template iterates `tools` even when there are none; the bridge gives it [])"""
+    end = {"gemma3": "<end_of_turn>", "llama3.2": "<|eot_id|>", "mistral": "</s>", "hermes3": "<|im_end|>"}[family]
     agent, stream, observations, record = env_episode(family, ["2" + end, "1" + end])
     expected = {"gemma3": "\n<start_of_turn>user\nNow 1.<end_of_turn>\n<start_of_turn>model\n",
                 "llama3.2": "<|start_header_id|>user<|end_header_id|>\n\nNow 1.<|eot_id|>"
                             "<|start_header_id|>assistant<|end_header_id|>\n\n",
-                "mistral": "[INST]Now 1.[/INST]"}[family]
+                "mistral": "[INST]Now 1.[/INST]",
+                "hermes3": "\n<|im_start|>user\nNow 1.<|im_end|>\n<|im_start|>assistant\n"}[family]
     assert observations == [expected] and agent.bridge.rewrites is None
     tok = agent.tokenizer
     whole = render(tok, agent, agent.driver([PromptRow([{"role": "user", "content": "Count down."}])], 1).prompts[0]

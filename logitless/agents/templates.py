@@ -200,9 +200,15 @@ class ChatBridge:
     # -- rendering -------------------------------------------------------------------------------------------
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tools=self.tools, chat_template=self.template, tokenize=False,
-            add_generation_prompt=add_generation_prompt, **self.template_kwargs)
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=self.tools, chat_template=self.template, tokenize=False,
+                add_generation_prompt=add_generation_prompt, **self.template_kwargs)
+        except TypeError:  # a template that iterates its tools whatever they are (Hermes 3's tool_use): an empty list
+            if self.tools is not None:
+                raise
+            self.tools = []
+            return self.render(messages, add_generation_prompt)
 
     def with_tools(self, tools: list[dict[str, Any]]) -> ChatBridge:
         """A bridge of the same template, format and variables showing only these tool schemas (a row's tool set,

@@ -181,6 +181,27 @@ def qlora_moe_run(root, tok, *overrides):
     return train(cfg).records
 
 
+def test_4bit_linear_layers_keep_one_cpu_path_in_eval_without_grad(one_thread):
+    """bitsandbytes runs a 4-bit layer in eval mode without gradients through another CPU kernel where the CPU has
+    AVX512-BF16 (repacking the weight in place, other roundings): after `one_cpu_4bit_path` (which
+    `prepare_for_training` applies to 4-bit models) such a call computes what the training path computes, on any
+    CPU. Here every layer claims that CPU, so without the function the test fails on one (and crashes elsewhere)."""
+    from logitless.trainer.policy.modeling import one_cpu_4bit_path
+
+    torch.manual_seed(0)
+    layer = bnb.nn.Linear4bit(64, 96, bias=False, compute_dtype=torch.float32, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(torch.randn(96, 64), requires_grad=False, quant_type="nf4").to("cpu")
+    packed = layer.weight.data.clone()
+    layer.support_avx512bf16_for_cpu = True
+    one_cpu_4bit_path(torch.nn.Sequential(layer))
+    x = torch.randn(5, 64)
+    trained = layer(x.requires_grad_()).detach()
+    layer.eval()
+    with torch.no_grad():
+        evaluated = layer(x.detach())
+    assert torch.equal(evaluated, trained) and torch.equal(layer.weight.data, packed)
+
+
 def test_qlora_moe_trains_on_cpu_with_sampler_equal_to_trainer_and_resumes_and_exports(tmp_path, gpt2_tokenizer,
                                                                                        one_thread):
     """`logitless train` with model.load_in_4bit on a tiny Qwen3-MoE folder, 2 steps on the static engine (its

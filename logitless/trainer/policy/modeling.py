@@ -244,6 +244,8 @@ def prepare_for_training(model, cfg: ModelConfig):
             "model.load_in_4bit=true but the given model is not 4-bit quantized; load it through logitless "
             "(model.name_or_path), or pass a model loaded with a 4-bit BitsAndBytesConfig"
         )
+    if cfg.load_in_4bit:
+        one_cpu_4bit_path(model)
     if isinstance(cfg.mlp_chunk_tokens, int):
         check_tileable(model, cfg.mlp_chunk_tokens)  # before anything is changed
     if cfg.liger_kernels is True:
@@ -264,6 +266,15 @@ def prepare_for_training(model, cfg: ModelConfig):
     if cfg.compile_layers is True:
         compile_layers(model)
     return model
+
+
+def one_cpu_4bit_path(model) -> None:
+    """On a CPU with AVX512-BF16, bitsandbytes runs a 4-bit layer called in eval mode without gradients through
+    another kernel, repacking its weight in place, with other roundings than the training path: the trainer's
+    no-grad logprobs (and the rollout's) would differ from its own forward. Keep every layer on the one path."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
 
 
 def freeze_vision(model, cfg: ModelConfig) -> None:

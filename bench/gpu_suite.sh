@@ -1,6 +1,6 @@
 #!/bin/bash
 # The whole GPU suite (`pytest -m gpu tests/`) on a host with 1, 2 or 4+ GPUs, in shards that run side by side:
-#   bash bench/gpu_suite.sh LOG_DIR [all | one-a | one-b | one-c | multi | three]
+#   bash bench/gpu_suite.sh LOG_DIR [all | one-a | one-b | multi | three]
 # 4+ GPUs: the exactness matrix in two halves (GPUs 0 and 1; the kernel files beside the first half, the other
 # one-GPU files beside the second), then the multi-GPU files on one GPU (GPU 0), while their tests that need two
 # GPUs (marked two_gpus) run on GPUs 2,3. 2 GPUs: the one-GPU shards on GPU 0 and 1, then the two_gpus tests on
@@ -10,9 +10,9 @@
 # ship in tests/fixtures/; carry bitsandbytes, torchao and liger-kernel so nothing skips.
 set -u
 PY=${PYTHON:-python3}  # the interpreter with torch (PYTHON=.venv/bin/python in a checkout with the venv)
-out=${1:?usage: bash bench/gpu_suite.sh LOG_DIR [all | one-a | one-b | one-c | multi | three]}
-part=${2:-all}  # all, or one part for time-limited calls: one-a, one-b, one-c (one GPU), multi (2 GPUs), three (3 GPUs)
-case $part in all|one-a|one-b|one-c|multi|three) ;; *) echo "gpu_suite.sh: unknown part '$part': use all, one-a, one-b, one-c, multi or three" >&2; exit 2;; esac
+out=${1:?usage: bash bench/gpu_suite.sh LOG_DIR [all | one-a | one-b | multi | three]}
+part=${2:-all}  # all, or one part for time-limited calls: one-a, one-b (one GPU, each < 600 s on an H100), multi (2 GPUs), three (3 GPUs)
+case $part in all|one-a|one-b|multi|three) ;; *) echo "gpu_suite.sh: unknown part '$part': use all, one-a, one-b, multi or three" >&2; exit 2;; esac
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
 X=tests/test_gpu_exactness.py
@@ -33,12 +33,12 @@ shard() {  # [MARK=...] shard NAME GPUS PYTEST-ARGS...   (MARK: the tests it sel
   echo "$(date +%T) end $name" >> "$out/times.txt"
 }
 n=$("$PY" -c "import torch; print(torch.cuda.device_count())")
-if [ "$part" = one-a ]; then  # both exactness halves side by side on GPU 0
-  shard exactness_a 0 $X -k "$HALF_A" & shard exactness_b 0 $X -k "$HALF_B"; wait
-elif [ "$part" = one-b ]; then  # the kernel and other one-GPU files side by side (~450 s on an H100)
-  shard kernels 0 $KERNELS & shard rest 0 $REST; wait
-elif [ "$part" = one-c ]; then  # the multi-GPU files' one-GPU tests, alone: they measure memory (~110 s)
+if [ "$part" = one-a ]; then  # both exactness halves and the kernel files side by side on GPU 0 (~300 s on an
+  # H100), then the multi-GPU files' one-GPU tests alone: they measure the device's free memory (~110 s)
+  ( shard exactness_a 0 $X -k "$HALF_A" & shard exactness_b 0 $X -k "$HALF_B" & shard kernels 0 $KERNELS; wait )
   shard multi_gpu_files_on_one 0 $TWO
+elif [ "$part" = one-b ]; then  # the other one-GPU files, the trainer's among them (~450 s on an H100)
+  shard rest 0 $REST
 elif [ "$part" = multi ]; then  # the tests that need two GPUs (one-b runs the multi-GPU files' others on one)
   MARK="gpu and two_gpus" shard multi_gpu 0,1 $TWO
 elif [ "$part" = three ]; then

@@ -86,16 +86,37 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_tokenizer(cfg: ModelConfig):
-    """The tokenizer, left-padding, with a pad token (falls back to EOS)."""
+    """The tokenizer, left-padding, with a pad token (falls back to EOS). Read once per process and source (a run's
+    checks, its model load and its eval each ask; a 150k-token vocabulary takes seconds to read): each call gets its
+    own copy, and a local folder whose files changed is read again."""
+    import copy
+
     from transformers import AutoTokenizer
 
     source, gguf = resolve_source(cfg)
     kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
     if gguf:
         kwargs["gguf_file"] = gguf
-    tok = AutoTokenizer.from_pretrained(source, **kwargs)
+    key = (source, gguf, cfg.revision, cfg.trust_remote_code, _folder_stamp(source))
+    if key not in _TOKENIZERS:
+        if len(_TOKENIZERS) >= 4:  # the oldest out: a process rarely trains more than a few models
+            del _TOKENIZERS[next(iter(_TOKENIZERS))]
+        _TOKENIZERS[key] = AutoTokenizer.from_pretrained(source, **kwargs)
+    tok = copy.deepcopy(_TOKENIZERS[key])
     tok.padding_side = "left"
     return tok
+
+
+_TOKENIZERS: dict[tuple, Any] = {}  # load_tokenizer's: (source, gguf, revision, remote code, files) -> tokenizer
+
+
+def _folder_stamp(source: str) -> tuple:
+    """(name, size, mtime) of each file of a local model folder (a hub name: empty)."""
+    folder = Path(source)
+    if not folder.is_dir():
+        return ()
+    return tuple(sorted((f.name, st.st_size, st.st_mtime_ns) for f in folder.iterdir() if f.is_file()
+                        for st in [f.stat()]))
 
 
 def _fix_special_tokens(tok, model) -> None:

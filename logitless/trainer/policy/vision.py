@@ -39,24 +39,37 @@ def image_only(cls: type) -> type:
     return type(cls.__name__, (cls,), {"__init__": __init__, "__doc__": image_only.__doc__})
 
 
+def with_tokenizer(cls: type, tokenizer: Any) -> type:
+    """`cls` (a processor class) taking `tokenizer` as its tokenizer in `from_pretrained` instead of reading the
+    folder's again (the run has it loaded; a 150k-token vocabulary takes seconds to read)."""
+    load = cls._load_tokenizer_from_pretrained.__func__ if hasattr(cls, "_load_tokenizer_from_pretrained") else None
+
+    def given(kls, sub_processor_type, *args, **kwargs):
+        return tokenizer if sub_processor_type == "tokenizer" else load(kls, sub_processor_type, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"_load_tokenizer_from_pretrained": classmethod(given), "__doc__": cls.__doc__})
+
+
 def load_processor(cfg: ModelConfig, tokenizer: Any) -> Any:
     """The processor of the vision-language model `cfg` names (its tokenizer is `tokenizer`, left-padding, the pad
-    token the run uses): transformers' AutoProcessor with torchvision installed, else the model's processor class
-    without its video processor (`image_only`, images through the PIL backend)."""
+    token the run uses): the model type's transformers processor class (with trust_remote_code and torchvision,
+    AutoProcessor: the folder may name its own), without its video processor where torchvision is missing
+    (`image_only`, images through the PIL backend)."""
     from transformers import AutoConfig, AutoProcessor
 
     source, _ = resolve_source(cfg)
     kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
     try:
-        if importlib.util.find_spec("torchvision") is not None:
+        torchvision = importlib.util.find_spec("torchvision") is not None
+        if torchvision and cfg.trust_remote_code:  # the folder may name a processor class of its own
             processor = AutoProcessor.from_pretrained(source, **kwargs)
         else:
             cls = processor_class(AutoConfig.from_pretrained(source, **kwargs))
             import inspect
 
-            if "video_processor" in inspect.signature(cls.__init__).parameters:
+            if not torchvision and "video_processor" in inspect.signature(cls.__init__).parameters:
                 cls = image_only(cls)
-            processor = cls.from_pretrained(source, **kwargs)
+            processor = with_tokenizer(cls, tokenizer).from_pretrained(source, **kwargs)
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(f"model.name_or_path={cfg.name_or_path!r}: the vision-language model's processor cannot be "
                          f"loaded ({str(e).splitlines()[0] if str(e) else type(e).__name__}); the folder needs its "

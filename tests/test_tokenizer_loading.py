@@ -9,8 +9,8 @@ import shutil
 import pytest
 
 from logitless.trainer.config.schema import ModelConfig
-from logitless.trainer.policy import modeling
-from logitless.trainer.policy.modeling import load_tokenizer
+from logitless.trainer.policy import sources
+from logitless.trainer.policy.sources import load_tokenizer
 
 
 def count_reads(monkeypatch) -> list[str]:
@@ -29,7 +29,7 @@ def count_reads(monkeypatch) -> list[str]:
 
 def test_a_folder_is_read_once_and_each_call_gets_its_own_copy(tmp_path, gpt2_tokenizer_dir, monkeypatch):
     folder = shutil.copytree(gpt2_tokenizer_dir, tmp_path / "tok")
-    monkeypatch.setattr(modeling, "_TOKENIZERS", {})
+    monkeypatch.setattr(sources, "_TOKENIZERS", {})
     reads = count_reads(monkeypatch)
     cfg = ModelConfig(name_or_path=str(folder))
     a = load_tokenizer(cfg)
@@ -43,7 +43,7 @@ def test_a_folder_is_read_once_and_each_call_gets_its_own_copy(tmp_path, gpt2_to
 
 def test_a_folder_whose_files_changed_is_read_again(tmp_path, gpt2_tokenizer_dir, monkeypatch):
     folder = shutil.copytree(gpt2_tokenizer_dir, tmp_path / "tok")
-    monkeypatch.setattr(modeling, "_TOKENIZERS", {})
+    monkeypatch.setattr(sources, "_TOKENIZERS", {})
     reads = count_reads(monkeypatch)
     cfg = ModelConfig(name_or_path=str(folder))
     assert not getattr(load_tokenizer(cfg), "chat_template", None)

@@ -16,7 +16,11 @@ position or a missing image shows above 1e-5."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -122,7 +126,23 @@ def tiny_processor(tokenizer_dir: Path, family: str = "qwen2_5_vl"):
 
 def build_tiny_vlm(tokenizer_dir: Path, dest: Path, *, seed: int = 0, layers: int = 2,
                    family: str = "qwen2_5_vl") -> Path:
-    """A folder holding a random tiny `family` model (fp32) and its processor, as `model.name_or_path` reads it."""
+    """A folder holding a random tiny `family` model (fp32) and its processor, as `model.name_or_path` reads it.
+    Built once per process and arguments, then linked into `dest` (a run writes only to its own output folder)."""
+    key = (str(tokenizer_dir), seed, layers, family)
+    if key not in _BUILT:
+        if not _BUILT:
+            _BUILT["root"] = Path(tempfile.mkdtemp(prefix="tiny_vlms_"))
+            atexit.register(shutil.rmtree, _BUILT["root"], ignore_errors=True)
+        _BUILT[key] = _build_tiny_vlm(tokenizer_dir, _BUILT["root"] / str(len(_BUILT)), seed=seed, layers=layers,
+                                      family=family)
+    shutil.copytree(_BUILT[key], dest, copy_function=os.link, dirs_exist_ok=True)
+    return dest
+
+
+_BUILT: dict = {}  # build_tiny_vlm's: "root" -> the process's folder of them, (arguments) -> the built folder
+
+
+def _build_tiny_vlm(tokenizer_dir: Path, dest: Path, *, seed: int, layers: int, family: str) -> Path:
     from transformers import AutoModelForImageTextToText
 
     processor = tiny_processor(tokenizer_dir, family)

@@ -1,10 +1,10 @@
-"""The tensor-parallel rollout (rollout.tensor_parallel): on 2 and 4 CPU processes (gloo, fp32) each rank's rows
-of its group's decode are the one-rank rollout's (tokens equal, logprobs within 1e-5), before and after an update
-of the FSDP2 shards, for Llama, Qwen2 and Qwen3, LoRA and full weights; the draw over each rank's vocabulary
-columns samples what the gathered rows sample; in bf16 the split rollout is as close to the trainer's logprobs as
-the one-rank rollout (the row-parallel sums in fp32); each rank holds 1/N of the decode weights;
-a run on 2 and 4 ranks with rollout.tensor_parallel=2 trains like one process; several calls' prompts decoded as
-one keep each call's samples; bad settings are refused naming the key."""
+"""The tensor-parallel rollout (rollout.tensor_parallel): on 4 CPU processes (gloo, fp32; one launch), in two
+groups of 2 and in one group of 4, each rank's rows of its group's decode are the one-rank rollout's (tokens
+equal, logprobs within 1e-5), before and after an update of the FSDP2 shards, for Llama, Qwen2 and Qwen3, LoRA and
+full weights; the draw over each rank's vocabulary columns samples what the gathered rows sample; in bf16 the split
+rollout is as close to the trainer's logprobs as the one-rank rollout (the row-parallel sums in fp32); each rank
+holds 1/N of the decode weights; a run on 4 ranks with rollout.tensor_parallel=2 (two groups) trains like one
+process; several calls' prompts decoded as one keep each call's samples; bad settings are refused naming the key."""
 
 from __future__ import annotations
 
@@ -42,18 +42,10 @@ def run_worker(out: Path, ranks: int, sizes: str, families: str, tok_dir: Path) 
 
 
 @pytest.fixture(scope="module")
-def tp2(tmp_path_factory, gpt2_tokenizer_dir, one_thread):
-    return run_worker(tmp_path_factory.mktemp("tp2"), 2, "2", "llama,qwen2,qwen3", gpt2_tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
 def tp4(tmp_path_factory, gpt2_tokenizer_dir, one_thread):
-    return run_worker(tmp_path_factory.mktemp("tp4"), 4, "2,4", "llama,qwen2", gpt2_tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tp2):
-    return tp2[1]
+    """The one launch of the module: 4 ranks, groups of 2 and of 4 (a group of the whole world, as on 2 ranks of
+    2, is the size-4 case), then the training runs (two groups of 2)."""
+    return run_worker(tmp_path_factory.mktemp("tp4"), 4, "2,4", "llama,qwen2,qwen3", gpt2_tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
@@ -86,33 +78,25 @@ def check_bytes(ranks: list[dict], case: str, n: int) -> None:
         assert max(group) <= (whole - norms) / n + 2 * 32 * 4 * 2, (case, group)  # 2 vocab tensors x H x fp32
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("weights", ["lora", "full"])
-def test_two_ranks_sample_what_one_rank_samples(two_ranks, family, weights):
-    case = f"tp2-{family}-{weights}"
-    check_exact(two_ranks, case)
-    check_bytes(two_ranks, case, 2)
-
-
-def test_the_compiled_decode_of_a_split_replica_is_one_graph_and_samples_the_same(two_ranks):
+def test_the_compiled_decode_of_a_split_replica_is_one_graph_and_samples_the_same(four_ranks):
     """The engine's compiled forward (aot_eager on CPU, `tests/conftest.py`; inductor on a GPU) traces the split
     model, its collectives included, as one graph without a break (what the CUDA-graph decode step captures on a
     GPU), and samples what the one-rank rollout samples."""
-    for r, results in enumerate(two_ranks):
+    for r, results in enumerate(four_ranks):
         x = results["compiled"]
         assert x["graphs"] == 1 and x["breaks"] == 0, (r, x)
         assert x["tokens_equal"] and x["logp_diff"] <= TOL, (r, x)
 
 
-def test_a_rank_without_a_seed_is_refused_on_every_rank_of_its_group(two_ranks):
+def test_a_rank_without_a_seed_is_refused_on_every_rank_of_its_group(four_ranks):
     """The ranks of a group draw from their seeds' streams: a rank without a seed makes every rank of the group
     raise (none is left waiting in the decode's collectives)."""
-    for results in two_ranks:
+    for results in four_ranks:
         assert "each must give its rollout a seed (SamplingOptions.seed)" in results["unseeded"]
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("weights", ["lora", "full"])
 def test_four_ranks_sample_what_one_rank_samples(four_ranks, tp, family, weights):
     case = f"tp{tp}-{family}-{weights}"
@@ -120,15 +104,13 @@ def test_four_ranks_sample_what_one_rank_samples(four_ranks, tp, family, weights
     check_bytes(four_ranks, case, tp)
 
 
-@pytest.mark.parametrize("ranks, tp", [(2, 2), (4, 2), (4, 4)], ids=["2ranks-tp2", "4ranks-tp2", "4ranks-tp4"])
-def test_the_draw_over_each_ranks_vocabulary_columns_samples_what_the_gathered_rows_sample(two_ranks, four_ranks,
-                                                                                           ranks, tp):
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_draw_over_each_ranks_vocabulary_columns_samples_what_the_gathered_rows_sample(four_ranks, tp):
     """The lm_head's logits stay split by vocabulary rows (each rank its own columns; the byte vocabulary of 258
     tokens in 65 + 65 + 65 + 63 over 4), and the draw that reduces over the group draws the tokens of the gathered
     rows' draw and of the one-rank rollout, logprobs within 1e-5: sampling, greedy, hot, top-k (the rows gathered
     for the filter) and the CUDA-graph decode's step (eager on CPU)."""
-    results = two_ranks if ranks == 2 else four_ranks
-    for r, x in enumerate(results):
+    for r, x in enumerate(four_ranks):
         x = x[f"vocab-tp{tp}"]
         chunk = -(-258 // tp)
         start = (r % tp) * chunk
@@ -140,14 +122,13 @@ def test_the_draw_over_each_ranks_vocabulary_columns_samples_what_the_gathered_r
                 assert y["tokens_equal"] and y["logp_diff"] <= TOL and y["tokens"] > 0, (r, case, other, y)
 
 
-@pytest.mark.parametrize("ranks, tp", [(2, 2), (4, 2), (4, 4)], ids=["2ranks-tp2", "4ranks-tp2", "4ranks-tp4"])
-def test_episodes_of_a_split_rollout_are_the_one_rank_episodes(two_ranks, four_ranks, ranks, tp):
+@pytest.mark.parametrize("tp", [2, 4])
+def test_episodes_of_a_split_rollout_are_the_one_rank_episodes(four_ranks, tp):
     """Multi-turn episodes through the group: each rank's driver answers its own rows, the replies are gathered
     every turn, and each rank gets the episodes its own call on one rank gives (tokens, observations, turns; logprobs
     within 1e-5); a call every rank makes alike is decoded once; a driver that raises on one rank is named on every
     rank of the group (none waits in a collective)."""
-    results = two_ranks if ranks == 2 else four_ranks
-    for r, x in enumerate(results):
+    for r, x in enumerate(four_ranks):
         x = x[f"episodes-tp{tp}"]
         for name in ("own", "same_call"):
             y = x[name]
@@ -162,14 +143,14 @@ def group_gap(ranks: list[dict], case: str, side: str) -> float:
     return sum(x["mean"] * x["tokens"] for x in xs) / sum(x["tokens"] for x in xs)
 
 
-@pytest.mark.parametrize("ranks, tp", [(2, 2), (4, 2), (4, 4)], ids=["2ranks-tp2", "4ranks-tp2", "4ranks-tp4"])
-def test_the_split_rollout_in_bf16_is_as_close_to_the_trainer_as_one_rank(two_ranks, four_ranks, ranks, tp):
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_split_rollout_in_bf16_is_as_close_to_the_trainer_as_one_rank(four_ranks, tp):
     """bf16 on CPU: the split rollout's logprobs are as close to the trainer's (on its own tokens) as the one-rank
     rollout's are (on its own), within 1.5x of that gap measured in the same run on the same model (the group's
     mean); where both drew the same tokens, the two samplers differ by less than the one-rank sampler from the
     trainer. The row-parallel layers' partial products summed in bf16 were 3.2x (2 ranks) and 3.6x (4) of the
     one-rank gap, and the two samplers 3x apart; summed in fp32 (`tp_styles.RowwiseFp32Sum`), 1.2x and 0.5x."""
-    results, case = (two_ranks if ranks == 2 else four_ranks), f"bf16-tp{tp}"
+    results, case = four_ranks, f"bf16-tp{tp}"
     one, split = group_gap(results, case, "one"), group_gap(results, case, "split")
     assert 0 < one < 0.02, one  # bf16 rounding, not a broken reference
     assert split <= 1.5 * one, (split, one)
@@ -259,11 +240,11 @@ def single_runs(out: Path, ranks: int, tok_dir: Path) -> dict[str, list[dict]]:
     return single
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
-def training(request):
-    """The folder and one-process records of the run of `tp_worker.TRAIN` on 2 or 4 ranks with
-    rollout.tensor_parallel=2 (one group, or two: the eval's rows split over them), from that launch (`run_worker`)."""
-    out, _, single = request.getfixturevalue(f"tp{request.param}")
+@pytest.fixture(scope="module")
+def training(tp4):
+    """The folder and one-process records of the run of `tp_worker.TRAIN` on 4 ranks with rollout.tensor_parallel=2
+    (two groups: the eval's rows split over them), from the module's launch (`run_worker`)."""
+    out, _, single = tp4
     return out, single
 
 

@@ -515,9 +515,8 @@ def main(kind: str, out_dir: str, *args: str) -> None:
         results[f"bf16-tp{tp}"] = bf16(tp, "tiny", world)
         results[f"vocab-tp{tp}"] = vocab(tp, world)
         results[f"episodes-tp{tp}"] = episodes(tp, world)
-    if world.size == 2:
-        results["compiled"] = compiled(world)
-        results["unseeded"] = unseeded(world)
+    results["compiled"] = compiled(world)  # (one group of the whole world)
+    results["unseeded"] = unseeded(world)
     Path(out_dir, f"rank{world.rank}.json").write_text(json.dumps(results))
     if tok_dir:  # the training runs join the group made above
         train(out_dir, *tok_dir)

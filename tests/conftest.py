@@ -244,7 +244,8 @@ def pytest_configure(config):
 # the files with the most tests first), so that on two workers the many short files fill the other worker meanwhile
 # instead of trailing them.
 SLOW_FIRST = ("test_parallel.py", "test_tensor_parallel.py", "test_shared_rollout.py", "test_bench_e2e.py",
-              "test_bench_plan.py", "test_triton.py")
+              "test_vlm_cli.py", "test_vlm_model.py", "test_bench_plan.py", "test_vlm_rollout.py",
+              "test_vlm_episodes.py", "test_triton.py")
 
 
 def pytest_collection_modifyitems(config, items):

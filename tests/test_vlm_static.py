@@ -14,6 +14,8 @@ the `hf` engine's own gap from the trainer."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -215,6 +217,61 @@ def test_episodes_of_a_vision_language_model_are_refused(vlm):
     with pytest.raises(ValueError, match="multi-turn episodes .* rollout.backend=hf"):
         static(model, processor).generate(PROMPTS, options(), episodes=driver)
     assert driver.calls == []  # refused before anything decoded
+
+
+@pytest.mark.parametrize("settings, world_size, message", [
+    ({}, 1, None),
+    ({"rollout.device": "cuda:1"}, 1, None),  # one process: a replica on another device decodes the images
+    ({"rollout.backend": "continuous"}, 1, "rollout.backend=continuous: rows with images are decoded by "
+                                           "rollout.backend=hf or static"),
+    ({"rollout.tensor_parallel": 2}, 2, "rollout.tensor_parallel=2: the split rollout does not decode rows with "
+                                        "images yet; set rollout.tensor_parallel=1"),
+    ({"rollout.device": "cuda:2"}, 2, "rollout.device=cuda:2 under torchrun: rank 0's decode"),
+    ({"agent.environment": "vlm_fixtures:CounterScreen"}, 1, "rollout.backend=static does not run multi-turn episodes"),
+    ({"rollout.backend": "auto", "rollout.max_kv_gib": 1.0, "agent.environment": "vlm_fixtures:CounterScreen"}, 1,
+     "rollout.backend=static does not run multi-turn episodes"),  # auto with a static-only option: static
+    ({"train.async_rollout": True}, 1, "train.async_rollout=true checkpoints the rollout it keeps in flight"),
+])
+def test_the_settings_static_cannot_decode_images_with_are_refused(settings, world_size, message):
+    """Before any model loads (`check_image_rows`): rows with images on rollout.backend=static, and what cannot
+    take them yet, each refused naming the setting and the fix."""
+    from logitless.agents.options import AgentOptions
+    from logitless.data import PromptRow
+    from logitless.trainer.config.schema import TrainerConfig
+    from logitless.trainer.policy.vision import check_image_rows
+
+    cfg = TrainerConfig()
+    cfg.rollout.backend = "static"
+    for key, value in settings.items():
+        section, name = key.split(".")
+        if section == "agent":
+            cfg.agent = AgentOptions(**{name: value})
+        else:
+            setattr(getattr(cfg, section), name, value)
+    rows = [PromptRow(chat("How many?", [shape_image(1)]))]
+    if message is None:
+        assert check_image_rows(cfg, rows, world_size) is True
+    else:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            check_image_rows(cfg, rows, world_size)
+
+
+def test_episodes_on_static_are_refused_against_the_models_config():
+    """Before the weights load (`checks.model`, the preflight): agent episodes on rollout.backend=static with a
+    vision-language model, whose environment may show images though no prompt row has one; hf runs them."""
+    from logitless.agents.options import AgentOptions
+    from logitless.trainer.checks.model import check_model
+    from logitless.trainer.config.schema import TrainerConfig
+    from vlm_fixtures import tiny_vlm_config
+
+    cfg = TrainerConfig()
+    cfg.rollout.backend, cfg.agent = "static", AgentOptions(environment="vlm_fixtures:CounterScreen")
+    config = tiny_vlm_config(151_665, family="qwen3_vl")
+    with pytest.raises(ValueError, match="rollout.backend=static does not run multi-turn episodes .* of a "
+                                         "vision-language model yet"):
+        check_model(cfg, config)
+    cfg.rollout.backend = "hf"
+    check_model(cfg, config)
 
 
 # GPU: the compiled bf16 decode against hf's own rounding on the same weights

@@ -1,5 +1,6 @@
 """`logitless train` with a vision-language model: a tiny local Qwen2.5-VL, Qwen3-VL or Gemma 3 folder and the
-count_shapes task, two steps end to end on CPU (rollout on hf with images, rewards, the update, checkpoints)."""
+count_shapes task, two steps end to end on CPU (rollout with images on hf, or static for Qwen3-VL, rewards, the
+update, checkpoints)."""
 
 from __future__ import annotations
 
@@ -55,10 +56,12 @@ def folder(folders):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_train_a_vision_language_model_for_two_steps(tmp_path, folders, family):
     """Qwen2.5-VL's run packs its micro-batches (train.packed=true: each row its own M-RoPE positions), the others
-    pad them; the sampler's logprobs are the trainer's either way."""
+    pad them; Qwen3-VL's rollout and its eval during training decode on the static engine, from the merged-LoRA
+    copy; the sampler's logprobs are the trainer's either way."""
     folder = folders(family)
     packed = {"packed": True} if family == "qwen2_5_vl" else {}
-    assert main(["train", str(vlm_config(tmp_path, folder, **packed))]) == 0
+    backend = ["rollout.backend=static"] if family == "qwen3_vl" else []
+    assert main(["train", str(vlm_config(tmp_path, folder, **packed)), *backend]) == 0
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "step" in r and "loss" in str(sorted(r))]
     assert steps and max(r["step"] for r in steps) == 2
@@ -74,7 +77,7 @@ def test_train_a_vision_language_model_for_two_steps(tmp_path, folders, family):
 
 @pytest.mark.parametrize("family, override, message", [
     ("gemma3", "train.packed=true", "train.packed=true: Gemma3Model's image tokens attend to each other both ways"),
-    ("qwen2_5_vl", "rollout.backend=static", "rollout.backend=static: rows with images"),
+    ("qwen2_5_vl", "rollout.backend=continuous", "rollout.backend=continuous: rows with images"),
 ])
 def test_vlm_settings_that_cannot_train_images_are_refused(tmp_path, folders, family, override, message, capsys):
     assert main(["train", str(vlm_config(tmp_path, folders(family))), override]) != 0

@@ -1,6 +1,7 @@
 """Vision-language rollout and training passes on a tiny random Qwen2.5-VL (fp32, CPU): the `hf` engine samples with
 the rows' images and the trainer's micro-batched forwards reproduce its logprobs; image tokens get no gradient; the
-M-RoPE positions are the model's own; a micro-batch split equals one batch; the static engine is refused."""
+M-RoPE positions are the model's own; a micro-batch split equals one batch; the continuous engine is refused (the
+static engine's image rows: `test_vlm_static.py`)."""
 
 from __future__ import annotations
 
@@ -131,12 +132,12 @@ def test_image_tokens_get_no_gradient_and_positions_are_the_models_own(vlm, roll
             assert not torch.equal(own[0, 0], own[1, 0])  # image rows really use M-RoPE
 
 
-def test_static_engine_refuses_a_vision_language_model(vlm):
+def test_continuous_engine_refuses_a_vision_language_model(vlm):
     from logitless.models import UnsupportedModelError
 
     model, _, processor = vlm
-    with pytest.raises(UnsupportedModelError, match="rollout.backend=hf"):
-        make_engine("static", model, processor)
+    with pytest.raises(UnsupportedModelError, match="rollout.backend=continuous cannot decode a vision-language"):
+        make_engine("continuous", model, processor)
 
 
 def test_image_inputs_select_and_batch():

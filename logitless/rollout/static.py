@@ -32,6 +32,11 @@
   the model itself, or a merged-LoRA inference copy that decodes at plain-model speed (and, sleeping, frees its
   memory between calls).
 - The recorded logprob is log_softmax(raw_logits / T)[token], as documented in `types.py`.
+- Prompts with images (a vision-language model given with its processor, `static_vision.py`): the prefill runs the
+  model's own forward with each prompt's images (the vision encoder once per prompt, its keys/values shared by the
+  G rows), then every step decodes text at explicit positions: for M-RoPE (Qwen-VL) each row's continue after its
+  prompt's 3-D positions (the model's `rope_deltas`, per prompt); Gemma 3 decodes as text. The draw never picks an
+  image placeholder (the logprob stays the raw one). Not with multi-turn episodes or a vocabulary split yet.
 - With `record_routes` (a mixture-of-experts model, `models/routing.py`) the routers' chosen experts are recorded
   too: each prompt's at its prefill (once, shared by its G rows), each row's decode step's into a [b, S, layers, k]
   device buffer at the column the step counter names (inside the step, no host sync), copied to the host with the
@@ -76,15 +81,17 @@ from .kv_cache import (
     prefill_cache,
     wave_rows,
 )
-from .layouts import FULL, check_layout
+from .layouts import FULL, check_layout, text_config
 from .sampling import (resolve_sampler_kernel, step_sampler,
                        vocab_codes)
 from .static_rows import DecodeCall, DecodeRows, allow_recompiles, compiled_variants, mark_stopped, stream_keys
 from .static_overlap import generate_episodes
 from .static_refill import decode_refill, refill_blockers, use_refill
 from .static_turns import check_episode_options
+from .static_vision import ban_placeholders, placeholder_ban, prefill_inputs, refuse_split_vocabulary, \
+    refuse_vision_episodes
 from .static_waves import eager_steps, graph_steps
-from .vision import refuse_vision
+from .vision import BanPlaceholders, is_processor, text_tokenizer
 from .types import Prompt, RolloutBatch, SamplingOptions
 from .vocab_split import VocabShard, shard_codes, split_sampler
 from .weights import LiveWeights, WeightSource
@@ -117,6 +124,8 @@ class StaticEngine:
     refill: when the budget holds fewer rows than the call has, refill decode slots as rows end instead of waves
     (`static_refill.use_refill`; None: wherever it applies, True: an error where it does not, False: waves).
     `row_limits` (an attribute, None): [B] tokens each row may draw, for benchmarks' planted lengths.
+    tokenizer: a tokenizer, or a vision-language model's processor (chat prompts with images: `static_vision.py`;
+    `RolloutBatch.images` carries their tensors to the trainer).
     """
 
     def __init__(
@@ -154,7 +163,6 @@ class StaticEngine:
         if max_kv_gib is not None and not max_kv_gib > 0:
             raise ValueError(f"rollout.max_kv_gib={max_kv_gib!r} must be > 0 (GiB), or unset for the automatic budget")
         self.weights = weights if weights is not None else LiveWeights(model)
-        refuse_vision(unwrap_model(self.weights.module), "static")  # before the layout check, which names no fix
         types = check_layout(unwrap_model(self.weights.module), "static", STATIC_LAYER_TYPES)
         self.full_attention_only = all(kind == FULL for kind in types)  # what refill needs
         if record_routes:
@@ -168,7 +176,9 @@ class StaticEngine:
         decode_attention = resolve_decode_attention(decode_attention, where, dtype, has_triton, capability)
         sampler_kernel = resolve_sampler_kernel(sampler_kernel, where, has_triton)
         self.model = model
-        self.tokenizer = tokenizer
+        self.processor = tokenizer if is_processor(tokenizer) else None  # a vision-language model's (images)
+        self.tokenizer = text_tokenizer(tokenizer)
+        self.ban = placeholder_ban(self.weights.module, where)  # image placeholders the draw never picks (or None)
         self.compile = compile
         self.check_every = check_every
         self.cache_multiple = cache_multiple
@@ -276,7 +286,11 @@ class StaticEngine:
         (`static_turns.py`)."""
         module = self.weights.module
         t_call = time.perf_counter()
-        prep = prepare_prompts(module, self.tokenizer, prompts, options)
+        if self.vocab_shard is not None:
+            refuse_split_vocabulary(module)
+        if episodes is not None:
+            refuse_vision_episodes(module)
+        prep = prepare_prompts(module, self.processor or self.tokenizer, prompts, options)
         if episodes is not None:
             check_episode_options(self, options, episodes)
             if self.record_routes:
@@ -290,7 +304,7 @@ class StaticEngine:
         self._caches = []  # every KV cache of the call: a full gc only if one outlives it
         release_parts = outside if self.profile else None
         with here, generation_mode(module, release_parts, self._caches_alive), \
-                gqa_decode(unwrap_model(module).config, self.decode_attention, device):
+                gqa_decode(text_config(unwrap_model(module)), self.decode_attention, device):
             if self.auto_sync:
                 t0 = time.perf_counter()
                 self.weights.sync()
@@ -348,6 +362,8 @@ class StaticEngine:
         seed = options.seed if options.seed is not None else int(torch.randint(0, 2**62, ()).item())
         prompt_of_row = torch.arange(n, device=device).repeat_interleave(G)  # [B]
         filters = [p for p in sampling_processors(options) if not isinstance(p, TemperatureLogitsWarper)]
+        if filters and self.ban is not None:  # (unfiltered draws ban them in `_draw`)
+            filters.append(BanPlaceholders(self.ban.tolist()))
         eos = sorted({*(prep.eos_ids if not options.ignore_eos else []), *extra_eos})
         keys = stream_keys(options.streams or [(seed, n)], n, G, device)  # (a bad streams list fails here, early)
         call = self._prefill(module, prep, options, cache_len)
@@ -367,16 +383,18 @@ class StaticEngine:
 
     def _draw(self, device: torch.device):
         """The unfiltered token draw of this engine's decode steps (`sampling.step_sampler`, over this process's
-        columns of the vocabulary with a `vocab_shard`)."""
+        columns of the vocabulary with a `vocab_shard`); a vision-language model's never draws an image placeholder
+        (`static_vision.ban_placeholders`)."""
         if self.vocab_shard is not None:
             return split_sampler(self.vocab_shard, device, self.sampler_kernel, self._use_compile(device))
-        return step_sampler(device, self.sampler_kernel, self._use_compile(device))
+        draw = step_sampler(device, self.sampler_kernel, self._use_compile(device))
+        return draw if self.ban is None else ban_placeholders(draw, self.ban.to(device))
 
     def _prefill(self, module: Any, prep: PreparedPrompts, options: SamplingOptions, cache_len: int) -> DecodeCall:
-        """Prefill the n distinct prompts once; every wave copies its rows' prompt keys/values from this (and, with
-        record_routes, the prompts' routes)."""
+        """Prefill the n distinct prompts once (a vision-language model's with their images: `static_vision.py`);
+        every wave copies its rows' prompt keys/values from this (and, with record_routes, the prompts' routes)."""
         t0 = time.perf_counter()
-        pos = (prep.mask.cumsum(1) - 1).clamp(min=0)
+        pos, vision, start = prefill_inputs(module, prep)  # (a vision-language model's images, M-RoPE positions)
         pre_cache = prefill_cache()
         self._caches.append(weakref.ref(pre_cache))
         routing = routing_of(unwrap_model(module)) if self.record_routes else None
@@ -386,10 +404,11 @@ class StaticEngine:
                              torch.zeros((), dtype=torch.long, device=prep.device))
         with recording(unwrap_model(module), sink) if sink is not None else contextlib.nullcontext():
             out = module(input_ids=prep.ids, attention_mask=prep.mask, position_ids=pos, past_key_values=pre_cache,
-                         use_cache=True, logits_to_keep=1)
+                         use_cache=True, logits_to_keep=1, **vision)
         first = out.logits[:, -1].float()  # [n, V]
         del out
-        call = DecodeCall(prep, options, cache_len, pre_cache, first, keys=None, codes=None, filters=[], eos=None)
+        call = DecodeCall(prep, options, cache_len, pre_cache, first, keys=None, codes=None, filters=[], eos=None,
+                          start=start)
         if sink is not None:
             prompt_routes = sink.buffer.view(*prep.ids.shape, routing.layers, routing.top_k)
             call.routing = routing

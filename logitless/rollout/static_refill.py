@@ -126,7 +126,8 @@ def decode_refill(engine: Any, module: Any, call: DecodeCall, prompt_of_row: tor
     engine._caches.append(weakref.ref(cache))
     mask = torch.zeros((slots, L), dtype=torch.long, device=device)
     mask[:, :P] = prep.mask[src]
-    real = prep.mask.sum(1)  # [n] each prompt's tokens
+    real = call.start_positions()  # [n] each prompt's first completion position (its count of real tokens)
+    last = P if call.start is None else int(real.max())  # the latest of them (M-RoPE: after the image positions)
     history = torch.full((slots, S + 1), pad, dtype=torch.long, device=device)
     draw = filtered_draw(call.filters) if call.filters else engine._draw(device)
     graph = not call.filters and engine._graph_step(device, []) and device.type == "cuda"
@@ -138,7 +139,7 @@ def decode_refill(engine: Any, module: Any, call: DecodeCall, prompt_of_row: tor
                       out_logp=torch.zeros((slots, S + 1), dtype=torch.float32, device=device), pad_id=pad,
                       eos=call.eos, codes=call.codes, temperature=options.logp_temperature,
                       greedy=options.temperature == 0, stream=engine._streams.get(device) if graph else None,
-                      limit=limits[first].clone(), base=P, slot=slot, max_pos=P + S - 1)
+                      limit=limits[first].clone(), base=P, slot=slot, max_pos=last + S - 1)
     host_limits = limits.tolist()
     row_of, began = list(range(slots)), [0] * slots  # each slot's row (-1: none), the step it entered at
     pending = deque(range(slots, B))

@@ -52,6 +52,13 @@ class DecodeCall:
     routing: Any = None  # `models.routing.MoERouting` of the decoding model when the call records routes
     prompt_routes: torch.Tensor | None = None  # [n, P, layers, k] the prompts' routes, recorded at their prefill
     limits: torch.Tensor | None = None  # [B] long tokens each row may draw (max_new_tokens, or `row_limits`)
+    # [n] long position of each prompt's first completion token: its count of real tokens, or after an M-RoPE
+    # model's image positions (`static_vision.decode_start`); None: the count of real tokens
+    start: torch.Tensor | None = None
+
+    def start_positions(self) -> torch.Tensor:
+        """[n] long: the position each prompt's first completion token decodes at (`start`)."""
+        return self.prep.mask.sum(1) if self.start is None else self.start
 
 
 @dataclass
@@ -76,7 +83,7 @@ class DecodeRows:
         mask[:, :P] = prep.mask[src]
         mask[:, P : P + S] = 1  # future slots are hidden by causality (query offset = cache length)
         return DecodeRows(torch.arange(len(src), device=device), decode_cache(call.prefill, src, L), mask,
-                          prep.mask.sum(1)[src][:, None], torch.zeros(len(src), dtype=torch.bool, device=device), keys,
+                          call.start_positions()[src][:, None], torch.zeros(len(src), dtype=torch.bool, device=device), keys,
                           call.first_logits[src], L)
 
     def show(self, visible: int) -> None:

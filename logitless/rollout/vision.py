@@ -116,4 +116,4 @@ def refuse_vision(model: Any, backend: str) -> None:
     if is_vision_language(model):
         raise UnsupportedModelError(
             f"rollout.backend={backend} cannot decode a vision-language model ({type(model).__name__}) yet: its decode "
-            "loop has no image inputs or M-RoPE positions. Set rollout.backend=hf")
+            "loop has no image inputs or M-RoPE positions. Set rollout.backend=hf or static")

@@ -251,12 +251,12 @@ class Inputs:
     images: bool = False  # some row has images
 
     @classmethod
-    def load(cls, cfg: TrainerConfig, console: Console | None) -> Inputs:
+    def load(cls, cfg: TrainerConfig, console: Console | None, world_size: int = 1) -> Inputs:
         rows = load_rows(cfg.data, console=console)
         eval_rows = None
         if cfg.eval.every_steps or cfg.eval.on_start:
             eval_rows = load_rows(cfg.data, cfg.eval.split or cfg.data.eval_split, eval=True)[: cfg.eval.num_prompts]
-        images = check_image_rows(cfg, rows + (eval_rows or []))
+        images = check_image_rows(cfg, rows + (eval_rows or []), world_size)
         return cls(rows, PromptSampler(rows, seed=cfg.train.seed, shuffle=cfg.data.shuffle), eval_rows,
                    reward_functions(cfg.reward), training_accuracy_index(cfg.reward), images)
 
@@ -288,7 +288,7 @@ def build_context(
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)  # the same on every rank: the model's random init (LoRA) must agree
     console = Console(stderr=True) if world.main else None  # the run's console (MetricsLogger prints there too)
-    inputs = Inputs.load(cfg, console)
+    inputs = Inputs.load(cfg, console, world.size)
     model, tokenizer, device = _model(cfg, model, tokenizer, host=world.offload)
     tokenizer, processor = _processor(cfg, model, tokenizer)
     load_reward_models(inputs.reward_fns, device)  # model:/judge: rewards, on the training device unless they name one

@@ -73,7 +73,9 @@ class RewardConfig:
 class RolloutConfig:
     # logitless.rollout.make_engine backend: "hf" (transformers generate), "static" (our decode loop: fastest on
     # GPU) or "continuous". "auto": static on CUDA for the model families it decodes exactly (its layout check,
-    # rollout/layouts.py), and wherever a static-only rollout option is set; hf otherwise (CPU, other families).
+    # rollout/layouts.py), and wherever a static-only rollout option is set; hf otherwise (CPU, other families, and
+    # vision-language models: static decodes their images too, but is chosen for them only when asked for).
+    # Prompts with images: hf or static, not continuous.
     backend: str = "auto"
     num_generations: int = 8  # G
     max_prompt_length: int | None = 512  # None: context window - max_completion_length

@@ -110,7 +110,8 @@ def rollout_backend(cfg: TrainerConfig, device: torch.device, model: Any) -> tup
     if model is None:
         return "hf", f"{UNREAD}: transformers generate runs every layout"
     if is_vision_language(base_model(model)):
-        return "hf", "a vision-language model: transformers generate passes the images (the static engine has no M-RoPE)"
+        return "hf", ("a vision-language model: transformers generate (the static engine decodes images too, "
+                      "rollout.backend=static, but its compiled bf16 decode of them is not yet measured on a GPU)")
     try:
         check_layout(base_model(model), "static", STATIC_LAYER_TYPES)
     except UnsupportedModelError as e:

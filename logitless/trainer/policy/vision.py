@@ -82,17 +82,42 @@ def load_processor(cfg: ModelConfig, tokenizer: Any) -> Any:
     return processor
 
 
-def check_image_rows(cfg: TrainerConfig, rows: list[Any]) -> bool:
+def decodes_static(cfg: TrainerConfig) -> bool:
+    """Whether the run's rollout is the static engine: rollout.backend=static, or "auto" where it means static
+    whatever the model (a static-only rollout option set, or train.async_rollout; `memory.auto.rollout_backend`
+    picks hf for a vision-language model otherwise)."""
+    r = cfg.rollout
+    return r.backend == "static" or (r.backend == "auto" and bool(r.static_settings() or cfg.train.async_rollout))
+
+
+def check_image_rows(cfg: TrainerConfig, rows: list[Any], world_size: int = 1) -> bool:
     """Whether some prompt row has images; refuses, before any model loads, the settings that cannot train them
-    yet: a rollout backend other than hf (no image inputs in its decode loop), and agents whose prompts cannot
-    carry images (agent.driver: your own driver renders the prompts; agent.format=raw: raw text). (Packing is
-    checked against the model's config: `checks.model`.)"""
+    yet: rollout.backend=continuous (no image inputs in its decode loop); a split or shared decode
+    (rollout.tensor_parallel > 1; rollout.device under torchrun, `world_size` > 1), which hands the ranks their rows
+    without their images; on the static engine multi-turn episodes (its turns are prefilled as token ids) and
+    train.async_rollout (its rollout in flight is checkpointed without images); agents whose prompts cannot carry
+    images (agent.driver: your own driver renders the prompts; agent.format=raw: raw text). (Packing is checked
+    against the model's config: `checks.model`.)"""
     if not any(prompt_images(r.prompt) for r in rows):
         return False
-    if cfg.rollout.backend not in ("hf", "auto"):
-        raise ValueError(f"rollout.backend={cfg.rollout.backend}: rows with images are decoded by rollout.backend=hf "
-                         "only (the other engines have no image inputs or M-RoPE positions yet); set "
-                         "rollout.backend=hf")
+    r = cfg.rollout
+    if r.backend not in ("hf", "static", "auto"):
+        raise ValueError(f"rollout.backend={r.backend}: rows with images are decoded by rollout.backend=hf or static "
+                         "only (its decode loop has no image inputs or M-RoPE positions yet); set rollout.backend=hf "
+                         "or static")
+    if r.tensor_parallel > 1:
+        raise ValueError(f"rollout.tensor_parallel={r.tensor_parallel}: the split rollout does not decode rows with "
+                         "images yet; set rollout.tensor_parallel=1")
+    if r.device is not None and world_size > 1:
+        raise ValueError(f"rollout.device={r.device} under torchrun: rank 0's decode of every rank's prompts does not "
+                         "hand the ranks their rows' images yet; unset rollout.device (each rank decodes its own rows)")
+    if decodes_static(cfg) and cfg.agent.enabled:
+        raise ValueError("rollout.backend=static does not run multi-turn episodes (agent.tools / agent.environment) "
+                         "with images yet: it prefills each turn's observation as token ids, without image inputs or "
+                         "M-RoPE positions; set rollout.backend=hf")
+    if cfg.train.async_rollout:
+        raise ValueError("train.async_rollout=true checkpoints the rollout it keeps in flight without its rows' "
+                         "images (a resumed run could not train on it); set train.async_rollout=false")
     if cfg.agent.driver is not None:
         raise ValueError(f"agent.driver={cfg.agent.driver}: your own driver renders the prompts, and the rows' images "
                          "would not reach the model; use agent.environment / agent.tools (the built-in driver "

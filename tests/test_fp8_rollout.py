@@ -6,13 +6,14 @@ emulated formula; a tiny model's FP8 rollout (static engine) samples the FP8 mod
 fp32 trainer's by a measured amount that is nonzero and within a bound derived from the rounding of every projection
 (`quantization_sigma`: each rounding error an independent uniform, propagated to first order by the model's own
 gradients); every weight source requantizes at its sync after an optimizer step (a stale copy fails);
-unmerged LoRA adapters are refused naming rollout.merge_lora.
+a 2-step run logs rollout/mismatch_* with the IS correction on; the refusals name rollout.fp8.
 GPU (`python -m pytest -m gpu tests/test_fp8_rollout.py`, Hopper or Ada): torch._scaled_mm against the emulation on
 the same inputs, and the FP8 sampler's mean |Δ logp| against the bf16 trainer within the same bound.
 """
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -24,9 +25,13 @@ from logitless.rollout import SamplingOptions, make_engine
 from logitless.rollout.fp8 import (FP8, Fp8Linear, Fp8Weights, fp8_layers, fp8_unsupported, is_projection, quantize,
                                    to_fp8)
 from logitless.rollout.weights import LiveWeights, MergedLoraWeights, lora_layers
+from logitless.trainer.config.schema import load_train_config
 from logitless.trainer.distributed.parallel import MergedRolloutCopy, RolloutCopy
+from logitless.trainer.memory.auto import resolve
+from logitless.trainer.preflight import check_fp8
 from tests.test_rollout_families import TOK, make_model
 from tests.test_rollout_weights import lora_model, perturb
+from tests.test_trainer import _cfg, _train, rewards_module, tok  # noqa: F401 (fixtures)
 
 PROMPTS = ["The quick brown fox", "Hi there, how are you?", "2+2 is"]
 OPTS = SamplingOptions(num_generations=2, temperature=0.8, max_new_tokens=10, seed=3, ignore_eos=True)
@@ -351,7 +356,54 @@ def test_an_fp8_replica_quantizes_each_sync_as_it_writes(kind, one_thread):
     assert holds(expected())
 
 
+def test_a_two_step_run_logs_the_mismatch_with_the_is_correction_on(tmp_path, tok, rewards_module):  # noqa: F811
+    cfg = _cfg(tmp_path / "run", "rollout.backend=static", "rollout.fp8=true", "train.max_steps=2")
+    result = _train(cfg, tok)
+    assert len(result.records) == 2
+    resolved = json.loads((tmp_path / "run" / "resolved.json").read_text())
+    choice = next(c for c in resolved["choices"] if c["key"] == "objective.sampler_is_mode")
+    assert choice["value"] == "token_truncate" and choice["auto"] and "rollout.fp8" in choice["reason"]
+    for r in result.records:
+        # the FP8 sampler's logprobs against the trainer's: the same run without rollout.fp8 measured 1.8e-7 and
+        # 3.0e-7 (fp32 on the CPU), with it 6.9e-4 and 1.4e-3
+        assert r["rollout/mismatch_mean"] > 1e-5 and r["rollout/mismatch_max"] >= r["rollout/mismatch_mean"]
+        assert r["rollout/mismatch_kl"] >= 0
+        # the IS correction ran, against the same sampler logprobs, its weights clamped at sampler_is_clip_max
+        assert r["is/logp_diff"] == pytest.approx(r["rollout/mismatch_mean"], rel=1e-4)
+        assert 0 < r["is/ratio/min"] <= 1 <= r["is/ratio/max"] <= 3.0
+        assert r["rollout/weights_copy_gib"] > 0  # the FP8 copy
+    print(f"\n2-step run: rollout/mismatch_mean {[round(r['rollout/mismatch_mean'], 4) for r in result.records]}")
+
+
 # ---------------------------------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["rollout.backend=hf"], r"rollout\.fp8=True needs rollout\.backend=static \(got 'hf'\): set rollout\.backend="
+                             r"static or unset rollout\.fp8"),
+    (["rollout.backend=continuous"], r"rollout\.fp8=True needs rollout\.backend=static"),
+    (["rollout.tensor_parallel=2"], r"rollout\.fp8=true .* rollout\.tensor_parallel=2 .*set rollout\.tensor_parallel=1"
+                                    r".* or rollout\.fp8=false"),
+    (["rollout.weight_copy=in_place"], r"rollout\.weight_copy=in_place .*rollout\.fp8=true .*set rollout\.weight_copy="
+                                       r"sleep or resident"),
+])
+def test_settings_fp8_cannot_run_with_are_refused_by_the_config(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        load_train_config(None, ["rollout.fp8=true", *overrides])
+
+
+def test_a_cuda_gpu_without_fp8_is_refused_before_the_model_loads(monkeypatch):
+    cfg = load_train_config(None, ["rollout.fp8=true"])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match=r"rollout\.fp8=true cannot run here: NVIDIA A100-SXM4-80GB has compute "
+                                         r"capability 8\.0, .*8\.9 or newer .*set rollout\.fp8=false"):
+        check_fp8(cfg, torch.device("cuda", 0))
+    check_fp8(load_train_config(None, []), torch.device("cuda", 0))  # off: nothing to check
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_fp8(cfg, torch.device("cuda", 0))  # Hopper
+    check_fp8(cfg, torch.device("cpu"))  # emulated
+    assert "mps" in fp8_unsupported(torch.device("mps"))
 
 
 def test_unmerged_lora_adapters_are_refused_naming_the_setting():
@@ -360,6 +412,16 @@ def test_unmerged_lora_adapters_are_refused_naming_the_setting():
         Fp8Weights(LiveWeights(model))
     with pytest.raises(ValueError, match=r"rollout\.fp8=true .*unmerged .*unset rollout\.merge_lora"):
         RolloutCopy(model, fp8=True)
+
+
+@pytest.mark.parametrize("given, want", [(None, "token_truncate"), ("null", None), ("token_mask", "token_mask")])
+def test_fp8_turns_the_is_correction_on_unless_the_config_chooses(given, want):
+    extra = [] if given is None else [f"objective.sampler_is_mode={given}"]
+    cfg = resolve(load_train_config(None, ["rollout.fp8=true", "model.device=cpu", *extra]),
+                  device=torch.device("cpu")).cfg
+    assert cfg.objective.sampler_is_mode == want
+    plain = resolve(load_train_config(None, ["model.device=cpu"]), device=torch.device("cpu")).cfg
+    assert plain.objective.sampler_is_mode is None  # without fp8: off, as before
 
 
 # --------------------------------------------------------------------------------------------------------- GPU

@@ -6,7 +6,8 @@ emulated formula; a tiny model's FP8 rollout (static engine) samples the FP8 mod
 fp32 trainer's by a measured amount that is nonzero and within a bound derived from the rounding of every projection
 (`quantization_sigma`: each rounding error an independent uniform, propagated to first order by the model's own
 gradients); every weight source requantizes at its sync after an optimizer step (a stale copy fails);
-a 2-step run logs rollout/mismatch_* with the IS correction on; the refusals name rollout.fp8.
+a 2-step run logs rollout/mismatch_* with the IS correction on; the memory plan counts the FP8 copy and replica at
+their size; the refusals name rollout.fp8.
 GPU (`python -m pytest -m gpu tests/test_fp8_rollout.py`, Hopper or Ada): torch._scaled_mm against the emulation on
 the same inputs, and the FP8 sampler's mean |Δ logp| against the bf16 trainer within the same bound.
 """
@@ -373,6 +374,42 @@ def test_a_two_step_run_logs_the_mismatch_with_the_is_correction_on(tmp_path, to
         assert 0 < r["is/ratio/min"] <= 1 <= r["is/ratio/max"] <= 3.0
         assert r["rollout/weights_copy_gib"] > 0  # the FP8 copy
     print(f"\n2-step run: rollout/mismatch_mean {[round(r['rollout/mismatch_mean'], 4) for r in result.records]}")
+
+
+# ------------------------------------------------------------------------------------------------- memory plan
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_memory_plan_counts_the_fp8_copy_and_replica_at_their_size(lora):
+    """The plan's FP8 sizes are the bytes the copy and the replicas hold (bf16, odd sizes): on one process the
+    rollout's copy replaces the merged copy in the generate phase; a replica counts its projections at 1 byte a
+    weight and a scale a row, its LoRA-targeted part sleeping."""
+    from logitless.trainer.memory import plan as mp
+    from logitless.trainer.memory import ranks as mr
+    from logitless.trainer.memory.model import model_memory
+    from tests.conftest import tiny_qwen2
+
+    model = tiny_qwen2(vocab_size=1000, hidden=48, layers=3, tie=False).to(torch.bfloat16)
+    cfg = load_train_config(None, [f"model.lora={str(lora).lower()}", "model.lora_r=4",
+                                   "model.lora_target_modules=[q_proj,v_proj,down_proj]"])
+    m = model_memory(model, cfg.model, torch.bfloat16)
+    copy = Fp8Weights(LiveWeights(model))
+    assert m.fp8_bytes == copy.extra_bytes > 0
+    projections = [mod for n, mod in model.named_modules() if type(mod) is nn.Linear and is_projection(n)]
+    assert m.fp8_source_bytes == sum(2 * mod.weight.numel() for mod in projections)
+    replica = RolloutCopy(model, fp8=True)
+    held = sum(p.numel() * p.element_size() for p in replica.model.parameters())
+    ranks = mr.Ranks(2, mr.units_of(model), weight_copy="resident", fp8=True)
+    assert mr._replica_bytes(m, ranks) == held < m.weight_bytes
+    step = mp.StepShape(prompts=2, rows=8, prompt_len=20, completion_len=30)
+    knobs = mp.Knobs(micro_batch_size=4, by_rows=True)
+    generate = mp.generate_bytes(m, step, mp.RunFacts(fp8=True, decode_copy=lora), knobs)
+    assert generate["decode copy"] == m.fp8_bytes
+    if lora:  # a merged replica that sleeps keeps its frozen FP8 projections (and the rest) mapped
+        targeted = [mod for n, mod in model.named_modules() if n.rsplit(".", 1)[-1] in ("q_proj", "v_proj", "down_proj")]
+        assert m.fp8_merge_bytes == sum(mod.weight.numel() + 4 * mod.out_features for mod in targeted)
+        sleeping = mr.Ranks(2, mr.units_of(model), weight_copy="sleep", fp8=True)
+        assert mr._replica_mapped(m, mp.RunFacts(), sleeping) == held - m.fp8_merge_bytes
 
 
 # ---------------------------------------------------------------------------------------------------- refusals

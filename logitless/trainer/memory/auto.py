@@ -332,7 +332,7 @@ def rank_memory(cfg: TrainerConfig, model: Any, dtype: torch.dtype, device: torc
     layout = mr.Ranks(ranks, mr.units_of(model), weight_copy="resident" if copy == "resident" else "sleep",
                       merged_replica=cfg.rollout.merge_lora is not False,
                       tensor_parallel=cfg.rollout.tensor_parallel if ranks % cfg.rollout.tensor_parallel == 0 else 1,
-                      rollout_gpu=cfg.rollout.device is not None)
+                      rollout_gpu=cfg.rollout.device is not None, fp8=cfg.rollout.fp8)
     knobs, step = mp.knobs_of(cfg), step_shape(cfg, model)
     phases = mr.predict(model_memory(model, cfg.model, dtype), step, run_facts(
         cfg, cfg.rollout.backend, kernels, device), knobs, layout)
@@ -413,6 +413,7 @@ def run_facts(cfg: TrainerConfig, backend: str, kernels: str, device: torch.devi
         optimizer=cfg.optim.optimizer,
         logprob_pass=cfg.train.num_iterations > 1 or o.beta > 0 or o.top_entropy_quantile < 1.0,
         reference_copy=o.beta > 0 and not m.lora, async_rollout=cfg.train.async_rollout, rollout_elsewhere=elsewhere,
+        fp8=backend == "static" and r.fp8 and not elsewhere,
     )
 
 

@@ -29,6 +29,7 @@ from logitless.rollout.weights import LiveWeights, MergedLoraWeights, lora_layer
 from logitless.trainer.config.schema import load_train_config
 from logitless.trainer.distributed.parallel import MergedRolloutCopy, RolloutCopy
 from logitless.trainer.memory.auto import resolve
+from logitless.trainer import preflight
 from logitless.trainer.preflight import check_fp8
 from tests.test_rollout_families import TOK, make_model
 from tests.test_rollout_weights import lora_model, perturb
@@ -440,6 +441,11 @@ def test_a_cuda_gpu_without_fp8_is_refused_before_the_model_loads(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     check_fp8(cfg, torch.device("cuda", 0))  # Hopper
     check_fp8(cfg, torch.device("cpu"))  # emulated
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(preflight, "resolve_device", lambda name: torch.device("cuda", 0))
+    with pytest.raises(ValueError, match=r"rollout\.fp8=true cannot run here"):
+        preflight.check_cuda_settings(cfg)  # what `logitless train` checks before the model loads
+    preflight.check_cuda_settings(cfg, training=False)  # `logitless eval` decodes in the model's dtype
     assert "mps" in fp8_unsupported(torch.device("mps"))
 
 

@@ -172,7 +172,8 @@ def check_cuda_settings(cfg: TrainerConfig, *, training: bool = True) -> None:
     package is missing: Liger's kernels, the 8-bit and CPU-offload optimizers; QLoRA (model.load_in_4bit) needs
     bitsandbytes on a CUDA GPU or the CPU."""
     device = resolve_device(cfg.model.device)
-    check_fp8(cfg, device)
+    if training:  # (`logitless eval` decodes in the model's dtype)
+        check_fp8(cfg, device)
     if cfg.model.load_in_4bit:
         require_bitsandbytes("model.load_in_4bit=true", device)
     wanted = [

@@ -100,7 +100,7 @@ def objective_step(name, inp):
     kw = dict(old_logp=inp["old_logp"], entropy=ent)
     if opts.beta:
         kw["ref_logp"] = inp["ref_logp"]
-    if opts.sampler_is_mode or opts.off_policy_mask_threshold is not None:
+    if opts.sampler_is or opts.off_policy_mask_threshold is not None:
         kw["sampler_logp"] = inp["sampler_logp"]
     if opts.top_entropy_quantile < 1.0:  # one threshold and bonus token count over the step, as the trainer
         kw["entropy_threshold"] = entropy_quantile_threshold(ent, inp["mask"], opts.top_entropy_quantile)

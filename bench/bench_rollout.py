@@ -25,7 +25,15 @@ prompts' ~250 tokens + 8,192), one variant per command (each well under 10 minut
         --long-tail --prompts 32 --G 8 --new 8192 --max-kv-gib 14.6 --variants static_waves --budget_s 590
     (the same with --variants static_refill and another --out)
 
-CPU smoke test of the same comparison (tiny 2-layer model, 32 rows, T = 64; on 2 shared cores the waves took
+FP8 decode (`--fp8`: the variants static, static_fp8 and static_fp8_unfused; rollout.fp8, `rollout/fp8.py`): the
+bf16 model itself against an FP8 copy of its projections (fused q/k/v and gate/up as a run decodes, and unfused),
+tokens/s, peak memory and the sampler's |Δ logp| against the bf16 trainer (`logp_check`), at the 7B shape on one
+H100 or H200 (about 15 GiB of bf16 weights, 7 GiB more for the FP8 copy):
+
+    python bench/bench_rollout.py --tokenizer tests/fixtures/tokenizers/qwen2.5 --out bench/results/fp8_7b \
+        --shape 7b --fp8 --prompts 32 --G 8 --new 512 --budget_s 560
+
+CPU smoke test of the long-tail comparison (tiny 2-layer model, 32 rows, T = 64; on 2 shared cores the waves took
 16.8 s and refill 10.1 s for the same 312 tokens):
 
     OMP_NUM_THREADS=1 python bench/bench_rollout.py --tokenizer tests/fixtures/tokenizers/qwen2.5 --out /tmp/lt \
@@ -60,12 +68,16 @@ def make_prompts(n: int) -> list[list[dict]]:
     return out
 
 
-def make_model(tiny: bool, device: str):
+def make_model(tiny: bool, device: str, shape: str = "1.5b"):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     if tiny:
         cfg = Qwen2Config(vocab_size=151_665, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    elif shape == "7b":  # Qwen2.5-7B
+        cfg = Qwen2Config(vocab_size=152_064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                          num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                          rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
     else:  # Qwen2.5-1.5B
         cfg = Qwen2Config(vocab_size=151_936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                           num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
@@ -108,6 +120,9 @@ VARIANTS = {
     # the model the trainer runs: PEFT LoRA r16 on all linear layers, decoded unmerged, or from a merged copy
     "static_lora": ("static", {"weights": "live"}, True),
     "static_lora_merged": ("static", {"weights": "merged"}, True),
+    # rollout.fp8: an FP8 copy of the projections (fused q/k/v and gate/up, as a run decodes; and unfused)
+    "static_fp8": ("static", {"weights": "fp8"}, True),
+    "static_fp8_unfused": ("static", {"weights": "fp8_unfused"}, True),
     "hf_static": ("hf", {"static_cache": True}, True),
     "continuous": ("continuous", {}, False),
     "hf": ("hf", {}, False),
@@ -151,10 +166,15 @@ def run_variant(name, model, tok, prompts, opts, device, max_kv_gib=None, length
         kwargs["max_kv_gib"] = max_kv_gib
     copy_gib = None
     if "weights" in kwargs:
+        from logitless.rollout.fp8 import Fp8Weights
         from logitless.rollout.weights import LiveWeights, MergedLoraWeights
 
-        model = lora_wrapped(model)
-        weights = MergedLoraWeights(model) if kwargs.pop("weights") == "merged" else LiveWeights(model)
+        kind = kwargs.pop("weights")
+        if kind.startswith("fp8"):
+            weights = Fp8Weights(LiveWeights(model), fuse=kind == "fp8")
+        else:
+            model = lora_wrapped(model)
+            weights = MergedLoraWeights(model) if kind == "merged" else LiveWeights(model)
         kwargs["weights"], copy_gib = weights, round(weights.extra_bytes / GIB, 3)
     if name == "continuous" and device == "cuda":
         B = len(prompts) * opts.num_generations
@@ -238,14 +258,19 @@ def main():
     ap.add_argument("--budget_s", type=float, default=480, help="skip variants once this much time has passed")
     ap.add_argument("--long-tail", action="store_true", help="plant long-tailed completion lengths in the static "
                     "variants (median new/8, 99th percentile new; see the module doc)")
+    ap.add_argument("--shape", choices=("1.5b", "7b"), default="1.5b", help="the random-init model's shape (Qwen2.5)")
+    ap.add_argument("--fp8", action="store_true", help="FP8 decode against bf16: the variants static, static_fp8 "
+                    "and static_fp8_unfused (replaces --variants)")
     args = ap.parse_args()
+    if args.fp8:
+        args.variants = "static,static_fp8,static_fp8_unfused"
     from transformers import AutoTokenizer
     import transformers
 
     device = "cpu" if args.tiny else "cuda"
     t_start = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
-    model = make_model(args.tiny, device)
+    model = make_model(args.tiny, device, args.shape)
     prompts = make_prompts(args.prompts)
     opts = SamplingOptions(num_generations=args.G, temperature=1.0, max_new_tokens=args.new, ignore_eos=True, seed=0)
     out = Path(args.out)
@@ -254,7 +279,7 @@ def main():
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__, "commit": args.commit,
         "python": platform.python_version(),
-        "workload": {"model": "tiny" if args.tiny else "Qwen2.5-1.5B-shaped random init", "dtype": str(
+        "workload": {"model": "tiny" if args.tiny else f"Qwen2.5-{args.shape.upper()}-shaped random init", "dtype": str(
             next(model.parameters()).dtype), "attn": "sdpa", "prompts": args.prompts, "G": args.G,
             "max_new_tokens": args.new, "ignore_eos": True, "temperature": 1.0},
         "results": [],

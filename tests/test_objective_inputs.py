@@ -76,7 +76,7 @@ def test_option_choice_and_number_messages():
     names = "'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', 'luspo', 'vespo'"
     _raises(ValueError, f"loss_type='ppo' is not valid; choose one of {names}.", ObjectiveOptions, loss_type="ppo")
     _raises(ValueError, f"loss_type=None is not valid; choose one of {names}.", ObjectiveOptions, loss_type=None)
-    modes = "'token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask'"
+    modes = "'token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask', 'auto'"
     _raises(ValueError, f"sampler_is_mode='x' is not valid; choose one of {modes} or None.",
             ObjectiveOptions, sampler_is_mode="x")
     _raises(ValueError, "max_log_ratio=0.0 must be > 0.0.", ObjectiveOptions, max_log_ratio=0.0)
@@ -114,8 +114,8 @@ def test_option_choice_and_number_messages():
      "use_bias_correction_kl=True has no effect with beta=0 (no KL term); set beta > 0 or "
      "use_bias_correction_kl=False."),
     ({"sampler_is_sequence_reduction": "product"}, ValueError,
-     "sampler_is_sequence_reduction is set but sampler_is_mode=None (IS correction off); set sampler_is_mode or "
-     "leave the reduction None."),
+     "sampler_is_sequence_reduction is set but sampler_is_mode='auto' (IS correction off, or token-level where auto "
+     "turns it on); set sampler_is_mode to a sequence_* mode or leave the reduction None."),
     ({"sampler_is_mode": "token_mask", "sampler_is_clip_max": None}, ValueError,
      "sampler_is_mode='token_mask' needs sampler_is_clip_min and/or sampler_is_clip_max (TRL default "
      "clip_max=3.0)."),

@@ -101,7 +101,7 @@ def _check_inputs(logp, mask, advantages, options, normalizer, tensors: dict, tr
     o = options
     needs = [
         (o.beta != 0.0, "ref_logp", f"options.beta={o.beta} adds a KL term to the reference policy"),
-        (o.sampler_is_mode is not None, "sampler_logp", f"options.sampler_is_mode={o.sampler_is_mode!r} corrects "
+        (o.sampler_is is not None, "sampler_logp", f"options.sampler_is_mode={o.sampler_is_mode!r} corrects "
                                                          "for the rollout engine's distribution"),
         (o.top_entropy_quantile < 1.0, "entropy", f"options.top_entropy_quantile={o.top_entropy_quantile} masks "
                                                   "low-entropy tokens"),
@@ -184,12 +184,12 @@ def policy_loss(
 
     # Rollout-engine IS weight ρ = π_old / π_sampler (detached).
     rho = None
-    if o.sampler_is_mode is not None:
+    if o.sampler_is is not None:
         with torch.no_grad():
             samp = _clean(sampler_logp.detach(), valid, dtype)
             d = old.detach() - samp  # [B, T], 0 outside the mask
             stats["is/logp_diff"] = (d.abs(), valid)
-            if o.sampler_is_mode.startswith("token"):
+            if o.sampler_is.startswith("token"):
                 log_rho = d.clamp(-L, L)  # [B, T]
             else:
                 log_rho = d.sum(-1, keepdim=True)  # [B, 1] product of the token ratios
@@ -198,7 +198,7 @@ def policy_loss(
                 log_rho = log_rho.clamp(-L, L)
             rho = torch.exp(log_rho)
             lo, hi = o.sampler_is_clip_min, o.sampler_is_clip_max
-            if o.sampler_is_mode.endswith("truncate"):
+            if o.sampler_is.endswith("truncate"):
                 rho = rho.clamp(min=lo, max=hi)
             else:
                 keep = torch.ones_like(rho, dtype=torch.bool)
@@ -341,7 +341,7 @@ def on_policy_logp_grad(
     """
     o = options
     coef_h = o.entropy_coef if entropy_coef is None else float(entropy_coef)
-    if (o.beta != 0.0 or o.sampler_is_mode is not None or o.top_entropy_quantile < 1.0 or coef_h != 0.0
+    if (o.beta != 0.0 or o.sampler_is is not None or o.top_entropy_quantile < 1.0 or coef_h != 0.0
             or (o.off_policy_mask_threshold is not None and sampler_logp is not None)):
         return None
     x = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device, requires_grad=True)

@@ -57,7 +57,8 @@ def _number(field: str, value, *, low: float | None = None, high: float | None =
 @dataclass
 class ObjectiveOptions:
     """Every knob of the per-token GRPO-family objective. Defaults match TRL's `GRPOConfig` except that
-    rollout IS correction is off by default (TRL: on, `sequence_mask`, clip_max 3.0)."""
+    rollout IS correction is off by default (TRL: on, `sequence_mask`, clip_max 3.0): `sampler_is_mode="auto"` is
+    off here, and a training run decides it (token_truncate with FP8 rollouts, `rollout.fp8`; off otherwise)."""
 
     loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo | cispo | sapo | luspo | vespo (docs/objectives.md)
     importance_sampling_level: str = "token"  # token | sequence (GSPO) | sequence_token (GSPO-token)
@@ -76,8 +77,10 @@ class ObjectiveOptions:
     beta: float = 0.0
     kl_estimator: str = "k3"  # k1 | k2 | k3 | low_var_kl (k3 clamped to [-10, 10], verl)
     use_bias_correction_kl: bool = False  # kl *= unclipped IS ratio (DeepSeek-V3.2)
-    # Rollout-engine (sampler) importance-sampling correction: ρ = π_old / π_sampler
-    sampler_is_mode: str | None = None  # token_truncate | token_mask | sequence_truncate | sequence_mask
+    # Rollout-engine (sampler) importance-sampling correction: ρ = π_old / π_sampler. token_truncate | token_mask |
+    # sequence_truncate | sequence_mask, None (off), or auto: token_truncate with rollout.fp8=true (the sampler is the
+    # FP8 model), off otherwise; the objective itself reads auto as off (a run decides it: resolved.json)
+    sampler_is_mode: str | None = "auto"
     sampler_is_clip_min: float | None = None  # lower bound of ρ (truncate: clamp; mask: ρ = 0 below it)
     sampler_is_clip_max: float | None = 3.0  # upper bound of ρ (truncate: clamp; mask: ρ = 0 above it)
     sampler_is_sequence_reduction: str | None = None  # product (TRL, verl) | geometric_mean (open-instruct)
@@ -101,7 +104,7 @@ class ObjectiveOptions:
         _choice("importance_sampling_level", self.importance_sampling_level, IS_LEVELS)
         _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _choice("entropy_bonus_reduction", self.entropy_bonus_reduction, ENTROPY_BONUS_REDUCTIONS)
-        _choice("sampler_is_mode", self.sampler_is_mode, SAMPLER_IS_MODES, allow_none=True)
+        _choice("sampler_is_mode", self.sampler_is_mode, (*SAMPLER_IS_MODES, "auto"), allow_none=True)
         _choice("sampler_is_sequence_reduction", self.sampler_is_sequence_reduction, SEQUENCE_IS_REDUCTIONS, True)
         lt, level = self.loss_type, self.importance_sampling_level
         _number("epsilon_low", self.epsilon_low, low=0.0, high=1.0)
@@ -158,11 +161,12 @@ class ObjectiveOptions:
             raise ValueError("use_bias_correction_kl=True has no effect with beta=0 (no KL term); set beta > 0 "
                              "or use_bias_correction_kl=False.")
 
-        mode = self.sampler_is_mode
+        mode = self.sampler_is
         if mode is None:
             if self.sampler_is_sequence_reduction is not None:
-                raise ValueError("sampler_is_sequence_reduction is set but sampler_is_mode=None (IS correction "
-                                 "off); set sampler_is_mode or leave the reduction None.")
+                raise ValueError(f"sampler_is_sequence_reduction is set but sampler_is_mode={self.sampler_is_mode!r} "
+                                 "(IS correction off, or token-level where auto turns it on); set sampler_is_mode to a "
+                                 "sequence_* mode or leave the reduction None.")
         else:
             lo, hi = self.sampler_is_clip_min, self.sampler_is_clip_max
             if lo is not None:
@@ -196,6 +200,11 @@ class ObjectiveOptions:
             _number("entropy_coef_max", self.entropy_coef_max, low=self.entropy_coef_min)
             _number("entropy_coef_delta", self.entropy_coef_delta, low=0.0)
             _number("entropy_target", self.entropy_target, low=0.0)
+
+    @property
+    def sampler_is(self) -> str | None:
+        """The rollout IS correction in force: `sampler_is_mode`, None when off (None, or "auto" left undecided)."""
+        return None if self.sampler_is_mode == "auto" else self.sampler_is_mode
 
     @property
     def normalizer_kind(self) -> str:

@@ -42,6 +42,14 @@ class FusedGroup(nn.Module):
         self.source_biases = source_biases
         self.product: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, product) within one forward
 
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole group's product `F.linear(x, weight, bias)` [..., sum of outs]."""
+        return nn.functional.linear(x, self.weight, self.bias)
+
     @torch.no_grad()
     def refresh_bias(self) -> None:
         """Copy the replaced layers' biases into the group's (for a group whose replaced layers shared a training
@@ -55,21 +63,22 @@ class FusedGroup(nn.Module):
 
 
 class SlicedLinear(nn.Module):
-    """Output columns [start, stop) of `group`'s product: `F.linear(x, group.weight, group.bias)[..., start:stop]`.
+    """Output columns [start, stop) of `group`'s product `group(x)` (`F.linear(x, group.weight, group.bias)`; an FP8
+    group's own product, `fp8.Fp8Linear`), `[..., start:stop]`.
 
     The group's members are called one after the other on the same input (q, k, v; gate, up): the first computes
     the whole product and leaves it on the group, the next ones take their columns while the input is the same
     tensor, the last drops it (nothing outlives the forward). Called in another order, or on another input, a
     member computes the product itself: slower, never wrong."""
 
-    def __init__(self, group: FusedGroup, start: int, stop: int, last: bool):
+    def __init__(self, group: nn.Module, start: int, stop: int, last: bool):
         super().__init__()
         self._group = [group]  # not a submodule: the parent module owns the group once
-        self.in_features, self.out_features = group.weight.shape[1], stop - start
+        self.in_features, self.out_features = group.in_features, stop - start
         self.start, self.stop, self.last = start, stop, last
 
     @property
-    def group(self) -> FusedGroup:
+    def group(self) -> nn.Module:  # a FusedGroup, or an FP8 group (`fp8.Fp8Linear`)
         return self._group[0]
 
     @property
@@ -87,7 +96,7 @@ class SlicedLinear(nn.Module):
         if cached is not None and cached[0] is x:
             out = cached[1]
         else:
-            out = nn.functional.linear(x, g.weight, g.bias)
+            out = g(x)
         g.product = None if self.last else (x, out)
         return out[..., self.start : self.stop]
 
@@ -186,10 +195,25 @@ def tensor_at(module: nn.Module, name: str) -> torch.Tensor:
 
 def owners(module: nn.Module, names: Iterable[str]) -> list[torch.Tensor]:
     """The distinct tensors that hold the named parameters: a fused member's group weight or bias, else the
-    parameter itself (for `SleepableMemory`, which must move whole storages)."""
+    parameter itself; an FP8 layer's weight is held by its FP8 weight and scales (`Fp8Linear.held`). For
+    `SleepableMemory`, which must move whole storages."""
     out: dict[int, torch.Tensor] = {}
     for name in names:
         m, leaf = _locate(module, name)
-        t = getattr(m.group if isinstance(m, SlicedLinear) else m, leaf)
-        out.setdefault(id(t), t)
+        holder = m.group if isinstance(m, SlicedLinear) else m
+        for t in holder.held(leaf) if hasattr(holder, "held") else [getattr(holder, leaf)]:
+            out.setdefault(id(t), t)
     return list(out.values())
+
+
+@torch.no_grad()
+def write_at(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Set the tensor a qualified parameter name names in `module` to `value` (a weight sync's write): copied in
+    place, also a fused member's rows of its group; an FP8 layer's weight is quantized into it (`Fp8Linear.write`:
+    its FP8 rows and their scales)."""
+    m, leaf = _locate(module, name)
+    holder, start = (m.group, m.start) if isinstance(m, SlicedLinear) else (m, 0)
+    if hasattr(holder, "write"):
+        holder.write(leaf, value, start)
+    else:
+        tensor_at(module, name).copy_(value)

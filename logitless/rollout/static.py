@@ -30,7 +30,7 @@
   checked on the host every `check_every` steps, which is also when the loop exits early once every row is done.
 - Weights come from a `WeightSource` (`weights.py`), synced at the start of every call and released at its end:
   the model itself, or a merged-LoRA inference copy that decodes at plain-model speed (and, sleeping, frees its
-  memory between calls).
+  memory between calls), or an FP8 copy of either (`fp8.py`, rollout.fp8: e4m3 projections, `torch._scaled_mm`).
 - The recorded logprob is log_softmax(raw_logits / T)[token], as documented in `types.py`.
 - Prompts with images (a vision-language model given with its processor, `static_vision.py`): the prefill runs the
   model's own forward with each prompt's images (the vision encoder once per prompt, its keys/values shared by the

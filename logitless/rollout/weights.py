@@ -19,6 +19,7 @@ same module.
   With `fuse` (`fused.py`), q/k/v and gate/up decode as one product each: the copy holds each group's weights in
   one tensor, or (`in_place`) the frozen base weights of a group are laid back to back in one storage (same
   values; the training model computes as before).
+- `fp8.Fp8Weights(inner)` (rollout.fp8): an FP8 copy of the inner source's projections, requantized at every sync.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from logitless.data import TASKS, load_hf_prompts, load_jsonl_prompts
 from logitless.objectives.options import ADVANTAGE_ESTIMATORS
 from logitless.rewards import reward_name
 from logitless.rollout import BACKENDS
+from logitless.rollout.fp8 import require_fp8
 from logitless.trainer import checkpoint as ckpt
 from logitless.trainer.builders import OFFLOAD_INSTALL_HINT, accuracy_index, load_rows, reward_functions
 from logitless.trainer.placement.engines import routing_replay_obstacle, sampling_options
@@ -171,6 +172,8 @@ def check_cuda_settings(cfg: TrainerConfig, *, training: bool = True) -> None:
     package is missing: Liger's kernels, the 8-bit and CPU-offload optimizers; QLoRA (model.load_in_4bit) needs
     bitsandbytes on a CUDA GPU or the CPU."""
     device = resolve_device(cfg.model.device)
+    if training:  # (`logitless eval` decodes in the model's dtype)
+        check_fp8(cfg, device)
     if cfg.model.load_in_4bit:
         require_bitsandbytes("model.load_in_4bit=true", device)
     wanted = [
@@ -188,6 +191,18 @@ def check_cuda_settings(cfg: TrainerConfig, *, training: bool = True) -> None:
             raise ValueError(f"{setting} needs a CUDA GPU ({package}'s kernels), but {where}; turn it off to run on "
                              f"{device.type}")
         require_cuda_package(package, setting, hint, device)
+
+
+def check_fp8(cfg: TrainerConfig, device: torch.device) -> None:
+    """Refuse rollout.fp8 where the rollout decodes on a GPU without FP8 products (compute capability below 8.9),
+    naming the setting and the fix; `device`: the training device (the rollout's, unless rollout.device names one)."""
+    if not cfg.rollout.fp8:
+        return
+    try:
+        where = torch.device(cfg.rollout.device) if cfg.rollout.device is not None else device
+    except RuntimeError:  # (not a device: check_rollout_device names it)
+        return
+    require_fp8(where)
 
 
 def _check_training(cfg: TrainerConfig) -> None:

@@ -140,6 +140,16 @@ class RolloutConfig:
     # compact_finished=false, no routing replay, tensor_parallel=1); on CUDA waves until its captured step is measured
     # on a GPU; true: also on CUDA and with top_k/top_p/min_p, an error where it does not apply; false: waves.
     refill: bool | None = None
+    # Backend "static" only. Decode with FP8 weights and activations (rollout/fp8.py): the attention and MLP
+    # projections of every decoder layer in float8_e4m3fn with one fp32 scale per output channel (max |w| / 448),
+    # requantized from the trainer's weights (LoRA merged first) at every weight sync, each token's input scaled on the
+    # fly; the products run on torch._scaled_mm on a CUDA GPU of compute capability 8.9+ (Ada, Hopper), emulated with
+    # the same numbers on the CPU. The embedding, lm_head, norms and MoE expert stacks stay in the model's dtype. On
+    # one process the rollout decodes from an FP8 copy (kept where rollout.weight_copy says: sleep or resident); a
+    # replica (torchrun, train.fsdp_offload, rollout.device) holds its projections in FP8 itself (1 byte per weight
+    # instead of 2). The sampler's logprobs are then the FP8 model's: objective.sampler_is_mode=auto corrects the
+    # update for the gap (token_truncate) and rollout/mismatch_* logs it. Not with rollout.tensor_parallel > 1.
+    fp8: bool = False
     # Backend "static" only. The device the rollout decodes on, e.g. "cuda:1" (one process): a replica of the policy
     # (merged for LoRA) lives there, synced from the trainer before every rollout, so the KV cache and the decode's
     # weights never take the training GPU's memory, and with train.async_rollout the decode and the update run on
@@ -168,7 +178,7 @@ class RolloutConfig:
                 "compact_finished": self.compact_finished, "device": self.device is not None,
                 "decode_attention": self.decode_attention == "triton",
                 "sampler_kernel": self.sampler_kernel == "triton", "step_graph": self.step_graph is True,
-                "refill": self.refill is True, "tensor_parallel": self.tensor_parallel != 1}
+                "refill": self.refill is True, "tensor_parallel": self.tensor_parallel != 1, "fp8": self.fp8}
         return [name for name, on in used.items() if on]
 
     def __post_init__(self):
@@ -190,6 +200,15 @@ class RolloutConfig:
                     f"rollout.{name}={getattr(self, name)!r} needs rollout.backend=static (got {self.backend!r}): "
                     f"set rollout.backend=static or unset rollout.{name}"
                 )
+        if self.fp8 and self.weight_copy == "in_place":
+            raise ValueError("rollout.weight_copy=in_place has no copy of the weights, but rollout.fp8=true decodes from "
+                             "an FP8 copy of its own (a LoRA merge before quantizing is made in place by itself): set "
+                             "rollout.weight_copy=sleep or resident, or unset it")
+        if self.fp8 and self.tensor_parallel != 1:
+            raise ValueError(f"rollout.fp8=true quantizes a whole replica's linear layers, which "
+                             f"rollout.tensor_parallel={self.tensor_parallel} splits over ranks (not supported yet): "
+                             "set rollout.tensor_parallel=1 (each rank decodes from an FP8 replica of its own), or "
+                             "rollout.fp8=false")
         if self.step_graph is True:
             filters = {"top_p": self.top_p != 1.0, "top_k": self.top_k != 0, "min_p": self.min_p != 0.0,
                        "repetition_penalty": self.repetition_penalty != 1.0, "length_buckets": self.length_buckets != 1,

@@ -35,6 +35,8 @@ How the weights are handled:
       parameters only.
     - With rollout.device naming a GPU no rank trains on, rank 0 alone keeps the replica, there, and decodes for
       every rank (`shared_rollout.py`); the other ranks join its syncs' all-gathers.
+    - With rollout.fp8 the replica's projections are FP8 (`rollout.fp8.to_fp8`): each sync quantizes the whole
+      weights (merged: W + ΔW in fp32) as it writes them (`fused.write_at`).
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ from torch import nn
 from logitless.models import completion_logprobs
 from logitless.models.lm_head import decoder_layers
 from logitless.rollout.engine import unwrap_model
-from logitless.rollout.fused import fuse_projections, owners, tensor_at
+from logitless.rollout.fp8 import fp8_replica
+from logitless.rollout.fused import fuse_projections, owners, write_at
 from logitless.rollout.sleep import SleepableMemory
 from logitless.rollout.weights import delta_weight, fresh_copy, lora_layers, merge_refusal, merge_targets
 from logitless.trainer.config.schema import TrainerConfig
@@ -350,13 +353,17 @@ class RolloutCopy(_Replica):
 
     `sync` copies the trainable parameters of the sharded model into it in place (an all-gather each); frozen
     weights never change, so a LoRA sync moves only the adapters. The replica runs the same modules (adapters
-    unmerged) in the same dtype, so its logprobs are the trainer's.
+    unmerged) in the same dtype, so its logprobs are the trainer's. fp8 (full fine-tuning): its projections are FP8,
+    quantized from the whole weights at every sync (`rollout.fp8`).
     """
 
-    def __init__(self, model: nn.Module, sleep: bool = False, device: torch.device | None = None, fuse: bool = False):
+    def __init__(self, model: nn.Module, sleep: bool = False, device: torch.device | None = None, fuse: bool = False,
+                 fp8: bool = False):
         self.model = copy_to(model, device)
+        self.device = next(self.model.parameters()).device
         self.trainable = self.synced_names(model)
-        self.groups = fuse_projections(self.model) if fuse else []  # plain q/k/v, gate/up layers (full fine-tuning)
+        # plain q/k/v, gate/up (full fine-tuning), in FP8 with fp8
+        self.groups = fp8_replica(self.model, fuse) if fp8 else fuse_projections(self.model) if fuse else []
         self.memory = SleepableMemory(owners(self.model, self.trainable)) if sleep else None
 
     @staticmethod
@@ -371,8 +378,8 @@ class RolloutCopy(_Replica):
         for unit, names in by_unit(sharded, self.trainable):  # the same units in the same order on every rank
             with gathered(unit, lend):
                 for name in names:  # (the unit's parameters whole inside; read after the unshard swapped them in)
-                    w = tensor_at(self.model, name)  # a fused layer's: a view of its group's rows
-                    w.copy_(device_full_tensor(sharded.get_parameter(name), w.device))  # (not sharded: as it is)
+                    # a fused layer's: its group's rows; an FP8 layer's: quantized (not sharded: as it is)
+                    write_at(self.model, name, device_full_tensor(sharded.get_parameter(name), self.device))
 
 
 class MergedRolloutCopy(_Replica):
@@ -385,13 +392,16 @@ class MergedRolloutCopy(_Replica):
     """
 
     def __init__(self, peft_model: nn.Module, sleep: bool = False, device: torch.device | None = None,
-                 fuse: bool = False):
+                 fuse: bool = False, fp8: bool = False):
         self.model = copy_to(unwrap_model(peft_model), device)
         self.names = self.synced_names(peft_model)
         self.targets = [(path, param) for path, param, _ in merge_targets(unwrap_model(peft_model))]
         for path in dict.fromkeys(path for path, _ in self.targets):  # each LoRA layer (or nest of expert
             self.model.set_submodule(path, self.model.get_submodule(path).get_base_layer())  # wrappers): its base
-        self.groups = fuse_projections(self.model, [path for path, _ in self.targets]) if fuse else []
+        if fp8:  # every projection FP8; the frozen ones quantized once here, the merged ones at every sync
+            self.groups = fp8_replica(self.model, fuse)
+        else:
+            self.groups = fuse_projections(self.model, [path for path, _ in self.targets]) if fuse else []
         merged = owners(self.model, [f"{path}.{param}" for path, param in self.targets])  # rewritten at every sync
         self.memory = SleepableMemory(merged) if sleep else None
 
@@ -422,24 +432,28 @@ class MergedRolloutCopy(_Replica):
                 for name in names:
                     layer = src.get_submodule(name)
                     path, param = where[name]
-                    w = full(getattr(layer.get_base_layer(), param)).float()
+                    base = full(getattr(layer.get_base_layer(), param))
+                    w = base.float()
                     for adapter in layer.active_adapters:
                         if adapter in layer.lora_A:
                             a, b = full(layer.lora_A[adapter].weight), full(layer.lora_B[adapter].weight)
                             w = w + delta_weight(layer, adapter, a, b).float()
-                    dst = tensor_at(self.model, f"{path}.{param}")
-                    dst.copy_(w if w.device == dst.device else w.to(dst.dtype))  # another GPU: rounded once, sent
+                    # another GPU: rounded once, sent; an FP8 layer quantizes W + ΔW as it writes it
+                    write_at(self.model, f"{path}.{param}", w if w.device == device else w.to(base.dtype))
 
 
 def make_replica(model: nn.Module, merge_lora: bool | None, sleep: bool = False,
-                 device: torch.device | None = None, fuse: bool = False) -> RolloutCopy | MergedRolloutCopy:
+                 device: torch.device | None = None, fuse: bool = False,
+                 fp8: bool = False) -> RolloutCopy | MergedRolloutCopy:
     """The static backend's replica under torchrun: merged for LoRA when it can be, else the policy as is.
     sleep: its synced weights are freed between rollouts (rollout.weight_copy=sleep). device: where the replica
     lives (None: the model's device; train.fsdp_offload builds it on the GPU from a model in host memory).
-    fuse: q/k/v and gate/up projections as one product each (`rollout/fused.py`), where they are plain layers."""
+    fuse: q/k/v and gate/up projections as one product each (`rollout/fused.py`), where they are plain layers.
+    fp8: its projections in FP8, quantized at every sync (rollout.fp8, `rollout/fp8.py`)."""
     if MergedRolloutCopy.applies(model, merge_lora):
-        return MergedRolloutCopy(model, sleep=sleep, device=device, fuse=fuse)
-    return RolloutCopy(model, sleep=sleep, device=device, fuse=fuse)
+        return MergedRolloutCopy(model, sleep=sleep, device=device, fuse=fuse, fp8=fp8)
+    return RolloutCopy(model, sleep=sleep, device=device, fuse=fuse, fp8=fp8)
+
 
 
 @contextmanager

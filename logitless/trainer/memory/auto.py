@@ -14,6 +14,7 @@ memory plan; printed as a table and saved in the run folder (`resolved.json`).
     rollout.max_kv_gib (unset)    /
     model.experts_implementation  a mixture of experts only: grouped_mm on CUDA SM90+ in bf16, else eager
                                   (models/experts.py)
+    objective.sampler_is_mode     token_truncate with rollout.fp8 (the sampler is the FP8 model), else off
 
 A setting given in the config is kept as given (and listed as "set"); the checks of the settings themselves
 (preflight, the engines) run on the decided values as they always did.
@@ -182,12 +183,22 @@ def _liger(cfg: TrainerConfig, device: torch.device, world_size: int, compiled: 
     return True, f"installed, with kernels for {model_type}"
 
 
+def _sampler_is(cfg: TrainerConfig) -> tuple[str | None, str]:
+    """(objective.sampler_is_mode, why) for "auto": the rollout IS correction wherever the sampler is not the trained
+    model in its own dtype by design (rollout.fp8)."""
+    if cfg.rollout.fp8:
+        return "token_truncate", ("rollout.fp8=true samples from the FP8 model, whose logprobs are not the trainer's: "
+                                  "each token weighted by min(π_trainer / π_sampler, "
+                                  f"objective.sampler_is_clip_max={cfg.objective.sampler_is_clip_max})")
+    return None, "off: the rollout samples from the trained weights in their own dtype"
+
+
 class _Choices:
     """Collects the decisions of `resolve`: a setting given in the config is kept, an "auto" one decided."""
 
     def __init__(self, out: Resolved):
         self.out = out
-        self.changes: dict[str, dict[str, Any]] = {"model": {}, "train": {}, "rollout": {}}
+        self.changes: dict[str, dict[str, Any]] = {"model": {}, "train": {}, "rollout": {}, "objective": {}}
 
     def __call__(self, key: str, given: Any, decide) -> Any:
         if given != "auto":
@@ -209,7 +220,7 @@ class _Choices:
 
 AUTO_KEYS = ("rollout.backend", "train.packed", "train.micro_batch_tokens", "train.offload_during_rollout",
              "model.compile_layers", "model.liger_kernels", "model.gradient_checkpointing", "model.activation_offload",
-             "model.mlp_chunk_tokens")
+             "model.mlp_chunk_tokens", "objective.sampler_is_mode")
 
 
 def has_auto(cfg: TrainerConfig) -> bool:
@@ -258,6 +269,7 @@ def resolve(cfg: TrainerConfig, *, world_size: int = 1, model: Any = None, devic
     compiled = choose("model.compile_layers", m.compile_layers, lambda: _compile(cfg, device, single))
     liger = choose("model.liger_kernels", m.liger_kernels, lambda: _liger(cfg, device, world_size, compiled is True, subject))
     kernels = layer_kernels(compiled, liger)
+    choose("objective.sampler_is_mode", cfg.objective.sampler_is_mode, lambda: _sampler_is(cfg))
     if subject is not None and is_moe(base_model(subject)):  # (a dense model has no experts to run)
         choose("model.experts_implementation", m.experts_implementation,
                lambda: resolve_experts_implementation("auto", device, dtype))
@@ -321,7 +333,7 @@ def rank_memory(cfg: TrainerConfig, model: Any, dtype: torch.dtype, device: torc
     layout = mr.Ranks(ranks, mr.units_of(model), weight_copy="resident" if copy == "resident" else "sleep",
                       merged_replica=cfg.rollout.merge_lora is not False,
                       tensor_parallel=cfg.rollout.tensor_parallel if ranks % cfg.rollout.tensor_parallel == 0 else 1,
-                      rollout_gpu=cfg.rollout.device is not None)
+                      rollout_gpu=cfg.rollout.device is not None, fp8=cfg.rollout.fp8)
     knobs, step = mp.knobs_of(cfg), step_shape(cfg, model)
     phases = mr.predict(model_memory(model, cfg.model, dtype), step, run_facts(
         cfg, cfg.rollout.backend, kernels, device), knobs, layout)
@@ -402,6 +414,7 @@ def run_facts(cfg: TrainerConfig, backend: str, kernels: str, device: torch.devi
         optimizer=cfg.optim.optimizer,
         logprob_pass=cfg.train.num_iterations > 1 or o.beta > 0 or o.top_entropy_quantile < 1.0,
         reference_copy=o.beta > 0 and not m.lora, async_rollout=cfg.train.async_rollout, rollout_elsewhere=elsewhere,
+        fp8=backend == "static" and r.fp8 and not elsewhere,
     )
 
 

@@ -14,6 +14,7 @@ from logitless.models import nf4_experts
 from logitless.models.experts import EXPERT_PARAMS, QUANTIZED, expert_modules, moe_shape
 from logitless.models.tiled_mlp import untileable_reason
 from logitless.models.vision import model_class
+from logitless.rollout.fp8 import is_projection
 from logitless.rollout.layouts import text_config
 from logitless.models.nf4_experts import is_4bit
 from logitless.trainer.memory import plan as mp
@@ -109,13 +110,33 @@ def model_memory(model: Any, cfg: ModelConfig, dtype: torch.dtype) -> mp.ModelMe
     elif cfg.lora:  # (a peft expert wrapper's in/out features are one expert's)
         copy = sum(m.in_features * m.out_features * getattr(m, "num_experts", 1) * width
                    for name, m in base.named_modules() if hasattr(m, "lora_A") and hasattr(m, "in_features"))
+    fp8 = fp8_sizes(base, cfg, out_layer, width)
     return mp.ModelMemory(
         layers=tc.num_hidden_layers, hidden=tc.hidden_size, intermediate=inter, q_dim=heads * head_dim,
         kv_dim=kv_heads * head_dim, vocab=base.get_input_embeddings().weight.shape[0], dtype_bytes=width,
         weight_bytes=weight_bytes, params=params, trainable=trainable if cfg.lora else params, lora=cfg.lora,
         merge_copy_bytes=copy, mlp_tileable=_tileable(base), expert_bytes=expert_bytes, active_params=active,
-        dequantized_expert_bytes=dequantized,
+        dequantized_expert_bytes=dequantized, fp8_bytes=fp8[0], fp8_source_bytes=fp8[1], fp8_merge_bytes=fp8[2],
     )
+
+
+def fp8_sizes(base: Any, cfg: ModelConfig, out_layer: Any, width: int) -> tuple[int, int, int]:
+    """rollout.fp8's sizes of `base` (a skeleton, or a loaded model with or without LoRA layers): (the FP8
+    projections: 1 byte per weight and 4 per output row, what those projections take in the model's weights (4-bit
+    with QLoRA), the FP8 bytes of the LoRA-targeted ones among them)."""
+    fp8 = source = merged = 0
+    for name, m in base.named_modules():
+        path = name
+        while path.endswith(".base_layer"):  # a loaded LoRA layer's base: the projection it wraps
+            path = path.removesuffix(".base_layer")
+        if not isinstance(m, torch.nn.Linear) or m is out_layer or not is_projection(path):
+            continue
+        size = m.in_features * m.out_features + 4 * m.out_features
+        fp8 += size
+        source += int(m.in_features * m.out_features * (mp.NF4_BYTES if cfg.load_in_4bit else width))
+        if cfg.lora and (path != name or _targets(cfg, name, out_layer, m)):
+            merged += size
+    return fp8, source, merged
 
 
 def _tileable(model: Any) -> bool:

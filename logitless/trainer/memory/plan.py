@@ -94,6 +94,11 @@ class ModelMemory:
     expert_bytes: int = 0
     active_params: int = 0  # 0: a dense model (all of `params` active)
     dequantized_expert_bytes: int = 0  # 4-bit experts: one MoE layer's stacks dequantized in the compute dtype
+    # rollout.fp8 (rollout/fp8.py): the decoder layers' projections in FP8, 1 byte per weight and a 4-byte scale per
+    # output row; what those projections take in weight_bytes; and the FP8 bytes of the LoRA-targeted ones among them
+    fp8_bytes: int = 0
+    fp8_source_bytes: int = 0
+    fp8_merge_bytes: int = 0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -149,6 +154,7 @@ class RunFacts:
     reference_copy: bool = False  # full fine-tuning with beta > 0 keeps a frozen copy of the weights
     async_rollout: bool = False  # the rollout runs beside the update
     rollout_elsewhere: bool = False  # rollout.device: the KV cache and decode weights are on another GPU
+    fp8: bool = False  # rollout.fp8 on the static backend: one process decodes from an FP8 copy (`fp8_bytes`)
 
 
 @dataclass(frozen=True)
@@ -231,7 +237,9 @@ def generate_bytes(m: ModelMemory, step: StepShape, facts: RunFacts, knobs: Knob
         parts["offload residue"] = float(OFFLOAD_RESIDUE)
     if facts.rollout_elsewhere:
         return parts
-    if facts.decode_copy:
+    if facts.fp8:  # the FP8 copy of the projections (the LoRA merge before it: in place, or freed before the decode)
+        parts["decode copy"] = float(m.fp8_bytes)
+    elif facts.decode_copy:
         parts["decode copy"] = float(m.merge_copy_bytes)
     if facts.backend == "static":
         rows, _ = rows_per_wave(m, step, knobs.max_kv_gib)

@@ -78,6 +78,7 @@ class Ranks:
     # rollout.device under torchrun (trainer/placement/shared_rollout.py): rank 0 keeps the replica on a GPU no rank trains on
     # and decodes every rank's rows there; the training GPUs hold no replica and no KV cache
     rollout_gpu: bool = False
+    fp8: bool = False  # rollout.fp8: the replica's projections are FP8 (`ModelMemory.fp8_bytes`)
 
 
 def units_of(model: Any) -> Units:
@@ -122,7 +123,7 @@ def predict(m: mp.ModelMemory, step: mp.StepShape, facts: mp.RunFacts, knobs: mp
     if ranks.units is None:
         raise ValueError("the unit sizes (Ranks.units, from units_of(model)) are needed for more than one rank")
     n, u, mine = ranks.count, ranks.units, rank_step(step, ranks.count)
-    one = dataclasses.replace(facts, decode_copy=False, async_rollout=False, rollout_elsewhere=False)
+    one = dataclasses.replace(facts, decode_copy=False, async_rollout=False, rollout_elsewhere=False, fp8=False)
     if ranks.rollout_gpu:
         return _shared_rollout(m, step, mine, one, knobs, ranks)
     out = {"generate": _generate(m, step, one, knobs, ranks)}
@@ -194,13 +195,16 @@ def _replica_mapped(m: mp.ModelMemory, facts: mp.RunFacts, ranks: Ranks) -> floa
     if ranks.weight_copy == "resident":
         return float(_replica_bytes(m, ranks))
     if m.lora and ranks.merged_replica:  # the LoRA layers' merged weights sleep; embeddings, norms, lm_head stay
-        return float(m.weight_bytes - m.merge_copy_bytes) / ranks.tensor_parallel
+        merged = m.fp8_merge_bytes if ranks.fp8 else m.merge_copy_bytes
+        return float(_replica_bytes(m, ranks) - merged / ranks.tensor_parallel)
     return float(m.weight_bytes) if m.lora else 0.0  # unmerged LoRA: only the adapters sleep; full: every weight
 
 
 def _replica_bytes(m: mp.ModelMemory, ranks: Ranks) -> float:
-    """The rank's replica: the model's size (merged LoRA), or with its fp32 adapters (unmerged); 1/T of it split."""
-    return (m.weight_bytes + (4 * m.trainable if m.lora and not ranks.merged_replica else 0)) / ranks.tensor_parallel
+    """The rank's replica: the model's size (merged LoRA), or with its fp32 adapters (unmerged); 1/T of it split.
+    With fp8 its projections take 1 byte per weight and a scale per row instead of their bytes in the model."""
+    whole = m.weight_bytes - m.fp8_source_bytes + m.fp8_bytes if ranks.fp8 else m.weight_bytes
+    return (whole + (4 * m.trainable if m.lora and not ranks.merged_replica else 0)) / ranks.tensor_parallel
 
 
 def _working_set(m: mp.ModelMemory, u: Units, ranks: Ranks, facts: mp.RunFacts) -> dict[str, float]:

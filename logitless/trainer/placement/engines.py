@@ -1,5 +1,6 @@
 """The rollout's engine for a run: which backend decodes, from which weights (the model itself or a merged-LoRA copy,
-kept where rollout.weight_copy says), and the sampling options of the rollout section."""
+kept where rollout.weight_copy says; with rollout.fp8 an FP8 copy of either), and the sampling options of the rollout
+section."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 from logitless.models.routing import require_routing, routing_of
 from logitless.rollout import RolloutEngine, SamplingOptions, make_engine, sleep
 from logitless.rollout.engine import unwrap_model
-from logitless.rollout.weights import LiveWeights, MergedLoraWeights, in_place_refusal, merges
+from logitless.rollout.fp8 import Fp8Weights, fp8_layers, require_fp8
+from logitless.rollout.weights import LiveWeights, MergedLoraWeights, WeightSource, in_place_refusal, merges
 from logitless.trainer.config.schema import RolloutConfig
 
 
@@ -34,6 +36,9 @@ def make_rollout_engine(cfg: RolloutConfig, model: Any, tokenizer: Any, choice: 
     rollout.max_kv_gib budget. `choice`: the run's placement decisions (`placement.RolloutPlacement`)."""
     if cfg.backend != "static":
         return make_engine(cfg.backend, model, tokenizer, **({"record_routes": True} if choice.record_routes else {}))
+    if cfg.fp8:
+        return make_engine("static", model, tokenizer, weights=fp8_weights(cfg, model, choice),
+                           **_static_options(cfg, choice))
     merged = merges(model, None if choice.merged_replica else cfg.merge_lora)
     mode = "resident" if choice.resident else weight_copy(
         cfg, next(model.parameters()).device, has_copy=merged, distributed=False,
@@ -45,11 +50,47 @@ def make_rollout_engine(cfg: RolloutConfig, model: Any, tokenizer: Any, choice: 
                     "the model has no plain q/k/v or gate/up layers" if merged else
                     "the engine decodes with the training model itself (full fine-tuning on one process, "
                     "rollout.merge_lora=false, or DoRA adapters), whose layout the rollout does not change")
-    return make_engine("static", model, tokenizer, weights=weights, max_kv_gib=cfg.max_kv_gib, profile=cfg.profile,
-                       length_buckets=cfg.length_buckets, compact_finished=cfg.compact_finished,
-                       decode_attention=choice.decode_attention or cfg.decode_attention,
-                       sampler_kernel=cfg.sampler_kernel, step_graph=cfg.step_graph, refill=cfg.refill,
-                       record_routes=choice.record_routes)
+    return make_engine("static", model, tokenizer, weights=weights, **_static_options(cfg, choice))
+
+
+def _static_options(cfg: RolloutConfig, choice: EngineChoice) -> dict[str, Any]:
+    """The static engine's options of the rollout section (beside its weights)."""
+    return dict(max_kv_gib=cfg.max_kv_gib, profile=cfg.profile, length_buckets=cfg.length_buckets,
+                compact_finished=cfg.compact_finished, decode_attention=choice.decode_attention or cfg.decode_attention,
+                sampler_kernel=cfg.sampler_kernel, step_graph=cfg.step_graph, refill=cfg.refill,
+                record_routes=choice.record_routes)
+
+
+def fp8_weights(cfg: RolloutConfig, model: Any, choice: EngineChoice) -> WeightSource:
+    """rollout.fp8's decode weights: a replica's module as it is (FP8 already, synced by the placement), else an FP8
+    copy (`Fp8Weights`) of the model, or of its merged-LoRA view where rollout.merge_lora allows. The copy is kept
+    where rollout.weight_copy says (`fp8_copy`); the merge before each quantization is made in the base weights
+    themselves and written back (in_place) where they can take it, else in a copy freed right after (sleep, on
+    CUDA) or kept (resident)."""
+    if fp8_layers(unwrap_model(model)):
+        return LiveWeights(model)
+    device = next(model.parameters()).device
+    require_fp8(device)
+    mode = "resident" if choice.resident else fp8_copy(cfg, device)
+    inner: WeightSource = LiveWeights(model)
+    if merges(model, cfg.merge_lora):
+        merge = "resident" if choice.resident else "in_place" if in_place_refusal(model) is None else \
+            "sleep" if sleep.unavailable(device) is None else "resident"
+        inner = MergedLoraWeights(model, merge)
+    weights = Fp8Weights(inner, fuse=cfg.fuse_projections is not False, sleep=mode == "sleep")
+    check_fused(cfg, weights.groups, "the model has no plain q/k/v or gate/up projections")
+    return weights
+
+
+def fp8_copy(cfg: RolloutConfig, device: torch.device) -> str:
+    """Where rollout.fp8's copy lives (rollout.weight_copy): the setting, or when unset sleep on CUDA (where sleepable
+    memory works) and resident otherwise. Raises where sleep cannot apply (in_place is refused by the config)."""
+    if cfg.weight_copy is None:
+        return "sleep" if sleep.unavailable(device) is None else "resident"
+    if cfg.weight_copy == "sleep" and sleep.unavailable(device) is not None:
+        raise ValueError(f"rollout.weight_copy=sleep cannot apply: {sleep.unavailable(device)}; unset "
+                         "rollout.weight_copy or set it to resident")
+    return cfg.weight_copy
 
 
 ROUTE_BACKENDS = ("static", "hf")  # rollout backends that record mixture-of-experts routes

@@ -93,7 +93,7 @@ class RolloutPlacement:
             mode = ("resident" if rollout_device is not None or cfg.train.async_rollout  # async: decodes beside the update
                     else weight_copy(cfg.rollout, device, has_copy=True, distributed=True))
             replica = make_replica(model, cfg.rollout.merge_lora, sleep=mode == "sleep", device=rollout_device or device,
-                                   fuse=cfg.rollout.fuse_projections is not False)
+                                   fuse=cfg.rollout.fuse_projections is not False, fp8=cfg.rollout.fp8)
             check_fused(cfg.rollout, replica.groups, "the rollout's replica has no plain q/k/v or gate/up layers "
                         "(unmerged LoRA layers, or another layout)")
         own_gpu = rollout_device is not None and not same_device(rollout_device, device) and world.main

@@ -112,6 +112,10 @@ def mismatch_causes(cfg: TrainerConfig) -> str:
     """What in this run's settings can make the sampler's logprobs differ from the trainer's, each with its fix
     (for `MismatchReport`), most likely first."""
     r, causes = cfg.rollout, []
+    if r.fp8:
+        causes.append("rollout.fp8=true samples from FP8 weights and activations (rollout/fp8.py), whose rounding "
+                      "moves every logprob: expected (the IS weights correct for it), or set rollout.fp8=false to "
+                      "sample in the model's dtype")
     if cfg.train.async_rollout:
         causes.append("train.async_rollout=true samples each step from the policy one optimizer step before, so "
                       "the gap includes the last update (it grows with optim.learning_rate); expected, correct for it "
@@ -128,7 +132,7 @@ def mismatch_causes(cfg: TrainerConfig) -> str:
         causes.append(f"rollout.backend={r.backend} runs the model's forward with its own attention and caching; "
                       "check model.attn_implementation and model.dtype")
     fix = ("objective.sampler_is_mode (e.g. token_truncate) corrects the update for it by importance weights" if
-           cfg.objective.sampler_is_mode is None else
+           cfg.objective.sampler_is is None else
            f"objective.sampler_is_mode={cfg.objective.sampler_is_mode} already corrects the update for it")
     return "; ".join(causes) + f". Whatever the cause, {fix} (is/ratio shows the weights)"
 

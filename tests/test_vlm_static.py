@@ -1,4 +1,4 @@
-"""The static engine decodes prompts with images (`rollout/static_vision.py`) on tiny random Qwen2.5-VL, Qwen3-VL
+"""The static engine decodes prompts with images (`rollout/static_rows.py`) on tiny random Qwen2.5-VL, Qwen3-VL
 (interleaved M-RoPE, deepstack) and Gemma 3 (bidirectional image blocks, a sliding-window layer), fp32 on CPU, from
 the merged-LoRA copy the trainer decodes with.
 
@@ -21,7 +21,7 @@ import torch
 
 from logitless.models import completion_logprobs
 from logitless.models.vision import placeholder_ids
-from logitless.rollout import SamplingOptions, make_engine, static_refill, static_vision
+from logitless.rollout import SamplingOptions, make_engine, static_refill, static_rows
 from logitless.rollout import static as static_module
 from logitless.rollout.sampling import step_sampler, vocab_codes
 from logitless.rollout.weights import MergedLoraWeights
@@ -133,7 +133,7 @@ def test_a_wrong_position_fails_the_comparison(vlm, monkeypatch):
     one; Gemma 3: its count of real tokens) are whole nats off."""
     family, model, processor = vlm
     if family == "gemma3":
-        real = static_vision.prefill_inputs
+        real = static_rows.prefill_inputs
 
         def shifted(module, prep):
             positions, extra, start = real(module, prep)
@@ -141,8 +141,8 @@ def test_a_wrong_position_fails_the_comparison(vlm, monkeypatch):
 
         monkeypatch.setattr(static_module, "prefill_inputs", shifted)
     else:
-        real = static_vision.decode_start
-        monkeypatch.setattr(static_vision, "decode_start", lambda positions, mask: real(positions, mask) + 1)
+        real = static_rows.decode_start
+        monkeypatch.setattr(static_rows, "decode_start", lambda positions, mask: real(positions, mask) + 1)
     b = static(model, processor).generate(PROMPTS, options())
     assert gap(model, b) > 1e-2
 
@@ -157,7 +157,7 @@ def test_the_model_positions_continue_after_its_rope_deltas(vlm):
     from logitless.rollout.engine import prepare_prompts
 
     prep = prepare_prompts(model, processor, PROMPTS, options())
-    positions, extra, start = static_vision.prefill_inputs(model, prep)
+    positions, extra, start = static_rows.prefill_inputs(model, prep)
     grids = {k: v for k, v in extra.items() if k == "image_grid_thw"}
     own, deltas = body.get_rope_index(prep.ids, mm_token_type_ids=extra["mm_token_type_ids"],
                                       attention_mask=prep.mask, **grids)
@@ -201,7 +201,7 @@ def test_the_banned_draw_is_the_race_over_the_other_tokens(temperature, greedy):
     logits[:, ban] += torch.linspace(0, 12, 64)[:, None]  # from a little to nearly all of the mass
     keys, codes = torch.arange(64) * 7919, vocab_codes(V, torch.device("cpu"))
     draw = step_sampler(torch.device("cpu"), "torch", compile=False)
-    token, logp = static_vision.ban_placeholders(draw, ban)(logits, keys, 5, codes, temperature, greedy)
+    token, logp = static_rows.ban_placeholders(draw, ban)(logits, keys, 5, codes, temperature, greedy)
     masked = logits.index_fill(1, ban, float("-inf"))
     assert torch.equal(token, draw(masked, keys, 5, codes, temperature, greedy)[0])
     assert not torch.isin(token, ban).any()

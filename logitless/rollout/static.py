@@ -32,7 +32,7 @@
   the model itself, or a merged-LoRA inference copy that decodes at plain-model speed (and, sleeping, frees its
   memory between calls), or an FP8 copy of either (`fp8.py`, rollout.fp8: e4m3 projections, `torch._scaled_mm`).
 - The recorded logprob is log_softmax(raw_logits / T)[token], as documented in `types.py`.
-- Prompts with images (a vision-language model given with its processor, `static_vision.py`): the prefill runs the
+- Prompts with images (a vision-language model given with its processor, `static_rows.py`): the prefill runs the
   model's own forward with each prompt's images (the vision encoder once per prompt, its keys/values shared by the
   G rows), then every step decodes text at explicit positions: for M-RoPE (Qwen-VL) each row's continue after its
   prompt's 3-D positions (the model's `rope_deltas`, per prompt); Gemma 3 decodes as text. The draw never picks an
@@ -84,12 +84,12 @@ from .kv_cache import (
 from .layouts import FULL, check_layout, text_config
 from .sampling import (resolve_sampler_kernel, step_sampler,
                        vocab_codes)
-from .static_rows import DecodeCall, DecodeRows, allow_recompiles, compiled_variants, mark_stopped, stream_keys
+from .static_rows import (DecodeCall, DecodeRows, allow_recompiles, ban_placeholders, compiled_variants, mark_stopped,
+                          placeholder_ban, prefill_inputs, refuse_split_vocabulary, refuse_vision_episodes,
+                          stream_keys)
 from .static_overlap import generate_episodes
 from .static_refill import decode_refill, refill_blockers, use_refill
 from .static_turns import check_episode_options
-from .static_vision import ban_placeholders, placeholder_ban, prefill_inputs, refuse_split_vocabulary, \
-    refuse_vision_episodes
 from .static_waves import eager_steps, graph_steps
 from .vision import BanPlaceholders, is_processor, text_tokenizer
 from .types import Prompt, RolloutBatch, SamplingOptions
@@ -124,7 +124,7 @@ class StaticEngine:
     refill: when the budget holds fewer rows than the call has, refill decode slots as rows end instead of waves
     (`static_refill.use_refill`; None: wherever it applies, True: an error where it does not, False: waves).
     `row_limits` (an attribute, None): [B] tokens each row may draw, for benchmarks' planted lengths.
-    tokenizer: a tokenizer, or a vision-language model's processor (chat prompts with images: `static_vision.py`;
+    tokenizer: a tokenizer, or a vision-language model's processor (chat prompts with images: `static_rows.py`;
     `RolloutBatch.images` carries their tensors to the trainer).
     """
 
@@ -384,14 +384,14 @@ class StaticEngine:
     def _draw(self, device: torch.device):
         """The unfiltered token draw of this engine's decode steps (`sampling.step_sampler`, over this process's
         columns of the vocabulary with a `vocab_shard`); a vision-language model's never draws an image placeholder
-        (`static_vision.ban_placeholders`)."""
+        (`static_rows.ban_placeholders`)."""
         if self.vocab_shard is not None:
             return split_sampler(self.vocab_shard, device, self.sampler_kernel, self._use_compile(device))
         draw = step_sampler(device, self.sampler_kernel, self._use_compile(device))
         return draw if self.ban is None else ban_placeholders(draw, self.ban.to(device))
 
     def _prefill(self, module: Any, prep: PreparedPrompts, options: SamplingOptions, cache_len: int) -> DecodeCall:
-        """Prefill the n distinct prompts once (a vision-language model's with their images: `static_vision.py`);
+        """Prefill the n distinct prompts once (a vision-language model's with their images: `static_rows.py`);
         every wave copies its rows' prompt keys/values from this (and, with record_routes, the prompts' routes)."""
         t0 = time.perf_counter()
         pos, vision, start = prefill_inputs(module, prep)  # (a vision-language model's images, M-RoPE positions)

@@ -173,10 +173,6 @@ def is_projection(name: str) -> bool:
     return name.rpartition(".")[2] in PROJECTIONS and ".experts." not in f".{name}."
 
 
-def _members(parent: nn.Module, attrs: Sequence[str]) -> list[SlicedLinear]:
-    return [getattr(parent, a) for a in attrs]
-
-
 def to_fp8(module: nn.Module, *, sources: bool = False, fuse: bool = False,
            device: torch.device | None = None) -> list[Fp8Linear]:
     """Replace every projection of `module`'s decoder layers (`is_projection`: plain `nn.Linear`, and the fused
@@ -193,7 +189,7 @@ def to_fp8(module: nn.Module, *, sources: bool = False, fuse: bool = False,
                 # (its bias stays the group's: refreshed by the inner source's sync, or written by a replica's)
                 layer = _layer([group.weight], group.sizes, group.bias, sources, device)
                 setattr(parent, fused_name, layer)
-                for m in _members(parent, attrs):
+                for m in (getattr(parent, a) for a in attrs):
                     m._group[0] = layer
                 out.append(layer)
     names = {id(m): n for n, m in module.named_modules()}
@@ -253,11 +249,15 @@ def fp8_replica(model: nn.Module, fuse: bool) -> list[Fp8Linear]:
     returns its fused groups (q/k/v, gate/up with `fuse`). Its sync then writes through `fused.write_at`."""
     require_fp8(model_device(model))
     refuse_unmerged(model)
-    layers = to_fp8(model, fuse=fuse)
+    return [layer for layer in _found(to_fp8(model, fuse=fuse), model) if len(layer.sizes) > 1]
+
+
+def _found(layers: list[Fp8Linear], model: nn.Module) -> list[Fp8Linear]:
+    """`layers`, refused naming rollout.fp8 where `to_fp8` found none in `model`."""
     if not layers:
         raise ValueError(f"rollout.fp8=true found no projection layers ({', '.join(PROJECTIONS)}) to quantize in "
                          f"{type(model).__name__}; set rollout.fp8=false")
-    return [layer for layer in layers if len(layer.sizes) > 1]
+    return layers
 
 
 def fp8_layers(module: nn.Module) -> list[Fp8Linear]:
@@ -286,10 +286,7 @@ class Fp8Weights:
         shared = {id(t): t for t in [*base.parameters(), *base.buffers()]}
         self.inner = inner
         self.module = fresh_copy(base, memo=shared).eval()
-        self.layers = to_fp8(self.module, sources=True, fuse=fuse)
-        if not self.layers:
-            raise ValueError(f"rollout.fp8=true found no projection layers ({', '.join(PROJECTIONS)}) to quantize in "
-                             f"{type(base).__name__}; set rollout.fp8=false")
+        self.layers = _found(to_fp8(self.module, sources=True, fuse=fuse), base)
         self.groups = [layer for layer in self.layers if len(layer.sizes) > 1]  # fused q/k/v, gate/up
         own = sum(layer.bias.numel() * layer.bias.element_size() for layer in self.groups if layer.bias is not None)
         self.extra_bytes = sum(layer.nbytes for layer in self.layers) + own + getattr(inner, "extra_bytes", 0)

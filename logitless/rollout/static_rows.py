@@ -223,10 +223,14 @@ def refuse_split_vocabulary(model: Any) -> None:
                          "does not decode a vision-language model with yet: set rollout.tensor_parallel=1")
 
 
+VISION_EPISODES_REFUSAL = (
+    "rollout.backend=static does not run multi-turn episodes (agent.tools / agent.environment) of a vision-language "
+    "model yet: it prefills each turn's observation as token ids, without image inputs or M-RoPE positions; set "
+    "rollout.backend=hf")
+
+
 def refuse_vision_episodes(model: Any) -> None:
     """Refuse multi-turn episodes of a vision-language model on the static engine: its turn-by-turn cache takes
     observations as token ids, without their images or M-RoPE positions."""
     if is_vision_language(unwrap_model(model)):
-        raise ValueError("multi-turn episodes (agent.tools / agent.environment) on rollout.backend=static do not take "
-                         "a vision-language model yet (observations are prefilled without images or M-RoPE "
-                         "positions): set rollout.backend=hf")
+        raise ValueError(VISION_EPISODES_REFUSAL)

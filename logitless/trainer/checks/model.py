@@ -271,12 +271,11 @@ def check_model(cfg: TrainerConfig, config: Any, *, training: bool = True, attn:
             raise ValueError(f"train.packed=true: {why}")
         lines.append("train.packed=true: each packed row carries its own M-RoPE positions and images")
     if training and cfg.agent.enabled and is_vision_language(config):
+        from logitless.rollout.static_rows import VISION_EPISODES_REFUSAL
         from logitless.trainer.policy.vision import decodes_static
 
         if decodes_static(cfg):
-            raise ValueError("rollout.backend=static does not run multi-turn episodes (agent.tools / "
-                             "agent.environment) of a vision-language model yet: it prefills each turn's observation "
-                             "as token ids, without image inputs or M-RoPE positions; set rollout.backend=hf")
+            raise ValueError(VISION_EPISODES_REFUSAL)
     if cfg.model.lora:
         lines.append(check_lora_targets(model, cfg.model))
     if cfg.model.liger_kernels is True:  # ("auto" turns them on only where they apply: trainer/memory/auto.py)

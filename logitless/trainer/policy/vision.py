@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
+from logitless.rollout.static_rows import VISION_EPISODES_REFUSAL
 from logitless.rollout.vision import prompt_images
 from logitless.trainer.config.schema import ModelConfig, TrainerConfig
 from logitless.trainer.policy.modeling import resolve_source
@@ -112,9 +113,7 @@ def check_image_rows(cfg: TrainerConfig, rows: list[Any], world_size: int = 1) -
         raise ValueError(f"rollout.device={r.device} under torchrun: rank 0's decode of every rank's prompts does not "
                          "hand the ranks their rows' images yet; unset rollout.device (each rank decodes its own rows)")
     if decodes_static(cfg) and cfg.agent.enabled:
-        raise ValueError("rollout.backend=static does not run multi-turn episodes (agent.tools / agent.environment) "
-                         "with images yet: it prefills each turn's observation as token ids, without image inputs or "
-                         "M-RoPE positions; set rollout.backend=hf")
+        raise ValueError(VISION_EPISODES_REFUSAL)
     if cfg.train.async_rollout:
         raise ValueError("train.async_rollout=true checkpoints the rollout it keeps in flight without its rows' "
                          "images (a resumed run could not train on it); set train.async_rollout=false")
